@@ -1,0 +1,243 @@
+"""NumPy reference kernels: the judge of every CUDA kernel, and the CPU engine.
+
+Each function here has a CUDA twin of the same name in kernels/<op>.cu, in the same order, with the
+same arguments. Conventions shared by both backends (DESIGN.md, "Kernel pairs"):
+- Shapes: B batch, T sequence, C d_model, NH heads, hs = C // NH, V vocab. Linear weights are
+  (out_features, in_features) and a linear layer computes `inp @ w.T + b`, as torch.nn.Linear does.
+- Forward kernels WRITE their outputs. Backward kernels ADD (`+=`) into every gradient buffer they
+  are given, parameter and activation gradients alike; the engine zeroes what must start at zero.
+- Dtype follows the arrays: float32 in training, float64 in the gradient checks.
+NumPy creates temporaries inside these functions; the engine's own buffers are all preallocated
+(see engine.Arena). Every reduction runs in a fixed order, so results are bit-reproducible.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+NAME = "numpy"
+xp = np  # the array module, so backend-agnostic code can write backend.xp.zeros(...)
+
+GELU_K = math.sqrt(2.0 / math.pi)  # gelu_tanh constant, as in GPT-2
+LN_EPS = 1e-5  # torch.nn.LayerNorm's default
+
+
+# ---------------------------------------------------------------- embedding
+def k_embed_fwd(out, tokens, wte, wpe):
+    """out (B,T,C) = wte[tokens] + wpe[:T]; tokens (B,T) int32, wte (V,C), wpe (context,C)."""
+    T = tokens.shape[1]
+    np.add(wte[tokens], wpe[:T][None], out=out)
+
+
+def k_embed_bwd(dwte, dwpe, dout, tokens):
+    """dwte[tokens] += dout, dwpe[:T] += sum over batch of dout (np.add.at: fixed order)."""
+    B, T = tokens.shape
+    np.add.at(dwte, tokens.reshape(-1), dout.reshape(B * T, -1))
+    dwpe[:T] += dout.sum(axis=0)
+
+
+# ---------------------------------------------------------------- layer norm
+def k_layernorm_fwd(out, mean, rstd, inp, weight, bias):
+    """out (B,T,C) = (inp - mean) * rstd * weight + bias; saves mean, rstd (B,T)."""
+    mean[...] = inp.mean(axis=-1)
+    xc = inp - mean[..., None]
+    rstd[...] = 1.0 / np.sqrt((xc * xc).mean(axis=-1) + LN_EPS)
+    np.multiply(xc * rstd[..., None], weight, out=out)
+    out += bias
+
+
+def k_layernorm_bwd(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+    """Adds the layer-norm gradients into dinp (B,T,C), dweight (C,), dbias (C,)."""
+    C = inp.shape[-1]
+    xhat = (inp - mean[..., None]) * rstd[..., None]
+    dbias += dout.reshape(-1, C).sum(axis=0)
+    dweight += (dout * xhat).reshape(-1, C).sum(axis=0)
+    dxhat = dout * weight
+    dinp += rstd[..., None] * (dxhat - dxhat.mean(axis=-1, keepdims=True)
+                               - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+
+
+# ---------------------------------------------------------------- linear layers (shared math)
+def _linear_fwd(out, inp, w, b):
+    np.matmul(inp, w.T, out=out)
+    out += b
+
+
+def _linear_bwd(dinp, dw, db, dout, inp, w):
+    OC, IC = w.shape
+    d2 = dout.reshape(-1, OC)
+    dinp += dout @ w
+    dw += d2.T @ inp.reshape(-1, IC)
+    db += d2.sum(axis=0)
+
+
+def k_attn_qkv_fwd(qkv, inp, w, b):
+    """qkv (B,T,3C) = inp (B,T,C) @ w (3C,C).T + b (3C,); q, k, v are the three C-wide slices."""
+    _linear_fwd(qkv, inp, w, b)
+
+
+def k_attn_qkv_bwd(dinp, dw, db, dqkv, inp, w):
+    """Adds into dinp (B,T,C), dw (3C,C), db (3C,)."""
+    _linear_bwd(dinp, dw, db, dqkv, inp, w)
+
+
+# ---------------------------------------------------------------- attention
+def _heads(qkv, n_head):
+    """(B,T,3C) -> q, k, v each (B,NH,T,hs), views."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    x = qkv.reshape(B, T, 3, n_head, C // n_head)
+    return (x[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+
+
+def _scores(q, k):
+    """Causal scaled scores (B,NH,T,T), -inf above the diagonal."""
+    T, hs = q.shape[-2], q.shape[-1]
+    s = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hs))
+    s[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = -np.inf
+    return s
+
+
+def k_attn_fwd(out, lse, qkv, n_head):
+    """Causal softmax(q k^T / sqrt(hs)) v. out (B,T,C); lse (B,NH,T) saves the log-sum-exp of
+    each score row, so the backward pass recomputes the probabilities instead of storing T x T."""
+    q, k, v = _heads(qkv, n_head)
+    s = _scores(q, k)
+    smax = s.max(axis=-1, keepdims=True)
+    lse[...] = (smax + np.log(np.exp(s - smax).sum(axis=-1, keepdims=True)))[..., 0]
+    p = np.exp(s - lse[..., None])
+    y = p @ v  # (B,NH,T,hs)
+    B, T, C = out.shape
+    out[...] = y.transpose(0, 2, 1, 3).reshape(B, T, C)
+
+
+def k_attn_bwd(dqkv, dout, qkv, out, lse, n_head):
+    """Adds into dqkv (B,T,3C). Uses D = rowsum(dout * out) = rowsum(p * dp), as flash attention."""
+    q, k, v = _heads(qkv, n_head)
+    B, T, C = out.shape
+    hs = C // n_head
+    p = np.exp(_scores(q, k) - lse[..., None])
+    dy = dout.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
+    y = out.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
+    dv = p.transpose(0, 1, 3, 2) @ dy
+    dp = dy @ v.transpose(0, 1, 3, 2)
+    D = (dy * y).sum(axis=-1, keepdims=True)
+    ds = p * (dp - D) * (1.0 / math.sqrt(hs))
+    dq = ds @ k
+    dk = ds.transpose(0, 1, 3, 2) @ q
+    g = dqkv.reshape(B, T, 3, n_head, hs)
+    for i, d in enumerate((dq, dk, dv)):
+        g[:, :, i] += d.transpose(0, 2, 1, 3)
+
+
+def k_attn_out_fwd(out, inp, w, b):
+    """out (B,T,C) = inp (B,T,C) @ w (C,C).T + b: the output projection W_O."""
+    _linear_fwd(out, inp, w, b)
+
+
+def k_attn_out_bwd(dinp, dw, db, dout, inp, w):
+    """Adds into dinp (B,T,C), dw (C,C), db (C,)."""
+    _linear_bwd(dinp, dw, db, dout, inp, w)
+
+
+# ---------------------------------------------------------------- MLP
+def _gelu(x, out):
+    np.multiply(0.5 * x, 1.0 + np.tanh(GELU_K * (x + 0.044715 * x ** 3)), out=out)
+
+
+def _gelu_grad(x):
+    u = GELU_K * (x + 0.044715 * x ** 3)
+    th = np.tanh(u)
+    return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * GELU_K * (1.0 + 3 * 0.044715 * x * x)
+
+
+def k_mlp_fwd(out, pre, act, inp, w1, b1, w2, b2):
+    """out (B,T,C) = gelu_tanh(inp @ w1.T + b1) @ w2.T + b2. Saves pre (B,T,4C); act (B,T,4C) is
+    workspace (the backward pass recomputes it from pre)."""
+    _linear_fwd(pre, inp, w1, b1)
+    _gelu(pre, act)
+    _linear_fwd(out, act, w2, b2)
+
+
+def k_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact):
+    """Adds into dinp, dw1 (4C,C), db1, dw2 (C,4C), db2. act, dact (B,T,4C) are workspace."""
+    _gelu(pre, act)
+    dact[...] = 0
+    _linear_bwd(dact, dw2, db2, dout, act, w2)
+    dact *= _gelu_grad(pre)
+    _linear_bwd(dinp, dw1, db1, dact, inp, w1)
+
+
+# ---------------------------------------------------------------- residual
+def k_residual_add(out, a, b):
+    """out = a + b."""
+    np.add(a, b, out=out)
+
+
+def k_residual_add_bwd(da, db, dout):
+    """da += dout, db += dout."""
+    da += dout
+    db += dout
+
+
+# ---------------------------------------------------------------- loss
+def k_loss_fwd(losses, lse, logits, inp, wte, targets):
+    """Cross-entropy over the tied projection. logits (B,T,V) = inp (B,T,C) @ wte (V,C).T is
+    workspace kept for the backward pass; writes losses (B,T) and lse (B,T)."""
+    np.matmul(inp, wte.T, out=logits)
+    m = logits.max(axis=-1)
+    lse[...] = m + np.log(np.exp(logits - m[..., None]).sum(axis=-1))
+    picked = np.take_along_axis(logits, targets[..., None].astype(np.intp), axis=-1)[..., 0]
+    losses[...] = lse - picked
+
+
+def k_loss_bwd(dinp, dwte, logits, lse, inp, wte, targets, dloss):
+    """Adds into dinp (B,T,C) and dwte (V,C) the gradient of dloss * sum(losses). Turns logits
+    into dlogits in place (it is workspace)."""
+    V, C = wte.shape
+    np.exp(logits - lse[..., None], out=logits)
+    B, T = targets.shape
+    flat = logits.reshape(B * T, V)
+    flat[np.arange(B * T), targets.reshape(-1)] -= 1.0
+    logits *= dloss
+    dinp += logits @ wte
+    dwte += flat.T @ inp.reshape(B * T, C)
+
+
+# ---------------------------------------------------------------- clipping and the optimizer
+def k_grad_norm_partial(partials, grads):
+    """partials[i] = sum of squares of the i-th of len(partials) equal chunks of grads (last short)."""
+    n = grads.shape[0]
+    P = partials.shape[0]
+    chunk = -(-n // P)
+    for i in range(P):
+        g = grads[i * chunk:(i + 1) * chunk]
+        partials[i] = np.dot(g, g) if g.size else 0.0
+
+
+def k_grad_norm_final(norm, partials, pre_scale):
+    """norm[0] = sqrt(sum(partials)) * pre_scale: the norm of the gradient after pre_scale."""
+    norm[0] = math.sqrt(float(partials.sum(dtype=np.float64))) * pre_scale
+
+
+def k_grad_scale(grads, norm, pre_scale, max_norm):
+    """grads *= pre_scale * clip, clip = min(1, max_norm / (norm + 1e-6)); max_norm <= 0: no clip.
+    pre_scale folds in 1/grad_accum and 1/loss_scale, so one pass both averages and clips."""
+    clip = 1.0
+    if max_norm > 0:
+        clip = min(1.0, max_norm / (float(norm[0]) + 1e-6))
+    grads *= grads.dtype.type(pre_scale * clip)
+
+
+def k_adamw(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, n_decay):
+    """One AdamW update in place (decoupled decay on params[:n_decay], the matrices; bias
+    correction with step counting from 1)."""
+    m *= beta1
+    m += (1.0 - beta1) * grads
+    v *= beta2
+    v += (1.0 - beta2) * grads * grads
+    mhat_scale = 1.0 / (1.0 - beta1 ** step)
+    vhat_scale = 1.0 / (1.0 - beta2 ** step)
+    params[:n_decay] *= params.dtype.type(1.0 - lr * weight_decay)
+    params -= (lr * mhat_scale) * m / (np.sqrt(v * vhat_scale) + eps)

@@ -1,0 +1,173 @@
+"""Config schemas: one dataclass per Hydra config group, registered in Hydra's ConfigStore.
+
+The dataclasses hold every default and type; YAML files under conf/ hold only what changes. Hydra
+validates each YAML against these schemas, so a typo or a wrong type fails with the key's name.
+The engine reads the same resolved config (as a plain dict or YAML file) through `load_run_config`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+from omegaconf import OmegaConf
+
+
+@dataclass
+class ModelConfig:
+    name: str = "ANDREA-tiny"  # family member, for reports
+    n_layer: int = 2  # L, transformer blocks
+    d_model: int = 64  # C, residual stream width
+    n_head: int = 4  # NH, attention heads; d_model % n_head == 0
+    context: int = 64  # maximum sequence length (rows of wpe)
+    vocab_size: int = 512  # V, tokenizer vocabulary (rows of wte)
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # synthetic | local | hub
+    hub_repo: str = "NousResearch/Hermes-3-Dataset"  # used when source=hub
+    revision: str = "main"  # pinned dataset revision (commit sha) for source=hub
+    local_path: str = ""  # parquet or jsonl mirror, for source=local
+    n_synthetic: int = 4000  # conversations generated when source=synthetic
+    max_conversations: int = 0  # cap on pulled conversations (0 = all)
+    val_fraction: float = 0.05  # share of conversations held out, by hash
+    seed: int = 1234  # synthetic generation seed
+    dir: str = "data"  # where pulled and prepared data lives
+    # what the engine reads; the workflow writes them (DESIGN.md token-shard format)
+    tokenizer: str = "${data.dir}/${data.source}/tok${model.vocab_size}/tokenizer.json"
+    train_shards: str = "${data.dir}/${data.source}/tok${model.vocab_size}/train_*.bin"
+    val_shards: str = "${data.dir}/${data.source}/tok${model.vocab_size}/val_*.bin"
+
+
+@dataclass
+class PhaseConfig:
+    name: str = "pretrain"  # phase name, used in archive/<phase>-<step>/
+    start_step: int = 0  # first step of this phase
+    lr: Optional[float] = None  # peak lr of the phase (None: train.lr)
+    data_mix: str = ""  # optional shard glob for this phase ("" = the default train shards)
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1337  # weight init and data order
+    steps: int = 300  # optimizer steps
+    batch_size: int = 8  # B, sequences per microbatch
+    seq_len: int = 64  # T, tokens per sequence (<= model.context)
+    grad_accum: int = 1  # microbatches per optimizer step
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float = 3e-4  # floor of the cosine schedule
+    warmup_steps: int = 20  # linear warm-up from 0 to lr
+    weight_decay: float = 0.1  # decoupled, matrices only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clip (0 = off)
+    precision: str = "fp32"  # fp32 | fp16 | bf16 (fp16/bf16 on the GPU only)
+    init_std: float = 0.02  # normal init of matrices and embeddings
+    ckpt_every: int = 100  # steps between checkpoints (0 = only at the end)
+    keep_last: int = 3  # checkpoints kept; the newest good one is never deleted
+    eval_every: int = 100  # steps between validation losses (0 = never)
+    eval_batches: int = 4  # microbatches per validation loss
+    sample_every: int = 0  # steps between samples from fixed prompts (0 = never)
+    log_every: int = 1  # steps between records
+    max_bad_steps: int = 5  # consecutive NaN/Inf steps before aborting
+    loss_scale: float = 65536.0  # initial dynamic loss scale (fp16)
+    phases: List[PhaseConfig] = field(default_factory=list)  # optional pretrain -> polish pivot
+
+
+@dataclass
+class BackendConfig:
+    name: str = "auto"  # auto | numpy | cuda
+    device: int = 0  # CUDA device ordinal
+
+
+@dataclass
+class EvalConfig:
+    batches: int = 16  # validation microbatches for the final report
+    prompts: List[str] = field(default_factory=lambda: ["What is 12 + 7?", "Sort: 5 3 9 1"])
+    max_new_tokens: int = 48
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 7
+    n_tasks: int = 200  # held-out synthetic tasks for exact-match accuracy
+    tolerance: float = 0.05  # allowed |val_loss - published| for PASS
+
+
+@dataclass
+class AndreaConfig:
+    exp: str = "ANDREA-tiny"  # experiment name = results/<exp>
+    results_dir: str = "results"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def register_configs() -> None:
+    """Put the schemas in Hydra's ConfigStore (names match conf/<group>/ base schemas)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="andrea_schema", node=AndreaConfig)
+    cs.store(group="model", name="schema", node=ModelConfig)
+    cs.store(group="data", name="schema", node=DataConfig)
+    cs.store(group="train", name="schema", node=TrainConfig)
+    cs.store(group="backend", name="schema", node=BackendConfig)
+    cs.store(group="eval", name="schema", node=EvalConfig)
+
+
+def load_run_config(source: Any) -> AndreaConfig:
+    """A typed AndreaConfig from a YAML path, a dict or an OmegaConf node; unknown keys fail."""
+    schema = OmegaConf.structured(AndreaConfig)
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"config {path}: no such file")
+        data = OmegaConf.load(path)
+    else:
+        data = OmegaConf.create(source) if isinstance(source, dict) else source
+    merged = OmegaConf.merge(schema, data)
+    cfg = OmegaConf.to_object(merged)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: AndreaConfig) -> None:
+    """Cross-field checks the type system cannot express."""
+    m, t = cfg.model, cfg.train
+    if m.d_model % m.n_head:
+        raise ValueError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
+    if t.seq_len > m.context:
+        raise ValueError(f"train.seq_len={t.seq_len} exceeds model.context={m.context}")
+    if t.precision not in ("fp32", "fp16", "bf16"):
+        raise ValueError(f"train.precision={t.precision!r}: expected fp32, fp16 or bf16")
+    if cfg.backend.name not in ("auto", "numpy", "cuda"):
+        raise ValueError(f"backend.name={cfg.backend.name!r}: expected auto, numpy or cuda")
+    if m.vocab_size > 65535:
+        raise ValueError(f"model.vocab_size={m.vocab_size}: shards store uint16 tokens (max 65535)")
+    for name in ("steps", "batch_size", "seq_len", "grad_accum"):
+        if getattr(t, name) < 1:
+            raise ValueError(f"train.{name}={getattr(t, name)}: expected a positive integer")
+
+
+def to_dict(cfg: AndreaConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_hash(cfg: AndreaConfig) -> str:
+    """sha256 of what determines the training trajectory (model + train + seed), for resume checks.
+
+    Keys that do not change the numbers (checkpoint cadence, logging) are left out so a resumed run
+    may change them.
+    """
+    d = to_dict(cfg)
+    train = {k: v for k, v in d["train"].items()
+             if k not in ("ckpt_every", "keep_last", "log_every", "sample_every", "eval_every",
+                          "eval_batches")}
+    key = {"model": d["model"], "train": train}
+    blob = json.dumps(key, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()
