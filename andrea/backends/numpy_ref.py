@@ -241,3 +241,16 @@ def k_adamw(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, n_de
     vhat_scale = 1.0 / (1.0 - beta2 ** step)
     params[:n_decay] *= params.dtype.type(1.0 - lr * weight_decay)
     params -= (lr * mhat_scale) * m / (np.sqrt(v * vhat_scale) + eps)
+
+
+# ---------------------------------------------------------------- host utilities (not kernels)
+GRAD_NORM_PARTIALS = 64  # length of the partials buffer k_grad_norm_partial fills
+
+
+def to_numpy(a):
+    """A host NumPy view or copy of a backend array."""
+    return np.asarray(a)
+
+
+def synchronize():
+    """Wait for queued work (nothing is queued on the CPU)."""
