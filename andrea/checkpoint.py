@@ -1,0 +1,174 @@
+"""Checkpoints (DESIGN.md, contract): `<run>/checkpoints/step_XXXXXXXX.bin`, little-endian
+`[int32 step][int32 n_params][n_params f32 weights][n_params f32 m][n_params f32 v]` (exactly
+8 + 12 * n_params bytes), and beside it `step_XXXXXXXX.json`, the sidecar with everything else a
+bit-exact resume needs (data position, loss scale, counters, config hash, sha256 of the .bin).
+
+Both files are written to a temporary name, fsynced and renamed, the .bin first: a checkpoint
+counts only when its sidecar exists and its sha256 matches, so a reader never sees half of one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+
+NAME_RE = re.compile(r"^step_(\d{8})\.bin$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as it is."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+    params: np.ndarray
+    m: np.ndarray
+    v: np.ndarray
+    sidecar: dict
+
+
+def bin_path(ckpt_dir, step: int) -> Path:
+    return Path(ckpt_dir) / f"step_{step:08d}.bin"
+
+
+def sidecar_path(bin_file) -> Path:
+    return Path(bin_file).with_suffix(".json")
+
+
+def _atomic_write(path: Path, chunks) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for c in chunks:
+            f.write(c)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(ckpt_dir, step: int, params, m, v, sidecar: dict) -> Path:
+    """Write step_XXXXXXXX.bin and .json atomically; returns the .bin path."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    n = params.size
+    header = np.array([step, n], dtype="<i4").tobytes()
+    blocks = [np.ascontiguousarray(a, dtype="<f4").tobytes() for a in (params, m, v)]
+    for name, a in zip(("m", "v"), (m, v)):
+        if a.size != n:
+            raise CheckpointError(f"write_checkpoint: {name} has {a.size} elements, params {n}")
+    digest = hashlib.sha256()
+    for c in [header] + blocks:
+        digest.update(c)
+    path = bin_path(ckpt_dir, step)
+    _atomic_write(path, [header] + blocks)
+    side = dict(sidecar, step=step, n_params=n, sha256=digest.hexdigest(), file=path.name)
+    _atomic_write(sidecar_path(path), [json.dumps(side, indent=1, sort_keys=True).encode()])
+    _fsync_dir(ckpt_dir)
+    return path
+
+
+def read_sidecar(bin_file) -> dict:
+    side = sidecar_path(bin_file)
+    if not side.is_file():
+        raise CheckpointError(f"checkpoint {bin_file}: sidecar {side.name} is missing; the write "
+                              "did not finish, so this checkpoint is not valid")
+    try:
+        return json.loads(side.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"checkpoint sidecar {side}: not valid JSON ({e})") from None
+
+
+def read_checkpoint(path, n_params: int, config_hash: Optional[str] = None) -> Checkpoint:
+    """Load and check a checkpoint: size, n_params, sha256, and the config hash when given."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path}: no such file")
+    raw = path.read_bytes()
+    expected = 8 + 12 * n_params
+    if len(raw) < 8:
+        raise CheckpointError(f"checkpoint {path.name}: {len(raw)} bytes, shorter than the 8-byte header")
+    step, n = (int(x) for x in np.frombuffer(raw[:8], dtype="<i4"))
+    if n != n_params:
+        raise CheckpointError(f"checkpoint {path.name}: n_params is {n} but the model has {n_params}; "
+                              "was it written for another config?")
+    if len(raw) != expected:
+        what = "truncated" if len(raw) < expected else "oversized"
+        raise CheckpointError(f"checkpoint {path.name}: {len(raw)} bytes but 8 + 12 * n_params = "
+                              f"{expected} expected ({what})")
+    side = read_sidecar(path)
+    sha = hashlib.sha256(raw).hexdigest()
+    if side.get("sha256") != sha:
+        raise CheckpointError(f"checkpoint {path.name}: sha256 is {sha[:12]}… but the sidecar "
+                              f"field sha256 says {str(side.get('sha256'))[:12]}…; the file changed")
+    if side.get("step") != step:
+        raise CheckpointError(f"checkpoint {path.name}: header step {step} but sidecar step {side.get('step')}")
+    if config_hash is not None and side.get("config_hash") != config_hash:
+        raise CheckpointError(f"checkpoint {path.name}: sidecar config_hash {side.get('config_hash')} "
+                              f"does not match this run's config ({config_hash}); the model or "
+                              "training settings changed since it was written")
+    arr = np.frombuffer(raw, dtype="<f4", offset=8).reshape(3, n)
+    return Checkpoint(path, step, arr[0].copy(), arr[1].copy(), arr[2].copy(), side)
+
+
+def list_checkpoints(ckpt_dir) -> List[Path]:
+    """Every step_XXXXXXXX.bin in ckpt_dir, oldest first (by step)."""
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if NAME_RE.match(p.name))
+
+
+def is_valid(bin_file) -> bool:
+    """Complete: sidecar present, sha256 matches (size is implied by the hash)."""
+    try:
+        side = read_sidecar(bin_file)
+        h = hashlib.sha256()
+        with open(bin_file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        return side.get("sha256") == h.hexdigest()
+    except (CheckpointError, OSError):
+        return False
+
+
+def latest_checkpoint(run_dir) -> Optional[Path]:
+    """The newest valid checkpoint in run_dir/checkpoints, or None."""
+    for p in reversed(list_checkpoints(Path(run_dir) / "checkpoints")):
+        if is_valid(p):
+            return p
+    return None
+
+
+def prune(ckpt_dir, keep_last: int, protect=()) -> List[Path]:
+    """Delete all but the newest keep_last valid checkpoints (and invalid leftovers older than the
+    newest valid one). The newest valid checkpoint and `protect` are never deleted."""
+    all_ = list_checkpoints(ckpt_dir)
+    valid = [p for p in all_ if is_valid(p)]
+    if not valid:
+        return []
+    keep = set(valid[-max(1, keep_last):]) | {Path(p) for p in protect}
+    newest = valid[-1]
+    removed = []
+    for p in all_:
+        if p in keep or p >= newest:
+            continue
+        for f in (p, sidecar_path(p)):
+            if f.exists():
+                f.unlink()
+        removed.append(p)
+    return removed

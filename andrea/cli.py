@@ -1,0 +1,60 @@
+"""Command-line entry points of the engine.
+
+    python -m andrea.cli engine --config RUN/config.yaml --run-dir RUN [--resume]
+    python -m andrea.cli params [ANDREA-tiny ANDREA-12M ANDREA-120M]   # parameter counts
+
+`python -m andrea.train experiment=...` (Hydra, the proxy) is the usual way in; `engine` is the
+process the proxy supervises, and can be run alone on a resolved config.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def cmd_engine(args) -> int:
+    from .config import load_run_config
+    from .runner import Run
+
+    cfg = load_run_config(args.config)
+    run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.results_dir) / cfg.exp
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Run(cfg, run_dir).train(resume=args.resume)
+
+
+def cmd_params(args) -> int:
+    from omegaconf import OmegaConf
+
+    from .config import ModelConfig
+    from .model import count_params
+
+    conf = Path(__file__).resolve().parent.parent / "conf" / "model"
+    for name in args.models:
+        path = conf / f"{name}.yaml"
+        if not path.is_file():
+            print(f"{name}: no model config {path}", file=sys.stderr)
+            return 2
+        m = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path)))
+        print(f"{name:<14}{count_params(m):>14,} parameters  (L={m.n_layer} C={m.d_model} "
+              f"NH={m.n_head} context={m.context} V={m.vocab_size})")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m andrea.cli", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("engine", help="train one run from a resolved config (JSON lines on stdout)")
+    e.add_argument("--config", required=True, help="resolved config.yaml of the run")
+    e.add_argument("--run-dir", help="run folder (default: <results_dir>/<exp>)")
+    e.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+    e.set_defaults(fn=cmd_engine)
+    p = sub.add_parser("params", help="print parameter counts of model configs")
+    p.add_argument("models", nargs="*", default=["ANDREA-tiny", "ANDREA-12M", "ANDREA-120M"])
+    p.set_defaults(fn=cmd_params)
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Deterministic, resumable batches of (x, y) windows from token shards.
+
+The shards matching a glob (sorted) are cut into non-overlapping windows of T+1 tokens; each epoch
+visits every window once in an order drawn from (seed, epoch). The whole state is two integers
+(epoch, cursor), saved in the checkpoint sidecar, so a resumed run sees exactly the same batches.
+"""
+from __future__ import annotations
+
+import glob as globmod
+from pathlib import Path
+
+import numpy as np
+
+from .shards import read_shard
+
+
+class ShardLoader:
+    def __init__(self, pattern: str, B: int, T: int, seed: int = 0):
+        self.files = sorted(globmod.glob(str(pattern)))
+        if not self.files:
+            raise FileNotFoundError(f"no token shards match {pattern!r}; run the workflow's tokenize "
+                                    "step (snakemake) or set data.train_shards / data.val_shards")
+        self.shards = [read_shard(f) for f in self.files]
+        counts = np.array([(len(s) - 1) // T if len(s) > 1 else 0 for s in self.shards], dtype=np.int64)
+        self.n_windows = int(counts.sum())
+        if self.n_windows < B:
+            raise ValueError(f"token shards {pattern!r} hold {self.n_windows} windows of {T + 1} tokens, "
+                             f"fewer than one batch of B={B}")
+        self.starts = np.concatenate([[0], np.cumsum(counts)])
+        self.B, self.T, self.seed = B, T, seed
+        self.epoch, self.cursor = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch):
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+
+    def _window(self, k):
+        s = int(np.searchsorted(self.starts, k, side="right") - 1)
+        off = (k - int(self.starts[s])) * self.T
+        return self.shards[s][off:off + self.T + 1]
+
+    def next_batch(self):
+        """(x, y), each int32 (B, T); y is x shifted by one token."""
+        buf = np.empty((self.B, self.T + 1), dtype=np.int32)
+        for b in range(self.B):
+            if self.cursor == self.n_windows:
+                self.epoch += 1
+                self.cursor = 0
+                self._order = self._permutation(self.epoch)
+            buf[b] = self._window(int(self._order[self.cursor]))
+            self.cursor += 1
+        return buf[:, :-1], buf[:, 1:]
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "n_windows": self.n_windows}
+
+    def load_state(self, st: dict, source: str = "sidecar"):
+        if st.get("n_windows") != self.n_windows or st.get("seed") != self.seed:
+            raise ValueError(f"{source}: data state is for {st.get('n_windows')} windows / seed "
+                             f"{st.get('seed')} but the shards give {self.n_windows} / seed {self.seed}; "
+                             "were the shards rebuilt?")
+        self.epoch, self.cursor = int(st["epoch"]), int(st["cursor"])
+        self._order = self._permutation(self.epoch)
+
+    def batches(self, n):
+        """n fresh batches from the start (for validation; does not move this loader)."""
+        other = ShardLoader.__new__(ShardLoader)
+        other.__dict__.update(self.__dict__)
+        other.epoch, other.cursor, other._order = 0, 0, self._permutation(0)
+        return [other.next_batch() for _ in range(n)]
+
+
+def shard_paths(pattern: str):
+    return [Path(p) for p in sorted(globmod.glob(str(pattern)))]

@@ -1,0 +1,340 @@
+"""The engine: memory plan, one arena allocated at start-up, the train step, AdamW and clipping.
+
+    eng = Engine(cfg)                 # plans, allocates every buffer once, initialises weights
+    eng.print_plan()                  # the memory plan as a table (stderr)
+    rec = eng.train_step(step, batches)   # batches: grad_accum (x, y) int32 arrays of (B, T)
+
+The step: for each microbatch forward + backward ADD into the same fp32 gradient buffer; then one
+global norm (k_grad_norm_partial/_final) of the averaged, unscaled gradient; a non-finite norm or
+loss skips the update (counted; fp16 also halves the loss scale); otherwise k_grad_scale averages,
+unscales and clips in one pass, k_adamw updates, and the grads are zeroed.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+import numpy as np
+
+from . import model
+from .backends import get_backend
+from .config import AndreaConfig
+
+ALIGN = 256  # bytes; cuBLAS and vector loads want aligned starts
+SCALE_GROWTH_INTERVAL = 2000  # good fp16 steps before the loss scale doubles (as torch's GradScaler)
+MAX_LOSS_SCALE = 2.0 ** 24
+
+
+def phase_of(cfg: AndreaConfig, step: int):
+    """The phase (PhaseConfig or None) that 1-based step belongs to: the last one whose
+    start_step is below it. A phase starting at S runs steps S+1, S+2, ...; the pivot checkpoint
+    is the state after step S."""
+    current = None
+    for ph in cfg.train.phases:
+        if step > ph.start_step:
+            current = ph
+    return current
+
+
+def lr_at(cfg: AndreaConfig, step: int) -> float:
+    """Learning rate of 1-based step: linear warm-up, then cosine to min_lr; a phase may set its
+    own peak (scaled by the same curve)."""
+    t = cfg.train
+    ph = phase_of(cfg, step)
+    peak = ph.lr if ph is not None and ph.lr is not None else t.lr
+    if t.warmup_steps and step <= t.warmup_steps:
+        return peak * step / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    frac = min(1.0, (step - t.warmup_steps) / span)
+    floor = t.min_lr * peak / t.lr if t.lr else t.min_lr
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * frac))
+
+
+@dataclass
+class PlanRow:
+    name: str
+    shape: tuple
+    dtype: str
+    group: str  # weights, grads, adam_m, adam_v, activations, workspace, ...
+
+    @property
+    def nbytes(self) -> int:
+        n = np.dtype(self.dtype).itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class MemoryPlan:
+    rows: List[PlanRow] = field(default_factory=list)
+
+    def add(self, name, shape, dtype, group):
+        self.rows.append(PlanRow(name, tuple(shape), np.dtype(dtype).name, group))
+
+    def total(self) -> int:
+        return sum(-(-r.nbytes // ALIGN) * ALIGN for r in self.rows)
+
+    def by_group(self) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for r in self.rows:
+            out[r.group] = out.get(r.group, 0) + r.nbytes
+        return out
+
+    def table(self) -> str:
+        lines = [f"{'buffer group':<22}{'bytes':>16}{'MiB':>12}"]
+        for g, b in self.by_group().items():
+            lines.append(f"{g:<22}{b:>16,}{b / 2**20:>12.1f}")
+        t = self.total()
+        lines.append(f"{'total (aligned)':<22}{t:>16,}{t / 2**20:>12.1f}")
+        return "\n".join(lines)
+
+
+def compute_dtype(precision: str, base: str) -> str:
+    return {"fp32": base, "fp16": "float16", "bf16": "bfloat16"}[precision]
+
+
+def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64) -> MemoryPlan:
+    """Every buffer the engine will ever use, from the config alone."""
+    m, t = cfg.model, cfg.train
+    B, T = t.batch_size, t.seq_len
+    act = compute_dtype(t.precision, dtype)
+    f32 = "float32" if dtype == "float32" else dtype  # float64 in gradient checks
+    n = model.ParamLayout.from_config(m).n_params
+    plan = MemoryPlan()
+    plan.add("params", (n,), dtype, "weights")
+    if act != dtype:
+        plan.add("params_c", (n,), act, "weights (compute copy)")
+    plan.add("grads", (n,), dtype, "grads")
+    plan.add("adam_m", (n,), dtype, "adam_m")
+    plan.add("adam_v", (n,), dtype, "adam_v")
+    kinds = {"act": act, "f32": f32, "i32": "int32"}
+    for l in range(m.n_layer):
+        for name, (shape, kind) in model.activation_shapes(m, B, T).items():
+            plan.add(f"h{l}.{name}", shape, kinds[kind], "activations (layers)")
+    for name, (shape, kind) in model.global_shapes(m, B, T).items():
+        group = "workspace" if name in model.WORKSPACE else "activations (other)"
+        plan.add(name, shape, kinds[kind], group)
+    plan.add("norm_partials", (n_partials,), f32, "workspace")
+    plan.add("norm", (1,), f32, "workspace")
+    return plan
+
+
+class Arena:
+    """One allocation carved into aligned views. After seal(), asking for more is an error:
+    the step loop cannot allocate a buffer."""
+
+    def __init__(self, xp, nbytes: int):
+        self.xp = xp
+        self.buf = xp.zeros(nbytes, dtype=np.uint8)
+        self.offset = 0
+        self.sealed = False
+        self.n_views = 0
+
+    def take(self, shape, dtype):
+        if self.sealed:
+            raise RuntimeError("Arena.take after seal(): the step loop must not allocate buffers")
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape)) * dt.itemsize
+        if self.offset + n > self.buf.size:
+            raise RuntimeError(f"arena overflow: {self.offset + n} > {self.buf.size} bytes; plan is wrong")
+        view = self.buf[self.offset:self.offset + n].view(dt).reshape(shape)
+        self.offset += -(-n // ALIGN) * ALIGN
+        self.n_views += 1
+        return view
+
+    def seal(self):
+        self.sealed = True
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class Engine:
+    """Owns every buffer and the optimizer state of one model; runs steps on one backend."""
+
+    def __init__(self, cfg: AndreaConfig, backend=None, dtype: str = "float32"):
+        self.cfg = cfg
+        self.be = backend if backend is not None else get_backend(cfg.backend.name)
+        t = cfg.train
+        if t.precision != "fp32" and self.be.NAME == "numpy":
+            raise ValueError(f"train.precision={t.precision} needs backend=cuda; the NumPy reference "
+                             "runs fp32 (or float64 in checks)")
+        self.layout = model.ParamLayout.from_config(cfg.model)
+        self.plan = make_plan(cfg, dtype, self.be.GRAD_NORM_PARTIALS)
+        self.dtype = dtype
+        self.mixed = t.precision != "fp32"
+        self._allocate()
+        self.loss_scale = float(t.loss_scale) if t.precision == "fp16" else 1.0
+        self.good_streak = 0  # consecutive finite steps, for loss-scale growth
+        self.bad_streak = 0  # consecutive non-finite steps, for the abort policy
+        self.skipped = 0  # total skipped steps
+        self.init_params(t.seed)
+
+    # ------------------------------------------------------------ set-up
+    def _allocate(self):
+        self.arena = Arena(self.be.xp, self.plan.total())
+        bufs = {r.name: self.arena.take(r.shape, r.dtype) for r in self.plan.rows}
+        self.arena.seal()
+        self.bufs = bufs
+        self.params, self.grads = bufs["params"], bufs["grads"]
+        self.m, self.v = bufs["adam_m"], bufs["adam_v"]
+        self.params_c = bufs.get("params_c", self.params)
+        self.p = self.layout.views(self.params_c)  # what the kernels read
+        self.dp = self.layout.views(self.grads)
+        shapes = model.activation_shapes(self.cfg.model, 1, 1)
+        self.layers = [{k: bufs[f"h{l}.{k}"] for k in shapes} for l in range(self.cfg.model.n_layer)]
+        self.g = {k: bufs[k] for k in model.global_shapes(self.cfg.model, 1, 1)}
+
+    def init_params(self, seed: int):
+        """Normal(0, init_std) matrices and embeddings, zero biases, unit layer-norm gains."""
+        rng = np.random.default_rng(seed)
+        host = np.zeros(self.layout.n_params, dtype=self.dtype)
+        for name, off, shape in self.layout.entries:
+            n = int(np.prod(shape))
+            if len(shape) == 2:
+                host[off:off + n] = rng.normal(0.0, self.cfg.train.init_std, n)
+            elif name.endswith(("ln1_w", "ln2_w", "lnf_w")):
+                host[off:off + n] = 1.0
+        self.set_state(host)
+
+    def set_state(self, params, m=None, v=None):
+        """Load host arrays into the device buffers (no new device buffers)."""
+        _upload(self.params, params)
+        _upload(self.m, m if m is not None else np.zeros_like(params))
+        _upload(self.v, v if v is not None else np.zeros_like(params))
+        self.grads.fill(0)
+        if self.mixed:
+            self.be.k_cast_params(self.params_c, self.params)
+
+    def host_state(self):
+        """(params, m, v) as host float32 arrays, the checkpoint's three blocks."""
+        return tuple(np.ascontiguousarray(self.be.to_numpy(a), dtype=np.float32)
+                     for a in (self.params, self.m, self.v))
+
+    def print_plan(self, file=sys.stderr):
+        t = self.cfg.train
+        print(f"memory plan: {self.cfg.model.name} B={t.batch_size} T={t.seq_len} "
+              f"precision={t.precision} backend={self.be.NAME} params={self.layout.n_params:,}",
+              file=file)
+        print(self.plan.table(), file=file, flush=True)
+
+    # ------------------------------------------------------------ the step
+    def zero_grads(self):
+        self.grads.fill(0)
+
+    def forward(self, x, y):
+        """Forward one microbatch; returns its mean loss (host float)."""
+        _upload(self.g["tokens"], x)
+        _upload(self.g["targets"], y)
+        model.forward(self.be, self.p, self.layers, self.g, self.cfg.model.n_head)
+        return float(np.mean(self.be.to_numpy(self.g["losses"]), dtype=np.float64))
+
+    def forward_backward(self, x, y) -> float:
+        """Forward + backward of one microbatch; ADDS its gradient (times the loss scale, of the
+        mean loss over its B*T positions) into the grads buffer; returns the mean loss."""
+        loss = self.forward(x, y)
+        B, T = x.shape
+        model.backward(self.be, self.p, self.dp, self.layers, self.g, self.cfg.model.n_head,
+                       self.loss_scale / (B * T))
+        return loss
+
+    def train_step(self, step: int, batches) -> dict:
+        """One optimizer step (1-based step number) over len(batches) microbatches."""
+        t, be = self.cfg.train, self.be
+        losses = [self.forward_backward(x, y) for x, y in batches]
+        loss = float(np.mean(losses))
+        pre_scale = 1.0 / (len(batches) * self.loss_scale)
+        norm_buf, partials = self.bufs["norm"], self.bufs["norm_partials"]
+        be.k_grad_norm_partial(partials, self.grads)
+        be.k_grad_norm_final(norm_buf, partials, pre_scale)
+        norm = float(be.to_numpy(norm_buf)[0])
+        lr = lr_at(self.cfg, step)
+        rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+               "loss_scale": self.loss_scale, "skipped": False}
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self._skip(loss)
+            rec["skipped"] = True
+        else:
+            be.k_grad_scale(self.grads, norm_buf, pre_scale, t.grad_clip)
+            be.k_adamw(self.params, self.grads, self.m, self.v, lr, t.beta1, t.beta2, t.eps,
+                       t.weight_decay, step - self.skipped, self.layout.n_decay)
+            if self.mixed:
+                be.k_cast_params(self.params_c, self.params)
+            self._grow_scale()
+        self.zero_grads()
+        return rec
+
+    def _skip(self, loss):
+        """Non-finite step: no update. fp16 overflow of the scaled gradient halves the scale and
+        is expected now and then; anything else counts towards the abort policy."""
+        self.skipped += 1
+        self.good_streak = 0
+        overflow = self.cfg.train.precision == "fp16" and math.isfinite(loss) and self.loss_scale > 1
+        if self.cfg.train.precision == "fp16":
+            self.loss_scale = max(1.0, self.loss_scale / 2)
+        self.bad_streak = 0 if overflow else self.bad_streak + 1
+
+    def _grow_scale(self):
+        self.bad_streak = 0
+        self.good_streak += 1
+        if self.cfg.train.precision == "fp16" and self.good_streak >= SCALE_GROWTH_INTERVAL:
+            self.loss_scale = min(MAX_LOSS_SCALE, self.loss_scale * 2)
+            self.good_streak = 0
+
+    # ------------------------------------------------------------ inference
+    def val_loss(self, batches) -> float:
+        """Mean loss over (x, y) batches, without touching grads or optimizer state."""
+        losses = [self.forward(x, y) for x, y in batches]
+        if not losses:
+            raise ValueError("val_loss: no batches")
+        return float(np.mean(losses))
+
+    def generate(self, prompt_ids, max_new_tokens, temperature=0.0, seed=0, stop_ids=()):
+        """Sample up to max_new_tokens after prompt_ids (greedy when temperature == 0). Runs the
+        full fixed-size forward pass per token (no KV cache): simple, and the buffers stay fixed."""
+        B, T = self.cfg.train.batch_size, self.cfg.train.seq_len
+        rng = np.random.default_rng(seed)
+        ids, out = list(prompt_ids)[-T:], []
+        x = np.zeros((B, T), dtype=np.int32)
+        for _ in range(max_new_tokens):
+            ctx = ids[-T:]
+            x[0, :] = 0
+            x[0, :len(ctx)] = ctx
+            self.forward(x, x)
+            logits = self.be.to_numpy(self.g["logits"][0, len(ctx) - 1]).astype(np.float64)
+            nxt = _pick(logits, temperature, rng)
+            out.append(nxt)
+            ids.append(nxt)
+            if nxt in stop_ids:
+                break
+        return out
+
+    def load_checkpoint(self, path):
+        """Load weights and optimizer state from a checkpoint (checked: size, n_params, sha256)."""
+        from .checkpoint import read_checkpoint
+        ck = read_checkpoint(path, self.layout.n_params)
+        self.set_state(ck.params, ck.m, ck.v)
+        return ck
+
+
+def _pick(logits, temperature, rng) -> int:
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits / temperature
+    z -= z.max()
+    p = np.exp(z)
+    p /= p.sum()
+    return int(rng.choice(len(p), p=p))
+
+
+def _upload(dst, src):
+    """Copy a host array into an existing buffer (NumPy or CuPy) without reallocating it."""
+    src = np.asarray(src, dtype=dst.dtype if hasattr(dst.dtype, "itemsize") else None)
+    if isinstance(dst, np.ndarray):
+        dst[...] = src.reshape(dst.shape)
+    else:
+        dst.set(np.ascontiguousarray(src.reshape(dst.shape)))

@@ -1,0 +1,159 @@
+"""The ANDREA architecture: parameter layout in one flat buffer, and the forward/backward order.
+
+Pre-norm GPT (DESIGN.md, contract): x = wte[tokens] + wpe[pos]; per layer x += attn(LN1(x)),
+x += mlp(LN2(x)); logits = LNf(x) @ wte.T (tied); loss = mean cross-entropy. Every operation is a
+kernel pair of the backend (`be.k_*`), called here in order; this file does no arithmetic itself.
+
+Parameter order in the flat buffer: all matrices first (wte, wpe, then per layer the four linear
+weights), then all vectors (layer-norm gains and biases, linear biases). AdamW decays exactly the
+first `n_decay` elements, the matrices, so the optimizer needs no mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+from .config import ModelConfig
+
+LAYER_MATRICES = ("qkv_w", "attn_out_w", "mlp_w1", "mlp_w2")
+LAYER_VECTORS = ("ln1_w", "ln1_b", "qkv_b", "attn_out_b", "ln2_w", "ln2_b", "mlp_b1", "mlp_b2")
+
+
+def param_shapes(m: ModelConfig) -> Tuple[List[Tuple[str, tuple]], int]:
+    """[(name, shape)] in buffer order, and how many leading entries are decayed matrices."""
+    C, V = m.d_model, m.vocab_size
+    mats = {"qkv_w": (3 * C, C), "attn_out_w": (C, C), "mlp_w1": (4 * C, C), "mlp_w2": (C, 4 * C)}
+    vecs = {"ln1_w": (C,), "ln1_b": (C,), "qkv_b": (3 * C,), "attn_out_b": (C,), "ln2_w": (C,),
+            "ln2_b": (C,), "mlp_b1": (4 * C,), "mlp_b2": (C,)}
+    out = [("wte", (V, C)), ("wpe", (m.context, C))]
+    out += [(f"h{l}.{n}", mats[n]) for l in range(m.n_layer) for n in LAYER_MATRICES]
+    n_mat = len(out)
+    out += [(f"h{l}.{n}", vecs[n]) for l in range(m.n_layer) for n in LAYER_VECTORS]
+    out += [("lnf_w", (C,)), ("lnf_b", (C,))]
+    return out, n_mat
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclass
+class ParamLayout:
+    """Offsets of every named parameter in the flat buffer."""
+    entries: List[Tuple[str, int, tuple]]  # (name, offset, shape)
+    n_params: int
+    n_decay: int  # elements [0, n_decay) are matrices: AdamW decays them
+
+    @classmethod
+    def from_config(cls, m: ModelConfig) -> "ParamLayout":
+        shapes, n_mat = param_shapes(m)
+        entries, off, n_decay = [], 0, 0
+        for i, (name, shape) in enumerate(shapes):
+            entries.append((name, off, shape))
+            off += _numel(shape)
+            if i == n_mat - 1:
+                n_decay = off
+        return cls(entries, off, n_decay)
+
+    def views(self, flat) -> Dict[str, object]:
+        """Named, shaped views into a flat buffer (NumPy or CuPy); no copies."""
+        return {name: flat[off:off + _numel(shape)].reshape(shape) for name, off, shape in self.entries}
+
+
+def count_params(m: ModelConfig) -> int:
+    return ParamLayout.from_config(m).n_params
+
+
+def activation_shapes(m: ModelConfig, B: int, T: int) -> Dict[str, Tuple[tuple, str]]:
+    """Saved activations of one layer: name -> (shape, kind); kind "act" is the compute dtype,
+    "f32" is float32 whatever the precision (statistics the backward pass divides by)."""
+    C, NH = m.d_model, m.n_head
+    return {
+        "ln1": ((B, T, C), "act"), "ln1_mean": ((B, T), "f32"), "ln1_rstd": ((B, T), "f32"),
+        "qkv": ((B, T, 3 * C), "act"), "atty": ((B, T, C), "act"), "att_lse": ((B, NH, T), "f32"),
+        "xmid": ((B, T, C), "act"),
+        "ln2": ((B, T, C), "act"), "ln2_mean": ((B, T), "f32"), "ln2_rstd": ((B, T), "f32"),
+        "pre": ((B, T, 4 * C), "act"), "res_out": ((B, T, C), "act"),
+    }
+
+
+def global_shapes(m: ModelConfig, B: int, T: int) -> Dict[str, Tuple[tuple, str]]:
+    """Saved activations outside the layers, the workspace, and the token buffers."""
+    C, V = m.d_model, m.vocab_size
+    return {
+        "tokens": ((B, T), "i32"), "targets": ((B, T), "i32"),
+        "x0": ((B, T, C), "act"),
+        "lnf": ((B, T, C), "act"), "lnf_mean": ((B, T), "f32"), "lnf_rstd": ((B, T), "f32"),
+        "losses": ((B, T), "f32"), "loss_lse": ((B, T), "f32"),
+        # workspace: reused by every layer, live only inside one kernel pair or one layer
+        "logits": ((B, T, V), "act"), "attproj": ((B, T, C), "act"), "mlpout": ((B, T, C), "act"),
+        "act": ((B, T, 4 * C), "act"), "dact": ((B, T, 4 * C), "act"),
+        "dres_a": ((B, T, C), "act"), "dres_b": ((B, T, C), "act"), "dln": ((B, T, C), "act"),
+        "dqkv": ((B, T, 3 * C), "act"), "datty": ((B, T, C), "act"), "dtmp": ((B, T, C), "act"),
+    }
+
+
+WORKSPACE = ("logits", "attproj", "mlpout", "act", "dact", "dres_a", "dres_b", "dln", "dqkv",
+             "datty", "dtmp")
+
+
+def forward(be, p, layers, g, n_head):
+    """Forward pass of the whole model; writes g["losses"] (B,T). p: weight views; layers: saved
+    activations per layer; g: global buffers (tokens and targets already uploaded)."""
+    be.k_embed_fwd(g["x0"], g["tokens"], p["wte"], p["wpe"])
+    x = g["x0"]
+    for l, a in enumerate(layers):
+        w = _layer(p, l)
+        be.k_layernorm_fwd(a["ln1"], a["ln1_mean"], a["ln1_rstd"], x, w["ln1_w"], w["ln1_b"])
+        be.k_attn_qkv_fwd(a["qkv"], a["ln1"], w["qkv_w"], w["qkv_b"])
+        be.k_attn_fwd(a["atty"], a["att_lse"], a["qkv"], n_head)
+        be.k_attn_out_fwd(g["attproj"], a["atty"], w["attn_out_w"], w["attn_out_b"])
+        be.k_residual_add(a["xmid"], x, g["attproj"])
+        be.k_layernorm_fwd(a["ln2"], a["ln2_mean"], a["ln2_rstd"], a["xmid"], w["ln2_w"], w["ln2_b"])
+        be.k_mlp_fwd(g["mlpout"], a["pre"], g["act"], a["ln2"], w["mlp_w1"], w["mlp_b1"],
+                     w["mlp_w2"], w["mlp_b2"])
+        be.k_residual_add(a["res_out"], a["xmid"], g["mlpout"])
+        x = a["res_out"]
+    be.k_layernorm_fwd(g["lnf"], g["lnf_mean"], g["lnf_rstd"], x, p["lnf_w"], p["lnf_b"])
+    be.k_loss_fwd(g["losses"], g["loss_lse"], g["logits"], g["lnf"], p["wte"], g["targets"])
+
+
+def backward(be, p, dp, layers, g, n_head, dloss):
+    """Backward pass after forward(): ADDS every parameter gradient into dp (views of the grads
+    buffer). dloss is d(objective)/d(loss of each position), e.g. loss_scale / (B*T)."""
+    dres, dxmid, dln, dtmp = g["dres_a"], g["dres_b"], g["dln"], g["dtmp"]
+    x_last = layers[-1]["res_out"] if layers else g["x0"]
+    _zero(dres, dln)
+    be.k_loss_bwd(dln, dp["wte"], g["logits"], g["loss_lse"], g["lnf"], p["wte"], g["targets"], dloss)
+    be.k_layernorm_bwd(dres, dp["lnf_w"], dp["lnf_b"], dln, x_last, p["lnf_w"], g["lnf_mean"], g["lnf_rstd"])
+    for l in reversed(range(len(layers))):
+        a, w, dw = layers[l], _layer(p, l), _layer(dp, l)
+        x_in = layers[l - 1]["res_out"] if l > 0 else g["x0"]
+        # res_out = xmid + mlp(ln2(xmid))
+        _zero(dxmid, dtmp, dln)
+        be.k_residual_add_bwd(dxmid, dtmp, dres)
+        be.k_mlp_bwd(dln, dw["mlp_w1"], dw["mlp_b1"], dw["mlp_w2"], dw["mlp_b2"], dtmp, a["ln2"],
+                     a["pre"], w["mlp_w1"], w["mlp_w2"], g["act"], g["dact"])
+        be.k_layernorm_bwd(dxmid, dw["ln2_w"], dw["ln2_b"], dln, a["xmid"], w["ln2_w"],
+                           a["ln2_mean"], a["ln2_rstd"])
+        # xmid = x_in + attn_out(attn(qkv(ln1(x_in))))
+        _zero(dres, dtmp, g["datty"], g["dqkv"], dln)
+        be.k_residual_add_bwd(dres, dtmp, dxmid)
+        be.k_attn_out_bwd(g["datty"], dw["attn_out_w"], dw["attn_out_b"], dtmp, a["atty"], w["attn_out_w"])
+        be.k_attn_bwd(g["dqkv"], g["datty"], a["qkv"], a["atty"], a["att_lse"], n_head)
+        be.k_attn_qkv_bwd(dln, dw["qkv_w"], dw["qkv_b"], g["dqkv"], a["ln1"], w["qkv_w"])
+        be.k_layernorm_bwd(dres, dw["ln1_w"], dw["ln1_b"], dln, x_in, w["ln1_w"], a["ln1_mean"], a["ln1_rstd"])
+    be.k_embed_bwd(dp["wte"], dp["wpe"], dres, g["tokens"])
+
+
+def _layer(views, l):
+    prefix = f"h{l}."
+    return {n: views[prefix + n] for n in LAYER_MATRICES + LAYER_VECTORS}
+
+
+def _zero(*bufs):
+    for b in bufs:
+        b.fill(0)

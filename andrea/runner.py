@@ -1,0 +1,178 @@
+"""The engine process: trains one run from token shards and speaks JSON lines on stdout.
+
+    python -m andrea.cli engine --config RUN/config.yaml --run-dir RUN [--resume]
+
+stdout carries only JSON objects, one per line, each with an "event" key: plan, resume, step,
+val, sample, checkpoint, pivot, done (see README "Engine protocol"). Human text goes to stderr.
+Signals are handled at step boundaries: SIGTERM / SIGINT write a checkpoint and exit 0; SIGUSR1
+writes one and training goes on. A signal that arrives while a checkpoint is being written only
+sets a flag, so the write always completes. Exit codes: 0 finished or stopped, 3 aborted after
+train.max_bad_steps non-finite steps in a row (with a checkpoint of the last good state).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from . import checkpoint as ck
+from .config import AndreaConfig, config_hash
+from .data.loader import ShardLoader
+from .engine import Engine, phase_of
+
+EXIT_ABORTED = 3
+
+
+class Signals:
+    """Flags set by signal handlers, read at step boundaries."""
+
+    def __init__(self):
+        self.stop = False
+        self.save = False
+
+    def install(self):
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        signal.signal(signal.SIGUSR1, self._save)
+
+    def _stop(self, signum, frame):
+        self.stop = True
+
+    def _save(self, signum, frame):
+        self.save = True
+
+
+def emit(event: str, **fields):
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+class Run:
+    """The training loop of one run: cadence, checkpoints, signals, records."""
+
+    def __init__(self, cfg: AndreaConfig, run_dir, engine: Engine = None):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.hash = config_hash(cfg)
+        self.eng = engine or Engine(cfg)
+        t = cfg.train
+        self.loader = ShardLoader(cfg.data.train_shards, t.batch_size, t.seq_len, t.seed)
+        self.val = None
+        if t.eval_every:
+            self.val = ShardLoader(cfg.data.val_shards, t.batch_size, t.seq_len, 0)
+        self.step = 0
+        self.resumed_reason = None
+        self.sig = Signals()
+        self.tokenizer = None
+
+    def resume(self) -> bool:
+        path = ck.latest_checkpoint(self.run_dir)
+        if path is None:
+            return False
+        c = ck.read_checkpoint(path, self.eng.layout.n_params, self.hash)
+        self.eng.set_state(c.params, c.m, c.v)
+        s = c.sidecar
+        self.loader.load_state(s["data"], source=str(ck.sidecar_path(path)))
+        self.eng.loss_scale = float(s["loss_scale"])
+        self.eng.good_streak, self.eng.bad_streak = int(s["good_streak"]), int(s["bad_streak"])
+        self.eng.skipped = int(s["skipped"])
+        self.step = c.step
+        self.resumed_reason = s.get("reason")
+        emit("resume", step=c.step, checkpoint=str(path))
+        return True
+
+    def save(self, reason: str) -> Path:
+        params, m, v = self.eng.host_state()
+        e = self.eng
+        side = {"reason": reason, "data": self.loader.state(), "loss_scale": e.loss_scale,
+                "good_streak": e.good_streak, "bad_streak": e.bad_streak, "skipped": e.skipped,
+                "config_hash": self.hash, "precision": self.cfg.train.precision,
+                "backend": e.be.NAME, "exp": self.cfg.exp,
+                "rng": {"weights_seed": self.cfg.train.seed, "data_seed": self.loader.seed}}
+        path = ck.write_checkpoint(self.ckpt_dir, self.step, params, m, v, side)
+        ck.prune(self.ckpt_dir, self.cfg.train.keep_last, protect=[path])
+        emit("checkpoint", step=self.step, path=str(path), reason=reason)
+        return path
+
+    def _maybe_pivot(self):
+        """Before the first step of a new phase: checkpoint, and announce the pivot."""
+        nxt, cur = phase_of(self.cfg, self.step + 1), phase_of(self.cfg, self.step)
+        if nxt is None or nxt is cur or self.step == 0:
+            return
+        if self.resumed_reason == "pivot" and self.step == self._resume_step:
+            return  # the pivot checkpoint we resumed from already marks it
+        path = self.save("pivot")
+        emit("pivot", step=self.step, **{"from": cur.name if cur else "pretrain", "to": nxt.name},
+             checkpoint=str(path))
+
+    def train(self, resume: bool = False) -> int:
+        t = self.cfg.train
+        self.sig.install()
+        self.eng.print_plan()
+        plan = self.eng.plan
+        emit("plan", n_params=self.eng.layout.n_params, total_bytes=plan.total(),
+             rows=[{"name": g, "bytes": b} for g, b in plan.by_group().items()])
+        if resume:
+            self.resume()
+        self._resume_step = self.step
+        tokens = t.batch_size * t.seq_len * t.grad_accum
+        t0 = time.perf_counter()
+        while self.step < t.steps:
+            self._maybe_pivot()
+            batches = [self.loader.next_batch() for _ in range(t.grad_accum)]
+            ts = time.perf_counter()
+            rec = self.eng.train_step(self.step + 1, batches)
+            self.eng.be.synchronize()
+            dt = time.perf_counter() - ts
+            self.step += 1
+            ph = phase_of(self.cfg, self.step)
+            if self.step % max(1, t.log_every) == 0 or rec["skipped"] or self.step == t.steps:
+                emit("step", phase=ph.name if ph else "pretrain", tokens_per_s=tokens / dt,
+                     wall_s=time.perf_counter() - t0, **rec)
+            if self.eng.bad_streak >= t.max_bad_steps:
+                self.save("abort")
+                print(f"aborting: {self.eng.bad_streak} non-finite steps in a row (train.max_bad_steps="
+                      f"{t.max_bad_steps}); the checkpoint holds the last good weights", file=sys.stderr)
+                emit("done", step=self.step, status="aborted")
+                return EXIT_ABORTED
+            self._cadence()
+            if self.sig.stop:
+                self.save("signal")
+                emit("done", step=self.step, status="stopped")
+                return 0
+            if self.sig.save:
+                self.sig.save = False
+                self.save("signal")
+        if not (ck.bin_path(self.ckpt_dir, self.step).exists() and ck.is_valid(ck.bin_path(self.ckpt_dir, self.step))):
+            self.save("final")
+        emit("done", step=self.step, status="finished")
+        return 0
+
+    def _cadence(self):
+        t, s = self.cfg.train, self.step
+        if self.val is not None and t.eval_every and (s % t.eval_every == 0 or s == t.steps):
+            emit("val", step=s, val_loss=self.eng.val_loss(self.val.batches(t.eval_batches)))
+        if t.sample_every and (s % t.sample_every == 0 or s == t.steps):
+            emit("sample", step=s, samples=self.samples())
+        if t.ckpt_every and s % t.ckpt_every == 0 and s != t.steps:
+            self.save("cadence")
+
+    def samples(self):
+        """Greedy (or seeded) completions of the eval prompts, when a tokenizer is present."""
+        if self.tokenizer is None:
+            path = Path(self.cfg.data.tokenizer)
+            if not path.is_file():
+                return []
+            from .data.tokenizer import load_tokenizer
+            self.tokenizer = load_tokenizer(path)
+        from .data.chat import render_prompt
+        tok, e = self.tokenizer, self.cfg.eval
+        out = []
+        for i, prompt in enumerate(e.prompts):
+            ids = tok.encode(render_prompt(prompt))
+            new = self.eng.generate(ids, e.max_new_tokens, e.temperature, e.seed + i,
+                                    stop_ids=(tok.eot_id,))
+            out.append({"prompt": prompt, "completion": tok.decode([i for i in new if i != tok.eot_id])})
+        return out
