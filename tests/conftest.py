@@ -1,0 +1,38 @@
+"""Shared test set-up: offline hub, small configs, random-token shards."""
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def small_config(tmp_path, **train):
+    """An ANDREA-tiny-shaped config dict whose shards live in tmp_path (call make_shards)."""
+    t = {"steps": 12, "batch_size": 2, "seq_len": 16, "lr": 3e-3, "warmup_steps": 2,
+         "ckpt_every": 4, "keep_last": 2, "eval_every": 0, "sample_every": 0, "seed": 3}
+    t.update(train)
+    return {"exp": "t", "results_dir": str(tmp_path),
+            "model": {"n_layer": 2, "d_model": 32, "n_head": 4, "context": 32, "vocab_size": 61},
+            "data": {"train_shards": str(tmp_path / "shards" / "train_*.bin"),
+                     "val_shards": str(tmp_path / "shards" / "val_*.bin"),
+                     "tokenizer": str(tmp_path / "no-tokenizer.json")},
+            "train": t, "backend": {"name": "numpy"}}
+
+
+def make_shards(tmp_path, vocab=61, n_train=5000, n_val=1000, seed=0):
+    from andrea.data.shards import write_shard
+    rng = np.random.default_rng(seed)
+    d = tmp_path / "shards"
+    write_shard(d / "train_000.bin", rng.integers(0, vocab, n_train // 2))
+    write_shard(d / "train_001.bin", rng.integers(0, vocab, n_train - n_train // 2))
+    write_shard(d / "val_000.bin", rng.integers(0, vocab, n_val))
+    return d
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    """(config dict, tmp_path) with shards written; tests adjust cfg["train"] before use."""
+    make_shards(tmp_path)
+    return small_config(tmp_path), tmp_path
