@@ -95,7 +95,7 @@ def _scores(q, k):
     """Causal scaled scores (B,NH,T,T), -inf above the diagonal."""
     T, hs = q.shape[-2], q.shape[-1]
     s = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hs))
-    s[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = -np.inf
+    s[..., np.triu(np.ones((T, T), dtype=bool), 1)] = -np.inf
     return s
 
 
