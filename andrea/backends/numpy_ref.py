@@ -188,8 +188,9 @@ def k_loss_fwd(losses, lse, logits, inp, wte, targets):
     np.matmul(inp, wte.T, out=logits)
     m = logits.max(axis=-1)
     lse[...] = m + np.log(np.exp(logits - m[..., None]).sum(axis=-1))
-    picked = np.take_along_axis(logits, targets[..., None].astype(np.intp), axis=-1)[..., 0]
-    losses[...] = lse - picked
+    B, T = targets.shape
+    picked = logits.reshape(B * T, -1)[np.arange(B * T), targets.reshape(-1)]
+    losses[...] = lse - picked.reshape(B, T)
 
 
 def k_loss_bwd(dinp, dwte, logits, lse, inp, wte, targets, dloss):
