@@ -9,6 +9,7 @@ process the proxy supervises, and can be run alone on a resolved config.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -20,7 +21,12 @@ def cmd_engine(args) -> int:
     cfg = load_run_config(args.config)
     run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.results_dir) / cfg.exp
     run_dir.mkdir(parents=True, exist_ok=True)
-    return Run(cfg, run_dir).train(resume=args.resume)
+    rc = Run(cfg, run_dir).train(resume=args.resume)
+    # The run's last checkpoint is on disk: further stop signals have nothing left to save, and
+    # must not kill interpreter shutdown (which restores default handlers) with a non-zero status.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    return rc
 
 
 def cmd_params(args) -> int:
