@@ -1,0 +1,615 @@
+"""CUDA backend: the kernels of kernels/*.cu launched through CuPy, matrix products on cuBLAS.
+
+Same interface as numpy_ref (read its docstring): every k_* function has the same name, arguments
+and meaning; forward kernels write, backward kernels ADD into every gradient buffer. Selected by
+`get_backend("cuda")` (or "auto" on a GPU machine); needs CuPy (the cuda12 / cuda13 extra).
+
+How it works:
+- Each kernels/<op>.cu is compiled at run time by NVRTC (cupy.RawModule), once per compute dtype
+  (-DCT=float|f16|bf16, picked from the arrays), and cached; kernels/common.cuh is pasted in
+  before compiling so that CuPy's on-disk cache key covers it.
+- Matrix products go to cuBLAS through ctypes (class Cublas), not CuPy's bindings, so that a
+  whole step can later be captured as one CUDA graph (../shared/gpu/README.md says why).
+  A/B in the compute dtype, C in the compute dtype or float32, float32 accumulation, TF32 off.
+- Scratch memory the kernels need beyond their arguments (attention scores, head-major copies,
+  column-sum partials, sort keys) lives in `WORKSPACE`: allocated on first use or by
+  `reserve_workspace`, then reused; `workspace_rows` gives its size for the memory plan.
+- Launchers check shapes, dtypes and contiguity before launching and raise naming the argument.
+
+    python -m pytest -m gpu tests/test_cuda_kernels.py     # every kernel against numpy_ref
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+
+try:  # registers numpy's "bfloat16" dtype where ml_dtypes is installed (bf16 precision)
+    import ml_dtypes  # noqa: F401
+except ImportError:
+    pass
+
+NAME = "cuda"
+xp = cp
+GRAD_NORM_PARTIALS = 1024  # blocks of k_grad_norm_partial: enough to fill the GPU at 124M params
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+THREADS = 256
+MAX_BLOCKS = 8192  # grid-stride kernels: enough blocks to fill 132 SMs, few enough to stay cheap
+COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-norm gradients)
+
+
+# ---------------------------------------------------------------- compilation and launching
+_MODULES: dict = {}
+_FUNCS: dict = {}
+
+
+def _ct_name(dtype) -> str:
+    dt = np.dtype(dtype)
+    if dt == np.float32:
+        return "float"
+    if dt == np.float16:
+        return "f16"
+    if dt.name == "bfloat16":
+        return "bf16"
+    raise TypeError(f"compute dtype {dt}: expected float32, float16 or bfloat16")
+
+
+def _source(fname: str) -> str:
+    path = KERNEL_DIR / fname
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: kernel source missing (the CUDA backend reads kernels/ "
+                                "from the source tree; install the package editable)")
+    common = (KERNEL_DIR / "common.cuh").read_text()
+    return path.read_text().replace('#include "common.cuh"', common)
+
+
+def _fn(fname: str, kernel: str, dtype):
+    key = (fname, kernel, _ct_name(dtype))
+    f = _FUNCS.get(key)
+    if f is None:
+        mkey = (fname, key[2])
+        mod = _MODULES.get(mkey)
+        if mod is None:
+            mod = cp.RawModule(code=_source(fname), options=("-std=c++17", f"-DCT={key[2]}"))
+            _MODULES[mkey] = mod
+        f = _FUNCS[key] = mod.get_function(kernel)
+    return f
+
+
+def _launch(fname, kernel, dtype, grid, block, args, shared_mem=0):
+    _fn(fname, kernel, dtype)(grid if isinstance(grid, tuple) else (grid,),
+                              block if isinstance(block, tuple) else (block,), args,
+                              shared_mem=shared_mem)
+
+
+def _blocks(n: int, per_block: int = THREADS) -> int:
+    return max(1, min(MAX_BLOCKS, -(-n // per_block)))
+
+
+def _i32(x):
+    return np.int32(x)
+
+
+def _i64(x):
+    return np.int64(x)
+
+
+def _check(kernel: str, name: str, a, shape=None, dtype=None):
+    """Raise a clear error unless a is a C-contiguous CuPy array of this shape and dtype."""
+    if not isinstance(a, cp.ndarray):
+        raise TypeError(f"{kernel}: {name} must be a CuPy array, got {type(a).__name__}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{kernel}: {name} must be C-contiguous (strides {a.strides})")
+    if dtype is not None and a.dtype != np.dtype(dtype):
+        raise TypeError(f"{kernel}: {name} has dtype {a.dtype}, expected {np.dtype(dtype)}")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{kernel}: {name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+
+
+# ---------------------------------------------------------------- cuBLAS through ctypes
+_STATUS = {1: "NOT_INITIALIZED", 3: "ALLOC_FAILED", 7: "INVALID_VALUE", 8: "ARCH_MISMATCH",
+           11: "MAPPING_ERROR", 13: "EXECUTION_FAILED", 14: "INTERNAL_ERROR", 15: "NOT_SUPPORTED"}
+OP_N, OP_T = 0, 1  # cublasOperation_t
+COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F: float32 accumulation, TF32 only if the math mode asks (never)
+GEMM_DEFAULT = -1  # CUBLAS_GEMM_DEFAULT
+CUBLAS_WORKSPACE = 32 << 20  # cuBLAS's recommended workspace size on Hopper
+
+
+def _cuda_type(dtype) -> int:
+    """cudaDataType_t: CUDA_R_32F = 0, CUDA_R_16F = 2, CUDA_R_16BF = 14."""
+    return {"float": 0, "f16": 2, "bf16": 14}[_ct_name(dtype)]
+
+
+def _find_cublas():
+    """The libcublas CuPy already loaded (same copy and version), else the usual sonames."""
+    cp.cuda.device.get_cublas_handle()  # makes CuPy load its libcublas
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.split()[-1]
+            if path.rsplit("/", 1)[-1].startswith("libcublas.so"):
+                return ctypes.CDLL(path)
+    for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError("libcublas not found: CuPy loaded none and no libcublas.so.{13,12} is on the path")
+
+
+class Cublas:
+    """One cuBLAS handle following CuPy's current stream, with a preallocated workspace.
+    gemm() speaks row-major: C (M, N) = alpha op(A) op(B) + beta C."""
+
+    def __init__(self):
+        lib = self.lib = _find_cublas()
+        vp, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        fp = ctypes.POINTER(ctypes.c_float)
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasSetStream_v2.argtypes = [vp, vp]
+        lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
+        lib.cublasSetMathMode.argtypes = [vp, i]
+        lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, fp, vp, i, i, vp, i, i, fp, vp, i, i, i, i]
+        lib.cublasGemmStridedBatchedEx.argtypes = [vp, i, i, i, i, i, fp, vp, i, i, ll, vp, i, i, ll,
+                                                   fp, vp, i, i, ll, i, i, i]
+        self.handle = vp()
+        self._ok("cublasCreate_v2", lib.cublasCreate_v2(ctypes.byref(self.handle)))
+        self._ok("cublasSetMathMode", lib.cublasSetMathMode(self.handle, 0))  # CUBLAS_DEFAULT_MATH
+        self.workspace = cp.empty(CUBLAS_WORKSPACE, dtype=cp.uint8)
+        self.stream = None
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    @staticmethod
+    def _ok(what, status):
+        if status != 0:
+            raise RuntimeError(f"{what} failed: CUBLAS_STATUS_{_STATUS.get(status, status)}")
+
+    def _bind_stream(self):
+        # SetStream resets the workspace to cuBLAS's own pool, so set ours again after it
+        ptr = cp.cuda.get_current_stream().ptr
+        if ptr != self.stream:
+            self._ok("cublasSetStream_v2", self.lib.cublasSetStream_v2(self.handle, ptr))
+            self._ok("cublasSetWorkspace_v2", self.lib.cublasSetWorkspace_v2(
+                self.handle, self.workspace.data.ptr, CUBLAS_WORKSPACE))
+            self.stream = ptr
+
+    def gemm(self, C, A, B, trans_a, trans_b, M, N, K, lda, ldb, ldc, alpha=1.0, beta=0.0,
+             batch=1, stride_a=0, stride_b=0, stride_c=0):
+        """lda, ldb, ldc: row strides (elements) of A, B, C as stored; strides between batches."""
+        self._bind_stream()
+        if A.dtype != B.dtype:
+            raise TypeError(f"gemm: A is {A.dtype} but B is {B.dtype}; both must be the compute dtype")
+        ta, tb, tc = _cuda_type(A.dtype), _cuda_type(B.dtype), _cuda_type(C.dtype)
+        self.alpha.value, self.beta.value = alpha, beta
+        op_a, op_b = (OP_T if trans_a else OP_N), (OP_T if trans_b else OP_N)
+        # cuBLAS is column-major: compute C^T (N, M) = op(B)^T (N, K) @ op(A)^T (K, M)
+        if batch == 1:
+            st = self.lib.cublasGemmEx(self.handle, op_b, op_a, N, M, K, ctypes.byref(self.alpha),
+                                       B.data.ptr, tb, ldb, A.data.ptr, ta, lda,
+                                       ctypes.byref(self.beta), C.data.ptr, tc, ldc,
+                                       COMPUTE_32F, GEMM_DEFAULT)
+            self._ok(f"cublasGemmEx (M={M} N={N} K={K} {A.dtype}->{C.dtype})", st)
+        else:
+            st = self.lib.cublasGemmStridedBatchedEx(
+                self.handle, op_b, op_a, N, M, K, ctypes.byref(self.alpha),
+                B.data.ptr, tb, ldb, stride_b, A.data.ptr, ta, lda, stride_a,
+                ctypes.byref(self.beta), C.data.ptr, tc, ldc, stride_c, batch,
+                COMPUTE_32F, GEMM_DEFAULT)
+            self._ok(f"cublasGemmStridedBatchedEx (batch={batch} M={M} N={N} K={K})", st)
+
+
+_CUBLAS = None
+
+
+def _blas() -> Cublas:
+    global _CUBLAS
+    if _CUBLAS is None:
+        _CUBLAS = Cublas()
+    return _CUBLAS
+
+
+# ---------------------------------------------------------------- workspace
+class Workspace:
+    """Named scratch buffers, grown on demand (so only while the first step runs), then reused."""
+
+    def __init__(self):
+        self.bufs: dict = {}
+
+    def get(self, name: str, n: int, dtype):
+        dt = np.dtype(dtype)
+        buf = self.bufs.get((name, dt.name))
+        if buf is None or buf.size < n:
+            self.bufs.pop((name, dt.name), None)
+            buf = self.bufs[(name, dt.name)] = cp.empty(max(int(n), 1), dtype=dt)
+        return buf[:n]
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.bufs.values())
+
+
+WORKSPACE = Workspace()
+
+
+def workspace_rows(B: int, T: int, C: int, n_head: int, act_dtype):
+    """[(name, shape, dtype)] of the scratch the kernels take for one model shape: what
+    reserve_workspace allocates, for the engine's memory plan."""
+    act = np.dtype(act_dtype).name
+    N, BH = B * T, B * n_head
+    P = 1 << max(1, (N - 1).bit_length())
+    rows = [("attn_scores", (BH * T * T,), "float32"), ("attn_probs", (BH * T * T,), act),
+            ("attn_heads", (3 * N * C,), act), ("attn_y", (N * C,), act),
+            ("attn_dheads", (3 * N * C,), "float32"),
+            ("colsum_a", (COLSUM_CHUNKS * 4 * C,), "float32"),
+            ("colsum_b", (COLSUM_CHUNKS * 4 * C,), "float32"),
+            ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
+    return rows
+
+
+def reserve_workspace(B: int, T: int, C: int, n_head: int, act_dtype) -> int:
+    """Allocate the workspace for this shape now (start-up), so the step loop allocates nothing.
+    Returns the bytes held."""
+    for name, shape, dtype in workspace_rows(B, T, C, n_head, act_dtype):
+        if name != "cublas":
+            WORKSPACE.get(name, shape[0], dtype)
+    _blas()
+    return WORKSPACE.nbytes() + CUBLAS_WORKSPACE
+
+
+def _colsum_add(out, x, N: int, Cc: int, slot="colsum_a"):
+    """out (Cc,) float32 += column sums of x (N, Cc), in two fixed-order passes."""
+    rpc = -(-N // COLSUM_CHUNKS)
+    chunks = -(-N // rpc)
+    part = WORKSPACE.get(slot, chunks * Cc, np.float32)
+    _launch("linear.cu", "k_colsum_partial", x.dtype, (-(-Cc // 32), chunks), (32, 8),
+            (part, x, _i64(N), _i32(Cc), _i32(rpc)))
+    _launch("linear.cu", "k_colsum_final", x.dtype, -(-Cc // 128), 128,
+            (out, part, _i32(chunks), _i32(Cc)))
+
+
+# ---------------------------------------------------------------- embedding
+def k_embed_fwd(out, tokens, wte, wpe):
+    """out (B,T,C) = wte[tokens] + wpe[:T]; tokens (B,T) int32."""
+    B, T = tokens.shape
+    V, C = wte.shape
+    ct = wte.dtype
+    _check("k_embed_fwd", "tokens", tokens, dtype=np.int32)
+    _check("k_embed_fwd", "wte", wte, dtype=ct)
+    _check("k_embed_fwd", "wpe", wpe, dtype=ct)
+    _check("k_embed_fwd", "out", out, (B, T, C), ct)
+    if wpe.shape[0] < T or wpe.shape[1] != C:
+        raise ValueError(f"k_embed_fwd: wpe has shape {wpe.shape}, needs at least ({T}, {C})")
+    N = B * T
+    _launch("embed.cu", "k_embed_fwd", ct, _blocks(N * C), THREADS,
+            (out, tokens, wte, wpe, _i32(N), _i32(T), _i32(C), _i32(V)))
+
+
+def k_embed_bwd(dwte, dwpe, dout, tokens):
+    """dwte[tokens] += dout, dwpe[:T] += sum over batch of dout; no atomics (sorted tokens)."""
+    B, T = tokens.shape
+    V, C = dwte.shape
+    ct = dout.dtype
+    _check("k_embed_bwd", "tokens", tokens, dtype=np.int32)
+    _check("k_embed_bwd", "dwte", dwte, dtype=np.float32)
+    _check("k_embed_bwd", "dwpe", dwpe, dtype=np.float32)
+    _check("k_embed_bwd", "dout", dout, (B, T, C))
+    N = B * T
+    shift = max(1, (N - 1).bit_length())
+    if V << shift >= 1 << 32:
+        raise ValueError(f"k_embed_bwd: vocab {V} with B*T={N} overflows the 32-bit sort key")
+    P = 1 << shift
+    keys = WORKSPACE.get("embed_keys", P, np.uint32)
+    use_shared = P * 4 <= 48 * 1024
+    _launch("embed.cu", "k_embed_sort", ct, 1, 1024,
+            (keys, tokens, _i32(N), _i32(P), _i32(shift), _i32(int(use_shared))),
+            shared_mem=P * 4 if use_shared else 0)
+    _launch("embed.cu", "k_embed_bwd_wte", ct, (N, -(-C // 128)), 128,
+            (dwte, keys, dout, _i32(N), _i32(C), _i32(shift)))
+    _launch("embed.cu", "k_embed_bwd_wpe", ct, -(-(T * C) // THREADS), THREADS,
+            (dwpe, dout, _i32(B), _i32(T), _i32(C)))
+
+
+# ---------------------------------------------------------------- layer norm
+def k_layernorm_fwd(out, mean, rstd, inp, weight, bias):
+    """out (B,T,C) = (inp - mean) * rstd * weight + bias; saves mean, rstd (B,T) float32."""
+    C = inp.shape[-1]
+    ct = inp.dtype
+    for n, a in (("out", out), ("inp", inp)):
+        _check("k_layernorm_fwd", n, a, inp.shape, ct)
+    for n, a in (("weight", weight), ("bias", bias)):
+        _check("k_layernorm_fwd", n, a, (C,), ct)
+    for n, a in (("mean", mean), ("rstd", rstd)):
+        _check("k_layernorm_fwd", n, a, inp.shape[:-1], np.float32)
+    N = inp.size // C
+    _launch("layernorm.cu", "k_layernorm_fwd", ct, -(-N // 8), THREADS,
+            (out, mean, rstd, inp, weight, bias, _i64(N), _i32(C)))
+
+
+def k_layernorm_bwd(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+    """Adds into dinp (B,T,C) (compute dtype), dweight, dbias (C,) float32."""
+    C = inp.shape[-1]
+    ct = inp.dtype
+    for n, a in (("dinp", dinp), ("dout", dout), ("inp", inp)):
+        _check("k_layernorm_bwd", n, a, inp.shape, ct)
+    _check("k_layernorm_bwd", "weight", weight, (C,), ct)
+    for n, a in (("dweight", dweight), ("dbias", dbias)):
+        _check("k_layernorm_bwd", n, a, (C,), np.float32)
+    for n, a in (("mean", mean), ("rstd", rstd)):
+        _check("k_layernorm_bwd", n, a, inp.shape[:-1], np.float32)
+    N = inp.size // C
+    _launch("layernorm.cu", "k_layernorm_bwd_dx", ct, -(-N // 8), THREADS,
+            (dinp, dout, inp, weight, mean, rstd, _i64(N), _i32(C)))
+    rpc = -(-N // COLSUM_CHUNKS)
+    chunks = -(-N // rpc)
+    pdw = WORKSPACE.get("colsum_a", chunks * C, np.float32)
+    pdb = WORKSPACE.get("colsum_b", chunks * C, np.float32)
+    _launch("layernorm.cu", "k_layernorm_bwd_partial", ct, (-(-C // 32), chunks), (32, 8),
+            (pdw, pdb, dout, inp, mean, rstd, _i64(N), _i32(C), _i32(rpc)))
+    _launch("layernorm.cu", "k_colsum_final", ct, -(-C // 128), 128, (dweight, pdw, _i32(chunks), _i32(C)))
+    _launch("layernorm.cu", "k_colsum_final", ct, -(-C // 128), 128, (dbias, pdb, _i32(chunks), _i32(C)))
+
+
+# ---------------------------------------------------------------- linear layers (shared)
+def _linear_fwd(kernel, out, inp, w, b, bias=True):
+    """out (N, OC) = inp (N, IC) @ w (OC, IC).T (+ b)."""
+    OC, IC = w.shape
+    ct = w.dtype
+    _check(kernel, "inp", inp, dtype=ct)
+    _check(kernel, "w", w, dtype=ct)
+    if inp.shape[-1] != IC:
+        raise ValueError(f"{kernel}: inp has shape {inp.shape}, its last axis must be {IC}")
+    N = inp.size // IC
+    _check(kernel, "out", out, inp.shape[:-1] + (OC,), ct)
+    _blas().gemm(out, inp, w, False, True, N, OC, IC, IC, IC, OC)
+    if bias:
+        _check(kernel, "b", b, (OC,), ct)
+        _launch("linear.cu", "k_bias_add", ct, _blocks(N * OC), THREADS, (out, b, _i64(N), _i32(OC)))
+
+
+def _linear_bwd(kernel, dinp, dw, db, dout, inp, w):
+    """dinp (N, IC) += dout @ w; dw (OC, IC) += dout.T @ inp; db (OC,) += column sums of dout."""
+    OC, IC = w.shape
+    ct = w.dtype
+    N = inp.size // IC
+    _check(kernel, "inp", inp, dtype=ct)
+    _check(kernel, "dinp", dinp, inp.shape, ct)
+    _check(kernel, "dout", dout, inp.shape[:-1] + (OC,), ct)
+    _check(kernel, "dw", dw, (OC, IC), np.float32)
+    _check(kernel, "db", db, (OC,), np.float32)
+    blas = _blas()
+    blas.gemm(dinp, dout, w, False, False, N, IC, OC, OC, IC, IC, beta=1.0)
+    blas.gemm(dw, dout, inp, True, False, OC, IC, N, OC, IC, IC, beta=1.0)
+    _colsum_add(db, dout, N, OC)
+
+
+def k_attn_qkv_fwd(qkv, inp, w, b):
+    """qkv (B,T,3C) = inp (B,T,C) @ w (3C,C).T + b (3C,)."""
+    _linear_fwd("k_attn_qkv_fwd", qkv, inp, w, b)
+
+
+def k_attn_qkv_bwd(dinp, dw, db, dqkv, inp, w):
+    """Adds into dinp (B,T,C), dw (3C,C), db (3C,)."""
+    _linear_bwd("k_attn_qkv_bwd", dinp, dw, db, dqkv, inp, w)
+
+
+# ---------------------------------------------------------------- attention
+def _attn_shapes(kernel, qkv, n_head):
+    _check(kernel, "qkv", qkv)
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    if C3 % 3 or C % n_head:
+        raise ValueError(f"{kernel}: qkv last axis {C3} must be 3*C with C divisible by n_head={n_head}")
+    return B, T, C, n_head, C // n_head
+
+
+def _attn_scores(qkv, B, T, C, NH, hs):
+    """Split heads and compute S = Q K^T / sqrt(hs) (float32 workspace). Returns q, k, v, S."""
+    ct = qkv.dtype
+    N, BH = B * T, B * NH
+    heads = WORKSPACE.get("attn_heads", 3 * N * C, ct)
+    q, k, v = heads[:N * C], heads[N * C:2 * N * C], heads[2 * N * C:]
+    _launch("attention.cu", "k_attn_split_heads", ct, _blocks(3 * N * C), THREADS,
+            (q, k, v, qkv, _i32(B), _i32(T), _i32(NH), _i32(hs)))
+    S = WORKSPACE.get("attn_scores", BH * T * T, np.float32)
+    _blas().gemm(S, q, k, False, True, T, T, hs, hs, hs, T, alpha=1.0 / math.sqrt(hs),
+                 batch=BH, stride_a=T * hs, stride_b=T * hs, stride_c=T * T)
+    return q, k, v, S
+
+
+def k_attn_fwd(out, lse, qkv, n_head):
+    """Causal softmax(q k^T / sqrt(hs)) v into out (B,T,C); lse (B,NH,T) float32."""
+    B, T, C, NH, hs = _attn_shapes("k_attn_fwd", qkv, n_head)
+    ct = qkv.dtype
+    _check("k_attn_fwd", "out", out, (B, T, C), ct)
+    _check("k_attn_fwd", "lse", lse, (B, NH, T), np.float32)
+    q, k, v, S = _attn_scores(qkv, B, T, C, NH, hs)
+    BH = B * NH
+    P = WORKSPACE.get("attn_probs", BH * T * T, ct)
+    _launch("attention.cu", "k_attn_softmax", ct, -(-(BH * T) // 8), THREADS,
+            (P, lse, S, _i64(BH * T), _i32(T), _i32(1)))
+    y = WORKSPACE.get("attn_y", B * T * C, ct)
+    _blas().gemm(y, P, v, False, False, T, hs, T, T, hs, hs,
+                 batch=BH, stride_a=T * T, stride_b=T * hs, stride_c=T * hs)
+    _launch("attention.cu", "k_attn_merge_heads", ct, _blocks(B * T * C), THREADS,
+            (out, y, _i32(B), _i32(T), _i32(NH), _i32(hs)))
+
+
+def k_attn_bwd(dqkv, dout, qkv, out, lse, n_head):
+    """Adds into dqkv (B,T,3C); recomputes P from S and the saved lse."""
+    B, T, C, NH, hs = _attn_shapes("k_attn_bwd", qkv, n_head)
+    ct = qkv.dtype
+    _check("k_attn_bwd", "dqkv", dqkv, qkv.shape, ct)
+    _check("k_attn_bwd", "dout", dout, (B, T, C), ct)
+    _check("k_attn_bwd", "out", out, (B, T, C), ct)
+    _check("k_attn_bwd", "lse", lse, (B, NH, T), np.float32)
+    blas, N, BH = _blas(), B * T, B * NH
+    q, k, v, S = _attn_scores(qkv, B, T, C, NH, hs)
+    P = WORKSPACE.get("attn_probs", BH * T * T, ct)
+    _launch("attention.cu", "k_attn_softmax", ct, -(-(BH * T) // 8), THREADS,
+            (P, lse, S, _i64(BH * T), _i32(T), _i32(0)))
+    dy = WORKSPACE.get("attn_y", N * C, ct)
+    _launch("attention.cu", "k_attn_split_dout", ct, _blocks(N * C), THREADS,
+            (dy, dout, _i32(B), _i32(T), _i32(NH), _i32(hs)))
+    dh = WORKSPACE.get("attn_dheads", 3 * N * C, np.float32)
+    dq, dk, dv = dh[:N * C], dh[N * C:2 * N * C], dh[2 * N * C:]
+    th, tt = T * hs, T * T
+    blas.gemm(dv, P, dy, True, False, T, hs, T, T, hs, hs, batch=BH, stride_a=tt, stride_b=th, stride_c=th)
+    blas.gemm(S, dy, v, False, True, T, T, hs, hs, hs, T, batch=BH, stride_a=th, stride_b=th, stride_c=tt)
+    _launch("attention.cu", "k_attn_dscores", ct, -(-(BH * T) // 8), THREADS,
+            (P, S, dout, out, _i64(BH * T), _i32(T), _i32(NH), _i32(hs), np.float32(1.0 / math.sqrt(hs))))
+    blas.gemm(dq, P, k, False, False, T, hs, T, T, hs, hs, batch=BH, stride_a=tt, stride_b=th, stride_c=th)
+    blas.gemm(dk, P, q, True, False, T, hs, T, T, hs, hs, batch=BH, stride_a=tt, stride_b=th, stride_c=th)
+    _launch("attention.cu", "k_attn_merge_grads", ct, _blocks(3 * N * C), THREADS,
+            (dqkv, dq, dk, dv, _i32(B), _i32(T), _i32(NH), _i32(hs)))
+
+
+def k_attn_out_fwd(out, inp, w, b):
+    """out (B,T,C) = inp (B,T,C) @ w (C,C).T + b: the output projection W_O."""
+    _linear_fwd("k_attn_out_fwd", out, inp, w, b)
+
+
+def k_attn_out_bwd(dinp, dw, db, dout, inp, w):
+    """Adds into dinp (B,T,C), dw (C,C), db (C,)."""
+    _linear_bwd("k_attn_out_bwd", dinp, dw, db, dout, inp, w)
+
+
+# ---------------------------------------------------------------- MLP
+def k_mlp_fwd(out, pre, act, inp, w1, b1, w2, b2):
+    """out (B,T,C) = gelu_tanh(inp @ w1.T + b1) @ w2.T + b2; saves pre (B,T,4C); act workspace."""
+    H, C = w1.shape
+    ct = w1.dtype
+    _check("k_mlp_fwd", "pre", pre, inp.shape[:-1] + (H,), ct)
+    _check("k_mlp_fwd", "act", act, pre.shape, ct)
+    _check("k_mlp_fwd", "b1", b1, (H,), ct)
+    _check("k_mlp_fwd", "w2", w2, (C, H), ct)
+    _linear_fwd("k_mlp_fwd", pre, inp, w1, None, bias=False)
+    N = inp.size // C
+    _launch("mlp.cu", "k_mlp_bias_gelu", ct, _blocks(N * H), THREADS, (pre, act, b1, _i64(N), _i32(H)))
+    _linear_fwd("k_mlp_fwd", out, act, w2, b2)
+
+
+def k_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact):
+    """Adds into dinp, dw1 (4C,C), db1, dw2 (C,4C), db2. act, dact (B,T,4C) are workspace."""
+    H, C = w1.shape
+    ct = w1.dtype
+    for n, a in (("pre", pre), ("act", act), ("dact", dact)):
+        _check("k_mlp_bwd", n, a, inp.shape[:-1] + (H,), ct)
+    _check("k_mlp_bwd", "w2", w2, (C, H), ct)
+    _check("k_mlp_bwd", "dout", dout, inp.shape, ct)
+    _check("k_mlp_bwd", "dw2", dw2, (C, H), np.float32)
+    _check("k_mlp_bwd", "db2", db2, (C,), np.float32)
+    N = inp.size // C
+    _launch("mlp.cu", "k_mlp_gelu", ct, _blocks(N * H), THREADS, (act, pre, _i64(N * H)))
+    blas = _blas()
+    blas.gemm(dact, dout, w2, False, False, N, H, C, C, H, H)  # dact = dout @ w2 (overwrites)
+    blas.gemm(dw2, dout, act, True, False, C, H, N, C, H, H, beta=1.0)
+    _colsum_add(db2, dout, N, C)
+    _launch("mlp.cu", "k_mlp_gelu_bwd", ct, _blocks(N * H), THREADS, (dact, pre, _i64(N * H)))
+    _linear_bwd("k_mlp_bwd", dinp, dw1, db1, dact, inp, w1)
+
+
+# ---------------------------------------------------------------- residual
+def k_residual_add(out, a, b):
+    """out = a + b."""
+    for n, x in (("out", out), ("a", a), ("b", b)):
+        _check("k_residual_add", n, x, a.shape, a.dtype)
+    _launch("residual.cu", "k_residual_add", a.dtype, _blocks(a.size), THREADS, (out, a, b, _i64(a.size)))
+
+
+def k_residual_add_bwd(da, db, dout):
+    """da += dout, db += dout."""
+    for n, x in (("da", da), ("db", db), ("dout", dout)):
+        _check("k_residual_add_bwd", n, x, dout.shape, dout.dtype)
+    _launch("residual.cu", "k_residual_add_bwd", dout.dtype, _blocks(dout.size), THREADS,
+            (da, db, dout, _i64(dout.size)))
+
+
+# ---------------------------------------------------------------- loss
+def _loss_checks(kernel, lse, logits, inp, wte, targets):
+    V, C = wte.shape
+    B, T = targets.shape
+    ct = wte.dtype
+    _check(kernel, "targets", targets, dtype=np.int32)
+    _check(kernel, "lse", lse, (B, T), np.float32)
+    _check(kernel, "logits", logits, (B, T, V), ct)
+    _check(kernel, "inp", inp, (B, T, C), ct)
+    _check(kernel, "wte", wte, dtype=ct)
+    return B * T, V, C, ct
+
+
+def k_loss_fwd(losses, lse, logits, inp, wte, targets):
+    """logits (B,T,V) = inp @ wte.T (workspace kept for backward); writes losses, lse (B,T)."""
+    N, V, C, ct = _loss_checks("k_loss_fwd", lse, logits, inp, wte, targets)
+    _check("k_loss_fwd", "losses", losses, targets.shape, np.float32)
+    _blas().gemm(logits, inp, wte, False, True, N, V, C, C, C, V)
+    _launch("loss.cu", "k_loss_fwd", ct, N, 512, (losses, lse, logits, targets, _i64(N), _i32(V)))
+
+
+def k_loss_bwd(dinp, dwte, logits, lse, inp, wte, targets, dloss):
+    """Adds into dinp (B,T,C) and dwte (V,C) the gradient of dloss * sum(losses); logits become
+    dlogits in place."""
+    N, V, C, ct = _loss_checks("k_loss_bwd", lse, logits, inp, wte, targets)
+    _check("k_loss_bwd", "dinp", dinp, inp.shape, ct)
+    _check("k_loss_bwd", "dwte", dwte, (V, C), np.float32)
+    _launch("loss.cu", "k_loss_bwd", ct, N, THREADS,
+            (logits, lse, targets, _i64(N), _i32(V), np.float32(dloss)))
+    blas = _blas()
+    blas.gemm(dinp, logits, wte, False, False, N, C, V, V, C, C, beta=1.0)
+    blas.gemm(dwte, logits, inp, True, False, V, C, N, V, C, C, beta=1.0)
+
+
+# ---------------------------------------------------------------- clipping and the optimizer
+def k_grad_norm_partial(partials, grads):
+    """partials[i] = sum of squares of the i-th of len(partials) equal chunks of grads."""
+    _check("k_grad_norm_partial", "partials", partials, dtype=np.float32)
+    _check("k_grad_norm_partial", "grads", grads, dtype=np.float32)
+    _launch("optim.cu", "k_grad_norm_partial", np.float32, partials.shape[0], THREADS,
+            (partials, grads, _i64(grads.size)))
+
+
+def k_grad_norm_final(norm, partials, pre_scale):
+    """norm[0] = sqrt(sum(partials)) * pre_scale, on the device."""
+    _check("k_grad_norm_final", "norm", norm, dtype=np.float32)
+    _check("k_grad_norm_final", "partials", partials, dtype=np.float32)
+    _launch("optim.cu", "k_grad_norm_final", np.float32, 1, 32,
+            (norm, partials, _i32(partials.size), np.float64(pre_scale)))
+
+
+def k_grad_scale(grads, norm, pre_scale, max_norm):
+    """grads *= pre_scale * min(1, max_norm / (norm + 1e-6)), reading norm on the device."""
+    _check("k_grad_scale", "grads", grads, dtype=np.float32)
+    _check("k_grad_scale", "norm", norm, dtype=np.float32)
+    _launch("optim.cu", "k_grad_scale", np.float32, _blocks(grads.size), THREADS,
+            (grads, norm, _i64(grads.size), np.float64(pre_scale), np.float64(max_norm)))
+
+
+def k_adamw(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, n_decay):
+    """One AdamW update in place, rounded as numpy_ref.k_adamw (decay on params[:n_decay])."""
+    for n, a in (("params", params), ("grads", grads), ("m", m), ("v", v)):
+        _check("k_adamw", n, a, params.shape, np.float32)
+    f32 = np.float32
+    mhat_scale = 1.0 / (1.0 - beta1 ** step)
+    vhat_scale = 1.0 / (1.0 - beta2 ** step)
+    _launch("optim.cu", "k_adamw", np.float32, _blocks(params.size), THREADS,
+            (params, grads, m, v, _i64(params.size), _i64(n_decay), f32(beta1), f32(1.0 - beta1),
+             f32(beta2), f32(1.0 - beta2), f32(1.0 - lr * weight_decay), f32(lr * mhat_scale),
+             f32(vhat_scale), f32(eps)))
+
+
+def k_cast_params(dst, src):
+    """dst (compute dtype) = src (float32 master weights), a flat copy."""
+    _check("k_cast_params", "src", src, dtype=np.float32)
+    _check("k_cast_params", "dst", dst, src.shape)
+    _launch("optim.cu", "k_cast_params", dst.dtype, _blocks(src.size), THREADS, (dst, src, _i64(src.size)))
+
+
+# ---------------------------------------------------------------- host utilities (not kernels)
+def to_numpy(a):
+    """A host NumPy copy of a device array (waits for the work that writes it)."""
+    return cp.asnumpy(a)
+
+
+def synchronize():
+    """Wait for all work queued on the current stream."""
+    cp.cuda.get_current_stream().synchronize()

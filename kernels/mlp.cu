@@ -1,0 +1,38 @@
+// mlp.cu: the elementwise parts of the MLP, around cuBLAS's two products (andrea/backends/cuda.py
+// k_mlp_fwd / k_mlp_bwd): the first bias fused with GELU (tanh form, as GPT-2), GELU recomputed
+// from the saved pre-activation in the backward pass, and the GELU derivative. The second bias
+// uses k_bias_add and the bias gradients k_colsum_* (common.cuh).
+#include "common.cuh"
+
+#define GELU_K 0.7978845608028654f  // sqrt(2 / pi), as numpy_ref.GELU_K
+
+__device__ __forceinline__ float gelu(float x) {
+  return 0.5f * x * (1.0f + tanhf(GELU_K * (x + 0.044715f * x * x * x)));
+}
+
+// pre (N, H) += b1 (rounded to CT, as saved); act = gelu(pre).
+extern "C" __global__ void k_mlp_bias_gelu(CT* pre, CT* act, const CT* b1, i64 N, int H) {
+  i64 total = N * H;
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+    CT v = from_f<CT>(to_f(pre[i]) + to_f(b1[i % H]));
+    pre[i] = v;
+    act[i] = from_f<CT>(gelu(to_f(v)));
+  }
+}
+
+// act = gelu(pre): the backward pass recomputes what the forward pass did not keep.
+extern "C" __global__ void k_mlp_gelu(CT* act, const CT* pre, i64 total) {
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x)
+    act[i] = from_f<CT>(gelu(to_f(pre[i])));
+}
+
+// dact *= gelu'(pre).
+extern "C" __global__ void k_mlp_gelu_bwd(CT* dact, const CT* pre, i64 total) {
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+    float x = to_f(pre[i]);
+    float u = GELU_K * (x + 0.044715f * x * x * x);
+    float th = tanhf(u);
+    float g = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * GELU_K * (1.0f + 3.0f * 0.044715f * x * x);
+    dact[i] = from_f<CT>(to_f(dact[i]) * g);
+  }
+}

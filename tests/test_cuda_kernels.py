@@ -1,0 +1,326 @@
+"""Every CUDA kernel pair against the NumPy reference, on the GPU (skipped without one).
+
+    python -m pytest -m gpu tests/test_cuda_kernels.py -q
+
+Method (per kernel, per precision): fresh random inputs at odd sizes (T=77, C=200, V=1001, head
+sizes 40 and 25, which do not divide 64); the reference runs in float64 on the same inputs rounded
+to the compute dtype; forward outputs are filled with NaN before the launch so an unwritten element
+fails; gradient buffers are pre-filled with random values and the test compares what the kernel
+ADDED. The error is norm(got - ref) / norm(ref); NaN or Inf anywhere fails.
+Tolerances: fp32 1e-5 (float32 arithmetic with TF32 off sits near 1e-7..1e-6 on these sizes);
+fp16 1e-2 (inputs, activations and intermediates rounded to 11 significant bits, ~5e-4 each).
+"""
+import zlib
+
+import numpy as np
+import pytest
+
+from andrea.backends import cuda_available
+from andrea.backends import numpy_ref as ref
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and CuPy")]
+
+B, T, C, V = 2, 77, 200, 1001
+PREC = {"fp32": (np.float32, 1e-5), "fp16": (np.float16, 1e-2)}
+
+
+@pytest.fixture(scope="module")
+def be():
+    from andrea.backends import get_backend
+    return get_backend("cuda")
+
+
+@pytest.fixture(params=list(PREC))
+def prec(request):
+    return PREC[request.param]
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+def rnd(rng, shape, dt, scale=1.0, shift=0.0):
+    """float64 host values already rounded to dt, so the reference sees the GPU's inputs."""
+    return (rng.standard_normal(shape) * scale + shift).astype(dt).astype(np.float64)
+
+
+def dev(x, dt):
+    import cupy as cp
+    return cp.asarray(np.ascontiguousarray(x).astype(dt))
+
+
+def nan_buf(shape, dt):
+    import cupy as cp
+    return cp.full(shape, np.nan, dtype=dt)
+
+
+def host(a):
+    import cupy as cp
+    return cp.asnumpy(a).astype(np.float64)
+
+
+def rel_err(got, want):
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    den = np.linalg.norm(want)
+    return float(np.linalg.norm(got - want) / (den if den > 0 else 1.0))
+
+
+def assert_close(name, got, want, tol):
+    err = rel_err(got, want)
+    if not err < tol:
+        g, w = got.reshape(-1), want.reshape(-1)
+        k = int(np.nanargmax(np.abs(g - w))) if np.isfinite(g).any() else 0
+        first = ", ".join(f"({a:.6g} vs {b:.6g})" for a, b in zip(g[:4], w[:4]))
+        pytest.fail(f"{name}: rel err {err:.3g} >= {tol:g}; first pairs {first}; "
+                    f"largest diff at {k}: {g[k]:.6g} vs {w[k]:.6g}; NaN count {np.isnan(g).sum()}")
+
+
+class Grad:
+    """A gradient buffer pre-filled with random values (scaled like the expected increment), so
+    the test checks that the kernel adds rather than writes."""
+
+    def __init__(self, rng, want_inc, dt):
+        scale = float(np.sqrt(np.mean(want_inc ** 2))) or 1.0
+        self.pre = rnd(rng, want_inc.shape, dt, scale)
+        self.want = want_inc
+        self.d = dev(self.pre, dt)
+
+    def check(self, name, tol):
+        assert_close(name, host(self.d) - self.pre, self.want, tol)
+
+
+def zeros_like64(*arrays):
+    return [np.zeros(a.shape) for a in arrays]
+
+
+# ---------------------------------------------------------------- embedding
+def test_embed(be, prec, rng):
+    dt, tol = prec
+    tokens = rng.integers(0, V, (B, T)).astype(np.int32)
+    tokens[0, :20] = 7  # a long run of one token, and one shared across the batch
+    tokens[1, 5] = 7
+    wte, wpe = rnd(rng, (V, C), dt), rnd(rng, (T + 5, C), dt)
+    out = np.zeros((B, T, C))
+    ref.k_embed_fwd(out, tokens, wte, wpe)
+    got = nan_buf((B, T, C), dt)
+    be.k_embed_fwd(got, dev(tokens, np.int32), dev(wte, dt), dev(wpe, dt))
+    assert_close("k_embed_fwd out", host(got), out, tol)
+
+    dout = rnd(rng, (B, T, C), dt)
+    dwte, dwpe = zeros_like64(wte, wpe)
+    ref.k_embed_bwd(dwte, dwpe, dout, tokens)
+    gwte, gwpe = Grad(rng, dwte, np.float32), Grad(rng, dwpe, np.float32)
+    be.k_embed_bwd(gwte.d, gwpe.d, dev(dout, dt), dev(tokens, np.int32))
+    gwte.check("k_embed_bwd dwte", tol)
+    gwpe.check("k_embed_bwd dwpe", tol)
+
+
+def test_embed_bwd_deterministic_large(be):
+    """B*T = 8192 (the shared-memory sort's largest) and 12288 (the global-memory sort), with
+    heavy repeats: two launches give the same bits, and the sum matches the reference."""
+    import cupy as cp
+    rng = np.random.default_rng(5)
+    for Bq, Tq in ((8, 1024), (12, 1024)):
+        tokens = rng.integers(0, 50, (Bq, Tq)).astype(np.int32)
+        dout = rng.standard_normal((Bq, Tq, 64)).astype(np.float32)
+        outs = []
+        for _ in range(2):
+            dwte, dwpe = cp.zeros((50, 64), cp.float32), cp.zeros((Tq, 64), cp.float32)
+            be.k_embed_bwd(dwte, dwpe, cp.asarray(dout), cp.asarray(tokens))
+            outs.append(cp.asnumpy(dwte))
+        assert np.array_equal(outs[0], outs[1]), "k_embed_bwd is not bit-reproducible"
+        want = np.zeros((50, 64))
+        np.add.at(want, tokens.reshape(-1), dout.reshape(-1, 64).astype(np.float64))
+        assert_close(f"k_embed_bwd dwte B*T={Bq * Tq}", outs[0].astype(np.float64), want, 1e-5)
+
+
+# ---------------------------------------------------------------- layer norm
+def test_layernorm(be, prec, rng):
+    dt, tol = prec
+    inp = rnd(rng, (B, T, C), dt, 2.0, 0.5)
+    w, b = rnd(rng, (C,), dt, 0.5, 1.0), rnd(rng, (C,), dt, 0.1)
+    out, mean, rstd = np.zeros((B, T, C)), np.zeros((B, T)), np.zeros((B, T))
+    ref.k_layernorm_fwd(out, mean, rstd, inp, w, b)
+    g_out, g_mean, g_rstd = nan_buf((B, T, C), dt), nan_buf((B, T), np.float32), nan_buf((B, T), np.float32)
+    be.k_layernorm_fwd(g_out, g_mean, g_rstd, dev(inp, dt), dev(w, dt), dev(b, dt))
+    assert_close("k_layernorm_fwd out", host(g_out), out, tol)
+    assert_close("k_layernorm_fwd mean", host(g_mean), mean, 1e-5)
+    assert_close("k_layernorm_fwd rstd", host(g_rstd), rstd, 1e-5 if dt == np.float32 else 1e-3)
+
+    dout = rnd(rng, (B, T, C), dt)
+    dinp, dw, db = zeros_like64(inp, w, b)
+    ref.k_layernorm_bwd(dinp, dw, db, dout, inp, w, mean, rstd)
+    gi, gw, gb = Grad(rng, dinp, dt), Grad(rng, dw, np.float32), Grad(rng, db, np.float32)
+    be.k_layernorm_bwd(gi.d, gw.d, gb.d, dev(dout, dt), dev(inp, dt), dev(w, dt),
+                       dev(mean, np.float32), dev(rstd, np.float32))
+    gi.check("k_layernorm_bwd dinp", tol)
+    gw.check("k_layernorm_bwd dweight", tol)
+    gb.check("k_layernorm_bwd dbias", tol)
+
+
+# ---------------------------------------------------------------- linear layers
+@pytest.mark.parametrize("op,oc", [("attn_qkv", 3 * C), ("attn_out", C)])
+def test_linear(be, prec, rng, op, oc):
+    dt, tol = prec
+    fwd, bwd = f"k_{op}_fwd", f"k_{op}_bwd"
+    inp, w, b = rnd(rng, (B, T, C), dt), rnd(rng, (oc, C), dt, 0.05), rnd(rng, (oc,), dt, 0.1)
+    out = np.zeros((B, T, oc))
+    getattr(ref, fwd)(out, inp, w, b)
+    got = nan_buf((B, T, oc), dt)
+    getattr(be, fwd)(got, dev(inp, dt), dev(w, dt), dev(b, dt))
+    assert_close(f"{fwd} out", host(got), out, tol)
+
+    dout = rnd(rng, (B, T, oc), dt)
+    dinp, dw, db = zeros_like64(inp, w, b)
+    getattr(ref, bwd)(dinp, dw, db, dout, inp, w)
+    gi, gw, gb = Grad(rng, dinp, dt), Grad(rng, dw, np.float32), Grad(rng, db, np.float32)
+    getattr(be, bwd)(gi.d, gw.d, gb.d, dev(dout, dt), dev(inp, dt), dev(w, dt))
+    gi.check(f"{bwd} dinp", tol)
+    gw.check(f"{bwd} dw", tol)
+    gb.check(f"{bwd} db", tol)
+
+
+# ---------------------------------------------------------------- attention
+@pytest.mark.parametrize("n_head", [5, 8])  # head sizes 40 and 25
+def test_attention(be, prec, rng, n_head):
+    dt, tol = prec
+    qkv = rnd(rng, (B, T, 3 * C), dt)
+    out, lse = np.zeros((B, T, C)), np.zeros((B, n_head, T))
+    ref.k_attn_fwd(out, lse, qkv, n_head)
+    g_out, g_lse = nan_buf((B, T, C), dt), nan_buf((B, n_head, T), np.float32)
+    be.k_attn_fwd(g_out, g_lse, dev(qkv, dt), n_head)
+    assert_close("k_attn_fwd out", host(g_out), out, tol)
+    assert_close("k_attn_fwd lse", host(g_lse), lse, 1e-5 if dt == np.float32 else 1e-3)
+
+    out = out.astype(dt).astype(np.float64)  # the backward pass reads the saved (rounded) output
+    dout = rnd(rng, (B, T, C), dt)
+    dqkv = np.zeros_like(qkv)
+    ref.k_attn_bwd(dqkv, dout, qkv, out, lse, n_head)
+    g = Grad(rng, dqkv, dt)
+    be.k_attn_bwd(g.d, dev(dout, dt), dev(qkv, dt), dev(out, dt), dev(lse, np.float32), n_head)
+    g.check("k_attn_bwd dqkv", tol)
+
+
+# ---------------------------------------------------------------- MLP
+def test_mlp(be, prec, rng):
+    dt, tol = prec
+    H = 4 * C
+    inp = rnd(rng, (B, T, C), dt)
+    w1, b1 = rnd(rng, (H, C), dt, 0.07), rnd(rng, (H,), dt, 0.1)
+    w2, b2 = rnd(rng, (C, H), dt, 0.035), rnd(rng, (C,), dt, 0.1)
+    out, pre, act = np.zeros((B, T, C)), np.zeros((B, T, H)), np.zeros((B, T, H))
+    ref.k_mlp_fwd(out, pre, act, inp, w1, b1, w2, b2)
+    g_out, g_pre, g_act = nan_buf((B, T, C), dt), nan_buf((B, T, H), dt), nan_buf((B, T, H), dt)
+    be.k_mlp_fwd(g_out, g_pre, g_act, dev(inp, dt), dev(w1, dt), dev(b1, dt), dev(w2, dt), dev(b2, dt))
+    assert_close("k_mlp_fwd out", host(g_out), out, tol)
+    assert_close("k_mlp_fwd pre", host(g_pre), pre, tol)
+
+    pre = pre.astype(dt).astype(np.float64)
+    dout = rnd(rng, (B, T, C), dt)
+    dinp, dw1, db1, dw2, db2 = zeros_like64(inp, w1, b1, w2, b2)
+    ref.k_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, np.zeros_like(pre), np.zeros_like(pre))
+    gs = [Grad(rng, dinp, dt)] + [Grad(rng, x, np.float32) for x in (dw1, db1, dw2, db2)]
+    be.k_mlp_bwd(*(g.d for g in gs), dev(dout, dt), dev(inp, dt), dev(pre, dt), dev(w1, dt),
+                 dev(w2, dt), nan_buf((B, T, H), dt), nan_buf((B, T, H), dt))
+    for g, n in zip(gs, ("dinp", "dw1", "db1", "dw2", "db2")):
+        g.check(f"k_mlp_bwd {n}", tol)
+
+
+# ---------------------------------------------------------------- residual
+def test_residual(be, prec, rng):
+    dt, tol = prec
+    a, b = rnd(rng, (B, T, C), dt), rnd(rng, (B, T, C), dt)
+    out = np.zeros((B, T, C))
+    ref.k_residual_add(out, a, b)
+    got = nan_buf((B, T, C), dt)
+    be.k_residual_add(got, dev(a, dt), dev(b, dt))
+    assert_close("k_residual_add out", host(got), out, tol)
+    dout = rnd(rng, (B, T, C), dt)
+    da, db = zeros_like64(a, b)
+    ref.k_residual_add_bwd(da, db, dout)
+    ga, gb = Grad(rng, da, dt), Grad(rng, db, dt)
+    be.k_residual_add_bwd(ga.d, gb.d, dev(dout, dt))
+    ga.check("k_residual_add_bwd da", tol)
+    gb.check("k_residual_add_bwd db", tol)
+
+
+# ---------------------------------------------------------------- loss
+def test_loss(be, prec, rng):
+    dt, tol = prec
+    inp, wte = rnd(rng, (B, T, C), dt), rnd(rng, (V, C), dt, 0.1)
+    targets = rng.integers(0, V, (B, T)).astype(np.int32)
+    losses, lse, logits = np.zeros((B, T)), np.zeros((B, T)), np.zeros((B, T, V))
+    ref.k_loss_fwd(losses, lse, logits, inp, wte, targets)
+    g_losses, g_lse, g_logits = nan_buf((B, T), np.float32), nan_buf((B, T), np.float32), nan_buf((B, T, V), dt)
+    be.k_loss_fwd(g_losses, g_lse, g_logits, dev(inp, dt), dev(wte, dt), dev(targets, np.int32))
+    assert_close("k_loss_fwd logits", host(g_logits), logits, tol)
+    assert_close("k_loss_fwd losses", host(g_losses), losses, tol)
+    assert_close("k_loss_fwd lse", host(g_lse), lse, tol)
+
+    dloss = 1.0 / 7  # any scale; the engine passes loss_scale / (B*T)
+    logits_in = logits.astype(dt).astype(np.float64)
+    dlogits = logits_in.copy()
+    dinp, dwte = zeros_like64(inp, wte)
+    ref.k_loss_bwd(dinp, dwte, dlogits, lse, inp, wte, targets, dloss)
+    gi, gw = Grad(rng, dinp, dt), Grad(rng, dwte, np.float32)
+    g_logits = dev(logits_in, dt)
+    be.k_loss_bwd(gi.d, gw.d, g_logits, dev(lse, np.float32), dev(inp, dt), dev(wte, dt),
+                  dev(targets, np.int32), dloss)
+    assert_close("k_loss_bwd dlogits", host(g_logits), dlogits, tol)
+    gi.check("k_loss_bwd dinp", tol)
+    gw.check("k_loss_bwd dwte", tol)
+
+
+# ---------------------------------------------------------------- clipping, AdamW, cast
+@pytest.mark.parametrize("max_norm", [0.0, 1e9, 0.5])  # off, not reached, clipping
+def test_clipping(be, rng, max_norm):
+    n = 100_003  # not a multiple of the partial count: the last chunk is short
+    P = be.GRAD_NORM_PARTIALS
+    grads = rnd(rng, (n,), np.float32, 0.3)
+    partials = np.zeros(P)
+    ref.k_grad_norm_partial(partials, grads)
+    g_part = nan_buf((P,), np.float32)
+    g_grads = dev(grads, np.float32)
+    be.k_grad_norm_partial(g_part, g_grads)
+    assert_close("k_grad_norm_partial", host(g_part), partials, 1e-5)
+    norm = np.zeros(1)
+    ref.k_grad_norm_final(norm, partials, 0.25)
+    g_norm = nan_buf((1,), np.float32)
+    be.k_grad_norm_final(g_norm, g_part, 0.25)
+    assert_close("k_grad_norm_final", host(g_norm), norm, 1e-5)
+    ref.k_grad_scale(grads, norm, 0.25, max_norm)
+    be.k_grad_scale(g_grads, g_norm, 0.25, max_norm)
+    assert_close("k_grad_scale", host(g_grads), grads, 1e-5)
+
+
+def test_adamw(be, rng):
+    """float32 on both sides: the kernel rounds each operation as NumPy does."""
+    n, n_decay = 50_001, 30_000
+    p, g = rnd(rng, (n,), np.float32), rnd(rng, (n,), np.float32, 0.01)
+    m, v = rnd(rng, (n,), np.float32, 0.001), np.abs(rnd(rng, (n,), np.float32, 1e-5))
+    host32 = [x.astype(np.float32) for x in (p, g, m, v)]
+    devs = [dev(x, np.float32) for x in host32]
+    args = (3e-3, 0.9, 0.95, 1e-8, 0.1, 7, n_decay)
+    ref.k_adamw(*host32, *args)
+    be.k_adamw(*devs, *args)
+    for name, want, got in zip(("params", "grads", "m", "v"), host32, devs):
+        assert_close(f"k_adamw {name}", host(got), want.astype(np.float64), 1e-6)
+
+
+def test_cast_params(be, rng):
+    src = rnd(rng, (10_007,), np.float32)
+    got = nan_buf((10_007,), np.float16)
+    be.k_cast_params(got, dev(src, np.float32))
+    assert np.array_equal(host(got), src.astype(np.float16).astype(np.float64))
+
+
+def test_launcher_rejects_bad_arguments(be):
+    import cupy as cp
+    x = cp.zeros((2, 3, 8), cp.float32)
+    with pytest.raises(TypeError, match="k_residual_add: b has dtype float16"):
+        be.k_residual_add(x, x, x.astype(cp.float16))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        be.k_residual_add(x, x, cp.zeros((2, 8, 3), cp.float32).transpose(0, 2, 1))
