@@ -74,7 +74,7 @@ extern "C" __global__ void k_attn_softmax(CT* P, float* lse, const float* S, i64
   const float* s = S + row * T;
   float L;
   if (write_lse) {
-    float m = -INFINITY, z = 0.f;
+    float m = NEG_INF, z = 0.f;
     for (int j = lane; j <= i; j += 32) {
       float v = s[j];
       if (v > m) { z = z * expf(m - v) + 1.f; m = v; } else { z += expf(v - m); }

@@ -36,6 +36,7 @@ template <> __device__ __forceinline__ bf16 from_f<bf16>(float f) {
 }
 
 typedef long long i64;  // element indices: B*T*V passes 2^31 at B=32, T=1024, V=50304
+#define NEG_INF __int_as_float(0xff800000)  // -inf without math.h: NVRTC compiles with no system headers
 
 // ---------------------------------------------------------------- fixed-order reductions
 // xor-shuffle trees: every lane ends with the same value, combined in the same order every run.
@@ -55,8 +56,8 @@ __device__ __forceinline__ float warp_max(float v) {
 // over a row find both; the merge order is the fixed shuffle tree, so results are reproducible.
 __device__ __forceinline__ void softmax_merge(float& m, float& s, float m2, float s2) {
   float mn = fmaxf(m, m2);
-  if (mn == -INFINITY) { s = 0.f; m = mn; return; }  // both empty: keep (-inf, 0)
-  s = s * __expf(m - mn) + s2 * __expf(m2 - mn);
+  if (mn == NEG_INF) { s = 0.f; m = mn; return; }  // both empty: keep (-inf, 0)
+  s = s * expf(m - mn) + s2 * expf(m2 - mn);
   m = mn;
 }
 __device__ __forceinline__ void warp_softmax_state(float& m, float& s) {

@@ -11,7 +11,7 @@ extern "C" __global__ void k_loss_fwd(float* losses, float* lse, const CT* logit
   __shared__ float sm[32], ss[32];
   i64 row = blockIdx.x;
   const CT* x = logits + row * V;
-  float m = -INFINITY, z = 0.f;
+  float m = NEG_INF, z = 0.f;
   for (int j = threadIdx.x; j < V; j += blockDim.x) {
     float v = to_f(x[j]);
     if (v > m) { z = z * expf(m - v) + 1.f; m = v; } else { z += expf(v - m); }
@@ -21,7 +21,7 @@ extern "C" __global__ void k_loss_fwd(float* losses, float* lse, const CT* logit
   if (lane == 0) { sm[warp] = m; ss[warp] = z; }
   __syncthreads();
   if (warp == 0) {
-    m = lane < nw ? sm[lane] : -INFINITY;
+    m = lane < nw ? sm[lane] : NEG_INF;
     z = lane < nw ? ss[lane] : 0.f;
     warp_softmax_state(m, z);
     if (lane == 0) {

@@ -1,0 +1,185 @@
+"""Benchmark: time training steps of the engine on the GPU, with a per-kernel breakdown.
+
+    python -m andrea.bench --exp ANDREA-120M --precision fp16 --batch 8 --steps 20 \
+        [--anchor .gpu/torch_gpt.py] [--json out.json]
+
+Builds the Engine for the experiment's model shape (conf/model/<exp>.yaml) at T = context, runs
+warm-up steps on fixed random tokens, then times --steps steps between CUDA events and prints
+tokens/s, ms/step, TFLOP/s (6N + 6*L*T*d per token, as the PyTorch anchor counts), the memory plan
+against what the device holds, and where the time goes (CUDA events around every backend call for
+a few more steps). With --anchor it runs the PyTorch anchor in a subprocess of the same job and
+prints our speed as a ratio of each anchor mode.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
+ANCHOR_SHAPES = {"ANDREA-120M": "120m", "ANDREA-12M": "12m"}  # torch_gpt.py's --shape names
+ANCHOR_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def model_dict(exp: str) -> dict:
+    from omegaconf import OmegaConf
+    path = CONF / f"{exp}.yaml"
+    if not path.is_file():
+        raise SystemExit(f"--exp {exp}: no model config {path}")
+    return OmegaConf.to_container(OmegaConf.load(path))
+
+
+class Timed:
+    """The backend, with CUDA events around every k_* call: per-kernel device time."""
+
+    def __init__(self, be):
+        self._be, self.events = be, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._be, name)
+        if not name.startswith("k_"):
+            return attr
+        xp = self._be.xp
+
+        def call(*args, **kw):
+            a, b = xp.cuda.Event(), xp.cuda.Event()
+            a.record()
+            out = attr(*args, **kw)
+            b.record()
+            self.events.append((name, a, b))
+            return out
+        return call
+
+    def totals(self):
+        self._be.synchronize()
+        t = defaultdict(float)
+        for name, a, b in self.events:
+            t[name] += self._be.xp.cuda.get_elapsed_time(a, b)
+        return t
+
+
+def run_engine(exp, precision, B, steps, warmup):
+    import cupy as cp
+
+    from .backends import get_backend
+    from .config import load_run_config
+    from .engine import Engine
+
+    m = model_dict(exp)
+    T = m["context"]
+    cfg = load_run_config({"exp": exp, "model": m, "backend": {"name": "cuda"},
+                           "train": {"batch_size": B, "seq_len": T, "precision": precision,
+                                     "steps": warmup + 2 * steps, "warmup_steps": 0}})
+    be = get_backend("cuda")
+    free0, total = cp.cuda.runtime.memGetInfo()
+    eng = Engine(cfg)
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(4):  # rotate a few batches: the same tokens every step would flatter the caches
+        xy = rng.integers(0, m["vocab_size"], (B, T + 1)).astype(np.int32)
+        batches.append((xy[:, :-1], xy[:, 1:]))
+    step = 0
+    for _ in range(warmup):
+        step += 1
+        eng.train_step(step, [batches[step % 4]])
+    be.synchronize()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(steps):
+        step += 1
+        rec = eng.train_step(step, [batches[step % 4]])
+    end.record()
+    end.synchronize()
+    wall = time.perf_counter() - t0
+    ms = cp.cuda.get_elapsed_time(start, end) / steps
+    pool = cp.get_default_memory_pool()
+    free1, _ = cp.cuda.runtime.memGetInfo()
+    planned = eng.plan.total()
+    extra = sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in
+                be.workspace_rows(B, T, m["d_model"], m["n_head"], eng.params_c.dtype))
+    timed = Timed(be)
+    eng.be = timed
+    for _ in range(min(steps, 5)):
+        step += 1
+        eng.train_step(step, [batches[step % 4]])
+    per_kernel = timed.totals()
+    eng.be = be
+    n = eng.layout.n_params
+    tok_s = B * T / (ms / 1e3)
+    flops_tok = 6 * n + 6 * m["n_layer"] * T * m["d_model"]
+    return {"system": "andrea", "exp": exp, "precision": precision, "batch": B, "context": T,
+            "params": n, "ms_step": round(ms, 2), "tok_s": round(tok_s),
+            "tflops": round(flops_tok * tok_s / 1e12, 1), "host_ms_step": round(wall / steps * 1e3, 2),
+            "loss": rec["loss"], "skipped": eng.skipped,
+            "planned_gb": round((planned + extra) / 2**30, 3), "plan_arena_gb": round(planned / 2**30, 3),
+            "pool_used_gb": round(pool.used_bytes() / 2**30, 3),
+            "device_used_gb": round((free0 - free1) / 2**30, 3),
+            "per_kernel_ms": {k: round(v / min(steps, 5), 3) for k, v in
+                              sorted(per_kernel.items(), key=lambda kv: -kv[1])}}
+
+
+def run_anchor(path, exp, precision, B, steps, modes):
+    out = []
+    for mode in modes:
+        compile_, tmode = (0, "default") if mode == "eager" else (1, mode)
+        cmd = [sys.executable, path, "--shape", ANCHOR_SHAPES[exp], "--batch", str(B),
+               "--dtype", ANCHOR_DTYPES[precision], "--compile", str(compile_), "--mode", tmode,
+               "--steps", str(steps)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"anchor {mode} failed:\n{r.stderr[-2000:]}", file=sys.stderr)
+            continue
+        rec = json.loads(r.stdout.strip().splitlines()[-1])
+        rec["anchor_mode"] = mode
+        out.append(rec)
+    return out
+
+
+def table(ours, anchors) -> str:
+    lines = [f"{'system':<38}{'tok/s':>10}{'ms/step':>10}{'TFLOP/s':>9}{'ratio':>8}"]
+    lines.append(f"{'andrea ' + ours['precision']:<38}{ours['tok_s']:>10,}{ours['ms_step']:>10.2f}"
+                 f"{ours['tflops']:>9.1f}{'1.00':>8}")
+    for a in anchors:
+        lines.append(f"{'pytorch ' + a['dtype'] + ' ' + a['anchor_mode']:<38}{a['tok_s']:>10,}"
+                     f"{a['ms_step']:>10.2f}{a['tflops']:>9.1f}{ours['tok_s'] / a['tok_s']:>8.2f}")
+    lines.append(f"memory: planned {ours['planned_gb']} GB (arena {ours['plan_arena_gb']} + kernel "
+                 f"workspace), CuPy pool {ours['pool_used_gb']} GB, device {ours['device_used_gb']} GB")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m andrea.bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--exp", default="ANDREA-120M", help="model shape: conf/model/<exp>.yaml")
+    ap.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp16")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--anchor", help="path to torch_gpt.py: run it in this job and print the ratio")
+    ap.add_argument("--anchor-modes", default="eager,reduce-overhead",
+                    help="comma list of eager, default (torch.compile), reduce-overhead")
+    ap.add_argument("--json", help="also write all figures here")
+    a = ap.parse_args(argv)
+    ours = run_engine(a.exp, a.precision, a.batch, a.steps, a.warmup)
+    print("per-kernel device time (ms/step, CUDA events around each backend call):")
+    total = sum(ours["per_kernel_ms"].values())
+    for k, v in ours["per_kernel_ms"].items():
+        print(f"  {k:<22}{v:>9.3f}{100 * v / total:>7.1f}%")
+    anchors = []
+    if a.anchor:
+        anchors = run_anchor(a.anchor, a.exp, a.precision, a.batch, a.steps, a.anchor_modes.split(","))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"andrea": ours, "anchors": anchors}, indent=1))
+    print(json.dumps({k: v for k, v in ours.items() if k != "per_kernel_ms"}))
+    print(table(ours, anchors))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
