@@ -393,7 +393,8 @@ class Supervisor:
                 return 0
             rc, life = self._run_engine()
             if rc == 0:
-                stopped = self.stop_requested or life["done"] == "stopped"
+                # the engine's own word wins: a stop that came after the last step is a finish
+                stopped = life["done"] == "stopped" or (life["done"] is None and self.stop_requested)
                 st.update(status="stopped" if stopped else "finished", message=f"engine done: {life['done']}")
                 return 0
             if rc == ABORT_EXIT:

@@ -69,7 +69,7 @@ def finish(proc: subprocess.Popen, timeout: float = 60.0):
 
 def test_kill9_engine_resumes_bit_identically(tiny_run):
     cfg, tmp = tiny_run
-    cfg["train"].update(steps=48, ckpt_every=5, keep_last=3, eval_every=8)
+    cfg["train"].update(steps=60, ckpt_every=5, keep_last=3, eval_every=8)
     cfg_a, run_a = write_run(cfg, tmp / "a")
     assert supervise(cfg_a, run_a, flush_s=0, progress=False) == 0
 
@@ -84,19 +84,21 @@ def test_kill9_engine_resumes_bit_identically(tiny_run):
     assert supervise(cfg_b, run_b, flush_s=0, progress=False, backoff_s=0.05, on_event=kill_at_23) == 0
     state = read(run_b, "state")
     assert state["status"] == "finished" and state["restarts"] == 1
-    resumes = [e for e in seen if e["event"] == "resume"]
-    # killed at or after step 23, before 25: the newest checkpoint is step 20 (ckpt_every=5)
-    assert [e["step"] for e in resumes] == [20], resumes
-    # the engine really replayed steps 21..23: they were seen twice on the wire, once in the file
-    wire = [e["step"] for e in seen if e["event"] == "step"]
-    assert wire.count(21) == 2 and wire.count(23) == 2
-    assert steps_of(run_b) == list(range(1, 49))
+    resumes = [i for i, e in enumerate(seen) if e["event"] == "resume"]
+    assert len(resumes) == 1, resumes
+    # the engine may have run some steps ahead of the proxy before the kill landed (its lines wait in
+    # the pipe); it resumed from a cadence checkpoint at or after 20, one the first life reached
+    resumed_at = seen[resumes[0]]["step"]
+    assert resumed_at % 5 == 0 and 20 <= resumed_at < 60
+    first_life = [e["step"] for e in seen[:resumes[0]] if e["event"] == "step"]
+    assert first_life == list(range(1, max(first_life) + 1)) and max(first_life) >= resumed_at
+    assert steps_of(run_b) == list(range(1, 61))
     hist_a, hist_b = read(run_a, "loss")["history"], read(run_b, "loss")["history"]
     assert [r["loss"] for r in hist_b] == [r["loss"] for r in hist_a]
     assert [r.get("val_loss") for r in hist_b] == [r.get("val_loss") for r in hist_a]
-    assert sum("val_loss" in r for r in hist_b) == 6  # steps 8, 16, ..., 48
-    final_a = (run_a / "checkpoints" / "step_00000048.bin").read_bytes()
-    final_b = (run_b / "checkpoints" / "step_00000048.bin").read_bytes()
+    assert sum("val_loss" in r for r in hist_b) == 8  # steps 8, 16, ..., 56 and the last, 60
+    final_a = (run_a / "checkpoints" / "step_00000060.bin").read_bytes()
+    final_b = (run_b / "checkpoints" / "step_00000060.bin").read_bytes()
     assert final_a == final_b
 
 

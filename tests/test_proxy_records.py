@@ -49,7 +49,8 @@ def test_corrupt_history_cli_exits_2_naming_the_file(tiny_run):
 def test_existing_history_is_kept_and_continued(tiny_run):
     """A second proxy session on a stopped run appends to its history; it does not start over."""
     cfg, tmp = tiny_run
-    cfg["train"].update(steps=16, ckpt_every=0)
+    # long enough that the engine, which may run ahead of the proxy by a few lines, is still going
+    cfg["train"].update(steps=120, ckpt_every=0)
     c, run = write_run(cfg, tmp)
 
     def stop_at_7(ev, pid):
@@ -58,10 +59,10 @@ def test_existing_history_is_kept_and_continued(tiny_run):
 
     assert supervise(c, run, flush_s=0, progress=False, on_event=stop_at_7) == 0
     first = read(run, "loss")["history"]
-    assert read(run, "state")["status"] == "stopped" and 7 <= len(first) < 16
+    assert read(run, "state")["status"] == "stopped" and 7 <= len(first) < 120
     assert supervise(c, run, flush_s=0, progress=False) == 0
     hist = read(run, "loss")["history"]
-    assert [r["step"] for r in hist] == list(range(1, 17))
+    assert [r["step"] for r in hist] == list(range(1, 121))
     assert hist[:len(first)] == first  # the first session's records, untouched (same times too)
     assert read(run, "state")["status"] == "finished"
 
