@@ -1,0 +1,318 @@
+"""Evaluate a trained run: held-out loss, samples, synthetic-task accuracy, loss curve, report.
+
+    python -m andrea.evaluate --config results/ANDREA-tiny/config.yaml \
+        --checkpoint-dir results/ANDREA-tiny/archive/final \
+        --loss results/ANDREA-tiny/ANDREA-tiny.loss.json \
+        --val-conversations data/synthetic/megachat/val.parquet \
+        --train-conversations data/synthetic/megachat/train.parquet \
+        --out-dir results/ANDREA-tiny [--published docs/published/ANDREA-tiny.json]
+
+Writes `<out>/report.md` and `<out>/eval/{metrics.json, loss.png, samples.json, tasks.json}`.
+
+- Validation loss: mean cross-entropy over the first eval.batches consecutive (B, T) windows of
+  the val shards (no sampling: every run sees the same tokens); perplexity = exp(loss); bits per
+  byte = loss / ln 2 * tokens / bytes of those target tokens (a special token counts the bytes of
+  its literal text), which compares across vocabularies.
+- Samples: eval.prompts through the chat template, eval.temperature, seeded with eval.seed + i.
+- Tasks (data.source=synthetic): the first eval.n_tasks held-out val conversations, answered
+  greedily; exact match against the answer recomputed from the question. Reported beside the
+  uniform-guess chance and the best constant answer per task kind learnt from the train split.
+- Published (docs/published/<exp>.json): PASS when |val_loss - published val_loss| <=
+  eval.tolerance, FAIL otherwise; the published curve is drawn under this run's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+
+from .config import AndreaConfig, load_run_config
+
+TASK_TOKENS = 16  # the longest synthetic answer ("0 1 2 3 4") is 9 characters, 9 tokens at most
+
+
+def atomic_write(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def val_windows(pattern: str, B: int, T: int, n_batches: int) -> List[tuple]:
+    """Up to n_batches (x, y) int32 (B, T) batches of consecutive windows of the val shards."""
+    from .data.loader import shard_paths
+    from .data.shards import read_shard
+
+    files = shard_paths(pattern)
+    if not files:
+        raise FileNotFoundError(f"data.val_shards={pattern!r}: no shard matches; run the tokenize step")
+    windows = []
+    for f in files:
+        toks = read_shard(f)
+        for k in range((len(toks) - 1) // T):
+            windows.append(np.asarray(toks[k * T:k * T + T + 1], dtype=np.int32))
+            if len(windows) == B * n_batches:
+                break
+    n = len(windows) // B
+    if n == 0:
+        raise ValueError(f"data.val_shards={pattern!r}: {len(windows)} windows of {T + 1} tokens, "
+                         f"fewer than one batch of B={B}")
+    arr = np.stack(windows[:n * B]).reshape(n, B, T + 1)
+    return [(a[:, :-1], a[:, 1:]) for a in arr]
+
+
+def held_out_loss(eng, tok, cfg: AndreaConfig) -> dict:
+    t = cfg.train
+    batches = val_windows(cfg.data.val_shards, t.batch_size, t.seq_len, cfg.eval.batches)
+    loss = eng.val_loss(batches)
+    nbytes = tok.token_bytes(cfg.model.vocab_size)
+    n_tok = sum(y.size for _, y in batches)
+    n_bytes = int(sum(nbytes[y].sum() for _, y in batches))
+    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)),
+            "bits_per_byte": loss / math.log(2) * n_tok / max(1, n_bytes),
+            "val_tokens": n_tok, "val_bytes": n_bytes, "val_batches": len(batches),
+            "uniform_loss": math.log(cfg.model.vocab_size)}
+
+
+def complete(eng, tok, prompt: str, max_new: int, temperature: float, seed: int) -> str:
+    from .data.chat import render_prompt
+
+    new = eng.generate(tok.encode(render_prompt(prompt)), max_new, temperature, seed, stop_ids=(tok.eot_id,))
+    return tok.decode([i for i in new if i != tok.eot_id])
+
+
+def samples(eng, tok, cfg: AndreaConfig) -> list:
+    e = cfg.eval
+    return [{"prompt": p, "completion": complete(eng, tok, p, e.max_new_tokens, e.temperature, e.seed + i)}
+            for i, p in enumerate(e.prompts)]
+
+
+def read_exchanges(path: Path, limit: int = 0) -> list:
+    """(question, reference answer) of synthetic-task conversations in a megachat split."""
+    import pyarrow.parquet as pq
+
+    from .data import synthetic
+    from .data.chat import ConversationError, first_exchange
+
+    out = []
+    for row in pq.read_table(path, columns=["conversations"]).column(0).to_pylist():
+        try:
+            q, a = first_exchange(row)
+            synthetic.kind_of(q)
+        except (ConversationError, ValueError):
+            continue
+        out.append((q, a))
+        if limit and len(out) == limit:
+            break
+    return out
+
+
+def task_accuracy(eng, tok, cfg: AndreaConfig, val_path: Path, train_path: Optional[Path]) -> dict:
+    from .data import synthetic
+
+    tasks = read_exchanges(val_path, cfg.eval.n_tasks)
+    if not tasks:
+        raise ValueError(f"{val_path}: no synthetic-task conversations to evaluate")
+    majority = {}
+    if train_path is not None:
+        by_kind = defaultdict(Counter)
+        for q, a in read_exchanges(train_path):
+            by_kind[synthetic.kind_of(q)][a] += 1
+        majority = {k: c.most_common(1)[0][0] for k, c in by_kind.items()}
+    rows, per = [], defaultdict(lambda: {"n": 0, "correct": 0, "chance": 0.0, "majority": 0})
+    for q, ref in tasks:
+        got = complete(eng, tok, q, min(TASK_TOKENS, cfg.eval.max_new_tokens), 0.0, cfg.eval.seed)
+        kind, right = synthetic.kind_of(q), synthetic.answer(q)
+        ok = synthetic.is_correct(q, got)
+        p = per[kind]
+        p["n"] += 1
+        p["correct"] += ok
+        p["chance"] += synthetic.chance(q)
+        p["majority"] += majority.get(kind) == right
+        rows.append({"kind": kind, "question": q, "answer": right, "completion": got, "correct": ok,
+                     "reference_matches": ref == right})
+    n = len(rows)
+    summary = {"n": n, "accuracy": sum(r["correct"] for r in rows) / n,
+               "chance": sum(p["chance"] for p in per.values()) / n,
+               "majority_baseline": sum(p["majority"] for p in per.values()) / n if majority else None,
+               "per_kind": {k: {"n": p["n"], "accuracy": p["correct"] / p["n"], "chance": p["chance"] / p["n"],
+                                "majority_baseline": p["majority"] / p["n"] if majority else None}
+                            for k, p in sorted(per.items())}}
+    return {"summary": summary, "rows": rows}
+
+
+def history_of(obj) -> list:
+    """The step records of a loss file: the proxy's {"history": [...]} or a bare list."""
+    hist = obj.get("history") if isinstance(obj, dict) else obj
+    if not isinstance(hist, list):
+        raise ValueError("loss file: expected a JSON object with a 'history' list, or a list of records")
+    return [r for r in hist if isinstance(r, dict) and isinstance(r.get("step"), int)]
+
+
+def curves(hist: list) -> dict:
+    tr = [(r["step"], r["loss"]) for r in hist if r.get("loss") is not None]
+    va = [(r["step"], r["val_loss"]) for r in hist if r.get("val_loss") is not None]
+    return {"train": tr, "val": va}
+
+
+def plot(path: Path, exp: str, mine: dict, published: Optional[dict], uniform: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and in CI
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if published is not None:
+        pc = curves(published.get("history", []))
+        if pc["train"]:
+            ax.plot(*zip(*pc["train"]), color="0.7", lw=1, label="published train")
+        if pc["val"]:
+            ax.plot(*zip(*pc["val"]), "s--", color="0.5", ms=3, label="published val")
+    if mine["train"]:
+        ax.plot(*zip(*mine["train"]), color="C0", lw=1, label="train")
+    if mine["val"]:
+        ax.plot(*zip(*mine["val"]), "o-", color="C1", ms=3, label="val")
+    ax.axhline(uniform, color="C3", ls=":", lw=1, label=f"uniform guess (ln V = {uniform:.2f})")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats)")
+    ax.set_title(exp)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def compare(metrics: dict, published: dict, tolerance: float, source: Path) -> dict:
+    ref = published.get("val_loss")
+    if not isinstance(ref, (int, float)):
+        raise ValueError(f"{source}: field val_loss is {ref!r}; expected a number")
+    diff = metrics["val_loss"] - ref
+    return {"file": str(source), "val_loss": ref, "diff": diff, "tolerance": tolerance,
+            "verdict": "PASS" if abs(diff) <= tolerance else "FAIL",
+            "machine": published.get("machine"), "accuracy": published.get("task_accuracy")}
+
+
+def report_md(m: dict) -> str:
+    L = [f"# {m['exp']}: evaluation", "",
+         f"Checkpoint `{m['checkpoint']}` (step {m['step']}), config_hash `{m['config_hash'][:12]}`.", "",
+         "| metric | value |", "| --- | --- |",
+         f"| validation loss (nats) | {m['val_loss']:.4f} |",
+         f"| uniform guess, ln V | {m['uniform_loss']:.4f} |",
+         f"| perplexity | {m['perplexity']:.3f} |",
+         f"| bits per byte | {m['bits_per_byte']:.4f} |",
+         f"| held-out tokens | {m['val_tokens']:,} ({m['val_batches']} batches) |"]
+    t = m.get("tasks")
+    if t:
+        maj = "n/a" if t["majority_baseline"] is None else f"{t['majority_baseline']:.3f}"
+        L += [f"| task exact match | {t['accuracy']:.3f} of {t['n']} |",
+              f"| uniform-guess chance | {t['chance']:.3f} |",
+              f"| best constant answer per kind | {maj} |", "",
+              "| task | n | exact match | chance | constant answer |", "| --- | --- | --- | --- | --- |"]
+        for k, p in t["per_kind"].items():
+            maj = "n/a" if p["majority_baseline"] is None else f"{p['majority_baseline']:.3f}"
+            L.append(f"| {k} | {p['n']} | {p['accuracy']:.3f} | {p['chance']:.3f} | {maj} |")
+    c = m.get("published")
+    L += ["", "## Against the published run", ""]
+    if c:
+        L += [f"**{c['verdict']}**: validation loss {m['val_loss']:.4f} vs published {c['val_loss']:.4f} "
+              f"(difference {c['diff']:+.4f}, tolerance ±{c['tolerance']}); `{c['file']}`"
+              + (f", measured on {c['machine']}." if c.get("machine") else ".")]
+    else:
+        L += ["No published run for this experiment (docs/published/<exp>.json)."]
+    L += ["", "## Loss curve", "", "![loss curve](eval/loss.png)", "", "## Samples", ""]
+    for s in m["samples"]:
+        L += [f"- **{s['prompt']}** → `{s['completion']}`"]
+    L += ["", f"Evaluated in {m['wall_s']:.1f} s on backend `{m['backend']}`.", ""]
+    return "\n".join(L)
+
+
+def find_checkpoint(d: Path) -> Path:
+    bins = sorted(d.glob("step_*.bin"))
+    if len(bins) != 1:
+        raise FileNotFoundError(f"{d}: expected exactly one step_XXXXXXXX.bin (the archived final checkpoint), "
+                                f"found {len(bins)}")
+    return bins[0]
+
+
+def evaluate(a) -> dict:
+    from .config import config_hash
+    from .data.tokenizer import load_tokenizer
+    from .engine import Engine
+
+    t0 = time.time()
+    cfg = load_run_config(a.config)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    ckpt = find_checkpoint(a.checkpoint_dir)
+    eng = Engine(cfg)
+    c = eng.load_checkpoint(ckpt)
+    m = {"exp": cfg.exp, "checkpoint": str(ckpt), "step": c.step, "config_hash": config_hash(cfg),
+         "backend": eng.be.NAME, **held_out_loss(eng, tok, cfg)}
+    m["samples"] = samples(eng, tok, cfg)
+    tasks = None
+    if cfg.data.source == "synthetic" and cfg.eval.n_tasks > 0:
+        tasks = task_accuracy(eng, tok, cfg, a.val_conversations, a.train_conversations)
+        m["tasks"] = tasks["summary"]
+    hist = history_of(json.loads(Path(a.loss).read_text())) if a.loss else []
+    published = None
+    if a.published and Path(a.published).is_file():
+        published = json.loads(Path(a.published).read_text())
+        m["published"] = compare(m, published, cfg.eval.tolerance, Path(a.published))
+    out = Path(a.out_dir)
+    plot(out / "eval" / "loss.png", cfg.exp, curves(hist), published, m["uniform_loss"])
+    m["wall_s"] = time.time() - t0
+    atomic_write(out / "eval" / "samples.json", json.dumps(m["samples"], indent=1) + "\n")
+    atomic_write(out / "eval" / "tasks.json", json.dumps(tasks["rows"] if tasks else [], indent=1) + "\n")
+    atomic_write(out / "eval" / "metrics.json", json.dumps(m, indent=1) + "\n")
+    atomic_write(out / "report.md", report_md(m))
+    if a.write_published:
+        write_published(Path(a.write_published), m, hist, a.machine)
+    return m
+
+
+def write_published(path: Path, m: dict, hist: list, machine: str) -> None:
+    """Freeze this evaluation as the published reference of its experiment."""
+    keep = ("step", "loss", "val_loss")
+    pub = {"exp": m["exp"], "val_loss": m["val_loss"], "perplexity": m["perplexity"],
+           "bits_per_byte": m["bits_per_byte"], "step": m["step"], "config_hash": m["config_hash"],
+           "task_accuracy": (m.get("tasks") or {}).get("accuracy"), "machine": machine,
+           "history": [{k: r[k] for k in keep if r.get(k) is not None} for r in hist]}
+    atomic_write(path, json.dumps(pub, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m andrea.evaluate", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, type=Path, help="resolved config of the run")
+    ap.add_argument("--checkpoint-dir", required=True, type=Path, help="folder with the final step_*.bin + .json")
+    ap.add_argument("--loss", type=Path, help="<exp>.loss.json of the run")
+    ap.add_argument("--val-conversations", type=Path, help="megachat val.parquet (synthetic tasks)")
+    ap.add_argument("--train-conversations", type=Path, help="megachat train.parquet (constant-answer baseline)")
+    ap.add_argument("--published", type=Path, help="docs/published/<exp>.json, compared when it exists")
+    ap.add_argument("--out-dir", required=True, type=Path)
+    ap.add_argument("--write-published", type=Path, help="also write this run as a published reference")
+    ap.add_argument("--machine", default="", help="machine description stored with --write-published")
+    a = ap.parse_args(argv)
+    m = evaluate(a)
+    t = m.get("tasks")
+    print(f"andrea.evaluate: {m['exp']}: val_loss {m['val_loss']:.4f} (uniform {m['uniform_loss']:.4f}), "
+          f"bpb {m['bits_per_byte']:.4f}" + (f", tasks {t['accuracy']:.3f} (chance {t['chance']:.3f})" if t else "")
+          + (f", {m['published']['verdict']} vs published" if m.get("published") else ""), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Train one experiment: Hydra composes the config, the proxy supervises the engine.
+
+    python -m andrea.train experiment=ANDREA-tiny                      # one run -> results/ANDREA-tiny/
+    python -m andrea.train experiment=ANDREA-tiny train.lr=1e-3        # any field can be overridden
+    python -m andrea.train -m experiment=ANDREA-tiny train.lr=1e-3,3e-3
+        # a sweep: one run per combination, each in results/ANDREA-tiny/sweep/<overrides>/,
+        # e.g. results/ANDREA-tiny/sweep/train.lr=0.001/
+
+The config comes from conf/ (config.yaml, one option per group, conf/experiment/<EXP>.yaml), typed
+by the dataclasses of andrea/config.py: an unknown key, a wrong type or a missing experiment stops
+before anything runs, with Hydra's message naming the key. The resolved config is written to
+`<run folder>/config.yaml`, then `andrea.proxy.supervise` runs the engine on it. The exit status is
+the proxy's: 0 finished or stopped, 3 aborted (non-finite steps), 1 failed, 2 bad config or a run
+folder that belongs to another config.
+
+A run folder whose newest checkpoint was written with the same model and training settings
+resumes from it; one written with other settings is refused (move it away to start afresh), so an
+override never silently continues another run's weights.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Iterable, Optional
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from .config import AndreaConfig, config_hash, load_run_config, register_configs
+
+# conf/ sits beside the package in the repository (editable install); the workflow passes its own.
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+EXIT_BAD_CONFIG = 2
+
+register_configs()
+
+
+class ConfigError(ValueError):
+    """A config that does not compose or validate; the message names the key or the file."""
+
+
+def resolve(cfg: DictConfig) -> AndreaConfig:
+    """The typed, validated AndreaConfig of a composed Hydra config (its hydra node dropped)."""
+    data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    data.pop("hydra", None)
+    return load_run_config(data)
+
+
+def compose_config(exp: str, overrides: Iterable[str] = (), conf_dir: Optional[Path] = None) -> AndreaConfig:
+    """The resolved config of experiment exp with Hydra overrides, outside of a Hydra run.
+
+    Used by the workflow and the tests; gives the same config as `python -m andrea.train`.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    conf_dir = Path(conf_dir or CONF_DIR).resolve()
+    overrides = [f"experiment={exp}", *overrides]
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+            return resolve(compose(config_name="config", overrides=overrides))
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(f"config {conf_dir}/config.yaml with overrides {overrides}: {_explain(e)}") from e
+
+
+def _explain(e: BaseException) -> str:
+    """The message of e and of its causes: Hydra puts the key's name in the cause."""
+    parts = []
+    while e is not None and len(parts) < 4:
+        msg = str(e).strip()
+        if msg and msg not in parts:
+            parts.append(msg)
+        e = e.__cause__ or e.__context__
+    return "\n".join(parts)
+
+
+def write_config(path: Path, cfg: AndreaConfig) -> None:
+    """The resolved config as YAML at path, atomically (the engine and archive read it)."""
+    text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def check_run_folder(cfg: AndreaConfig, run_dir: Path) -> None:
+    """Refuse a run folder whose newest checkpoint belongs to other model/training settings."""
+    from .checkpoint import latest_checkpoint, read_sidecar
+
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return
+    theirs, ours = read_sidecar(ckpt).get("config_hash"), config_hash(cfg)
+    if theirs != ours:
+        raise ConfigError(
+            f"{ckpt} was written with other model/training settings (config_hash {str(theirs)[:12]}… but "
+            f"this config gives {ours[:12]}…). Resuming would continue another run. Move "
+            f"{run_dir / 'checkpoints'} away (or delete it) to start afresh, or restore the old settings "
+            f"(see {run_dir / 'config.yaml'}) to resume it.")
+
+
+def run_folder() -> Path:
+    """hydra.run.dir for one run, hydra.sweep.dir/subdir for each run of a sweep (conf/config.yaml)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def train(cfg: DictConfig) -> int:
+    try:
+        run_cfg = resolve(cfg)
+        run_dir = run_folder()
+        check_run_folder(run_cfg, run_dir)
+    except (ConfigError, ValueError) as e:
+        print(f"andrea.train: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    write_config(run_dir / "config.yaml", run_cfg)
+    print(f"andrea.train: {run_cfg.exp} -> {run_dir} (config_hash {config_hash(run_cfg)[:12]})", file=sys.stderr)
+    from .proxy import supervise  # imported late: composing a config must not need the engine
+
+    return supervise(run_cfg, run_dir)
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    code = train(cfg)
+    if code:
+        sys.exit(code)  # in a sweep this stops the sweep: later runs would likely fail the same way
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+# Helpers of the workflow: experiment configs, stage configs, input functions. No rules here.
+#
+# Every experiment's config is composed with Hydra exactly as `python -m andrea.train` does
+# (conf/ of this checkout + `--config overrides="..."`). Each step gets the part of that config
+# it depends on as a small YAML "stage file" (rules/config.smk writes them). A stage file's text
+# is also a param of the rule that writes it, so Snakemake's params trigger rewrites it when, and
+# only when, that part of the config changes; the steps that read it then re-run because their
+# input is newer. Changing train.lr re-runs train -> archive -> evaluate; changing eval.* re-runs
+# evaluate; a second run with the same config does nothing.
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+REPO = Path(workflow.basedir).resolve().parent
+sys.path.insert(0, str(REPO))  # this checkout's andrea, not another installed copy
+
+from andrea.config import to_dict  # noqa: E402
+from andrea.train import ConfigError, compose_config  # noqa: E402
+
+CONF = REPO / "conf"
+OVERRIDES = shlex.split(str(config.get("overrides", "")))
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+DEFAULT_EXP = str(config.get("exp", "ANDREA-tiny"))
+# What each data source's pull depends on (keys of data.*); other data keys do not re-pull.
+PULL_KEYS = {
+    "synthetic": ("source", "n_synthetic", "seed", "max_conversations"),
+    "local": ("source", "local_path", "max_conversations"),
+    "hub": ("source", "hub_repo", "revision", "max_conversations"),
+}
+PREP_KEYS = ("val_fraction",)
+_CONFIGS = {}
+
+
+def exp_config(exp):
+    """The resolved AndreaConfig of an experiment (cached), or a WorkflowError naming the problem."""
+    if exp not in _CONFIGS:
+        if exp not in EXPERIMENTS:
+            raise WorkflowError(f"experiment {exp!r}: no conf/experiment/{exp}.yaml (known: {EXPERIMENTS})")
+        try:
+            _CONFIGS[exp] = compose_config(exp, OVERRIDES, CONF)
+        except ConfigError as e:
+            raise WorkflowError(f"experiment {exp}: {e}") from e
+    return _CONFIGS[exp]
+
+
+def data_root(cfg):
+    """Where the data steps of cfg write: <data.dir>/<data.source>; checks the engine reads there."""
+    d, v = cfg.data, cfg.model.vocab_size
+    root = f"{d.dir}/{d.source}"
+    expected = {"tokenizer": f"{root}/tok{v}/tokenizer.json", "train_shards": f"{root}/tok{v}/train_*.bin",
+                "val_shards": f"{root}/tok{v}/val_*.bin"}
+    for key, path in expected.items():
+        if getattr(d, key) != path:
+            raise WorkflowError(f"experiment {cfg.exp}: data.{key}={getattr(d, key)!r} but the workflow writes "
+                                f"{path!r}; change data.dir instead of the single paths")
+    return root
+
+
+def _yaml(obj):
+    return OmegaConf.to_yaml(OmegaConf.create(obj))
+
+
+def _data_stage(cfg, stage):
+    d = to_dict(cfg)["data"]
+    if stage == "pull":
+        if d["source"] not in PULL_KEYS:
+            raise WorkflowError(f"experiment {cfg.exp}: data.source={d['source']!r}; expected one of "
+                                f"{sorted(PULL_KEYS)}")
+        keys = PULL_KEYS[d["source"]]
+    else:
+        keys = PREP_KEYS
+    return {"data": {k: d[k] for k in keys}}
+
+
+def data_stage_text(wildcards):
+    """The pull or prep stage file of a data root: the same for every experiment that uses it."""
+    found = {}
+    for exp in EXPERIMENTS:
+        cfg = exp_config(exp)
+        if data_root(cfg) == wildcards.root:
+            found[exp] = _data_stage(cfg, wildcards.stage)
+    if not found:
+        raise WorkflowError(f"{wildcards.root}: no experiment reads data from there (experiments: {EXPERIMENTS})")
+    texts = {exp: _yaml(s) for exp, s in found.items()}
+    if len(set(texts.values())) > 1:
+        raise WorkflowError(f"{wildcards.root}: experiments {sorted(texts)} share this data folder but pin "
+                            f"different {wildcards.stage} settings: {texts}; give one of them another data.dir")
+    return next(iter(texts.values()))
+
+
+def exp_stage_text(wildcards):
+    """train: everything but eval (eval settings never change the weights); eval: everything."""
+    d = to_dict(exp_config(wildcards.exp))
+    if wildcards.part == "train":
+        d.pop("eval")
+    return _yaml(d)
+
+
+def write_stage(path, text, log):
+    """Stage files are small; written whole, then renamed, so a reader never sees half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    Path(log).write_text(f"wrote {path}\n")
+
+
+def pull_inputs(wildcards):
+    """The local mirror is an input of the pull, so a changed mirror re-pulls."""
+    for exp in EXPERIMENTS:
+        cfg = exp_config(exp)
+        if data_root(cfg) == wildcards.root and cfg.data.source == "local":
+            return [cfg.data.local_path]
+    return []
+
+
+def root_of(wildcards):
+    return data_root(exp_config(wildcards.exp))
+
+
+def tokenizer_of(wildcards):
+    return exp_config(wildcards.exp).data.tokenizer
+
+
+def shards_of(wildcards):
+    return str(Path(exp_config(wildcards.exp).data.tokenizer).with_name("shards.json"))
+
+
+def split_of(name):
+    def f(wildcards):
+        return f"{root_of(wildcards)}/megachat/{name}.parquet"
+    return f
+
+
+def published_of(wildcards):
+    p = REPO / "docs" / "published" / f"{wildcards.exp}.json"
+    return [str(p)] if p.is_file() else []
+
+
+def published_arg(wildcards, input):
+    return f"--published {shlex.quote(input.published)}" if input.published else ""
+
+
+def _affects_training(override):
+    key = override.lstrip("+~").split("=", 1)[0]
+    return not (key == "eval" or key.startswith("eval."))
+
+
+def train_overrides(wildcards):
+    """Overrides for python -m andrea.train; eval.* ones only matter to evaluate (its stage file)."""
+    return " ".join(shlex.quote(o) for o in OVERRIDES if _affects_training(o))
+
+
+def parent_of_output(wildcards, output):
+    return str(Path(output[0]).parent)
+
+
+def run_dir(wildcards, output):
+    return str(Path(output.report).parent)
+
+
+def experiment_targets(exps):
+    return [f"results/{e}/report.md" for e in exps]
+
+
+# The software of every step: the andrea package and its dependencies (pyproject.toml).
+ENV = "../envs/andrea.yaml"

@@ -1,0 +1,77 @@
+# Data steps: one raw pull per data root (<data.dir>/<data.source>), one megachat mix, one
+# tokenizer and one set of token shards per vocabulary size. Each step's script and the andrea
+# module holding its logic are inputs too: editing them re-runs the step.
+
+
+rule pull_hermes3:
+    input:
+        pull_inputs,
+        config="{root}/config/pull.yaml",
+        script="scripts/pull-hermes3.py",
+        code="andrea/data/synthetic.py",
+    output:
+        conversations="{root}/raw/conversations.parquet",
+        report="{root}/raw/pull-report.json",
+    log:
+        "{root}/logs/pull.log",
+    conda:
+        ENV
+    shell:
+        "python {input.script} --config {input.config} --out {output.conversations} "
+        "--report {output.report} > {log} 2>&1"
+
+
+rule prep_megachat:
+    input:
+        config="{root}/config/prep.yaml",
+        conversations="{root}/raw/conversations.parquet",
+        script="scripts/prep-megachat.py",
+        code="andrea/data/chat.py",
+    output:
+        train="{root}/megachat/train.parquet",
+        val="{root}/megachat/val.parquet",
+        report="{root}/megachat/report.json",
+    log:
+        "{root}/logs/prep.log",
+    conda:
+        ENV
+    shell:
+        "python {input.script} --config {input.config} --inputs {input.conversations} "
+        "--train {output.train} --val {output.val} --report {output.report} > {log} 2>&1"
+
+
+rule train_tokenizer:
+    input:
+        train="{root}/megachat/train.parquet",
+        script="scripts/train-tokenizer.py",
+        code="andrea/data/tokenizer.py",
+    output:
+        "{root}/tok{vocab}/tokenizer.json",
+    params:
+        vocab="{vocab}",
+    log:
+        "{root}/logs/tokenizer-{vocab}.log",
+    conda:
+        ENV
+    shell:
+        "python {input.script} --train {input.train} --vocab-size {params.vocab} --out {output} > {log} 2>&1"
+
+
+rule tokenize:
+    input:
+        tokenizer="{root}/tok{vocab}/tokenizer.json",
+        train="{root}/megachat/train.parquet",
+        val="{root}/megachat/val.parquet",
+        script="scripts/tokenize-shards.py",
+    output:
+        "{root}/tok{vocab}/shards.json",
+    params:
+        out_dir=parent_of_output,
+    threads: 4
+    log:
+        "{root}/logs/tokenize-{vocab}.log",
+    conda:
+        ENV
+    shell:
+        "python {input.script} --tokenizer {input.tokenizer} --train {input.train} --val {input.val} "
+        "--out-dir {params.out_dir} --manifest {output} --threads {threads} > {log} 2>&1"

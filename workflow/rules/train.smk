@@ -1,0 +1,42 @@
+# Train one experiment through the proxy, then archive its final checkpoint.
+#
+# The train step starts from scratch every time it runs: Snakemake removes its outputs, the
+# checkpoints folder included, before running it (a re-run means the config or the data changed,
+# so old checkpoints are of another run). To continue an interrupted run instead, run
+# `python -m andrea.train experiment=<EXP>` (it resumes), then `snakemake --touch` the train outputs.
+
+
+rule train:
+    input:
+        config="results/{exp}/resolved/train.yaml",
+        tokenizer=tokenizer_of,
+        shards=shards_of,
+    output:
+        config="results/{exp}/config.yaml",
+        loss="results/{exp}/{exp}.loss.json",
+        checkpoints=directory("results/{exp}/checkpoints"),
+    params:
+        overrides=train_overrides,
+    log:
+        "results/{exp}/logs/train.log",
+    conda:
+        ENV
+    shell:
+        "python -m andrea.train experiment={wildcards.exp} {params.overrides} > {log} 2>&1"
+
+
+rule archive:
+    input:
+        config="results/{exp}/config.yaml",
+        checkpoints="results/{exp}/checkpoints",
+        loss="results/{exp}/{exp}.loss.json",
+        script="scripts/archive.py",
+    output:
+        directory("results/{exp}/archive/final"),
+    log:
+        "results/{exp}/logs/archive.log",
+    conda:
+        ENV
+    shell:
+        "python {input.script} --config {input.config} --checkpoints {input.checkpoints} "
+        "--loss {input.loss} --out {output} > {log} 2>&1"
