@@ -1,0 +1,164 @@
+"""Live loss dashboard: a small HTTP server for scripts/live-loss-dashboard.html and the run records.
+
+    python -m andrea.dashboard results/ANDREA-tiny [more run folders] [--port 8765] [--host 127.0.0.1]
+
+It binds 127.0.0.1 unless told otherwise, prints the address, and serves exactly:
+    /  (and /index.html)              the page, which polls the records every 2 s
+    /runs.json                        the runs given on the command line and the URLs of their files
+    /runs/<i>/<exp>.loss.json         the proxy's record files of run i (also .samples.json,
+    /runs/<i>/<exp>.state.json        .state.json); <exp> is the run folder's name
+Requests are matched against this fixed table before any decoding, so no other path (`/../x`,
+`/%2e%2e/x`, absolute paths, other files in a run folder) can be reached: everything else is 404. A
+record file that is a symlink, or resolves outside its run folder, is 404 as well. Record files
+carry an ETag, so a poll of an unchanged file costs a 304 and no transfer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Optional, Sequence
+
+PAGE = Path(__file__).resolve().parent.parent / "scripts" / "live-loss-dashboard.html"
+KINDS = ("loss", "samples", "state")
+DEFAULT_PORT = 8765
+# The page needs nothing from outside this server; the browser enforces that too.
+PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'")
+
+
+def build_routes(run_dirs: Sequence[Path]) -> tuple:
+    """(index object, {url path: (run folder, file name)}) for the given run folders."""
+    runs, files = [], {}
+    for i, d in enumerate(run_dirs):
+        d = Path(d)
+        if not d.is_dir():
+            raise FileNotFoundError(f"run folder {d}: no such directory")
+        name = d.resolve().name
+        entry = {"id": i, "name": name, "dir": str(d)}
+        for kind in KINDS:
+            url = f"/runs/{i}/{name}.{kind}.json"
+            files[url] = (d.resolve(), f"{name}.{kind}.json")
+            entry[kind] = url
+        runs.append(entry)
+    return {"runs": runs}, files
+
+
+class DashboardHandler(BaseHTTPRequestHandler):
+    server_version = "andrea-dashboard"
+    sys_version = ""
+
+    def do_GET(self):
+        self._serve(body=True)
+
+    def do_HEAD(self):
+        self._serve(body=False)
+
+    def log_message(self, fmt, *args):
+        if self.server.verbose:
+            super().log_message(fmt, *args)
+
+    def _serve(self, body: bool) -> None:
+        path = self.path.split("?", 1)[0].split("#", 1)[0]  # raw path: never unquoted, never joined
+        srv = self.server
+        if path in ("/", "/index.html"):
+            return self._send(srv.page_bytes(), "text/html; charset=utf-8", body, {"Content-Security-Policy": PAGE_CSP})
+        if path == "/runs.json":
+            return self._send(json.dumps(srv.index).encode(), "application/json", body)
+        if path in srv.files:
+            return self._send_record(*srv.files[path], body)
+        self._not_found(body)
+
+    def _send_record(self, run_dir: Path, name: str, body: bool) -> None:
+        target = run_dir / name
+        try:
+            if target.is_symlink() or not target.resolve().is_relative_to(run_dir):
+                return self._not_found(body)
+            fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # not written yet (the run has not started) or vanished
+            return self._not_found(body)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            etag = f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
+            if self.headers.get("If-None-Match") == etag:
+                self.send_response(HTTPStatus.NOT_MODIFIED)
+                self.send_header("ETag", etag)
+                self.send_header("Cache-Control", "no-cache")
+                self.end_headers()
+                return
+            data = f.read()
+        self._send(data, "application/json", body, {"ETag": etag})
+
+    def _send(self, data: bytes, ctype: str, body: bool, extra: Optional[dict] = None) -> None:
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-cache")  # always revalidate: the files change live
+        self.send_header("X-Content-Type-Options", "nosniff")
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+
+    def _not_found(self, body: bool) -> None:
+        data = b"not found\n"
+        self.send_response(HTTPStatus.NOT_FOUND)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+
+
+class DashboardServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, run_dirs: Sequence[Path], host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                 page: Path = PAGE, verbose: bool = False):
+        if not Path(page).is_file():
+            raise FileNotFoundError(f"dashboard page {page}: no such file")
+        self.page, self.verbose = Path(page), verbose
+        self.index, self.files = build_routes(run_dirs)
+        super().__init__((host, port), DashboardHandler)
+
+    def page_bytes(self) -> bytes:
+        return self.page.read_bytes()  # read per request, so an edited page shows on reload
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}/"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m andrea.dashboard", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dirs", nargs="+", type=Path, help="run folders, e.g. results/ANDREA-tiny")
+    ap.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 = any free)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    ap.add_argument("--verbose", action="store_true", help="log every request on stderr")
+    a = ap.parse_args(argv)
+    try:
+        srv = DashboardServer(a.run_dirs, a.host, a.port, verbose=a.verbose)
+    except (FileNotFoundError, OSError) as e:
+        print(f"andrea.dashboard: {e}", file=sys.stderr)
+        return 2
+    if a.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"andrea.dashboard: bound to {a.host}: other machines can read these runs' records", file=sys.stderr)
+    names = ", ".join(r["name"] for r in srv.index["runs"])
+    print(f"andrea.dashboard: {names} at {srv.url}  (Ctrl-C to stop)", flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
