@@ -6,8 +6,9 @@
 Builds the Engine for the experiment's model shape (conf/model/<exp>.yaml) at T = context, runs
 warm-up steps on fixed random tokens, then times --steps steps between CUDA events and prints
 tokens/s, ms/step, TFLOP/s (6N + 6*L*T*d per token, as the PyTorch anchor counts), the memory plan
-against what the device holds, and where the time goes (CUDA events around every backend call for
-a few more steps). With --anchor it runs the PyTorch anchor in a subprocess of the same job and
+against what the device holds, the device time of forward + backward captured as one CUDA graph,
+and where the time goes (each backend call captured as its own graph and replayed between CUDA
+events, so Python's launch overhead is left out). With --anchor it runs the PyTorch anchor in a subprocess of the same job and
 prints our speed as a ratio of each anchor mode.
 """
 from __future__ import annotations
@@ -35,33 +36,90 @@ def model_dict(exp: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(path))
 
 
-class Timed:
-    """The backend, with CUDA events around every k_* call: per-kernel device time."""
+class GraphTimed:
+    """The backend, with every k_* call captured into its own CUDA graph: launched once (so the
+    step goes on), then replayed REPS times between CUDA events. That is the device time of the
+    call alone, without Python's launch overhead. The replays repeat each call's effect (the
+    backward kernels add again), so the numbers of a profiled step are garbage: profile last."""
+
+    REPS = 5
 
     def __init__(self, be):
-        self._be, self.events = be, []
+        import cupy as cp
+        self._be, self.ms = be, defaultdict(float)
+        self.stream = cp.cuda.Stream(non_blocking=True)
 
     def __getattr__(self, name):
         attr = getattr(self._be, name)
         if not name.startswith("k_"):
             return attr
-        xp = self._be.xp
+        return lambda *args, **kw: self._timed(name, attr, args, kw)
 
-        def call(*args, **kw):
-            a, b = xp.cuda.Event(), xp.cuda.Event()
-            a.record()
-            out = attr(*args, **kw)
-            b.record()
-            self.events.append((name, a, b))
-            return out
-        return call
+    def _timed(self, name, fn, args, kw):
+        import cupy as cp
+        cp.cuda.Stream.null.synchronize()  # fills on the default stream come first
+        s = self.stream
+        with s:
+            self._be._blas()._bind_stream()  # handle set-up is not allowed inside a capture
+            s.begin_capture()
+            fn(*args, **kw)
+            g = s.end_capture()
+            g.launch(stream=s)
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(s)
+            for _ in range(self.REPS):
+                g.launch(stream=s)
+            b.record(s)
+            b.synchronize()
+        self.ms[name] += cp.cuda.get_elapsed_time(a, b) / self.REPS
 
-    def totals(self):
-        self._be.synchronize()
-        t = defaultdict(float)
-        for name, a, b in self.events:
-            t[name] += self._be.xp.cuda.get_elapsed_time(a, b)
-        return t
+
+def graph_step_ms(eng, x, y, reps=5):
+    """Device time of one microbatch's forward + backward captured as a single CUDA graph (what
+    the step costs once Python launch overhead is gone)."""
+    import cupy as cp
+
+    from . import model
+    eng.g["tokens"].set(x)
+    eng.g["targets"].set(y)
+    cp.cuda.Stream.null.synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    n_head = eng.cfg.model.n_head
+    with s:
+        eng.be._blas()._bind_stream()
+        s.begin_capture()
+        model.forward(eng.be, eng.p, eng.layers, eng.g, n_head)
+        model.backward(eng.be, eng.p, eng.dp, eng.layers, eng.g, n_head, 1.0 / x.size)
+        g = s.end_capture()
+        g.launch(stream=s)
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(s)
+        for _ in range(reps):
+            g.launch(stream=s)
+        b.record(s)
+        b.synchronize()
+    return cp.cuda.get_elapsed_time(a, b) / reps
+
+
+def profile_step(eng, x, y):
+    """Per-kernel device time of one full step (forward, backward, clipping, AdamW, cast)."""
+    from . import model
+    be = eng.be
+    gt = GraphTimed(be)
+    eng.g["tokens"].set(x)
+    eng.g["targets"].set(y)
+    n_head = eng.cfg.model.n_head
+    model.forward(gt, eng.p, eng.layers, eng.g, n_head)
+    model.backward(gt, eng.p, eng.dp, eng.layers, eng.g, n_head, 1.0 / x.size)
+    parts, norm = eng.bufs["norm_partials"], eng.bufs["norm"]
+    gt.k_grad_norm_partial(parts, eng.grads)
+    gt.k_grad_norm_final(norm, parts, 1.0)
+    gt.k_grad_scale(eng.grads, norm, 1.0, 1.0)
+    gt.k_adamw(eng.params, eng.grads, eng.m, eng.v, 1e-4, 0.9, 0.95, 1e-8, 0.1, 1, eng.layout.n_decay)
+    if eng.mixed:
+        gt.k_cast_params(eng.params_c, eng.params)
+    be.synchronize()
+    return dict(gt.ms)
 
 
 def run_engine(exp, precision, B, steps, warmup):
@@ -104,13 +162,8 @@ def run_engine(exp, precision, B, steps, warmup):
     planned = eng.plan.total()
     extra = sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in
                 be.workspace_rows(B, T, m["d_model"], m["n_head"], eng.params_c.dtype))
-    timed = Timed(be)
-    eng.be = timed
-    for _ in range(min(steps, 5)):
-        step += 1
-        eng.train_step(step, [batches[step % 4]])
-    per_kernel = timed.totals()
-    eng.be = be
+    graph_ms = graph_step_ms(eng, *batches[0])
+    per_kernel = profile_step(eng, *batches[1])
     n = eng.layout.n_params
     tok_s = B * T / (ms / 1e3)
     flops_tok = 6 * n + 6 * m["n_layer"] * T * m["d_model"]
@@ -121,8 +174,8 @@ def run_engine(exp, precision, B, steps, warmup):
             "planned_gb": round((planned + extra) / 2**30, 3), "plan_arena_gb": round(planned / 2**30, 3),
             "pool_used_gb": round(pool.used_bytes() / 2**30, 3),
             "device_used_gb": round((free0 - free1) / 2**30, 3),
-            "per_kernel_ms": {k: round(v / min(steps, 5), 3) for k, v in
-                              sorted(per_kernel.items(), key=lambda kv: -kv[1])}}
+            "graph_fwd_bwd_ms": round(graph_ms, 2),
+            "per_kernel_ms": {k: round(v, 3) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])}}
 
 
 def run_anchor(path, exp, precision, B, steps, modes):
@@ -167,7 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write all figures here")
     a = ap.parse_args(argv)
     ours = run_engine(a.exp, a.precision, a.batch, a.steps, a.warmup)
-    print("per-kernel device time (ms/step, CUDA events around each backend call):")
+    print("per-kernel device time (ms/step; each call captured as a CUDA graph and replayed):")
     total = sum(ours["per_kernel_ms"].values())
     for k, v in ours["per_kernel_ms"].items():
         print(f"  {k:<22}{v:>9.3f}{100 * v / total:>7.1f}%")

@@ -10,41 +10,41 @@
 // small permute kernels below. Scores above the diagonal are computed by the GEMM and ignored.
 #include "common.cuh"
 
+// The four permutes below run one block per (b, t) row (blocks stride over rows) and threads over
+// its channels, so the index arithmetic is 32-bit; head h, channel d of a row sit at h*hs + d.
+#define HEAD_IDX(b, h, t, d) ((((i64)(b) * NH + (h)) * T + (t)) * hs + (d))
+
 // q, k, v (B*NH, T, hs) <- qkv (B, T, 3C), C = NH * hs.
 extern "C" __global__ void k_attn_split_heads(CT* q, CT* k, CT* v, const CT* qkv, int B, int T, int NH, int hs) {
   int C = NH * hs;
-  i64 total = (i64)B * T * 3 * C;
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-    int col = (int)(i % (3 * C));
-    i64 bt = i / (3 * C);
-    int t = (int)(bt % T), b = (int)(bt / T);
-    int which = col / C, h = (col % C) / hs, d = col % hs;
-    CT* dst = which == 0 ? q : (which == 1 ? k : v);
-    dst[(((i64)b * NH + h) * T + t) * hs + d] = qkv[i];
+  for (int bt = blockIdx.x; bt < B * T; bt += gridDim.x) {
+    int b = bt / T, t = bt % T;
+    const CT* src = qkv + (i64)bt * 3 * C;
+    for (int col = threadIdx.x; col < 3 * C; col += blockDim.x) {
+      int which = col / C, h = (col % C) / hs, d = col % hs;
+      CT* dst = which == 0 ? q : (which == 1 ? k : v);
+      dst[HEAD_IDX(b, h, t, d)] = src[col];
+    }
   }
 }
 
 // out (B, T, C) <- y (B*NH, T, hs).
 extern "C" __global__ void k_attn_merge_heads(CT* out, const CT* y, int B, int T, int NH, int hs) {
   int C = NH * hs;
-  i64 total = (i64)B * T * C;
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-    int col = (int)(i % C);
-    i64 bt = i / C;
-    int t = (int)(bt % T), b = (int)(bt / T), h = col / hs, d = col % hs;
-    out[i] = y[(((i64)b * NH + h) * T + t) * hs + d];
+  for (int bt = blockIdx.x; bt < B * T; bt += gridDim.x) {
+    int b = bt / T, t = bt % T;
+    for (int col = threadIdx.x; col < C; col += blockDim.x)
+      out[(i64)bt * C + col] = y[HEAD_IDX(b, col / hs, t, col % hs)];
   }
 }
 
 // dy (B*NH, T, hs) <- dout (B, T, C).
 extern "C" __global__ void k_attn_split_dout(CT* dy, const CT* dout, int B, int T, int NH, int hs) {
   int C = NH * hs;
-  i64 total = (i64)B * T * C;
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-    int col = (int)(i % C);
-    i64 bt = i / C;
-    int t = (int)(bt % T), b = (int)(bt / T), h = col / hs, d = col % hs;
-    dy[(((i64)b * NH + h) * T + t) * hs + d] = dout[i];
+  for (int bt = blockIdx.x; bt < B * T; bt += gridDim.x) {
+    int b = bt / T, t = bt % T;
+    for (int col = threadIdx.x; col < C; col += blockDim.x)
+      dy[HEAD_IDX(b, col / hs, t, col % hs)] = dout[(i64)bt * C + col];
   }
 }
 
@@ -52,14 +52,14 @@ extern "C" __global__ void k_attn_split_dout(CT* dy, const CT* dout, int B, int 
 extern "C" __global__ void k_attn_merge_grads(CT* dqkv, const float* dq, const float* dk, const float* dv,
                                               int B, int T, int NH, int hs) {
   int C = NH * hs;
-  i64 total = (i64)B * T * 3 * C;
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-    int col = (int)(i % (3 * C));
-    i64 bt = i / (3 * C);
-    int t = (int)(bt % T), b = (int)(bt / T);
-    int which = col / C, h = (col % C) / hs, d = col % hs;
-    const float* src = which == 0 ? dq : (which == 1 ? dk : dv);
-    dqkv[i] = from_f<CT>(to_f(dqkv[i]) + src[(((i64)b * NH + h) * T + t) * hs + d]);
+  for (int bt = blockIdx.x; bt < B * T; bt += gridDim.x) {
+    int b = bt / T, t = bt % T;
+    CT* dst = dqkv + (i64)bt * 3 * C;
+    for (int col = threadIdx.x; col < 3 * C; col += blockDim.x) {
+      int which = col / C, h = (col % C) / hs, d = col % hs;
+      const float* src = which == 0 ? dq : (which == 1 ? dk : dv);
+      dst[col] = from_f<CT>(to_f(dst[col]) + src[HEAD_IDX(b, h, t, d)]);
+    }
   }
 }
 

@@ -80,11 +80,13 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 }
 
 // ---------------------------------------------------------------- linear-layer utilities
-// x (N, OC) += b (OC,), in place: the bias of a cuBLAS product.
+// x (N, OC) += b (OC,), in place: the bias of a cuBLAS product. Blocks stride over rows and
+// threads over columns, so no 64-bit division per element.
 extern "C" __global__ void k_bias_add(CT* x, const CT* b, i64 N, int OC) {
-  i64 total = N * OC;
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x)
-    x[i] = from_f<CT>(to_f(x[i]) + to_f(b[i % OC]));
+  for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
+    CT* row = x + r * OC;
+    for (int c = threadIdx.x; c < OC; c += blockDim.x) row[c] = from_f<CT>(to_f(row[c]) + to_f(b[c]));
+  }
 }
 
 // Column sums of x (N, C) in two passes with no atomics: pass 1 writes partial[chunk][c] (block

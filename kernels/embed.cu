@@ -8,13 +8,14 @@
 // loss instead of reading memory it does not own.
 extern "C" __global__ void k_embed_fwd(CT* out, const int* tokens, const CT* wte, const CT* wpe,
                                        int N, int T, int C, int V) {
-  i64 total = (i64)N * C;
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-    int n = (int)(i / C), c = (int)(i % C);
+  for (int n = blockIdx.x; n < N; n += gridDim.x) {  // blocks over positions, threads over C
     int tok = tokens[n];
-    float v = (tok >= 0 && tok < V) ? to_f(wte[(i64)tok * C + c]) + to_f(wpe[(i64)(n % T) * C + c])
-                                    : __int_as_float(0x7fc00000);
-    out[i] = from_f<CT>(v);
+    const CT* e = wte + (i64)tok * C;
+    const CT* p = wpe + (i64)(n % T) * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+      float v = (tok >= 0 && tok < V) ? to_f(e[c]) + to_f(p[c]) : __int_as_float(0x7fc00000);
+      out[(i64)n * C + c] = from_f<CT>(v);
+    }
   }
 }
 

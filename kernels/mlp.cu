@@ -11,13 +11,15 @@ __device__ __forceinline__ float gelu(float x) {
 }
 
 // pre (N, H) += b1 (rounded to CT, as saved); act = gelu(pre).
+// Blocks stride over rows, threads over columns (no 64-bit division per element).
 extern "C" __global__ void k_mlp_bias_gelu(CT* pre, CT* act, const CT* b1, i64 N, int H) {
-  i64 total = N * H;
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-    CT v = from_f<CT>(to_f(pre[i]) + to_f(b1[i % H]));
-    pre[i] = v;
-    act[i] = from_f<CT>(gelu(to_f(v)));
-  }
+  for (i64 r = blockIdx.x; r < N; r += gridDim.x)
+    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+      i64 i = r * H + c;
+      CT v = from_f<CT>(to_f(pre[i]) + to_f(b1[c]));
+      pre[i] = v;
+      act[i] = from_f<CT>(gelu(to_f(v)));
+    }
 }
 
 // act = gelu(pre): the backward pass recomputes what the forward pass did not keep.

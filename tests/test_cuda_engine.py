@@ -76,9 +76,20 @@ def test_full_step_matches_reference(tmp_path, precision, tol):
     assert e < tol, f"params after the step: rel err {e:.3g}"
 
 
+def learnable_shards(tmp_path, V=97, n=6000):
+    """Tokens from a fixed rule (next = 3 * prev + 1 mod V) with 10% noise: a model learns it
+    within tens of steps, so a loss curve has a shape to track (random tokens stay flat)."""
+    from andrea.data.shards import write_shard
+    rng = np.random.default_rng(0)
+    toks = np.zeros(n, dtype=np.int64)
+    for i in range(1, n):
+        toks[i] = (3 * toks[i - 1] + 1) % V if rng.random() > 0.1 else rng.integers(V)
+    write_shard(tmp_path / "shards" / "train_000.bin", toks)
+
+
 def test_50_steps_track_cpu(tmp_path):
     """fp32 on the GPU follows the NumPy fp32 loss curve of ANDREA-tiny-shaped training."""
-    make_shards(tmp_path, vocab=97)
+    learnable_shards(tmp_path)
     from andrea.data.loader import ShardLoader
     curves = []
     for backend in ("numpy", "cuda"):
@@ -87,7 +98,7 @@ def test_50_steps_track_cpu(tmp_path):
         loader = ShardLoader(cfg.data.train_shards, 4, 32, cfg.train.seed)
         curves.append([eng.train_step(s, [loader.next_batch()])["loss"] for s in range(1, 51)])
     cpu, gpu = np.array(curves[0]), np.array(curves[1])
-    assert cpu[-1] < cpu[0] - 0.2, "the reference did not learn; the comparison would be empty"
+    assert cpu[-1] < cpu[0] - 1.0, "the reference did not learn; the comparison would be empty"
     diff = np.abs(gpu - cpu).max()
     assert diff < 1e-3 * cpu[0], f"GPU loss curve leaves the CPU one by {diff:.3g}"
 

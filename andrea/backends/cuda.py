@@ -281,7 +281,7 @@ def k_embed_fwd(out, tokens, wte, wpe):
     if wpe.shape[0] < T or wpe.shape[1] != C:
         raise ValueError(f"k_embed_fwd: wpe has shape {wpe.shape}, needs at least ({T}, {C})")
     N = B * T
-    _launch("embed.cu", "k_embed_fwd", ct, _blocks(N * C), THREADS,
+    _launch("embed.cu", "k_embed_fwd", ct, min(N, MAX_BLOCKS), THREADS,
             (out, tokens, wte, wpe, _i32(N), _i32(T), _i32(C), _i32(V)))
 
 
@@ -364,7 +364,7 @@ def _linear_fwd(kernel, out, inp, w, b, bias=True):
     _blas().gemm(out, inp, w, False, True, N, OC, IC, IC, IC, OC)
     if bias:
         _check(kernel, "b", b, (OC,), ct)
-        _launch("linear.cu", "k_bias_add", ct, _blocks(N * OC), THREADS, (out, b, _i64(N), _i32(OC)))
+        _launch("linear.cu", "k_bias_add", ct, min(N, MAX_BLOCKS), THREADS, (out, b, _i64(N), _i32(OC)))
 
 
 def _linear_bwd(kernel, dinp, dw, db, dout, inp, w):
@@ -409,7 +409,7 @@ def _attn_scores(qkv, B, T, C, NH, hs):
     N, BH = B * T, B * NH
     heads = WORKSPACE.get("attn_heads", 3 * N * C, ct)
     q, k, v = heads[:N * C], heads[N * C:2 * N * C], heads[2 * N * C:]
-    _launch("attention.cu", "k_attn_split_heads", ct, _blocks(3 * N * C), THREADS,
+    _launch("attention.cu", "k_attn_split_heads", ct, min(B * T, MAX_BLOCKS), THREADS,
             (q, k, v, qkv, _i32(B), _i32(T), _i32(NH), _i32(hs)))
     S = WORKSPACE.get("attn_scores", BH * T * T, np.float32)
     _blas().gemm(S, q, k, False, True, T, T, hs, hs, hs, T, alpha=1.0 / math.sqrt(hs),
@@ -431,7 +431,7 @@ def k_attn_fwd(out, lse, qkv, n_head):
     y = WORKSPACE.get("attn_y", B * T * C, ct)
     _blas().gemm(y, P, v, False, False, T, hs, T, T, hs, hs,
                  batch=BH, stride_a=T * T, stride_b=T * hs, stride_c=T * hs)
-    _launch("attention.cu", "k_attn_merge_heads", ct, _blocks(B * T * C), THREADS,
+    _launch("attention.cu", "k_attn_merge_heads", ct, min(B * T, MAX_BLOCKS), THREADS,
             (out, y, _i32(B), _i32(T), _i32(NH), _i32(hs)))
 
 
@@ -449,7 +449,7 @@ def k_attn_bwd(dqkv, dout, qkv, out, lse, n_head):
     _launch("attention.cu", "k_attn_softmax", ct, -(-(BH * T) // 8), THREADS,
             (P, lse, S, _i64(BH * T), _i32(T), _i32(0)))
     dy = WORKSPACE.get("attn_y", N * C, ct)
-    _launch("attention.cu", "k_attn_split_dout", ct, _blocks(N * C), THREADS,
+    _launch("attention.cu", "k_attn_split_dout", ct, min(B * T, MAX_BLOCKS), THREADS,
             (dy, dout, _i32(B), _i32(T), _i32(NH), _i32(hs)))
     dh = WORKSPACE.get("attn_dheads", 3 * N * C, np.float32)
     dq, dk, dv = dh[:N * C], dh[N * C:2 * N * C], dh[2 * N * C:]
@@ -460,7 +460,7 @@ def k_attn_bwd(dqkv, dout, qkv, out, lse, n_head):
             (P, S, dout, out, _i64(BH * T), _i32(T), _i32(NH), _i32(hs), np.float32(1.0 / math.sqrt(hs))))
     blas.gemm(dq, P, k, False, False, T, hs, T, T, hs, hs, batch=BH, stride_a=tt, stride_b=th, stride_c=th)
     blas.gemm(dk, P, q, True, False, T, hs, T, T, hs, hs, batch=BH, stride_a=tt, stride_b=th, stride_c=th)
-    _launch("attention.cu", "k_attn_merge_grads", ct, _blocks(3 * N * C), THREADS,
+    _launch("attention.cu", "k_attn_merge_grads", ct, min(B * T, MAX_BLOCKS), THREADS,
             (dqkv, dq, dk, dv, _i32(B), _i32(T), _i32(NH), _i32(hs)))
 
 
@@ -485,7 +485,7 @@ def k_mlp_fwd(out, pre, act, inp, w1, b1, w2, b2):
     _check("k_mlp_fwd", "w2", w2, (C, H), ct)
     _linear_fwd("k_mlp_fwd", pre, inp, w1, None, bias=False)
     N = inp.size // C
-    _launch("mlp.cu", "k_mlp_bias_gelu", ct, _blocks(N * H), THREADS, (pre, act, b1, _i64(N), _i32(H)))
+    _launch("mlp.cu", "k_mlp_bias_gelu", ct, min(N, MAX_BLOCKS), THREADS, (pre, act, b1, _i64(N), _i32(H)))
     _linear_fwd("k_mlp_fwd", out, act, w2, b2)
 
 
