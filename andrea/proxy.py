@@ -166,6 +166,7 @@ class RunRecords:
                 self.state[k] = state[k]
         self.state["started_at"] = self.state["updated_at"] = time.time()
         self._last_flush = 0.0
+        self._write_s = 0.0  # how long the last flush took
 
     def last_step(self) -> int:
         return self.history[-1]["step"] if self.history else 0
@@ -225,14 +226,16 @@ class RunRecords:
         atomic_write_json(self.samples_path, {"exp": self.loss_meta["exp"], "samples": self.samples})
 
     def flush(self, force: bool = False) -> None:
-        """Rewrite history and state; between forced flushes at most once per flush_s seconds."""
+        """Rewrite history and state; unforced rewrites at most once per flush_s seconds, and rarer
+        when the history is so long that writing it would take more than 5% of the time."""
         now = time.time()
-        if not force and now - self._last_flush < self.flush_s:
+        if not force and now - self._last_flush < max(self.flush_s, 20 * self._write_s):
             return
         self.state["updated_at"] = now
         atomic_write_json(self.loss_path, {**self.loss_meta, "history": self.history})
         atomic_write_json(self.state_path, self.state)
-        self._last_flush = now
+        self._last_flush = time.time()
+        self._write_s = self._last_flush - now
 
 
 def _safe_name(s: str) -> str:
@@ -278,7 +281,9 @@ class Supervisor:
         self.proc: Optional[subprocess.Popen] = None
         self.stop_requested = False
         self.bar = tqdm(total=int(cfg.train.steps), initial=self.rec.last_step(), desc=cfg.exp, unit="step",
-                        file=sys.stderr, disable=not progress, dynamic_ncols=True)
+                        file=sys.stderr, disable=not progress, dynamic_ncols=True,
+                        # into a log file (the workflow's train rule), a line every 30 s, not per step
+                        mininterval=0.1 if sys.stderr.isatty() else 30.0)
 
     # signals ---------------------------------------------------------------------------------
     def _send(self, sig: int) -> None:
