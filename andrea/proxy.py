@@ -51,7 +51,8 @@ from the proxy could not guarantee. On that event the proxy copies `<exp>.sample
 `archive/<from-phase>-<step>/`; `<exp>.loss.json` stays whole in the run folder. Training goes on.
 
 A history, samples or state file that does not parse at start-up stops the proxy with a
-RecordError naming the file; it is never silently reset.
+RecordError naming the file; it is never silently reset. `.proxy.lock` in the run folder (an flock)
+keeps a second proxy off a run that is being supervised.
 
 Run: `python -m andrea.proxy results/ANDREA-tiny` (the folder must hold the resolved config.yaml);
 usually started for you by `python -m andrea.train`.
@@ -285,6 +286,9 @@ class Supervisor:
                         # into a log file (the workflow's train rule), a line every 30 s, not per step
                         mininterval=0.1 if sys.stderr.isatty() else 30.0)
 
+    def _say(self, msg: str) -> None:
+        tqdm.write(f"andrea.proxy: {msg}", file=sys.stderr)  # above the bar, on stderr like the bar
+
     # signals ---------------------------------------------------------------------------------
     def _send(self, sig: int) -> None:
         p = self.proc
@@ -339,9 +343,13 @@ class Supervisor:
             rec.flush(force=True)
         elif kind == "pivot":
             life["ckpt"] = max(life["ckpt"], int(ev["step"]))
-            dest = archive_pivot(rec, ev)
-            self.bar.write(f"andrea.proxy: phase {ev.get('from')} -> {ev.get('to')} at step {ev['step']}; "
-                           f"archived to {dest}")
+            try:
+                dest = archive_pivot(rec, ev)
+                self._say(f"phase {ev.get('from')} -> {ev.get('to')} at step {ev['step']}; archived to {dest}")
+            except OSError as e:  # training is worth more than its archive: say it loudly, go on
+                rec.state["message"] = f"archiving the pivot at step {ev['step']} failed: {e}"
+                self._say(rec.state["message"])
+                rec.flush(force=True)
         elif kind == "plan":
             rec.state["n_params"] = ev.get("n_params")
         elif kind == "done":
@@ -377,7 +385,7 @@ class Supervisor:
             try:
                 ev = json.loads(line)
             except ValueError:  # e.g. the last line of a killed engine, cut in the middle
-                self.bar.write(f"andrea.proxy: ignoring a line that is not JSON: {line[:120]!r}")
+                self._say(f"ignoring a line that is not JSON: {line[:120]!r}")
                 continue
             if isinstance(ev, dict):
                 self._handle(ev, life)
@@ -414,12 +422,13 @@ class Supervisor:
                 st.update(status="failed", message=f"engine exited with {rc}; gave up after {failures - 1} "
                                                    f"restarts in a row without a new checkpoint")
                 return 1
-            st["restarts"] += 1
             wait = min(self.backoff_max_s, self.backoff_s * 2 ** (failures - 1))
-            st["message"] = f"engine exited with {rc}; restart {st['restarts']} in {wait:.1f} s"
-            self.bar.write(f"andrea.proxy: {st['message']}")
+            st["message"] = f"engine exited with {rc}; restart {st['restarts'] + 1} in {wait:.1f} s"
+            self._say(st["message"])
             self.rec.flush(force=True)
             self._wait_backoff(wait)
+            if not self.stop_requested:
+                st["restarts"] += 1
 
     def close(self) -> None:
         """Never leave an engine behind, even when the proxy itself fails."""

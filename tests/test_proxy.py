@@ -211,3 +211,23 @@ def test_crashing_engine_gives_up_after_bounded_restarts(tiny_run):
     assert state["engine_exit"] not in (0, 3)
     assert "gave up after 2 restarts" in state["message"]
     assert time.monotonic() - t0 >= 0.05 + 0.1  # back-off doubles: 0.05 s then 0.1 s
+
+
+def test_sigterm_during_restart_backoff_stops_at_once(tiny_run):
+    cfg, tmp = tiny_run
+    cfg["data"]["train_shards"] = str(tmp / "missing" / "train_*.bin")  # the engine dies at start-up
+    _, run = write_run(cfg, tmp)
+    proc = start_proxy(run, "--backoff", "60")
+    try:
+        wait_for(lambda: (run / "t.state.json").exists() and "restart 1 in 60.0 s" in read(run, "state")["message"],
+                 "the first back-off", proc=proc)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc, err = finish(proc, timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, err
+    assert time.monotonic() - t0 < 10  # not the 60 s back-off
+    state = read(run, "state")
+    assert state["status"] == "stopped" and state["restarts"] == 0  # the restart never happened
