@@ -5,6 +5,7 @@ proxy process, the polish pivot archive, aborts and bounded restarts.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -231,3 +232,17 @@ def test_sigterm_during_restart_backoff_stops_at_once(tiny_run):
     assert time.monotonic() - t0 < 10  # not the 60 s back-off
     state = read(run, "state")
     assert state["status"] == "stopped" and state["restarts"] == 0  # the restart never happened
+
+
+def test_progress_bar_on_stderr(tiny_run):
+    cfg, tmp = tiny_run
+    cfg["train"].update(steps=20)
+    _, run = write_run(cfg, tmp)
+    r = subprocess.run([sys.executable, "-m", "andrea.proxy", str(run)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    final = r.stderr.replace("\r", "\n").splitlines()
+    bars = [ln for ln in final if ln.startswith("t: ") and "20/20" in ln]
+    assert bars, r.stderr[-2000:]
+    # step count, elapsed<remaining (the ETA), loss, tokens/s and phase
+    assert re.search(r"20/20 \[\d\d:\d\d<\d\d:\d\d.*loss=\d+\.\d{4}.*phase=pretrain.*tok_s=[\d,]+", bars[-1]), bars[-1]
+    assert r.stdout == ""  # stdout stays free for whoever runs the proxy

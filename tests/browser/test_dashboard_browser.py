@@ -52,7 +52,13 @@ def test_dashboard_draws_and_follows_a_run(tiny_run):
                         phases=[{"name": "pretrain", "start_step": 0}, {"name": "polish", "start_step": 14}])
     c, run = write_run(cfg, tmp)
     assert supervise(c, run, flush_s=0, progress=False) == 0
-    srv = DashboardServer([run], "127.0.0.1", 0)
+    # a second run folder, overlaid: another experiment's records, 7 steps, still running
+    other = tmp / "other"
+    other.mkdir()
+    atomic_write_json(other / "other.loss.json", {"exp": "other", "history": [
+        {"step": i, "phase": "pretrain", "loss": 4.5 - 0.1 * i, "lr": 1e-3, "tokens_per_s": 900.0} for i in range(1, 8)]})
+    atomic_write_json(other / "other.state.json", {"exp": "other", "status": "running", "step": 7, "total_steps": 50})
+    srv = DashboardServer([run, other], "127.0.0.1", 0)
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         with sync_playwright() as p:
@@ -70,6 +76,11 @@ def test_dashboard_draws_and_follows_a_run(tiny_run):
             assert val.get_attribute("data-points") == "4"  # steps 5, 10, 15, 20
             assert page.locator('#runs tr[data-run="t"]').get_attribute("data-status") == "finished"
             assert page.locator("#loss-chart line.pivot").count() == 1  # pretrain -> polish
+            wait_js(page, "window.ANDREA.runs.other && window.ANDREA.runs.other.points === 7", "the second run")
+            assert page.locator('#loss-chart path.train[data-run="other"]').get_attribute("data-points") == "7"
+            assert page.locator('#lr-chart path.lr[data-run="other"]').get_attribute("data-points") == "7"
+            assert page.locator('#runs tr[data-run="other"]').get_attribute("data-status") == "running"
+            assert page.locator("#loss-chart path.train").count() == 2
 
             # the file grows (rewritten atomically, as the proxy does): the page follows
             loss_path = run / "t.loss.json"
