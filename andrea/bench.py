@@ -122,7 +122,7 @@ def profile_step(eng, x, y):
     return dict(gt.ms)
 
 
-def run_engine(exp, precision, B, steps, warmup):
+def run_engine(exp, precision, B, steps, warmup, attention="fused"):
     import cupy as cp
 
     from .backends import get_backend
@@ -135,6 +135,7 @@ def run_engine(exp, precision, B, steps, warmup):
                            "train": {"batch_size": B, "seq_len": T, "precision": precision,
                                      "steps": warmup + 2 * steps, "warmup_steps": 0}})
     be = get_backend("cuda")
+    be.FLASH = attention == "fused"
     free0, total = cp.cuda.runtime.memGetInfo()
     eng = Engine(cfg)
     rng = np.random.default_rng(0)
@@ -168,6 +169,7 @@ def run_engine(exp, precision, B, steps, warmup):
     tok_s = B * T / (ms / 1e3)
     flops_tok = 6 * n + 6 * m["n_layer"] * T * m["d_model"]
     return {"system": "andrea", "exp": exp, "precision": precision, "batch": B, "context": T,
+            "attention": attention if be._flash(eng.params_c.dtype, m["d_model"] // m["n_head"]) else "materialised",
             "params": n, "ms_step": round(ms, 2), "tok_s": round(tok_s),
             "tflops": round(flops_tok * tok_s / 1e12, 1), "host_ms_step": round(wall / steps * 1e3, 2),
             "loss": rec["loss"], "skipped": eng.skipped,
@@ -197,7 +199,7 @@ def run_anchor(path, exp, precision, B, steps, modes):
 
 def table(ours, anchors) -> str:
     lines = [f"{'system':<38}{'tok/s':>10}{'ms/step':>10}{'TFLOP/s':>9}{'ratio':>8}"]
-    lines.append(f"{'andrea ' + ours['precision']:<38}{ours['tok_s']:>10,}{ours['ms_step']:>10.2f}"
+    lines.append(f"{'andrea ' + ours['precision'] + ' attn ' + ours['attention']:<38}{ours['tok_s']:>10,}{ours['ms_step']:>10.2f}"
                  f"{ours['tflops']:>9.1f}{'1.00':>8}")
     for a in anchors:
         lines.append(f"{'pytorch ' + a['dtype'] + ' ' + a['anchor_mode']:<38}{a['tok_s']:>10,}"
@@ -214,12 +216,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--attention", choices=["fused", "materialised"], default="fused",
+                    help="attention version 2 (fused, 16-bit only) or version 1 (scores in memory)")
     ap.add_argument("--anchor", help="path to torch_gpt.py: run it in this job and print the ratio")
     ap.add_argument("--anchor-modes", default="eager,reduce-overhead",
                     help="comma list of eager, default (torch.compile), reduce-overhead")
     ap.add_argument("--json", help="also write all figures here")
     a = ap.parse_args(argv)
-    ours = run_engine(a.exp, a.precision, a.batch, a.steps, a.warmup)
+    ours = run_engine(a.exp, a.precision, a.batch, a.steps, a.warmup, a.attention)
     print("per-kernel device time (ms/step; each call captured as a CUDA graph and replayed):")
     total = sum(ours["per_kernel_ms"].values())
     for k, v in ours["per_kernel_ms"].items():

@@ -108,3 +108,312 @@ extern "C" __global__ void k_attn_dscores(CT* P, const float* dP, const CT* dout
   const float* dp = dP + row * T;
   for (int j = lane; j <= i; j += 32) p[j] = from_f<CT>(to_f(p[j]) * (dp[j] - D) * scale);
 }
+
+// ================================================================ version 2: fused (flash) path
+// For 16-bit compute dtypes and head sizes that are multiples of 16 (HS, set by the launcher with
+// -DHS=...): the scores never reach global memory. Tensor-core tiles through the PTX instruction
+// mma.sync m16n8k16 (fp32 accumulation), whose register layouts the PTX manual fixes:
+//   A (16x16, row-major), lane = 4*g + t4: reg0 = A[g][2t4..2t4+1], reg1 = A[g+8][2t4..],
+//     reg2 = A[g][8+2t4..], reg3 = A[g+8][8+2t4..]
+//   B (16x8, "col"): reg0 = B[2t4..2t4+1][g], reg1 = B[8+2t4..][g]
+//   C (16x8 fp32): c0, c1 = C[g][2t4], C[g][2t4+1]; c2, c3 = C[g+8][2t4], C[g+8][2t4+1]
+// so a C tile of scores becomes the A operand of the next product in registers (as FlashAttention-2).
+// A block is 4 warps; each warp owns 16 rows of a 64-row tile and loops over 64-row tiles of the
+// other side, staged in shared memory. Forward: two passes over the keys (row max and sum, then
+// P = exp(S - lse) exactly and O += P V), so O needs no rescaling. Backward, without atomics:
+// k_attn_flash_bwd_dq owns query rows (dQ += dS K), k_attn_flash_bwd_dkv owns key rows
+// (dV += P^T dO, dK += dS^T Q); each recomputes S from Q, K and the saved lse.
+#ifndef HS
+#define HS 64
+#endif
+#define FT 64  // rows per tile, both sides (4 warps x 16)
+#define SP 8   // shared-memory row padding in 16-bit elements: spreads rows across banks
+
+template <typename T> struct half_of { typedef T t; };
+template <> struct half_of<float> { typedef f16 t; };  // float builds compile, never launch, this path
+typedef half_of<CT>::t HT;
+template <typename T> struct is_bf16 { static const bool v = false; };
+template <> struct is_bf16<bf16> { static const bool v = true; };
+
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  return (unsigned)from_f<HT>(lo).x | ((unsigned)from_f<HT>(hi).x << 16);
+}
+__device__ __forceinline__ unsigned ld2(const unsigned short* base, int row, int stride, int col) {
+  return *(const unsigned*)(base + row * stride + col);
+}
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  if (is_bf16<HT>::v)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Stage rows [r0, r0 + FT) of one head's slice (element (t, d) at base[t * ld + d]) in shared
+// memory, row-major rm[FT][HS+SP] and/or transposed tr[HS][FT+SP]; rows at or past T are zeros.
+__device__ __forceinline__ void flash_load(unsigned short* rm, unsigned short* tr, const HT* base,
+                                           int r0, int T, int ld) {
+  for (int idx = threadIdx.x; idx < FT * (HS / 2); idx += blockDim.x) {
+    int r = idx / (HS / 2), d = (idx % (HS / 2)) * 2;
+    unsigned v = 0;
+    if (r0 + r < T) v = *(const unsigned*)(base + (i64)(r0 + r) * ld + d);
+    if (rm) *(unsigned*)(rm + r * (HS + SP) + d) = v;
+    if (tr) { tr[d * (FT + SP) + r] = (unsigned short)(v & 0xffffu); tr[(d + 1) * (FT + SP) + r] = (unsigned short)(v >> 16); }
+  }
+}
+
+// A fragments of this warp's 16 rows (starting at R) over all HS columns of a staged tile.
+__device__ __forceinline__ void flash_afrag(unsigned (*f)[4], const unsigned short* rm, int R, int g, int t4) {
+#pragma unroll
+  for (int kk = 0; kk < HS / 16; ++kk) {
+    f[kk][0] = ld2(rm, R + g, HS + SP, kk * 16 + 2 * t4);
+    f[kk][1] = ld2(rm, R + g + 8, HS + SP, kk * 16 + 2 * t4);
+    f[kk][2] = ld2(rm, R + g, HS + SP, kk * 16 + 8 + 2 * t4);
+    f[kk][3] = ld2(rm, R + g + 8, HS + SP, kk * 16 + 8 + 2 * t4);
+  }
+}
+
+// acc[FT/8][4] = A (16 x HS, fragments) @ Y^T where Y is a staged row-major tile [FT][HS+SP].
+__device__ __forceinline__ void flash_rows_dot(float (*acc)[4], const unsigned (*a)[4], const unsigned short* Y,
+                                               int g, int t4) {
+#pragma unroll
+  for (int n8 = 0; n8 < FT / 8; ++n8) { acc[n8][0] = acc[n8][1] = acc[n8][2] = acc[n8][3] = 0.f; }
+#pragma unroll
+  for (int kk = 0; kk < HS / 16; ++kk)
+#pragma unroll
+    for (int n8 = 0; n8 < FT / 8; ++n8)
+      mma16816(acc[n8], a[kk], ld2(Y, n8 * 8 + g, HS + SP, kk * 16 + 2 * t4),
+               ld2(Y, n8 * 8 + g, HS + SP, kk * 16 + 8 + 2 * t4));
+}
+
+// out[HS/8][4] += P (16 x FT, C-layout floats, rounded to HT here) @ Z where Z^T is staged as a
+// transposed tile Zt[HS][FT+SP].
+__device__ __forceinline__ void flash_p_dot(float (*out)[4], const float (*p)[4], const unsigned short* Zt,
+                                            int g, int t4) {
+#pragma unroll
+  for (int kc = 0; kc < FT / 16; ++kc) {
+    unsigned a[4] = {pack2(p[2 * kc][0], p[2 * kc][1]), pack2(p[2 * kc][2], p[2 * kc][3]),
+                     pack2(p[2 * kc + 1][0], p[2 * kc + 1][1]), pack2(p[2 * kc + 1][2], p[2 * kc + 1][3])};
+#pragma unroll
+    for (int n8 = 0; n8 < HS / 8; ++n8)
+      mma16816(out[n8], a, ld2(Zt, n8 * 8 + g, FT + SP, kc * 16 + 2 * t4),
+               ld2(Zt, n8 * 8 + g, FT + SP, kc * 16 + 8 + 2 * t4));
+  }
+}
+
+// out (B,T,C) and lse (B*NH, T) from qkv (B,T,3C). grid (ceil(T/FT), B*NH), block 128.
+extern "C" __global__ void __launch_bounds__(128) k_attn_flash_fwd(HT* out, float* lse, const HT* qkv,
+                                                                   int B, int T, int NH, float scale) {
+  __shared__ __align__(16) unsigned short Ks[FT * (HS + SP)];
+  __shared__ __align__(16) unsigned short Vt[HS * (FT + SP)];
+  int C = NH * HS, ld = 3 * C, bh = blockIdx.y, b = bh / NH, h = bh % NH, q0 = blockIdx.x * FT;
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, R = warp * 16;
+  const HT* qb = qkv + (i64)b * T * ld + h * HS;
+  const HT* kb = qb + C;
+  const HT* vb = qb + 2 * C;
+  unsigned qf[HS / 16][4];
+  flash_load(Ks, 0, qb, q0, T, ld);
+  __syncthreads();
+  flash_afrag(qf, Ks, R, g, t4);
+  __syncthreads();
+  int rows[2] = {q0 + R + g, q0 + R + g + 8};
+  int n_tiles = (min(q0 + FT, T) - 1) / FT + 1;  // causal: keys up to the block's last query
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, s[FT / 8][4];
+  for (int kt = 0; kt < n_tiles; ++kt) {  // pass 1: row max and sum of exp
+    flash_load(Ks, 0, kb, kt * FT, T, ld);
+    __syncthreads();
+    flash_rows_dot(s, qf, Ks, g, t4);
+#pragma unroll
+    for (int n8 = 0; n8 < FT / 8; ++n8)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int key = kt * FT + n8 * 8 + 2 * t4 + (e & 1), r = e >> 1;
+        if (key <= rows[r] && key < T) {
+          float v = s[n8][e] * scale;
+          if (v > m[r]) { l[r] = l[r] * expf(m[r] - v) + 1.f; m[r] = v; } else { l[r] += expf(v - m[r]); }
+        }
+      }
+    __syncthreads();
+  }
+  float L[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    for (int o = 1; o <= 2; o <<= 1) {  // the 4 lanes of a group hold one row between them
+      float m2 = __shfl_xor_sync(0xffffffffu, m[r], o), l2 = __shfl_xor_sync(0xffffffffu, l[r], o);
+      softmax_merge(m[r], l[r], m2, l2);
+    }
+    L[r] = m[r] + logf(l[r]);
+    if (t4 == 0 && rows[r] < T) lse[(i64)bh * T + rows[r]] = L[r];
+  }
+  float o[HS / 8][4];
+#pragma unroll
+  for (int n8 = 0; n8 < HS / 8; ++n8) o[n8][0] = o[n8][1] = o[n8][2] = o[n8][3] = 0.f;
+  for (int kt = 0; kt < n_tiles; ++kt) {  // pass 2: P = exp(S - lse), O += P V
+    flash_load(Ks, 0, kb, kt * FT, T, ld);
+    flash_load(0, Vt, vb, kt * FT, T, ld);
+    __syncthreads();
+    flash_rows_dot(s, qf, Ks, g, t4);
+#pragma unroll
+    for (int n8 = 0; n8 < FT / 8; ++n8)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int key = kt * FT + n8 * 8 + 2 * t4 + (e & 1), r = e >> 1;
+        s[n8][e] = (key <= rows[r] && key < T) ? expf(s[n8][e] * scale - L[r]) : 0.f;
+      }
+    flash_p_dot(o, s, Vt, g, t4);
+    __syncthreads();
+  }
+#pragma unroll
+  for (int n8 = 0; n8 < HS / 8; ++n8)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int r = e >> 1;
+      if (rows[r] < T) out[((i64)b * T + rows[r]) * C + h * HS + n8 * 8 + 2 * t4 + (e & 1)] = from_f<HT>(o[n8][e]);
+    }
+}
+
+// D (B*NH, T) = rowsum(dout * out) per head: one warp per row.
+extern "C" __global__ void k_attn_flash_D(float* Dv, const HT* dout, const HT* out, int B, int T, int NH) {
+  i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
+  int lane = threadIdx.x & 31;
+  if (row >= (i64)B * NH * T) return;
+  int i = (int)(row % T), h = (int)((row / T) % NH);
+  i64 b = row / ((i64)T * NH);
+  i64 o = (b * T + i) * (i64)(NH * HS) + (i64)h * HS;
+  float D = 0.f;
+  for (int d = lane; d < HS; d += 32) D += to_f(dout[o + d]) * to_f(out[o + d]);
+  D = warp_sum(D);
+  if (lane == 0) Dv[row] = D;
+}
+
+// dQ part of dqkv += ...: one block per 64 query rows of one head. grid (ceil(T/FT), B*NH).
+extern "C" __global__ void __launch_bounds__(128) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
+                                                                      const float* lse, const float* Dv,
+                                                                      int B, int T, int NH, float scale) {
+  __shared__ __align__(16) unsigned short Ks[FT * (HS + SP)];
+  __shared__ __align__(16) unsigned short Kt[HS * (FT + SP)];
+  __shared__ __align__(16) unsigned short Vs[FT * (HS + SP)];
+  int C = NH * HS, ld = 3 * C, bh = blockIdx.y, b = bh / NH, h = bh % NH, q0 = blockIdx.x * FT;
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, R = warp * 16;
+  const HT* qb = qkv + (i64)b * T * ld + h * HS;
+  const HT* kb = qb + C;
+  const HT* vb = qb + 2 * C;
+  const HT* ob = dout + (i64)b * T * C + h * HS;
+  unsigned qf[HS / 16][4], df[HS / 16][4];
+  flash_load(Ks, 0, qb, q0, T, ld);
+  flash_load(Vs, 0, ob, q0, T, C);
+  __syncthreads();
+  flash_afrag(qf, Ks, R, g, t4);
+  flash_afrag(df, Vs, R, g, t4);
+  __syncthreads();
+  int rows[2] = {q0 + R + g, q0 + R + g + 8};
+  float L[2], D[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    L[r] = rows[r] < T ? lse[(i64)bh * T + rows[r]] : 0.f;
+    D[r] = rows[r] < T ? Dv[(i64)bh * T + rows[r]] : 0.f;
+  }
+  float dq[HS / 8][4], s[FT / 8][4], dp[FT / 8][4];
+#pragma unroll
+  for (int n8 = 0; n8 < HS / 8; ++n8) dq[n8][0] = dq[n8][1] = dq[n8][2] = dq[n8][3] = 0.f;
+  int n_tiles = (min(q0 + FT, T) - 1) / FT + 1;
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    flash_load(Ks, Kt, kb, kt * FT, T, ld);
+    flash_load(Vs, 0, vb, kt * FT, T, ld);
+    __syncthreads();
+    flash_rows_dot(s, qf, Ks, g, t4);   // S = Q K^T
+    flash_rows_dot(dp, df, Vs, g, t4);  // dP = dO V^T
+#pragma unroll
+    for (int n8 = 0; n8 < FT / 8; ++n8)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int key = kt * FT + n8 * 8 + 2 * t4 + (e & 1), r = e >> 1;
+        float p = (key <= rows[r] && key < T) ? expf(s[n8][e] * scale - L[r]) : 0.f;
+        s[n8][e] = p * (dp[n8][e] - D[r]) * scale;  // dS
+      }
+    flash_p_dot(dq, s, Kt, g, t4);  // dQ += dS K
+    __syncthreads();
+  }
+#pragma unroll
+  for (int n8 = 0; n8 < HS / 8; ++n8)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int r = e >> 1;
+      if (rows[r] < T) {
+        HT* p = dqkv + ((i64)b * T + rows[r]) * ld + h * HS + n8 * 8 + 2 * t4 + (e & 1);
+        *p = from_f<HT>(to_f(*p) + dq[n8][e]);
+      }
+    }
+}
+
+// dK and dV parts of dqkv += ...: one block per 64 key rows of one head, looping over the query
+// tiles at or after them. grid (ceil(T/FT), B*NH).
+extern "C" __global__ void __launch_bounds__(128) k_attn_flash_bwd_dkv(HT* dqkv, const HT* qkv, const HT* dout,
+                                                                       const float* lse, const float* Dv,
+                                                                       int B, int T, int NH, float scale) {
+  __shared__ __align__(16) unsigned short Qs[FT * (HS + SP)];
+  __shared__ __align__(16) unsigned short Qt[HS * (FT + SP)];
+  __shared__ __align__(16) unsigned short Os[FT * (HS + SP)];
+  __shared__ __align__(16) unsigned short Ot[HS * (FT + SP)];
+  __shared__ float Ls[FT], Ds[FT];
+  int C = NH * HS, ld = 3 * C, bh = blockIdx.y, b = bh / NH, h = bh % NH, k0 = blockIdx.x * FT;
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, R = warp * 16;
+  const HT* qb = qkv + (i64)b * T * ld + h * HS;
+  const HT* kb = qb + C;
+  const HT* vb = qb + 2 * C;
+  const HT* ob = dout + (i64)b * T * C + h * HS;
+  unsigned kf[HS / 16][4], vf[HS / 16][4];
+  flash_load(Qs, 0, kb, k0, T, ld);
+  flash_load(Os, 0, vb, k0, T, ld);
+  __syncthreads();
+  flash_afrag(kf, Qs, R, g, t4);
+  flash_afrag(vf, Os, R, g, t4);
+  __syncthreads();
+  int keys[2] = {k0 + R + g, k0 + R + g + 8};
+  float dk[HS / 8][4], dv[HS / 8][4], s[FT / 8][4], dp[FT / 8][4];
+#pragma unroll
+  for (int n8 = 0; n8 < HS / 8; ++n8) {
+    dk[n8][0] = dk[n8][1] = dk[n8][2] = dk[n8][3] = 0.f;
+    dv[n8][0] = dv[n8][1] = dv[n8][2] = dv[n8][3] = 0.f;
+  }
+  int n_tiles = (T - 1) / FT + 1;
+  for (int qt = k0 / FT; qt < n_tiles; ++qt) {
+    int q0 = qt * FT;
+    flash_load(Qs, Qt, qb, q0, T, ld);
+    flash_load(Os, Ot, ob, q0, T, C);
+    for (int i = threadIdx.x; i < FT; i += blockDim.x) {
+      Ls[i] = q0 + i < T ? lse[(i64)bh * T + q0 + i] : 0.f;
+      Ds[i] = q0 + i < T ? Dv[(i64)bh * T + q0 + i] : 0.f;
+    }
+    __syncthreads();
+    flash_rows_dot(s, kf, Qs, g, t4);   // S^T = K Q^T (rows keys, columns queries)
+    flash_rows_dot(dp, vf, Os, g, t4);  // dP^T = V dO^T
+#pragma unroll
+    for (int n8 = 0; n8 < FT / 8; ++n8)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int qc = n8 * 8 + 2 * t4 + (e & 1), q = q0 + qc, r = e >> 1;
+        float p = (q >= keys[r] && q < T) ? expf(s[n8][e] * scale - Ls[qc]) : 0.f;
+        s[n8][e] = p;
+        dp[n8][e] = p * (dp[n8][e] - Ds[qc]) * scale;  // dS^T
+      }
+    flash_p_dot(dv, s, Ot, g, t4);   // dV += P^T dO
+    flash_p_dot(dk, dp, Qt, g, t4);  // dK += dS^T Q
+    __syncthreads();
+  }
+#pragma unroll
+  for (int n8 = 0; n8 < HS / 8; ++n8)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int r = e >> 1;
+      if (keys[r] < T) {
+        HT* p = dqkv + ((i64)b * T + keys[r]) * ld + C + h * HS + n8 * 8 + 2 * t4 + (e & 1);
+        *p = from_f<HT>(to_f(*p) + dk[n8][e]);
+        p += C;
+        *p = from_f<HT>(to_f(*p) + dv[n8][e]);
+      }
+    }
+}

@@ -184,8 +184,27 @@ def test_linear(be, prec, rng, op, oc):
 
 
 # ---------------------------------------------------------------- attention
-@pytest.mark.parametrize("n_head", [5, 8])  # head sizes 40 and 25
+@pytest.mark.parametrize("n_head", [5, 8])  # head sizes 40 and 25: version 1 (scores materialised)
 def test_attention(be, prec, rng, n_head):
+    check_attention(be, prec, rng, n_head, B, T, C)
+
+
+# head sizes 64, 32 and 16 take version 2 (fused) in fp16: T=77 and 130 end mid-tile (tiles of 64)
+@pytest.mark.parametrize("n_head,Tq,Cq", [(2, 77, 128), (4, 130, 128), (3, 77, 48)])
+def test_attention_fused(be, prec, rng, n_head, Tq, Cq):
+    if prec[0] == np.float16:
+        assert be._flash(np.float16, Cq // n_head), "this case must exercise the fused kernels"
+    check_attention(be, prec, rng, n_head, 3, Tq, Cq)
+
+
+def test_attention_fused_bf16(be, rng):
+    """bfloat16 through the same kernels (the mma instruction's bf16 form). Tolerance 3e-2: 8
+    significant bits, ~4e-3 per rounding, over the chain S -> P -> dS -> dQ, dK."""
+    import ml_dtypes
+    check_attention(be, (ml_dtypes.bfloat16, 3e-2), rng, 2, 2, 77, 128)
+
+
+def check_attention(be, prec, rng, n_head, B, T, C):
     dt, tol = prec
     qkv = rnd(rng, (B, T, 3 * C), dt)
     out, lse = np.zeros((B, T, C)), np.zeros((B, n_head, T))
@@ -194,6 +213,7 @@ def test_attention(be, prec, rng, n_head):
     be.k_attn_fwd(g_out, g_lse, dev(qkv, dt), n_head)
     assert_close("k_attn_fwd out", host(g_out), out, tol)
     assert_close("k_attn_fwd lse", host(g_lse), lse, 1e-5 if dt == np.float32 else 1e-3)
+    assert g_lse.dtype == np.float32
 
     out = out.astype(dt).astype(np.float64)  # the backward pass reads the saved (rounded) output
     dout = rnd(rng, (B, T, C), dt)

@@ -39,6 +39,11 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 THREADS = 256
 MAX_BLOCKS = 8192  # grid-stride kernels: enough blocks to fill 132 SMs, few enough to stay cheap
 COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-norm gradients)
+# Attention version 2 (fused, kernels/attention.cu) runs for 16-bit compute dtypes and these head
+# sizes (tensor-core tiles of 16; 64 is the largest whose tiles fit 48 KB of shared memory);
+# float32 and other head sizes take version 1 (scores materialised, cuBLAS). False forces v1.
+FLASH = True
+FLASH_HEAD_SIZES = (16, 32, 48, 64)
 
 
 # ---------------------------------------------------------------- compilation and launching
@@ -66,23 +71,24 @@ def _source(fname: str) -> str:
     return path.read_text().replace('#include "common.cuh"', common)
 
 
-def _fn(fname: str, kernel: str, dtype):
-    key = (fname, kernel, _ct_name(dtype))
+def _fn(fname: str, kernel: str, dtype, hs=None):
+    """The compiled kernel; hs (a head size) compiles a module with -DHS=hs (attention.cu)."""
+    key = (fname, kernel, _ct_name(dtype), hs)
     f = _FUNCS.get(key)
     if f is None:
-        mkey = (fname, key[2])
+        mkey = (fname, key[2], hs)
         mod = _MODULES.get(mkey)
         if mod is None:
-            mod = cp.RawModule(code=_source(fname), options=("-std=c++17", f"-DCT={key[2]}"))
-            _MODULES[mkey] = mod
+            opts = ("-std=c++17", f"-DCT={key[2]}") + ((f"-DHS={hs}",) if hs else ())
+            mod = _MODULES[mkey] = cp.RawModule(code=_source(fname), options=opts)
         f = _FUNCS[key] = mod.get_function(kernel)
     return f
 
 
-def _launch(fname, kernel, dtype, grid, block, args, shared_mem=0):
-    _fn(fname, kernel, dtype)(grid if isinstance(grid, tuple) else (grid,),
-                              block if isinstance(block, tuple) else (block,), args,
-                              shared_mem=shared_mem)
+def _launch(fname, kernel, dtype, grid, block, args, shared_mem=0, hs=None):
+    _fn(fname, kernel, dtype, hs)(grid if isinstance(grid, tuple) else (grid,),
+                                  block if isinstance(block, tuple) else (block,), args,
+                                  shared_mem=shared_mem)
 
 
 def _blocks(n: int, per_block: int = THREADS) -> int:
@@ -238,10 +244,13 @@ def workspace_rows(B: int, T: int, C: int, n_head: int, act_dtype):
     act = np.dtype(act_dtype).name
     N, BH = B * T, B * n_head
     P = 1 << max(1, (N - 1).bit_length())
-    rows = [("attn_scores", (BH * T * T,), "float32"), ("attn_probs", (BH * T * T,), act),
-            ("attn_heads", (3 * N * C,), act), ("attn_y", (N * C,), act),
-            ("attn_dheads", (3 * N * C,), "float32"),
-            ("colsum_a", (COLSUM_CHUNKS * 4 * C,), "float32"),
+    if _flash(act_dtype, C // n_head):
+        rows = [("attn_D", (BH * T,), "float32")]
+    else:
+        rows = [("attn_scores", (BH * T * T,), "float32"), ("attn_probs", (BH * T * T,), act),
+                ("attn_heads", (3 * N * C,), act), ("attn_y", (N * C,), act),
+                ("attn_dheads", (3 * N * C,), "float32")]
+    rows += [("colsum_a", (COLSUM_CHUNKS * 4 * C,), "float32"),
             ("colsum_b", (COLSUM_CHUNKS * 4 * C,), "float32"),
             ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
     return rows
@@ -403,6 +412,10 @@ def _attn_shapes(kernel, qkv, n_head):
     return B, T, C, n_head, C // n_head
 
 
+def _flash(dtype, hs) -> bool:
+    return FLASH and np.dtype(dtype) != np.float32 and hs in FLASH_HEAD_SIZES
+
+
 def _attn_scores(qkv, B, T, C, NH, hs):
     """Split heads and compute S = Q K^T / sqrt(hs) (float32 workspace). Returns q, k, v, S."""
     ct = qkv.dtype
@@ -423,6 +436,11 @@ def k_attn_fwd(out, lse, qkv, n_head):
     ct = qkv.dtype
     _check("k_attn_fwd", "out", out, (B, T, C), ct)
     _check("k_attn_fwd", "lse", lse, (B, NH, T), np.float32)
+    scale = np.float32(1.0 / math.sqrt(hs))
+    if _flash(ct, hs):
+        _launch("attention.cu", "k_attn_flash_fwd", ct, (-(-T // 64), B * NH), 128,
+                (out, lse, qkv, _i32(B), _i32(T), _i32(NH), scale), hs=hs)
+        return
     q, k, v, S = _attn_scores(qkv, B, T, C, NH, hs)
     BH = B * NH
     P = WORKSPACE.get("attn_probs", BH * T * T, ct)
@@ -444,6 +462,15 @@ def k_attn_bwd(dqkv, dout, qkv, out, lse, n_head):
     _check("k_attn_bwd", "out", out, (B, T, C), ct)
     _check("k_attn_bwd", "lse", lse, (B, NH, T), np.float32)
     blas, N, BH = _blas(), B * T, B * NH
+    if _flash(ct, hs):
+        scale = np.float32(1.0 / math.sqrt(hs))
+        D = WORKSPACE.get("attn_D", BH * T, np.float32)
+        _launch("attention.cu", "k_attn_flash_D", ct, -(-(BH * T) // 8), THREADS,
+                (D, dout, out, _i32(B), _i32(T), _i32(NH)), hs=hs)
+        for kernel in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
+            _launch("attention.cu", kernel, ct, (-(-T // 64), BH), 128,
+                    (dqkv, qkv, dout, lse, D, _i32(B), _i32(T), _i32(NH), scale), hs=hs)
+        return
     q, k, v, S = _attn_scores(qkv, B, T, C, NH, hs)
     P = WORKSPACE.get("attn_probs", BH * T * T, ct)
     _launch("attention.cu", "k_attn_softmax", ct, -(-(BH * T) // 8), THREADS,
