@@ -6,7 +6,7 @@ It binds 127.0.0.1 unless told otherwise, prints the address, and serves exactly
     /  (and /index.html)              the page, which polls the records every 2 s
     /runs.json                        the runs given on the command line and the URLs of their files
     /runs/<i>/<exp>.loss.json         the proxy's record files of run i (also .samples.json,
-    /runs/<i>/<exp>.state.json        .state.json); <exp> is the run folder's name
+    /runs/<i>/<exp>.state.json        .state.json); <exp> is config.yaml's exp, else the folder's name
 Requests are matched against this fixed table before any decoding, so no other path (`/../x`,
 `/%2e%2e/x`, absolute paths, other files in a run folder) can be reached: everything else is 404. A
 record file that is a symlink, or resolves outside its run folder, is 404 as well. Record files
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,6 +32,20 @@ PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-i
             "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'")
 
 
+def exp_of(run_dir: Path) -> str:
+    """The experiment whose records a run folder holds: `exp` of its config.yaml when that is a plain
+    name (a sweep's folders are named after their overrides), else the folder's name (results/<exp>)."""
+    import yaml
+
+    try:
+        exp = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("exp")
+    except (OSError, yaml.YAMLError, AttributeError):
+        exp = None  # no config yet, or not one we can read: fall back to the folder's name
+    if isinstance(exp, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", exp):
+        return exp
+    return run_dir.name
+
+
 def build_routes(run_dirs: Sequence[Path]) -> tuple:
     """(index object, {url path: (run folder, file name)}) for the given run folders."""
     runs, files = [], {}
@@ -38,11 +53,13 @@ def build_routes(run_dirs: Sequence[Path]) -> tuple:
         d = Path(d)
         if not d.is_dir():
             raise FileNotFoundError(f"run folder {d}: no such directory")
-        name = d.resolve().name
-        entry = {"id": i, "name": name, "dir": str(d)}
+        d = d.resolve()
+        exp = exp_of(d)
+        name = exp if exp == d.name else f"{exp} ({d.name})"
+        entry = {"id": i, "name": name, "exp": exp, "dir": str(d)}
         for kind in KINDS:
-            url = f"/runs/{i}/{name}.{kind}.json"
-            files[url] = (d.resolve(), f"{name}.{kind}.json")
+            url = f"/runs/{i}/{exp}.{kind}.json"
+            files[url] = (d, f"{exp}.{kind}.json")
             entry[kind] = url
         runs.append(entry)
     return {"runs": runs}, files

@@ -400,6 +400,8 @@ class Supervisor:
 
     def run(self) -> int:
         failures, rc, st = 0, 0, self.rec.state
+        if not self.rec.samples_path.exists():
+            self.rec.write_samples()  # all three records exist from the start, for their readers
         while True:
             if self.stop_requested:
                 st.update(status="stopped", message="stopped by a signal before the engine restarted")

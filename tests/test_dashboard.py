@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from andrea.dashboard import PAGE, DashboardServer
+from andrea.dashboard import PAGE, DashboardServer, build_routes
 from andrea.proxy import atomic_write_json
 
 REPO = Path(__file__).resolve().parent.parent
@@ -153,3 +153,32 @@ def test_page_is_self_contained():
         # the one allowed absolute URL is the SVG namespace, which is a name, never fetched
         rest = html.replace("http://www.w3.org/2000/svg", "")
         assert needle not in rest, needle
+
+
+def test_sweep_folder_serves_the_records_named_by_config_exp(tmp_path):
+    """A sweep run lives in results/<exp>/sweep/<overrides>/ but its records are <exp>.*.json."""
+    run = tmp_path / "ANDREA-tiny" / "sweep" / "train.lr=0.001"
+    make_records(run / "x")  # records of a run named "x" in a subfolder: never served from here
+    (run / "config.yaml").write_text("exp: ANDREA-tiny\ntrain:\n  lr: 0.001\n")
+    atomic_write_json(run / "ANDREA-tiny.state.json", {"exp": "ANDREA-tiny", "status": "finished"})
+    srv = DashboardServer([run], "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        entry = json.loads(get(srv, "/runs.json")[2])["runs"][0]
+        assert entry["name"] == "ANDREA-tiny (train.lr=0.001)" and entry["exp"] == "ANDREA-tiny"
+        st, _, body = get(srv, entry["state"])
+        assert st == 200 and json.loads(body)["status"] == "finished"
+        assert get(srv, "/runs/0/train.lr=0.001.state.json")[0] == 404
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("text", ["exp: ../../etc\n", "exp: [1, 2]\n", ": not yaml : [\n"])
+def test_odd_config_exp_falls_back_to_the_folder_name(tmp_path, text):
+    run = tmp_path / "ANDREA-x"
+    make_records(run)
+    (run / "config.yaml").write_text(text)
+    index, files = build_routes([run])
+    assert index["runs"][0]["name"] == "ANDREA-x"
+    assert sorted(files) == [f"/runs/0/ANDREA-x.{k}.json" for k in ("loss", "samples", "state")]
