@@ -4,7 +4,8 @@
     python -m andrea.train experiment=ANDREA-tiny train.lr=1e-3        # any field can be overridden
     python -m andrea.train -m experiment=ANDREA-tiny train.lr=1e-3,3e-3
         # a sweep: one run per combination, each in results/ANDREA-tiny/sweep/<overrides>/,
-        # e.g. results/ANDREA-tiny/sweep/train.lr=0.001/
+        # e.g. results/ANDREA-tiny/sweep/train.lr=0.001/ (path-like overrides are left out of
+        # the name; an over-long name becomes run<N>-<hash>)
 
 The config comes from conf/ (config.yaml, one option per group, conf/experiment/<EXP>.yaml), typed
 by the dataclasses of andrea/config.py: an unknown key, a wrong type or a missing experiment stops
@@ -34,6 +35,23 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 EXIT_BAD_CONFIG = 2
 
 register_configs()
+
+
+def sweep_tag(override_dirname: str, num) -> str:
+    """A sweep run's folder name: its overrides (train.lr=0.001,train.seed=2) made path-safe;
+    an empty or very long one becomes the job number plus a short hash, so names stay unique."""
+    import hashlib
+    import re
+
+    tag = re.sub(r"[^A-Za-z0-9._=,+-]", "_", str(override_dirname))
+    if not tag or len(tag) > MAX_TAG:
+        digest = hashlib.sha256(str(override_dirname).encode()).hexdigest()[:10]
+        tag = f"run{num}-{digest}" if tag else f"run{num}"
+    return tag
+
+
+MAX_TAG = 200  # under the usual 255-byte file-name limit
+OmegaConf.register_new_resolver("andrea_sweep_tag", sweep_tag, replace=True)
 
 
 class ConfigError(ValueError):

@@ -142,7 +142,9 @@ def published_of(wildcards):
 
 
 def published_arg(wildcards, input):
-    return f"--published {shlex.quote(input.published)}" if input.published else ""
+    p = input.published  # a file name, or an empty list when nothing is published
+    paths = [p] if isinstance(p, str) else list(p)
+    return " ".join(f"--published {shlex.quote(str(x))}" for x in paths)
 
 
 def _affects_training(override):
@@ -167,5 +169,7 @@ def experiment_targets(exps):
     return [f"results/{e}/report.md" for e in exps]
 
 
-# The software of every step: the andrea package and its dependencies (pyproject.toml).
-ENV = "../envs/andrea.yaml"
+# The software of every step: a conda environment with the andrea package (pyproject.toml), used
+# with --use-conda. Snakemake reads the file even without that flag, so it is named only when
+# the checkout has it.
+ENV = "../envs/andrea.yaml" if (REPO / "workflow" / "envs" / "andrea.yaml").is_file() else None

@@ -1,0 +1,149 @@
+"""Hydra configs: experiments pin the contract shapes; bad configs fail naming the key; sweeps."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from andrea.model import count_params
+from andrea.train import ConfigError, compose_config
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPES = {  # DESIGN.md and the team's contract
+    "ANDREA-tiny": (2, 64, 4, 64, 512),
+    "ANDREA-12M": (6, 384, 6, 256, 8192),
+    "ANDREA-120M": (12, 768, 12, 1024, 50304),
+}
+
+
+def run_train(*args, cwd=REPO, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "andrea.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("exp", sorted(SHAPES))
+def test_experiment_shapes(exp):
+    cfg = compose_config(exp)
+    m = cfg.model
+    assert (m.n_layer, m.d_model, m.n_head, m.context, m.vocab_size) == SHAPES[exp]
+    assert cfg.exp == exp and m.name == exp
+
+
+def test_parameter_counts():
+    assert round(count_params(compose_config("ANDREA-12M").model) / 1e6, 1) == 13.9
+    assert round(count_params(compose_config("ANDREA-120M").model) / 1e6, 1) == 124.5
+
+
+def test_tiny_is_cpu_offline_default():
+    cfg = compose_config("ANDREA-tiny")
+    assert cfg.data.source == "synthetic" and cfg.train.precision == "fp32"
+    assert (cfg.train.steps, cfg.train.batch_size) == (300, 8)
+    assert cfg.data.tokenizer == "data/synthetic/tok512/tokenizer.json"
+
+
+@pytest.mark.parametrize("exp", ["ANDREA-12M", "ANDREA-120M"])
+def test_gpu_experiments_pin_hub_revision_and_fp16(exp):
+    cfg = compose_config(exp)
+    assert cfg.train.precision == "fp16" and cfg.backend.name == "auto"
+    assert cfg.data.source == "hub" and len(cfg.data.revision) == 40  # a commit sha, not "main"
+    assert cfg.train.seq_len == cfg.model.context
+
+
+@pytest.mark.parametrize("exp", sorted(SHAPES))
+def test_experiment_file_pins_everything(exp):
+    """The experiment file itself states what decides the result, not only the groups."""
+    y = yaml.safe_load((REPO / "conf" / "experiment" / f"{exp}.yaml").read_text())
+    assert y["exp"] == exp and "vocab_size" in y["model"]
+    assert {"source", "seed" if exp == "ANDREA-tiny" else "revision"} <= set(y["data"])
+    assert {"seed", "steps", "batch_size", "seq_len", "lr", "min_lr", "warmup_steps", "precision"} <= set(y["train"])
+
+
+def test_override_changes_value():
+    assert compose_config("ANDREA-tiny", ["train.lr=1e-3"]).train.lr == 1e-3
+
+
+def test_unknown_key_named():
+    with pytest.raises(ConfigError, match=r"Key 'lrr' not in 'TrainConfig'"):
+        compose_config("ANDREA-tiny", ["train.lrr=1"])
+    r = run_train("experiment=ANDREA-tiny", "train.lrr=1")
+    assert r.returncode != 0 and "train.lrr" in r.stderr
+
+
+def test_wrong_type_named():
+    r = run_train("experiment=ANDREA-tiny", "train.steps=many")
+    assert r.returncode != 0
+    assert "train.steps" in r.stderr and "could not be converted to Integer" in r.stderr
+
+
+def test_missing_experiment_named():
+    r = run_train()
+    assert r.returncode != 0 and "You must specify 'experiment'" in r.stderr and "ANDREA-tiny" in r.stderr
+    r = run_train("experiment=ANDREA-huge")
+    assert r.returncode != 0 and "Could not find 'experiment/ANDREA-huge'" in r.stderr
+
+
+def test_bad_group_file_named(tmp_path):
+    """A typo in a group YAML fails with the key and the file, before anything runs."""
+    import shutil
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    p = conf / "train" / "tiny.yaml"
+    p.write_text(p.read_text() + "warmup_stpes: 10\n")
+    with pytest.raises(ConfigError, match=r"warmup_stpes") as e:
+        compose_config("ANDREA-tiny", conf_dir=conf)
+    assert "train/tiny" in str(e.value)
+
+
+def test_cross_field_error_exit_2(tmp_path):
+    r = run_train("experiment=ANDREA-tiny", f"results_dir={tmp_path}", "train.seq_len=128")
+    assert r.returncode == 2
+    assert "train.seq_len=128 exceeds model.context=64" in r.stderr
+    assert not (tmp_path / "ANDREA-tiny" / "config.yaml").exists()
+
+
+def _shard_overrides(tmp_path):
+    from conftest import make_shards
+    d = make_shards(tmp_path, vocab=512)
+    return [f"data.train_shards={d}/train_*.bin", f"data.val_shards={d}/val_*.bin",
+            f"data.tokenizer={tmp_path}/none.json", "train.steps=3", "train.eval_every=0",
+            "train.sample_every=0", "train.ckpt_every=0", "train.seq_len=16", "train.batch_size=2",
+            "backend=numpy", f"results_dir={tmp_path}/results"]
+
+
+def test_run_writes_resolved_config_and_refuses_other_settings(tmp_path):
+    ov = _shard_overrides(tmp_path)
+    r = run_train("experiment=ANDREA-tiny", *ov)
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = tmp_path / "results" / "ANDREA-tiny"
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["train"]["steps"] == 3 and saved["exp"] == "ANDREA-tiny"
+    assert (run / "checkpoints" / "step_00000003.bin").is_file()
+    assert not (REPO / "outputs").exists()
+    r = run_train("experiment=ANDREA-tiny", *ov, "train.lr=1e-4")
+    assert r.returncode == 2
+    assert "other model/training settings" in r.stderr and "checkpoints" in r.stderr
+
+
+def test_sweep_runs_each_to_its_own_folder(tmp_path):
+    r = run_train("-m", "experiment=ANDREA-tiny", *_shard_overrides(tmp_path), "train.lr=1e-3,2e-3", timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    sweep = tmp_path / "results" / "ANDREA-tiny" / "sweep"
+    runs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert len(runs) == 2 and all("train.lr=" in n for n in runs), runs
+    lrs = sorted(yaml.safe_load((sweep / n / "config.yaml").read_text())["train"]["lr"] for n in runs)
+    assert lrs == [1e-3, 2e-3]
+    for n in runs:
+        assert (sweep / n / "ANDREA-tiny.loss.json").is_file()
+
+
+def test_sweep_tag_is_path_safe_and_bounded():
+    from andrea.train import MAX_TAG, sweep_tag
+    assert sweep_tag("train.lr=0.001,train.seed=2", 0) == "train.lr=0.001,train.seed=2"
+    assert "/" not in sweep_tag("data.n_synthetic=10,x=/a/b", 1)
+    long = ",".join(f"train.k{i}={i}" for i in range(40))
+    a, b = sweep_tag(long, 3), sweep_tag(long + "1", 4)
+    assert len(a) <= MAX_TAG and a.startswith("run3-") and a != b
+    assert sweep_tag("", 5) == "run5"
