@@ -8,6 +8,7 @@ The screenshot goes to tests/browser/artifacts/ (or $ANDREA_TEST_ARTIFACTS) and 
 import json
 import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -38,15 +39,19 @@ def wait_js(page, expr: str, what: str, timeout: float = 20.0):
                          f"{page.evaluate('JSON.stringify(window.ANDREA)')}")
 
 
+def sync_playwright():
+    try:
+        from playwright.sync_api import sync_playwright as sp
+    except ImportError:
+        pytest.fail("playwright is not installed; run .ci/browser-deps.sh (pip install playwright)")
+    return sp()
+
+
 def vertices(d: str) -> int:
     return d.count("M") + d.count("L")
 
 
 def test_dashboard_draws_and_follows_a_run(tiny_run):
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail("playwright is not installed; run .ci/browser-deps.sh (pip install playwright)")
     cfg, tmp = tiny_run
     cfg["train"].update(steps=20, eval_every=5, ckpt_every=10,
                         phases=[{"name": "pretrain", "start_step": 0}, {"name": "polish", "start_step": 14}])
@@ -106,5 +111,42 @@ def test_dashboard_draws_and_follows_a_run(tiny_run):
         assert errors == []
         assert requests and all(u.startswith(srv.url) for u in requests), requests
     finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_dashboard_follows_a_live_proxy_run(tiny_run):
+    """A proxy process trains while the page polls: the curve grows, then shows the stop."""
+    from test_proxy import finish, start_proxy, state_step, wait_for
+
+    cfg, tmp = tiny_run
+    cfg["train"].update(steps=100000, ckpt_every=0)
+    _, run = write_run(cfg, tmp)
+    srv = DashboardServer([run], "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    proc = start_proxy(run)
+    try:
+        wait_for(lambda: state_step(run) >= 3, "step 3", proc=proc)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(srv.url)
+            wait_js(page, "(window.ANDREA.runs.t || {}).points >= 3", "the first points")
+            first = page.evaluate("window.ANDREA.runs.t.points")
+            wait_js(page, f"window.ANDREA.runs.t.points > {first}", "the curve to grow")
+            assert page.locator('#runs tr[data-run="t"]').get_attribute("data-status") == "running"
+            proc.send_signal(signal.SIGTERM)
+            rc, err = finish(proc)
+            assert rc == 0, err
+            n = len(json.loads((run / "t.loss.json").read_text())["history"])
+            wait_js(page, f"window.ANDREA.runs.t.status === 'stopped' && window.ANDREA.runs.t.points === {n}",
+                    "the stopped state and the final history")
+            path = page.locator('#loss-chart path.train[data-run="t"]')
+            assert path.get_attribute("data-points") == str(n) and vertices(path.get_attribute("d")) == n
+            browser.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
         srv.shutdown()
         srv.server_close()
