@@ -373,7 +373,8 @@ class Supervisor:
         """Start the engine, follow its stdout to the end; returns (exit code, life summary)."""
         life = {"resume": None, "stepped": False, "ckpt": -1, "done": None}
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                     text=True, bufsize=1, process_group=0)
+                                     text=True, encoding="utf-8", errors="replace", bufsize=1,
+                                     process_group=0)
         self.rec.state.update(status="running", engine_pid=self.proc.pid, pid=os.getpid())
         self.rec.flush(force=True)
         if self.stop_requested:  # a signal arrived while no engine was running
@@ -432,8 +433,8 @@ class Supervisor:
             if not self.stop_requested:
                 st["restarts"] += 1
 
-    def close(self) -> None:
-        """Never leave an engine behind, even when the proxy itself fails."""
+    def close(self, error: Optional[BaseException] = None) -> None:
+        """Never leave an engine behind, nor a state that says running, even when the proxy fails."""
         if self.proc is not None and self.proc.poll() is None:
             self._send(signal.SIGTERM)
             try:
@@ -441,8 +442,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-            if self.rec.state["status"] == "running":
-                self.rec.state.update(status="failed", message="proxy error; engine stopped")
+        if self.rec.state["status"] == "running":
+            self.rec.state.update(status="failed", message=f"proxy error: {error!r}; engine stopped")
         self.rec.state["engine_pid"] = None
         self.rec.flush(force=True)
         self.bar.close()
@@ -473,10 +474,14 @@ def supervise(cfg, run_dir, *, max_restarts: int = MAX_RESTARTS, backoff_s: floa
                          backoff_max_s=backoff_max_s, flush_s=flush_s, progress=progress,
                          on_event=on_event, engine_argv=engine_argv)
         old = sup._install_signals()
+        error = None
         try:
             return sup.run()
+        except BaseException as e:
+            error = e
+            raise
         finally:
-            sup.close()
+            sup.close(error)
             for s, h in old.items():
                 signal.signal(s, h)
     finally:

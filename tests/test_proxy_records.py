@@ -141,3 +141,22 @@ def test_second_proxy_on_the_same_run_is_refused(tiny_run):
         if proc.poll() is None:
             proc.kill()
     assert rc == 0, err
+
+
+def test_proxy_error_stops_the_engine_and_says_failed(tiny_run):
+    cfg, tmp = tiny_run
+    cfg["train"].update(steps=100000, ckpt_every=0)
+    c, run = write_run(cfg, tmp)
+    pids = []
+
+    def explode(ev, pid):
+        pids.append(pid)
+        if ev["event"] == "step" and ev["step"] == 3:
+            raise RuntimeError("monitor failed")
+
+    with pytest.raises(RuntimeError, match="monitor failed"):
+        supervise(c, run, flush_s=0, progress=False, on_event=explode)
+    state = read(run, "state")
+    assert state["status"] == "failed" and "monitor failed" in state["message"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[-1], 0)  # the engine was stopped and reaped, not left training
