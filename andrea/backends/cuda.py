@@ -39,9 +39,10 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 THREADS = 256
 MAX_BLOCKS = 8192  # grid-stride kernels: enough blocks to fill 132 SMs, few enough to stay cheap
 COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-norm gradients)
-# Attention version 2 (fused, kernels/attention.cu) runs for 16-bit compute dtypes and these head
+# Attention version 3 (fused, kernels/attention.cu) runs for 16-bit compute dtypes and these head
 # sizes (tensor-core tiles of 16; 64 is the largest whose tiles fit 48 KB of shared memory);
 # float32 and other head sizes take version 1 (scores materialised, cuBLAS). False forces v1.
+# (Version 2, fused without cp.async, is in git history; see kernels/attention.cu.)
 FLASH = True
 FLASH_HEAD_SIZES = (16, 32, 48, 64)
 
@@ -412,8 +413,11 @@ def _attn_shapes(kernel, qkv, n_head):
     return B, T, C, n_head, C // n_head
 
 
-def _flash(dtype, hs) -> bool:
-    return FLASH and np.dtype(dtype) != np.float32 and hs in FLASH_HEAD_SIZES
+def _flash(dtype, hs, *arrays) -> bool:
+    """Version 3 applies: 16-bit dtype, a supported head size, and every array 16-byte aligned
+    (its tiles are copied 16 bytes at a time)."""
+    return (FLASH and np.dtype(dtype) != np.float32 and hs in FLASH_HEAD_SIZES
+            and all(a.data.ptr % 16 == 0 for a in arrays))
 
 
 def _attn_scores(qkv, B, T, C, NH, hs):
@@ -437,7 +441,7 @@ def k_attn_fwd(out, lse, qkv, n_head):
     _check("k_attn_fwd", "out", out, (B, T, C), ct)
     _check("k_attn_fwd", "lse", lse, (B, NH, T), np.float32)
     scale = np.float32(1.0 / math.sqrt(hs))
-    if _flash(ct, hs):
+    if _flash(ct, hs, qkv, out):
         _launch("attention.cu", "k_attn_flash_fwd", ct, (-(-T // 64), B * NH), 128,
                 (out, lse, qkv, _i32(B), _i32(T), _i32(NH), scale), hs=hs)
         return
@@ -462,7 +466,7 @@ def k_attn_bwd(dqkv, dout, qkv, out, lse, n_head):
     _check("k_attn_bwd", "out", out, (B, T, C), ct)
     _check("k_attn_bwd", "lse", lse, (B, NH, T), np.float32)
     blas, N, BH = _blas(), B * T, B * NH
-    if _flash(ct, hs):
+    if _flash(ct, hs, dqkv, qkv, dout, out):
         scale = np.float32(1.0 / math.sqrt(hs))
         D = WORKSPACE.get("attn_D", BH * T, np.float32)
         _launch("attention.cu", "k_attn_flash_D", ct, -(-(BH * T) // 8), THREADS,
