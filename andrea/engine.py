@@ -11,6 +11,7 @@ unscales and clips in one pass, k_adamw updates, and the grads are zeroed.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from .config import AndreaConfig
 ALIGN = 256  # bytes; cuBLAS and vector loads want aligned starts
 SCALE_GROWTH_INTERVAL = 2000  # good fp16 steps before the loss scale doubles (as torch's GradScaler)
 MAX_LOSS_SCALE = 2.0 ** 24
+_SERIAL = itertools.count()  # a unique id per Engine: CUDA graphs are keyed by it (ids get reused)
 
 
 def phase_of(cfg: AndreaConfig, step: int):
@@ -172,6 +174,7 @@ class Engine:
         self.good_streak = 0  # consecutive finite steps, for loss-scale growth
         self.bad_streak = 0  # consecutive non-finite steps, for the abort policy
         self.skipped = 0  # total skipped steps
+        self.serial = next(_SERIAL)
         self.init_params(t.seed)
 
     # ------------------------------------------------------------ set-up
@@ -236,11 +239,25 @@ class Engine:
     def forward_backward(self, x, y) -> float:
         """Forward + backward of one microbatch; ADDS its gradient (times the loss scale, of the
         mean loss over its B*T positions) into the grads buffer; returns the mean loss."""
-        loss = self.forward(x, y)
         B, T = x.shape
-        model.backward(self.be, self.p, self.dp, self.layers, self.g, self.cfg.model.n_head,
-                       self.loss_scale / (B * T))
-        return loss
+        dloss = self.loss_scale / (B * T)
+        run_graph = getattr(self.be, "run_graph", None)
+        if run_graph is None:
+            loss = self.forward(x, y)
+            model.backward(self.be, self.p, self.dp, self.layers, self.g, self.cfg.model.n_head, dloss)
+            return loss
+        # CUDA: both passes replay as one graph (hundreds of launches cost milliseconds of Python
+        # otherwise); same kernels in the same order as above, so the same bits. The key holds
+        # what the graph bakes in: this engine's buffers and dloss.
+        _upload(self.g["tokens"], x)
+        _upload(self.g["targets"], y)
+        nh = self.cfg.model.n_head
+
+        def passes():
+            model.forward(self.be, self.p, self.layers, self.g, nh)
+            model.backward(self.be, self.p, self.dp, self.layers, self.g, nh, dloss)
+        run_graph((self.serial, dloss), passes)
+        return float(np.mean(self.be.to_numpy(self.g["losses"]), dtype=np.float64))
 
     def train_step(self, step: int, batches) -> dict:
         """One optimizer step (1-based step number) over len(batches) microbatches."""

@@ -77,3 +77,66 @@ extern "C" __global__ void k_layernorm_bwd_partial(float* pdw, float* pdb, const
     pdb[(i64)blockIdx.y * C + c] = b;
   }
 }
+
+// Version 2 of the backward pass, for C <= LN_MAXC: one kernel reads each row once. A block of 8
+// warps owns a contiguous chunk of rows (one warp per row at a time); each lane keeps the row's
+// values and its running dweight/dbias sums for columns lane, lane+32, ... in registers. The
+// warps then add their sums into shared memory one warp after another (a fixed order) and the
+// block writes its partial row pdw/pdb[blockIdx.x][C]; k_colsum_final adds the blocks in order.
+#define LN_MAXC 1024
+#define LN_PER_LANE (LN_MAXC / 32)
+extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
+    CT* dinp, float* pdw, float* pdb, const CT* dout, const CT* inp, const CT* weight,
+    const float* mean, const float* rstd, i64 N, int C, int rows_per_block) {
+  __shared__ float sw[LN_MAXC], sb[LN_MAXC];
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  float aw[LN_PER_LANE], ab[LN_PER_LANE], w[LN_PER_LANE];
+#pragma unroll
+  for (int k = 0; k < LN_PER_LANE; ++k) {
+    int c = lane + 32 * k;
+    aw[k] = ab[k] = 0.f;
+    w[k] = c < C ? to_f(weight[c]) : 0.f;
+  }
+  i64 r0 = (i64)blockIdx.x * rows_per_block;
+  i64 r1 = r0 + rows_per_block < N ? r0 + rows_per_block : N;
+  for (i64 r = r0 + warp; r < r1; r += nw) {
+    const CT* x = inp + r * C;
+    const CT* d = dout + r * C;
+    float mu = mean[r], rs = rstd[r], xh[LN_PER_LANE], dy[LN_PER_LANE], a = 0.f, b = 0.f;
+#pragma unroll
+    for (int k = 0; k < LN_PER_LANE; ++k) {
+      int c = lane + 32 * k;
+      xh[k] = c < C ? (to_f(x[c]) - mu) * rs : 0.f;
+      dy[k] = c < C ? to_f(d[c]) : 0.f;
+      float dxh = dy[k] * w[k];
+      a += dxh;
+      b += dxh * xh[k];
+      aw[k] += dy[k] * xh[k];
+      ab[k] += dy[k];
+    }
+    a = warp_sum(a) / C;
+    b = warp_sum(b) / C;
+    CT* g = dinp + r * C;
+#pragma unroll
+    for (int k = 0; k < LN_PER_LANE; ++k) {
+      int c = lane + 32 * k;
+      if (c < C) g[c] = from_f<CT>(to_f(g[c]) + rs * (dy[k] * w[k] - a - xh[k] * b));
+    }
+  }
+  for (int k = 0; k < nw; ++k) {  // warps add into shared memory in order: reproducible sums
+    if (warp == k)
+#pragma unroll
+      for (int j = 0; j < LN_PER_LANE; ++j) {
+        int c = lane + 32 * j;
+        if (c < C) {
+          sw[c] = (k == 0 ? 0.f : sw[c]) + aw[j];
+          sb[c] = (k == 0 ? 0.f : sb[c]) + ab[j];
+        }
+      }
+    __syncthreads();
+  }
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    pdw[(i64)blockIdx.x * C + c] = sw[c];
+    pdb[(i64)blockIdx.x * C + c] = sb[c];
+  }
+}

@@ -138,7 +138,8 @@ def test_embed_bwd_deterministic_large(be):
 
 
 # ---------------------------------------------------------------- layer norm
-def test_layernorm(be, prec, rng):
+@pytest.mark.parametrize("C", [200, 1100])  # one-pass backward (C <= 1024), and the two-pass one
+def test_layernorm(be, prec, rng, C):
     dt, tol = prec
     inp = rnd(rng, (B, T, C), dt, 2.0, 0.5)
     w, b = rnd(rng, (C,), dt, 0.5, 1.0), rnd(rng, (C,), dt, 0.1)

@@ -44,6 +44,8 @@ COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-nor
 # float32 and other head sizes take version 1 (scores materialised, cuBLAS). False forces v1.
 # (Version 2, fused without cp.async, is in git history; see kernels/attention.cu.)
 FLASH = True
+LN_FUSED_MAXC = 1024  # kernels/layernorm.cu LN_MAXC: widest row the one-pass backward holds in registers
+LN_BLOCKS = 128  # blocks (and partial rows) of the one-pass layer-norm backward
 FLASH_HEAD_SIZES = (16, 32, 48, 64)
 
 
@@ -223,6 +225,7 @@ class Workspace:
 
     def __init__(self):
         self.bufs: dict = {}
+        self.generation = 0  # counts (re)allocations: CUDA graphs hold the old addresses
 
     def get(self, name: str, n: int, dtype):
         dt = np.dtype(dtype)
@@ -230,6 +233,7 @@ class Workspace:
         if buf is None or buf.size < n:
             self.bufs.pop((name, dt.name), None)
             buf = self.bufs[(name, dt.name)] = cp.empty(max(int(n), 1), dtype=dt)
+            self.generation += 1
         return buf[:n]
 
     def nbytes(self) -> int:
@@ -251,9 +255,9 @@ def workspace_rows(B: int, T: int, C: int, n_head: int, act_dtype):
         rows = [("attn_scores", (BH * T * T,), "float32"), ("attn_probs", (BH * T * T,), act),
                 ("attn_heads", (3 * N * C,), act), ("attn_y", (N * C,), act),
                 ("attn_dheads", (3 * N * C,), "float32")]
-    rows += [("colsum_a", (COLSUM_CHUNKS * 4 * C,), "float32"),
-            ("colsum_b", (COLSUM_CHUNKS * 4 * C,), "float32"),
-            ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
+    rows += [("colsum_a", (max(COLSUM_CHUNKS * 4, LN_BLOCKS) * C,), "float32"),
+             ("colsum_b", (max(COLSUM_CHUNKS * 4, LN_BLOCKS) * C,), "float32"),
+             ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
     return rows
 
 
@@ -348,16 +352,24 @@ def k_layernorm_bwd(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
     for n, a in (("mean", mean), ("rstd", rstd)):
         _check("k_layernorm_bwd", n, a, inp.shape[:-1], np.float32)
     N = inp.size // C
-    _launch("layernorm.cu", "k_layernorm_bwd_dx", ct, -(-N // 8), THREADS,
-            (dinp, dout, inp, weight, mean, rstd, _i64(N), _i32(C)))
-    rpc = -(-N // COLSUM_CHUNKS)
-    chunks = -(-N // rpc)
-    pdw = WORKSPACE.get("colsum_a", chunks * C, np.float32)
-    pdb = WORKSPACE.get("colsum_b", chunks * C, np.float32)
-    _launch("layernorm.cu", "k_layernorm_bwd_partial", ct, (-(-C // 32), chunks), (32, 8),
-            (pdw, pdb, dout, inp, mean, rstd, _i64(N), _i32(C), _i32(rpc)))
-    _launch("layernorm.cu", "k_colsum_final", ct, -(-C // 128), 128, (dweight, pdw, _i32(chunks), _i32(C)))
-    _launch("layernorm.cu", "k_colsum_final", ct, -(-C // 128), 128, (dbias, pdb, _i32(chunks), _i32(C)))
+    if C <= LN_FUSED_MAXC:  # version 2: one pass, block partials of dweight/dbias
+        rpb = -(-N // LN_BLOCKS)
+        blocks = -(-N // rpb)
+        pdw = WORKSPACE.get("colsum_a", blocks * C, np.float32)
+        pdb = WORKSPACE.get("colsum_b", blocks * C, np.float32)
+        _launch("layernorm.cu", "k_layernorm_bwd_fused", ct, blocks, THREADS,
+                (dinp, pdw, pdb, dout, inp, weight, mean, rstd, _i64(N), _i32(C), _i32(rpb)))
+    else:  # version 1: row pass for dinp, then column partials
+        _launch("layernorm.cu", "k_layernorm_bwd_dx", ct, -(-N // 8), THREADS,
+                (dinp, dout, inp, weight, mean, rstd, _i64(N), _i32(C)))
+        rpb = -(-N // COLSUM_CHUNKS)
+        blocks = -(-N // rpb)
+        pdw = WORKSPACE.get("colsum_a", blocks * C, np.float32)
+        pdb = WORKSPACE.get("colsum_b", blocks * C, np.float32)
+        _launch("layernorm.cu", "k_layernorm_bwd_partial", ct, (-(-C // 32), blocks), (32, 8),
+                (pdw, pdb, dout, inp, mean, rstd, _i64(N), _i32(C), _i32(rpb)))
+    _launch("layernorm.cu", "k_colsum_final", ct, -(-C // 128), 128, (dweight, pdw, _i32(blocks), _i32(C)))
+    _launch("layernorm.cu", "k_colsum_final", ct, -(-C // 128), 128, (dbias, pdb, _i32(blocks), _i32(C)))
 
 
 # ---------------------------------------------------------------- linear layers (shared)
@@ -633,6 +645,57 @@ def k_cast_params(dst, src):
     _check("k_cast_params", "src", src, dtype=np.float32)
     _check("k_cast_params", "dst", dst, src.shape)
     _launch("optim.cu", "k_cast_params", dst.dtype, _blocks(src.size), THREADS, (dst, src, _i64(src.size)))
+
+
+# ---------------------------------------------------------------- CUDA graphs of whole passes
+class GraphRunner:
+    """Runs a function of backend kernels as a CUDA graph: the first call with a key runs it
+    eagerly (compiles modules, allocates the workspace, creates the cuBLAS handle), the second
+    captures it on a private stream and launches the graph, later calls only launch it. The graph
+    runs on the caller's current stream, so uploads queued there before it are seen.
+    A key must stand for everything the function bakes in (array addresses, host scalars); the
+    workspace's addresses are tracked here: when it grows, graphs made before run eagerly again."""
+
+    MAX_GRAPHS = 8  # e.g. one per loss scale seen; older ones are dropped
+
+    def __init__(self):
+        self.graphs: dict = {}  # key -> (graph, workspace generation)
+        self.seen: dict = {}  # key -> workspace generation of its eager run
+        self.stream = None
+
+    def run(self, key, fn):
+        gen = WORKSPACE.generation
+        entry = self.graphs.get(key)
+        if entry is not None and entry[1] == gen:
+            entry[0].launch(stream=cp.cuda.get_current_stream())
+            return
+        if self.seen.get(key) != gen:  # new key, or the workspace moved: eager run first
+            fn()
+            self.seen[key] = WORKSPACE.generation
+            return
+        if self.stream is None:
+            self.stream = cp.cuda.Stream(non_blocking=True)
+        cp.cuda.get_current_stream().synchronize()
+        with self.stream:
+            _blas()._bind_stream()  # cuBLAS handle set-up is not allowed inside a capture
+            self.stream.begin_capture()
+            try:
+                fn()
+            finally:
+                g = self.stream.end_capture()
+        if len(self.graphs) >= self.MAX_GRAPHS:
+            self.graphs.pop(next(iter(self.graphs)))
+        self.graphs[key] = (g, gen)
+        g.launch(stream=cp.cuda.get_current_stream())
+
+
+GRAPHS = GraphRunner()
+
+
+def run_graph(key, fn):
+    """fn() (backend kernels only: no host syncs, no allocation) replayed as a CUDA graph; see
+    GraphRunner. Used by the engine for the forward + backward pass of a microbatch."""
+    GRAPHS.run(key, fn)
 
 
 # ---------------------------------------------------------------- host utilities (not kernels)
