@@ -78,25 +78,24 @@ extern "C" __global__ void k_layernorm_bwd_partial(float* pdw, float* pdb, const
   }
 }
 
-// Version 2 of the backward pass, for C <= LN_MAXC: one kernel reads each row once. A block of 8
+// Version 2 of the backward pass, for C <= LN_MAXC (the launcher compiles it with LN_MAXC = C
+// rounded up to 32, so the per-lane arrays are no longer than the row): one kernel reads each row once. A block of 8
 // warps owns a contiguous chunk of rows (one warp per row at a time); each lane keeps the row's
 // values and its running dweight/dbias sums for columns lane, lane+32, ... in registers. The
 // warps then add their sums into shared memory one warp after another (a fixed order) and the
 // block writes its partial row pdw/pdb[blockIdx.x][C]; k_colsum_final adds the blocks in order.
+#ifndef LN_MAXC
 #define LN_MAXC 1024
+#endif
 #define LN_PER_LANE (LN_MAXC / 32)
 extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
     CT* dinp, float* pdw, float* pdb, const CT* dout, const CT* inp, const CT* weight,
     const float* mean, const float* rstd, i64 N, int C, int rows_per_block) {
   __shared__ float sw[LN_MAXC], sb[LN_MAXC];
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-  float aw[LN_PER_LANE], ab[LN_PER_LANE], w[LN_PER_LANE];
+  float aw[LN_PER_LANE], ab[LN_PER_LANE];
 #pragma unroll
-  for (int k = 0; k < LN_PER_LANE; ++k) {
-    int c = lane + 32 * k;
-    aw[k] = ab[k] = 0.f;
-    w[k] = c < C ? to_f(weight[c]) : 0.f;
-  }
+  for (int k = 0; k < LN_PER_LANE; ++k) aw[k] = ab[k] = 0.f;
   i64 r0 = (i64)blockIdx.x * rows_per_block;
   i64 r1 = r0 + rows_per_block < N ? r0 + rows_per_block : N;
   for (i64 r = r0 + warp; r < r1; r += nw) {
@@ -108,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
       int c = lane + 32 * k;
       xh[k] = c < C ? (to_f(x[c]) - mu) * rs : 0.f;
       dy[k] = c < C ? to_f(d[c]) : 0.f;
-      float dxh = dy[k] * w[k];
+      float dxh = c < C ? dy[k] * to_f(weight[c]) : 0.f;
       a += dxh;
       b += dxh * xh[k];
       aw[k] += dy[k] * xh[k];
@@ -120,7 +119,7 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
 #pragma unroll
     for (int k = 0; k < LN_PER_LANE; ++k) {
       int c = lane + 32 * k;
-      if (c < C) g[c] = from_f<CT>(to_f(g[c]) + rs * (dy[k] * w[k] - a - xh[k] * b));
+      if (c < C) g[c] = from_f<CT>(to_f(g[c]) + rs * (dy[k] * to_f(weight[c]) - a - xh[k] * b));
     }
   }
   for (int k = 0; k < nw; ++k) {  // warps add into shared memory in order: reproducible sums

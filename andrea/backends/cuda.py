@@ -45,7 +45,7 @@ COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-nor
 # (Version 2, fused without cp.async, is in git history; see kernels/attention.cu.)
 FLASH = True
 LN_FUSED_MAXC = 1024  # kernels/layernorm.cu LN_MAXC: widest row the one-pass backward holds in registers
-LN_BLOCKS = 128  # blocks (and partial rows) of the one-pass layer-norm backward
+LN_BLOCKS = 264  # blocks (and partial rows) of the one-pass layer-norm backward: 2 per SM of an H200
 FLASH_HEAD_SIZES = (16, 32, 48, 64)
 
 
@@ -74,24 +74,25 @@ def _source(fname: str) -> str:
     return path.read_text().replace('#include "common.cuh"', common)
 
 
-def _fn(fname: str, kernel: str, dtype, hs=None):
-    """The compiled kernel; hs (a head size) compiles a module with -DHS=hs (attention.cu)."""
-    key = (fname, kernel, _ct_name(dtype), hs)
+def _fn(fname: str, kernel: str, dtype, defs=()):
+    """The compiled kernel; defs are extra -D options (compile-time sizes, e.g. attention's HS)."""
+    key = (fname, kernel, _ct_name(dtype), defs)
     f = _FUNCS.get(key)
     if f is None:
-        mkey = (fname, key[2], hs)
+        mkey = (fname, key[2], defs)
         mod = _MODULES.get(mkey)
         if mod is None:
-            opts = ("-std=c++17", f"-DCT={key[2]}") + ((f"-DHS={hs}",) if hs else ())
+            opts = ("-std=c++17", f"-DCT={key[2]}") + tuple(defs)
             mod = _MODULES[mkey] = cp.RawModule(code=_source(fname), options=opts)
         f = _FUNCS[key] = mod.get_function(kernel)
     return f
 
 
-def _launch(fname, kernel, dtype, grid, block, args, shared_mem=0, hs=None):
-    _fn(fname, kernel, dtype, hs)(grid if isinstance(grid, tuple) else (grid,),
-                                  block if isinstance(block, tuple) else (block,), args,
-                                  shared_mem=shared_mem)
+def _launch(fname, kernel, dtype, grid, block, args, shared_mem=0, hs=None, defs=()):
+    defs = tuple(defs) + ((f"-DHS={hs}",) if hs else ())
+    _fn(fname, kernel, dtype, defs)(grid if isinstance(grid, tuple) else (grid,),
+                                    block if isinstance(block, tuple) else (block,), args,
+                                    shared_mem=shared_mem)
 
 
 def _blocks(n: int, per_block: int = THREADS) -> int:
@@ -358,7 +359,8 @@ def k_layernorm_bwd(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
         pdw = WORKSPACE.get("colsum_a", blocks * C, np.float32)
         pdb = WORKSPACE.get("colsum_b", blocks * C, np.float32)
         _launch("layernorm.cu", "k_layernorm_bwd_fused", ct, blocks, THREADS,
-                (dinp, pdw, pdb, dout, inp, weight, mean, rstd, _i64(N), _i32(C), _i32(rpb)))
+                (dinp, pdw, pdb, dout, inp, weight, mean, rstd, _i64(N), _i32(C), _i32(rpb)),
+                defs=(f"-DLN_MAXC={-(-C // 32) * 32}",))
     else:  # version 1: row pass for dinp, then column partials
         _launch("layernorm.cu", "k_layernorm_bwd_dx", ct, -(-N // 8), THREADS,
                 (dinp, dout, inp, weight, mean, rstd, _i64(N), _i32(C)))
