@@ -16,15 +16,16 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 ALL_RULES = {"data_stage_config", "pull_hermes3", "prep_megachat", "train_tokenizer", "tokenize",
              "experiment_stage_config", "train", "archive", "evaluate"}
-COPY = ("andrea", "conf", "workflow", "scripts", "docs", "pyproject.toml")
+COPY = ("andrea", "conf", "workflow", "scripts", "docs", "pyproject.toml", "data/fixtures")
 
 
 def copy_repo(dst: Path) -> Path:
     for name in COPY:
         src = REPO / name
         if src.is_dir():
-            shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            shutil.copytree(src, dst / name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         elif src.exists():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / name)
     return dst
 
@@ -74,10 +75,32 @@ def test_bad_override_names_key(checkout):
     assert r.returncode != 0 and "Key 'lrr' not in 'TrainConfig'" in r.stdout + r.stderr
 
 
-def test_shared_data_folder_with_different_settings_is_refused(checkout):
-    r = smk(checkout, "-n", "--cores", "1", "results/ANDREA-12M", "--config", "overrides=data.source=synthetic")
+def test_shared_data_folder_with_different_settings(checkout):
+    """With data.source=synthetic everywhere, ANDREA-tiny (val 5%) and ANDREA-12M (val 1%) share
+    data/synthetic: one of them at a time is fine, both at once is refused."""
+    ov = "overrides=data.source=synthetic"
+    r = smk(checkout, "-n", "--cores", "1", "results/ANDREA-12M", "--config", ov)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    r = smk(checkout, "-n", "--cores", "1", "results/ANDREA-12M", "results/ANDREA-tiny", "--config", ov)
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "share this data folder" in out and "ANDREA-tiny" in out
+
+
+def test_local_mirror_data_chain(tmp_path):
+    """data.source=local: the fixture mirror through pull, prep, tokenizer and shards of ANDREA-12M."""
+    work = copy_repo(tmp_path)
+    ov = "overrides=data.source=local data.local_path=data/fixtures/hermes3-sample.jsonl data.val_fraction=0.2"
+    dry = smk(work, "-n", "--cores", "1", "results/ANDREA-12M", "--config", ov)
+    assert dry.returncode == 0 and "data/fixtures/hermes3-sample.jsonl" in dry.stdout + dry.stderr
+    r = smk(work, "--cores", "1", "data/local/tok8192/shards.json", "--config", ov)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    pull = json.loads((work / "data/local/raw/pull-report.json").read_text())
+    assert pull["rows"] == 23 and pull["skipped"] == 2  # a cut-off line, a row without conversations
+    prep = json.loads((work / "data/local/megachat/report.json").read_text())
+    assert prep["dropped"] == {"unknown_role": 1} and prep["duplicates"] == 1 and prep["kept"] == 21
+    man = json.loads((work / "data/local/tok8192/shards.json").read_text())
+    assert man["train"]["tokens"] > 0 and man["val"]["tokens"] > 0
+    assert job_stats(smk(work, "-n", "--cores", "1", "data/local/tok8192/shards.json", "--config", ov).stdout) == {}
 
 
 @pytest.mark.slow

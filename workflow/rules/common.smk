@@ -76,20 +76,35 @@ def _data_stage(cfg, stage):
     return {"data": {k: d[k] for k in keys}}
 
 
+def requested_experiments():
+    """Experiments named by this invocation's targets (`all` stands for the default one)."""
+    ds = getattr(workflow, "dag_settings", None)  # set once the Snakefile is parsed
+    targets = set(ds.targets) if ds is not None and ds.targets else {"all"}
+    found = {DEFAULT_EXP} if "all" in targets else set()
+    for t in targets:
+        t = str(t).rstrip("/")
+        found |= {e for e in EXPERIMENTS if t == f"results/{e}" or t.startswith(f"results/{e}/")}
+    return found
+
+
 def data_stage_text(wildcards):
-    """The pull or prep stage file of a data root: the same for every experiment that uses it."""
+    """The pull or prep stage file of a data root. Experiments sharing the root must agree on it;
+    where they do not, the one this invocation asks for decides (its data is rebuilt for it)."""
     found = {}
     for exp in EXPERIMENTS:
         cfg = exp_config(exp)
         if data_root(cfg) == wildcards.root:
-            found[exp] = _data_stage(cfg, wildcards.stage)
+            found[exp] = _yaml(_data_stage(cfg, wildcards.stage))
     if not found:
         raise WorkflowError(f"{wildcards.root}: no experiment reads data from there (experiments: {EXPERIMENTS})")
-    texts = {exp: _yaml(s) for exp, s in found.items()}
-    if len(set(texts.values())) > 1:
-        raise WorkflowError(f"{wildcards.root}: experiments {sorted(texts)} share this data folder but pin "
-                            f"different {wildcards.stage} settings: {texts}; give one of them another data.dir")
-    return next(iter(texts.values()))
+    texts = set(found.values())
+    if len(texts) > 1:
+        texts = {t for e, t in found.items() if e in requested_experiments()}
+    if len(texts) != 1:
+        raise WorkflowError(f"{wildcards.root}: experiments {sorted(found)} share this data folder but pin "
+                            f"different {wildcards.stage} settings: {found}; build them one at a time "
+                            f"(snakemake results/<EXP>) or give one of them another data.dir")
+    return texts.pop()
 
 
 def exp_stage_text(wildcards):

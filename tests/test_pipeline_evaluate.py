@@ -1,0 +1,135 @@
+"""andrea.evaluate and scripts/archive.py: metrics, baselines, published comparison, manifest."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from andrea import evaluate as ev
+from andrea.data.shards import write_shard
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_val_windows_are_consecutive_and_shifted(tmp_path):
+    write_shard(tmp_path / "val_000.bin", np.arange(100) % 50)
+    batches = ev.val_windows(str(tmp_path / "val_*.bin"), B=2, T=8, n_batches=3)
+    assert len(batches) == 3
+    x, y = batches[1]
+    assert x.shape == y.shape == (2, 8) and x.dtype == np.int32
+    assert list(x[0]) == list(range(16, 24)) and list(y[0]) == list(range(17, 25))
+    assert len(ev.val_windows(str(tmp_path / "val_*.bin"), B=2, T=8, n_batches=100)) == 6  # 12 windows fit
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        ev.val_windows(str(tmp_path / "val_*.bin"), B=20, T=8, n_batches=1)
+    with pytest.raises(FileNotFoundError, match="no shard matches"):
+        ev.val_windows(str(tmp_path / "none_*.bin"), B=2, T=8, n_batches=1)
+
+
+def test_history_accepts_proxy_file_or_list():
+    recs = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0, "val_loss": 2.5}]
+    assert ev.history_of({"format": "andrea-loss/1", "history": recs}) == recs == ev.history_of(recs)
+    assert ev.curves(recs) == {"train": [(1, 3.0), (2, 2.0)], "val": [(2, 2.5)]}
+    with pytest.raises(ValueError, match="history"):
+        ev.history_of({"steps": []})
+
+
+@pytest.mark.parametrize("mine,verdict", [(1.70, "PASS"), (1.749, "PASS"), (1.6501, "PASS"), (1.751, "FAIL"), (1.60, "FAIL")])
+def test_compare_with_published(mine, verdict):
+    c = ev.compare({"val_loss": mine}, {"val_loss": 1.70}, 0.05, Path("p.json"))
+    assert c["verdict"] == verdict and c["diff"] == pytest.approx(mine - 1.70)
+
+
+def test_compare_rejects_bad_published():
+    with pytest.raises(ValueError, match="val_loss"):
+        ev.compare({"val_loss": 1.0}, {"loss": 1.0}, 0.05, Path("docs/published/x.json"))
+
+
+def sh(*args, cwd=REPO, env=None):
+    r = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300,
+                       env=env or dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 20-step ANDREA-tiny run on real synthetic data, archived: the chain without Snakemake."""
+    t = tmp_path_factory.mktemp("run")
+    d, s = t / "data" / "synthetic", REPO / "scripts"
+    (t / "stage.yaml").write_text("data:\n  source: synthetic\n  n_synthetic: 600\n  seed: 1\n"
+                                  "  max_conversations: 0\n  val_fraction: 0.2\n")
+    sh(s / "pull-hermes3.py", "--config", t / "stage.yaml", "--out", d / "raw.parquet", "--report", d / "pull.json")
+    sh(s / "prep-megachat.py", "--config", t / "stage.yaml", "--inputs", d / "raw.parquet", "--train",
+       d / "megachat" / "train.parquet", "--val", d / "megachat" / "val.parquet", "--report", d / "prep.json")
+    sh(s / "train-tokenizer.py", "--train", d / "megachat" / "train.parquet", "--vocab-size", 512,
+       "--out", d / "tok512" / "tokenizer.json")
+    sh(s / "tokenize-shards.py", "--tokenizer", d / "tok512" / "tokenizer.json", "--train",
+       d / "megachat" / "train.parquet", "--val", d / "megachat" / "val.parquet", "--out-dir", d / "tok512",
+       "--manifest", d / "tok512" / "shards.json")
+    sh("-m", "andrea.train", "experiment=ANDREA-tiny", f"data.dir={t / 'data'}", f"results_dir={t / 'results'}",
+       "train.steps=20", "train.eval_every=10", "train.ckpt_every=10", "eval.n_tasks=12", "eval.batches=2")
+    run = t / "results" / "ANDREA-tiny"
+    sh(s / "archive.py", "--config", run / "config.yaml", "--checkpoints", run / "checkpoints",
+       "--loss", run / "ANDREA-tiny.loss.json", "--out", run / "archive" / "final")
+    return t, run, d
+
+
+def test_archive_manifest(trained):
+    _, run, _ = trained
+    final = run / "archive" / "final"
+    man = json.loads((final / "manifest.json").read_text())
+    names = {f["file"] for f in man["files"]}
+    assert names == {"step_00000020.bin", "step_00000020.json", "config.yaml", "ANDREA-tiny.loss.json"}
+    import hashlib
+    for f in man["files"]:
+        assert hashlib.sha256((final / f["file"]).read_bytes()).hexdigest() == f["sha256"]
+    env = man["environment"]
+    assert env["python"] == ".".join(map(str, sys.version_info[:3])) and env["numpy"] == np.__version__
+    assert {"cupy", "cuda_runtime", "cuda_driver", "gpu"} <= set(env)
+
+
+def test_archive_refuses_unfinished_run(trained, tmp_path):
+    _, run, _ = trained
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "archive.py"), "--config", str(run / "config.yaml"),
+                        "--checkpoints", str(run / "checkpoints"), "--out", str(tmp_path / "a")],
+                       capture_output=True, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                       timeout=60)
+    assert r.returncode == 0  # step 20 == train.steps: finished
+    cfg = (run / "config.yaml").read_text().replace("steps: 20", "steps: 40")
+    (tmp_path / "c.yaml").write_text(cfg)
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "archive.py"), "--config", str(tmp_path / "c.yaml"),
+                        "--checkpoints", str(run / "checkpoints"), "--out", str(tmp_path / "b")],
+                       capture_output=True, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                       timeout=60)
+    assert r.returncode != 0 and "train.steps=40" in r.stderr and not (tmp_path / "b").exists()
+
+
+def test_evaluate_writes_report_and_metrics(trained, tmp_path):
+    t, run, d = trained
+    pub = tmp_path / "published.json"
+    out = tmp_path / "out"
+    sh("-m", "andrea.evaluate", "--config", run / "config.yaml", "--checkpoint-dir", run / "archive" / "final",
+       "--loss", run / "ANDREA-tiny.loss.json", "--val-conversations", d / "megachat" / "val.parquet",
+       "--train-conversations", d / "megachat" / "train.parquet", "--out-dir", out, "--write-published", pub,
+       "--machine", "test")
+    m = json.loads((out / "eval" / "metrics.json").read_text())
+    assert m["step"] == 20 and m["val_batches"] == 2 and m["uniform_loss"] == pytest.approx(math.log(512))
+    assert m["perplexity"] == pytest.approx(math.exp(m["val_loss"]))
+    assert 0 < m["bits_per_byte"] < m["val_loss"] / math.log(2)  # more than one byte per token
+    tasks = m["tasks"]
+    assert tasks["n"] == 12 and 0 <= tasks["accuracy"] <= 1 and 0 < tasks["chance"] < 1
+    rows = json.loads((out / "eval" / "tasks.json").read_text())
+    assert len(rows) == 12 and all(r["reference_matches"] for r in rows)
+    assert len(m["samples"]) == 4 and (out / "eval" / "loss.png").stat().st_size > 1000
+    # the same run against itself as the published reference: PASS, difference 0
+    sh("-m", "andrea.evaluate", "--config", run / "config.yaml", "--checkpoint-dir", run / "archive" / "final",
+       "--loss", run / "ANDREA-tiny.loss.json", "--val-conversations", d / "megachat" / "val.parquet",
+       "--out-dir", out, "--published", pub)
+    m2 = json.loads((out / "eval" / "metrics.json").read_text())
+    assert m2["val_loss"] == m["val_loss"] and m2["published"]["verdict"] == "PASS"
+    assert m2["tasks"]["majority_baseline"] is None and m2["tasks"]["accuracy"] == tasks["accuracy"]
+    assert "**PASS**" in (out / "report.md").read_text()
