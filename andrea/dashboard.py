@@ -161,8 +161,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
     try:
         srv = DashboardServer(a.run_dirs, a.host, a.port, verbose=a.verbose)
-    except (FileNotFoundError, OSError) as e:
+    except FileNotFoundError as e:
         print(f"andrea.dashboard: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the port is taken, or the address is not this machine's
+        print(f"andrea.dashboard: cannot listen on {a.host}:{a.port}: {e.strerror or e}; "
+              f"choose another --port (0 = any free one)", file=sys.stderr)
         return 2
     if a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"andrea.dashboard: bound to {a.host}: other machines can read these runs' records", file=sys.stderr)

@@ -182,3 +182,11 @@ def test_odd_config_exp_falls_back_to_the_folder_name(tmp_path, text):
     index, files = build_routes([run])
     assert index["runs"][0]["name"] == "ANDREA-x"
     assert sorted(files) == [f"/runs/0/ANDREA-x.{k}.json" for k in ("loss", "samples", "state")]
+
+
+def test_cli_port_in_use_says_so(server, tmp_path):
+    srv, runs = server
+    port = srv.server_address[1]
+    r = subprocess.run([sys.executable, "-m", "andrea.dashboard", str(runs[0]), "--port", str(port)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr
