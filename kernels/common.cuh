@@ -109,11 +109,13 @@ extern "C" __global__ void k_colsum_partial(float* partial, const CT* x, i64 N, 
   }
 }
 
-// out[c] += sum over chunks of partial[chunk][c], chunks in order. out is float32 (a grad).
+// out[c] += sum over chunks of partial[chunk][c]: one warp per column, lane j adding chunks
+// j, j+32, ... in order, then the fixed shuffle tree. out is float32 (a grad).
 extern "C" __global__ void k_colsum_final(float* out, const float* partial, int n_chunks, int C) {
-  int c = blockIdx.x * blockDim.x + threadIdx.x;
+  int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (c >= C) return;
   float s = 0.f;
-  for (int k = 0; k < n_chunks; ++k) s += partial[(i64)k * C + c];
-  out[c] += s;
+  for (int k = lane; k < n_chunks; k += 32) s += partial[(i64)k * C + c];
+  s = warp_sum(s);
+  if (lane == 0) out[c] += s;
 }

@@ -279,7 +279,7 @@ def _colsum_add(out, x, N: int, Cc: int, slot="colsum_a"):
     part = WORKSPACE.get(slot, chunks * Cc, np.float32)
     _launch("linear.cu", "k_colsum_partial", x.dtype, (-(-Cc // 32), chunks), (32, 8),
             (part, x, _i64(N), _i32(Cc), _i32(rpc)))
-    _launch("linear.cu", "k_colsum_final", x.dtype, -(-Cc // 128), 128,
+    _launch("linear.cu", "k_colsum_final", x.dtype, -(-Cc // 8), THREADS,
             (out, part, _i32(chunks), _i32(Cc)))
 
 
@@ -370,8 +370,8 @@ def k_layernorm_bwd(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
         pdb = WORKSPACE.get("colsum_b", blocks * C, np.float32)
         _launch("layernorm.cu", "k_layernorm_bwd_partial", ct, (-(-C // 32), blocks), (32, 8),
                 (pdw, pdb, dout, inp, mean, rstd, _i64(N), _i32(C), _i32(rpb)))
-    _launch("layernorm.cu", "k_colsum_final", ct, -(-C // 128), 128, (dweight, pdw, _i32(blocks), _i32(C)))
-    _launch("layernorm.cu", "k_colsum_final", ct, -(-C // 128), 128, (dbias, pdb, _i32(blocks), _i32(C)))
+    _launch("layernorm.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dweight, pdw, _i32(blocks), _i32(C)))
+    _launch("layernorm.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dbias, pdb, _i32(blocks), _i32(C)))
 
 
 # ---------------------------------------------------------------- linear layers (shared)
