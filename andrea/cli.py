@@ -14,14 +14,26 @@ import sys
 from pathlib import Path
 
 
+EXIT_BAD_INPUT = 2  # the proxy does not restart an engine that refused its input
+
+
 def cmd_engine(args) -> int:
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .checkpoint import CheckpointError
     from .config import load_run_config
+    from .data.shards import ShardError
     from .runner import Run
 
-    cfg = load_run_config(args.config)
-    run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.results_dir) / cfg.exp
-    run_dir.mkdir(parents=True, exist_ok=True)
-    rc = Run(cfg, run_dir).train(resume=args.resume)
+    try:
+        cfg = load_run_config(args.config)
+        run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.results_dir) / cfg.exp
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run = Run(cfg, run_dir)
+        rc = run.train(resume=args.resume)
+    except (CheckpointError, ShardError, FileNotFoundError, OmegaConfBaseException, ValueError) as e:
+        print(f"engine: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     # The run's last checkpoint is on disk: further stop signals have nothing left to save, and
     # must not kill interpreter shutdown (which restores default handlers) with a non-zero status.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -38,7 +38,8 @@ at the next step boundary and exits 0; the proxy then writes status `stopped` an
 is forwarded as is (checkpoint and go on). The engine runs in its own process group, so a Ctrl-C in
 the terminal reaches it only once, through the proxy.
 
-Crash recovery: an engine exit other than 0 and 3 (killed, out of memory, a CUDA error) restarts it
+Crash recovery: an engine exit other than 0, 2 (bad input: config, shards or checkpoint, which a
+restart cannot mend) and 3 (killed, out of memory, a CUDA error) restarts it
 with --resume from its newest good checkpoint, after a back-off that doubles with each failure in a
 row (backoff_s, 2*backoff_s, ..., at most backoff_max_s); max_restarts failures in a row without a
 new checkpoint give up with status `failed`. Exit 3 (train.max_bad_steps non-finite steps) is an
@@ -85,6 +86,7 @@ BACKOFF_MAX_S = 60.0
 FLUSH_S = 1.0  # least time between rewrites of the history: a 100k-step history is megabytes
 STOP_TIMEOUT_S = 600.0  # how long a stopping engine may take to checkpoint before it is killed
 ABORT_EXIT = 3  # engine exit code for "aborted after too many non-finite steps"
+INPUT_EXIT = 2  # engine exit code for bad input (config, shards, checkpoint): a restart cannot help
 STEP_FIELDS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "wall_s")
 
 
@@ -416,6 +418,9 @@ class Supervisor:
             if rc == ABORT_EXIT:
                 st.update(status="failed", message="engine aborted: too many non-finite steps in a row (exit 3)")
                 return ABORT_EXIT
+            if rc == INPUT_EXIT:
+                st.update(status="failed", message="engine refused its input (exit 2); see its error above")
+                return INPUT_EXIT
             if self.stop_requested:
                 st.update(status="failed", message=f"engine exited with {rc} while stopping")
                 return 1

@@ -58,10 +58,11 @@ class Run:
         self.hash = config_hash(cfg)
         self.eng = engine or Engine(cfg)
         t = cfg.train
-        self.loader = ShardLoader(cfg.data.train_shards, t.batch_size, t.seq_len, t.seed)
+        V = cfg.model.vocab_size
+        self.loader = ShardLoader(cfg.data.train_shards, t.batch_size, t.seq_len, t.seed, V)
         self.val = None
         if t.eval_every:
-            self.val = ShardLoader(cfg.data.val_shards, t.batch_size, t.seq_len, 0)
+            self.val = ShardLoader(cfg.data.val_shards, t.batch_size, t.seq_len, 0, V)
         self.step = 0
         self.resumed_reason = None
         self.sig = Signals()

@@ -97,3 +97,11 @@ def test_shard_errors(tmp_path):
         read_shard(short)
     with pytest.raises(ShardError, match=r"\[0, 65535\]"):
         write_shard(tmp_path / "big.bin", [70000])
+
+
+def test_loader_refuses_tokens_past_the_vocabulary(tmp_path):
+    from andrea.data.loader import ShardLoader
+    write_shard(tmp_path / "train_000.bin", [1, 2, 3, 99] * 50)
+    with pytest.raises(ValueError, match=r"train_000.bin: token id 99 >= model.vocab_size=61"):
+        ShardLoader(str(tmp_path / "train_*.bin"), 2, 8, 0, vocab_size=61)
+    assert ShardLoader(str(tmp_path / "train_*.bin"), 2, 8, 0, vocab_size=100).n_windows == (200 - 1) // 8

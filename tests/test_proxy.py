@@ -203,21 +203,21 @@ def test_abort_exit_3_is_failed_without_restart(tiny_run):
 
 def test_crashing_engine_gives_up_after_bounded_restarts(tiny_run):
     cfg, tmp = tiny_run
-    cfg["data"]["train_shards"] = str(tmp / "missing" / "train_*.bin")  # the engine dies at start-up
     c, run = write_run(cfg, tmp)
+    (run / "checkpoints").write_text("not a folder")  # the engine crashes at its first checkpoint
     t0 = time.monotonic()
     assert supervise(c, run, flush_s=0, progress=False, max_restarts=2, backoff_s=0.05) == 1
     state = read(run, "state")
     assert state["status"] == "failed" and state["restarts"] == 2
-    assert state["engine_exit"] not in (0, 3)
+    assert state["engine_exit"] not in (0, 2, 3)
     assert "gave up after 2 restarts" in state["message"]
     assert time.monotonic() - t0 >= 0.05 + 0.1  # back-off doubles: 0.05 s then 0.1 s
 
 
 def test_sigterm_during_restart_backoff_stops_at_once(tiny_run):
     cfg, tmp = tiny_run
-    cfg["data"]["train_shards"] = str(tmp / "missing" / "train_*.bin")  # the engine dies at start-up
     _, run = write_run(cfg, tmp)
+    (run / "checkpoints").write_text("not a folder")  # the engine crashes at its first checkpoint
     proc = start_proxy(run, "--backoff", "60")
     try:
         wait_for(lambda: (run / "t.state.json").exists() and "restart 1 in 60.0 s" in read(run, "state")["message"],
@@ -246,3 +246,15 @@ def test_progress_bar_on_stderr(tiny_run):
     # step count, elapsed<remaining (the ETA), loss, tokens/s and phase
     assert re.search(r"20/20 \[\d\d:\d\d<\d\d:\d\d.*loss=\d+\.\d{4}.*phase=pretrain.*tok_s=[\d,]+", bars[-1]), bars[-1]
     assert r.stdout == ""  # stdout stays free for whoever runs the proxy
+
+
+def test_bad_input_exit_2_is_failed_without_restart(tiny_run):
+    """Missing shards (or a config the checkpoint does not match) fail at once: no back-off."""
+    cfg, tmp = tiny_run
+    cfg["data"]["train_shards"] = str(tmp / "missing" / "train_*.bin")
+    c, run = write_run(cfg, tmp)
+    t0 = time.monotonic()
+    assert supervise(c, run, flush_s=0, progress=False, backoff_s=5.0) == 2
+    state = read(run, "state")
+    assert state["status"] == "failed" and state["engine_exit"] == 2 and state["restarts"] == 0
+    assert time.monotonic() - t0 < 5.0  # never waited for a restart

@@ -15,12 +15,17 @@ from .shards import read_shard
 
 
 class ShardLoader:
-    def __init__(self, pattern: str, B: int, T: int, seed: int = 0):
+    def __init__(self, pattern: str, B: int, T: int, seed: int = 0, vocab_size: int = 0):
         self.files = sorted(globmod.glob(str(pattern)))
         if not self.files:
             raise FileNotFoundError(f"no token shards match {pattern!r}; run the workflow's tokenize "
                                     "step (snakemake) or set data.train_shards / data.val_shards")
         self.shards = [read_shard(f) for f in self.files]
+        for f, s in zip(self.files, self.shards):
+            # an id past the embedding table would index out of bounds (or, on the GPU, read garbage)
+            if vocab_size and len(s) and int(s.max()) >= vocab_size:
+                raise ValueError(f"shard {f}: token id {int(s.max())} >= model.vocab_size={vocab_size}; "
+                                 "was it tokenized for another vocabulary?")
         counts = np.array([(len(s) - 1) // T if len(s) > 1 else 0 for s in self.shards], dtype=np.int64)
         self.n_windows = int(counts.sum())
         if self.n_windows < B:
