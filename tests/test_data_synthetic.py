@@ -47,3 +47,10 @@ def test_chance():
 def test_not_a_task():
     with pytest.raises(ValueError, match="not a synthetic task"):
         synthetic.kind_of("Tell me a story")
+
+
+def test_large_n_fills_with_kinds_that_have_room():
+    rows = synthetic.generate(12000, 2)
+    kinds = [r["task"] for r in rows]
+    assert len({r["conversations"][0]["value"] for r in rows}) == 12000
+    assert kinds.count("add") <= 2500 and min(kinds.count(k) for k in ("sort", "count", "reverse")) > 3000

@@ -105,20 +105,31 @@ def is_correct(question: str, completion: str) -> bool:
 
 
 def generate(n: int, seed: int) -> List[dict]:
-    """n distinct synthetic conversations ({"conversations": [...], "task": kind}), kinds in turn."""
+    """n distinct synthetic conversations ({"conversations": [...], "task": kind}), kinds in turn.
+
+    A kind whose questions run out (add has 2 500) is dropped from the rotation after
+    EXHAUSTED_AFTER duplicate draws in a row, so large n fills up with the other kinds.
+    """
     rng = random.Random(seed)
     seen, out = set(), []
-    attempts = 0
+    kinds, misses, turn = list(KINDS), {k: 0 for k in KINDS}, 0
     while len(out) < n:
-        attempts += 1
-        if attempts > 50 * n + 1000:
-            raise ValueError(f"synthetic: could not draw {n} distinct tasks (only {len(out)}); "
-                             "lower data.n_synthetic")
-        kind = KINDS[len(out) % len(KINDS)]
+        if not kinds:
+            raise ValueError(f"synthetic: only {len(out)} distinct tasks exist, fewer than "
+                             f"data.n_synthetic={n}")
+        kind = kinds[turn % len(kinds)]
         q = make_task(kind, rng)
         if q in seen:
+            misses[kind] += 1
+            if misses[kind] >= EXHAUSTED_AFTER:
+                kinds.remove(kind)
             continue
+        misses[kind] = 0
+        turn += 1
         seen.add(q)
         out.append({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": answer(q)}],
                     "task": kind})
     return out
+
+
+EXHAUSTED_AFTER = 200  # duplicate draws in a row: the kind is (nearly) used up; n=40000 keeps 2461 of add's 2500

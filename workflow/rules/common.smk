@@ -22,6 +22,9 @@ from andrea.config import to_dict  # noqa: E402
 from andrea.train import ConfigError, compose_config  # noqa: E402
 
 CONF = REPO / "conf"
+# Steps run `python3` from the environment that runs Snakemake (a venv, conda or the system's),
+# whatever else PATH holds.
+shell.prefix(f"set -euo pipefail; export PATH={shlex.quote(str(Path(sys.executable).parent))}:\"$PATH\"; ")
 OVERRIDES = shlex.split(str(config.get("overrides", "")))
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 DEFAULT_EXP = str(config.get("exp", "ANDREA-tiny"))

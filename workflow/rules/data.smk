@@ -17,7 +17,7 @@ rule pull_hermes3:
     conda:
         ENV
     shell:
-        "python {input.script} --config {input.config} --out {output.conversations} "
+        "python3 {input.script} --config {input.config} --out {output.conversations} "
         "--report {output.report} > {log} 2>&1"
 
 
@@ -36,7 +36,7 @@ rule prep_megachat:
     conda:
         ENV
     shell:
-        "python {input.script} --config {input.config} --inputs {input.conversations} "
+        "python3 {input.script} --config {input.config} --inputs {input.conversations} "
         "--train {output.train} --val {output.val} --report {output.report} > {log} 2>&1"
 
 
@@ -54,7 +54,7 @@ rule train_tokenizer:
     conda:
         ENV
     shell:
-        "python {input.script} --train {input.train} --vocab-size {params.vocab} --out {output} > {log} 2>&1"
+        "python3 {input.script} --train {input.train} --vocab-size {params.vocab} --out {output} > {log} 2>&1"
 
 
 rule tokenize:
@@ -73,5 +73,5 @@ rule tokenize:
     conda:
         ENV
     shell:
-        "python {input.script} --tokenizer {input.tokenizer} --train {input.train} --val {input.val} "
+        "python3 {input.script} --tokenizer {input.tokenizer} --train {input.train} --val {input.val} "
         "--out-dir {params.out_dir} --manifest {output} --threads {threads} > {log} 2>&1"

@@ -26,6 +26,6 @@ rule evaluate:
     conda:
         ENV
     shell:
-        "python -m andrea.evaluate --config {input.config} --checkpoint-dir {input.archive} --loss {input.loss} "
+        "python3 -m andrea.evaluate --config {input.config} --checkpoint-dir {input.archive} --loss {input.loss} "
         "--val-conversations {input.val} --train-conversations {input.train} {params.published} "
         "--out-dir {params.out_dir} > {log} 2>&1"

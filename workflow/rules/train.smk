@@ -22,7 +22,7 @@ rule train:
     conda:
         ENV
     shell:
-        "python -m andrea.train experiment={wildcards.exp} {params.overrides} > {log} 2>&1"
+        "python3 -m andrea.train experiment={wildcards.exp} {params.overrides} > {log} 2>&1"
 
 
 rule archive:
@@ -38,5 +38,5 @@ rule archive:
     conda:
         ENV
     shell:
-        "python {input.script} --config {input.config} --checkpoints {input.checkpoints} "
+        "python3 {input.script} --config {input.config} --checkpoints {input.checkpoints} "
         "--loss {input.loss} --out {output} > {log} 2>&1"
