@@ -242,6 +242,8 @@ def pull_hub(d, w: Writer, skips: Skips) -> dict:
     i = 0
     for batch in tqdm(ds.select_columns(["conversations"]).iter(batch_size=BATCH_ROWS), desc="hub",
                       unit="batch", total=-(-len(ds) // BATCH_ROWS), file=sys.stderr):
+        if w.full():
+            break
         for conv in batch["conversations"]:
             i += 1
             if w.full():

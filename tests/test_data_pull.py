@@ -81,3 +81,19 @@ def test_hub_unreachable_fails_fast_with_hint(tmp_path):
     assert r.returncode == 2 and "data.source=synthetic" in r.stderr
     assert "not reachable" in r.stderr
     assert time.time() - t0 < 60
+
+
+def test_hub_path_reads_a_datasets_repo(tmp_path):
+    """The hub code path after loading (column check, batch iteration, row checks) on a local
+    `datasets` folder in the Hermes 3 layout; load_dataset reads a folder like a hub repo."""
+    repo = tmp_path / "Hermes-3-Dataset"
+    repo.mkdir()
+    rows = [{"conversations": [{"from": "human", "value": f"q{i}", "weight": None},
+                               {"from": "gpt", "value": f"a{i}", "weight": 1.0}]} for i in range(30)]
+    (repo / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    e = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    r, rep, got = pull(tmp_path, {"source": "hub", "hub_repo": str(repo), "revision": "main",
+                                  "max_conversations": 25}, env=e, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert rep["rows"] == 25 == len(got) and rep["skipped"] == 0
+    assert got[3]["conversations"] == [{"from": "human", "value": "q3"}, {"from": "gpt", "value": "a3"}]
