@@ -2,8 +2,11 @@
 #
 # The train step starts from scratch every time it runs: Snakemake removes its outputs, the
 # checkpoints folder included, before running it (a re-run means the config or the data changed,
-# so old checkpoints are of another run). To continue an interrupted run instead, run
-# `python -m andrea.train experiment=<EXP>` (it resumes), then `snakemake --touch` the train outputs.
+# so old checkpoints are of another run), and after a failure unless --keep-incomplete is given.
+# For long GPU runs pass --keep-incomplete; to continue an interrupted run, run
+# `python -m andrea.train experiment=<EXP>` (it resumes from the newest checkpoint), then
+# `snakemake --cores 1 results/<EXP> --touch` and `snakemake --cores 1 results/<EXP>` to archive
+# and evaluate it.
 
 
 rule train:
