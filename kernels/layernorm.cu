@@ -78,59 +78,89 @@ extern "C" __global__ void k_layernorm_bwd_partial(float* pdw, float* pdb, const
   }
 }
 
-// Version 2 of the backward pass, for C <= LN_MAXC (the launcher compiles it with LN_MAXC = C
-// rounded up to 32, so the per-lane arrays are no longer than the row): one kernel reads each row once. A block of 8
-// warps owns a contiguous chunk of rows (one warp per row at a time); each lane keeps the row's
-// values and its running dweight/dbias sums for columns lane, lane+32, ... in registers. The
-// warps then add their sums into shared memory one warp after another (a fixed order) and the
-// block writes its partial row pdw/pdb[blockIdx.x][C]; k_colsum_final adds the blocks in order.
+// Version 3 of the backward pass (version 2, in git history, loaded one element per lane):
+// for C <= LN_MAXC with rows in whole 16-byte vectors (C a multiple of 16 / sizeof(CT)); the
+// launcher compiles it with LN_MAXC = C rounded up to 32 vectors, so the per-lane arrays are no
+// longer than the row. One kernel reads each row once, 16 bytes per load. A block of 8 warps owns
+// a contiguous chunk of rows (one warp per row at a time); each lane keeps the row's values and its
+// running dweight/dbias sums for its vectors (lane, lane+32, ...) in registers. The warps then add
+// their sums into shared memory one warp after another (a fixed order) and the block writes its
+// partial row pdw/pdb[blockIdx.x][C]; k_colsum_final adds the blocks in order.
 #ifndef LN_MAXC
 #define LN_MAXC 1024
 #endif
-#define LN_PER_LANE (LN_MAXC / 32)
+#define LN_VEC (16 / (int)sizeof(CT))  // elements per 16-byte vector
+struct __align__(16) vec16 { unsigned int w[4]; };  // one 16-byte load (no CUDA headers here)
+#define LN_CHUNKS ((LN_MAXC + 32 * LN_VEC - 1) / (32 * LN_VEC))  // vectors per lane
 extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
     CT* dinp, float* pdw, float* pdb, const CT* dout, const CT* inp, const CT* weight,
     const float* mean, const float* rstd, i64 N, int C, int rows_per_block) {
-  __shared__ float sw[LN_MAXC], sb[LN_MAXC];
-  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-  float aw[LN_PER_LANE], ab[LN_PER_LANE];
+  __shared__ float sw[LN_CHUNKS * 32 * LN_VEC], sb[LN_CHUNKS * 32 * LN_VEC];
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5, nq = C / LN_VEC;
+  float aw[LN_CHUNKS][LN_VEC], ab[LN_CHUNKS][LN_VEC];
 #pragma unroll
-  for (int k = 0; k < LN_PER_LANE; ++k) aw[k] = ab[k] = 0.f;
+  for (int k = 0; k < LN_CHUNKS; ++k)
+#pragma unroll
+    for (int j = 0; j < LN_VEC; ++j) aw[k][j] = ab[k][j] = 0.f;
   i64 r0 = (i64)blockIdx.x * rows_per_block;
   i64 r1 = r0 + rows_per_block < N ? r0 + rows_per_block : N;
   for (i64 r = r0 + warp; r < r1; r += nw) {
     const CT* x = inp + r * C;
     const CT* d = dout + r * C;
-    float mu = mean[r], rs = rstd[r], xh[LN_PER_LANE], dy[LN_PER_LANE], a = 0.f, b = 0.f;
+    float mu = mean[r], rs = rstd[r], xh[LN_CHUNKS][LN_VEC], dy[LN_CHUNKS][LN_VEC], a = 0.f, b = 0.f;
 #pragma unroll
-    for (int k = 0; k < LN_PER_LANE; ++k) {
-      int c = lane + 32 * k;
-      xh[k] = c < C ? (to_f(x[c]) - mu) * rs : 0.f;
-      dy[k] = c < C ? to_f(d[c]) : 0.f;
-      float dxh = c < C ? dy[k] * to_f(weight[c]) : 0.f;
-      a += dxh;
-      b += dxh * xh[k];
-      aw[k] += dy[k] * xh[k];
-      ab[k] += dy[k];
+    for (int k = 0; k < LN_CHUNKS; ++k) {
+      int q = lane + 32 * k;
+      vec16 rx = {{0u, 0u, 0u, 0u}}, rd = rx, rw = rx;
+      if (q < nq) {
+        rx = *(const vec16*)(x + q * LN_VEC);
+        rd = *(const vec16*)(d + q * LN_VEC);
+        rw = *(const vec16*)(weight + q * LN_VEC);
+      }
+      const CT* ex = (const CT*)&rx;
+      const CT* ed = (const CT*)&rd;
+      const CT* ew = (const CT*)&rw;
+#pragma unroll
+      for (int j = 0; j < LN_VEC; ++j) {
+        xh[k][j] = q < nq ? (to_f(ex[j]) - mu) * rs : 0.f;
+        dy[k][j] = to_f(ed[j]);
+        float dxh = dy[k][j] * to_f(ew[j]);
+        a += dxh;
+        b += dxh * xh[k][j];
+        aw[k][j] += dy[k][j] * xh[k][j];
+        ab[k][j] += dy[k][j];
+      }
     }
     a = warp_sum(a) / C;
     b = warp_sum(b) / C;
     CT* g = dinp + r * C;
 #pragma unroll
-    for (int k = 0; k < LN_PER_LANE; ++k) {
-      int c = lane + 32 * k;
-      if (c < C) g[c] = from_f<CT>(to_f(g[c]) + rs * (dy[k] * to_f(weight[c]) - a - xh[k] * b));
+    for (int k = 0; k < LN_CHUNKS; ++k) {
+      int q = lane + 32 * k;
+      if (q < nq) {
+        vec16 rg = *(const vec16*)(g + q * LN_VEC);
+        vec16 rw = *(const vec16*)(weight + q * LN_VEC);
+        CT* eg = (CT*)&rg;
+        const CT* ew = (const CT*)&rw;
+#pragma unroll
+        for (int j = 0; j < LN_VEC; ++j)
+          eg[j] = from_f<CT>(to_f(eg[j]) + rs * (dy[k][j] * to_f(ew[j]) - a - xh[k][j] * b));
+        *(vec16*)(g + q * LN_VEC) = rg;
+      }
     }
   }
-  for (int k = 0; k < nw; ++k) {  // warps add into shared memory in order: reproducible sums
-    if (warp == k)
+  for (int w = 0; w < nw; ++w) {  // warps add into shared memory in order: reproducible sums
+    if (warp == w)
 #pragma unroll
-      for (int j = 0; j < LN_PER_LANE; ++j) {
-        int c = lane + 32 * j;
-        if (c < C) {
-          sw[c] = (k == 0 ? 0.f : sw[c]) + aw[j];
-          sb[c] = (k == 0 ? 0.f : sb[c]) + ab[j];
-        }
+      for (int k = 0; k < LN_CHUNKS; ++k) {
+        int q = lane + 32 * k;
+        if (q < nq)
+#pragma unroll
+          for (int j = 0; j < LN_VEC; ++j) {
+            int c = q * LN_VEC + j;
+            sw[c] = (w == 0 ? 0.f : sw[c]) + aw[k][j];
+            sb[c] = (w == 0 ? 0.f : sb[c]) + ab[k][j];
+          }
       }
     __syncthreads();
   }

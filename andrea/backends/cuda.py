@@ -44,7 +44,7 @@ COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-nor
 # float32 and other head sizes take version 1 (scores materialised, cuBLAS). False forces v1.
 # (Version 2, fused without cp.async, is in git history; see kernels/attention.cu.)
 FLASH = True
-LN_FUSED_MAXC = 1024  # kernels/layernorm.cu LN_MAXC: widest row the one-pass backward holds in registers
+LN_FUSED_MAXC = 1024  # widest row the one-pass layer-norm backward holds in registers
 LN_BLOCKS = 264  # blocks (and partial rows) of the one-pass layer-norm backward: 2 per SM of an H200
 FLASH_HEAD_SIZES = (16, 32, 48, 64)
 
@@ -353,15 +353,17 @@ def k_layernorm_bwd(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
     for n, a in (("mean", mean), ("rstd", rstd)):
         _check("k_layernorm_bwd", n, a, inp.shape[:-1], np.float32)
     N = inp.size // C
-    if C <= LN_FUSED_MAXC:  # version 2: one pass, block partials of dweight/dbias
+    vec = 16 // inp.dtype.itemsize  # version 3 loads rows as whole 16-byte vectors
+    if C <= LN_FUSED_MAXC and C % vec == 0 and all(a.data.ptr % 16 == 0 for a in (dinp, dout, inp, weight)):
+        # version 3: one pass, block partials of dweight/dbias
         rpb = -(-N // LN_BLOCKS)
         blocks = -(-N // rpb)
         pdw = WORKSPACE.get("colsum_a", blocks * C, np.float32)
         pdb = WORKSPACE.get("colsum_b", blocks * C, np.float32)
         _launch("layernorm.cu", "k_layernorm_bwd_fused", ct, blocks, THREADS,
                 (dinp, pdw, pdb, dout, inp, weight, mean, rstd, _i64(N), _i32(C), _i32(rpb)),
-                defs=(f"-DLN_MAXC={-(-C // 32) * 32}",))
-    else:  # version 1: row pass for dinp, then column partials
+                defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}",))
+    else:  # version 1: row pass for dinp, then column partials (version 2 is in git history)
         _launch("layernorm.cu", "k_layernorm_bwd_dx", ct, -(-N // 8), THREADS,
                 (dinp, dout, inp, weight, mean, rstd, _i64(N), _i32(C)))
         rpb = -(-N // COLSUM_CHUNKS)
