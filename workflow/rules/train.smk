@@ -3,10 +3,11 @@
 # The train step starts from scratch every time it runs: Snakemake removes its outputs, the
 # checkpoints folder included, before running it (a re-run means the config or the data changed,
 # so old checkpoints are of another run), and after a failure unless --keep-incomplete is given.
-# For long GPU runs pass --keep-incomplete; to continue an interrupted run, run
-# `python -m andrea.train experiment=<EXP>` (it resumes from the newest checkpoint), then
-# `snakemake --cores 1 results/<EXP> --touch` and `snakemake --cores 1 results/<EXP>` to archive
-# and evaluate it.
+# For long GPU runs pass --keep-incomplete. To finish a run that failed or was interrupted
+# (its checkpoints kept): `python -m andrea.train experiment=<EXP> [the same overrides]` resumes
+# from the newest checkpoint; then `snakemake --cleanup-metadata results/<EXP>/config.yaml
+# results/<EXP>/<EXP>.loss.json results/<EXP>/checkpoints` marks train's outputs complete, and
+# `snakemake --cores 1 results/<EXP>` archives and evaluates without training again.
 
 
 rule train:
