@@ -191,6 +191,12 @@ class Engine:
         shapes = model.activation_shapes(self.cfg.model, 1, 1)
         self.layers = [{k: bufs[f"h{l}.{k}"] for k in shapes} for l in range(self.cfg.model.n_layer)]
         self.g = {k: bufs[k] for k in model.global_shapes(self.cfg.model, 1, 1)}
+        # CUDA: the kernels' own scratch (attention statistics, column partials, sort keys, cuBLAS
+        # workspace) is allocated here too, not during step 1; backend.workspace_rows lists it
+        reserve = getattr(self.be, "reserve_workspace", None)
+        m, t = self.cfg.model, self.cfg.train
+        self.workspace_bytes = (reserve(t.batch_size, t.seq_len, m.d_model, m.n_head, self.params_c.dtype)
+                                if reserve is not None else 0)
 
     def init_params(self, seed: int):
         """Normal(0, init_std) matrices and embeddings, zero biases, unit layer-norm gains."""
@@ -224,6 +230,9 @@ class Engine:
               f"precision={t.precision} backend={self.be.NAME} params={self.layout.n_params:,}",
               file=file)
         print(self.plan.table(), file=file, flush=True)
+        if self.workspace_bytes:
+            print(f"{'kernel workspace':<22}{self.workspace_bytes:>16,}{self.workspace_bytes / 2**20:>12.1f}"
+                  "  (backend scratch, outside the arena)", file=file, flush=True)
 
     # ------------------------------------------------------------ the step
     def zero_grads(self):
