@@ -97,6 +97,14 @@ class EvalConfig:
 
 
 @dataclass
+class ProxyConfig:
+    max_restarts: int = 5  # engine crashes in a row (no new checkpoint between) before giving up
+    restart_backoff_s: float = 2.0  # first wait before a restart; doubles per failure in a row
+    restart_backoff_max_s: float = 60.0  # ceiling of that wait
+    record_flush_s: float = 1.0  # least seconds between rewrites of <exp>.loss.json
+
+
+@dataclass
 class AndreaConfig:
     exp: str = "ANDREA-tiny"  # experiment name = results/<exp>
     results_dir: str = "results"
@@ -105,6 +113,7 @@ class AndreaConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
 
 
 def register_configs() -> None:
@@ -118,6 +127,7 @@ def register_configs() -> None:
     cs.store(group="train", name="schema", node=TrainConfig)
     cs.store(group="backend", name="schema", node=BackendConfig)
     cs.store(group="eval", name="schema", node=EvalConfig)
+    cs.store(group="proxy", name="schema", node=ProxyConfig)
 
 
 def load_run_config(source: Any) -> AndreaConfig:

@@ -78,12 +78,15 @@ from typing import Callable, Optional, Sequence
 
 from tqdm import tqdm
 
+from andrea.config import ProxyConfig
+
 LOSS_FORMAT = "andrea-loss/1"
 # Proxy settings not (yet) in andrea.config.TrainConfig; keyword arguments of supervise override them.
-MAX_RESTARTS = 5  # failures in a row (no new checkpoint in between) before giving up
-BACKOFF_S = 2.0  # first wait before a restart; doubles with each failure in a row
-BACKOFF_MAX_S = 60.0
-FLUSH_S = 1.0  # least time between rewrites of the history: a 100k-step history is megabytes
+# defaults when a config carries no proxy group (andrea.config.ProxyConfig documents each)
+MAX_RESTARTS = ProxyConfig.max_restarts
+BACKOFF_S = ProxyConfig.restart_backoff_s
+BACKOFF_MAX_S = ProxyConfig.restart_backoff_max_s
+FLUSH_S = ProxyConfig.record_flush_s
 STOP_TIMEOUT_S = 600.0  # how long a stopping engine may take to checkpoint before it is killed
 ABORT_EXIT = 3  # engine exit code for "aborted after too many non-finite steps"
 INPUT_EXIT = 2  # engine exit code for bad input (config, shards, checkpoint): a restart cannot help
@@ -454,17 +457,29 @@ class Supervisor:
         self.bar.close()
 
 
-def supervise(cfg, run_dir, *, max_restarts: int = MAX_RESTARTS, backoff_s: float = BACKOFF_S,
-              backoff_max_s: float = BACKOFF_MAX_S, flush_s: float = FLUSH_S, progress: bool = True,
+def supervise(cfg, run_dir, *, max_restarts: Optional[int] = None, backoff_s: Optional[float] = None,
+              backoff_max_s: Optional[float] = None, flush_s: Optional[float] = None, progress: bool = True,
               on_event: Optional[Callable[[dict, int], None]] = None,
               engine_argv: Optional[Sequence[str]] = None) -> int:
     """Run the engine for cfg in run_dir under supervision until it finishes, stops or fails.
+
+    Restart and flush settings come from cfg.proxy (andrea.config.ProxyConfig); a keyword given
+    here wins.
 
     Returns 0 (finished or stopped by a signal), 3 (engine aborted) or 1 (gave up after restarts).
     on_event(event, engine_pid) is called after each engine event is recorded (monitoring, tests).
     Raises RecordError before starting anything if a record file in run_dir is corrupt.
     """
     run_dir = Path(run_dir)
+    pc = getattr(cfg, "proxy", None)
+
+    def pick(value, field, default):
+        return value if value is not None else getattr(pc, field, default)
+
+    max_restarts = pick(max_restarts, "max_restarts", MAX_RESTARTS)
+    backoff_s = pick(backoff_s, "restart_backoff_s", BACKOFF_S)
+    backoff_max_s = pick(backoff_max_s, "restart_backoff_max_s", BACKOFF_MAX_S)
+    flush_s = pick(flush_s, "record_flush_s", FLUSH_S)
     if not (run_dir / "config.yaml").is_file() and engine_argv is None:
         raise FileNotFoundError(f"run folder {run_dir}: no config.yaml; the engine reads the resolved "
                                 f"config from there (python -m andrea.train writes it)")
@@ -498,16 +513,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m andrea.proxy", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path, help="run folder holding the resolved config.yaml")
-    ap.add_argument("--max-restarts", type=int, default=MAX_RESTARTS)
-    ap.add_argument("--backoff", type=float, default=BACKOFF_S, help="first restart back-off, seconds")
-    ap.add_argument("--flush", type=float, default=FLUSH_S, help="least seconds between history rewrites")
+    ap.add_argument("--max-restarts", type=int, help="default: the config's proxy.max_restarts")
+    ap.add_argument("--backoff", type=float, help="first restart back-off, seconds (proxy.restart_backoff_s)")
+    ap.add_argument("--flush", type=float, help="least seconds between history rewrites (proxy.record_flush_s)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     a = ap.parse_args(argv)
     cfg = load_run_config(a.run_dir / "config.yaml")
     try:
         return supervise(cfg, a.run_dir, max_restarts=a.max_restarts, backoff_s=a.backoff,
                          flush_s=a.flush, progress=not a.no_progress)
-    except RecordError as e:
+    except (RecordError, RuntimeError, FileNotFoundError) as e:
         print(f"andrea.proxy: {e}", file=sys.stderr)
         return 2
 
