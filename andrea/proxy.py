@@ -81,7 +81,6 @@ from tqdm import tqdm
 from andrea.config import ProxyConfig
 
 LOSS_FORMAT = "andrea-loss/1"
-# Proxy settings not (yet) in andrea.config.TrainConfig; keyword arguments of supervise override them.
 # defaults when a config carries no proxy group (andrea.config.ProxyConfig documents each)
 MAX_RESTARTS = ProxyConfig.max_restarts
 BACKOFF_S = ProxyConfig.restart_backoff_s
