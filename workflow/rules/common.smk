@@ -8,6 +8,7 @@
 # input is newer. Changing train.lr re-runs train -> archive -> evaluate; changing eval.* re-runs
 # evaluate; a second run with the same config does nothing.
 
+import os
 import re
 import shlex
 import sys
@@ -156,7 +157,7 @@ def split_of(name):
 
 def published_of(wildcards):
     p = REPO / "docs" / "published" / f"{wildcards.exp}.json"
-    return [str(p)] if p.is_file() else []
+    return [os.path.relpath(p)] if p.is_file() else []  # relative: reports name it as in the repo
 
 
 def published_arg(wildcards, input):
