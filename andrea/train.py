@@ -20,7 +20,9 @@ override never silently continues another run's weights.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Iterable, Optional
@@ -33,6 +35,7 @@ from .config import AndreaConfig, config_hash, load_run_config, register_configs
 # conf/ sits beside the package in the repository (editable install); the workflow passes its own.
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 EXIT_BAD_CONFIG = 2
+MAX_TAG = 200  # sweep folder names stay under the usual 255-byte file-name limit
 
 register_configs()
 
@@ -40,9 +43,6 @@ register_configs()
 def sweep_tag(override_dirname: str, num) -> str:
     """A sweep run's folder name: its overrides (train.lr=0.001,train.seed=2) made path-safe;
     an empty or very long one becomes the job number plus a short hash, so names stay unique."""
-    import hashlib
-    import re
-
     tag = re.sub(r"[^A-Za-z0-9._=,+-]", "_", str(override_dirname))
     if not tag or len(tag) > MAX_TAG:
         digest = hashlib.sha256(str(override_dirname).encode()).hexdigest()[:10]
@@ -50,7 +50,7 @@ def sweep_tag(override_dirname: str, num) -> str:
     return tag
 
 
-MAX_TAG = 200  # under the usual 255-byte file-name limit
+# conf/config.yaml names sweep folders with it: ${andrea_sweep_tag:${hydra.job.override_dirname},...}
 OmegaConf.register_new_resolver("andrea_sweep_tag", sweep_tag, replace=True)
 
 
