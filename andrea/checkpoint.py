@@ -18,6 +18,8 @@ from typing import List, Optional
 
 import numpy as np
 
+from .atomic import atomic_write
+
 NAME_RE = re.compile(r"^step_(\d{8})\.bin$")
 
 
@@ -43,16 +45,6 @@ def sidecar_path(bin_file) -> Path:
     return Path(bin_file).with_suffix(".json")
 
 
-def _atomic_write(path: Path, chunks) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        for c in chunks:
-            f.write(c)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _fsync_dir(d: Path) -> None:
     fd = os.open(d, os.O_RDONLY)
     try:
@@ -75,9 +67,9 @@ def write_checkpoint(ckpt_dir, step: int, params, m, v, sidecar: dict) -> Path:
     for c in [header] + blocks:
         digest.update(c)
     path = bin_path(ckpt_dir, step)
-    _atomic_write(path, [header] + blocks)
+    atomic_write(path, [header] + blocks)
     side = dict(sidecar, step=step, n_params=n, sha256=digest.hexdigest(), file=path.name)
-    _atomic_write(sidecar_path(path), [json.dumps(side, indent=1, sort_keys=True).encode()])
+    atomic_write(sidecar_path(path), json.dumps(side, indent=1, sort_keys=True))
     _fsync_dir(ckpt_dir)
     return path
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from collections import Counter, defaultdict
@@ -34,19 +33,10 @@ from typing import List, Optional
 
 import numpy as np
 
+from .atomic import atomic_write, replace_synced, tmp_path
 from .config import AndreaConfig, load_run_config
 
 TASK_TOKENS = 16  # the longest synthetic answer ("0 1 2 3 4") is 9 characters, 9 tokens at most
-
-
-def atomic_write(path: Path, data) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def val_windows(pattern: str, B: int, T: int, n_batches: int) -> List[tuple]:
@@ -191,10 +181,10 @@ def plot(path: Path, exp: str, mine: dict, published: Optional[dict], uniform: f
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
+    tmp = tmp_path(path)
+    fig.savefig(tmp, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
+    replace_synced(tmp, path)
 
 
 def compare(metrics: dict, published: dict, tolerance: float, source: Path) -> dict:

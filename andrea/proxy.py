@@ -67,7 +67,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +77,7 @@ from typing import Callable, Optional, Sequence
 
 from tqdm import tqdm
 
+from andrea.atomic import atomic_copy, atomic_write_json
 from andrea.config import ProxyConfig
 
 LOSS_FORMAT = "andrea-loss/1"
@@ -94,26 +94,6 @@ STEP_FIELDS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "wall_s"
 
 class RecordError(ValueError):
     """A run record file (history, samples, state) that is corrupt or does not match the run."""
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    """Write obj as JSON to path so that readers see either the old or the new file, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_copy(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    shutil.copyfile(src, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, dst)
 
 
 def _finite(x) -> Optional[float]:

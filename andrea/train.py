@@ -21,7 +21,6 @@ override never silently continues another run's weights.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Iterable, Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from .atomic import atomic_write
 from .config import AndreaConfig, config_hash, load_run_config, register_configs
 
 # conf/ sits beside the package in the repository (editable install); the workflow passes its own.
@@ -97,13 +97,7 @@ def _explain(e: BaseException) -> str:
 def write_config(path: Path, cfg: AndreaConfig) -> None:
     """The resolved config as YAML at path, atomically (the engine and archive read it)."""
     text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, text)
 
 
 def check_run_folder(cfg: AndreaConfig, run_dir: Path) -> None:

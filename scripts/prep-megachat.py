@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from andrea.atomic import atomic_write_json, replace_synced  # noqa: E402
 from andrea.data.chat import ConversationError, normalize, render_conversation  # noqa: E402
 
 SCHEMA = pa.schema([
@@ -63,9 +63,7 @@ class SplitWriter:
     def close(self) -> None:
         self.flush()
         self.pw.close()
-        with open(self.tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(self.tmp, self.out)
+        replace_synced(self.tmp, self.out)
 
 
 def in_val(digest: bytes, val_fraction: float) -> bool:
@@ -125,9 +123,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     d = OmegaConf.load(a.config).data
     stats = prep(a.inputs, a.train, a.val, float(d.val_fraction))
-    tmp = a.report.with_name(f".{a.report.name}.tmp")
-    tmp.write_text(json.dumps(stats, indent=1) + "\n")
-    os.replace(tmp, a.report)
+    atomic_write_json(a.report, stats, indent=1)
     dropped = sum(stats["dropped"].values())
     print(f"prep-megachat: {stats['read']} read, {dropped} dropped {stats['dropped']}, {stats['duplicates']} "
           f"duplicates, {stats['train']} train, {stats['val']} val", file=sys.stderr)

@@ -31,6 +31,9 @@ import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from andrea.atomic import atomic_write_json, replace_synced  # noqa: E402
+
 SCHEMA = pa.schema([
     ("conversations", pa.list_(pa.struct([("from", pa.string()), ("value", pa.string())]))),
     ("task", pa.string()),
@@ -73,9 +76,7 @@ class Writer:
     def close(self) -> None:
         self._flush()
         self.pw.close()
-        with open(self.tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(self.tmp, self.out)
+        replace_synced(self.tmp, self.out)
 
 
 class Skips:
@@ -120,7 +121,6 @@ def add_checked(w: Writer, skips: Skips, row, where: str) -> None:
 
 # ---------------------------------------------------------------------------------- sources
 def pull_synthetic(d, w: Writer, skips: Skips) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from andrea.data.synthetic import generate
 
     n = d.n_synthetic if not d.max_conversations else min(d.n_synthetic, d.max_conversations)
@@ -278,10 +278,7 @@ def main(argv=None) -> int:
     w.close()
     report = {"source": d.source, **info, "rows": w.n, "skipped": skips.total, "skipped_by_reason": skips.counts,
               "skipped_examples": skips.examples, "wall_s": round(time.time() - t0, 3)}
-    a.report.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.report.with_name(f".{a.report.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    os.replace(tmp, a.report)
+    atomic_write_json(a.report, report, indent=1)
     print(f"pull-hermes3: {w.n} conversations from {d.source} -> {a.out} ({skips.total} rows skipped)",
           file=sys.stderr)
     if w.n == 0:

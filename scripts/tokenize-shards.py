@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from andrea.atomic import atomic_write_json  # noqa: E402
 
 SHARD_TOKENS = 100_000_000  # as llm.c's FineWeb shards: 200 MB of uint16 per file
 ENCODE_ROWS = 4096  # rows per encode_batch call: enough to keep every thread busy
@@ -87,9 +87,7 @@ def main(argv=None) -> int:
     for split, src in (("train", a.train), ("val", a.val)):
         shards = tokenize_split(tok, split, src, a.out_dir, a.shard_tokens)
         manifest[split] = {"source": str(src), "tokens": sum(s["tokens"] for s in shards), "shards": shards}
-    tmp = a.manifest.with_name(f".{a.manifest.name}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, a.manifest)
+    atomic_write_json(a.manifest, manifest, indent=1)
     print(f"tokenize-shards: train {manifest['train']['tokens']:,} tokens in {len(manifest['train']['shards'])} "
           f"shard(s), val {manifest['val']['tokens']:,} tokens", file=sys.stderr)
     return 0

@@ -1,7 +1,6 @@
 """The dashboard server: what it serves, and the 404 for everything else (traversal, symlinks)."""
 import http.client
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from andrea.dashboard import PAGE, DashboardServer, build_routes
-from andrea.proxy import atomic_write_json
+from andrea.atomic import atomic_write_json
 
 REPO = Path(__file__).resolve().parent.parent
 

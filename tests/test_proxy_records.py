@@ -6,7 +6,8 @@ import subprocess
 import sys
 import pytest
 
-from andrea.proxy import RecordError, RunRecords, atomic_write_json, supervise
+from andrea.atomic import atomic_write_json
+from andrea.proxy import RecordError, RunRecords, supervise
 from test_proxy import read, start_proxy, finish, state_step, wait_for, write_run
 
 GOOD = {"format": "andrea-loss/1", "exp": "t", "total_steps": 12,

@@ -3,14 +3,12 @@
 Each test runs the real `python -m andrea.cli engine` on a tiny config with random-token shards.
 """
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
-import pytest
 from omegaconf import OmegaConf
 
 from andrea import checkpoint as ck
@@ -57,7 +55,7 @@ def test_sigterm_then_resume_is_bit_exact(tmp_path):
 
     run = write_config(tmp_path, "interrupted", steps=STEPS, ckpt_every=50)
     p = start(run)
-    seen = events(p, until=lambda e: e["event"] == "step" and e["step"] >= 70)
+    events(p, until=lambda e: e["event"] == "step" and e["step"] >= 70)
     p.send_signal(signal.SIGTERM)
     rc, rest = finish(p)
     assert rc == 0

@@ -5,10 +5,11 @@ header[0] = 20240520 (magic), header[1] = 1 (version), header[2] = token count. 
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
+
+from ..atomic import atomic_write
 
 MAGIC = 20240520
 VERSION = 1
@@ -28,15 +29,7 @@ def write_shard(path, tokens) -> Path:
         raise ShardError(f"shard {path}: tokens must lie in [0, 65535], got [{toks.min()}, {toks.max()}]")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = (MAGIC, VERSION, toks.size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(toks.astype("<u2").tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, [header.tobytes(), toks.astype("<u2").tobytes()])
 
 
 def read_shard(path) -> np.ndarray:

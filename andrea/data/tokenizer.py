@@ -12,12 +12,12 @@ size. The result is one JSON file that `load_tokenizer` reads back:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Iterable, List, Optional
 
 import numpy as np
 
+from ..atomic import replace_synced, tmp_path
 from .chat import DOC, END, SPECIAL_TOKENS
 
 MAX_VOCAB = 65535  # token shards store uint16 ids (DESIGN.md)
@@ -46,11 +46,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path, length: Optiona
     tok.train_from_iterator(texts, trainer=trainer, length=length)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = tmp_path(path)
     tok.save(str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_synced(tmp, path)
     return load_tokenizer(path)
 
 

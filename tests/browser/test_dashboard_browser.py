@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from andrea.dashboard import DashboardServer
-from andrea.proxy import atomic_write_json, supervise
+from andrea.atomic import atomic_write_json
+from andrea.proxy import supervise
 from test_proxy import write_run
 
 CHROMIUM = os.environ.get("ANDREA_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"

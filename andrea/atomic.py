@@ -1,0 +1,56 @@
+"""Atomic file writes: a reader sees the old file or the new one, never half of one.
+
+Every file a reader may open while it is being written (checkpoints, shards, run records, reports,
+configs) goes through here: write to a temporary name in the same folder, flush, fsync, rename.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Iterable, Union
+
+Data = Union[bytes, str, Iterable[bytes]]
+
+
+def tmp_path(path: Path) -> Path:
+    """A temporary sibling of path, private to this process (a hidden name readers skip)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def replace_synced(tmp: Path, path: Path) -> Path:
+    """fsync a finished temporary file (written by any writer), then rename it over path."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def atomic_write(path, data: Data) -> Path:
+    """Write bytes, text or an iterable of byte chunks to path atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    chunks = [data.encode()] if isinstance(data, str) else [data] if isinstance(data, bytes) else data
+    tmp = tmp_path(path)
+    with open(tmp, "wb") as f:
+        for c in chunks:
+            f.write(c)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def atomic_write_json(path, obj, indent=None) -> Path:
+    """obj as strict JSON (NaN and Inf refused: records are read by browsers and other languages)."""
+    seps = (",", ":") if indent is None else None
+    text = json.dumps(obj, indent=indent, separators=seps, allow_nan=False)
+    return atomic_write(path, text + ("\n" if indent is not None else ""))
+
+
+def atomic_copy(src, dst) -> Path:
+    dst = Path(dst)
+    tmp = tmp_path(dst)
+    shutil.copyfile(src, tmp)
+    return replace_synced(tmp, dst)
