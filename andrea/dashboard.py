@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -172,6 +173,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"andrea.dashboard: bound to {a.host}: other machines can read these runs' records", file=sys.stderr)
     names = ", ".join(r["name"] for r in srv.index["runs"])
     print(f"andrea.dashboard: {names} at {srv.url}  (Ctrl-C to stop)", flush=True)
+    # Set explicitly: a process started in the background by a non-interactive shell inherits
+    # SIGINT ignored, and Python then never turns Ctrl-C into KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         srv.serve_forever()
     except KeyboardInterrupt:

@@ -40,7 +40,7 @@ def test_parameter_counts():
 def test_tiny_is_cpu_offline_default():
     cfg = compose_config("ANDREA-tiny")
     assert cfg.data.source == "synthetic" and cfg.train.precision == "fp32"
-    assert (cfg.train.steps, cfg.train.batch_size) == (300, 8)
+    assert (cfg.train.steps, cfg.train.batch_size) == (1500, 8)
     assert cfg.data.tokenizer == "data/synthetic/tok512/tokenizer.json"
 
 
