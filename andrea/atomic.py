@@ -1,10 +1,12 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of one.
+"""Atomic file writes (a reader sees the old file or the new one, never half of one), and the
+sha256 of a file, which is how readers check what was written.
 
 Every file a reader may open while it is being written (checkpoints, shards, run records, reports,
 configs) goes through here: write to a temporary name in the same folder, flush, fsync, rename.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -54,3 +56,12 @@ def atomic_copy(src, dst) -> Path:
     tmp = tmp_path(dst)
     shutil.copyfile(src, tmp)
     return replace_synced(tmp, dst)
+
+
+def sha256_file(path) -> str:
+    """Hex sha256 of a file's bytes, read in 4 MiB blocks (checkpoints run to gigabytes)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -18,7 +18,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from .atomic import atomic_write
+from .atomic import atomic_write, sha256_file
 
 NAME_RE = re.compile(r"^step_(\d{8})\.bin$")
 
@@ -128,12 +128,7 @@ def list_checkpoints(ckpt_dir) -> List[Path]:
 def is_valid(bin_file) -> bool:
     """Complete: sidecar present, sha256 matches (size is implied by the hash)."""
     try:
-        side = read_sidecar(bin_file)
-        h = hashlib.sha256()
-        with open(bin_file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-        return side.get("sha256") == h.hexdigest()
+        return read_sidecar(bin_file).get("sha256") == sha256_file(bin_file)
     except (CheckpointError, OSError):
         return False
 

@@ -13,7 +13,6 @@ temporary name and renamed into place, so it is either complete or absent.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -24,18 +23,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from andrea.atomic import sha256_file as sha256  # noqa: E402
 from andrea.checkpoint import latest_checkpoint, sidecar_path  # noqa: E402
 from andrea.config import load_run_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _run(cmd) -> str | None:

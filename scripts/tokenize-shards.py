@@ -13,7 +13,6 @@ never pick up a stale file. The manifest lists every shard with its token count 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 from pathlib import Path
@@ -23,18 +22,10 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from andrea.atomic import atomic_write_json  # noqa: E402
+from andrea.atomic import atomic_write_json, sha256_file as sha256  # noqa: E402
 
 SHARD_TOKENS = 100_000_000  # as llm.c's FineWeb shards: 200 MB of uint16 per file
 ENCODE_ROWS = 4096  # rows per encode_batch call: enough to keep every thread busy
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def tokenize_split(tok, split: str, parquet: Path, out_dir: Path, shard_tokens: int) -> list:
