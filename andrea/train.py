@@ -133,9 +133,13 @@ def train(cfg: DictConfig) -> int:
         return EXIT_BAD_CONFIG
     write_config(run_dir / "config.yaml", run_cfg)
     print(f"andrea.train: {run_cfg.exp} -> {run_dir} (config_hash {config_hash(run_cfg)[:12]})", file=sys.stderr)
-    from .proxy import supervise  # imported late: composing a config must not need the engine
+    from .proxy import RecordError, supervise  # imported late: composing a config must not need the engine
 
-    return supervise(run_cfg, run_dir)
+    try:
+        return supervise(run_cfg, run_dir)
+    except (RecordError, RuntimeError) as e:  # a corrupt record file, or another proxy on this run
+        print(f"andrea.train: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

@@ -127,6 +127,17 @@ def test_run_writes_resolved_config_and_refuses_other_settings(tmp_path):
     assert "other model/training settings" in r.stderr and "checkpoints" in r.stderr
 
 
+def test_corrupt_history_stops_the_run_with_its_name(tmp_path):
+    ov = _shard_overrides(tmp_path)
+    run = tmp_path / "results" / "ANDREA-tiny"
+    run.mkdir(parents=True)
+    (run / "ANDREA-tiny.loss.json").write_text('{"format": "andrea-loss/1", "history": [{"step": 1')
+    r = run_train("experiment=ANDREA-tiny", *ov)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "ANDREA-tiny.loss.json" in r.stderr
+    assert (run / "ANDREA-tiny.loss.json").read_text().endswith('"step": 1')  # left as it was
+
+
 def test_sweep_runs_each_to_its_own_folder(tmp_path):
     r = run_train("-m", "experiment=ANDREA-tiny", *_shard_overrides(tmp_path), "train.lr=1e-3,2e-3", timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
