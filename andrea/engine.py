@@ -151,10 +151,6 @@ class Arena:
         self.sealed = True
 
 
-class NonFiniteError(RuntimeError):
-    pass
-
-
 class Engine:
     """Owns every buffer and the optimizer state of one model; runs steps on one backend."""
 
@@ -359,7 +355,7 @@ def _pick(logits, temperature, rng) -> int:
 
 def _upload(dst, src):
     """Copy a host array into an existing buffer (NumPy or CuPy) without reallocating it."""
-    src = np.asarray(src, dtype=dst.dtype if hasattr(dst.dtype, "itemsize") else None)
+    src = np.asarray(src, dtype=dst.dtype)
     if isinstance(dst, np.ndarray):
         dst[...] = src.reshape(dst.shape)
     else:

@@ -146,7 +146,7 @@ class Run:
             if self.sig.save:
                 self.sig.save = False
                 self.save("signal")
-        if not (ck.bin_path(self.ckpt_dir, self.step).exists() and ck.is_valid(ck.bin_path(self.ckpt_dir, self.step))):
+        if not ck.is_valid(ck.bin_path(self.ckpt_dir, self.step)):  # a signal save may have just written it
             self.save("final")
         emit("done", step=self.step, status="finished")
         return 0
