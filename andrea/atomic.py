@@ -65,3 +65,39 @@ def sha256_file(path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+class ParquetStream:
+    """Rows streamed into a parquet file under a temporary name, renamed into place by close():
+    a reader never opens a half-written split. abort() drops the temporary file."""
+
+    def __init__(self, out, schema, batch_rows: int = 10_000):
+        import pyarrow.parquet as pq  # here, so the checkpoint and record writers need no pyarrow
+
+        self.out, self.schema, self.batch_rows = Path(out), schema, batch_rows
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = tmp_path(self.out)
+        self.pw = pq.ParquetWriter(self.tmp, schema)
+        self.rows, self.n = [], 0
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.n += 1
+        if len(self.rows) >= self.batch_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+
+        if self.rows:
+            self.pw.write_table(pa.Table.from_pylist(self.rows, schema=self.schema))
+            self.rows = []
+
+    def close(self) -> Path:
+        self._flush()
+        self.pw.close()
+        return replace_synced(self.tmp, self.out)
+
+    def abort(self) -> None:
+        self.pw.close()
+        self.tmp.unlink(missing_ok=True)

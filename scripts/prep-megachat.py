@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from andrea.atomic import atomic_write_json, replace_synced  # noqa: E402
+from andrea.atomic import ParquetStream, atomic_write_json  # noqa: E402
 from andrea.data.chat import ConversationError, normalize, render_conversation  # noqa: E402
 
 SCHEMA = pa.schema([
@@ -37,33 +36,6 @@ SCHEMA = pa.schema([
 ])
 BATCH_ROWS = 10_000
 MAX_EXAMPLES = 20
-
-
-class SplitWriter:
-    """One parquet file streamed under a temporary name and renamed on close."""
-
-    def __init__(self, out: Path):
-        self.out = out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        self.pw = pq.ParquetWriter(self.tmp, SCHEMA)
-        self.rows, self.n = [], 0
-
-    def add(self, row: dict) -> None:
-        self.rows.append(row)
-        self.n += 1
-        if len(self.rows) >= BATCH_ROWS:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.rows:
-            self.pw.write_table(pa.Table.from_pylist(self.rows, schema=SCHEMA))
-            self.rows = []
-
-    def close(self) -> None:
-        self.flush()
-        self.pw.close()
-        replace_synced(self.tmp, self.out)
 
 
 def in_val(digest: bytes, val_fraction: float) -> bool:
@@ -84,7 +56,7 @@ def iter_rows(path: Path):
 def prep(inputs, train_out: Path, val_out: Path, val_fraction: float) -> dict:
     if not 0.0 < val_fraction < 1.0:
         raise SystemExit(f"prep-megachat: data.val_fraction={val_fraction}: expected a fraction in (0, 1)")
-    writers = {"train": SplitWriter(train_out), "val": SplitWriter(val_out)}
+    writers = {"train": ParquetStream(train_out, SCHEMA, BATCH_ROWS), "val": ParquetStream(val_out, SCHEMA, BATCH_ROWS)}
     seen = set()
     stats = {"read": 0, "dropped": {}, "duplicates": 0, "examples": []}
     for path in inputs:

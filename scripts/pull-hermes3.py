@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from andrea.atomic import atomic_write_json, replace_synced  # noqa: E402
+from andrea.atomic import ParquetStream, atomic_write_json  # noqa: E402
 
 SCHEMA = pa.schema([
     ("conversations", pa.list_(pa.struct([("from", pa.string()), ("value", pa.string())]))),
@@ -49,34 +49,18 @@ class PullError(RuntimeError):
     """The source cannot be read; the message says what to change."""
 
 
-class Writer:
-    """Streams rows into a parquet file written under a temporary name, renamed on close."""
+class Writer(ParquetStream):
+    """The pulled conversations, up to a cap (data.max_conversations; 0 = all)."""
 
     def __init__(self, out: Path, cap: int):
-        self.out, self.cap = out, cap
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        self.pw = pq.ParquetWriter(self.tmp, SCHEMA)
-        self.rows, self.n = [], 0
+        super().__init__(out, SCHEMA, BATCH_ROWS)
+        self.cap = cap
 
     def full(self) -> bool:
         return self.cap > 0 and self.n >= self.cap
 
     def add(self, conversations, task=None) -> None:
-        self.rows.append({"conversations": conversations, "task": task})
-        self.n += 1
-        if len(self.rows) >= BATCH_ROWS:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self.rows:
-            self.pw.write_table(pa.Table.from_pylist(self.rows, schema=SCHEMA))
-            self.rows = []
-
-    def close(self) -> None:
-        self._flush()
-        self.pw.close()
-        replace_synced(self.tmp, self.out)
+        super().add({"conversations": conversations, "task": task})
 
 
 class Skips:
@@ -271,8 +255,7 @@ def main(argv=None) -> int:
     try:
         info = SOURCES[d.source](d, w, skips)
     except PullError as e:
-        w.pw.close()
-        w.tmp.unlink(missing_ok=True)
+        w.abort()
         print(f"pull-hermes3: {e}", file=sys.stderr)
         return 2
     w.close()
