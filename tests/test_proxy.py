@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -52,10 +53,18 @@ def state_step(run: Path) -> int:
     return read(run, "state")["step"] if p.exists() else -1
 
 
-def start_proxy(run: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "andrea.proxy", str(run), "--no-progress", "--flush", "0",
+@contextmanager
+def running_proxy(run: Path, *extra: str):
+    """`python -m andrea.proxy run` as a process; killed on the way out if a test left it running."""
+    proc = subprocess.Popen([sys.executable, "-m", "andrea.proxy", str(run), "--no-progress", "--flush", "0",
                              *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60.0):
@@ -108,15 +117,11 @@ def test_sigterm_and_ctrl_c_stop_with_checkpoint(tiny_run, sig):
     cfg, tmp = tiny_run
     cfg["train"].update(steps=100000, ckpt_every=0, keep_last=3)
     _, run = write_run(cfg, tmp)
-    proc = start_proxy(run)
-    try:
+    with running_proxy(run) as proc:
         wait_for(lambda: state_step(run) >= 5, "step 5", proc=proc)
         engine_pid = read(run, "state")["engine_pid"]
         proc.send_signal(sig)
         rc, err = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert rc == 0, err
     state = read(run, "state")
     assert state["status"] == "stopped" and state["engine_exit"] == 0 and state["restarts"] == 0
@@ -135,8 +140,7 @@ def test_sigusr1_checkpoints_and_training_goes_on(tiny_run):
     cfg["train"].update(steps=100000, ckpt_every=0, keep_last=5)
     _, run = write_run(cfg, tmp)
     ckpts = lambda: sorted((run / "checkpoints").glob("step_*.bin")) if (run / "checkpoints").exists() else []
-    proc = start_proxy(run)
-    try:
+    with running_proxy(run) as proc:
         wait_for(lambda: state_step(run) >= 5, "step 5", proc=proc)
         assert ckpts() == []
         proc.send_signal(signal.SIGUSR1)
@@ -146,9 +150,6 @@ def test_sigusr1_checkpoints_and_training_goes_on(tiny_run):
         assert read(run, "state")["status"] == "running"
         proc.send_signal(signal.SIGTERM)
         rc, err = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert rc == 0, err
     names = [p.name for p in ckpts()]
     assert names[0] == f"step_{usr1:08d}.bin" and len(names) == 2, names
@@ -218,16 +219,12 @@ def test_sigterm_during_restart_backoff_stops_at_once(tiny_run):
     cfg, tmp = tiny_run
     _, run = write_run(cfg, tmp)
     (run / "checkpoints").write_text("not a folder")  # the engine crashes at its first checkpoint
-    proc = start_proxy(run, "--backoff", "60")
-    try:
+    with running_proxy(run, "--backoff", "60") as proc:
         wait_for(lambda: (run / "t.state.json").exists() and "restart 1 in 60.0 s" in read(run, "state")["message"],
                  "the first back-off", proc=proc)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         rc, err = finish(proc, timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert rc == 0, err
     assert time.monotonic() - t0 < 10  # not the 60 s back-off
     state = read(run, "state")

@@ -8,7 +8,7 @@ import pytest
 
 from andrea.atomic import atomic_write_json
 from andrea.proxy import RecordError, RunRecords, supervise
-from test_proxy import read, start_proxy, finish, state_step, wait_for, write_run
+from test_proxy import read, running_proxy, finish, state_step, wait_for, write_run
 
 GOOD = {"format": "andrea-loss/1", "exp": "t", "total_steps": 12,
         "history": [{"step": 1, "loss": 4.0}, {"step": 2, "loss": 3.9}]}
@@ -72,16 +72,12 @@ def test_external_kill9_keeps_history_continuous(tiny_run):
     cfg, tmp = tiny_run
     cfg["train"].update(steps=100000, ckpt_every=5, keep_last=3)
     _, run = write_run(cfg, tmp)
-    proc = start_proxy(run, "--backoff", "0.05")
-    try:
+    with running_proxy(run, "--backoff", "0.05") as proc:
         wait_for(lambda: state_step(run) >= 12, "step 12", proc=proc)
         os.kill(read(run, "state")["engine_pid"], signal.SIGKILL)
         wait_for(lambda: read(run, "state")["restarts"] == 1 and state_step(run) >= 25, "restart", proc=proc)
         proc.send_signal(signal.SIGTERM)
         rc, err = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert rc == 0, err
     state = read(run, "state")
     assert state["status"] == "stopped" and state["restarts"] == 1
@@ -131,16 +127,12 @@ def test_second_proxy_on_the_same_run_is_refused(tiny_run):
     cfg, tmp = tiny_run
     cfg["train"].update(steps=100000, ckpt_every=0)
     c, run = write_run(cfg, tmp)
-    proc = start_proxy(run)
-    try:
+    with running_proxy(run) as proc:
         wait_for(lambda: state_step(run) >= 2, "step 2", proc=proc)
         with pytest.raises(RuntimeError, match="another proxy"):
             supervise(c, run, flush_s=0, progress=False)
         proc.send_signal(signal.SIGTERM)
         rc, err = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert rc == 0, err
 
 

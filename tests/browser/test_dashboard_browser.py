@@ -118,15 +118,14 @@ def test_dashboard_draws_and_follows_a_run(tiny_run):
 
 def test_dashboard_follows_a_live_proxy_run(tiny_run):
     """A proxy process trains while the page polls: the curve grows, then shows the stop."""
-    from test_proxy import finish, start_proxy, state_step, wait_for
+    from test_proxy import finish, running_proxy, state_step, wait_for
 
     cfg, tmp = tiny_run
     cfg["train"].update(steps=100000, ckpt_every=0)
     _, run = write_run(cfg, tmp)
     srv = DashboardServer([run], "127.0.0.1", 0)
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    proc = start_proxy(run)
-    try:
+    with running_proxy(run) as proc:
         wait_for(lambda: state_step(run) >= 3, "step 3", proc=proc)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
@@ -145,9 +144,5 @@ def test_dashboard_follows_a_live_proxy_run(tiny_run):
             path = page.locator('#loss-chart path.train[data-run="t"]')
             assert path.get_attribute("data-points") == str(n) and vertices(path.get_attribute("d")) == n
             browser.close()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
         srv.shutdown()
         srv.server_close()
