@@ -23,14 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
-CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 ANCHOR_SHAPES = {"ANDREA-120M": "120m", "ANDREA-12M": "12m"}  # torch_gpt.py's --shape names
 ANCHOR_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def model_dict(exp: str) -> dict:
     from omegaconf import OmegaConf
-    path = CONF / f"{exp}.yaml"
+
+    from .paths import model_config
+    path = model_config(exp)
     if not path.is_file():
         raise SystemExit(f"--exp {exp}: no model config {path}")
     return OmegaConf.to_container(OmegaConf.load(path))

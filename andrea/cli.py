@@ -47,9 +47,10 @@ def cmd_params(args) -> int:
     from .config import ModelConfig
     from .model import count_params
 
-    conf = Path(__file__).resolve().parent.parent / "conf" / "model"
+    from .paths import model_config
+
     for name in args.models:
-        path = conf / f"{name}.yaml"
+        path = model_config(name)
         if not path.is_file():
             print(f"{name}: no model config {path}", file=sys.stderr)
             return 2

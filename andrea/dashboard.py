@@ -1,4 +1,4 @@
-"""Live loss dashboard: a small HTTP server for scripts/live-loss-dashboard.html and the run records.
+"""Live loss dashboard: a small HTTP server for andrea/web/dashboard.html and the run records.
 
     python -m andrea.dashboard results/ANDREA-tiny [more run folders] [--port 8765] [--host 127.0.0.1]
 
@@ -25,7 +25,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Optional, Sequence
 
-PAGE = Path(__file__).resolve().parent.parent / "scripts" / "live-loss-dashboard.html"
+from .paths import DASHBOARD_PAGE
+
+PAGE = DASHBOARD_PAGE
 KINDS = ("loss", "samples", "state")
 DEFAULT_PORT = 8765
 # The page needs nothing from outside this server; the browser enforces that too.

@@ -31,9 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from .atomic import atomic_write
 from .config import AndreaConfig, config_hash, load_run_config, register_configs
+from .paths import CONF_DIR
 
-# conf/ sits beside the package in the repository (editable install); the workflow passes its own.
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 EXIT_BAD_CONFIG = 2
 MAX_TAG = 200  # sweep folder names stay under the usual 255-byte file-name limit
 

@@ -22,10 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from andrea.atomic import sha256_file as sha256  # noqa: E402
-from andrea.checkpoint import latest_checkpoint, sidecar_path  # noqa: E402
-from andrea.config import load_run_config  # noqa: E402
+from andrea.atomic import sha256_file as sha256
+from andrea.checkpoint import latest_checkpoint, sidecar_path
+from andrea.config import load_run_config
 
 REPO = Path(__file__).resolve().parent.parent
 

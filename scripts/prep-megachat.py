@@ -24,9 +24,8 @@ import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from andrea.atomic import ParquetStream, atomic_write_json  # noqa: E402
-from andrea.data.chat import ConversationError, normalize, render_conversation  # noqa: E402
+from andrea.atomic import ParquetStream, atomic_write_json
+from andrea.data.chat import ConversationError, normalize, render_conversation
 
 SCHEMA = pa.schema([
     ("id", pa.string()),

@@ -31,8 +31,7 @@ import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from andrea.atomic import ParquetStream, atomic_write_json  # noqa: E402
+from andrea.atomic import ParquetStream, atomic_write_json
 
 SCHEMA = pa.schema([
     ("conversations", pa.list_(pa.struct([("from", pa.string()), ("value", pa.string())]))),

@@ -15,8 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from andrea.data.tokenizer import describe, train_tokenizer  # noqa: E402
+from andrea.data.tokenizer import describe, train_tokenizer
 
 
 def texts(path: Path):

@@ -55,7 +55,7 @@ def test_gpu_experiments_pin_hub_revision_and_fp16(exp):
 @pytest.mark.parametrize("exp", sorted(SHAPES))
 def test_experiment_file_pins_everything(exp):
     """The experiment file itself states what decides the result, not only the groups."""
-    y = yaml.safe_load((REPO / "conf" / "experiment" / f"{exp}.yaml").read_text())
+    y = yaml.safe_load((REPO / "andrea" / "conf" / "experiment" / f"{exp}.yaml").read_text())
     assert y["exp"] == exp and "vocab_size" in y["model"]
     assert {"source", "seed" if exp == "ANDREA-tiny" else "revision"} <= set(y["data"])
     assert {"seed", "steps", "batch_size", "seq_len", "lr", "min_lr", "warmup_steps", "precision"} <= set(y["train"])
@@ -89,7 +89,7 @@ def test_bad_group_file_named(tmp_path):
     """A typo in a group YAML fails with the key and the file, before anything runs."""
     import shutil
     conf = tmp_path / "conf"
-    shutil.copytree(REPO / "conf", conf)
+    shutil.copytree(REPO / "andrea" / "conf", conf)
     p = conf / "train" / "tiny.yaml"
     p.write_text(p.read_text() + "warmup_stpes: 10\n")
     with pytest.raises(ConfigError, match=r"warmup_stpes") as e:

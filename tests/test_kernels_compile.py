@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+KERNELS = Path(__file__).resolve().parent.parent / "andrea" / "kernels"
 SOURCES = sorted(KERNELS.glob("*.cu"))
 NVCC = shutil.which("nvcc")
 

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parent.parent
 ALL_RULES = {"data_stage_config", "pull_hermes3", "prep_megachat", "train_tokenizer", "tokenize",
              "experiment_stage_config", "train", "archive", "evaluate"}
-COPY = ("andrea", "conf", "workflow", "scripts", "docs", "pyproject.toml", "data/fixtures")
+COPY = ("andrea", "workflow", "scripts", "docs", "pyproject.toml", "data/fixtures")
 
 
 def copy_repo(dst: Path) -> Path:
@@ -33,7 +33,7 @@ def copy_repo(dst: Path) -> Path:
 
 def smk(cwd, *args, timeout=600):
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = str(cwd)  # the copy's andrea, not the one of this checkout
     return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -110,7 +110,7 @@ def test_offline_default_end_to_end(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     run = work / "results" / "ANDREA-tiny"
     m = json.loads((run / "eval" / "metrics.json").read_text())
-    pinned = OmegaConf.load(REPO / "conf" / "experiment" / "ANDREA-tiny.yaml").train.steps
+    pinned = OmegaConf.load(REPO / "andrea" / "conf" / "experiment" / "ANDREA-tiny.yaml").train.steps
     assert m["step"] == pinned  # the archived checkpoint is the run's last step
     assert m["val_loss"] < 0.5 * math.log(512), m["val_loss"]  # well below a uniform guess, ln V
     assert m["tasks"]["n"] >= 100 and m["tasks"]["accuracy"] > m["tasks"]["chance"], m["tasks"]

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import math
-from pathlib import Path
 
 import cupy as cp
 import numpy as np
+
+from ..paths import KERNEL_DIR
 
 try:  # registers numpy's "bfloat16" dtype where ml_dtypes is installed (bf16 precision)
     import ml_dtypes  # noqa: F401
@@ -35,7 +36,6 @@ except ImportError:
 NAME = "cuda"
 xp = cp
 GRAD_NORM_PARTIALS = 1024  # blocks of k_grad_norm_partial: enough to fill the GPU at 124M params
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 THREADS = 256
 MAX_BLOCKS = 8192  # grid-stride kernels: enough blocks to fill 132 SMs, few enough to stay cheap
 COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-norm gradients)
@@ -68,8 +68,8 @@ def _ct_name(dtype) -> str:
 def _source(fname: str) -> str:
     path = KERNEL_DIR / fname
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: kernel source missing (the CUDA backend reads kernels/ "
-                                "from the source tree; install the package editable)")
+        raise FileNotFoundError(f"{path}: kernel source missing (the CUDA backend reads the package's "
+                                "kernels/; reinstall the package)")
     common = (KERNEL_DIR / "common.cuh").read_text()
     return path.read_text().replace('#include "common.cuh"', common)
 

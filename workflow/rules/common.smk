@@ -1,10 +1,10 @@
 # Helpers of the workflow: experiment configs, stage configs, input functions. No rules here.
 #
 # Every experiment's config is composed with Hydra exactly as `python -m andrea.train` does
-# (conf/ of this checkout + `--config overrides="..."`). Each step gets the part of that config
-# it depends on as a small YAML "stage file" (rules/config.smk writes them). A stage file's text
-# is also a param of the rule that writes it, so Snakemake's params trigger rewrites it when, and
-# only when, that part of the config changes; the steps that read it then re-run because their
+# (the installed package's conf/, see andrea/paths.py, + `--config overrides="..."`). Each step
+# gets the part of that config it depends on as a small YAML "stage file" (rules/config.smk writes
+# them). A stage file's text is also a param of the rule that writes it, so Snakemake's params
+# trigger rewrites it when, and only when, that part of the config changes; the steps that read it then re-run because their
 # input is newer. Changing train.lr re-runs train -> archive -> evaluate; changing eval.* re-runs
 # evaluate; a second run with the same config does nothing.
 
@@ -16,18 +16,16 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from andrea.config import to_dict
+from andrea.paths import experiments
+from andrea.train import ConfigError, compose_config
+
 REPO = Path(workflow.basedir).resolve().parent
-sys.path.insert(0, str(REPO))  # this checkout's andrea, not another installed copy
-
-from andrea.config import to_dict  # noqa: E402
-from andrea.train import ConfigError, compose_config  # noqa: E402
-
-CONF = REPO / "conf"
 # Steps run `python3` from the environment that runs Snakemake (a venv, conda or the system's),
 # whatever else PATH holds.
 shell.prefix(f"set -euo pipefail; export PATH={shlex.quote(str(Path(sys.executable).parent))}:\"$PATH\"; ")
 OVERRIDES = shlex.split(str(config.get("overrides", "")))
-EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+EXPERIMENTS = experiments()
 DEFAULT_EXP = str(config.get("exp", "ANDREA-tiny"))
 # What each data source's pull depends on (keys of data.*); other data keys do not re-pull.
 PULL_KEYS = {
@@ -43,9 +41,9 @@ def exp_config(exp):
     """The resolved AndreaConfig of an experiment (cached), or a WorkflowError naming the problem."""
     if exp not in _CONFIGS:
         if exp not in EXPERIMENTS:
-            raise WorkflowError(f"experiment {exp!r}: no conf/experiment/{exp}.yaml (known: {EXPERIMENTS})")
+            raise WorkflowError(f"experiment {exp!r}: no andrea/conf/experiment/{exp}.yaml (known: {EXPERIMENTS})")
         try:
-            _CONFIGS[exp] = compose_config(exp, OVERRIDES, CONF)
+            _CONFIGS[exp] = compose_config(exp, OVERRIDES)
         except ConfigError as e:
             raise WorkflowError(f"experiment {exp}: {e}") from e
     return _CONFIGS[exp]
