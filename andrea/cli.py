@@ -13,8 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
-
-EXIT_BAD_INPUT = 2  # the proxy does not restart an engine that refused its input
+from .protocol import EXIT_BAD_INPUT  # the proxy does not restart an engine that refused its input
 
 
 def cmd_engine(args) -> int:

@@ -3,7 +3,7 @@
     python -m andrea.cli engine --config RUN/config.yaml --run-dir RUN [--resume]
 
 stdout carries only JSON objects, one per line, each with an "event" key: plan, resume, step,
-val, sample, checkpoint, pivot, done (see README "Engine protocol"). Human text goes to stderr.
+val, sample, checkpoint, pivot, done (andrea/protocol.py defines each). Human text goes to stderr.
 Signals are handled at step boundaries: SIGTERM / SIGINT write a checkpoint and exit 0; SIGUSR1
 writes one and training goes on. A signal that arrives while a checkpoint is being written only
 sets a flag, so the write always completes. Exit codes: 0 finished or stopped, 3 aborted after
@@ -11,7 +11,6 @@ train.max_bad_steps non-finite steps in a row (with a checkpoint of the last goo
 """
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import time
@@ -21,8 +20,7 @@ from . import checkpoint as ck
 from .config import AndreaConfig, config_hash
 from .data.loader import ShardLoader
 from .engine import Engine, phase_of
-
-EXIT_ABORTED = 3
+from .protocol import EXIT_ABORTED, emit
 
 
 class Signals:
@@ -42,11 +40,6 @@ class Signals:
 
     def _save(self, signum, frame):
         self.save = True
-
-
-def emit(event: str, **fields):
-    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
-    sys.stdout.flush()
 
 
 class Run:

@@ -11,8 +11,8 @@ The config comes from conf/ (config.yaml, one option per group, conf/experiment/
 by the dataclasses of andrea/config.py: an unknown key, a wrong type or a missing experiment stops
 before anything runs, with Hydra's message naming the key. The resolved config is written to
 `<run folder>/config.yaml`, then `andrea.proxy.supervise` runs the engine on it. The exit status is
-the proxy's: 0 finished or stopped, 3 aborted (non-finite steps), 1 failed, 2 bad config or a run
-folder that belongs to another config.
+the proxy's (andrea/protocol.py): 0 finished or stopped, 3 aborted (non-finite steps), 1 failed, 2
+bad config, a run folder that belongs to another config, or a corrupt record file.
 
 A run folder whose newest checkpoint was written with the same model and training settings
 resumes from it; one written with other settings is refused (move it away to start afresh), so an
@@ -32,8 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 from .atomic import atomic_write
 from .config import AndreaConfig, config_hash, load_run_config, register_configs
 from .paths import CONF_DIR
+from .protocol import EXIT_BAD_INPUT
 
-EXIT_BAD_CONFIG = 2
 MAX_TAG = 200  # sweep folder names stay under the usual 255-byte file-name limit
 
 register_configs()
@@ -129,7 +129,7 @@ def train(cfg: DictConfig) -> int:
         check_run_folder(run_cfg, run_dir)
     except (ConfigError, ValueError) as e:
         print(f"andrea.train: {e}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return EXIT_BAD_INPUT
     write_config(run_dir / "config.yaml", run_cfg)
     print(f"andrea.train: {run_cfg.exp} -> {run_dir} (config_hash {config_hash(run_cfg)[:12]})", file=sys.stderr)
     from .proxy import RecordError, supervise  # imported late: composing a config must not need the engine
@@ -138,7 +138,7 @@ def train(cfg: DictConfig) -> int:
         return supervise(run_cfg, run_dir)
     except (RecordError, RuntimeError) as e:  # a corrupt record file, or another proxy on this run
         print(f"andrea.train: {e}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return EXIT_BAD_INPUT
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
