@@ -1,72 +1,36 @@
-"""Training proxy: supervises the engine process and keeps the run's JSON records.
+"""Training proxy: supervises the engine process and keeps the run's records.
 
 `supervise(cfg, run_dir)` starts the engine (`python -m andrea.cli engine --config RUN/config.yaml
---run-dir RUN --resume`) as a child process, reads the JSON lines it prints on stdout, and keeps
-three files in the run folder, each rewritten atomically (temporary file, fsync, os.replace) so a
-reader such as the dashboard never sees half a file:
-
-`<exp>.loss.json`, the whole training history, never truncated and never archived:
-    {"format": "andrea-loss/1", "exp": str, "total_steps": int, "history": [record, ...]}
-    one record per logged optimizer step, in increasing step order, each step once:
-      step          optimizer steps completed (from 1)
-      phase         training phase of the step (train.phases[].name, "pretrain" without phases)
-      loss          mean training loss of the step (null when not finite)
-      val_loss      validation loss, only on steps where it was measured
-      lr            learning rate used by the step
-      grad_norm     global gradient norm before clipping (null when not finite)
-      loss_scale    dynamic loss scale (1.0 in fp32)
-      tokens_per_s  training throughput of the step
-      wall_s        engine wall time since its run started, as the engine reports it
-      skipped       true when the update was skipped (non-finite gradients)
-      t             unix time the proxy received the record
-    A record holding only step, phase and val_loss marks a validation at a step that was not logged.
-    After an engine restart, records past the resume point are dropped before the engine's replay
-    of those steps is appended, so each step appears exactly once and the losses are the ones of
-    the checkpointed trajectory.
-
-`<exp>.samples.json`: {"exp": str, "samples": [{"step", "phase", "t", "samples": [{"prompt",
-    "completion"}]}]}, generations from fixed prompts at train.sample_every.
-
-`<exp>.state.json`: {"exp", "status" (running | stopped | finished | failed), "step", "total_steps",
-    "phase", "last_checkpoint" (path relative to the run folder), "last_checkpoint_step",
-    "restarts" (engine restarts after a crash, counted over the run's whole life), "pid" (proxy),
-    "engine_pid", "engine_exit" (last exit code), "n_params", "archives" (list of {"phase",
-    "step", "dir"}), "message", "started_at", "updated_at"}.
+--run-dir RUN --resume`) as a child process, reads the events it prints on stdout (the engine
+protocol, andrea/protocol.py) and keeps the run's three record files through RunRecords
+(andrea/proxy/records.py documents their formats).
 
 Signals: SIGTERM or SIGINT (Ctrl-C) to the proxy forwards SIGTERM to the engine, which checkpoints
 at the next step boundary and exits 0; the proxy then writes status `stopped` and returns 0. SIGUSR1
 is forwarded as is (checkpoint and go on). The engine runs in its own process group, so a Ctrl-C in
 the terminal reaches it only once, through the proxy.
 
-Crash recovery: an engine exit other than 0, 2 (bad input: config, shards or checkpoint, which a
-restart cannot mend) and 3 (killed, out of memory, a CUDA error) restarts it
-with --resume from its newest good checkpoint, after a back-off that doubles with each failure in a
-row (backoff_s, 2*backoff_s, ..., at most backoff_max_s); max_restarts failures in a row without a
-new checkpoint give up with status `failed`. Exit 3 (train.max_bad_steps non-finite steps) is an
-abort: status `failed`, no restart.
+Crash recovery: an engine exit other than 0, 2 and 3 (killed, out of memory, a CUDA error) restarts
+it with --resume from its newest good checkpoint, after a back-off that doubles with each failure in
+a row (backoff_s, 2*backoff_s, ..., at most backoff_max_s); max_restarts failures in a row without a
+new checkpoint give up with status `failed`. Exit 2 (bad input: config, shards or checkpoint, which
+a restart cannot mend) and exit 3 (train.max_bad_steps non-finite steps) end the run with status
+`failed`, no restart.
 
 Phases: the engine itself writes a checkpoint just before crossing train.phases[i].start_step and
-prints {"event": "pivot", ...}; the checkpoint is taken at the exact step boundary, which a signal
-from the proxy could not guarantee. On that event the proxy copies `<exp>.samples.json`,
-`<exp>.state.json` and the checkpoint (.bin and its .json sidecar) into
-`archive/<from-phase>-<step>/`; `<exp>.loss.json` stays whole in the run folder. Training goes on.
+prints a `pivot` event; the checkpoint is taken at the exact step boundary, which a signal from the
+proxy could not guarantee. The proxy then archives it (records.archive_pivot). Training goes on.
 
-A history, samples or state file that does not parse at start-up stops the proxy with a
-RecordError naming the file; it is never silently reset. `.proxy.lock` in the run folder (an flock)
-keeps a second proxy off a run that is being supervised.
+`.proxy.lock` in the run folder (an flock) keeps a second proxy off a run that is being supervised.
 
-Run: `python -m andrea.proxy results/ANDREA-tiny` (the folder must hold the resolved config.yaml);
-usually started for you by `python -m andrea.train`.
+Run: `python -m andrea.proxy results/ANDREA-tiny` or `andrea-proxy results/ANDREA-tiny` (the folder
+must hold the resolved config.yaml); usually started for you by `python -m andrea.train`.
 """
 from __future__ import annotations
 
 import argparse
-import bisect
 import fcntl
-import json
-import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -77,177 +41,16 @@ from typing import Callable, Optional, Sequence
 
 from tqdm import tqdm
 
-from andrea.atomic import atomic_copy, atomic_write_json
 from andrea.config import ProxyConfig
+from andrea.protocol import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_OK, parse
 
-LOSS_FORMAT = "andrea-loss/1"
+from .records import FLUSH_S, RecordError, RunRecords, archive_pivot
+
 # defaults when a config carries no proxy group (andrea.config.ProxyConfig documents each)
 MAX_RESTARTS = ProxyConfig.max_restarts
 BACKOFF_S = ProxyConfig.restart_backoff_s
 BACKOFF_MAX_S = ProxyConfig.restart_backoff_max_s
-FLUSH_S = ProxyConfig.record_flush_s
 STOP_TIMEOUT_S = 600.0  # how long a stopping engine may take to checkpoint before it is killed
-ABORT_EXIT = 3  # engine exit code for "aborted after too many non-finite steps"
-INPUT_EXIT = 2  # engine exit code for bad input (config, shards, checkpoint): a restart cannot help
-STEP_FIELDS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "wall_s")
-
-
-class RecordError(ValueError):
-    """A run record file (history, samples, state) that is corrupt or does not match the run."""
-
-
-def _finite(x) -> Optional[float]:
-    """JSON has no NaN/Inf (and browsers refuse them), so a non-finite number is recorded as null."""
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def _load_record(path: Path, key: str, exp: str) -> Optional[dict]:
-    """The parsed record file at path (None when absent), or a RecordError saying what is wrong."""
-    if not path.exists():
-        return None
-    hint = "It was left untouched: repair it, or move it away to start a new record."
-    try:
-        obj = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RecordError(f"{path}: not valid JSON ({e}); the file is corrupt or half-written. {hint}")
-    if not isinstance(obj, dict) or not isinstance(obj.get(key, []), list):
-        raise RecordError(f"{path}: expected a JSON object with a list under {key!r}. {hint}")
-    if obj.get("exp", exp) != exp:
-        raise RecordError(f"{path}: exp is {obj.get('exp')!r} but this run is {exp!r}; "
-                          f"a record of another experiment? {hint}")
-    prev = 0
-    for i, rec in enumerate(obj.get(key, [])):
-        step = rec.get("step") if isinstance(rec, dict) else None
-        if not isinstance(step, int) or step <= prev:
-            raise RecordError(f"{path}: {key}[{i}].step is {step!r} but expected an integer > {prev} "
-                              f"(steps strictly increasing). {hint}")
-        prev = step
-    return obj
-
-
-class RunRecords:
-    """The three JSON files of one run folder, kept in memory and flushed atomically."""
-
-    def __init__(self, exp: str, run_dir: Path, total_steps: int, flush_s: float = FLUSH_S):
-        self.run_dir, self.flush_s = run_dir, flush_s
-        self.loss_path = run_dir / f"{exp}.loss.json"
-        self.samples_path = run_dir / f"{exp}.samples.json"
-        self.state_path = run_dir / f"{exp}.state.json"
-        loss = _load_record(self.loss_path, "history", exp)
-        samples = _load_record(self.samples_path, "samples", exp)
-        state = _load_record(self.state_path, "archives", exp)
-        self.history: list = loss["history"] if loss else []
-        self.samples: list = samples["samples"] if samples else []
-        self.loss_meta = {"format": LOSS_FORMAT, "exp": exp, "total_steps": total_steps}
-        self.state = {"exp": exp, "status": "running", "step": self.last_step(), "total_steps": total_steps,
-                      "phase": None, "last_checkpoint": None, "last_checkpoint_step": None,
-                      "restarts": 0, "pid": os.getpid(), "engine_pid": None, "engine_exit": None,
-                      "n_params": None, "archives": [], "message": ""}
-        for k in ("phase", "last_checkpoint", "last_checkpoint_step", "restarts", "n_params", "archives"):
-            if state and k in state:
-                self.state[k] = state[k]
-        self.state["started_at"] = self.state["updated_at"] = time.time()
-        self._last_flush = 0.0
-        self._write_s = 0.0  # how long the last flush took
-
-    def last_step(self) -> int:
-        return self.history[-1]["step"] if self.history else 0
-
-    def _steps(self) -> list:
-        return [r["step"] for r in self.history]
-
-    def drop_from(self, step: int) -> int:
-        """Forget records of steps >= step (a restarted engine replays them); returns how many."""
-        i = bisect.bisect_left(self._steps(), step)
-        dropped = len(self.history) - i
-        del self.history[i:]
-        self.samples = [s for s in self.samples if s["step"] < step]
-        return dropped
-
-    def add_step(self, ev: dict) -> dict:
-        n = int(ev["step"])
-        rec = {"step": n, "phase": ev.get("phase", self.state["phase"])}
-        rec.update({k: _finite(ev.get(k)) for k in STEP_FIELDS})
-        rec["skipped"] = bool(ev.get("skipped", False))
-        rec["t"] = time.time()
-        if self.history and self.history[-1]["step"] == n and "loss" not in self.history[-1]:
-            rec["val_loss"] = self.history[-1].get("val_loss")  # a validation arrived first
-            self.history[-1] = rec
-        else:
-            if self.history and self.history[-1]["step"] >= n:
-                self.drop_from(n)  # a replay without a resume event: keep each step once
-            self.history.append(rec)
-        self.state.update(step=n, phase=rec["phase"])
-        return rec
-
-    def add_val(self, ev: dict) -> None:
-        n, v = int(ev["step"]), _finite(ev.get("val_loss"))
-        steps = self._steps()
-        i = bisect.bisect_left(steps, n)
-        if i < len(steps) and steps[i] == n:
-            self.history[i]["val_loss"] = v
-        else:
-            self.history.insert(i, {"step": n, "phase": self.state["phase"], "val_loss": v})
-
-    def add_samples(self, ev: dict) -> None:
-        n = int(ev["step"])
-        self.samples = [s for s in self.samples if s["step"] < n]
-        self.samples.append({"step": n, "phase": self.state["phase"], "t": time.time(),
-                             "samples": list(ev.get("samples", []))})
-        self.write_samples()
-
-    def set_checkpoint(self, path: str, step: int) -> None:
-        p = Path(path)
-        try:
-            p = p.resolve().relative_to(self.run_dir.resolve())
-        except ValueError:
-            pass  # outside the run folder: keep it as the engine gave it
-        self.state.update(last_checkpoint=str(p), last_checkpoint_step=int(step))
-
-    def write_samples(self) -> None:
-        atomic_write_json(self.samples_path, {"exp": self.loss_meta["exp"], "samples": self.samples})
-
-    def flush(self, force: bool = False) -> None:
-        """Rewrite history and state; unforced rewrites at most once per flush_s seconds, and rarer
-        when the history is so long that writing it would take more than 5% of the time."""
-        now = time.time()
-        if not force and now - self._last_flush < max(self.flush_s, 20 * self._write_s):
-            return
-        self.state["updated_at"] = now
-        atomic_write_json(self.loss_path, {**self.loss_meta, "history": self.history})
-        atomic_write_json(self.state_path, self.state)
-        self._last_flush = time.time()
-        self._write_s = self._last_flush - now
-
-
-def _safe_name(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", str(s)) or "phase"
-
-
-def archive_pivot(rec: RunRecords, ev: dict) -> Path:
-    """Copy samples, state and the pivot checkpoint into archive/<from>-<step>/ (never the history)."""
-    step, src_phase = int(ev["step"]), ev.get("from") or rec.state["phase"] or "phase"
-    ckpt = Path(ev["checkpoint"])
-    if not ckpt.is_absolute() and not ckpt.exists():
-        ckpt = rec.run_dir / ckpt
-    rec.set_checkpoint(str(ckpt), step)
-    rec.state.update(step=max(rec.state["step"] or 0, step), phase=src_phase)
-    dest = rec.run_dir / "archive" / f"{_safe_name(src_phase)}-{step}"
-    rec.state["archives"] = [a for a in rec.state["archives"] if a["dir"] != str(dest.relative_to(rec.run_dir))]
-    rec.state["archives"].append({"phase": src_phase, "step": step, "dir": str(dest.relative_to(rec.run_dir))})
-    rec.write_samples()
-    rec.flush(force=True)
-    dest.mkdir(parents=True, exist_ok=True)
-    for src in (rec.samples_path, rec.state_path, ckpt, ckpt.with_suffix(".json")):
-        if not src.is_file():
-            raise FileNotFoundError(f"pivot at step {step}: {src} does not exist; cannot archive it")
-        atomic_copy(src, dest / src.name)
-    rec.state["phase"] = ev.get("to", rec.state["phase"])
-    rec.flush(force=True)
-    return dest
 
 
 class Supervisor:
@@ -364,15 +167,12 @@ class Supervisor:
         if self.stop_requested:  # a signal arrived while no engine was running
             self._send(signal.SIGTERM)
         for line in self.proc.stdout:
-            line = line.strip()
-            if not line:
-                continue
             try:
-                ev = json.loads(line)
+                ev = parse(line)
             except ValueError:  # e.g. the last line of a killed engine, cut in the middle
-                self._say(f"ignoring a line that is not JSON: {line[:120]!r}")
+                self._say(f"ignoring a line that is not JSON: {line.strip()[:120]!r}")
                 continue
-            if isinstance(ev, dict):
+            if ev is not None:
                 self._handle(ev, life)
         rc = self.proc.wait()
         self.rec.state["engine_exit"] = rc
@@ -390,28 +190,28 @@ class Supervisor:
         while True:
             if self.stop_requested:
                 st.update(status="stopped", message="stopped by a signal before the engine restarted")
-                return 0
+                return EXIT_OK
             rc, life = self._run_engine()
-            if rc == 0:
+            if rc == EXIT_OK:
                 # the engine's own word wins: a stop that came after the last step is a finish
                 stopped = life["done"] == "stopped" or (life["done"] is None and self.stop_requested)
                 st.update(status="stopped" if stopped else "finished", message=f"engine done: {life['done']}")
-                return 0
-            if rc == ABORT_EXIT:
+                return EXIT_OK
+            if rc == EXIT_ABORTED:
                 st.update(status="failed", message="engine aborted: too many non-finite steps in a row (exit 3)")
-                return ABORT_EXIT
-            if rc == INPUT_EXIT:
+                return EXIT_ABORTED
+            if rc == EXIT_BAD_INPUT:
                 st.update(status="failed", message="engine refused its input (exit 2); see its error above")
-                return INPUT_EXIT
+                return EXIT_BAD_INPUT
             if self.stop_requested:
                 st.update(status="failed", message=f"engine exited with {rc} while stopping")
-                return 1
+                return EXIT_GAVE_UP
             progressed = life["ckpt"] > (life["resume"] if life["resume"] is not None else 0)
             failures = 1 if progressed else failures + 1
             if failures > self.max_restarts:
                 st.update(status="failed", message=f"engine exited with {rc}; gave up after {failures - 1} "
                                                    f"restarts in a row without a new checkpoint")
-                return 1
+                return EXIT_GAVE_UP
             wait = min(self.backoff_max_s, self.backoff_s * 2 ** (failures - 1))
             st["message"] = f"engine exited with {rc}; restart {st['restarts'] + 1} in {wait:.1f} s"
             self._say(st["message"])
@@ -445,7 +245,9 @@ def supervise(cfg, run_dir, *, max_restarts: Optional[int] = None, backoff_s: Op
     Restart and flush settings come from cfg.proxy (andrea.config.ProxyConfig); a keyword given
     here wins.
 
-    Returns 0 (finished or stopped by a signal), 3 (engine aborted) or 1 (gave up after restarts).
+    Returns an exit code of andrea.protocol: 0 (finished, or stopped by a signal), 1 (gave up after
+    max_restarts restarts in a row without a new checkpoint, or the engine failed while stopping),
+    2 (the engine refused its input) or 3 (the engine aborted after too many non-finite steps).
     on_event(event, engine_pid) is called after each engine event is recorded (monitoring, tests).
     Raises RecordError before starting anything if a record file in run_dir is corrupt.
     """
@@ -503,7 +305,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          flush_s=a.flush, progress=not a.no_progress)
     except (RecordError, RuntimeError, FileNotFoundError) as e:
         print(f"andrea.proxy: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -1,0 +1,217 @@
+"""The run's records: three JSON files in the run folder, their formats, and the pivot archive.
+
+The proxy (andrea.proxy.supervision) feeds the engine's events into RunRecords; readers such as the
+dashboard and the report read the files. Each file is rewritten atomically (temporary file, fsync,
+os.replace), so a reader never sees half a file.
+
+`<exp>.loss.json`, the whole training history, never truncated and never archived:
+    {"format": "andrea-loss/1", "exp": str, "total_steps": int, "history": [record, ...]}
+    one record per logged optimizer step, in increasing step order, each step once:
+      step          optimizer steps completed (from 1)
+      phase         training phase of the step (train.phases[].name, "pretrain" without phases)
+      loss          mean training loss of the step (null when not finite)
+      val_loss      validation loss, only on steps where it was measured
+      lr            learning rate used by the step
+      grad_norm     global gradient norm before clipping (null when not finite)
+      loss_scale    dynamic loss scale (1.0 in fp32)
+      tokens_per_s  training throughput of the step
+      wall_s        engine wall time since its run started, as the engine reports it
+      skipped       true when the update was skipped (non-finite gradients)
+      t             unix time the proxy received the record
+    A record holding only step, phase and val_loss marks a validation at a step that was not logged.
+    After an engine restart, records past the resume point are dropped before the engine's replay
+    of those steps is appended, so each step appears exactly once and the losses are the ones of
+    the checkpointed trajectory.
+
+`<exp>.samples.json`: {"exp": str, "samples": [{"step", "phase", "t", "samples": [{"prompt",
+    "completion"}]}]}, generations from fixed prompts at train.sample_every.
+
+`<exp>.state.json`: {"exp", "status" (running | stopped | finished | failed), "step", "total_steps",
+    "phase", "last_checkpoint" (path relative to the run folder), "last_checkpoint_step",
+    "restarts" (engine restarts after a crash, counted over the run's whole life), "pid" (proxy),
+    "engine_pid", "engine_exit" (last exit code), "n_params", "archives" (list of {"phase",
+    "step", "dir"}), "message", "started_at", "updated_at"}.
+
+Pivot archive: on the engine's `pivot` event (a checkpoint at a train.phases boundary),
+archive_pivot copies `<exp>.samples.json`, `<exp>.state.json` and that checkpoint (.bin and its
+.json sidecar) into `archive/<from-phase>-<step>/`; `<exp>.loss.json` stays whole in the run folder.
+
+A history, samples or state file that does not parse at start-up raises RecordError naming the
+file; it is never silently reset.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Optional
+
+from andrea.atomic import atomic_copy, atomic_write_json
+from andrea.config import ProxyConfig
+
+LOSS_FORMAT = "andrea-loss/1"
+FLUSH_S = ProxyConfig.record_flush_s  # default when a config carries no proxy group
+STEP_FIELDS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "wall_s")
+
+
+class RecordError(ValueError):
+    """A run record file (history, samples, state) that is corrupt or does not match the run."""
+
+
+def _finite(x) -> Optional[float]:
+    """JSON has no NaN/Inf (and browsers refuse them), so a non-finite number is recorded as null."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _load_record(path: Path, key: str, exp: str) -> Optional[dict]:
+    """The parsed record file at path (None when absent), or a RecordError saying what is wrong."""
+    if not path.exists():
+        return None
+    hint = "It was left untouched: repair it, or move it away to start a new record."
+    try:
+        obj = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RecordError(f"{path}: not valid JSON ({e}); the file is corrupt or half-written. {hint}")
+    if not isinstance(obj, dict) or not isinstance(obj.get(key, []), list):
+        raise RecordError(f"{path}: expected a JSON object with a list under {key!r}. {hint}")
+    if obj.get("exp", exp) != exp:
+        raise RecordError(f"{path}: exp is {obj.get('exp')!r} but this run is {exp!r}; "
+                          f"a record of another experiment? {hint}")
+    prev = 0
+    for i, rec in enumerate(obj.get(key, [])):
+        step = rec.get("step") if isinstance(rec, dict) else None
+        if not isinstance(step, int) or step <= prev:
+            raise RecordError(f"{path}: {key}[{i}].step is {step!r} but expected an integer > {prev} "
+                              f"(steps strictly increasing). {hint}")
+        prev = step
+    return obj
+
+
+class RunRecords:
+    """The three JSON files of one run folder, kept in memory and flushed atomically."""
+
+    def __init__(self, exp: str, run_dir: Path, total_steps: int, flush_s: float = FLUSH_S):
+        self.run_dir, self.flush_s = run_dir, flush_s
+        self.loss_path = run_dir / f"{exp}.loss.json"
+        self.samples_path = run_dir / f"{exp}.samples.json"
+        self.state_path = run_dir / f"{exp}.state.json"
+        loss = _load_record(self.loss_path, "history", exp)
+        samples = _load_record(self.samples_path, "samples", exp)
+        state = _load_record(self.state_path, "archives", exp)
+        self.history: list = loss["history"] if loss else []
+        self.samples: list = samples["samples"] if samples else []
+        self.loss_meta = {"format": LOSS_FORMAT, "exp": exp, "total_steps": total_steps}
+        self.state = {"exp": exp, "status": "running", "step": self.last_step(), "total_steps": total_steps,
+                      "phase": None, "last_checkpoint": None, "last_checkpoint_step": None,
+                      "restarts": 0, "pid": os.getpid(), "engine_pid": None, "engine_exit": None,
+                      "n_params": None, "archives": [], "message": ""}
+        for k in ("phase", "last_checkpoint", "last_checkpoint_step", "restarts", "n_params", "archives"):
+            if state and k in state:
+                self.state[k] = state[k]
+        self.state["started_at"] = self.state["updated_at"] = time.time()
+        self._last_flush = 0.0
+        self._write_s = 0.0  # how long the last flush took
+
+    def last_step(self) -> int:
+        return self.history[-1]["step"] if self.history else 0
+
+    def _steps(self) -> list:
+        return [r["step"] for r in self.history]
+
+    def drop_from(self, step: int) -> int:
+        """Forget records of steps >= step (a restarted engine replays them); returns how many."""
+        i = bisect.bisect_left(self._steps(), step)
+        dropped = len(self.history) - i
+        del self.history[i:]
+        self.samples = [s for s in self.samples if s["step"] < step]
+        return dropped
+
+    def add_step(self, ev: dict) -> dict:
+        n = int(ev["step"])
+        rec = {"step": n, "phase": ev.get("phase", self.state["phase"])}
+        rec.update({k: _finite(ev.get(k)) for k in STEP_FIELDS})
+        rec["skipped"] = bool(ev.get("skipped", False))
+        rec["t"] = time.time()
+        if self.history and self.history[-1]["step"] == n and "loss" not in self.history[-1]:
+            rec["val_loss"] = self.history[-1].get("val_loss")  # a validation arrived first
+            self.history[-1] = rec
+        else:
+            if self.history and self.history[-1]["step"] >= n:
+                self.drop_from(n)  # a replay without a resume event: keep each step once
+            self.history.append(rec)
+        self.state.update(step=n, phase=rec["phase"])
+        return rec
+
+    def add_val(self, ev: dict) -> None:
+        n, v = int(ev["step"]), _finite(ev.get("val_loss"))
+        steps = self._steps()
+        i = bisect.bisect_left(steps, n)
+        if i < len(steps) and steps[i] == n:
+            self.history[i]["val_loss"] = v
+        else:
+            self.history.insert(i, {"step": n, "phase": self.state["phase"], "val_loss": v})
+
+    def add_samples(self, ev: dict) -> None:
+        n = int(ev["step"])
+        self.samples = [s for s in self.samples if s["step"] < n]
+        self.samples.append({"step": n, "phase": self.state["phase"], "t": time.time(),
+                             "samples": list(ev.get("samples", []))})
+        self.write_samples()
+
+    def set_checkpoint(self, path: str, step: int) -> None:
+        p = Path(path)
+        try:
+            p = p.resolve().relative_to(self.run_dir.resolve())
+        except ValueError:
+            pass  # outside the run folder: keep it as the engine gave it
+        self.state.update(last_checkpoint=str(p), last_checkpoint_step=int(step))
+
+    def write_samples(self) -> None:
+        atomic_write_json(self.samples_path, {"exp": self.loss_meta["exp"], "samples": self.samples})
+
+    def flush(self, force: bool = False) -> None:
+        """Rewrite history and state; unforced rewrites at most once per flush_s seconds, and rarer
+        when the history is so long that writing it would take more than 5% of the time."""
+        now = time.time()
+        if not force and now - self._last_flush < max(self.flush_s, 20 * self._write_s):
+            return
+        self.state["updated_at"] = now
+        atomic_write_json(self.loss_path, {**self.loss_meta, "history": self.history})
+        atomic_write_json(self.state_path, self.state)
+        self._last_flush = time.time()
+        self._write_s = self._last_flush - now
+
+
+def _safe_name(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", str(s)) or "phase"
+
+
+def archive_pivot(rec: RunRecords, ev: dict) -> Path:
+    """Copy samples, state and the pivot checkpoint into archive/<from>-<step>/ (never the history)."""
+    step, src_phase = int(ev["step"]), ev.get("from") or rec.state["phase"] or "phase"
+    ckpt = Path(ev["checkpoint"])
+    if not ckpt.is_absolute() and not ckpt.exists():
+        ckpt = rec.run_dir / ckpt
+    rec.set_checkpoint(str(ckpt), step)
+    rec.state.update(step=max(rec.state["step"] or 0, step), phase=src_phase)
+    dest = rec.run_dir / "archive" / f"{_safe_name(src_phase)}-{step}"
+    rec.state["archives"] = [a for a in rec.state["archives"] if a["dir"] != str(dest.relative_to(rec.run_dir))]
+    rec.state["archives"].append({"phase": src_phase, "step": step, "dir": str(dest.relative_to(rec.run_dir))})
+    rec.write_samples()
+    rec.flush(force=True)
+    dest.mkdir(parents=True, exist_ok=True)
+    for src in (rec.samples_path, rec.state_path, ckpt, ckpt.with_suffix(".json")):
+        if not src.is_file():
+            raise FileNotFoundError(f"pivot at step {step}: {src} does not exist; cannot archive it")
+        atomic_copy(src, dest / src.name)
+    rec.state["phase"] = ev.get("to", rec.state["phase"])
+    rec.flush(force=True)
+    return dest
+
