@@ -2,6 +2,8 @@
 
     python -m andrea.cli engine --config RUN/config.yaml --run-dir RUN [--resume]
     python -m andrea.cli params [ANDREA-tiny ANDREA-12M ANDREA-120M]   # parameter counts
+    python -m andrea.cli generate RUN --prompt "What is 12 + 7?"      # andrea/generate.py
+    python -m andrea.cli chat RUN
 
 `python -m andrea.train experiment=...` (Hydra, the proxy) is the usual way in; `engine` is the
 process the proxy supervises, and can be run alone on a resolved config.
@@ -70,8 +72,17 @@ def main(argv=None) -> int:
     p = sub.add_parser("params", help="print parameter counts of model configs")
     p.add_argument("models", nargs="*", default=["ANDREA-tiny", "ANDREA-12M", "ANDREA-120M"])
     p.set_defaults(fn=cmd_params)
+    from . import generate
+    generate.add_arguments(sub.add_parser("generate", help="answer one prompt from a trained model"), chat=False)
+    generate.add_arguments(sub.add_parser("chat", help="talk to a trained model (REPL)"), chat=True)
     args = ap.parse_args(argv)
-    return args.fn(args)
+    if args.cmd in ("engine", "params"):
+        return args.fn(args)
+    try:  # the model-using commands: bad input is one line naming what is wrong, exit 2
+        return args.fn(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"andrea {args.cmd}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ Writes `<out>/report.md` and `<out>/eval/{metrics.json, loss.png, samples.json, 
   byte = loss / ln 2 * tokens / bytes of those target tokens (a special token counts the bytes of
   its literal text), which compares across vocabularies.
 - Samples: eval.prompts through the chat template, eval.temperature, seeded with eval.seed + i.
+  Samples and task answers are decoded by the KV-cache decoder (andrea/inference.py) on NumPy in
+  fp32 from the checkpoint's weights, whatever backend computed the loss: the same text on every
+  machine.
 - Tasks (data.source=synthetic): the first eval.n_tasks held-out val conversations, answered
   greedily; exact match against the answer recomputed from the question. Reported beside the
   uniform-guess chance and the best constant answer per task kind learnt from the train split.
@@ -75,16 +78,29 @@ def held_out_loss(eng, tok, cfg: AndreaConfig) -> dict:
             "uniform_loss": math.log(cfg.model.vocab_size)}
 
 
-def complete(eng, tok, prompt: str, max_new: int, temperature: float, seed: int) -> str:
-    from .data.chat import render_prompt
+def decoder(cfg: AndreaConfig, params):
+    """A NumPy KV-cache decoder over the trained positions (train.seq_len), weights loaded."""
+    from .backends import numpy_ref
+    from .inference import Decoder
 
-    new = eng.generate(tok.encode(render_prompt(prompt)), max_new, temperature, seed, stop_ids=(tok.eot_id,))
+    dec = Decoder(cfg.model, numpy_ref, min(cfg.model.context, cfg.train.seq_len))
+    dec.load(params)
+    return dec
+
+
+def complete(dec, tok, prompt: str, max_new: int, temperature: float, seed: int) -> str:
+    from .data.chat import render_prompt
+    from .generate import Sampler, complete as sample
+
+    dec.reset()
+    new = list(sample(dec, tok.encode(render_prompt(prompt)), max_new, Sampler(temperature, seed=seed),
+                      stop_ids=(tok.eot_id,)))
     return tok.decode([i for i in new if i != tok.eot_id])
 
 
-def samples(eng, tok, cfg: AndreaConfig) -> list:
+def samples(dec, tok, cfg: AndreaConfig) -> list:
     e = cfg.eval
-    return [{"prompt": p, "completion": complete(eng, tok, p, e.max_new_tokens, e.temperature, e.seed + i)}
+    return [{"prompt": p, "completion": complete(dec, tok, p, e.max_new_tokens, e.temperature, e.seed + i)}
             for i, p in enumerate(e.prompts)]
 
 
@@ -108,7 +124,7 @@ def read_exchanges(path: Path, limit: int = 0) -> list:
     return out
 
 
-def task_accuracy(eng, tok, cfg: AndreaConfig, val_path: Path, train_path: Optional[Path]) -> dict:
+def task_accuracy(dec, tok, cfg: AndreaConfig, val_path: Path, train_path: Optional[Path]) -> dict:
     from .data import synthetic
 
     tasks = read_exchanges(val_path, cfg.eval.n_tasks)
@@ -122,7 +138,7 @@ def task_accuracy(eng, tok, cfg: AndreaConfig, val_path: Path, train_path: Optio
         majority = {k: c.most_common(1)[0][0] for k, c in by_kind.items()}
     rows, per = [], defaultdict(lambda: {"n": 0, "correct": 0, "chance": 0.0, "majority": 0})
     for q, ref in tasks:
-        got = complete(eng, tok, q, min(TASK_TOKENS, cfg.eval.max_new_tokens), 0.0, cfg.eval.seed)
+        got = complete(dec, tok, q, min(TASK_TOKENS, cfg.eval.max_new_tokens), 0.0, cfg.eval.seed)
         kind, right = synthetic.kind_of(q), synthetic.answer(q)
         ok = synthetic.is_correct(q, got)
         p = per[kind]
@@ -252,10 +268,11 @@ def evaluate(a) -> dict:
     c = eng.load_checkpoint(ckpt)
     m = {"exp": cfg.exp, "checkpoint": str(ckpt), "step": c.step, "config_hash": config_hash(cfg),
          "backend": eng.be.NAME, **held_out_loss(eng, tok, cfg)}
-    m["samples"] = samples(eng, tok, cfg)
+    dec = decoder(cfg, c.params)
+    m["samples"] = samples(dec, tok, cfg)
     tasks = None
     if cfg.data.source == "synthetic" and cfg.eval.n_tasks > 0:
-        tasks = task_accuracy(eng, tok, cfg, a.val_conversations, a.train_conversations)
+        tasks = task_accuracy(dec, tok, cfg, a.val_conversations, a.train_conversations)
         m["tasks"] = tasks["summary"]
     hist = history_of(json.loads(Path(a.loss).read_text())) if a.loss else []
     published = None

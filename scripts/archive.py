@@ -1,8 +1,12 @@
-"""Archive a finished run: final checkpoint + sidecar, resolved config, loss history, manifest.
+"""Archive a finished run: final checkpoint + sidecar, resolved config, tokenizer, loss history, manifest.
 
     python scripts/archive.py --config results/ANDREA-tiny/config.yaml \
         --checkpoints results/ANDREA-tiny/checkpoints --loss results/ANDREA-tiny/ANDREA-tiny.loss.json \
-        --out results/ANDREA-tiny/archive/final
+        --out results/ANDREA-tiny/archive/final [--tokenizer data/synthetic/tok512/tokenizer.json]
+
+The archive is self-contained: `andrea generate`, `chat` and `export` need nothing else. The
+tokenizer is the config's data.tokenizer unless --tokenizer names it, and is archived as
+tokenizer.json.
 
 The final checkpoint is the newest valid one, and it must be at train.steps (a run that stopped
 early is not archived as final). manifest.json holds the sha256 and size of every archived file
@@ -68,8 +72,12 @@ def environment() -> dict:
             "git_commit": commit, "git_dirty": bool(dirty) if dirty is not None else None}
 
 
-def archive(config: Path, checkpoints: Path, loss: Path | None, out: Path) -> dict:
+def archive(config: Path, checkpoints: Path, loss: Path | None, out: Path, tokenizer: Path | None = None) -> dict:
     cfg = load_run_config(config)
+    tokenizer = Path(tokenizer or cfg.data.tokenizer)
+    if not tokenizer.is_file():
+        raise SystemExit(f"archive: tokenizer {tokenizer} (data.tokenizer of {config}): no such file; "
+                         "an archive must hold its tokenizer (pass --tokenizer)")
     ckpt = latest_checkpoint(checkpoints.parent) if checkpoints.name == "checkpoints" else None
     if ckpt is None or ckpt.parent.resolve() != checkpoints.resolve():
         raise SystemExit(f"archive: {checkpoints}: no valid checkpoint (step_XXXXXXXX.bin with a matching sidecar)")
@@ -77,15 +85,16 @@ def archive(config: Path, checkpoints: Path, loss: Path | None, out: Path) -> di
     if step != cfg.train.steps:
         raise SystemExit(f"archive: newest checkpoint {ckpt.name} is step {step} but train.steps={cfg.train.steps}; "
                          "the run did not finish (see its <exp>.state.json)")
-    files = [ckpt, sidecar_path(ckpt), config] + ([loss] if loss else [])
+    files = [(ckpt, ckpt.name), (sidecar_path(ckpt), sidecar_path(ckpt).name), (config, config.name),
+             (tokenizer, "tokenizer.json")] + ([(loss, loss.name)] if loss else [])
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     entries = []
-    for src in files:
-        dst = tmp / src.name
+    for src, name in files:
+        dst = tmp / name
         shutil.copyfile(src, dst)
-        entries.append({"file": src.name, "from": str(src), "bytes": dst.stat().st_size, "sha256": sha256(dst)})
+        entries.append({"file": name, "from": str(src), "bytes": dst.stat().st_size, "sha256": sha256(dst)})
     manifest = {"exp": cfg.exp, "step": step, "archived_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "files": entries, "environment": environment()}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -104,8 +113,9 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoints", required=True, type=Path, help="the run's checkpoints/ folder")
     ap.add_argument("--loss", type=Path, help="<exp>.loss.json, archived beside the checkpoint")
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--tokenizer", type=Path, help="tokenizer.json of the run (default: the config's data.tokenizer)")
     a = ap.parse_args(argv)
-    m = archive(a.config, a.checkpoints, a.loss, a.out)
+    m = archive(a.config, a.checkpoints, a.loss, a.out, a.tokenizer)
     env = m["environment"]
     print(f"archive: {m['exp']} step {m['step']} -> {a.out} ({len(m['files'])} files; python {env['python']}, "
           f"numpy {env['numpy']}, cupy {env['cupy']}, gpu {env['gpu']})", file=sys.stderr)

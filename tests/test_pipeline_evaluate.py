@@ -83,7 +83,9 @@ def test_archive_manifest(trained):
     final = run / "archive" / "final"
     man = json.loads((final / "manifest.json").read_text())
     names = {f["file"] for f in man["files"]}
-    assert names == {"step_00000020.bin", "step_00000020.json", "config.yaml", "ANDREA-tiny.loss.json"}
+    assert names == {"step_00000020.bin", "step_00000020.json", "config.yaml", "tokenizer.json",
+                     "ANDREA-tiny.loss.json"}
+    assert (final / "tokenizer.json").read_bytes() == (trained[2] / "tok512" / "tokenizer.json").read_bytes()
     import hashlib
     for f in man["files"]:
         assert hashlib.sha256((final / f["file"]).read_bytes()).hexdigest() == f["sha256"]

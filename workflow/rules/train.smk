@@ -34,6 +34,7 @@ rule archive:
         config="results/{exp}/config.yaml",
         checkpoints="results/{exp}/checkpoints",
         loss="results/{exp}/{exp}.loss.json",
+        tokenizer=tokenizer_of,
         script="scripts/archive.py",
     output:
         directory("results/{exp}/archive/final"),
@@ -43,4 +44,4 @@ rule archive:
         ENV
     shell:
         "python3 {input.script} --config {input.config} --checkpoints {input.checkpoints} "
-        "--loss {input.loss} --out {output} > {log} 2>&1"
+        "--loss {input.loss} --tokenizer {input.tokenizer} --out {output} > {log} 2>&1"
