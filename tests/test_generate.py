@@ -1,5 +1,6 @@
 """Sampling and the generate / chat commands on a model trained here (tests/trained_model.py)."""
 import io
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -145,7 +146,8 @@ def test_archive_is_self_contained(run, tmp_path, capsys):
     import subprocess
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "archive.py"), "--config", str(run / "config.yaml"),
                         "--checkpoints", str(run / "checkpoints"), "--out", str(tmp_path / "final")],
-                       capture_output=True, text=True, cwd=REPO, timeout=120)
+                       capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 0, r.stderr
     moved = tmp_path / "elsewhere"
     shutil.move(tmp_path / "final", moved)
