@@ -4,6 +4,8 @@
     python -m andrea.cli params [ANDREA-tiny ANDREA-12M ANDREA-120M]   # parameter counts
     python -m andrea.cli generate RUN --prompt "What is 12 + 7?"      # andrea/generate.py
     python -m andrea.cli chat RUN
+    python -m andrea.cli export RUN --format safetensors|hf            # andrea/export.py
+    python -m andrea.cli import GPT2_FOLDER --config CONFIG.yaml       # andrea/importer.py
 
 `python -m andrea.train experiment=...` (Hydra, the proxy) is the usual way in; `engine` is the
 process the proxy supervises, and can be run alone on a resolved config.
@@ -72,9 +74,11 @@ def main(argv=None) -> int:
     p = sub.add_parser("params", help="print parameter counts of model configs")
     p.add_argument("models", nargs="*", default=["ANDREA-tiny", "ANDREA-12M", "ANDREA-120M"])
     p.set_defaults(fn=cmd_params)
-    from . import generate
+    from . import export, generate, importer
     generate.add_arguments(sub.add_parser("generate", help="answer one prompt from a trained model"), chat=False)
     generate.add_arguments(sub.add_parser("chat", help="talk to a trained model (REPL)"), chat=True)
+    export.add_arguments(sub.add_parser("export", help="write safetensors or a Hugging Face GPT-2 folder"))
+    importer.add_arguments(sub.add_parser("import", help="start a run from GPT-2-layout weights"))
     args = ap.parse_args(argv)
     if args.cmd in ("engine", "params"):
         return args.fn(args)
