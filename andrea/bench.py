@@ -90,7 +90,7 @@ def graph_step_ms(eng, x, y, reps=5):
         eng.be._blas()._bind_stream()
         s.begin_capture()
         model.forward(eng.be, eng.p, eng.layers, eng.g, n_head)
-        model.backward(eng.be, eng.p, eng.dp, eng.layers, eng.g, n_head, 1.0 / x.size)
+        model.backward(eng.be, eng.p, eng.dp, eng.layers, eng.g, n_head, eng.dloss)
         g = s.end_capture()
         g.launch(stream=s)
         a, b = cp.cuda.Event(), cp.cuda.Event()
@@ -103,7 +103,7 @@ def graph_step_ms(eng, x, y, reps=5):
 
 
 def profile_step(eng, x, y):
-    """Per-kernel device time of one full step (forward, backward, clipping, AdamW, cast)."""
+    """Per-kernel device time of one full step (forward, backward, the optimizer kernels)."""
     from . import model
     be = eng.be
     gt = GraphTimed(be)
@@ -111,14 +111,14 @@ def profile_step(eng, x, y):
     eng.g["targets"].set(y)
     n_head = eng.cfg.model.n_head
     model.forward(gt, eng.p, eng.layers, eng.g, n_head)
-    model.backward(gt, eng.p, eng.dp, eng.layers, eng.g, n_head, 1.0 / x.size)
-    parts, norm = eng.bufs["norm_partials"], eng.bufs["norm"]
+    gt.k_loss_accum(eng.state, eng.g["losses"])
+    model.backward(gt, eng.p, eng.dp, eng.layers, eng.g, n_head, eng.dloss)
+    t, parts = eng.cfg.train, eng.bufs["norm_partials"]
     gt.k_grad_norm_partial(parts, eng.grads)
-    gt.k_grad_norm_final(norm, parts, 1.0)
-    gt.k_grad_scale(eng.grads, norm, 1.0, 1.0)
-    gt.k_adamw(eng.params, eng.grads, eng.m, eng.v, 1e-4, 0.9, 0.95, 1e-8, 0.1, 1, eng.layout.n_decay)
-    if eng.mixed:
-        gt.k_cast_params(eng.params_c, eng.params)
+    gt.k_step_check(eng.state, eng.dloss, parts, 1, x.size, t.beta1, t.beta2, t.weight_decay,
+                    t.grad_clip, t.precision == "fp16", 2000, 2.0 ** 24)
+    gt.k_adamw_step(eng.params, eng.params_c, eng.grads, eng.m, eng.v, eng.state, t.beta1,
+                    t.beta2, t.eps, eng.layout.n_decay)
     be.synchronize()
     return dict(gt.ms)
 

@@ -4,16 +4,22 @@
     eng.print_plan()                  # the memory plan as a table (stderr)
     rec = eng.train_step(step, batches)   # batches: grad_accum (x, y) int32 arrays of (B, T)
 
-The step: for each microbatch forward + backward ADD into the same fp32 gradient buffer; then one
-global norm (k_grad_norm_partial/_final) of the averaged, unscaled gradient; a non-finite norm or
-loss skips the update (counted; fp16 also halves the loss scale); otherwise k_grad_scale averages,
-unscales and clips in one pass, k_adamw updates, and the grads are zeroed.
+The step: for each microbatch forward + backward ADD into the same fp32 gradient buffer (and
+k_loss_accum adds its loss to the optimizer state); then, on the device with no host round trip,
+k_grad_norm_partial and k_step_check find the global norm of the averaged, unscaled gradient and
+apply the non-finite policy (a non-finite norm or loss skips the update, counted; fp16 also halves
+the loss scale) and the loss-scale growth, and k_adamw_step unscales, clips, updates, casts the
+compute copy and zeroes the grads in one pass. On CUDA each microbatch and the optimizer part run
+as CUDA graphs. The optimizer state (loss scale, streaks, skipped count, the last step's record)
+lives on the device (numpy_ref.STATE_SLOTS); train_step returns a StepRecord that reads the step's
+copy of it when first used, so the host need not wait for the step to finish.
 """
 from __future__ import annotations
 
 import itertools
 import math
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Dict, List
 
@@ -21,6 +27,8 @@ import numpy as np
 
 from . import model
 from .backends import get_backend
+from .backends.numpy_ref import (S_BAD, S_GOOD, S_LOSS, S_LR, S_NORM, S_REC_SCALE, S_SCALE, S_SKIP,
+                                 S_SKIPPED, S_STEP, STATE_LEN)
 from .config import AndreaConfig
 
 ALIGN = 256  # bytes; cuBLAS and vector loads want aligned starts
@@ -120,7 +128,8 @@ def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64) -
         group = "workspace" if name in model.WORKSPACE else "activations (other)"
         plan.add(name, shape, kinds[kind], group)
     plan.add("norm_partials", (n_partials,), f32, "workspace")
-    plan.add("norm", (1,), f32, "workspace")
+    plan.add("optim_state", (STATE_LEN,), "float64", "workspace")
+    plan.add("dloss", (1,), f32, "workspace")
     return plan
 
 
@@ -167,9 +176,6 @@ class Engine:
         self.mixed = t.precision != "fp32"
         self._allocate()
         self.loss_scale = float(t.loss_scale) if t.precision == "fp16" else 1.0
-        self.good_streak = 0  # consecutive finite steps, for loss-scale growth
-        self.bad_streak = 0  # consecutive non-finite steps, for the abort policy
-        self.skipped = 0  # total skipped steps
         self.serial = next(_SERIAL)
         self.init_params(t.seed)
 
@@ -182,6 +188,7 @@ class Engine:
         self.params, self.grads = bufs["params"], bufs["grads"]
         self.m, self.v = bufs["adam_m"], bufs["adam_v"]
         self.params_c = bufs.get("params_c", self.params)
+        self.state, self.dloss = bufs["optim_state"], bufs["dloss"]
         self.p = self.layout.views(self.params_c)  # what the kernels read
         self.dp = self.layout.views(self.grads)
         shapes = model.activation_shapes(self.cfg.model, 1, 1)
@@ -230,6 +237,31 @@ class Engine:
             print(f"{'kernel workspace':<22}{self.workspace_bytes:>16,}{self.workspace_bytes / 2**20:>12.1f}"
                   "  (backend scratch, outside the arena)", file=file, flush=True)
 
+    # ------------------------------------------------------------ the optimizer state (on the device)
+    def _get(self, slot) -> float:
+        return float(self.be.to_numpy(self.state[slot:slot + 1])[0])
+
+    def _set(self, slot, value):
+        _upload(self.state[slot:slot + 1], [value])
+
+    @property
+    def loss_scale(self) -> float:
+        """The dynamic loss scale (1.0 unless fp16); setting it also sets the loss gradient."""
+        return self._get(S_SCALE)
+
+    @loss_scale.setter
+    def loss_scale(self, value):
+        self._set(S_SCALE, value)
+        t = self.cfg.train
+        _upload(self.dloss, [float(value) / (t.batch_size * t.seq_len)])
+
+    good_streak = property(lambda self: int(self._get(S_GOOD)), lambda self, v: self._set(S_GOOD, v),
+                           doc="consecutive finite steps, for loss-scale growth")
+    bad_streak = property(lambda self: int(self._get(S_BAD)), lambda self, v: self._set(S_BAD, v),
+                          doc="consecutive non-finite steps, for the abort policy")
+    skipped = property(lambda self: int(self._get(S_SKIPPED)), lambda self, v: self._set(S_SKIPPED, v),
+                       doc="total skipped steps")
+
     # ------------------------------------------------------------ the step
     def zero_grads(self):
         self.grads.fill(0)
@@ -243,69 +275,58 @@ class Engine:
 
     def forward_backward(self, x, y) -> float:
         """Forward + backward of one microbatch; ADDS its gradient (times the loss scale, of the
-        mean loss over its B*T positions) into the grads buffer; returns the mean loss."""
-        B, T = x.shape
-        dloss = self.loss_scale / (B * T)
-        run_graph = getattr(self.be, "run_graph", None)
-        if run_graph is None:
-            loss = self.forward(x, y)
-            model.backward(self.be, self.p, self.dp, self.layers, self.g, self.cfg.model.n_head, dloss)
-            return loss
-        # CUDA: both passes replay as one graph (hundreds of launches cost milliseconds of Python
-        # otherwise); same kernels in the same order as above, so the same bits. The key holds
-        # what the graph bakes in: this engine's buffers and dloss.
-        _upload(self.g["tokens"], x)
-        _upload(self.g["targets"], y)
-        nh = self.cfg.model.n_head
-
-        def passes():
-            model.forward(self.be, self.p, self.layers, self.g, nh)
-            model.backward(self.be, self.p, self.dp, self.layers, self.g, nh, dloss)
-        run_graph((self.serial, dloss), passes)
+        mean loss over its B*T positions) into the grads buffer; returns the mean loss (waits for
+        the device). train_step does the same without waiting."""
+        self._passes(x, y, accumulate=False)
         return float(np.mean(self.be.to_numpy(self.g["losses"]), dtype=np.float64))
 
-    def train_step(self, step: int, batches) -> dict:
-        """One optimizer step (1-based step number) over len(batches) microbatches."""
+    def _passes(self, x, y, accumulate=True):
+        """Queue forward + backward of one microbatch (and, with accumulate, add its loss sum to
+        the optimizer state). The loss gradient is read from the device (self.dloss)."""
+        be, nh = self.be, self.cfg.model.n_head
+        be.upload(self.g["tokens"], x)
+        be.upload(self.g["targets"], y)
+
+        def passes():
+            model.forward(be, self.p, self.layers, self.g, nh)
+            if accumulate:
+                be.k_loss_accum(self.state, self.g["losses"])
+            model.backward(be, self.p, self.dp, self.layers, self.g, nh, self.dloss)
+        # CUDA: both passes replay as one graph (hundreds of launches cost milliseconds of Python
+        # otherwise); the key holds what the graph bakes in (this engine's buffers)
+        self._run(("passes", accumulate), passes)
+
+    def _optimizer(self, n_micro):
+        """Queue the end of the step: norm, non-finite policy, loss scale, clip + AdamW + cast."""
         t, be = self.cfg.train, self.be
-        losses = [self.forward_backward(x, y) for x, y in batches]
-        loss = float(np.mean(losses))
-        pre_scale = 1.0 / (len(batches) * self.loss_scale)
-        norm_buf, partials = self.bufs["norm"], self.bufs["norm_partials"]
-        be.k_grad_norm_partial(partials, self.grads)
-        be.k_grad_norm_final(norm_buf, partials, pre_scale)
-        norm = float(be.to_numpy(norm_buf)[0])
-        lr = lr_at(self.cfg, step)
-        rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
-               "loss_scale": self.loss_scale, "skipped": False}
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            self._skip(loss)
-            rec["skipped"] = True
+        partials = self.bufs["norm_partials"]
+
+        def optimizer():
+            be.k_grad_norm_partial(partials, self.grads)
+            be.k_step_check(self.state, self.dloss, partials, n_micro, t.batch_size * t.seq_len,
+                            t.beta1, t.beta2, t.weight_decay, t.grad_clip, t.precision == "fp16",
+                            SCALE_GROWTH_INTERVAL, MAX_LOSS_SCALE)
+            be.k_adamw_step(self.params, self.params_c, self.grads, self.m, self.v, self.state,
+                            t.beta1, t.beta2, t.eps, self.layout.n_decay)
+        self._run(("optimizer", n_micro), optimizer)
+
+    def _run(self, key, fn):
+        run_graph = getattr(self.be, "run_graph", None)
+        if run_graph is None:
+            fn()
         else:
-            be.k_grad_scale(self.grads, norm_buf, pre_scale, t.grad_clip)
-            be.k_adamw(self.params, self.grads, self.m, self.v, lr, t.beta1, t.beta2, t.eps,
-                       t.weight_decay, step - self.skipped, self.layout.n_decay)
-            if self.mixed:
-                be.k_cast_params(self.params_c, self.params)
-            self._grow_scale()
-        self.zero_grads()
-        return rec
+            run_graph((self.serial,) + key, fn)
 
-    def _skip(self, loss):
-        """Non-finite step: no update. fp16 overflow of the scaled gradient halves the scale and
-        is expected now and then; anything else counts towards the abort policy."""
-        self.skipped += 1
-        self.good_streak = 0
-        overflow = self.cfg.train.precision == "fp16" and math.isfinite(loss) and self.loss_scale > 1
-        if self.cfg.train.precision == "fp16":
-            self.loss_scale = max(1.0, self.loss_scale / 2)
-        self.bad_streak = 0 if overflow else self.bad_streak + 1
-
-    def _grow_scale(self):
-        self.bad_streak = 0
-        self.good_streak += 1
-        if self.cfg.train.precision == "fp16" and self.good_streak >= SCALE_GROWTH_INTERVAL:
-            self.loss_scale = min(MAX_LOSS_SCALE, self.loss_scale * 2)
-            self.good_streak = 0
+    def train_step(self, step: int, batches) -> "StepRecord":
+        """One optimizer step (1-based step number) over len(batches) microbatches. Queues the
+        work and returns at once (the CUDA backend lets the host run a few steps ahead); the
+        returned record waits for the step's results when first read."""
+        lr = lr_at(self.cfg, step)
+        self.be.upload(self.state[S_LR:S_STEP + 1], [lr, step])
+        for x, y in batches:
+            self._passes(x, y)
+        self._optimizer(len(batches))
+        return StepRecord(step, lr, self.be.download_async(self.state))
 
     # ------------------------------------------------------------ inference
     def val_loss(self, batches) -> float:
@@ -341,6 +362,34 @@ class Engine:
         ck = read_checkpoint(path, self.layout.n_params)
         self.set_state(ck.params, ck.m, ck.v)
         return ck
+
+
+class StepRecord(Mapping):
+    """The record of one step: step, loss, lr, grad_norm, loss_scale (the scale the step ran
+    with), skipped. The values come from the step's copy of the optimizer state, read when the
+    record is first used."""
+
+    KEYS = ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped")
+
+    def __init__(self, step, lr, pending):
+        self._step, self._lr, self._pending, self._rec = step, lr, pending, None
+
+    def _values(self) -> dict:
+        if self._rec is None:
+            st = self._pending.get()
+            self._rec = {"step": self._step, "loss": float(st[S_LOSS]), "lr": self._lr,
+                         "grad_norm": float(st[S_NORM]), "loss_scale": float(st[S_REC_SCALE]),
+                         "skipped": bool(st[S_SKIP])}
+        return self._rec
+
+    def __getitem__(self, key):
+        return self._values()[key]
+
+    def __iter__(self):
+        return iter(self.KEYS)
+
+    def __len__(self):
+        return len(self.KEYS)
 
 
 def _pick(logits, temperature, rng) -> int:

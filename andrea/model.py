@@ -123,7 +123,8 @@ def forward(be, p, layers, g, n_head):
 
 def backward(be, p, dp, layers, g, n_head, dloss):
     """Backward pass after forward(): ADDS every parameter gradient into dp (views of the grads
-    buffer). dloss is d(objective)/d(loss of each position), e.g. loss_scale / (B*T)."""
+    buffer). dloss is d(objective)/d(loss of each position), e.g. loss_scale / (B*T): a float, or
+    a (1,) array on the device read when k_loss_bwd runs (the engine's, kept by k_step_check)."""
     dres, dxmid, dln, dtmp = g["dres_a"], g["dres_b"], g["dln"], g["dtmp"]
     x_last = layers[-1]["res_out"] if layers else g["x0"]
     _zero(dres, dln)

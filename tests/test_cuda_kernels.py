@@ -293,42 +293,105 @@ def test_loss(be, prec, rng):
     assert_close("k_loss_bwd dlogits", host(g_logits), dlogits, tol)
     gi.check("k_loss_bwd dinp", tol)
     gw.check("k_loss_bwd dwte", tol)
+    # dloss read from the device (the engine's, written by k_step_check): the same bits
+    g_logits2 = dev(logits_in, dt)
+    be.k_loss_bwd(dev(gi.pre, dt), dev(gw.pre, np.float32), g_logits2, dev(lse, np.float32),
+                  dev(inp, dt), dev(wte, dt), dev(targets, np.int32), dev([dloss], np.float32))
+    assert np.array_equal(host(g_logits2), host(g_logits))
 
 
-# ---------------------------------------------------------------- clipping, AdamW, cast
-@pytest.mark.parametrize("max_norm", [0.0, 1e9, 0.5])  # off, not reached, clipping
-def test_clipping(be, rng, max_norm):
+# ---------------------------------------------------------------- the optimizer step
+def _state(scale, lr, step, skipped=0.0, good=0.0):
+    st = np.zeros(ref.STATE_LEN)
+    st[ref.S_SCALE], st[ref.S_LR], st[ref.S_STEP] = scale, lr, step
+    st[ref.S_SKIPPED], st[ref.S_GOOD] = skipped, good
+    return st
+
+
+@pytest.mark.parametrize("max_norm,poison,fp16", [(0.0, None, False), (1e9, None, True),
+                                                  (0.5, None, True), (0.5, np.inf, True),
+                                                  (0.5, np.nan, False)])
+def test_step_check(be, rng, max_norm, poison, fp16):
+    """k_grad_norm_partial, k_loss_accum and k_step_check against the reference: off, not reached
+    and active clipping, an fp16 overflow and a NaN gradient (the skip policy). k_step_check gets
+    the same partials on both sides and works in float64 as Python does: the state must agree to
+    the bit."""
     n = 100_003  # not a multiple of the partial count: the last chunk is short
     P = be.GRAD_NORM_PARTIALS
     grads = rnd(rng, (n,), np.float32, 0.3)
+    if poison is not None:
+        grads[12_345] = poison
     partials = np.zeros(P)
     ref.k_grad_norm_partial(partials, grads)
     g_part = nan_buf((P,), np.float32)
-    g_grads = dev(grads, np.float32)
-    be.k_grad_norm_partial(g_part, g_grads)
-    assert_close("k_grad_norm_partial", host(g_part), partials, 1e-5)
-    norm = np.zeros(1)
-    ref.k_grad_norm_final(norm, partials, 0.25)
-    g_norm = nan_buf((1,), np.float32)
-    be.k_grad_norm_final(g_norm, g_part, 0.25)
-    assert_close("k_grad_norm_final", host(g_norm), norm, 1e-5)
-    ref.k_grad_scale(grads, norm, 0.25, max_norm)
-    be.k_grad_scale(g_grads, g_norm, 0.25, max_norm)
-    assert_close("k_grad_scale", host(g_grads), grads, 1e-5)
+    be.k_grad_norm_partial(g_part, dev(grads, np.float32))
+    if poison is None:
+        assert_close("k_grad_norm_partial", host(g_part), partials, 1e-5)
+    losses = rnd(rng, (3, 77), np.float32, 1.0, 5.0).astype(np.float32)
+    st = _state(1024.0 if fp16 else 1.0, 3e-4, 9, skipped=2, good=1999)
+    g_st = dev(st, np.float64)
+    ref.k_loss_accum(st, losses)
+    be.k_loss_accum(g_st, dev(losses, np.float32))
+    assert abs(host(g_st)[ref.S_LOSS_SUM] - st[ref.S_LOSS_SUM]) <= 1e-12 * abs(st[ref.S_LOSS_SUM])
+    st = host(g_st)  # the same loss sum on both sides from here
+    parts32 = host(g_part).astype(np.float32)
+    dloss, g_dloss = np.zeros(1, np.float32), nan_buf((1,), np.float32)
+    args = (2, losses.size, 0.9, 0.95, 0.1, max_norm, fp16, 2000, 2.0 ** 24)
+    g_st = dev(st, np.float64)
+    ref.k_step_check(st, dloss, parts32, *args)
+    be.k_step_check(g_st, g_dloss, g_part, *args)
+    got = host(g_st)
+    for name, i in zip(ref.STATE_SLOTS, range(len(ref.STATE_SLOTS))):
+        assert got[i] == st[i] or (np.isnan(got[i]) and np.isnan(st[i])), f"{name}: {got[i]!r} vs {st[i]!r}"
+    assert host(g_dloss)[0] == dloss[0]
+    assert bool(got[ref.S_SKIP]) == (poison is not None)
 
 
-def test_adamw(be, rng):
-    """float32 on both sides: the kernel rounds each operation as NumPy does."""
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("cdt", [np.float32, np.float16])
+def test_adamw_step(be, rng, skip, cdt):
+    """float32 on both sides: the kernel rounds each operation as NumPy does; the compute copy is
+    the cast of the new weights; the gradient is zeroed; a skipped step changes nothing else."""
     n, n_decay = 50_001, 30_000
     p, g = rnd(rng, (n,), np.float32), rnd(rng, (n,), np.float32, 0.01)
     m, v = rnd(rng, (n,), np.float32, 0.001), np.abs(rnd(rng, (n,), np.float32, 1e-5))
     host32 = [x.astype(np.float32) for x in (p, g, m, v)]
     devs = [dev(x, np.float32) for x in host32]
-    args = (3e-3, 0.9, 0.95, 1e-8, 0.1, 7, n_decay)
-    ref.k_adamw(*host32, *args)
-    be.k_adamw(*devs, *args)
+    st = np.zeros(ref.STATE_LEN)
+    st[ref.S_SKIP] = float(skip)
+    st[ref.S_CLIP], st[ref.S_DECAY] = np.float32(0.37), np.float32(1 - 3e-3 * 0.1)
+    st[ref.S_STEP_SIZE], st[ref.S_VHAT] = np.float32(3e-3 / (1 - 0.9 ** 7)), np.float32(1 / (1 - 0.95 ** 7))
+    pc_in = rnd(rng, (n,), cdt)
+    pc = pc_in.astype(cdt)
+    g_pc = dev(pc_in, cdt) if cdt != np.float32 else None
+    ref.k_adamw_step(host32[0], pc if cdt != np.float32 else None, host32[1], host32[2], host32[3],
+                     st, 0.9, 0.95, 1e-8, n_decay)
+    be.k_adamw_step(devs[0], g_pc, devs[1], devs[2], devs[3], dev(st, np.float64), 0.9, 0.95, 1e-8,
+                    n_decay)
     for name, want, got in zip(("params", "grads", "m", "v"), host32, devs):
-        assert_close(f"k_adamw {name}", host(got), want.astype(np.float64), 1e-6)
+        assert_close(f"k_adamw_step {name}", host(got), want.astype(np.float64), 1e-6)
+    assert not host(devs[1]).any()
+    if g_pc is not None:
+        want_pc = pc_in if skip else host(devs[0]).astype(cdt).astype(np.float64)
+        assert np.array_equal(host(g_pc), want_pc)
+    if skip:
+        assert np.array_equal(host(devs[0]), p) and np.array_equal(host(devs[2]), m)
+
+
+def test_upload_and_download_async(be, rng):
+    """The host copies the engine queues without waiting: many in flight, each sees its own data."""
+    import cupy as cp
+    dst = cp.zeros((5, 7), cp.int32)
+    srcs = [rng.integers(0, 1000, (5, 7)).astype(np.int32) for _ in range(2 * be.PINNED_DEPTH + 1)]
+    pending = []
+    for src in srcs:
+        src = src.copy()
+        be.upload(dst, src)
+        src[...] = -1  # the caller may reuse its array at once
+        pending.append(be.download_async(dst * 2))
+    be.synchronize()
+    for src, p in zip(srcs, pending):
+        assert np.array_equal(p.get(), 2 * src)
 
 
 def test_cast_params(be, rng):

@@ -172,33 +172,106 @@ def test_loss_value_matches_log_softmax(rng=np.random.default_rng(9)):
     np.testing.assert_allclose(losses, ref, rtol=1e-12)
 
 
-def test_grad_norm_and_scale(rng=np.random.default_rng(10)):
-    g = rnd(rng, 1001)  # not a multiple of the partials count: the last chunk is short
-    partials, norm = np.zeros(K.GRAD_NORM_PARTIALS), np.zeros(1)
+def _state(scale=1.0, lr=1e-2, step=1):
+    st = np.zeros(K.STATE_LEN)
+    st[K.S_SCALE], st[K.S_LR], st[K.S_STEP] = scale, lr, step
+    return st
+
+
+def _check_step(st, g, n_micro=1, max_norm=1.0, fp16=False, growth=2000, losses=None):
+    """k_loss_accum of losses (default: ones), then the norm partials of g and k_step_check."""
+    K.k_loss_accum(st, np.ones(10) if losses is None else losses)
+    partials, dloss = np.zeros(K.GRAD_NORM_PARTIALS), np.zeros(1)
     K.k_grad_norm_partial(partials, g)
-    K.k_grad_norm_final(norm, partials, 0.5)
-    assert norm[0] == pytest.approx(0.5 * np.linalg.norm(g), rel=1e-12)
-    g2 = g.copy()
-    K.k_grad_scale(g2, norm, 0.5, 1.0)  # clip the 0.5-scaled gradient to norm 1
-    assert np.linalg.norm(g2) == pytest.approx(1.0, rel=1e-5)
-    g3 = g.copy()
-    K.k_grad_scale(g3, norm, 0.5, 1e9)  # no clipping: only the pre-scale
-    np.testing.assert_allclose(g3, 0.5 * g, rtol=1e-12)
+    K.k_step_check(st, dloss, partials, n_micro, 10, 0.9, 0.95, 0.1, max_norm, fp16, growth, 2.0 ** 24)
+    return dloss
 
 
-def test_adamw_matches_torch(rng=np.random.default_rng(11)):
+def test_step_check_norm_clip_and_loss(rng=np.random.default_rng(10)):
+    g = rnd(rng, 1001)  # not a multiple of the partials count: the last chunk is short
+    st = _state(scale=4.0)
+    dloss = _check_step(st, g, n_micro=2, max_norm=1e9, losses=np.arange(10.0))
+    pre = 1.0 / (2 * 4.0)  # averaged over 2 microbatches, unscaled
+    assert st[K.S_NORM] == pytest.approx(pre * np.linalg.norm(g), rel=1e-12)
+    assert st[K.S_LOSS] == pytest.approx(4.5 / 2)  # the sum of one microbatch's mean over 2
+    assert st[K.S_LOSS_SUM] == 0 and st[K.S_SKIP] == 0 and st[K.S_REC_SCALE] == 4.0
+    assert st[K.S_CLIP] == pre and dloss[0] == 4.0 / 10  # no clipping: only the pre-scale
+    st = _state(scale=4.0)
+    _check_step(st, g, n_micro=2, max_norm=0.5)
+    assert np.linalg.norm(g * st[K.S_CLIP]) == pytest.approx(0.5, rel=1e-5)  # clipped to 0.5
+
+
+def test_step_check_non_finite_policy():
+    g = np.ones(100)
+    st = _state(scale=8.0, step=3)
+    st[K.S_GOOD] = 5
+    _check_step(st, g * np.inf, fp16=True)  # fp16 overflow: skip, halve, not a bad step
+    assert st[K.S_SKIP] == 1 and st[K.S_SKIPPED] == 1 and st[K.S_GOOD] == 0 and st[K.S_BAD] == 0
+    assert st[K.S_SCALE] == 4.0 and st[K.S_REC_SCALE] == 8.0
+    _check_step(st, g, fp16=True, losses=np.full(10, np.nan))  # non-finite loss: a bad step
+    assert st[K.S_SKIPPED] == 2 and st[K.S_BAD] == 1 and st[K.S_SCALE] == 2.0
+    st[K.S_SCALE] = 1.0
+    _check_step(st, g * np.nan, fp16=True)  # at scale 1 an overflow is a bad step too
+    assert st[K.S_BAD] == 2 and st[K.S_SCALE] == 1.0
+    st2 = _state(scale=1.0)
+    _check_step(st2, g * np.nan)  # fp32: the scale stays 1
+    assert st2[K.S_SKIP] == 1 and st2[K.S_BAD] == 1 and st2[K.S_SCALE] == 1.0
+    for i in range(3):  # good steps: the bad streak ends, the fp16 scale doubles every 3
+        st[K.S_STEP] = 4 + i  # update number step - skipped = 1, 2, 3
+        _check_step(st, g, fp16=True, growth=3)
+        assert st[K.S_SKIP] == 0 and st[K.S_BAD] == 0
+    assert st[K.S_SCALE] == 2.0 and st[K.S_GOOD] == 0
+
+
+def test_adamw_step_skip_only_zeroes_grads(rng=np.random.default_rng(12)):
+    p, gr, m, v = (rnd(rng, 20) for _ in range(4))
+    before = [a.copy() for a in (p, m, v)]
+    st = _state()
+    st[K.S_SKIP] = 1.0
+    pc = np.zeros(20, np.float16)
+    K.k_adamw_step(p, pc, gr, m, v, st, 0.9, 0.95, 1e-8, 10)
+    assert not gr.any() and not pc.any()
+    for a, b in zip(before, (p, m, v)):
+        assert np.array_equal(a, b)
+
+
+def test_adamw_step_matches_torch(rng=np.random.default_rng(11)):
+    """k_step_check + k_adamw_step = torch's clip_grad_norm_ then AdamW (decoupled decay on the
+    matrices only), over steps with a skipped one in the middle."""
     torch = pytest.importorskip("torch")
-    n, n_decay = 50, 30
+    n, n_decay, lr, max_norm = 50, 30, 1e-2, 1.0
     p0 = rnd(rng, n)
     p, m, v = p0.copy(), np.zeros(n), np.zeros(n)
+    pc = np.zeros(n, np.float32)
     tp = torch.tensor(p0, requires_grad=True)
-    opt = torch.optim.AdamW([{"params": [tp]}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    # decoupled decay on the first n_decay only: torch decays whole tensors, so decay by hand there
-    for step in range(1, 6):
-        gr = rnd(rng, n)
-        K.k_adamw(p, gr, m, v, 1e-2, 0.9, 0.95, 1e-8, 0.1, step, n_decay)
+    opt = torch.optim.AdamW([{"params": [tp]}], lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    st = _state(lr=lr)
+    for step in range(1, 7):
+        gr = rnd(rng, n, scale=0.3)
+        st[K.S_STEP] = step
+        grads = gr * np.nan if step == 3 else gr.copy()
+        _check_step(st, grads, max_norm=max_norm)
+        K.k_adamw_step(p, pc, grads, m, v, st, 0.9, 0.95, 1e-8, n_decay)
+        assert not grads.any()
+        if step == 3:
+            assert st[K.S_SKIP] == 1
+            continue
+        # torch's step count is the number of updates made: step - skipped, as ours
         with torch.no_grad():
-            tp[:n_decay] *= 1 - 1e-2 * 0.1
+            tp[:n_decay] *= 1 - lr * 0.1
         tp.grad = torch.tensor(gr)
+        torch.nn.utils.clip_grad_norm_([tp], max_norm)
         opt.step()
     np.testing.assert_allclose(p, tp.detach().numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(pc, p.astype(np.float32))  # the compute copy follows
+
+
+def test_state_slots_match_the_cuda_enum():
+    """kernels/optim.cu names the optimizer-state slots in an enum: the same order as here."""
+    import re
+    from pathlib import Path
+    src = (Path(__file__).resolve().parent.parent / "kernels" / "optim.cu").read_text()
+    enum = re.search(r"enum \{(.*?)\};", src, re.S).group(1)
+    names = re.findall(r"\b(S_[A-Z_]+|STATE_LEN)\b", re.sub(r"//[^\n]*", "", enum))
+    assert tuple(names) == K.STATE_SLOTS + ("STATE_LEN",)
+    assert K.STATE_LEN >= len(K.STATE_SLOTS)

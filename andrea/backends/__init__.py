@@ -1,8 +1,9 @@
 """Backends: the same kernel names on NumPy (the reference) and CUDA (kernels/*.cu via CuPy).
 
 `get_backend("auto")` picks CUDA when CuPy sees a GPU, NumPy otherwise. A backend is a module with
-`NAME`, `xp` (its array module), every `k_*` kernel of DESIGN.md's table, k_grad_norm_partial/_final,
-k_grad_scale and k_adamw, with the signatures of numpy_ref.
+`NAME`, `xp` (its array module), every `k_*` kernel of DESIGN.md's table, the optimizer kernels
+(k_grad_norm_partial, k_loss_accum, k_step_check, k_adamw_step) and the host utilities (upload,
+download_async, to_numpy, synchronize), with the signatures of numpy_ref.
 """
 from __future__ import annotations
 

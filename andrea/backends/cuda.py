@@ -27,6 +27,7 @@ import cupy as cp
 import numpy as np
 
 from ..paths import KERNEL_DIR
+from .numpy_ref import STATE_LEN
 
 try:  # registers numpy's "bfloat16" dtype where ml_dtypes is installed (bf16 precision)
     import ml_dtypes  # noqa: F401
@@ -595,12 +596,16 @@ def k_loss_fwd(losses, lse, logits, inp, wte, targets):
 
 def k_loss_bwd(dinp, dwte, logits, lse, inp, wte, targets, dloss):
     """Adds into dinp (B,T,C) and dwte (V,C) the gradient of dloss * sum(losses); logits become
-    dlogits in place."""
+    dlogits in place. dloss: a float, or a (1,) float32 device array read when the kernel runs."""
     N, V, C, ct = _loss_checks("k_loss_bwd", lse, logits, inp, wte, targets)
     _check("k_loss_bwd", "dinp", dinp, inp.shape, ct)
     _check("k_loss_bwd", "dwte", dwte, (V, C), np.float32)
-    _launch("loss.cu", "k_loss_bwd", ct, N, THREADS,
-            (logits, lse, targets, _i64(N), _i32(V), np.float32(dloss)))
+    if isinstance(dloss, cp.ndarray):
+        _check("k_loss_bwd", "dloss", dloss, (1,), np.float32)
+        dl = (dloss, np.float32(0))
+    else:
+        dl = (np.uint64(0), np.float32(dloss))
+    _launch("loss.cu", "k_loss_bwd", ct, N, THREADS, (logits, lse, targets, _i64(N), _i32(V)) + dl)
     blas = _blas()
     blas.gemm(dinp, logits, wte, False, False, N, C, V, V, C, C, beta=1.0)
     blas.gemm(dwte, logits, inp, True, False, V, C, N, V, C, C, beta=1.0)
@@ -615,33 +620,39 @@ def k_grad_norm_partial(partials, grads):
             (partials, grads, _i64(grads.size)))
 
 
-def k_grad_norm_final(norm, partials, pre_scale):
-    """norm[0] = sqrt(sum(partials)) * pre_scale, on the device."""
-    _check("k_grad_norm_final", "norm", norm, dtype=np.float32)
-    _check("k_grad_norm_final", "partials", partials, dtype=np.float32)
-    _launch("optim.cu", "k_grad_norm_final", np.float32, 1, 32,
-            (norm, partials, _i32(partials.size), np.float64(pre_scale)))
+def k_loss_accum(state, losses):
+    """state[S_LOSS_SUM] += sum of losses in float64 (one block)."""
+    _check("k_loss_accum", "state", state, (STATE_LEN,), np.float64)
+    _check("k_loss_accum", "losses", losses, dtype=np.float32)
+    _launch("optim.cu", "k_loss_accum", np.float32, 1, 1024, (state, losses, _i64(losses.size)))
 
 
-def k_grad_scale(grads, norm, pre_scale, max_norm):
-    """grads *= pre_scale * min(1, max_norm / (norm + 1e-6)), reading norm on the device."""
-    _check("k_grad_scale", "grads", grads, dtype=np.float32)
-    _check("k_grad_scale", "norm", norm, dtype=np.float32)
-    _launch("optim.cu", "k_grad_scale", np.float32, _blocks(grads.size), THREADS,
-            (grads, norm, _i64(grads.size), np.float64(pre_scale), np.float64(max_norm)))
+def k_step_check(state, dloss, partials, n_micro, n_pos, beta1, beta2, weight_decay, max_norm,
+                 fp16, growth_interval, max_scale):
+    """The end-of-step bookkeeping of numpy_ref.k_step_check, by one device thread."""
+    _check("k_step_check", "state", state, (STATE_LEN,), np.float64)
+    _check("k_step_check", "dloss", dloss, (1,), np.float32)
+    _check("k_step_check", "partials", partials, dtype=np.float32)
+    f64 = np.float64
+    _launch("optim.cu", "k_step_check", np.float32, 1, 32,
+            (state, dloss, partials, _i32(partials.size), _i32(n_micro), f64(n_pos), f64(beta1),
+             f64(beta2), f64(weight_decay), f64(max_norm), _i32(int(bool(fp16))),
+             f64(growth_interval), f64(max_scale)))
 
 
-def k_adamw(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, n_decay):
-    """One AdamW update in place, rounded as numpy_ref.k_adamw (decay on params[:n_decay])."""
+def k_adamw_step(params, params_c, grads, m, v, state, beta1, beta2, eps, n_decay):
+    """Clip + AdamW + cast + zeroing of grads in one pass, as numpy_ref.k_adamw_step."""
     for n, a in (("params", params), ("grads", grads), ("m", m), ("v", v)):
-        _check("k_adamw", n, a, params.shape, np.float32)
+        _check("k_adamw_step", n, a, params.shape, np.float32)
+    _check("k_adamw_step", "state", state, (STATE_LEN,), np.float64)
+    cast = params_c is not None and params_c is not params
+    if cast:
+        _check("k_adamw_step", "params_c", params_c, params.shape)
+    pc = params_c if cast else params
     f32 = np.float32
-    mhat_scale = 1.0 / (1.0 - beta1 ** step)
-    vhat_scale = 1.0 / (1.0 - beta2 ** step)
-    _launch("optim.cu", "k_adamw", np.float32, _blocks(params.size), THREADS,
-            (params, grads, m, v, _i64(params.size), _i64(n_decay), f32(beta1), f32(1.0 - beta1),
-             f32(beta2), f32(1.0 - beta2), f32(1.0 - lr * weight_decay), f32(lr * mhat_scale),
-             f32(vhat_scale), f32(eps)))
+    _launch("optim.cu", "k_adamw_step", pc.dtype, _blocks(params.size), THREADS,
+            (params, pc, grads, m, v, state, _i64(params.size), _i64(n_decay), f32(beta1),
+             f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(eps), _i32(int(cast))))
 
 
 def k_cast_params(dst, src):
@@ -703,6 +714,75 @@ def run_graph(key, fn):
 
 
 # ---------------------------------------------------------------- host utilities (not kernels)
+PINNED_DEPTH = 4  # steps the host may run ahead of the device through upload / download_async
+
+
+class _Pinned:
+    """PINNED_DEPTH page-locked host buffers of one shape and dtype, used in turn, each with the
+    event of the copy that last used it: a buffer is reused only once that copy has completed (and
+    a download still unread has been read out), so asynchronous copies never see it change."""
+
+    def __init__(self, shape, dtype):
+        import cupyx
+        self.bufs = [cupyx.empty_pinned(shape, dtype) for _ in range(PINNED_DEPTH)]
+        self.events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(PINNED_DEPTH)]
+        self.owners = [None] * PINNED_DEPTH
+        self.i = 0
+
+    def take(self, owner=None):
+        i = self.i
+        self.i = (i + 1) % PINNED_DEPTH
+        if self.owners[i] is not None:
+            self.owners[i].get()  # reads it out before the buffer is reused
+        self.events[i].synchronize()
+        self.owners[i] = owner
+        return self.bufs[i], self.events[i]
+
+
+_RINGS: dict = {}
+
+
+def _ring(kind, a) -> _Pinned:
+    key = (kind, tuple(a.shape), a.dtype.name)
+    ring = _RINGS.get(key)
+    if ring is None:
+        ring = _RINGS[key] = _Pinned(a.shape, a.dtype)
+    return ring
+
+
+def upload(dst, src):
+    """dst (a device array) = src (host), queued on the current stream: the host does not wait
+    for the device (src is copied to a pinned buffer first, so the caller may reuse it at once)."""
+    buf, ev = _ring("up", dst).take()
+    buf[...] = np.asarray(src, dtype=dst.dtype).reshape(dst.shape)
+    stream = cp.cuda.get_current_stream()
+    dst.data.copy_from_host_async(ctypes.c_void_p(buf.ctypes.data), dst.nbytes, stream)
+    ev.record(stream)
+
+
+class Pending:
+    """A device-to-host copy in flight; get() waits for it (once) and returns the host array."""
+
+    def __init__(self, src):
+        self.value = None
+        self.buf, self.event = _ring("down", src).take(self)
+        stream = cp.cuda.get_current_stream()
+        src.data.copy_to_host_async(ctypes.c_void_p(self.buf.ctypes.data), src.nbytes, stream)
+        self.event.record(stream)
+
+    def get(self):
+        if self.value is None:
+            self.event.synchronize()
+            self.value = self.buf.copy()
+        return self.value
+
+
+def download_async(a) -> Pending:
+    """Queue a copy of device array a to the host on the current stream; .get() returns it."""
+    _check("download_async", "a", a)
+    return Pending(a)
+
+
 def to_numpy(a):
     """A host NumPy copy of a device array (waits for the work that writes it)."""
     return cp.asnumpy(a)

@@ -216,7 +216,8 @@ def k_loss_fwd(losses, lse, logits, inp, wte, targets):
 
 def k_loss_bwd(dinp, dwte, logits, lse, inp, wte, targets, dloss):
     """Adds into dinp (B,T,C) and dwte (V,C) the gradient of dloss * sum(losses). Turns logits
-    into dlogits in place (it is workspace)."""
+    into dlogits in place (it is workspace). dloss: a float, or a (1,) array read when the kernel
+    runs (the engine's, which k_step_check writes from the loss scale)."""
     V, C = wte.shape
     np.exp(logits - lse[..., None], out=logits)
     B, T = targets.shape
@@ -238,35 +239,117 @@ def k_grad_norm_partial(partials, grads):
         partials[i] = np.dot(g, g) if g.size else 0.0
 
 
-def k_grad_norm_final(norm, partials, pre_scale):
-    """norm[0] = sqrt(sum(partials)) * pre_scale: the norm of the gradient after pre_scale."""
-    norm[0] = math.sqrt(float(partials.sum(dtype=np.float64))) * pre_scale
+# Slots of the optimizer state, a float64 array of STATE_LEN the engine keeps on the device (the
+# enum at the top of kernels/optim.cu lists the same names in the same order):
+# carried from step to step: the dynamic loss scale, the good and bad streaks, the skipped count,
+# the running loss sum of the step's microbatches; the record of the last step (mean loss, norm,
+# the loss scale it ran with, 1.0 if skipped); the float32 scalars of k_adamw_step; the learning
+# rate and the 1-based step number, written by the host before the step.
+STATE_SLOTS = ("S_SCALE", "S_GOOD", "S_BAD", "S_SKIPPED", "S_LOSS_SUM",
+               "S_LOSS", "S_NORM", "S_REC_SCALE", "S_SKIP",
+               "S_CLIP", "S_DECAY", "S_STEP_SIZE", "S_VHAT",
+               "S_LR", "S_STEP")
+(S_SCALE, S_GOOD, S_BAD, S_SKIPPED, S_LOSS_SUM, S_LOSS, S_NORM, S_REC_SCALE, S_SKIP,
+ S_CLIP, S_DECAY, S_STEP_SIZE, S_VHAT, S_LR, S_STEP) = range(len(STATE_SLOTS))
+STATE_LEN = 16  # one spare slot
 
 
-def k_grad_scale(grads, norm, pre_scale, max_norm):
-    """grads *= pre_scale * clip, clip = min(1, max_norm / (norm + 1e-6)); max_norm <= 0: no clip.
-    pre_scale folds in 1/grad_accum and 1/loss_scale, so one pass both averages and clips."""
-    clip = 1.0
-    if max_norm > 0:
-        clip = min(1.0, max_norm / (float(norm[0]) + 1e-6))
-    grads *= grads.dtype.type(pre_scale * clip)
+def k_loss_accum(state, losses):
+    """state[S_LOSS_SUM] += sum of losses (one microbatch's positions), in float64."""
+    state[S_LOSS_SUM] += float(losses.sum(dtype=np.float64))
 
 
-def k_adamw(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, n_decay):
-    """One AdamW update in place (decoupled decay on params[:n_decay], the matrices; bias
-    correction with step counting from 1)."""
-    m *= beta1
-    m += (1.0 - beta1) * grads
-    v *= beta2
-    v += (1.0 - beta2) * grads * grads
-    mhat_scale = 1.0 / (1.0 - beta1 ** step)
-    vhat_scale = 1.0 / (1.0 - beta2 ** step)
-    params[:n_decay] *= params.dtype.type(1.0 - lr * weight_decay)
-    params -= (lr * mhat_scale) * m / (np.sqrt(v * vhat_scale) + eps)
+def k_step_check(state, dloss, partials, n_micro, n_pos, beta1, beta2, weight_decay, max_norm,
+                 fp16, growth_interval, max_scale):
+    """The end of a step, on the device in the CUDA backend (one thread), in float64:
+    norm = sqrt(sum of partials, in order) / (n_micro * loss scale), rounded to partials' dtype;
+    loss = loss sum / n_pos / n_micro (the sum is then reset). Records both and the scale used.
+    A non-finite loss or norm skips the update: skipped += 1, good streak 0, fp16 halves the scale
+    (floor 1), and the bad streak grows unless it is an fp16 overflow (finite loss, scale > 1).
+    Otherwise: the clip factor pre_scale * min(1, max_norm / (norm + 1e-6)) (max_norm <= 0: no
+    clip), the AdamW scalars of update number t = step - skipped (decay 1 - lr*wd, step size
+    lr / (1 - beta1^t), 1 / (1 - beta2^t)), all rounded to partials' dtype; bad streak 0, good
+    streak + 1, and fp16 doubles the scale (at most max_scale) after growth_interval good steps.
+    dloss[0] = the new scale / n_pos: the next backward pass's loss gradient."""
+    rnd = partials.dtype.type
+    ss = 0.0
+    for x in partials:  # in order, as the CUDA thread does
+        ss += float(x)
+    scale = float(state[S_SCALE])
+    pre_scale = 1.0 / (n_micro * scale)
+    norm = float(rnd(math.sqrt(ss) * pre_scale))
+    loss = float(state[S_LOSS_SUM]) / n_pos / n_micro
+    state[S_LOSS_SUM] = 0.0
+    state[S_LOSS], state[S_NORM], state[S_REC_SCALE] = loss, norm, scale
+    if not (math.isfinite(loss) and math.isfinite(norm)):
+        state[S_SKIP] = 1.0
+        state[S_SKIPPED] += 1.0
+        state[S_GOOD] = 0.0
+        overflow = bool(fp16) and math.isfinite(loss) and scale > 1.0
+        if fp16:
+            scale = max(1.0, scale * 0.5)
+        state[S_BAD] = 0.0 if overflow else state[S_BAD] + 1.0
+    else:
+        state[S_SKIP] = 0.0
+        clip = 1.0
+        if max_norm > 0:
+            clip = min(1.0, max_norm / (norm + 1e-6))
+        lr = float(state[S_LR])
+        t = float(state[S_STEP]) - float(state[S_SKIPPED])
+        state[S_CLIP] = rnd(pre_scale * clip)
+        state[S_DECAY] = rnd(1.0 - lr * weight_decay)
+        state[S_STEP_SIZE] = rnd(lr * (1.0 / (1.0 - beta1 ** t)))
+        state[S_VHAT] = rnd(1.0 / (1.0 - beta2 ** t))
+        state[S_BAD] = 0.0
+        state[S_GOOD] += 1.0
+        if fp16 and state[S_GOOD] >= growth_interval:
+            scale = min(max_scale, scale * 2.0)
+            state[S_GOOD] = 0.0
+    state[S_SCALE] = scale
+    dloss[0] = scale / n_pos
+
+
+def k_adamw_step(params, params_c, grads, m, v, state, beta1, beta2, eps, n_decay):
+    """One pass over the flat buffers after k_step_check: unless the step is skipped,
+    g = grads * clip, then AdamW in place (m, v; decoupled decay on params[:n_decay], the matrices;
+    bias-corrected step), then params_c = params in the compute dtype (params_c is params, or None,
+    in float32 training). grads is zeroed either way."""
+    if not state[S_SKIP]:
+        dt = params.dtype.type
+        g = grads * dt(state[S_CLIP])
+        m *= beta1
+        m += (1.0 - beta1) * g
+        v *= beta2
+        v += (1.0 - beta2) * g * g
+        params[:n_decay] *= dt(state[S_DECAY])
+        params -= dt(state[S_STEP_SIZE]) * m / (np.sqrt(v * dt(state[S_VHAT])) + eps)
+        if params_c is not None and params_c is not params:
+            params_c[...] = params
+    grads[...] = 0
 
 
 # ---------------------------------------------------------------- host utilities (not kernels)
 GRAD_NORM_PARTIALS = 64  # length of the partials buffer k_grad_norm_partial fills
+
+
+def upload(dst, src):
+    """dst = src (the CUDA backend queues the copy without waiting for the device)."""
+    dst[...] = np.asarray(src, dtype=dst.dtype).reshape(dst.shape)
+
+
+class Pending:
+    """A copy of an array taken now; get() returns it (the CUDA backend's copy is asynchronous)."""
+
+    def __init__(self, a):
+        self.value = np.array(a, copy=True)
+
+    def get(self):
+        return self.value
+
+
+def download_async(a) -> Pending:
+    """A copy of a (the CUDA backend queues it on the device; .get() waits for it)."""
+    return Pending(a)
 
 
 def to_numpy(a):

@@ -33,9 +33,11 @@ extern "C" __global__ void k_loss_fwd(float* losses, float* lse, const CT* logit
   }
 }
 
-// logits[row] = (exp(logits - lse) - [j == target]) * dloss, one block per row.
+// logits[row] = (exp(logits - lse) - [j == target]) * dloss, one block per row; dloss is read
+// from the device (the engine's, written by k_step_check) when dloss_ptr is not null.
 extern "C" __global__ void k_loss_bwd(CT* logits, const float* lse, const int* targets, i64 N, int V,
-                                      float dloss) {
+                                      const float* dloss_ptr, float dloss) {
+  if (dloss_ptr) dloss = *dloss_ptr;
   i64 row = blockIdx.x;
   CT* x = logits + row * V;
   float L = lse[row];

@@ -1,10 +1,21 @@
-// optim.cu: global-norm clipping and the AdamW update over the flat float32 buffers, and the
-// cast of the master weights to the compute copy. The norm is reduced in fixed chunks
-// (k_grad_norm_partial: one block per chunk) and summed in order in float64
-// (k_grad_norm_final); k_grad_scale reads the norm on the device, so the clip needs no host
-// round trip. k_adamw rounds every operation as NumPy's float32 expression in numpy_ref.k_adamw
-// does (the _rn intrinsics forbid fused multiply-adds), so both backends agree to the bit.
+// optim.cu: the optimizer step on the device, with no host round trip. The gradient norm is
+// reduced in fixed chunks (k_grad_norm_partial: one block per chunk); k_step_check (one thread)
+// sums the chunks in order in float64, applies the non-finite policy and the dynamic loss scale to
+// the optimizer state (a small float64 array, slots below) and writes the step's scalars;
+// k_adamw_step then makes one pass over params, grads, m and v: unscale and clip the gradient,
+// AdamW, the cast to the compute copy, and zero the gradient for the next step. Every float32
+// operation is rounded as NumPy's expression in numpy_ref (the _rn intrinsics forbid fused
+// multiply-adds), and every float64 one as Python's, so both backends agree to the bit.
 #include "common.cuh"
+
+// Slots of the optimizer state; numpy_ref.STATE_SLOTS lists the same names in the same order.
+enum {
+  S_SCALE, S_GOOD, S_BAD, S_SKIPPED, S_LOSS_SUM,  // carried from step to step (and checkpointed)
+  S_LOSS, S_NORM, S_REC_SCALE, S_SKIP,            // the record of the last step
+  S_CLIP, S_DECAY, S_STEP_SIZE, S_VHAT,           // float32 values for k_adamw_step
+  S_LR, S_STEP,                                   // written by the host before the step
+  STATE_LEN
+};
 
 // partials[blockIdx.x] = sum of squares of chunk blockIdx.x; chunk = ceil(n / gridDim.x).
 extern "C" __global__ void k_grad_norm_partial(float* partials, const float* grads, i64 n) {
@@ -18,42 +29,103 @@ extern "C" __global__ void k_grad_norm_partial(float* partials, const float* gra
   if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 
-// norm[0] = sqrt(sum of partials, in order, in float64) * pre_scale. One thread.
-extern "C" __global__ void k_grad_norm_final(float* norm, const float* partials, int P, double pre_scale) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+// state[S_LOSS_SUM] += sum of losses (N positions of one microbatch) in float64: one block,
+// each thread a strided share, then the fixed block tree.
+extern "C" __global__ void k_loss_accum(double* state, const float* losses, i64 N) {
+  __shared__ double scratch[32];
   double s = 0.0;
-  for (int i = 0; i < P; ++i) s += (double)partials[i];
-  norm[0] = (float)(sqrt(s) * pre_scale);
-}
-
-// grads *= pre_scale * min(1, max_norm / (norm + 1e-6)); max_norm <= 0 turns clipping off.
-extern "C" __global__ void k_grad_scale(float* grads, const float* norm, i64 n, double pre_scale, double max_norm) {
-  double clip = 1.0;
-  if (max_norm > 0.0) {
-    double c = max_norm / ((double)norm[0] + 1e-6);
-    clip = c < 1.0 ? c : 1.0;
+  for (i64 i = threadIdx.x; i < N; i += blockDim.x) s += (double)losses[i];
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  s = warp_sum_d(s);
+  if (lane == 0) scratch[warp] = s;
+  __syncthreads();
+  if (warp == 0) {
+    s = lane < nw ? scratch[lane] : 0.0;
+    s = warp_sum_d(s);
+    if (lane == 0) state[S_LOSS_SUM] += s;
   }
-  float f = (float)(pre_scale * clip);
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-    grads[i] = __fmul_rn(grads[i], f);
 }
 
-// AdamW, as numpy_ref.k_adamw: m = m*b1 + (1-b1)*g; v = v*b2 + ((1-b2)*g)*g; p[:n_decay] *= decay;
-// p -= (step_size * m) / (sqrt(v * vhat_scale) + eps). Scalars arrive rounded to float32 as
-// NumPy rounds a Python float against a float32 array.
-extern "C" __global__ void k_adamw(float* p, const float* g, float* m, float* v, i64 n, i64 n_decay,
-                                   float beta1, float omb1, float beta2, float omb2, float decay,
-                                   float step_size, float vhat_scale, float eps) {
+__device__ __forceinline__ bool finite_d(double x) { return x - x == 0.0; }
+
+// One thread: the end-of-step bookkeeping of numpy_ref.k_step_check, in the same float64 order.
+// norm = sqrt(sum partials) / (n_micro * scale) (the averaged, unscaled gradient's norm, rounded to
+// float32); loss = loss sum / (n_micro * n_pos). Non-finite loss or norm: skip (fp16 halves the
+// scale; an fp16 overflow with a finite loss does not count towards the bad streak); otherwise the
+// clip factor and the AdamW scalars of update number step - skipped, and the scale may grow.
+extern "C" __global__ void k_step_check(double* state, float* dloss, const float* partials, int P,
+                                        int n_micro, double n_pos, double beta1, double beta2,
+                                        double weight_decay, double max_norm, int fp16,
+                                        double growth_interval, double max_scale) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  double ss = 0.0;
+  for (int i = 0; i < P; ++i) ss = __dadd_rn(ss, (double)partials[i]);
+  double scale = state[S_SCALE];
+  double pre_scale = __ddiv_rn(1.0, __dmul_rn((double)n_micro, scale));
+  float normf = (float)__dmul_rn(sqrt(ss), pre_scale);
+  double norm = (double)normf;
+  double loss = __ddiv_rn(__ddiv_rn(state[S_LOSS_SUM], n_pos), (double)n_micro);
+  state[S_LOSS_SUM] = 0.0;
+  state[S_LOSS] = loss;
+  state[S_NORM] = norm;
+  state[S_REC_SCALE] = scale;
+  if (!(finite_d(loss) && finite_d(norm))) {
+    state[S_SKIP] = 1.0;
+    state[S_SKIPPED] += 1.0;
+    state[S_GOOD] = 0.0;
+    bool overflow = fp16 && finite_d(loss) && scale > 1.0;
+    if (fp16) scale = fmax(1.0, scale * 0.5);
+    state[S_BAD] = overflow ? 0.0 : state[S_BAD] + 1.0;
+  } else {
+    state[S_SKIP] = 0.0;
+    double clip = 1.0;
+    if (max_norm > 0.0) {
+      double c = __ddiv_rn(max_norm, __dadd_rn(norm, 1e-6));
+      clip = c < 1.0 ? c : 1.0;
+    }
+    double lr = state[S_LR];
+    double t = __dsub_rn(state[S_STEP], state[S_SKIPPED]);
+    double mhat = __ddiv_rn(1.0, __dsub_rn(1.0, pow(beta1, t)));
+    double vhat = __ddiv_rn(1.0, __dsub_rn(1.0, pow(beta2, t)));
+    state[S_CLIP] = (double)(float)__dmul_rn(pre_scale, clip);
+    state[S_DECAY] = (double)(float)__dsub_rn(1.0, __dmul_rn(lr, weight_decay));
+    state[S_STEP_SIZE] = (double)(float)__dmul_rn(lr, mhat);
+    state[S_VHAT] = (double)(float)vhat;
+    state[S_BAD] = 0.0;
+    state[S_GOOD] += 1.0;
+    if (fp16 && state[S_GOOD] >= growth_interval) {
+      scale = fmin(max_scale, scale * 2.0);
+      state[S_GOOD] = 0.0;
+    }
+  }
+  state[S_SCALE] = scale;
+  *dloss = (float)__ddiv_rn(scale, n_pos);
+}
+
+// The update of numpy_ref.k_adamw_step, one pass: g = grads * clip; m = m*b1 + (1-b1)*g;
+// v = v*b2 + ((1-b2)*g)*g; p[:n_decay] *= decay; p -= (step_size * m) / (sqrt(v * vhat) + eps);
+// pc = p rounded to the compute dtype (when cast); grads = 0. A skipped step only zeroes grads.
+extern "C" __global__ void k_adamw_step(float* p, CT* pc, float* g, float* m, float* v,
+                                        const double* state, i64 n, i64 n_decay, float beta1,
+                                        float omb1, float beta2, float omb2, float eps, int cast) {
+  bool skip = state[S_SKIP] != 0.0;
+  float clip = (float)state[S_CLIP], decay = (float)state[S_DECAY];
+  float step_size = (float)state[S_STEP_SIZE], vhat_scale = (float)state[S_VHAT];
   for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-    float gi = g[i];
-    float mi = __fadd_rn(__fmul_rn(m[i], beta1), __fmul_rn(omb1, gi));
-    float vi = __fadd_rn(__fmul_rn(v[i], beta2), __fmul_rn(__fmul_rn(omb2, gi), gi));
-    float pi = p[i];
-    if (i < n_decay) pi = __fmul_rn(pi, decay);
-    float den = __fadd_rn(__fsqrt_rn(__fmul_rn(vi, vhat_scale)), eps);
-    p[i] = __fsub_rn(pi, __fdiv_rn(__fmul_rn(step_size, mi), den));
-    m[i] = mi;
-    v[i] = vi;
+    if (!skip) {
+      float gi = __fmul_rn(g[i], clip);
+      float mi = __fadd_rn(__fmul_rn(m[i], beta1), __fmul_rn(omb1, gi));
+      float vi = __fadd_rn(__fmul_rn(v[i], beta2), __fmul_rn(__fmul_rn(omb2, gi), gi));
+      float pi = p[i];
+      if (i < n_decay) pi = __fmul_rn(pi, decay);
+      float den = __fadd_rn(__fsqrt_rn(__fmul_rn(vi, vhat_scale)), eps);
+      pi = __fsub_rn(pi, __fdiv_rn(__fmul_rn(step_size, mi), den));
+      p[i] = pi;
+      m[i] = mi;
+      v[i] = vi;
+      if (cast) pc[i] = from_f<CT>(pi);
+    }
+    g[i] = 0.f;
   }
 }
 
