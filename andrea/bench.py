@@ -89,7 +89,7 @@ def graph_step_ms(eng, x, y, reps=5):
     with s:
         eng.be._blas()._bind_stream()
         s.begin_capture()
-        model.forward(eng.be, eng.p, eng.layers, eng.g, n_head)
+        model.forward(eng.be, eng.p, eng.layers, eng.g, n_head, loss=False)
         model.backward(eng.be, eng.p, eng.dp, eng.layers, eng.g, n_head, eng.dloss)
         g = s.end_capture()
         g.launch(stream=s)
@@ -110,9 +110,9 @@ def profile_step(eng, x, y):
     eng.g["tokens"].set(x)
     eng.g["targets"].set(y)
     n_head = eng.cfg.model.n_head
-    model.forward(gt, eng.p, eng.layers, eng.g, n_head)
-    gt.k_loss_accum(eng.state, eng.g["losses"])
+    model.forward(gt, eng.p, eng.layers, eng.g, n_head, loss=False)
     model.backward(gt, eng.p, eng.dp, eng.layers, eng.g, n_head, eng.dloss)
+    gt.k_loss_accum(eng.state, eng.g["losses"])
     t, parts = eng.cfg.train, eng.bufs["norm_partials"]
     gt.k_grad_norm_partial(parts, eng.grads)
     gt.k_step_check(eng.state, eng.dloss, parts, 1, x.size, t.beta1, t.beta2, t.weight_decay,

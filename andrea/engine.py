@@ -288,10 +288,10 @@ class Engine:
         be.upload(self.g["targets"], y)
 
         def passes():
-            model.forward(be, self.p, self.layers, self.g, nh)
+            model.forward(be, self.p, self.layers, self.g, nh, loss=False)
+            model.backward(be, self.p, self.dp, self.layers, self.g, nh, self.dloss)
             if accumulate:
                 be.k_loss_accum(self.state, self.g["losses"])
-            model.backward(be, self.p, self.dp, self.layers, self.g, nh, self.dloss)
         # CUDA: both passes replay as one graph (hundreds of launches cost milliseconds of Python
         # otherwise); the key holds what the graph bakes in (this engine's buffers)
         self._run(("passes", accumulate), passes)
@@ -348,7 +348,8 @@ class Engine:
             x[0, :] = 0
             x[0, :len(ctx)] = ctx
             self.forward(x, x)
-            logits = self.be.to_numpy(self.g["logits"][0, len(ctx) - 1]).astype(np.float64)
+            row = self.g["lnf"][0, len(ctx) - 1]  # the classifier keeps no logits: one row here
+            logits = self.be.to_numpy(self.be.xp.matmul(self.p["wte"], row)).astype(np.float64)
             nxt = _pick(logits, temperature, rng)
             out.append(nxt)
             ids.append(nxt)

@@ -89,20 +89,32 @@ def global_shapes(m: ModelConfig, B: int, T: int) -> Dict[str, Tuple[tuple, str]
         "lnf": ((B, T, C), "act"), "lnf_mean": ((B, T), "f32"), "lnf_rstd": ((B, T), "f32"),
         "losses": ((B, T), "f32"), "loss_lse": ((B, T), "f32"),
         # workspace: reused by every layer, live only inside one kernel pair or one layer
-        "logits": ((B, T, V), "act"), "attproj": ((B, T, C), "act"), "mlpout": ((B, T, C), "act"),
+        "logits": ((loss_chunk_rows(B * T, V), V), "act"), "attproj": ((B, T, C), "act"), "mlpout": ((B, T, C), "act"),
         "act": ((B, T, 4 * C), "act"), "dact": ((B, T, 4 * C), "act"),
         "dres_a": ((B, T, C), "act"), "dres_b": ((B, T, C), "act"), "dln": ((B, T, C), "act"),
         "dqkv": ((B, T, 3 * C), "act"), "datty": ((B, T, C), "act"), "dtmp": ((B, T, C), "act"),
     }
 
 
+LOSS_CHUNK_ELEMENTS = 1 << 27  # the classifier's logits workspace holds at most this many values
+
+
+def loss_chunk_rows(N: int, V: int) -> int:
+    """Rows of the logits workspace: the classifier (k_loss_fwd / k_loss_bwd) goes over the N = B*T
+    rows in chunks of this many, a power of two (all N when they fit), so no (B,T,V) buffer."""
+    r = 1 << max(0, (LOSS_CHUNK_ELEMENTS // V).bit_length() - 1)
+    return max(1, min(N, r))
+
+
 WORKSPACE = ("logits", "attproj", "mlpout", "act", "dact", "dres_a", "dres_b", "dln", "dqkv",
              "datty", "dtmp")
 
 
-def forward(be, p, layers, g, n_head):
+def forward(be, p, layers, g, n_head, loss=True):
     """Forward pass of the whole model; writes g["losses"] (B,T). p: weight views; layers: saved
-    activations per layer; g: global buffers (tokens and targets already uploaded)."""
+    activations per layer; g: global buffers (tokens and targets already uploaded). loss=False
+    stops before the classifier: in training the backward pass's fused k_loss_bwd computes the
+    losses together with their gradient."""
     be.k_embed_fwd(g["x0"], g["tokens"], p["wte"], p["wpe"])
     x = g["x0"]
     for l, a in enumerate(layers):
@@ -118,17 +130,19 @@ def forward(be, p, layers, g, n_head):
         be.k_residual_add(a["res_out"], a["xmid"], g["mlpout"])
         x = a["res_out"]
     be.k_layernorm_fwd(g["lnf"], g["lnf_mean"], g["lnf_rstd"], x, p["lnf_w"], p["lnf_b"])
-    be.k_loss_fwd(g["losses"], g["loss_lse"], g["logits"], g["lnf"], p["wte"], g["targets"])
+    if loss:
+        be.k_loss_fwd(g["losses"], g["loss_lse"], g["logits"], g["lnf"], p["wte"], g["targets"])
 
 
 def backward(be, p, dp, layers, g, n_head, dloss):
-    """Backward pass after forward(): ADDS every parameter gradient into dp (views of the grads
-    buffer). dloss is d(objective)/d(loss of each position), e.g. loss_scale / (B*T): a float, or
+    """Backward pass after forward() (with or without its loss): writes g["losses"] (the fused
+    classifier) and ADDS every parameter gradient into dp (views of the grads buffer). dloss is d(objective)/d(loss of each position), e.g. loss_scale / (B*T): a float, or
     a (1,) array on the device read when k_loss_bwd runs (the engine's, kept by k_step_check)."""
     dres, dxmid, dln, dtmp = g["dres_a"], g["dres_b"], g["dln"], g["dtmp"]
     x_last = layers[-1]["res_out"] if layers else g["x0"]
     _zero(dres, dln)
-    be.k_loss_bwd(dln, dp["wte"], g["logits"], g["loss_lse"], g["lnf"], p["wte"], g["targets"], dloss)
+    be.k_loss_bwd(g["losses"], g["loss_lse"], dln, dp["wte"], g["logits"], g["lnf"], p["wte"],
+                  g["targets"], dloss)
     be.k_layernorm_bwd(dres, dp["lnf_w"], dp["lnf_b"], dln, x_last, p["lnf_w"], g["lnf_mean"], g["lnf_rstd"])
     for l in reversed(range(len(layers))):
         a, w, dw = layers[l], _layer(p, l), _layer(dp, l)

@@ -574,30 +574,41 @@ def k_residual_add_bwd(da, db, dout):
 
 
 # ---------------------------------------------------------------- loss
-def _loss_checks(kernel, lse, logits, inp, wte, targets):
+def _loss_checks(kernel, losses, lse, logits, inp, wte, targets):
+    """Checks, and flat row views: x (N, C), targets, losses, lse (N,), logits as (R, V)."""
     V, C = wte.shape
     B, T = targets.shape
     ct = wte.dtype
     _check(kernel, "targets", targets, dtype=np.int32)
+    _check(kernel, "losses", losses, (B, T), np.float32)
     _check(kernel, "lse", lse, (B, T), np.float32)
-    _check(kernel, "logits", logits, (B, T, V), ct)
+    _check(kernel, "logits", logits, dtype=ct)
+    if logits.size % V or logits.size == 0:
+        raise ValueError(f"{kernel}: logits has shape {logits.shape}; expected (R, {V}) rows of the vocab")
     _check(kernel, "inp", inp, (B, T, C), ct)
     _check(kernel, "wte", wte, dtype=ct)
-    return B * T, V, C, ct
+    N = B * T
+    return (inp.reshape(N, C), targets.reshape(N), losses.reshape(N), lse.reshape(N),
+            logits.reshape(-1, V), N, V, C, ct)
 
 
 def k_loss_fwd(losses, lse, logits, inp, wte, targets):
-    """logits (B,T,V) = inp @ wte.T (workspace kept for backward); writes losses, lse (B,T)."""
-    N, V, C, ct = _loss_checks("k_loss_fwd", lse, logits, inp, wte, targets)
-    _check("k_loss_fwd", "losses", losses, targets.shape, np.float32)
-    _blas().gemm(logits, inp, wte, False, True, N, V, C, C, C, V)
-    _launch("loss.cu", "k_loss_fwd", ct, N, 512, (losses, lse, logits, targets, _i64(N), _i32(V)))
+    """Writes losses, lse (B,T); logits (R, V) is workspace: chunks of R rows of inp @ wte.T."""
+    x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_loss_fwd", losses, lse, logits, inp, wte, targets)
+    R = z_all.shape[0]
+    for r0 in range(0, N, R):
+        n = min(R, N - r0)
+        z = z_all[:n]
+        _blas().gemm(z, x[r0:r0 + n], wte, False, True, n, V, C, C, C, V)
+        _launch("loss.cu", "k_loss_fwd", ct, n, 512,
+                (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], _i64(n), _i32(V)))
 
 
-def k_loss_bwd(dinp, dwte, logits, lse, inp, wte, targets, dloss):
-    """Adds into dinp (B,T,C) and dwte (V,C) the gradient of dloss * sum(losses); logits become
-    dlogits in place. dloss: a float, or a (1,) float32 device array read when the kernel runs."""
-    N, V, C, ct = _loss_checks("k_loss_bwd", lse, logits, inp, wte, targets)
+def k_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss):
+    """The fused classifier (numpy_ref.k_loss_bwd): per chunk of R rows the logits product, loss,
+    lse and dlogits in place, then dinp (B,T,C) += dlogits @ wte and dwte (V,C) += dlogits.T @ inp.
+    dloss: a float, or a (1,) float32 device array read when the kernel runs."""
+    x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_loss_bwd", losses, lse, logits, inp, wte, targets)
     _check("k_loss_bwd", "dinp", dinp, inp.shape, ct)
     _check("k_loss_bwd", "dwte", dwte, (V, C), np.float32)
     if isinstance(dloss, cp.ndarray):
@@ -605,10 +616,15 @@ def k_loss_bwd(dinp, dwte, logits, lse, inp, wte, targets, dloss):
         dl = (dloss, np.float32(0))
     else:
         dl = (np.uint64(0), np.float32(dloss))
-    _launch("loss.cu", "k_loss_bwd", ct, N, THREADS, (logits, lse, targets, _i64(N), _i32(V)) + dl)
-    blas = _blas()
-    blas.gemm(dinp, logits, wte, False, False, N, C, V, V, C, C, beta=1.0)
-    blas.gemm(dwte, logits, inp, True, False, V, C, N, V, C, C, beta=1.0)
+    blas, dx, R = _blas(), dinp.reshape(N, C), z_all.shape[0]
+    for r0 in range(0, N, R):
+        n = min(R, N - r0)
+        z = z_all[:n]
+        blas.gemm(z, x[r0:r0 + n], wte, False, True, n, V, C, C, C, V)
+        _launch("loss.cu", "k_loss_bwd", ct, n, 512,
+                (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], _i64(n), _i32(V)) + dl)
+        blas.gemm(dx[r0:r0 + n], z, wte, False, False, n, C, V, V, C, C, beta=1.0)
+        blas.gemm(dwte, z, x[r0:r0 + n], True, False, V, C, n, V, C, C, beta=1.0)
 
 
 # ---------------------------------------------------------------- clipping and the optimizer

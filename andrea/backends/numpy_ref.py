@@ -203,29 +203,56 @@ def k_residual_add_bwd(da, db, dout):
 
 
 # ---------------------------------------------------------------- loss
-def k_loss_fwd(losses, lse, logits, inp, wte, targets):
-    """Cross-entropy over the tied projection. logits (B,T,V) = inp (B,T,C) @ wte (V,C).T is
-    workspace kept for the backward pass; writes losses (B,T) and lse (B,T)."""
-    np.matmul(inp, wte.T, out=logits)
-    m = logits.max(axis=-1)
-    lse[...] = m + np.log(np.exp(logits - m[..., None]).sum(axis=-1))
-    B, T = targets.shape
-    picked = logits.reshape(B * T, -1)[np.arange(B * T), targets.reshape(-1)]
-    losses[...] = lse - picked.reshape(B, T)
-
-
-def k_loss_bwd(dinp, dwte, logits, lse, inp, wte, targets, dloss):
-    """Adds into dinp (B,T,C) and dwte (V,C) the gradient of dloss * sum(losses). Turns logits
-    into dlogits in place (it is workspace). dloss: a float, or a (1,) array read when the kernel
-    runs (the engine's, which k_step_check writes from the loss scale)."""
+def _loss_rows(kernel, logits, inp, wte, targets):
+    """Flat row views (N, C), (N,), and the logits workspace as (R, V): R rows per chunk."""
     V, C = wte.shape
-    np.exp(logits - lse[..., None], out=logits)
-    B, T = targets.shape
-    flat = logits.reshape(B * T, V)
-    flat[np.arange(B * T), targets.reshape(-1)] -= 1.0
-    logits *= dloss
-    dinp += logits @ wte
-    dwte += flat.T @ inp.reshape(B * T, C)
+    N = targets.size
+    if logits.size % V or logits.size == 0:
+        raise ValueError(f"{kernel}: logits has shape {logits.shape}; expected (R, {V}) rows of the vocab")
+    return inp.reshape(N, C), targets.reshape(N), logits.reshape(-1, V), N
+
+
+def _loss_chunk(z, lse, losses, targets):
+    """Rows z (n, V) of logits: their log-sum-exp and cross-entropy loss."""
+    m = z.max(axis=-1)
+    lse[...] = m + np.log(np.exp(z - m[:, None]).sum(axis=-1))
+    losses[...] = lse - z[np.arange(z.shape[0]), targets]
+
+
+def k_loss_fwd(losses, lse, logits, inp, wte, targets):
+    """Cross-entropy over the tied projection, for evaluation: writes losses (B,T) and lse (B,T).
+    logits (R, V) is workspace of R rows (any R >= 1; the engine's holds model.loss_chunk_rows,
+    fewer than B*T): the rows of inp (B,T,C) @ wte (V,C).T are made R at a time, never all at once."""
+    x, tg, z_all, N = _loss_rows("k_loss_fwd", logits, inp, wte, targets)
+    lf, lsef = losses.reshape(N), lse.reshape(N)
+    R = z_all.shape[0]
+    for r0 in range(0, N, R):
+        r1 = min(N, r0 + R)
+        z = z_all[:r1 - r0]
+        np.matmul(x[r0:r1], wte.T, out=z)
+        _loss_chunk(z, lsef[r0:r1], lf[r0:r1], tg[r0:r1])
+
+
+def k_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss):
+    """The fused classifier: forward and backward of the loss in one pass over chunks of R rows
+    (logits (R, V) is workspace, as in k_loss_fwd). Per chunk: logits = inp @ wte.T; their
+    log-sum-exp and loss, written to lse and losses as k_loss_fwd does; in place
+    dlogits = (softmax - onehot(target)) * dloss; then ADDS dinp += dlogits @ wte and
+    dwte += dlogits.T @ inp: the gradient of dloss * sum(losses). dloss: a float, or a (1,) array
+    read when the kernel runs (the engine's, which k_step_check writes from the loss scale)."""
+    x, tg, z_all, N = _loss_rows("k_loss_bwd", logits, inp, wte, targets)
+    lf, lsef, dx = losses.reshape(N), lse.reshape(N), dinp.reshape(N, -1)
+    R = z_all.shape[0]
+    for r0 in range(0, N, R):
+        r1 = min(N, r0 + R)
+        z = z_all[:r1 - r0]
+        np.matmul(x[r0:r1], wte.T, out=z)
+        _loss_chunk(z, lsef[r0:r1], lf[r0:r1], tg[r0:r1])
+        np.exp(z - lsef[r0:r1, None], out=z)
+        z[np.arange(r1 - r0), tg[r0:r1]] -= 1.0
+        z *= dloss
+        dx[r0:r1] += z @ wte
+        dwte += z.T @ x[r0:r1]
 
 
 # ---------------------------------------------------------------- clipping and the optimizer
