@@ -274,8 +274,9 @@ def test_adamw_step_matches_torch(rng=np.random.default_rng(11)):
 def test_state_slots_match_the_cuda_enum():
     """kernels/optim.cu names the optimizer-state slots in an enum: the same order as here."""
     import re
-    from pathlib import Path
-    src = (Path(__file__).resolve().parent.parent / "kernels" / "optim.cu").read_text()
+
+    from andrea.paths import KERNEL_DIR
+    src = (KERNEL_DIR / "optim.cu").read_text()
     enum = re.search(r"enum \{(.*?)\};", src, re.S).group(1)
     names = re.findall(r"\b(S_[A-Z_]+|STATE_LEN)\b", re.sub(r"//[^\n]*", "", enum))
     assert tuple(names) == K.STATE_SLOTS + ("STATE_LEN",)
