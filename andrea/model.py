@@ -91,12 +91,12 @@ def global_shapes(m: ModelConfig, B: int, T: int) -> Dict[str, Tuple[tuple, str]
         # workspace: reused by every layer, live only inside one kernel pair or one layer
         "logits": ((loss_chunk_rows(B * T, V), V), "act"), "attproj": ((B, T, C), "act"), "mlpout": ((B, T, C), "act"),
         "act": ((B, T, 4 * C), "act"), "dact": ((B, T, 4 * C), "act"),
-        "dres_a": ((B, T, C), "act"), "dres_b": ((B, T, C), "act"), "dln": ((B, T, C), "act"),
-        "dqkv": ((B, T, 3 * C), "act"), "datty": ((B, T, C), "act"), "dtmp": ((B, T, C), "act"),
+        "dres": ((B, T, C), "act"), "dln": ((B, T, C), "act"),
+        "dqkv": ((B, T, 3 * C), "act"), "datty": ((B, T, C), "act"),
     }
 
 
-LOSS_CHUNK_ELEMENTS = 1 << 27  # the classifier's logits workspace holds at most this many values
+LOSS_CHUNK_ELEMENTS = 1 << 28  # the classifier's logits workspace holds at most this many values
 
 
 def loss_chunk_rows(N: int, V: int) -> int:
@@ -106,39 +106,54 @@ def loss_chunk_rows(N: int, V: int) -> int:
     return max(1, min(N, r))
 
 
-WORKSPACE = ("logits", "attproj", "mlpout", "act", "dact", "dres_a", "dres_b", "dln", "dqkv",
-             "datty", "dtmp")
+WORKSPACE = ("logits", "attproj", "mlpout", "act", "dact", "dres", "dln", "dqkv", "datty")
 
 
 def forward(be, p, layers, g, n_head, loss=True):
     """Forward pass of the whole model; writes g["losses"] (B,T). p: weight views; layers: saved
     activations per layer; g: global buffers (tokens and targets already uploaded). loss=False
     stops before the classifier: in training the backward pass's fused k_loss_bwd computes the
-    losses together with their gradient."""
+    losses together with their gradient. Each residual add runs fused into the layer norm that
+    follows it (k_residual_layernorm_fwd): LN2 of the layer, then LN1 of the next layer or LNf."""
     be.k_embed_fwd(g["x0"], g["tokens"], p["wte"], p["wpe"])
     x = g["x0"]
+    if layers:
+        a0 = layers[0]
+        be.k_layernorm_fwd(a0["ln1"], a0["ln1_mean"], a0["ln1_rstd"], x, p["h0.ln1_w"], p["h0.ln1_b"])
+    else:
+        be.k_layernorm_fwd(g["lnf"], g["lnf_mean"], g["lnf_rstd"], x, p["lnf_w"], p["lnf_b"])
     for l, a in enumerate(layers):
         w = _layer(p, l)
-        be.k_layernorm_fwd(a["ln1"], a["ln1_mean"], a["ln1_rstd"], x, w["ln1_w"], w["ln1_b"])
         be.k_attn_qkv_fwd(a["qkv"], a["ln1"], w["qkv_w"], w["qkv_b"])
         be.k_attn_fwd(a["atty"], a["att_lse"], a["qkv"], n_head)
         be.k_attn_out_fwd(g["attproj"], a["atty"], w["attn_out_w"], w["attn_out_b"])
-        be.k_residual_add(a["xmid"], x, g["attproj"])
-        be.k_layernorm_fwd(a["ln2"], a["ln2_mean"], a["ln2_rstd"], a["xmid"], w["ln2_w"], w["ln2_b"])
+        # xmid = x + attproj; ln2 = LN2(xmid)
+        be.k_residual_layernorm_fwd(a["xmid"], a["ln2"], a["ln2_mean"], a["ln2_rstd"], x, g["attproj"],
+                                    w["ln2_w"], w["ln2_b"])
         be.k_mlp_fwd(g["mlpout"], a["pre"], g["act"], a["ln2"], w["mlp_w1"], w["mlp_b1"],
                      w["mlp_w2"], w["mlp_b2"])
-        be.k_residual_add(a["res_out"], a["xmid"], g["mlpout"])
+        # res_out = xmid + mlpout, then the next layer norm of it: LN1 of layer l+1, or LNf
+        if l + 1 < len(layers):
+            n = layers[l + 1]
+            nxt = (n["ln1"], n["ln1_mean"], n["ln1_rstd"], p[f"h{l + 1}.ln1_w"], p[f"h{l + 1}.ln1_b"])
+        else:
+            nxt = (g["lnf"], g["lnf_mean"], g["lnf_rstd"], p["lnf_w"], p["lnf_b"])
+        be.k_residual_layernorm_fwd(a["res_out"], nxt[0], nxt[1], nxt[2], a["xmid"], g["mlpout"],
+                                    nxt[3], nxt[4])
         x = a["res_out"]
-    be.k_layernorm_fwd(g["lnf"], g["lnf_mean"], g["lnf_rstd"], x, p["lnf_w"], p["lnf_b"])
     if loss:
         be.k_loss_fwd(g["losses"], g["loss_lse"], g["logits"], g["lnf"], p["wte"], g["targets"])
 
 
 def backward(be, p, dp, layers, g, n_head, dloss):
     """Backward pass after forward() (with or without its loss): writes g["losses"] (the fused
-    classifier) and ADDS every parameter gradient into dp (views of the grads buffer). dloss is d(objective)/d(loss of each position), e.g. loss_scale / (B*T): a float, or
-    a (1,) array on the device read when k_loss_bwd runs (the engine's, kept by k_step_check)."""
-    dres, dxmid, dln, dtmp = g["dres_a"], g["dres_b"], g["dln"], g["dtmp"]
+    classifier) and ADDS every parameter gradient into dp (views of the grads buffer). dloss is
+    d(objective)/d(loss of each position), e.g. loss_scale / (B*T): a float, or a (1,) array on
+    the device read when k_loss_bwd runs (the engine's, kept by k_step_check).
+    The residual stream's gradient lives in one buffer, dres: a residual add passes it unchanged
+    to its branch (which reads dres as its output gradient) and to its input, and the layer
+    norm's backward at the start of the branch adds its part into dres in place, so no copies."""
+    dres, dln = g["dres"], g["dln"]
     x_last = layers[-1]["res_out"] if layers else g["x0"]
     _zero(dres, dln)
     be.k_loss_bwd(g["losses"], g["loss_lse"], dln, dp["wte"], g["logits"], g["lnf"], p["wte"],
@@ -147,17 +162,15 @@ def backward(be, p, dp, layers, g, n_head, dloss):
     for l in reversed(range(len(layers))):
         a, w, dw = layers[l], _layer(p, l), _layer(dp, l)
         x_in = layers[l - 1]["res_out"] if l > 0 else g["x0"]
-        # res_out = xmid + mlp(ln2(xmid))
-        _zero(dxmid, dtmp, dln)
-        be.k_residual_add_bwd(dxmid, dtmp, dres)
-        be.k_mlp_bwd(dln, dw["mlp_w1"], dw["mlp_b1"], dw["mlp_w2"], dw["mlp_b2"], dtmp, a["ln2"],
+        # res_out = xmid + mlp(ln2(xmid)): dres becomes the gradient of xmid
+        _zero(dln)
+        be.k_mlp_bwd(dln, dw["mlp_w1"], dw["mlp_b1"], dw["mlp_w2"], dw["mlp_b2"], dres, a["ln2"],
                      a["pre"], w["mlp_w1"], w["mlp_w2"], g["act"], g["dact"])
-        be.k_layernorm_bwd(dxmid, dw["ln2_w"], dw["ln2_b"], dln, a["xmid"], w["ln2_w"],
+        be.k_layernorm_bwd(dres, dw["ln2_w"], dw["ln2_b"], dln, a["xmid"], w["ln2_w"],
                            a["ln2_mean"], a["ln2_rstd"])
-        # xmid = x_in + attn_out(attn(qkv(ln1(x_in))))
-        _zero(dres, dtmp, g["datty"], g["dqkv"], dln)
-        be.k_residual_add_bwd(dres, dtmp, dxmid)
-        be.k_attn_out_bwd(g["datty"], dw["attn_out_w"], dw["attn_out_b"], dtmp, a["atty"], w["attn_out_w"])
+        # xmid = x_in + attn_out(attn(qkv(ln1(x_in)))): dres becomes the gradient of x_in
+        _zero(g["datty"], g["dqkv"], dln)
+        be.k_attn_out_bwd(g["datty"], dw["attn_out_w"], dw["attn_out_b"], dres, a["atty"], w["attn_out_w"])
         be.k_attn_bwd(g["dqkv"], g["datty"], a["qkv"], a["atty"], a["att_lse"], n_head)
         be.k_attn_qkv_bwd(dln, dw["qkv_w"], dw["qkv_b"], g["dqkv"], a["ln1"], w["qkv_w"])
         be.k_layernorm_bwd(dres, dw["ln1_w"], dw["ln1_b"], dln, x_in, w["ln1_w"], a["ln1_mean"], a["ln1_rstd"])

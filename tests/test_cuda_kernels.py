@@ -162,6 +162,26 @@ def test_layernorm(be, prec, rng, C):
     gb.check("k_layernorm_bwd dbias", tol)
 
 
+def test_residual_layernorm(be, prec, rng):
+    """The fused residual add + layer norm: the same bits as k_residual_add then k_layernorm_fwd
+    on the GPU, and the reference's values."""
+    dt, tol = prec
+    a, b = rnd(rng, (B, T, C), dt), rnd(rng, (B, T, C), dt)
+    w, bias = rnd(rng, (C,), dt, 0.1, 1.0), rnd(rng, (C,), dt, 0.1)
+    res, out, mean, rstd = np.zeros((B, T, C)), np.zeros((B, T, C)), np.zeros((B, T)), np.zeros((B, T))
+    ref.k_residual_layernorm_fwd(res, out, mean, rstd, a, b, w, bias)
+    g = [nan_buf((B, T, C), dt), nan_buf((B, T, C), dt), nan_buf((B, T), np.float32), nan_buf((B, T), np.float32)]
+    ins = (dev(a, dt), dev(b, dt), dev(w, dt), dev(bias, dt))
+    be.k_residual_layernorm_fwd(*g, *ins)
+    for name, got, want in zip(("res", "out", "mean", "rstd"), g, (res, out, mean, rstd)):
+        assert_close(f"k_residual_layernorm_fwd {name}", host(got), want, tol)
+    s = [nan_buf((B, T, C), dt), nan_buf((B, T, C), dt), nan_buf((B, T), np.float32), nan_buf((B, T), np.float32)]
+    be.k_residual_add(s[0], ins[0], ins[1])
+    be.k_layernorm_fwd(s[1], s[2], s[3], s[0], ins[2], ins[3])
+    for x, y in zip(g, s):
+        assert np.array_equal(host(x), host(y))
+
+
 # ---------------------------------------------------------------- linear layers
 @pytest.mark.parametrize("op,oc", [("attn_qkv", 3 * C), ("attn_out", C)])
 def test_linear(be, prec, rng, op, oc):

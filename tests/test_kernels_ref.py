@@ -143,6 +143,33 @@ def test_residual(rng=np.random.default_rng(7)):
              inp, (B, T, C), ["a", "b"])
 
 
+def test_residual_layernorm(rng=np.random.default_rng(13)):
+    """The fused residual + layer norm against finite differences of L = sum(R1 * res) +
+    sum(R2 * out); its backward is the residual gradient with k_layernorm_bwd added in place."""
+    inp = {"a": rnd(rng, B, T, C), "b": rnd(rng, B, T, C), "weight": 1 + rnd(rng, C, scale=0.1),
+           "bias": rnd(rng, C, scale=0.1)}
+    R1, R2 = rnd(rng, B, T, C), rnd(rng, B, T, C)
+    res, out, mean, rstd = np.zeros((B, T, C)), np.zeros((B, T, C)), np.zeros((B, T)), np.zeros((B, T))
+
+    def objective():
+        K.k_residual_layernorm_fwd(res, out, mean, rstd, **inp)
+        return float((R1 * res).sum() + (R2 * out).sum())
+
+    objective()
+    want_res, want_out = np.zeros_like(res), np.zeros_like(out)
+    K.k_residual_add(want_res, inp["a"], inp["b"])
+    K.k_layernorm_fwd(want_out, np.zeros((B, T)), np.zeros((B, T)), want_res, inp["weight"], inp["bias"])
+    np.testing.assert_array_equal(res, want_res)
+    np.testing.assert_array_equal(out, want_out)
+    dres = R1.copy()  # the gradient of res from above; the layer norm adds its part in place
+    dw, db = np.zeros(C), np.zeros(C)
+    K.k_layernorm_bwd(dres, dw, db, R2, res, inp["weight"], mean, rstd)
+    for k in ("a", "b"):
+        check(f"k_residual_layernorm_fwd d{k}", dres, fd_grad(objective, inp[k]))
+    check("k_residual_layernorm_fwd dweight", dw, fd_grad(objective, inp["weight"]))
+    check("k_residual_layernorm_fwd dbias", db, fd_grad(objective, inp["bias"]))
+
+
 @pytest.mark.parametrize("rows", [B * T, 5])  # one chunk; chunks of 5 rows, the last short
 def test_loss(rows, rng=np.random.default_rng(8)):
     inp = {"inp": rnd(rng, B, T, C), "wte": rnd(rng, V, C)}

@@ -342,6 +342,21 @@ def k_layernorm_fwd(out, mean, rstd, inp, weight, bias):
             (out, mean, rstd, inp, weight, bias, _i64(N), _i32(C)))
 
 
+def k_residual_layernorm_fwd(res, out, mean, rstd, a, b, weight, bias):
+    """res = a + b (the residual stream), then out = layer norm of res, in one pass."""
+    C = a.shape[-1]
+    ct = a.dtype
+    for n, x in (("res", res), ("out", out), ("a", a), ("b", b)):
+        _check("k_residual_layernorm_fwd", n, x, a.shape, ct)
+    for n, x in (("weight", weight), ("bias", bias)):
+        _check("k_residual_layernorm_fwd", n, x, (C,), ct)
+    for n, x in (("mean", mean), ("rstd", rstd)):
+        _check("k_residual_layernorm_fwd", n, x, a.shape[:-1], np.float32)
+    N = a.size // C
+    _launch("layernorm.cu", "k_residual_layernorm_fwd", ct, -(-N // 8), THREADS,
+            (res, out, mean, rstd, a, b, weight, bias, _i64(N), _i32(C)))
+
+
 def k_layernorm_bwd(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
     """Adds into dinp (B,T,C) (compute dtype), dweight, dbias (C,) float32."""
     C = inp.shape[-1]

@@ -58,6 +58,16 @@ def k_layernorm_bwd(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
                                - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
 
 
+def k_residual_layernorm_fwd(res, out, mean, rstd, a, b, weight, bias):
+    """The residual add fused into the layer norm that follows it: res = a + b (the residual
+    stream, saved), then out = layer norm of res with its mean and rstd, as k_residual_add then
+    k_layernorm_fwd. Its backward needs no kernel of its own: the gradient of res passes to a and
+    b unchanged, so k_layernorm_bwd adds the layer norm's part in place into the residual
+    gradient (model.backward)."""
+    k_residual_add(res, a, b)
+    k_layernorm_fwd(out, mean, rstd, res, weight, bias)
+
+
 # ---------------------------------------------------------------- linear layers (shared math)
 def _linear_fwd(out, inp, w, b):
     np.matmul(inp, w.T, out=out)

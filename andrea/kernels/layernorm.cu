@@ -6,6 +6,18 @@
 
 #define LN_EPS 1e-5f  // torch.nn.LayerNorm's default, as numpy_ref.LN_EPS
 
+// The normalisation of one row x by one warp, given the lane's partial sum s of the row.
+__device__ __forceinline__ void ln_row(CT* o, float* mean, float* rstd, const CT* x, const CT* weight,
+                                       const CT* bias, int C, int lane, float s) {
+  float mu = warp_sum(s) / C;
+  float v = 0.f;
+  for (int c = lane; c < C; c += 32) { float d = to_f(x[c]) - mu; v += d * d; }
+  float rs = 1.0f / sqrtf(warp_sum(v) / C + LN_EPS);
+  for (int c = lane; c < C; c += 32)
+    o[c] = from_f<CT>((to_f(x[c]) - mu) * rs * to_f(weight[c]) + to_f(bias[c]));
+  if (lane == 0) { *mean = mu; *rstd = rs; }
+}
+
 // out = (inp - mean) * rstd * weight + bias; block of 8 warps = 8 rows.
 extern "C" __global__ void k_layernorm_fwd(CT* out, float* mean, float* rstd, const CT* inp,
                                            const CT* weight, const CT* bias, i64 N, int C) {
@@ -15,14 +27,28 @@ extern "C" __global__ void k_layernorm_fwd(CT* out, float* mean, float* rstd, co
   const CT* x = inp + row * C;
   float s = 0.f;
   for (int c = lane; c < C; c += 32) s += to_f(x[c]);
-  float mu = warp_sum(s) / C;
-  float v = 0.f;
-  for (int c = lane; c < C; c += 32) { float d = to_f(x[c]) - mu; v += d * d; }
-  float rs = 1.0f / sqrtf(warp_sum(v) / C + LN_EPS);
-  CT* o = out + row * C;
-  for (int c = lane; c < C; c += 32)
-    o[c] = from_f<CT>((to_f(x[c]) - mu) * rs * to_f(weight[c]) + to_f(bias[c]));
-  if (lane == 0) { mean[row] = mu; rstd[row] = rs; }
+  ln_row(out + row * C, mean + row, rstd + row, x, weight, bias, C, lane, s);
+}
+
+// The residual add fused into the layer norm that follows it: res = a + b (rounded to CT, as
+// k_residual_add writes it), then out = layer norm of res, as k_layernorm_fwd; one pass over a
+// and b instead of a write and a read of res in between. Block of 8 warps = 8 rows.
+extern "C" __global__ void k_residual_layernorm_fwd(CT* res, CT* out, float* mean, float* rstd,
+                                                    const CT* a, const CT* b, const CT* weight,
+                                                    const CT* bias, i64 N, int C) {
+  i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
+  int lane = threadIdx.x & 31;
+  if (row >= N) return;
+  CT* x = res + row * C;
+  const CT* ar = a + row * C;
+  const CT* br = b + row * C;
+  float s = 0.f;
+  for (int c = lane; c < C; c += 32) {
+    CT r = from_f<CT>(to_f(ar[c]) + to_f(br[c]));
+    x[c] = r;
+    s += to_f(r);
+  }
+  ln_row(out + row * C, mean + row, rstd + row, x, weight, bias, C, lane, s);
 }
 
 // dinp += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dout * weight.
