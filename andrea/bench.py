@@ -117,6 +117,10 @@ def profile_step(eng, x, y):
     gt.k_grad_norm_partial(parts, eng.grads)
     gt.k_step_check(eng.state, eng.dloss, parts, 1, x.size, t.beta1, t.beta2, t.weight_decay,
                     t.grad_clip, t.precision == "fp16", 2000, 2.0 ** 24)
+    # the replays above may leave a non-finite norm (a skipped step): time a full update
+    from .backends.numpy_ref import S_CLIP, S_DECAY, S_SKIP, S_STEP_SIZE, S_VHAT
+    for slot, value in ((S_SKIP, 0.0), (S_CLIP, 1e-3), (S_DECAY, 1.0), (S_STEP_SIZE, 1e-8), (S_VHAT, 1.0)):
+        eng._set(slot, value)
     gt.k_adamw_step(eng.params, eng.params_c, eng.grads, eng.m, eng.v, eng.state, t.beta1,
                     t.beta2, t.eps, eng.layout.n_decay)
     be.synchronize()
@@ -222,6 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--anchor", help="path to torch_gpt.py: run it in this job and print the ratio")
     ap.add_argument("--anchor-modes", default="eager,reduce-overhead",
                     help="comma list of eager, default (torch.compile), reduce-overhead")
+    ap.add_argument("--anchor-precision", choices=["fp32", "fp16", "bf16"],
+                    help="the anchor's precision (default: --precision), e.g. bf16, its best 16-bit")
     ap.add_argument("--json", help="also write all figures here")
     a = ap.parse_args(argv)
     ours = run_engine(a.exp, a.precision, a.batch, a.steps, a.warmup, a.attention)
@@ -231,7 +237,8 @@ def main(argv=None) -> int:
         print(f"  {k:<22}{v:>9.3f}{100 * v / total:>7.1f}%")
     anchors = []
     if a.anchor:
-        anchors = run_anchor(a.anchor, a.exp, a.precision, a.batch, a.steps, a.anchor_modes.split(","))
+        anchors = run_anchor(a.anchor, a.exp, a.anchor_precision or a.precision, a.batch, a.steps,
+                             a.anchor_modes.split(","))
     if a.json:
         Path(a.json).write_text(json.dumps({"andrea": ours, "anchors": anchors}, indent=1))
     print(json.dumps({k: v for k, v in ours.items() if k != "per_kernel_ms"}))
