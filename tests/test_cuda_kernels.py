@@ -183,8 +183,21 @@ def test_residual_layernorm(be, prec, rng):
 
 
 # ---------------------------------------------------------------- linear layers
+@pytest.fixture(params=[True, False], ids=["cublaslt", "cublas"])
+def lt(request, be, monkeypatch):
+    """Both paths of the products with a bias or GELU: cuBLASLt epilogues, and cuBLAS + kernels."""
+    monkeypatch.setattr(be, "LT", request.param)
+    return request.param
+
+
+def lt_used(be, epilogue):
+    """True when cuBLASLt planned a product with this epilogue (so the test ran its path)."""
+    lt = be._lt()
+    return lt is not None and any(key[10] == epilogue for key in lt.plans)
+
+
 @pytest.mark.parametrize("op,oc", [("attn_qkv", 3 * C), ("attn_out", C)])
-def test_linear(be, prec, rng, op, oc):
+def test_linear(be, prec, rng, op, oc, lt):
     dt, tol = prec
     fwd, bwd = f"k_{op}_fwd", f"k_{op}_bwd"
     inp, w, b = rnd(rng, (B, T, C), dt), rnd(rng, (oc, C), dt, 0.05), rnd(rng, (oc,), dt, 0.1)
@@ -193,6 +206,7 @@ def test_linear(be, prec, rng, op, oc):
     got = nan_buf((B, T, oc), dt)
     getattr(be, fwd)(got, dev(inp, dt), dev(w, dt), dev(b, dt))
     assert_close(f"{fwd} out", host(got), out, tol)
+    assert lt_used(be, "bias") or not lt
 
     dout = rnd(rng, (B, T, oc), dt)
     dinp, dw, db = zeros_like64(inp, w, b)
@@ -246,7 +260,7 @@ def check_attention(be, prec, rng, n_head, B, T, C):
 
 
 # ---------------------------------------------------------------- MLP
-def test_mlp(be, prec, rng):
+def test_mlp(be, prec, rng, lt):
     dt, tol = prec
     H = 4 * C
     inp = rnd(rng, (B, T, C), dt)
@@ -258,6 +272,8 @@ def test_mlp(be, prec, rng):
     be.k_mlp_fwd(g_out, g_pre, g_act, dev(inp, dt), dev(w1, dt), dev(b1, dt), dev(w2, dt), dev(b2, dt))
     assert_close("k_mlp_fwd out", host(g_out), out, tol)
     assert_close("k_mlp_fwd pre", host(g_pre), pre, tol)
+    assert_close("k_mlp_fwd act", host(g_act), act, tol)
+    assert lt_used(be, "gelu_aux_bias") or not lt
 
     pre = pre.astype(dt).astype(np.float64)
     dout = rnd(rng, (B, T, C), dt)
@@ -268,6 +284,7 @@ def test_mlp(be, prec, rng):
                  dev(w2, dt), nan_buf((B, T, H), dt), nan_buf((B, T, H), dt))
     for g, n in zip(gs, ("dinp", "dw1", "db1", "dw2", "db2")):
         g.check(f"k_mlp_bwd {n}", tol)
+    assert lt_used(be, "dgelu") or not lt
 
 
 # ---------------------------------------------------------------- residual

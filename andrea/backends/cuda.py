@@ -48,6 +48,10 @@ FLASH = True
 LN_FUSED_MAXC = 1024  # widest row the one-pass layer-norm backward holds in registers
 LN_BLOCKS = 264  # blocks (and partial rows) of the one-pass layer-norm backward: 2 per SM of an H200
 FLASH_HEAD_SIZES = (16, 32, 48, 64)
+# Matrix products with a fused epilogue through cuBLASLt (cublaslt.py): bias, bias + GELU saving the
+# pre-activation, and the GELU gradient. False (or no algorithm for a problem) takes cuBLAS and
+# the separate bias / GELU kernels instead.
+LT = True
 
 
 # ---------------------------------------------------------------- compilation and launching
@@ -212,6 +216,38 @@ class Cublas:
 
 
 _CUBLAS = None
+_LT = None
+
+
+def _lt():
+    """The cuBLASLt binding, or None where LT is off or it cannot be loaded."""
+    global _LT
+    if not LT:
+        return None
+    if _LT is None:
+        from .cublaslt import CublasLt
+        try:
+            _LT = CublasLt()
+        except OSError:
+            _LT = False
+    return _LT or None
+
+
+def _lt_matmul(D, A, B, ta, tb, M, N, K, lda, ldb, ldd, epilogue, bias=None, aux=None, aux_ld=0):
+    """One cuBLASLt product with its epilogue; False when it does not apply (the caller falls
+    back): LT off, or cuBLASLt has no algorithm for the problem."""
+    lt = _lt()
+    # cuBLASLt's heuristic assumes 256-byte aligned matrices (the arena's views and CuPy's pool are)
+    if lt is None or any(x.data.ptr % 256 for x in (D, A, B)):
+        return False
+    from .cublaslt import NoAlgorithm
+    ab, d = _cuda_type(A.dtype), _cuda_type(D.dtype)
+    try:
+        lt.matmul(D, A, B, ta, tb, M, N, K, lda, ldb, ldd, ab, d, epilogue, bias=bias,
+                  bias_type=_cuda_type(bias.dtype) if bias is not None else None, aux=aux, aux_ld=aux_ld)
+    except NoAlgorithm:
+        return False
+    return True
 
 
 def _blas() -> Cublas:
@@ -260,6 +296,9 @@ def workspace_rows(B: int, T: int, C: int, n_head: int, act_dtype):
     rows += [("colsum_a", (max(COLSUM_CHUNKS * 4, LN_BLOCKS) * C,), "float32"),
              ("colsum_b", (max(COLSUM_CHUNKS * 4, LN_BLOCKS) * C,), "float32"),
              ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
+    if LT:
+        from .cublaslt import WORKSPACE_BYTES
+        rows.append(("cublaslt", (WORKSPACE_BYTES,), "uint8"))
     return rows
 
 
@@ -267,10 +306,11 @@ def reserve_workspace(B: int, T: int, C: int, n_head: int, act_dtype) -> int:
     """Allocate the workspace for this shape now (start-up), so the step loop allocates nothing.
     Returns the bytes held."""
     for name, shape, dtype in workspace_rows(B, T, C, n_head, act_dtype):
-        if name != "cublas":
+        if name not in ("cublas", "cublaslt"):
             WORKSPACE.get(name, shape[0], dtype)
     _blas()
-    return WORKSPACE.nbytes() + CUBLAS_WORKSPACE
+    lt = _lt()
+    return WORKSPACE.nbytes() + CUBLAS_WORKSPACE + (lt.workspace.nbytes if lt else 0)
 
 
 def _colsum_add(out, x, N: int, Cc: int, slot="colsum_a"):
@@ -403,9 +443,12 @@ def _linear_fwd(kernel, out, inp, w, b, bias=True):
         raise ValueError(f"{kernel}: inp has shape {inp.shape}, its last axis must be {IC}")
     N = inp.size // IC
     _check(kernel, "out", out, inp.shape[:-1] + (OC,), ct)
-    _blas().gemm(out, inp, w, False, True, N, OC, IC, IC, IC, OC)
     if bias:
         _check(kernel, "b", b, (OC,), ct)
+        if _lt_matmul(out, inp, w, False, True, N, OC, IC, IC, IC, OC, "bias", bias=b):
+            return
+    _blas().gemm(out, inp, w, False, True, N, OC, IC, IC, IC, OC)
+    if bias:
         _launch("linear.cu", "k_bias_add", ct, min(N, MAX_BLOCKS), THREADS, (out, b, _i64(N), _i32(OC)))
 
 
@@ -546,9 +589,13 @@ def k_mlp_fwd(out, pre, act, inp, w1, b1, w2, b2):
     _check("k_mlp_fwd", "act", act, pre.shape, ct)
     _check("k_mlp_fwd", "b1", b1, (H,), ct)
     _check("k_mlp_fwd", "w2", w2, (C, H), ct)
-    _linear_fwd("k_mlp_fwd", pre, inp, w1, None, bias=False)
+    _check("k_mlp_fwd", "inp", inp, dtype=ct)
     N = inp.size // C
-    _launch("mlp.cu", "k_mlp_bias_gelu", ct, min(N, MAX_BLOCKS), THREADS, (pre, act, b1, _i64(N), _i32(H)))
+    # cuBLASLt: act = gelu(inp @ w1.T + b1) with pre saved by the epilogue, in one product
+    if not _lt_matmul(act, inp, w1, False, True, N, H, C, C, C, H, "gelu_aux_bias", bias=b1,
+                      aux=pre, aux_ld=H):
+        _linear_fwd("k_mlp_fwd", pre, inp, w1, None, bias=False)
+        _launch("mlp.cu", "k_mlp_bias_gelu", ct, min(N, MAX_BLOCKS), THREADS, (pre, act, b1, _i64(N), _i32(H)))
     _linear_fwd("k_mlp_fwd", out, act, w2, b2)
 
 
@@ -565,10 +612,12 @@ def k_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact):
     N = inp.size // C
     _launch("mlp.cu", "k_mlp_gelu", ct, _blocks(N * H), THREADS, (act, pre, _i64(N * H)))
     blas = _blas()
-    blas.gemm(dact, dout, w2, False, False, N, H, C, C, H, H)  # dact = dout @ w2 (overwrites)
     blas.gemm(dw2, dout, act, True, False, C, H, N, C, H, H, beta=1.0)
     _colsum_add(db2, dout, N, C)
-    _launch("mlp.cu", "k_mlp_gelu_bwd", ct, _blocks(N * H), THREADS, (dact, pre, _i64(N * H)))
+    # dact = (dout @ w2) * gelu'(pre) (overwrites): one cuBLASLt product with its epilogue
+    if not _lt_matmul(dact, dout, w2, False, False, N, H, C, C, H, H, "dgelu", aux=pre, aux_ld=H):
+        blas.gemm(dact, dout, w2, False, False, N, H, C, C, H, H)
+        _launch("mlp.cu", "k_mlp_gelu_bwd", ct, _blocks(N * H), THREADS, (dact, pre, _i64(N * H)))
     _linear_bwd("k_mlp_bwd", dinp, dw1, db1, dact, inp, w1)
 
 
