@@ -127,7 +127,7 @@ def profile_step(eng, x, y):
     return dict(gt.ms)
 
 
-def run_engine(exp, precision, B, steps, warmup, attention="fused"):
+def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=True):
     import cupy as cp
 
     from .backends import get_backend
@@ -141,6 +141,7 @@ def run_engine(exp, precision, B, steps, warmup, attention="fused"):
                                      "steps": warmup + 2 * steps, "warmup_steps": 0}})
     be = get_backend("cuda")
     be.FLASH = attention == "fused"
+    be.LT = cublaslt
     free0, total = cp.cuda.runtime.memGetInfo()
     eng = Engine(cfg)
     rng = np.random.default_rng(0)
@@ -175,7 +176,7 @@ def run_engine(exp, precision, B, steps, warmup, attention="fused"):
     flops_tok = 6 * n + 6 * m["n_layer"] * T * m["d_model"]
     return {"system": "andrea", "exp": exp, "precision": precision, "batch": B, "context": T,
             "attention": attention if be._flash(eng.params_c.dtype, m["d_model"] // m["n_head"]) else "materialised",
-            "params": n, "ms_step": round(ms, 2), "tok_s": round(tok_s),
+            "cublaslt": bool(be._lt() and be._lt().plans), "params": n, "ms_step": round(ms, 2), "tok_s": round(tok_s),
             "tflops": round(flops_tok * tok_s / 1e12, 1), "host_ms_step": round(wall / steps * 1e3, 2),
             "loss": rec["loss"], "skipped": eng.skipped,
             "planned_gb": round((planned + extra) / 2**30, 3), "plan_arena_gb": round(planned / 2**30, 3),
@@ -223,6 +224,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--attention", choices=["fused", "materialised"], default="fused",
                     help="attention version 2 (fused, 16-bit only) or version 1 (scores in memory)")
+    ap.add_argument("--cublaslt", choices=["on", "off"], default="on",
+                    help="matrix-product epilogues through cuBLASLt, or cuBLAS + separate kernels")
     ap.add_argument("--anchor", help="path to torch_gpt.py: run it in this job and print the ratio")
     ap.add_argument("--anchor-modes", default="eager,reduce-overhead",
                     help="comma list of eager, default (torch.compile), reduce-overhead")
@@ -230,7 +233,7 @@ def main(argv=None) -> int:
                     help="the anchor's precision (default: --precision), e.g. bf16, its best 16-bit")
     ap.add_argument("--json", help="also write all figures here")
     a = ap.parse_args(argv)
-    ours = run_engine(a.exp, a.precision, a.batch, a.steps, a.warmup, a.attention)
+    ours = run_engine(a.exp, a.precision, a.batch, a.steps, a.warmup, a.attention, a.cublaslt == "on")
     print("per-kernel device time (ms/step; each call captured as a CUDA graph and replayed):")
     total = sum(ours["per_kernel_ms"].values())
     for k, v in ours["per_kernel_ms"].items():
