@@ -141,3 +141,23 @@ def test_plan_counts_every_buffer():
     B, T, C, NH = 3, 10, 32, 4
     per_layer = 4 * (B * T * C * 12 + B * T * 4 + B * NH * T)
     assert groups["activations (layers)"] == 2 * per_layer
+
+
+def test_classifier_in_chunks_matches_one_chunk(monkeypatch):
+    """The engine's logits workspace holds loss_chunk_rows rows, not B*T: with a budget of 5
+    rows (chunks 5, 5, ..., 2 of the 32 positions) three steps give the losses, norms and weights
+    of the one-chunk run (float64: to rounding, 1e-12), and the plan holds no (B,T,V) buffer."""
+    from andrea import model
+    x, y = batch(np.random.default_rng(3), 2)
+    one = Engine(make_cfg(), dtype="float64")
+    monkeypatch.setattr(model, "LOSS_CHUNK_ELEMENTS", 5 * MODEL["vocab_size"] + 7)
+    chunked = Engine(make_cfg(), dtype="float64")
+    assert one.g["logits"].shape == (32, 61)
+    assert chunked.g["logits"].shape == (4, 61)  # the power of two below 5
+    for s in range(1, 4):
+        a, b = one.train_step(s, [(x, y)]), chunked.train_step(s, [(x, y)])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-12)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-12)
+    # atol: parameters whose true gradient is zero get rounding noise g ~ 1e-16, which AdamW turns
+    # into steps of lr * g / eps ~ 1e-10 (the summation order of the chunks differs)
+    np.testing.assert_allclose(chunked.params, one.params, rtol=1e-12, atol=1e-10)
