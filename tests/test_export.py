@@ -50,7 +50,9 @@ def andrea_logits(run, ids):
     eng.load_checkpoint(locate(run).checkpoint)
     x = np.array([ids], dtype=np.int32)
     eng.forward(x, x)
-    return eng.g["logits"][0].astype(np.float64)
+    z = eng.g["logits"]  # the classifier's workspace: all B*T rows when they fit one chunk
+    assert z.shape[0] == len(ids), "the logits workspace holds a chunk, not every position"
+    return z.astype(np.float64)
 
 
 def start_config(run, tmp_path) -> Path:

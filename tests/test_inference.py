@@ -30,7 +30,9 @@ def make(dtype, T=CTX, context=CTX, seed=0):
 
 def full_logits(eng, tokens):
     eng.forward(tokens[None], tokens[None])
-    return eng.g["logits"][0].astype(np.float64)
+    z = eng.g["logits"]  # the classifier's workspace: all B*T rows when they fit one chunk
+    assert z.shape[0] == len(tokens), "the logits workspace holds a chunk, not every position"
+    return z.astype(np.float64)
 
 
 def rel(a, b):
