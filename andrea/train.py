@@ -24,19 +24,18 @@ import hashlib
 import re
 import sys
 from pathlib import Path
-from typing import Iterable, Optional
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from .atomic import atomic_write
-from .config import AndreaConfig, config_hash, load_run_config, register_configs
+# composing also registers the config schemas that hydra.main below needs
+from .compose import ConfigError, compose_config, resolve  # noqa: F401 (compose_config: public here too)
+from .config import AndreaConfig, config_hash
 from .paths import CONF_DIR
 from .protocol import EXIT_BAD_INPUT
 
 MAX_TAG = 200  # sweep folder names stay under the usual 255-byte file-name limit
-
-register_configs()
 
 
 def sweep_tag(override_dirname: str, num) -> str:
@@ -51,46 +50,6 @@ def sweep_tag(override_dirname: str, num) -> str:
 
 # conf/config.yaml names sweep folders with it: ${andrea_sweep_tag:${hydra.job.override_dirname},...}
 OmegaConf.register_new_resolver("andrea_sweep_tag", sweep_tag, replace=True)
-
-
-class ConfigError(ValueError):
-    """A config that does not compose or validate; the message names the key or the file."""
-
-
-def resolve(cfg: DictConfig) -> AndreaConfig:
-    """The typed, validated AndreaConfig of a composed Hydra config (its hydra node dropped)."""
-    data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    data.pop("hydra", None)
-    return load_run_config(data)
-
-
-def compose_config(exp: str, overrides: Iterable[str] = (), conf_dir: Optional[Path] = None) -> AndreaConfig:
-    """The resolved config of experiment exp with Hydra overrides, outside of a Hydra run.
-
-    Used by the workflow and the tests; gives the same config as `python -m andrea.train`.
-    """
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    conf_dir = Path(conf_dir or CONF_DIR).resolve()
-    overrides = [f"experiment={exp}", *overrides]
-    try:
-        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-            return resolve(compose(config_name="config", overrides=overrides))
-    except (HydraException, OmegaConfBaseException, ValueError) as e:
-        raise ConfigError(f"config {conf_dir}/config.yaml with overrides {overrides}: {_explain(e)}") from e
-
-
-def _explain(e: BaseException) -> str:
-    """The message of e and of its causes: Hydra puts the key's name in the cause."""
-    parts = []
-    while e is not None and len(parts) < 4:
-        msg = str(e).strip()
-        if msg and msg not in parts:
-            parts.append(msg)
-        e = e.__cause__ or e.__context__
-    return "\n".join(parts)
 
 
 def write_config(path: Path, cfg: AndreaConfig) -> None:
