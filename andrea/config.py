@@ -26,6 +26,13 @@ class ModelConfig:
     vocab_size: int = 512  # V, tokenizer vocabulary (rows of wte)
 
 
+# Where the data steps write and the engine reads: one definition, used by DataConfig's defaults
+# and, through data_root / default_data_paths, by the workflow.
+DATA_ROOT = "${data.dir}/${data.source}"
+TOKENIZED = DATA_ROOT + "/tok${model.vocab_size}"
+DATA_FILES = ("tokenizer", "train_shards", "val_shards")
+
+
 @dataclass
 class DataConfig:
     source: str = "synthetic"  # synthetic | local | hub
@@ -37,10 +44,10 @@ class DataConfig:
     val_fraction: float = 0.05  # share of conversations held out, by hash
     seed: int = 1234  # synthetic generation seed
     dir: str = "data"  # where pulled and prepared data lives
-    # what the engine reads; the workflow writes them (DESIGN.md token-shard format)
-    tokenizer: str = "${data.dir}/${data.source}/tok${model.vocab_size}/tokenizer.json"
-    train_shards: str = "${data.dir}/${data.source}/tok${model.vocab_size}/train_*.bin"
-    val_shards: str = "${data.dir}/${data.source}/tok${model.vocab_size}/val_*.bin"
+    # what the engine reads; the workflow writes them (token shards: andrea/data/shards.py)
+    tokenizer: str = TOKENIZED + "/tokenizer.json"
+    train_shards: str = TOKENIZED + "/train_*.bin"
+    val_shards: str = TOKENIZED + "/val_*.bin"
 
 
 @dataclass
@@ -48,7 +55,6 @@ class PhaseConfig:
     name: str = "pretrain"  # phase name, used in archive/<phase>-<step>/
     start_step: int = 0  # first step of this phase
     lr: Optional[float] = None  # peak lr of the phase (None: train.lr)
-    data_mix: str = ""  # optional shard glob for this phase ("" = the default train shards)
 
 
 @dataclass
@@ -81,8 +87,7 @@ class TrainConfig:
 
 @dataclass
 class BackendConfig:
-    name: str = "auto"  # auto | numpy | cuda
-    device: int = 0  # CUDA device ordinal
+    name: str = "auto"  # auto | numpy | cuda (the current CUDA device: set CUDA_VISIBLE_DEVICES to pick one)
 
 
 @dataclass
@@ -162,6 +167,24 @@ def validate(cfg: AndreaConfig) -> None:
     for name in ("steps", "batch_size", "seq_len", "grad_accum"):
         if getattr(t, name) < 1:
             raise ValueError(f"train.{name}={getattr(t, name)}: expected a positive integer")
+
+
+def _fill(template: str, cfg: AndreaConfig) -> str:
+    node = OmegaConf.create({"data": {"dir": cfg.data.dir, "source": cfg.data.source},
+                             "model": {"vocab_size": cfg.model.vocab_size}, "path": template})
+    return str(node.path)
+
+
+def data_root(cfg: AndreaConfig) -> str:
+    """<data.dir>/<data.source>: the folder the data steps of cfg write into."""
+    return _fill(DATA_ROOT, cfg)
+
+
+def default_data_paths(cfg: AndreaConfig) -> dict:
+    """{tokenizer, train_shards, val_shards} as DataConfig's defaults give them for cfg's data.dir,
+    data.source and model.vocab_size, whatever cfg itself sets them to."""
+    defaults = {f.name: f.default for f in dataclasses.fields(DataConfig) if f.name in DATA_FILES}
+    return {k: _fill(v, cfg) for k, v in defaults.items()}
 
 
 def to_dict(cfg: AndreaConfig) -> dict:

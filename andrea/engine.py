@@ -3,6 +3,8 @@
     eng = Engine(cfg)                 # plans, allocates every buffer once, initialises weights
     eng.print_plan()                  # the memory plan as a table (stderr)
     rec = eng.train_step(step, batches)   # batches: grad_accum (x, y) int32 arrays of (B, T)
+    st = eng.state()                  # what a checkpoint keeps (EngineState); eng.load_state(st)
+    c = eng.load_checkpoint(path)     # checked against this config's hash; training and evaluation
 
 The step: for each microbatch forward + backward ADD into the same fp32 gradient buffer (and
 k_loss_accum adds its loss to the optimizer state); then, on the device with no host round trip,
@@ -227,6 +229,18 @@ class Engine:
         return tuple(np.ascontiguousarray(self.be.to_numpy(a), dtype=np.float32)
                      for a in (self.params, self.m, self.v))
 
+    def state(self) -> "EngineState":
+        """Everything a checkpoint keeps of this engine, as host copies (the engine goes on)."""
+        # the NumPy backend's host view is the buffer itself: copy it, so the state stays put
+        params, m, v = (h.copy() if h is a else h for h, a in zip(self.host_state(), (self.params, self.m, self.v)))
+        return EngineState(params, m, v, self.loss_scale, self.good_streak, self.bad_streak, self.skipped)
+
+    def load_state(self, st: "EngineState") -> None:
+        """Continue from st: weights, Adam moments, loss scale and step counters (no new buffers)."""
+        self.set_state(st.params, st.m, st.v)
+        self.loss_scale = float(st.loss_scale)
+        self.good_streak, self.bad_streak, self.skipped = int(st.good_streak), int(st.bad_streak), int(st.skipped)
+
     def print_plan(self, file=sys.stderr):
         t = self.cfg.train
         print(f"memory plan: {self.cfg.model.name} B={t.batch_size} T={t.seq_len} "
@@ -358,11 +372,40 @@ class Engine:
         return out
 
     def load_checkpoint(self, path):
-        """Load weights and optimizer state from a checkpoint (checked: size, n_params, sha256)."""
+        """Load a checkpoint of this engine's config: the one load path of training (resume) and
+        evaluation. Checked: size, n_params, sha256, and the config hash of the model and training
+        settings (a checkpoint of another config is refused with a CheckpointError). Returns the
+        Checkpoint, whose sidecar also holds the data position."""
         from .checkpoint import read_checkpoint
-        ck = read_checkpoint(path, self.layout.n_params)
-        self.set_state(ck.params, ck.m, ck.v)
-        return ck
+        from .config import config_hash
+        c = read_checkpoint(path, self.layout.n_params, config_hash(self.cfg))
+        self.load_state(EngineState.from_checkpoint(c))
+        return c
+
+
+@dataclass
+class EngineState:
+    """An engine's resumable state: host float32 weights and Adam moments, the dynamic loss scale
+    and the counters of its growth and of the abort policy. A checkpoint holds exactly this (the
+    arrays in its .bin, the counters in its sidecar)."""
+    params: np.ndarray
+    m: np.ndarray
+    v: np.ndarray
+    loss_scale: float
+    good_streak: int
+    bad_streak: int
+    skipped: int
+
+    def counters(self) -> dict:
+        """The sidecar fields of this state."""
+        return {"loss_scale": self.loss_scale, "good_streak": self.good_streak, "bad_streak": self.bad_streak,
+                "skipped": self.skipped}
+
+    @classmethod
+    def from_checkpoint(cls, c) -> "EngineState":
+        s = c.sidecar
+        return cls(c.params, c.m, c.v, float(s["loss_scale"]), int(s["good_streak"]), int(s["bad_streak"]),
+                   int(s["skipped"]))
 
 
 class StepRecord(Mapping):

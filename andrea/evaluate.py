@@ -9,14 +9,14 @@
 
 Writes `<out>/report.md` and `<out>/eval/{metrics.json, loss.png, samples.json, tasks.json}`.
 
-- Validation loss: mean cross-entropy over the first eval.batches consecutive (B, T) windows of
-  the val shards (no sampling: every run sees the same tokens); perplexity = exp(loss); bits per
+- Validation loss: mean cross-entropy over the first eval.batches batches of the validation windows
+  (andrea.data.loader.val_windows, the same windows training validates on); perplexity = exp(loss); bits per
   byte = loss / ln 2 * tokens / bytes of those target tokens (a special token counts the bytes of
   its literal text), which compares across vocabularies.
-- Samples: eval.prompts through the chat template, eval.temperature, seeded with eval.seed + i.
-  Samples and task answers are decoded by the KV-cache decoder (andrea/inference.py) on NumPy in
-  fp32 from the checkpoint's weights, whatever backend computed the loss: the same text on every
-  machine.
+- Samples: eval.prompts through the chat template, eval.temperature, seeded with eval.seed + i
+  (andrea.sampling, the same sampling as the samples training records). Samples and task answers
+  are decoded by the KV-cache decoder (andrea/inference.py) on NumPy in fp32 from the checkpoint's
+  weights, whatever backend computed the loss: the same text on every machine.
 - Tasks (data.source=synthetic): the first eval.n_tasks held-out val conversations, answered
   greedily; exact match against the answer recomputed from the question. Reported beside the
   uniform-guess chance and the best constant answer per task kind learnt from the train split.
@@ -32,37 +32,15 @@ import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
-import numpy as np
 
 from .atomic import atomic_write, replace_synced, tmp_path
 from .config import AndreaConfig, load_run_config
+from .data.loader import val_windows
+from . import sampling
 
 TASK_TOKENS = 16  # the longest synthetic answer ("0 1 2 3 4") is 9 characters, 9 tokens at most
-
-
-def val_windows(pattern: str, B: int, T: int, n_batches: int) -> List[tuple]:
-    """Up to n_batches (x, y) int32 (B, T) batches of consecutive windows of the val shards."""
-    from .data.loader import shard_paths
-    from .data.shards import read_shard
-
-    files = shard_paths(pattern)
-    if not files:
-        raise FileNotFoundError(f"data.val_shards={pattern!r}: no shard matches; run the tokenize step")
-    windows = []
-    for f in files:
-        toks = read_shard(f)
-        for k in range((len(toks) - 1) // T):
-            windows.append(np.asarray(toks[k * T:k * T + T + 1], dtype=np.int32))
-            if len(windows) == B * n_batches:
-                break
-    n = len(windows) // B
-    if n == 0:
-        raise ValueError(f"data.val_shards={pattern!r}: {len(windows)} windows of {T + 1} tokens, "
-                         f"fewer than one batch of B={B}")
-    arr = np.stack(windows[:n * B]).reshape(n, B, T + 1)
-    return [(a[:, :-1], a[:, 1:]) for a in arr]
 
 
 def held_out_loss(eng, tok, cfg: AndreaConfig) -> dict:
@@ -89,19 +67,7 @@ def decoder(cfg: AndreaConfig, params):
 
 
 def complete(dec, tok, prompt: str, max_new: int, temperature: float, seed: int) -> str:
-    from .data.chat import render_prompt
-    from .generate import Sampler, complete as sample
-
-    dec.reset()
-    new = list(sample(dec, tok.encode(render_prompt(prompt)), max_new, Sampler(temperature, seed=seed),
-                      stop_ids=(tok.eot_id,)))
-    return tok.decode([i for i in new if i != tok.eot_id])
-
-
-def samples(dec, tok, cfg: AndreaConfig) -> list:
-    e = cfg.eval
-    return [{"prompt": p, "completion": complete(dec, tok, p, e.max_new_tokens, e.temperature, e.seed + i)}
-            for i, p in enumerate(e.prompts)]
+    return sampling.complete(sampling.decoder_generate(dec), tok, prompt, max_new, temperature, seed)
 
 
 def read_exchanges(path: Path, limit: int = 0) -> list:
@@ -265,11 +231,11 @@ def evaluate(a) -> dict:
     tok = load_tokenizer(cfg.data.tokenizer)
     ckpt = find_checkpoint(a.checkpoint_dir)
     eng = Engine(cfg)
-    c = eng.load_checkpoint(ckpt)
+    c = eng.load_checkpoint(ckpt)  # the path training resumes through: checked against the config hash
     m = {"exp": cfg.exp, "checkpoint": str(ckpt), "step": c.step, "config_hash": config_hash(cfg),
          "backend": eng.be.NAME, **held_out_loss(eng, tok, cfg)}
     dec = decoder(cfg, c.params)
-    m["samples"] = samples(dec, tok, cfg)
+    m["samples"] = sampling.sample_prompts(sampling.decoder_generate(dec), tok, cfg.eval)
     tasks = None
     if cfg.data.source == "synthetic" and cfg.eval.n_tasks > 0:
         tasks = task_accuracy(dec, tok, cfg, a.val_conversations, a.train_conversations)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from . import checkpoint as ck
 from .config import AndreaConfig, config_hash
-from .data.loader import ShardLoader
+from .data.loader import ShardLoader, val_windows
 from .engine import Engine, phase_of
 from .protocol import EXIT_ABORTED, emit
 
@@ -53,9 +53,9 @@ class Run:
         t = cfg.train
         V = cfg.model.vocab_size
         self.loader = ShardLoader(cfg.data.train_shards, t.batch_size, t.seq_len, t.seed, V)
-        self.val = None
+        self.val = None  # the validation batches (the report's windows too: data.loader.val_windows)
         if t.eval_every:
-            self.val = ShardLoader(cfg.data.val_shards, t.batch_size, t.seq_len, 0, V)
+            self.val = val_windows(cfg.data.val_shards, t.batch_size, t.seq_len, t.eval_batches, V)
         self.step = 0
         self.resumed_reason = None
         self.sig = Signals()
@@ -65,27 +65,21 @@ class Run:
         path = ck.latest_checkpoint(self.run_dir)
         if path is None:
             return False
-        c = ck.read_checkpoint(path, self.eng.layout.n_params, self.hash)
-        self.eng.set_state(c.params, c.m, c.v)
+        c = self.eng.load_checkpoint(path)  # checked against this config's hash
         s = c.sidecar
         self.loader.load_state(s["data"], source=str(ck.sidecar_path(path)))
-        self.eng.loss_scale = float(s["loss_scale"])
-        self.eng.good_streak, self.eng.bad_streak = int(s["good_streak"]), int(s["bad_streak"])
-        self.eng.skipped = int(s["skipped"])
         self.step = c.step
         self.resumed_reason = s.get("reason")
         emit("resume", step=c.step, checkpoint=str(path))
         return True
 
     def save(self, reason: str) -> Path:
-        params, m, v = self.eng.host_state()
-        e = self.eng
-        side = {"reason": reason, "data": self.loader.state(), "loss_scale": e.loss_scale,
-                "good_streak": e.good_streak, "bad_streak": e.bad_streak, "skipped": e.skipped,
+        st = self.eng.state()
+        side = {"reason": reason, "data": self.loader.state(), **st.counters(),
                 "config_hash": self.hash, "precision": self.cfg.train.precision,
-                "backend": e.be.NAME, "exp": self.cfg.exp,
+                "backend": self.eng.be.NAME, "exp": self.cfg.exp,
                 "rng": {"weights_seed": self.cfg.train.seed, "data_seed": self.loader.seed}}
-        path = ck.write_checkpoint(self.ckpt_dir, self.step, params, m, v, side)
+        path = ck.write_checkpoint(self.ckpt_dir, self.step, st.params, st.m, st.v, side)
         ck.prune(self.ckpt_dir, self.cfg.train.keep_last, protect=[path])
         emit("checkpoint", step=self.step, path=str(path), reason=reason)
         return path
@@ -147,26 +141,19 @@ class Run:
     def _cadence(self):
         t, s = self.cfg.train, self.step
         if self.val is not None and t.eval_every and (s % t.eval_every == 0 or s == t.steps):
-            emit("val", step=s, val_loss=self.eng.val_loss(self.val.batches(t.eval_batches)))
+            emit("val", step=s, val_loss=self.eng.val_loss(self.val))
         if t.sample_every and (s % t.sample_every == 0 or s == t.steps):
             emit("sample", step=s, samples=self.samples())
         if t.ckpt_every and s % t.ckpt_every == 0 and s != t.steps:
             self.save("cadence")
 
     def samples(self):
-        """Greedy (or seeded) completions of the eval prompts, when a tokenizer is present."""
+        """Completions of the eval prompts (andrea.sampling, as in the report), when a tokenizer is present."""
         if self.tokenizer is None:
             path = Path(self.cfg.data.tokenizer)
             if not path.is_file():
                 return []
             from .data.tokenizer import load_tokenizer
             self.tokenizer = load_tokenizer(path)
-        from .data.chat import render_prompt
-        tok, e = self.tokenizer, self.cfg.eval
-        out = []
-        for i, prompt in enumerate(e.prompts):
-            ids = tok.encode(render_prompt(prompt))
-            new = self.eng.generate(ids, e.max_new_tokens, e.temperature, e.seed + i,
-                                    stop_ids=(tok.eot_id,))
-            out.append({"prompt": prompt, "completion": tok.decode([i for i in new if i != tok.eot_id])})
-        return out
+        from .sampling import sample_prompts
+        return sample_prompts(self.eng.generate, self.tokenizer, self.cfg.eval)

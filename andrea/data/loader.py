@@ -77,3 +77,32 @@ class ShardLoader:
 
 def shard_paths(pattern: str):
     return [Path(p) for p in sorted(globmod.glob(str(pattern)))]
+
+
+def val_windows(pattern: str, B: int, T: int, n_batches: int, vocab_size: int = 0) -> list:
+    """The validation batches: the val shards (sorted) cut into consecutive windows of T+1 tokens
+    from the start of each shard, B windows a batch, the first n_batches batches (fewer when the
+    shards hold fewer). No sampling, no seed: training's validation (train.eval_batches batches)
+    and the report's (eval.batches) read the same windows, so the same checkpoint gives the same
+    loss on both. Returns [(x, y)] of int32 (B, T) arrays, y being x shifted by one token."""
+    files = shard_paths(pattern)
+    if not files:
+        raise FileNotFoundError(f"data.val_shards={pattern!r}: no shard matches; run the tokenize step")
+    windows = []
+    for f in files:
+        toks = read_shard(f)
+        if vocab_size and len(toks) and int(toks.max()) >= vocab_size:
+            raise ValueError(f"shard {f}: token id {int(toks.max())} >= model.vocab_size={vocab_size}; "
+                             "was it tokenized for another vocabulary?")
+        for k in range((len(toks) - 1) // T):
+            windows.append(np.asarray(toks[k * T:k * T + T + 1], dtype=np.int32))
+            if len(windows) == B * n_batches:
+                break
+        if len(windows) == B * n_batches:
+            break
+    n = len(windows) // B
+    if n == 0:
+        raise ValueError(f"data.val_shards={pattern!r}: {len(windows)} windows of {T + 1} tokens, "
+                         f"fewer than one batch of B={B}")
+    arr = np.stack(windows[:n * B]).reshape(n, B, T + 1)
+    return [(a[:, :-1], a[:, 1:]) for a in arr]

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+import andrea.config as andrea_config
+from andrea.compose import ConfigError, compose_config
 from andrea.config import to_dict
 from andrea.paths import experiments
-from andrea.train import ConfigError, compose_config
 
 REPO = Path(workflow.basedir).resolve().parent
 # Steps run `python3` from the environment that runs Snakemake (a venv, conda or the system's),
@@ -51,15 +52,12 @@ def exp_config(exp):
 
 def data_root(cfg):
     """Where the data steps of cfg write: <data.dir>/<data.source>; checks the engine reads there."""
-    d, v = cfg.data, cfg.model.vocab_size
-    root = f"{d.dir}/{d.source}"
-    expected = {"tokenizer": f"{root}/tok{v}/tokenizer.json", "train_shards": f"{root}/tok{v}/train_*.bin",
-                "val_shards": f"{root}/tok{v}/val_*.bin"}
-    for key, path in expected.items():
+    d = cfg.data
+    for key, path in andrea_config.default_data_paths(cfg).items():
         if getattr(d, key) != path:
             raise WorkflowError(f"experiment {cfg.exp}: data.{key}={getattr(d, key)!r} but the workflow writes "
                                 f"{path!r}; change data.dir instead of the single paths")
-    return root
+    return andrea_config.data_root(cfg)
 
 
 def _yaml(obj):
