@@ -4,7 +4,7 @@
     eng.print_plan()                  # the memory plan as a table (stderr)
     rec = eng.train_step(step, batches)   # batches: grad_accum (x, y) int32 arrays of (B, T)
     st = eng.state()                  # what a checkpoint keeps (EngineState); eng.load_state(st)
-    c = eng.load_checkpoint(path)     # checked against this config's hash; training and evaluation
+    c = eng.load_checkpoint(path, config_hash(cfg))   # training's resume and evaluation
 
 The step: for each microbatch forward + backward ADD into the same fp32 gradient buffer (and
 k_loss_accum adds its loss to the optimizer state); then, on the device with no host round trip,
@@ -23,7 +23,7 @@ import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -371,15 +371,17 @@ class Engine:
                 break
         return out
 
-    def load_checkpoint(self, path):
-        """Load a checkpoint of this engine's config: the one load path of training (resume) and
-        evaluation. Checked: size, n_params, sha256, and the config hash of the model and training
-        settings (a checkpoint of another config is refused with a CheckpointError). Returns the
-        Checkpoint, whose sidecar also holds the data position."""
+    def load_checkpoint(self, path, config_hash: Optional[str] = None):
+        """Load a checkpoint: the one load path of training (resume) and evaluation. Checked: size,
+        n_params, sha256 and, when config_hash is given, the sidecar's config hash (a checkpoint
+        of other model or training settings is refused with a CheckpointError). Training and
+        evaluation pass their run's config_hash; a tool that reshapes the batch for inference
+        passes none. Returns the Checkpoint, whose sidecar also holds the data position."""
         from .checkpoint import read_checkpoint
-        from .config import config_hash
-        c = read_checkpoint(path, self.layout.n_params, config_hash(self.cfg))
-        self.load_state(EngineState.from_checkpoint(c))
+        c = read_checkpoint(path, self.layout.n_params, config_hash)
+        mine = {"loss_scale": self.loss_scale, "good_streak": self.good_streak, "bad_streak": self.bad_streak,
+                "skipped": self.skipped}
+        self.load_state(EngineState.from_checkpoint(c, mine))
         return c
 
 
@@ -402,8 +404,10 @@ class EngineState:
                 "skipped": self.skipped}
 
     @classmethod
-    def from_checkpoint(cls, c) -> "EngineState":
-        s = c.sidecar
+    def from_checkpoint(cls, c, counters: dict) -> "EngineState":
+        """The state checkpoint c holds; a counter its sidecar lacks (a checkpoint written by
+        `andrea import` or by a test, not by a training run) is taken from counters."""
+        s = {**counters, **{k: c.sidecar[k] for k in counters if k in c.sidecar}}
         return cls(c.params, c.m, c.v, float(s["loss_scale"]), int(s["good_streak"]), int(s["bad_streak"]),
                    int(s["skipped"]))
 

@@ -231,7 +231,7 @@ def evaluate(a) -> dict:
     tok = load_tokenizer(cfg.data.tokenizer)
     ckpt = find_checkpoint(a.checkpoint_dir)
     eng = Engine(cfg)
-    c = eng.load_checkpoint(ckpt)  # the path training resumes through: checked against the config hash
+    c = eng.load_checkpoint(ckpt, config_hash(cfg))  # the path training resumes through, as checked
     m = {"exp": cfg.exp, "checkpoint": str(ckpt), "step": c.step, "config_hash": config_hash(cfg),
          "backend": eng.be.NAME, **held_out_loss(eng, tok, cfg)}
     dec = decoder(cfg, c.params)

@@ -65,7 +65,7 @@ class Run:
         path = ck.latest_checkpoint(self.run_dir)
         if path is None:
             return False
-        c = self.eng.load_checkpoint(path)  # checked against this config's hash
+        c = self.eng.load_checkpoint(path, self.hash)  # refuses a checkpoint of other settings
         s = c.sidecar
         self.loader.load_state(s["data"], source=str(ck.sidecar_path(path)))
         self.step = c.step

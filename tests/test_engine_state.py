@@ -49,10 +49,10 @@ def test_load_checkpoint_refuses_another_config(tiny_run):
     path = ck.write_checkpoint(tmp / "ckpt", 3, st.params, st.m, st.v,
                                {"config_hash": config_hash(cfg),
                                 "data": {}, **st.counters()})
-    assert Engine(cfg).load_checkpoint(path).step == 3
+    assert Engine(cfg).load_checkpoint(path, config_hash(cfg)).step == 3
     other = load_run_config(dict(cfg_dict, train=dict(cfg_dict["train"], lr=1e-4)))
     with pytest.raises(ck.CheckpointError, match="config_hash"):
-        Engine(other).load_checkpoint(path)
+        Engine(other).load_checkpoint(path, config_hash(other))
 
 
 def test_val_windows_stop_at_the_asked_number_across_shards(tmp_path):
@@ -93,7 +93,7 @@ def test_training_and_report_validate_alike(tiny_run):
     assert [v["step"] for v in vals] == [steps]
     cfg = load_run_config(run / "config.yaml")
     eng = Engine(cfg)
-    eng.load_checkpoint(ck.bin_path(run / "checkpoints", steps))
+    eng.load_checkpoint(ck.bin_path(run / "checkpoints", steps), config_hash(cfg))
     report = held_out_loss(eng, _Bytes(), cfg)
     assert report["val_batches"] == 3
     assert report["val_loss"] == vals[0]["val_loss"]
