@@ -112,16 +112,16 @@ def profile_step(eng, x, y):
     n_head = eng.cfg.model.n_head
     model.forward(gt, eng.p, eng.layers, eng.g, n_head, loss=False)
     model.backward(gt, eng.p, eng.dp, eng.layers, eng.g, n_head, eng.dloss)
-    gt.k_loss_accum(eng.state, eng.g["losses"])
+    gt.k_loss_accum(eng.optim_state, eng.g["losses"])
     t, parts = eng.cfg.train, eng.bufs["norm_partials"]
     gt.k_grad_norm_partial(parts, eng.grads)
-    gt.k_step_check(eng.state, eng.dloss, parts, 1, x.size, t.beta1, t.beta2, t.weight_decay,
+    gt.k_step_check(eng.optim_state, eng.dloss, parts, 1, x.size, t.beta1, t.beta2, t.weight_decay,
                     t.grad_clip, t.precision == "fp16", 2000, 2.0 ** 24)
     # the replays above may leave a non-finite norm (a skipped step): time a full update
     from .backends.numpy_ref import S_CLIP, S_DECAY, S_SKIP, S_STEP_SIZE, S_VHAT
     for slot, value in ((S_SKIP, 0.0), (S_CLIP, 1e-3), (S_DECAY, 1.0), (S_STEP_SIZE, 1e-8), (S_VHAT, 1.0)):
         eng._set(slot, value)
-    gt.k_adamw_step(eng.params, eng.params_c, eng.grads, eng.m, eng.v, eng.state, t.beta1,
+    gt.k_adamw_step(eng.params, eng.params_c, eng.grads, eng.m, eng.v, eng.optim_state, t.beta1,
                     t.beta2, t.eps, eng.layout.n_decay)
     be.synchronize()
     return dict(gt.ms)

@@ -190,7 +190,7 @@ class Engine:
         self.params, self.grads = bufs["params"], bufs["grads"]
         self.m, self.v = bufs["adam_m"], bufs["adam_v"]
         self.params_c = bufs.get("params_c", self.params)
-        self.state, self.dloss = bufs["optim_state"], bufs["dloss"]
+        self.optim_state, self.dloss = bufs["optim_state"], bufs["dloss"]
         self.p = self.layout.views(self.params_c)  # what the kernels read
         self.dp = self.layout.views(self.grads)
         shapes = model.activation_shapes(self.cfg.model, 1, 1)
@@ -253,10 +253,10 @@ class Engine:
 
     # ------------------------------------------------------------ the optimizer state (on the device)
     def _get(self, slot) -> float:
-        return float(self.be.to_numpy(self.state[slot:slot + 1])[0])
+        return float(self.be.to_numpy(self.optim_state[slot:slot + 1])[0])
 
     def _set(self, slot, value):
-        _upload(self.state[slot:slot + 1], [value])
+        _upload(self.optim_state[slot:slot + 1], [value])
 
     @property
     def loss_scale(self) -> float:
@@ -305,7 +305,7 @@ class Engine:
             model.forward(be, self.p, self.layers, self.g, nh, loss=False)
             model.backward(be, self.p, self.dp, self.layers, self.g, nh, self.dloss)
             if accumulate:
-                be.k_loss_accum(self.state, self.g["losses"])
+                be.k_loss_accum(self.optim_state, self.g["losses"])
         # CUDA: both passes replay as one graph (hundreds of launches cost milliseconds of Python
         # otherwise); the key holds what the graph bakes in (this engine's buffers)
         self._run(("passes", accumulate), passes)
@@ -317,10 +317,10 @@ class Engine:
 
         def optimizer():
             be.k_grad_norm_partial(partials, self.grads)
-            be.k_step_check(self.state, self.dloss, partials, n_micro, t.batch_size * t.seq_len,
+            be.k_step_check(self.optim_state, self.dloss, partials, n_micro, t.batch_size * t.seq_len,
                             t.beta1, t.beta2, t.weight_decay, t.grad_clip, t.precision == "fp16",
                             SCALE_GROWTH_INTERVAL, MAX_LOSS_SCALE)
-            be.k_adamw_step(self.params, self.params_c, self.grads, self.m, self.v, self.state,
+            be.k_adamw_step(self.params, self.params_c, self.grads, self.m, self.v, self.optim_state,
                             t.beta1, t.beta2, t.eps, self.layout.n_decay)
         self._run(("optimizer", n_micro), optimizer)
 
@@ -336,11 +336,11 @@ class Engine:
         work and returns at once (the CUDA backend lets the host run a few steps ahead); the
         returned record waits for the step's results when first read."""
         lr = lr_at(self.cfg, step)
-        self.be.upload(self.state[S_LR:S_STEP + 1], [lr, step])
+        self.be.upload(self.optim_state[S_LR:S_STEP + 1], [lr, step])
         for x, y in batches:
             self._passes(x, y)
         self._optimizer(len(batches))
-        return StepRecord(step, lr, self.be.download_async(self.state))
+        return StepRecord(step, lr, self.be.download_async(self.optim_state))
 
     # ------------------------------------------------------------ inference
     def val_loss(self, batches) -> float:
