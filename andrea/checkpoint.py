@@ -1,4 +1,4 @@
-"""Checkpoints (DESIGN.md, contract): `<run>/checkpoints/step_XXXXXXXX.bin`, little-endian
+"""Checkpoints (a contract, docs/ARCHITECTURE.md): `<run>/checkpoints/step_XXXXXXXX.bin`, little-endian
 `[int32 step][int32 n_params][n_params f32 weights][n_params f32 m][n_params f32 v]` (exactly
 8 + 12 * n_params bytes), and beside it `step_XXXXXXXX.json`, the sidecar with everything else a
 bit-exact resume needs (data position, loss scale, counters, config hash, sha256 of the .bin).

@@ -1,6 +1,6 @@
 """The ANDREA architecture: parameter layout in one flat buffer, and the forward/backward order.
 
-Pre-norm GPT (DESIGN.md, contract): x = wte[tokens] + wpe[pos]; per layer x += attn(LN1(x)),
+Pre-norm GPT (docs/ANDREA.md): x = wte[tokens] + wpe[pos]; per layer x += attn(LN1(x)),
 x += mlp(LN2(x)); logits = LNf(x) @ wte.T (tied); loss = mean cross-entropy. Every operation is a
 kernel pair of the backend (`be.k_*`), called here in order; this file does no arithmetic itself.
 

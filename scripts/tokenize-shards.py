@@ -1,4 +1,4 @@
-"""Tokenise the megachat splits into token shards (DESIGN.md's llm.c layout) and a manifest.
+"""Tokenise the megachat splits into token shards (llm.c's layout, andrea/data/shards.py) and a manifest.
 
     python scripts/tokenize-shards.py --tokenizer data/synthetic/tok512/tokenizer.json \
         --train data/synthetic/megachat/train.parquet --val data/synthetic/megachat/val.parquet \

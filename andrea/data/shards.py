@@ -1,4 +1,4 @@
-"""Token shards in llm.c's layout (DESIGN.md, contract): a 256 x int32 header, then uint16 tokens.
+"""Token shards in llm.c's layout (a contract, docs/ARCHITECTURE.md): a 256 x int32 header, then uint16 tokens.
 
 header[0] = 20240520 (magic), header[1] = 1 (version), header[2] = token count. Writes are atomic
 (temporary file, fsync, rename); reads check the magic, version and that the file size matches.

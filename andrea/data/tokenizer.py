@@ -20,7 +20,7 @@ import numpy as np
 from ..atomic import replace_synced, tmp_path
 from .chat import DOC, END, SPECIAL_TOKENS
 
-MAX_VOCAB = 65535  # token shards store uint16 ids (DESIGN.md)
+MAX_VOCAB = 65535  # token shards store uint16 ids (andrea/data/shards.py)
 
 
 class TokenizerError(ValueError):
