@@ -34,6 +34,23 @@ DATA_FILES = ("tokenizer", "train_shards", "val_shards")
 
 
 @dataclass
+class GroupConfig:
+    name: str = ""  # a group of the data mix (docs/FIREHOSE-BANDIT.md)
+    train_shards: str = ""  # glob of the group's training token shards
+    val_shards: str = ""  # optional glob of its held-out shards (per-group validation loss)
+
+
+@dataclass
+class MixerConfig:
+    kind: str = "uniform"  # uniform | fixed | bandit: which group each step is drawn from
+    reward: str = "loss"  # bandit reward: loss (Online Data Mixing) | progress (smoothed-loss decrease)
+    alpha: float = 0.99  # bandit: decay of the importance-weighted rewards per step (1 = plain EXP3)
+    beta: float = 0.9  # smoothing of each group's training loss over its visits
+    reward_scale: float = 1.0  # bandit: multiplies the reward before the update
+    weights: List[float] = field(default_factory=list)  # fixed: one non-negative weight per group
+
+
+@dataclass
 class DataConfig:
     source: str = "synthetic"  # synthetic | local | hub
     hub_repo: str = "NousResearch/Hermes-3-Dataset"  # used when source=hub
@@ -48,6 +65,10 @@ class DataConfig:
     tokenizer: str = TOKENIZED + "/tokenizer.json"
     train_shards: str = TOKENIZED + "/train_*.bin"
     val_shards: str = TOKENIZED + "/val_*.bin"
+    # the data mix: with groups, each step is drawn from the group the mixer picks; without
+    # (the default) train_shards is read as one stream and the mixer is not used
+    groups: List[GroupConfig] = field(default_factory=list)
+    mixer: MixerConfig = field(default_factory=MixerConfig)
 
 
 @dataclass
@@ -167,6 +188,36 @@ def validate(cfg: AndreaConfig) -> None:
     for name in ("steps", "batch_size", "seq_len", "grad_accum"):
         if getattr(t, name) < 1:
             raise ValueError(f"train.{name}={getattr(t, name)}: expected a positive integer")
+    validate_mix(cfg.data)
+
+
+def validate_mix(d: DataConfig) -> None:
+    """data.groups and data.mixer (docs/FIREHOSE-BANDIT.md)."""
+    from .data.mixer import KINDS, REWARDS
+
+    mx, names = d.mixer, [g.name for g in d.groups]
+    if mx.kind not in KINDS:
+        raise ValueError(f"data.mixer.kind={mx.kind!r}: expected one of {', '.join(KINDS)}")
+    if mx.reward not in REWARDS:
+        raise ValueError(f"data.mixer.reward={mx.reward!r}: expected one of {', '.join(REWARDS)}")
+    if not 0.0 < mx.alpha <= 1.0:
+        raise ValueError(f"data.mixer.alpha={mx.alpha}: expected a number in (0, 1]")
+    if not 0.0 <= mx.beta < 1.0:
+        raise ValueError(f"data.mixer.beta={mx.beta}: expected a number in [0, 1)")
+    for i, g in enumerate(d.groups):
+        if not g.name or not g.train_shards:
+            raise ValueError(f"data.groups[{i}]: expected a name and a train_shards glob, got "
+                             f"name={g.name!r} train_shards={g.train_shards!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"data.groups: names {names} repeat; each group needs its own name")
+    if not d.groups and mx.kind != "uniform":
+        raise ValueError(f"data.mixer.kind={mx.kind} needs data.groups (a name and a shard glob each); "
+                         "without groups the train shards are one stream")
+    if mx.kind == "fixed":
+        w = mx.weights
+        if len(w) != len(names) or any(not (x >= 0) for x in w) or not sum(w) > 0:
+            raise ValueError(f"data.mixer.weights={list(w)}: kind=fixed needs {len(names)} non-negative "
+                             f"weights (one per group of data.groups {names}), not all zero")
 
 
 def _fill(template: str, cfg: AndreaConfig) -> str:
@@ -202,5 +253,7 @@ def config_hash(cfg: AndreaConfig) -> str:
              if k not in ("ckpt_every", "keep_last", "log_every", "sample_every", "eval_every",
                           "eval_batches")}
     key = {"model": d["model"], "train": train}
+    if d["data"]["groups"]:  # the data mix decides the trajectory too (absent: hashes as before)
+        key["mix"] = {"groups": d["data"]["groups"], "mixer": d["data"]["mixer"]}
     blob = json.dumps(key, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()

@@ -8,8 +8,9 @@ and the exit codes; both sides import them from here.
 Events, in the order a run emits them:
     plan        n_params, total_bytes, rows [{name, bytes}]: the memory plan, once per start
     resume      step, checkpoint: training continues after that checkpoint's step
-    step        step, phase, loss, lr, grad_norm, loss_scale, tokens_per_s, wall_s, skipped
-    val         step, val_loss
+    step        step, phase, loss, lr, grad_norm, loss_scale, tokens_per_s, wall_s, skipped;
+                with data groups also group, mix {group: p}, group_loss {group: smoothed loss}
+    val         step, val_loss; with groups that name val_shards also group_val_loss {group: loss}
     sample      step, samples [{prompt, completion}]
     checkpoint  step, path, reason (cadence | signal | final | pivot | abort)
     pivot       step, from, to, checkpoint: a phase boundary, checkpointed at that exact step

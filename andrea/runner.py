@@ -18,7 +18,7 @@ from pathlib import Path
 
 from . import checkpoint as ck
 from .config import AndreaConfig, config_hash
-from .data.loader import ShardLoader, val_windows
+from .data.loader import train_loader, val_windows
 from .engine import Engine, phase_of
 from .protocol import EXIT_ABORTED, emit
 
@@ -52,10 +52,13 @@ class Run:
         self.eng = engine or Engine(cfg)
         t = cfg.train
         V = cfg.model.vocab_size
-        self.loader = ShardLoader(cfg.data.train_shards, t.batch_size, t.seq_len, t.seed, V)
+        self.loader = train_loader(cfg, V)  # with data.groups: the mixer picks each step's group
         self.val = None  # the validation batches (the report's windows too: data.loader.val_windows)
         if t.eval_every:
             self.val = val_windows(cfg.data.val_shards, t.batch_size, t.seq_len, t.eval_batches, V)
+        # held-out loss per data group, for groups that name their own validation shards
+        self.group_val = [(g.name, val_windows(g.val_shards, t.batch_size, t.seq_len, t.eval_batches, V))
+                          for g in cfg.data.groups if g.val_shards and t.eval_every]
         self.step = 0
         self.resumed_reason = None
         self.sig = Signals()
@@ -109,16 +112,17 @@ class Run:
         t0 = time.perf_counter()
         while self.step < t.steps:
             self._maybe_pivot()
-            batches = [self.loader.next_batch() for _ in range(t.grad_accum)]
+            batches = self.loader.next_step(t.grad_accum)
             ts = time.perf_counter()
             rec = self.eng.train_step(self.step + 1, batches)
             self.eng.be.synchronize()
             dt = time.perf_counter() - ts
             self.step += 1
+            mix = self.loader.feedback(rec)
             ph = phase_of(self.cfg, self.step)
             if self.step % max(1, t.log_every) == 0 or rec["skipped"] or self.step == t.steps:
                 emit("step", phase=ph.name if ph else "pretrain", tokens_per_s=tokens / dt,
-                     wall_s=time.perf_counter() - t0, **rec)
+                     wall_s=time.perf_counter() - t0, **rec, **mix)
             if self.eng.bad_streak >= t.max_bad_steps:
                 self.save("abort")
                 print(f"aborting: {self.eng.bad_streak} non-finite steps in a row (train.max_bad_steps="
@@ -141,7 +145,10 @@ class Run:
     def _cadence(self):
         t, s = self.cfg.train, self.step
         if self.val is not None and t.eval_every and (s % t.eval_every == 0 or s == t.steps):
-            emit("val", step=s, val_loss=self.eng.val_loss(self.val))
+            extra = {}
+            if self.group_val:
+                extra["group_val_loss"] = {n: self.eng.val_loss(v) for n, v in self.group_val}
+            emit("val", step=s, val_loss=self.eng.val_loss(self.val), **extra)
         if t.sample_every and (s % t.sample_every == 0 or s == t.steps):
             emit("sample", step=s, samples=self.samples())
         if t.ckpt_every and s % t.ckpt_every == 0 and s != t.steps:

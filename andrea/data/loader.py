@@ -3,19 +3,28 @@
 The shards matching a glob (sorted) are cut into non-overlapping windows of T+1 tokens; each epoch
 visits every window once in an order drawn from (seed, epoch). The whole state is two integers
 (epoch, cursor), saved in the checkpoint sidecar, so a resumed run sees exactly the same batches.
+
+With data groups (docs/FIREHOSE-BANDIT.md), MixedLoader keeps one ShardLoader per group, each with
+its own order, drawn from (seed, group index, epoch), and its own position; a mixer picks the group
+of each optimizer step and learns from the step's loss. Its state (every group's position and the
+mixer's) goes into the sidecar the same way.
 """
 from __future__ import annotations
 
 import glob as globmod
 from pathlib import Path
+from typing import Optional, Sequence
 
 import numpy as np
 
+from .mixer import Mixer
 from .shards import read_shard
 
 
 class ShardLoader:
-    def __init__(self, pattern: str, B: int, T: int, seed: int = 0, vocab_size: int = 0):
+    def __init__(self, pattern: str, B: int, T: int, seed: int = 0, vocab_size: int = 0,
+                 stream: Optional[int] = None):
+        self.stream = stream  # a group's index: its order differs from the other groups'
         self.files = sorted(globmod.glob(str(pattern)))
         if not self.files:
             raise FileNotFoundError(f"no token shards match {pattern!r}; run the workflow's tokenize "
@@ -37,7 +46,8 @@ class ShardLoader:
         self._order = self._permutation(0)
 
     def _permutation(self, epoch):
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+        key = [self.seed, epoch] if self.stream is None else [self.seed, self.stream, epoch]
+        return np.random.default_rng(key).permutation(self.n_windows)
 
     def _window(self, k):
         s = int(np.searchsorted(self.starts, k, side="right") - 1)
@@ -56,6 +66,14 @@ class ShardLoader:
             self.cursor += 1
         return buf[:, :-1], buf[:, 1:]
 
+    def next_step(self, n_micro: int):
+        """The n_micro microbatches of one optimizer step."""
+        return [self.next_batch() for _ in range(n_micro)]
+
+    def feedback(self, rec) -> dict:
+        """After the step: nothing to learn from a single stream; no extra record fields."""
+        return {}
+
     def state(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "n_windows": self.n_windows}
 
@@ -73,6 +91,70 @@ class ShardLoader:
         other.__dict__.update(self.__dict__)
         other.epoch, other.cursor, other._order = 0, 0, self._permutation(0)
         return [other.next_batch() for _ in range(n)]
+
+
+class MixedLoader:
+    """Each optimizer step drawn whole from the group a mixer picks (docs/FIREHOSE-BANDIT.md)."""
+
+    def __init__(self, groups: Sequence, B: int, T: int, seed: int, vocab_size: int, mixer: Mixer):
+        """groups: (name, shard glob) pairs, in the mix's order."""
+        self.names = [name for name, _ in groups]
+        if len(self.names) != mixer.K:
+            raise ValueError(f"data groups {self.names}: the mixer has {mixer.K} groups")
+        self.loaders = []
+        for i, (name, pattern) in enumerate(groups):
+            try:
+                # one group reads in the order of the ungrouped stream: a mix of one is today's data
+                stream = i if len(groups) > 1 else None
+                self.loaders.append(ShardLoader(pattern, B, T, seed, vocab_size, stream=stream))
+            except (OSError, ValueError) as e:
+                raise type(e)(f"data.groups[{i}] ({name}): {e}") from e
+        self.seed, self.mixer = seed, mixer
+        self.group = None
+
+    def next_step(self, n_micro: int):
+        self.group = self.mixer.pick()
+        return self.loaders[self.group].next_step(n_micro)
+
+    def feedback(self, rec) -> dict:
+        """Feed the step's loss to the mixer (a skipped step's counts as not finite); the record
+        fields of the step: its group, the probabilities it was drawn with, the smoothed losses."""
+        g = self.group
+        loss = float("nan") if rec["skipped"] or rec["loss"] is None else float(rec["loss"])
+        self.mixer.update(g, loss)
+        return {"group": self.names[g], "mix": dict(zip(self.names, self.mixer.last_p.tolist())),
+                "group_loss": dict(zip(self.names, self.mixer.group_losses()))}
+
+    def state(self) -> dict:
+        # a list, not a mapping: the sidecar is written with sorted keys, the order is the mix's
+        return {"groups": [{"name": n, **ld.state()} for n, ld in zip(self.names, self.loaders)],
+                "mixer": self.mixer.state(), "seed": self.seed}
+
+    def load_state(self, st: dict, source: str = "sidecar"):
+        have = [g.get("name") for g in st.get("groups", [])]
+        if have != self.names:
+            raise ValueError(f"{source}: data.groups is {have} but this run's config gives {self.names}; "
+                             "the checkpoint belongs to another data mix")
+        for g, ld in zip(st["groups"], self.loaders):
+            ld.load_state(g, f"{source} (group {g['name']})")
+        self.mixer.load_state(st["mixer"], source)
+
+
+def train_loader(cfg, vocab_size: int = 0):
+    """The training data of a run config: one ShardLoader over data.train_shards, or, with
+    data.groups, a MixedLoader driven by data.mixer."""
+    from .mixer import make_mixer
+
+    d, t = cfg.data, cfg.train
+    V = vocab_size or cfg.model.vocab_size
+    if not d.groups:
+        return ShardLoader(d.train_shards, t.batch_size, t.seq_len, t.seed, V)
+    mx = d.mixer
+    names = [g.name for g in d.groups]
+    mixer = make_mixer(mx.kind, len(names), t.seed, mx.weights, mx.reward, mx.alpha, mx.beta,
+                       mx.reward_scale, names)
+    return MixedLoader([(g.name, g.train_shards) for g in d.groups], t.batch_size, t.seq_len, t.seed,
+                       V, mixer)
 
 
 def shard_paths(pattern: str):

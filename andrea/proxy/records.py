@@ -18,6 +18,11 @@ os.replace), so a reader never sees half a file.
       wall_s        engine wall time since its run started, as the engine reports it
       skipped       true when the update was skipped (non-finite gradients)
       t             unix time the proxy received the record
+      group, mix, group_loss, group_val_loss
+                    only in runs with data groups (docs/FIREHOSE-BANDIT.md): the group the step
+                    was drawn from, {group: probability} it was drawn with, {group: smoothed
+                    training loss} after it (null: never drawn), {group: held-out loss} where
+                    measured
     A record holding only step, phase and val_loss marks a validation at a step that was not logged.
     After an engine restart, records past the resume point are dropped before the engine's replay
     of those steps is appended, so each step appears exactly once and the losses are the ones of
@@ -56,6 +61,7 @@ from andrea.config import ProxyConfig
 LOSS_FORMAT = "andrea-loss/1"
 FLUSH_S = ProxyConfig.record_flush_s  # default when a config carries no proxy group
 STEP_FIELDS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "wall_s")
+MIX_FIELDS = ("mix", "group_loss")  # {group: number} maps, present only in runs with data groups
 
 
 class RecordError(ValueError):
@@ -68,6 +74,10 @@ def _finite(x) -> Optional[float]:
         return None
     x = float(x)
     return x if math.isfinite(x) else None
+
+
+def _finite_map(d: dict) -> dict:
+    return {str(k): _finite(v) for k, v in d.items()}
 
 
 def _load_record(path: Path, key: str, exp: str) -> Optional[dict]:
@@ -138,9 +148,16 @@ class RunRecords:
         rec = {"step": n, "phase": ev.get("phase", self.state["phase"])}
         rec.update({k: _finite(ev.get(k)) for k in STEP_FIELDS})
         rec["skipped"] = bool(ev.get("skipped", False))
+        if "group" in ev:
+            rec["group"] = str(ev["group"])
+        for k in MIX_FIELDS:
+            if isinstance(ev.get(k), dict):
+                rec[k] = _finite_map(ev[k])
         rec["t"] = time.time()
         if self.history and self.history[-1]["step"] == n and "loss" not in self.history[-1]:
             rec["val_loss"] = self.history[-1].get("val_loss")  # a validation arrived first
+            if "group_val_loss" in self.history[-1]:
+                rec["group_val_loss"] = self.history[-1]["group_val_loss"]
             self.history[-1] = rec
         else:
             if self.history and self.history[-1]["step"] >= n:
@@ -157,6 +174,8 @@ class RunRecords:
             self.history[i]["val_loss"] = v
         else:
             self.history.insert(i, {"step": n, "phase": self.state["phase"], "val_loss": v})
+        if isinstance(ev.get("group_val_loss"), dict):
+            self.history[i]["group_val_loss"] = _finite_map(ev["group_val_loss"])
 
     def add_samples(self, ev: dict) -> None:
         n = int(ev["step"])

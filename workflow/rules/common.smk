@@ -142,7 +142,10 @@ def tokenizer_of(wildcards):
 
 
 def shards_of(wildcards):
-    return str(Path(exp_config(wildcards.exp).data.tokenizer).with_name("shards.json"))
+    """The token shards' manifests; with data groups, the grouped shards' too (tokenize_groups)."""
+    cfg = exp_config(wildcards.exp)
+    tok = Path(cfg.data.tokenizer)
+    return [str(tok.with_name("shards.json"))] + ([str(tok.parent / "mix" / "groups.json")] if cfg.data.groups else [])
 
 
 def split_of(name):

@@ -75,3 +75,27 @@ rule tokenize:
     shell:
         "python3 {input.script} --tokenizer {input.tokenizer} --train {input.train} --val {input.val} "
         "--out-dir {params.out_dir} --manifest {output} --threads {threads} > {log} 2>&1"
+
+
+# Data groups for the mixer (docs/FIREHOSE-BANDIT.md): one set of shards per synthetic task kind
+# (the prep step's `task` column) plus a group of random tokens, under tok<V>/mix/groups/<name>/.
+# Its own folder, so the ungrouped shards above are never rewritten by it.
+rule tokenize_groups:
+    input:
+        tokenizer="{root}/tok{vocab}/tokenizer.json",
+        train="{root}/megachat/train.parquet",
+        val="{root}/megachat/val.parquet",
+        script="scripts/tokenize-shards.py",
+    output:
+        "{root}/tok{vocab}/mix/groups.json",
+    params:
+        out_dir=parent_of_output,
+    threads: 4
+    log:
+        "{root}/logs/tokenize-groups-{vocab}.log",
+    conda:
+        ENV
+    shell:
+        "python3 {input.script} --tokenizer {input.tokenizer} --train {input.train} --val {input.val} "
+        "--out-dir {params.out_dir} --manifest {output} --threads {threads} --group-by field:task "
+        "--noise-group noise --noise-tokens 200000 --noise-seed 0 > {log} 2>&1"
