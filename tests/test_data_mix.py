@@ -242,3 +242,34 @@ def test_bandit_run_resumes_bit_exactly_after_sigterm_at_a_random_step(tmp_path)
     assert [g["name"] for g in side["data"]["groups"]] == ["count", "pairs", "noise"]
     vals = [e for e in straight if e["event"] == "val"]
     assert vals and set(vals[0]["group_val_loss"]) == {"count", "pairs", "noise"}
+
+
+# ---------------------------------------------------------------- dashboard
+@pytest.mark.skipif(not __import__("shutil").which("node"), reason="needs node to run the page's script")
+def test_dashboard_stacks_the_mix_to_one(tmp_path):
+    import re
+    page = (REPO / "andrea" / "web" / "dashboard.html").read_text()
+    fn = re.search(r"\nfunction stackMix\(history\) \{.*?\n\}\n", page, re.S).group(0)
+    history = [{"step": 1, "loss": 3.0}, {"step": 2, "val_loss": 2.9},
+               {"step": 3, "mix": {"a": 0.2, "b": 0.5, "c": 0.3}},
+               {"step": 4, "mix": {"a": 0.1, "b": 0.1, "c": 0.8}}]
+    js = tmp_path / "t.js"
+    js.write_text(fn + f"\nconsole.log(JSON.stringify(stackMix({json.dumps(history)})));\n")
+    out = json.loads(subprocess.run(["node", str(js)], capture_output=True, text=True, check=True).stdout)
+    assert out["names"] == ["a", "b", "c"] and out["steps"] == [3, 4]
+    lo = np.array([L["lo"] for L in out["layers"]])
+    hi = np.array([L["hi"] for L in out["layers"]])
+    np.testing.assert_allclose(hi - lo, [[0.2, 0.1], [0.5, 0.1], [0.3, 0.8]])
+    np.testing.assert_allclose(hi[-1], [1.0, 1.0])
+    np.testing.assert_allclose(lo[1:], hi[:-1])
+
+
+# ---------------------------------------------------------------- workflow
+def test_firehose_target_tokenizes_the_groups(tmp_path):
+    from test_workflow import copy_repo, job_stats, smk
+    r = smk(copy_repo(tmp_path), "-n", "--cores", "1", "results/ANDREA-firehose")
+    assert r.returncode == 0, r.stderr[-3000:]
+    jobs = job_stats(r.stdout + r.stderr)
+    assert jobs["tokenize_groups"] == jobs["tokenize"] == jobs["train"] == jobs["evaluate"] == 1
+    r = smk(tmp_path, "-n", "--cores", "1", "results/ANDREA-tiny")
+    assert "tokenize_groups" not in job_stats(r.stdout + r.stderr)
