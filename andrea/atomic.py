@@ -35,13 +35,24 @@ def atomic_write(path, data: Data) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     chunks = [data.encode()] if isinstance(data, str) else [data] if isinstance(data, bytes) else data
     tmp = tmp_path(path)
-    with open(tmp, "wb") as f:
-        for c in chunks:
-            f.write(c)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a signal, a bad chunk: the old file stays, no temporary one
+        _drop(tmp)
+        raise
     return path
+
+
+def _drop(tmp: Path) -> None:
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass  # the original error is the one worth reporting
 
 
 def atomic_write_json(path, obj, indent=None) -> Path:
@@ -54,8 +65,12 @@ def atomic_write_json(path, obj, indent=None) -> Path:
 def atomic_copy(src, dst) -> Path:
     dst = Path(dst)
     tmp = tmp_path(dst)
-    shutil.copyfile(src, tmp)
-    return replace_synced(tmp, dst)
+    try:
+        shutil.copyfile(src, tmp)
+        return replace_synced(tmp, dst)
+    except BaseException:
+        _drop(tmp)
+        raise
 
 
 def sha256_file(path) -> str:
@@ -94,10 +109,18 @@ class ParquetStream:
             self.rows = []
 
     def close(self) -> Path:
-        self._flush()
-        self.pw.close()
-        return replace_synced(self.tmp, self.out)
+        try:
+            self._flush()
+            self.pw.close()
+            return replace_synced(self.tmp, self.out)
+        except BaseException:
+            self.abort()
+            raise
 
     def abort(self) -> None:
-        self.pw.close()
-        self.tmp.unlink(missing_ok=True)
+        try:
+            self.pw.close()
+        except Exception:
+            pass  # closing may fail the same way the write did; the file goes anyway
+        finally:
+            _drop(self.tmp)

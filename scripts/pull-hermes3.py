@@ -138,6 +138,9 @@ def read_jsonl(path: Path, w: Writer, skips: Skips) -> None:
             except (ValueError, UnicodeDecodeError):
                 skips.add("not valid JSON", f"{path}:{lineno}")
                 continue
+            except RecursionError:  # the parser recurses once per level of [ or {
+                skips.add("nested too deeply to parse", f"{path}:{lineno}")
+                continue
             add_checked(w, skips, row, f"{path}:{lineno}")
 
 
@@ -177,6 +180,9 @@ def pull_local(d, w: Writer, skips: Skips) -> dict:
                 rows = json.loads(f.read_bytes())
             except (ValueError, UnicodeDecodeError) as e:
                 raise PullError(f"{f}: not valid JSON ({e}); expected an array of rows") from e
+            except RecursionError:
+                raise PullError(f"{f}: nested too deeply to parse; expected an array of rows, each "
+                                "an object with a 'conversations' list") from None
             if not isinstance(rows, list):
                 raise PullError(f"{f}: expected a JSON array of rows, got {type(rows).__name__}")
             for i, row in enumerate(rows):
@@ -253,11 +259,14 @@ def main(argv=None) -> int:
     w, skips = Writer(a.out, int(d.get("max_conversations", 0) or 0)), Skips()
     try:
         info = SOURCES[d.source](d, w, skips)
+        w.close()
     except PullError as e:
         w.abort()
         print(f"pull-hermes3: {e}", file=sys.stderr)
         return 2
-    w.close()
+    except BaseException:  # anything else (a bug, Ctrl-C, a full disk): no half-written parquet left
+        w.abort()
+        raise
     report = {"source": d.source, **info, "rows": w.n, "skipped": skips.total, "skipped_by_reason": skips.counts,
               "skipped_examples": skips.examples, "wall_s": round(time.time() - t0, 3)}
     atomic_write_json(a.report, report, indent=1)
