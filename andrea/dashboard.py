@@ -9,8 +9,10 @@ It binds 127.0.0.1 unless told otherwise, prints the address, and serves exactly
     /runs/<i>/<exp>.state.json        .state.json); <exp> is config.yaml's exp, else the folder's name
 Requests are matched against this fixed table before any decoding, so no other path (`/../x`,
 `/%2e%2e/x`, absolute paths, other files in a run folder) can be reached: everything else is 404. A
-record file that is a symlink, or resolves outside its run folder, is 404 as well. Record files
-carry an ETag, so a poll of an unchanged file costs a 304 and no transfer.
+record file that is a symlink, a hard link (more than one link: the proxy's atomic writes always
+leave exactly one), or resolves outside its run folder, is 404 as well. Record files carry an ETag,
+so a poll of an unchanged file costs a 304 and no transfer. A connection that sends nothing for
+IDLE_TIMEOUT_S seconds is closed, so stalled clients cannot hold the server's threads.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from .paths import DASHBOARD_PAGE
 PAGE = DASHBOARD_PAGE
 KINDS = ("loss", "samples", "state")
 DEFAULT_PORT = 8765
+IDLE_TIMEOUT_S = 20.0  # a connection silent this long is closed (the page polls every 2 s)
 # The page needs nothing from outside this server; the browser enforces that too.
 PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
             "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'")
@@ -72,6 +75,10 @@ class DashboardHandler(BaseHTTPRequestHandler):
     server_version = "andrea-dashboard"
     sys_version = ""
 
+    @property
+    def timeout(self) -> float:  # read by StreamRequestHandler.setup(): a socket timeout per connection
+        return self.server.idle_timeout
+
     def do_GET(self):
         self._serve(body=True)
 
@@ -103,6 +110,8 @@ class DashboardHandler(BaseHTTPRequestHandler):
             return self._not_found(body)
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
+            if st.st_nlink != 1:  # a hard link to some other file, made after the proxy wrote it
+                return self._not_found(body)
             etag = f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
             if self.headers.get("If-None-Match") == etag:
                 self.send_response(HTTPStatus.NOT_MODIFIED)
@@ -139,10 +148,10 @@ class DashboardServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, run_dirs: Sequence[Path], host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                 page: Path = PAGE, verbose: bool = False):
+                 page: Path = PAGE, verbose: bool = False, idle_timeout: float = IDLE_TIMEOUT_S):
         if not Path(page).is_file():
             raise FileNotFoundError(f"dashboard page {page}: no such file")
-        self.page, self.verbose = Path(page), verbose
+        self.page, self.verbose, self.idle_timeout = Path(page), verbose, idle_timeout
         self.index, self.files = build_routes(run_dirs)
         super().__init__((host, port), DashboardHandler)
 
