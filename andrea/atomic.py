@@ -6,14 +6,39 @@ configs) goes through here: write to a temporary name in the same folder, flush,
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterable, Union
+from typing import Iterable, List, Sequence, Tuple, Union
 
 Data = Union[bytes, str, Iterable[bytes]]
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class NoSpace(OSError):
+    """Not enough free space for a write: names the file, the bytes it needs and what is free."""
+
+    def __init__(self, path, needed: int, free: int):
+        super().__init__(errno.ENOSPC, "no space left on device", str(path))
+        self.path, self.needed, self.free = Path(path), int(needed), int(free)
+
+    def __str__(self) -> str:
+        return (f"{self.path}: not enough disk space: {self.needed:,} bytes needed, {self.free:,} free in "
+                f"{self.path.parent}; free some space (the previous file, if any, is intact)")
+
+
+def free_bytes(folder) -> int:
+    return shutil.disk_usage(folder).free
+
+
+def check_space(path, needed: int) -> None:
+    """Raise NoSpace when path's folder has fewer than needed bytes free (a write of known size)."""
+    free = free_bytes(Path(path).parent)
+    if needed > free:
+        raise NoSpace(path, needed, free)
 
 
 def tmp_path(path: Path) -> Path:
@@ -29,23 +54,45 @@ def replace_synced(tmp: Path, path: Path) -> Path:
     return path
 
 
+def _chunks(data: Data) -> List[bytes]:
+    return [data.encode()] if isinstance(data, str) else [data] if isinstance(data, bytes) else list(data)
+
+
 def atomic_write(path, data: Data) -> Path:
     """Write bytes, text or an iterable of byte chunks to path atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    chunks = [data.encode()] if isinstance(data, str) else [data] if isinstance(data, bytes) else data
-    tmp = tmp_path(path)
+    return atomic_write_many([(path, data)])[0]
+
+
+def atomic_write_many(items: Sequence[Tuple[object, Data]]) -> List[Path]:
+    """Write several files atomically: every temporary file is written and fsynced first, then they
+    are renamed in the given order, so a full disk or a signal during the writes changes none of
+    them. A full disk raises NoSpace naming the file and the bytes it needed; no temporary file
+    is left behind, whatever the failure."""
+    todo = [(Path(p), _chunks(d)) for p, d in items]
+    written: List[Path] = []
     try:
-        with open(tmp, "wb") as f:
-            for c in chunks:
-                f.write(c)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, a signal, a bad chunk: the old file stays, no temporary one
-        _drop(tmp)
+        for path, chunks in todo:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = tmp_path(path)
+            written.append(tmp)
+            try:
+                with open(tmp, "wb") as f:
+                    for c in chunks:
+                        f.write(c)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                if e.errno not in NO_SPACE:
+                    raise
+                _drop(tmp)
+                raise NoSpace(path, sum(len(c) for c in chunks), free_bytes(path.parent)) from None
+        for (path, _), tmp in zip(todo, written):
+            os.replace(tmp, path)
+    except BaseException:  # a full disk, a signal, a bad chunk: the old files stay, no temporary one
+        for tmp in written:
+            _drop(tmp)
         raise
-    return path
+    return [p for p, _ in todo]
 
 
 def _drop(tmp: Path) -> None:

@@ -3,8 +3,12 @@
 8 + 12 * n_params bytes), and beside it `step_XXXXXXXX.json`, the sidecar with everything else a
 bit-exact resume needs (data position, loss scale, counters, config hash, sha256 of the .bin).
 
-Both files are written to a temporary name, fsynced and renamed, the .bin first: a checkpoint
+Both files are written to temporary names and fsynced, then renamed, the .bin first: a checkpoint
 counts only when its sidecar exists and its sha256 matches, so a reader never sees half of one.
+Before writing, the weights and moments are checked to be finite (a checkpoint never holds NaN or
+Inf) and the folder to have room for both files (their size is known); either failure writes
+nothing, so the previous checkpoint stays the newest. `scan` says why each checkpoint newer than
+the newest valid one is not valid, so nothing is skipped without a word.
 """
 from __future__ import annotations
 
@@ -14,17 +18,22 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .atomic import atomic_write, sha256_file
+from .atomic import atomic_write_many, check_space, sha256_file
 
 NAME_RE = re.compile(r"^step_(\d{8})\.bin$")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as it is."""
+
+
+class NotFinite(CheckpointError):
+    """The state to be checkpointed holds NaN or Inf: it is not written."""
+
 
 
 @dataclass
@@ -58,18 +67,24 @@ def write_checkpoint(ckpt_dir, step: int, params, m, v, sidecar: dict) -> Path:
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     n = params.size
-    header = np.array([step, n], dtype="<i4").tobytes()
-    blocks = [np.ascontiguousarray(a, dtype="<f4").tobytes() for a in (params, m, v)]
-    for name, a in zip(("m", "v"), (m, v)):
+    path = bin_path(ckpt_dir, step)
+    for name, a in (("params", params), ("m", m), ("v", v)):
         if a.size != n:
             raise CheckpointError(f"write_checkpoint: {name} has {a.size} elements, params {n}")
+        bad = a.size - int(np.count_nonzero(np.isfinite(a)))
+        if bad:
+            raise NotFinite(f"checkpoint {path.name} not written: {'weights' if name == 'params' else 'Adam ' + name} "
+                            f"hold {bad:,} non-finite values (NaN/Inf) of {n:,}; the newest checkpoint on disk "
+                            "keeps the last finite state")
+    header = np.array([step, n], dtype="<i4").tobytes()
+    blocks = [np.ascontiguousarray(a, dtype="<f4").tobytes() for a in (params, m, v)]
     digest = hashlib.sha256()
     for c in [header] + blocks:
         digest.update(c)
-    path = bin_path(ckpt_dir, step)
-    atomic_write(path, [header] + blocks)
     side = dict(sidecar, step=step, n_params=n, sha256=digest.hexdigest(), file=path.name)
-    atomic_write(sidecar_path(path), json.dumps(side, indent=1, sort_keys=True))
+    side_text = json.dumps(side, indent=1, sort_keys=True)
+    check_space(path, 8 + 12 * n + len(side_text.encode()))
+    atomic_write_many([(path, [header] + blocks), (sidecar_path(path), side_text)])
     _fsync_dir(ckpt_dir)
     return path
 
@@ -125,20 +140,67 @@ def list_checkpoints(ckpt_dir) -> List[Path]:
     return sorted(p for p in d.iterdir() if NAME_RE.match(p.name))
 
 
-def is_valid(bin_file) -> bool:
-    """Complete: sidecar present, sha256 matches (size is implied by the hash)."""
+def why_invalid(bin_file, n_params: Optional[int] = None) -> Optional[str]:
+    """None for a complete, consistent checkpoint; else the reason it cannot be used, in words
+    (sidecar missing or garbage, header and size, sha256, step). Reads the file once, streaming."""
+    bin_file = Path(bin_file)
     try:
-        return read_sidecar(bin_file).get("sha256") == sha256_file(bin_file)
-    except (CheckpointError, OSError):
-        return False
+        side = read_sidecar(bin_file)
+        if not isinstance(side, dict):
+            return f"sidecar {sidecar_path(bin_file).name} is not a JSON object"
+        size = bin_file.stat().st_size
+        with open(bin_file, "rb") as f:
+            head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, shorter than the 8-byte header"
+        step, n = (int(x) for x in np.frombuffer(head, dtype="<i4"))
+        if n_params is not None and n != n_params:
+            return f"header n_params is {n} but the model has {n_params}"
+        if side.get("n_params") != n:
+            return f"header n_params is {n} but the sidecar says {side.get('n_params')!r}"
+        if size != 8 + 12 * n:
+            return (f"{size} bytes but 8 + 12 * n_params = {8 + 12 * n} expected "
+                    f"({'truncated' if size < 8 + 12 * n else 'oversized'})")
+        m = NAME_RE.match(bin_file.name)
+        if side.get("step") != step or (m and int(m.group(1)) != step):
+            return f"header step {step}, sidecar step {side.get('step')!r}, file name {bin_file.name} disagree"
+        if side.get("sha256") != sha256_file(bin_file):
+            return "sha256 differs from the sidecar's: the file changed after it was written"
+    except CheckpointError as e:
+        return str(e).split(": ", 1)[-1] if str(e).startswith("checkpoint") else str(e)
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    return None
+
+
+def is_valid(bin_file) -> bool:
+    """Complete: sidecar present, header, size and sha256 consistent with it."""
+    return why_invalid(bin_file) is None
+
+
+def step_of(bin_file) -> int:
+    return int(NAME_RE.match(Path(bin_file).name).group(1))
+
+
+def scan(run_dir, n_params: Optional[int] = None,
+         max_step: Optional[int] = None) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
+    """(the newest valid checkpoint in run_dir/checkpoints or None, [(path, reason)] of each newer
+    one that is not valid), looking from the newest down; with max_step, only checkpoints of steps
+    up to it are considered."""
+    skipped = []
+    for p in reversed(list_checkpoints(Path(run_dir) / "checkpoints")):
+        if max_step is not None and step_of(p) > max_step:
+            continue
+        reason = why_invalid(p, n_params)
+        if reason is None:
+            return p, skipped
+        skipped.append((p, reason))
+    return None, skipped
 
 
 def latest_checkpoint(run_dir) -> Optional[Path]:
     """The newest valid checkpoint in run_dir/checkpoints, or None."""
-    for p in reversed(list_checkpoints(Path(run_dir) / "checkpoints")):
-        if is_valid(p):
-            return p
-    return None
+    return scan(run_dir)[0]
 
 
 def prune(ckpt_dir, keep_last: int, protect=()) -> List[Path]:

@@ -13,29 +13,53 @@ process the proxy supervises, and can be run alone on a resolved config.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
 
-from .protocol import EXIT_BAD_INPUT  # the proxy does not restart an engine that refused its input
+from .protocol import EXIT_BAD_INPUT, EXIT_NO_SPACE, PROXY_PID_ENV
+
+# how long a starting engine waits for .engine.lock (an engine killed a moment ago is on its way out)
+ENGINE_LOCK_WAIT_S = float(os.environ.get("ANDREA_ENGINE_LOCK_WAIT_S", "15"))
+
+
+def _report(message: str) -> None:
+    """A fatal error: on stderr for the terminal, and as an event for the proxy's state.json."""
+    from .protocol import emit
+
+    print(f"engine: {message}", file=sys.stderr)
+    emit("error", message=message)
 
 
 def cmd_engine(args) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
+    from .atomic import NoSpace
     from .checkpoint import CheckpointError
     from .config import load_run_config
     from .data.shards import ShardError
-    from .runner import Run
+    from .lock import LockHeld, run_lock
+    from .runner import Run, die_with_parent
 
+    if os.environ.get(PROXY_PID_ENV):
+        die_with_parent(int(os.environ[PROXY_PID_ENV]))
     try:
         cfg = load_run_config(args.config)
         run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.results_dir) / cfg.exp
         run_dir.mkdir(parents=True, exist_ok=True)
-        run = Run(cfg, run_dir)
-        rc = run.train(resume=args.resume)
+        # one engine per run folder; an engine killed a moment ago may still be on its way out
+        with run_lock(run_dir, "engine", wait_s=ENGINE_LOCK_WAIT_S):
+            run = Run(cfg, run_dir)
+            rc = run.train(resume=args.resume, resume_at_most=args.resume_at_most)
+    except LockHeld as e:
+        _report(str(e))
+        return EXIT_BAD_INPUT
+    except NoSpace as e:
+        _report(str(e))
+        return EXIT_NO_SPACE
     except (CheckpointError, ShardError, FileNotFoundError, OmegaConfBaseException, ValueError) as e:
-        print(f"engine: {e}", file=sys.stderr)
+        _report(str(e))
         return EXIT_BAD_INPUT
     # The run's last checkpoint is on disk: further stop signals have nothing left to save, and
     # must not kill interpreter shutdown (which restores default handlers) with a non-zero status.
@@ -70,6 +94,9 @@ def main(argv=None) -> int:
     e.add_argument("--config", required=True, help="resolved config.yaml of the run")
     e.add_argument("--run-dir", help="run folder (default: <results_dir>/<exp>)")
     e.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+    e.add_argument("--resume-at-most", type=int, metavar="STEP",
+                   help="with --resume: the newest valid checkpoint of a step <= STEP (the proxy's records "
+                        "reach that far)")
     e.set_defaults(fn=cmd_engine)
     p = sub.add_parser("params", help="print parameter counts of model configs")
     p.add_argument("models", nargs="*", default=["ANDREA-tiny", "ANDREA-12M", "ANDREA-120M"])

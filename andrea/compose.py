@@ -23,9 +23,14 @@ class ConfigError(ValueError):
 
 def resolve(cfg: DictConfig) -> AndreaConfig:
     """The typed, validated AndreaConfig of a composed Hydra config (its hydra node dropped)."""
-    data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    data.pop("hydra", None)
-    return load_run_config(data)
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        data.pop("hydra", None)
+        return load_run_config(data)
+    except OmegaConfBaseException as e:  # e.g. +train.lrr=1: composes, but is no field of the schema
+        raise ConfigError(one_line(e)) from e
 
 
 def compose_config(exp: str, overrides: Iterable[str] = (), conf_dir: Optional[Path] = None) -> AndreaConfig:
@@ -55,3 +60,17 @@ def _explain(e: BaseException) -> str:
             parts.append(msg)
         e = e.__cause__ or e.__context__
     return "\n".join(parts)
+
+
+NOISE = ("reference_type", "object_type", "provider=", "Config search path", "full_key")
+
+
+def one_line(e: BaseException) -> str:
+    """_explain(e) on one line for a terminal message: each distinct line once, OmegaConf's
+    internals (types, search path, templates) left out."""
+    seen = []
+    for line in _explain(e).splitlines():
+        line = line.strip().rstrip(";")
+        if line and line not in seen and not line.startswith(NOISE) and "$VALUE" not in line:
+            seen.append(line)
+    return "; ".join(seen)

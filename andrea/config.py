@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -168,12 +169,75 @@ def load_run_config(source: Any) -> AndreaConfig:
         data = OmegaConf.create(source) if isinstance(source, dict) else source
     merged = OmegaConf.merge(schema, data)
     cfg = OmegaConf.to_object(merged)
-    validate(cfg)
+    try:
+        validate(cfg)
+    except ValueError as e:
+        if isinstance(source, (str, Path)):
+            raise ValueError(f"config {source}: {e}") from None
+        raise
     return cfg
 
 
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# (field, test, what is expected); every numeric setting is checked before anything runs, so a
+# NaN learning rate or a zero batch never reaches the engine
+_RULES = [
+    ("model.n_layer", lambda x: x >= 1, "an integer >= 1"),
+    ("model.d_model", lambda x: x >= 1, "an integer >= 1"),
+    ("model.n_head", lambda x: x >= 1, "an integer >= 1"),
+    ("model.context", lambda x: x >= 1, "an integer >= 1"),
+    ("model.vocab_size", lambda x: 2 <= x <= 65535, "an integer from 2 to 65535 (shards store uint16 tokens)"),
+    ("data.n_synthetic", lambda x: x >= 1, "an integer >= 1"),
+    ("data.max_conversations", lambda x: x >= 0, "an integer >= 0 (0 = all)"),
+    ("data.val_fraction", lambda x: _finite(x) and 0 < x < 1, "a number between 0 and 1 (exclusive)"),
+    ("data.seed", lambda x: x >= 0, "an integer >= 0"),
+    ("train.seed", lambda x: x >= 0, "an integer >= 0"),
+    ("train.steps", lambda x: x >= 1, "an integer >= 1"),
+    ("train.batch_size", lambda x: x >= 1, "an integer >= 1"),
+    ("train.seq_len", lambda x: x >= 1, "an integer >= 1"),
+    ("train.grad_accum", lambda x: x >= 1, "an integer >= 1"),
+    ("train.lr", lambda x: _finite(x) and x > 0, "a finite number > 0"),
+    ("train.min_lr", lambda x: _finite(x) and x >= 0, "a finite number >= 0"),
+    ("train.warmup_steps", lambda x: x >= 0, "an integer >= 0"),
+    ("train.weight_decay", lambda x: _finite(x) and x >= 0, "a finite number >= 0"),
+    ("train.beta1", lambda x: _finite(x) and 0 <= x < 1, "a number in [0, 1)"),
+    ("train.beta2", lambda x: _finite(x) and 0 <= x < 1, "a number in [0, 1)"),
+    ("train.eps", lambda x: _finite(x) and x > 0, "a finite number > 0"),
+    ("train.grad_clip", lambda x: _finite(x) and x >= 0, "a finite number >= 0 (0 = off)"),
+    ("train.init_std", lambda x: _finite(x) and x > 0, "a finite number > 0"),
+    ("train.ckpt_every", lambda x: x >= 0, "an integer >= 0 (0 = only at the end)"),
+    ("train.keep_last", lambda x: x >= 1, "an integer >= 1"),
+    ("train.eval_every", lambda x: x >= 0, "an integer >= 0 (0 = never)"),
+    ("train.eval_batches", lambda x: x >= 0, "an integer >= 0"),
+    ("train.sample_every", lambda x: x >= 0, "an integer >= 0 (0 = never)"),
+    ("train.log_every", lambda x: x >= 1, "an integer >= 1"),
+    ("train.max_bad_steps", lambda x: x >= 1, "an integer >= 1"),
+    ("train.loss_scale", lambda x: _finite(x) and x >= 1, "a finite number >= 1"),
+    ("eval.batches", lambda x: x >= 1, "an integer >= 1"),
+    ("eval.max_new_tokens", lambda x: x >= 0, "an integer >= 0"),
+    ("eval.temperature", lambda x: _finite(x) and x >= 0, "a finite number >= 0 (0 = greedy)"),
+    ("eval.seed", lambda x: x >= 0, "an integer >= 0"),
+    ("eval.n_tasks", lambda x: x >= 0, "an integer >= 0"),
+    ("eval.tolerance", lambda x: _finite(x) and x >= 0, "a finite number >= 0"),
+    ("proxy.max_restarts", lambda x: x >= 0, "an integer >= 0"),
+    ("proxy.restart_backoff_s", lambda x: _finite(x) and x >= 0, "a finite number of seconds >= 0"),
+    ("proxy.restart_backoff_max_s", lambda x: _finite(x) and x >= 0, "a finite number of seconds >= 0"),
+    ("proxy.record_flush_s", lambda x: _finite(x) and x >= 0, "a finite number of seconds >= 0"),
+]
+
+
 def validate(cfg: AndreaConfig) -> None:
-    """Cross-field checks the type system cannot express."""
+    """Every numeric setting in its range, and the cross-field checks the type system cannot
+    express; the first problem found is a ValueError naming the field, its value and what was
+    expected."""
+    for name, ok, expected in _RULES:
+        group, key = name.split(".")
+        value = getattr(getattr(cfg, group), key)
+        if not ok(value):
+            raise ValueError(f"{name}={value!r}: expected {expected}")
     m, t = cfg.model, cfg.train
     if m.d_model % m.n_head:
         raise ValueError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
@@ -183,11 +247,23 @@ def validate(cfg: AndreaConfig) -> None:
         raise ValueError(f"train.precision={t.precision!r}: expected fp32, fp16 or bf16")
     if cfg.backend.name not in ("auto", "numpy", "cuda"):
         raise ValueError(f"backend.name={cfg.backend.name!r}: expected auto, numpy or cuda")
-    if m.vocab_size > 65535:
-        raise ValueError(f"model.vocab_size={m.vocab_size}: shards store uint16 tokens (max 65535)")
-    for name in ("steps", "batch_size", "seq_len", "grad_accum"):
-        if getattr(t, name) < 1:
-            raise ValueError(f"train.{name}={getattr(t, name)}: expected a positive integer")
+    if t.eval_every > 0 and t.eval_batches < 1:
+        raise ValueError(f"train.eval_batches={t.eval_batches}: expected an integer >= 1 when "
+                         f"train.eval_every={t.eval_every} > 0 (a validation loss needs a batch)")
+    if cfg.proxy.restart_backoff_max_s < cfg.proxy.restart_backoff_s:
+        raise ValueError(f"proxy.restart_backoff_max_s={cfg.proxy.restart_backoff_max_s!r} is below "
+                         f"proxy.restart_backoff_s={cfg.proxy.restart_backoff_s!r}: expected the ceiling >= the first wait")
+    prev = -1
+    for i, ph in enumerate(t.phases):
+        where = f"train.phases[{i}]"
+        if not (prev < ph.start_step < t.steps):
+            raise ValueError(f"{where}.start_step={ph.start_step}: expected phases in increasing start_step "
+                             f"order, each in [0, train.steps={t.steps})")
+        if ph.lr is not None and not (_finite(ph.lr) and ph.lr > 0):
+            raise ValueError(f"{where}.lr={ph.lr!r}: expected a finite number > 0 (or null for train.lr)")
+        if not ph.name:
+            raise ValueError(f"{where}.name is empty: expected a phase name")
+        prev = ph.start_step
     validate_mix(cfg.data)
 
 

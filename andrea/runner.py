@@ -7,10 +7,17 @@ val, sample, checkpoint, pivot, done (andrea/protocol.py defines each). Human te
 Signals are handled at step boundaries: SIGTERM / SIGINT write a checkpoint and exit 0; SIGUSR1
 writes one and training goes on. A signal that arrives while a checkpoint is being written only
 sets a flag, so the write always completes. Exit codes: 0 finished or stopped, 3 aborted after
-train.max_bad_steps non-finite steps in a row (with a checkpoint of the last good state).
+train.max_bad_steps non-finite steps in a row (the newest checkpoint holds the last finite state:
+weights that are not finite are never written), 4 a checkpoint did not fit on the disk (nothing
+half-written is left, the previous checkpoint is intact).
+
+On --resume every checkpoint newer than the newest valid one is reported (stderr, and a
+`bad_checkpoint` event with its path and the reason); when checkpoints exist but none is valid the
+engine exits 2 before writing anything.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -20,7 +27,7 @@ from . import checkpoint as ck
 from .config import AndreaConfig, config_hash
 from .data.loader import train_loader, val_windows
 from .engine import Engine, phase_of
-from .protocol import EXIT_ABORTED, emit
+from .protocol import EXIT_ABORTED, EXIT_ORPHANED, emit, reader_gone
 
 
 class Signals:
@@ -40,6 +47,30 @@ class Signals:
 
     def _save(self, signum, frame):
         self.save = True
+
+
+def die_with_parent(expected_parent: int) -> None:
+    """Linux: the kernel sends this process SIGKILL when its parent (the proxy) dies, so an
+    orphaned engine never trains on, nor writes a checkpoint the proxy will not record. If the
+    parent is already gone, exit at once."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            print(f"engine: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()})", file=sys.stderr)
+    gone = False
+    if os.getppid() != expected_parent:  # reparented, or a wrapper sits between the proxy and us
+        try:
+            os.kill(expected_parent, 0)
+        except ProcessLookupError:
+            gone = True
+        except PermissionError:
+            pass
+    if gone:
+        print("engine: the proxy that started it is gone; stopping", file=sys.stderr)
+        os._exit(EXIT_ORPHANED)
 
 
 class Run:
@@ -64,9 +95,19 @@ class Run:
         self.sig = Signals()
         self.tokenizer = None
 
-    def resume(self) -> bool:
-        path = ck.latest_checkpoint(self.run_dir)
+    def resume(self, at_most=None) -> bool:
+        """Load the newest valid checkpoint (of step <= at_most when given: the proxy recorded
+        the run's history up to that checkpoint, so a newer one would leave a gap in it)."""
+        path, skipped = ck.scan(self.run_dir, self.eng.layout.n_params, max_step=at_most)
+        for bad, reason in skipped:
+            print(f"engine: skipping checkpoint {bad.name}: {reason}", file=sys.stderr)
+            emit("bad_checkpoint", checkpoint=str(bad), reason=reason)
         if path is None:
+            if skipped:
+                names = ", ".join(f"{b.name} ({r})" for b, r in skipped)
+                raise ck.CheckpointError(
+                    f"{self.ckpt_dir}: {len(skipped)} checkpoint(s) and none is valid: {names}. Nothing was "
+                    "changed; repair them, or move the folder away to start afresh")
             return False
         c = self.eng.load_checkpoint(path, self.hash)  # refuses a checkpoint of other settings
         s = c.sidecar
@@ -76,13 +117,26 @@ class Run:
         emit("resume", step=c.step, checkpoint=str(path))
         return True
 
-    def save(self, reason: str) -> Path:
+    def save(self, reason: str):
+        """Write a checkpoint of the current state; None (and a message) when the state is not
+        finite, so the newest checkpoint stays the last finite one. A full disk raises NoSpace.
+        When the proxy is gone (stdout closed) the engine stops here, writing nothing: the proxy
+        would never record this checkpoint, and the steps before it would be missing from the
+        history when a new proxy resumes from it."""
+        if reader_gone():
+            print(f"engine: stdout is closed (the proxy is gone); stopping at step {self.step} without "
+                  "a checkpoint", file=sys.stderr)
+            os._exit(EXIT_ORPHANED)
         st = self.eng.state()
         side = {"reason": reason, "data": self.loader.state(), **st.counters(),
                 "config_hash": self.hash, "precision": self.cfg.train.precision,
                 "backend": self.eng.be.NAME, "exp": self.cfg.exp,
                 "rng": {"weights_seed": self.cfg.train.seed, "data_seed": self.loader.seed}}
-        path = ck.write_checkpoint(self.ckpt_dir, self.step, st.params, st.m, st.v, side)
+        try:
+            path = ck.write_checkpoint(self.ckpt_dir, self.step, st.params, st.m, st.v, side)
+        except ck.NotFinite as e:
+            print(f"engine: {e}", file=sys.stderr)
+            return None
         ck.prune(self.ckpt_dir, self.cfg.train.keep_last, protect=[path])
         emit("checkpoint", step=self.step, path=str(path), reason=reason)
         return path
@@ -98,7 +152,7 @@ class Run:
         emit("pivot", step=self.step, **{"from": cur.name if cur else "pretrain", "to": nxt.name},
              checkpoint=str(path))
 
-    def train(self, resume: bool = False) -> int:
+    def train(self, resume: bool = False, resume_at_most=None) -> int:
         t = self.cfg.train
         self.sig.install()
         self.eng.print_plan()
@@ -106,7 +160,7 @@ class Run:
         emit("plan", n_params=self.eng.layout.n_params, total_bytes=plan.total(),
              rows=[{"name": g, "bytes": b} for g, b in plan.by_group().items()])
         if resume:
-            self.resume()
+            self.resume(resume_at_most)
         self._resume_step = self.step
         tokens = t.batch_size * t.seq_len * t.grad_accum
         t0 = time.perf_counter()
@@ -124,9 +178,11 @@ class Run:
                 emit("step", phase=ph.name if ph else "pretrain", tokens_per_s=tokens / dt,
                      wall_s=time.perf_counter() - t0, **rec, **mix)
             if self.eng.bad_streak >= t.max_bad_steps:
-                self.save("abort")
+                saved = self.save("abort")
+                where = (f"{saved.name} holds the last good weights" if saved is not None else
+                         f"the newest checkpoint ({self._newest_name()}) holds the last finite weights")
                 print(f"aborting: {self.eng.bad_streak} non-finite steps in a row (train.max_bad_steps="
-                      f"{t.max_bad_steps}); the checkpoint holds the last good weights", file=sys.stderr)
+                      f"{t.max_bad_steps}); {where}", file=sys.stderr)
                 emit("done", step=self.step, status="aborted")
                 return EXIT_ABORTED
             self._cadence()
@@ -138,9 +194,17 @@ class Run:
                 self.sig.save = False
                 self.save("signal")
         if not ck.is_valid(ck.bin_path(self.ckpt_dir, self.step)):  # a signal save may have just written it
-            self.save("final")
+            if self.save("final") is None:
+                print(f"aborting: the final weights are not finite; the newest checkpoint "
+                      f"({self._newest_name()}) holds the last finite weights", file=sys.stderr)
+                emit("done", step=self.step, status="aborted")
+                return EXIT_ABORTED
         emit("done", step=self.step, status="finished")
         return 0
+
+    def _newest_name(self) -> str:
+        p = ck.latest_checkpoint(self.run_dir)
+        return p.name if p is not None else "none: the run wrote no checkpoint"
 
     def _cadence(self):
         t, s = self.cfg.train, self.step

@@ -10,31 +10,46 @@
 The config comes from conf/ (config.yaml, one option per group, conf/experiment/<EXP>.yaml), typed
 by the dataclasses of andrea/config.py: an unknown key, a wrong type or a missing experiment stops
 before anything runs, with Hydra's message naming the key. The resolved config is written to
-`<run folder>/config.yaml`, then `andrea.proxy.supervise` runs the engine on it. The exit status is
-the proxy's (andrea/protocol.py): 0 finished or stopped, 3 aborted (non-finite steps), 1 failed, 2
-bad config, a run folder that belongs to another config, or a corrupt record file.
+`<run folder>/config.yaml`, then `andrea.proxy.supervise` runs the engine on it. Exit status
+(andrea/protocol.py): 0
+only when the run finished (then `<run folder>/trained/` holds final.bin and final.json, links to
+the final checkpoint and its sidecar, the completed `<exp>.loss.json` and `config.yaml`); 75 when
+it stopped before its last step (SIGTERM, Ctrl-C, a preemption: the same command resumes it); 3
+aborted (non-finite steps); 1 failed; 2 bad config (one line on stderr, no traceback) or a run
+folder that belongs to another config or holds only damaged checkpoints; 4 a checkpoint did not
+fit on the disk. The run folder's lock is taken before anything in it is read or written, so a
+refused second command changes nothing.
 
 A run folder whose newest checkpoint was written with the same model and training settings
 resumes from it; one written with other settings is refused (move it away to start afresh), so an
-override never silently continues another run's weights.
+override never silently continues another run's weights. With `--new-run-on-change` (first
+argument; the workflow passes it) that run is moved to `<run folder>/previous/<hash>-<time>/`
+instead, never deleted, and this one starts afresh.
 """
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import sys
+import time
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from .atomic import atomic_write
 # composing also registers the config schemas that hydra.main below needs
-from .compose import ConfigError, compose_config, resolve  # noqa: F401 (compose_config: public here too)
+from .compose import ConfigError, compose_config, one_line, resolve  # noqa: F401 (compose_config: public here too)
 from .config import AndreaConfig, config_hash
 from .paths import CONF_DIR
-from .protocol import EXIT_BAD_INPUT
+from .protocol import EXIT_BAD_INPUT, EXIT_STOPPED
 
+TRAINED_DIR = "trained"  # what a finished run produces (the workflow's train outputs)
+SET_ASIDE_DIR = "previous"  # runs of other settings, moved aside by --new-run-on-change
+NEW_RUN_FLAG = "--new-run-on-change"
+NEW_RUN_ON_CHANGE = False  # set by NEW_RUN_FLAG (the workflow passes it)
 MAX_TAG = 200  # sweep folder names stay under the usual 255-byte file-name limit
 
 
@@ -58,20 +73,70 @@ def write_config(path: Path, cfg: AndreaConfig) -> None:
     atomic_write(path, text)
 
 
-def check_run_folder(cfg: AndreaConfig, run_dir: Path) -> None:
-    """Refuse a run folder whose newest checkpoint belongs to other model/training settings."""
+def check_run_folder(cfg: AndreaConfig, run_dir: Path, new_run_on_change: bool = False) -> None:
+    """Refuse a run folder whose newest checkpoint belongs to other model/training settings; with
+    new_run_on_change, move that run aside (set_aside) instead, so this one starts afresh."""
     from .checkpoint import latest_checkpoint, read_sidecar
 
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         return
     theirs, ours = read_sidecar(ckpt).get("config_hash"), config_hash(cfg)
-    if theirs != ours:
+    if theirs != ours and new_run_on_change:
+        dest = set_aside(cfg, run_dir, str(theirs))
+        print(f"andrea.train: {ckpt.name} was written with other model/training settings (config_hash "
+              f"{str(theirs)[:12]}…); that run was moved to {dest} and this one starts afresh", file=sys.stderr)
+    elif theirs != ours:
         raise ConfigError(
             f"{ckpt} was written with other model/training settings (config_hash {str(theirs)[:12]}… but "
             f"this config gives {ours[:12]}…). Resuming would continue another run. Move "
             f"{run_dir / 'checkpoints'} away (or delete it) to start afresh, or restore the old settings "
             f"(see {run_dir / 'config.yaml'}) to resume it.")
+
+
+def set_aside(cfg: AndreaConfig, run_dir: Path, their_hash: str) -> Path:
+    """Move a previous run's checkpoints and records to <run>/previous/<hash>-<time>/ (renames in
+    the same folder: nothing is copied, nothing deleted)."""
+    dest = run_dir / SET_ASIDE_DIR / f"{their_hash[:12]}-{time.strftime('%Y%m%dT%H%M%S')}"
+    while dest.exists():
+        dest = dest.with_name(dest.name + "+")
+    dest.mkdir(parents=True)
+    for name in ("checkpoints", "archive", TRAINED_DIR, "config.yaml",
+                 *(f"{cfg.exp}.{kind}.json" for kind in ("loss", "samples", "state"))):
+        if (run_dir / name).exists():
+            os.replace(run_dir / name, dest / name)
+    return dest
+
+
+def publish_trained(cfg: AndreaConfig, run_dir: Path, final: Path) -> Path:
+    """<run>/trained/: what a finished run produces, the workflow's train outputs: final.bin and
+    final.json (hard links to the final checkpoint and its sidecar, copies where links cannot be
+    made), <exp>.loss.json (the completed history) and config.yaml. Assembled under a temporary
+    name and renamed, so it is complete or absent; resume state never lives there."""
+    import shutil
+
+    from .atomic import atomic_copy
+    from .checkpoint import sidecar_path
+
+    out = run_dir / TRAINED_DIR
+    tmp = run_dir / f".{TRAINED_DIR}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        for src, name in ((final, "final.bin"), (sidecar_path(final), "final.json")):
+            try:
+                os.link(src, tmp / name)
+            except OSError:
+                atomic_copy(src, tmp / name)
+        for name in (f"{cfg.exp}.loss.json", "config.yaml"):
+            atomic_copy(run_dir / name, tmp / name)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def run_folder() -> Path:
@@ -82,30 +147,102 @@ def run_folder() -> Path:
 
 
 def train(cfg: DictConfig) -> int:
+    """Lock, check and prepare the run folder, supervise the run; returns the exit status."""
     try:
         run_cfg = resolve(cfg)
         run_dir = run_folder()
-        check_run_folder(run_cfg, run_dir)
     except (ConfigError, ValueError) as e:
         print(f"andrea.train: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    write_config(run_dir / "config.yaml", run_cfg)
-    print(f"andrea.train: {run_cfg.exp} -> {run_dir} (config_hash {config_hash(run_cfg)[:12]})", file=sys.stderr)
-    from .proxy import RecordError, supervise  # imported late: composing a config must not need the engine
+    from .checkpoint import CheckpointError
+    from .lock import LockHeld, run_lock
+    from .proxy import RecordError, refuse_unusable_checkpoints, supervise  # late: composing needs no engine
 
+    run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return supervise(run_cfg, run_dir)
-    except (RecordError, RuntimeError) as e:  # a corrupt record file, or another proxy on this run
+        # the proxy's lock first: a refused second command must not touch a live run's folder
+        with run_lock(run_dir, "proxy"):
+            refuse_unusable_checkpoints(run_dir)
+            check_run_folder(run_cfg, run_dir, NEW_RUN_ON_CHANGE)
+            write_config(run_dir / "config.yaml", run_cfg)
+            print(f"andrea.train: {run_cfg.exp} -> {run_dir} (config_hash {config_hash(run_cfg)[:12]})",
+                  file=sys.stderr)
+            rc = supervise(run_cfg, run_dir)
+            return finish(run_cfg, run_dir, rc)
+    except (ConfigError, RecordError, CheckpointError, LockHeld) as e:  # bad config, records or checkpoints
         print(f"andrea.train: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def finish(cfg: AndreaConfig, run_dir: Path, rc: int) -> int:
+    """0 only when the run finished (a valid checkpoint at train.steps; trained/ is then written);
+    75 when it stopped before its last step (a signal, a preemption): the same command resumes it."""
+    from .checkpoint import bin_path, is_valid, latest_checkpoint
+
+    if rc != 0:
+        return rc
+    final = bin_path(run_dir / "checkpoints", cfg.train.steps)
+    if not is_valid(final):
+        newest = latest_checkpoint(run_dir)
+        at = newest.name if newest is not None else "no checkpoint yet"
+        print(f"andrea.train: stopped before step {cfg.train.steps} (newest checkpoint: {at}); the same "
+              f"command resumes it (exit {EXIT_STOPPED})", file=sys.stderr)
+        return EXIT_STOPPED
+    out = publish_trained(cfg, run_dir, final)
+    print(f"andrea.train: finished; {out} holds the final checkpoint and the completed history", file=sys.stderr)
+    return 0
+
+
+def precheck(argv) -> Optional[str]:
+    """What is wrong with the config of a single run given these command-line overrides, on one
+    line (None when it composes and validates). Sweeps (-m) and Hydra flags are left to Hydra."""
+    if any(a.startswith("-") or a.startswith(("hydra.", "hydra/", "+hydra", "~hydra")) for a in argv):
+        return None
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            resolve(compose(config_name="config", overrides=list(argv)))
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        return one_line(e)
+    finally:
+        GlobalHydra.instance().clear()
+    return None
+
+
+_task_started = False  # set once Hydra has composed the config and called main
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    global _task_started
+    _task_started = True
     code = train(cfg)
     if code:
         sys.exit(code)  # in a sweep this stops the sweep: later runs would likely fail the same way
 
 
+def cli() -> None:
+    """`python -m andrea.train`: a config that does not compose exits 2 with one line, before Hydra
+    starts; anything Hydra itself refuses later (a sweep's config) exits 2 as well."""
+    global NEW_RUN_ON_CHANGE
+    if NEW_RUN_FLAG in sys.argv[1:]:
+        sys.argv.remove(NEW_RUN_FLAG)
+        NEW_RUN_ON_CHANGE = True
+    problem = precheck(sys.argv[1:])
+    if problem is not None:
+        print(f"andrea.train: config error: {problem}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    try:
+        main()
+    except SystemExit as e:
+        if e.code == 1 and not _task_started:  # Hydra's own error exit, before any run
+            sys.exit(EXIT_BAD_INPUT)
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    cli()

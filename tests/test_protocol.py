@@ -35,14 +35,15 @@ def test_parse_blank_non_object_and_cut_lines():
 
 
 def test_exit_codes_are_the_documented_ones():
-    codes = [protocol.EXIT_OK, protocol.EXIT_GAVE_UP, protocol.EXIT_BAD_INPUT, protocol.EXIT_ABORTED]
-    assert codes == [0, 1, 2, 3]
+    codes = [protocol.EXIT_OK, protocol.EXIT_GAVE_UP, protocol.EXIT_BAD_INPUT, protocol.EXIT_ABORTED,
+             protocol.EXIT_NO_SPACE, protocol.EXIT_ORPHANED, protocol.EXIT_STOPPED]
+    assert codes == [0, 1, 2, 3, 4, 5, 75]
 
 
 def test_the_engine_emits_only_protocol_events():
     """Every emit("...") in the engine process names an event the protocol defines, and every
     protocol event is emitted somewhere (no stale names on either side)."""
-    src = (REPO / "andrea" / "runner.py").read_text()
+    src = "".join((REPO / "andrea" / name).read_text() for name in ("runner.py", "cli.py"))
     emitted = set(re.findall(r'\bemit\("([a-z_]+)"', src))
     assert emitted == set(protocol.EVENTS)
 

@@ -5,8 +5,11 @@ dashboard and the report read the files. Each file is rewritten atomically (temp
 os.replace), so a reader never sees half a file.
 
 `<exp>.loss.json`, the whole training history, never truncated and never archived:
-    {"format": "andrea-loss/1", "exp": str, "total_steps": int, "history": [record, ...]}
-    one record per logged optimizer step, in increasing step order, each step once:
+    {"format": "andrea-loss/1", "exp": str, "total_steps": int, "log_every": int or null,
+     "history": [record, ...]}
+    one record per logged optimizer step, in increasing step order, each step once; every multiple
+    of log_every up to the last record is there (log_every is the least common multiple of the
+    train.log_every values the run used; null for a history older than the field):
       step          optimizer steps completed (from 1)
       phase         training phase of the step (train.phases[].name, "pretrain" without phases)
       loss          mean training loss of the step (null when not finite)
@@ -35,14 +38,17 @@ os.replace), so a reader never sees half a file.
     "phase", "last_checkpoint" (path relative to the run folder), "last_checkpoint_step",
     "restarts" (engine restarts after a crash, counted over the run's whole life), "pid" (proxy),
     "engine_pid", "engine_exit" (last exit code), "n_params", "archives" (list of {"phase",
-    "step", "dir"}), "message", "started_at", "updated_at"}.
+    "step", "dir"}), "skipped_checkpoints" (list of {"file", "reason"}: checkpoints the engine
+    found damaged and did not resume from), "message", "started_at", "updated_at"}.
 
 Pivot archive: on the engine's `pivot` event (a checkpoint at a train.phases boundary),
 archive_pivot copies `<exp>.samples.json`, `<exp>.state.json` and that checkpoint (.bin and its
 .json sidecar) into `archive/<from-phase>-<step>/`; `<exp>.loss.json` stays whole in the run folder.
 
-A history, samples or state file that does not parse at start-up raises RecordError naming the
-file; it is never silently reset.
+A history, samples or state file that does not parse, holds a field of the wrong type or (history)
+misses a logged step raises RecordError at start-up, naming the file, the entry and what was
+expected; it is never silently reset. A rewrite that fails (a full disk) is reported once and
+retried at the next flush; the old files stay whole and the records in memory are kept.
 """
 from __future__ import annotations
 
@@ -51,6 +57,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -80,14 +87,68 @@ def _finite_map(d: dict) -> dict:
     return {str(k): _finite(v) for k, v in d.items()}
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _num_or_null(x) -> bool:
+    return x is None or _number(x)
+
+
+def _str_or_null(x) -> bool:
+    return x is None or isinstance(x, str)
+
+
+def _int_or_null(x) -> bool:
+    return x is None or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def _number_map(x) -> bool:
+    return isinstance(x, dict) and all(_num_or_null(v) for v in x.values())
+
+
+def _sample_list(x) -> bool:
+    return isinstance(x, list) and all(isinstance(s, dict) and isinstance(s.get("prompt"), str)
+                                       and isinstance(s.get("completion"), str) for s in x)
+
+
+def _archive(x) -> bool:
+    return (isinstance(x, dict) and isinstance(x.get("phase"), str) and isinstance(x.get("dir"), str)
+            and isinstance(x.get("step"), int))
+
+
+# field -> (test, what is expected), for the fields a record may hold (absent is fine)
+ENTRY_FIELDS = {
+    "history": {"phase": (_str_or_null, "a string or null"), "skipped": (lambda x: isinstance(x, bool), "true or false"),
+                **{k: (_num_or_null, "a number or null") for k in STEP_FIELDS + ("val_loss", "t")},
+                "group": (_str_or_null, "a string"),
+                **{k: (_number_map, "an object of numbers or nulls") for k in MIX_FIELDS + ("group_val_loss",)}},
+    "samples": {"phase": (_str_or_null, "a string or null"), "t": (_num_or_null, "a number or null"),
+                "samples": (_sample_list, "a list of {prompt, completion} strings")},
+    "archives": {"phase": (lambda x: isinstance(x, str), "a string"), "dir": (lambda x: isinstance(x, str), "a string")},
+}
+STATE_FIELDS = {
+    "status": (lambda x: x in ("running", "stopped", "finished", "failed"), "running, stopped, finished or failed"),
+    "step": (_int_or_null, "an integer or null"), "total_steps": (_int_or_null, "an integer or null"),
+    "phase": (_str_or_null, "a string or null"), "last_checkpoint": (_str_or_null, "a string or null"),
+    "last_checkpoint_step": (_int_or_null, "an integer or null"),
+    "restarts": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0, "an integer >= 0"),
+    "n_params": (_int_or_null, "an integer or null"), "message": (_str_or_null, "a string"),
+    "skipped_checkpoints": (lambda x: isinstance(x, list) and all(isinstance(e, dict) for e in x),
+                            "a list of {file, reason}"),
+}
+
+
 def _load_record(path: Path, key: str, exp: str) -> Optional[dict]:
-    """The parsed record file at path (None when absent), or a RecordError saying what is wrong."""
+    """The parsed record file at path (None when absent), or a RecordError saying what is wrong:
+    not JSON, another experiment, a step out of order, a field of the wrong type, or (history)
+    a logged step missing."""
     if not path.exists():
         return None
     hint = "It was left untouched: repair it, or move it away to start a new record."
     try:
         obj = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise RecordError(f"{path}: not valid JSON ({e}); the file is corrupt or half-written. {hint}")
     if not isinstance(obj, dict) or not isinstance(obj.get(key, []), list):
         raise RecordError(f"{path}: expected a JSON object with a list under {key!r}. {hint}")
@@ -95,19 +156,42 @@ def _load_record(path: Path, key: str, exp: str) -> Optional[dict]:
         raise RecordError(f"{path}: exp is {obj.get('exp')!r} but this run is {exp!r}; "
                           f"a record of another experiment? {hint}")
     prev = 0
+    fields = ENTRY_FIELDS[key]
     for i, rec in enumerate(obj.get(key, [])):
         step = rec.get("step") if isinstance(rec, dict) else None
-        if not isinstance(step, int) or step <= prev:
+        if not isinstance(step, int) or isinstance(step, bool) or step <= prev:
             raise RecordError(f"{path}: {key}[{i}].step is {step!r} but expected an integer > {prev} "
                               f"(steps strictly increasing). {hint}")
+        for name, (ok, expected) in fields.items():
+            if name in rec and not ok(rec[name]):
+                raise RecordError(f"{path}: {key}[{i}].{name} is {rec[name]!r} (step {step}) but expected "
+                                  f"{expected}. {hint}")
+        if key == "archives" and not _archive(rec):
+            raise RecordError(f"{path}: archives[{i}] is {rec!r} but expected {{phase, step, dir}}. {hint}")
         prev = step
+    if key == "archives":  # the state file
+        for name, (ok, expected) in STATE_FIELDS.items():
+            if name in obj and not ok(obj[name]):
+                raise RecordError(f"{path}: {name} is {obj[name]!r} but expected {expected}. {hint}")
+    if key == "history":
+        every = obj.get("log_every")
+        if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+            raise RecordError(f"{path}: log_every is {every!r} but expected an integer >= 1. {hint}")
+        logged = {r["step"] for r in obj["history"] if "loss" in r} if "history" in obj else set()
+        if every and obj.get("history"):
+            last = obj["history"][-1]["step"]
+            missing = [s for s in range(every, last + 1, every) if s not in logged]
+            if missing:
+                some = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+                raise RecordError(f"{path}: {len(missing)} logged step(s) missing ({some}); every multiple of "
+                                  f"log_every={every} up to step {last} is expected, each once. {hint}")
     return obj
 
 
 class RunRecords:
     """The three JSON files of one run folder, kept in memory and flushed atomically."""
 
-    def __init__(self, exp: str, run_dir: Path, total_steps: int, flush_s: float = FLUSH_S):
+    def __init__(self, exp: str, run_dir: Path, total_steps: int, flush_s: float = FLUSH_S, log_every: int = 1):
         self.run_dir, self.flush_s = run_dir, flush_s
         self.loss_path = run_dir / f"{exp}.loss.json"
         self.samples_path = run_dir / f"{exp}.samples.json"
@@ -116,18 +200,26 @@ class RunRecords:
         samples = _load_record(self.samples_path, "samples", exp)
         state = _load_record(self.state_path, "archives", exp)
         self.history: list = loss["history"] if loss else []
+        self.state_loaded = state is not None
         self.samples: list = samples["samples"] if samples else []
-        self.loss_meta = {"format": LOSS_FORMAT, "exp": exp, "total_steps": total_steps}
+        # the multiples of log_every are always logged; a resume may change train.log_every, and the
+        # multiples of both the old and the new one are logged in both parts of the history
+        every = math.lcm(loss["log_every"], log_every) if loss and loss.get("log_every") else log_every
+        if loss and loss.get("history") and not loss.get("log_every"):
+            every = None  # written before the field existed: which steps were logged is not known
+        self.loss_meta = {"format": LOSS_FORMAT, "exp": exp, "total_steps": total_steps, "log_every": every}
         self.state = {"exp": exp, "status": "running", "step": self.last_step(), "total_steps": total_steps,
                       "phase": None, "last_checkpoint": None, "last_checkpoint_step": None,
                       "restarts": 0, "pid": os.getpid(), "engine_pid": None, "engine_exit": None,
                       "n_params": None, "archives": [], "message": ""}
-        for k in ("phase", "last_checkpoint", "last_checkpoint_step", "restarts", "n_params", "archives"):
+        for k in ("phase", "last_checkpoint", "last_checkpoint_step", "restarts", "n_params", "archives",
+                  "skipped_checkpoints"):
             if state and k in state:
                 self.state[k] = state[k]
         self.state["started_at"] = self.state["updated_at"] = time.time()
         self._last_flush = 0.0
         self._write_s = 0.0  # how long the last flush took
+        self.write_error: Optional[str] = None  # the last failed rewrite, until one succeeds
 
     def last_step(self) -> int:
         return self.history[-1]["step"] if self.history else 0
@@ -202,8 +294,20 @@ class RunRecords:
         if not force and now - self._last_flush < max(self.flush_s, 20 * self._write_s):
             return
         self.state["updated_at"] = now
-        atomic_write_json(self.loss_path, {**self.loss_meta, "history": self.history})
-        atomic_write_json(self.state_path, self.state)
+        try:
+            atomic_write_json(self.loss_path, {**self.loss_meta, "history": self.history})
+            atomic_write_json(self.state_path, self.state)
+        except OSError as e:  # a full disk: the old files stay whole, the records stay in memory
+            first = self.write_error is None
+            self.write_error = str(e)
+            self._last_flush = time.time()
+            if first:
+                print(f"andrea.proxy: cannot rewrite the run records: {e}; retrying at the next flush",
+                      file=sys.stderr)
+            return
+        if self.write_error is not None:
+            print("andrea.proxy: the run records are written again", file=sys.stderr)
+        self.write_error = None
         self._last_flush = time.time()
         self._write_s = self._last_flush - now
 

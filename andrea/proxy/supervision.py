@@ -14,14 +14,27 @@ Crash recovery: an engine exit other than 0, 2 and 3 (killed, out of memory, a C
 it with --resume from its newest good checkpoint, after a back-off that doubles with each failure in
 a row (backoff_s, 2*backoff_s, ..., at most backoff_max_s); max_restarts failures in a row without a
 new checkpoint give up with status `failed`. Exit 2 (bad input: config, shards or checkpoint, which
-a restart cannot mend) and exit 3 (train.max_bad_steps non-finite steps) end the run with status
-`failed`, no restart.
+a restart cannot mend), exit 3 (train.max_bad_steps non-finite steps) and exit 4 (a checkpoint did
+not fit on the disk; a restart would only fill it again) end the run with status `failed`, no
+restart, the engine's message (its `error` event) in state.json. A stop that reaches an engine
+still starting (before its signal handlers) is a stop, not a failure: it had trained nothing.
+
+Kills: the engine is started with ANDREA_PROXY_PID, so it dies with this process. A proxy killed
+at any moment may have lost the events of a checkpoint the engine wrote just before; so each
+engine life starts with --resume-at-most <last_checkpoint_step of the state file>: the engine
+resumes from the newest valid checkpoint at or below it and replays the rest (the same bits), and
+the history keeps every step exactly once, with its validation loss and samples.
+
+Checkpoints: when the run folder holds checkpoints but none of them is valid, the proxy refuses
+to start (CheckpointError naming each file and why) and writes nothing; a damaged one the engine
+skips is reported (`bad_checkpoint`) and listed in state.json's skipped_checkpoints.
 
 Phases: the engine itself writes a checkpoint just before crossing train.phases[i].start_step and
 prints a `pivot` event; the checkpoint is taken at the exact step boundary, which a signal from the
 proxy could not guarantee. The proxy then archives it (records.archive_pivot). Training goes on.
 
-`.proxy.lock` in the run folder (an flock) keeps a second proxy off a run that is being supervised.
+`.proxy.lock` in the run folder (an flock, andrea/lock.py) keeps a second proxy off a run that is
+being supervised; the engine holds `.engine.lock`.
 
 Run: `python -m andrea.proxy results/ANDREA-tiny` or `andrea-proxy results/ANDREA-tiny` (the folder
 must hold the resolved config.yaml); usually started for you by `python -m andrea.train`.
@@ -29,7 +42,6 @@ must hold the resolved config.yaml); usually started for you by `python -m andre
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 import signal
 import subprocess
@@ -42,7 +54,9 @@ from typing import Callable, Optional, Sequence
 from tqdm import tqdm
 
 from andrea.config import ProxyConfig
-from andrea.protocol import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_OK, parse
+from andrea.lock import run_lock
+from andrea.protocol import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_NO_SPACE, EXIT_OK, PROXY_PID_ENV,
+                             parse)
 
 from .records import FLUSH_S, RecordError, RunRecords, archive_pivot
 
@@ -65,7 +79,9 @@ class Supervisor:
         self.argv = list(engine_argv) if engine_argv else [
             sys.executable, "-m", "andrea.cli", "engine", "--config", str(self.run_dir / "config.yaml"),
             "--run-dir", str(self.run_dir), "--resume"]
-        self.rec = RunRecords(cfg.exp, self.run_dir, int(cfg.train.steps), flush_s)
+        self.own_argv = not engine_argv
+        self.lives = 0
+        self.rec = RunRecords(cfg.exp, self.run_dir, int(cfg.train.steps), flush_s, int(cfg.train.log_every))
         self.proc: Optional[subprocess.Popen] = None
         self.stop_requested = False
         self.bar = tqdm(total=int(cfg.train.steps), initial=self.rec.last_step(), desc=cfg.exp, unit="step",
@@ -139,18 +155,39 @@ class Supervisor:
                 rec.flush(force=True)
         elif kind == "plan":
             rec.state["n_params"] = ev.get("n_params")
+        elif kind == "bad_checkpoint":
+            name, reason = Path(str(ev.get("checkpoint", "?"))).name, str(ev.get("reason", "?"))
+            skipped = rec.state.setdefault("skipped_checkpoints", [])
+            if {"file": name, "reason": reason} not in skipped:
+                skipped.append({"file": name, "reason": reason})
+            self._say(f"checkpoint {name} is not valid and was skipped: {reason}")
+            rec.flush(force=True)
+        elif kind == "error":
+            life["error"] = str(ev.get("message", ""))
         elif kind == "done":
             life["done"] = ev.get("status")
         if self.on_event is not None:
             self.on_event(ev, self.proc.pid)
 
+    def _restart_bar(self, at: int) -> None:
+        """Move the bar to step `at` and start its clock and rate afresh: a resume goes back to
+        its checkpoint's step, and a rate measured across that jump would be negative."""
+        from tqdm.std import EMA
+
+        bar = self.bar
+        bar.n = bar.last_print_n = bar.initial = at
+        if bar.disable:
+            return
+        bar.last_print_t = bar.start_t = bar._time()
+        bar._ema_dn, bar._ema_dt, bar._ema_miniters = EMA(bar.smoothing), EMA(bar.smoothing), EMA(bar.smoothing)
+        bar.refresh()
+
     def _progress(self, r: Optional[dict], reset_to: Optional[int] = None) -> None:
         if reset_to is not None:
-            self.bar.n = self.bar.last_print_n = reset_to
-            self.bar.refresh()
+            self._restart_bar(reset_to)
             return
-        if r["step"] < self.bar.n:
-            self.bar.n = self.bar.last_print_n = r["step"] - 1
+        if r["step"] <= self.bar.n:
+            self._restart_bar(r["step"] - 1)
         self.bar.update(r["step"] - self.bar.n)
         loss, tps = r.get("loss"), r.get("tokens_per_s") or 0.0
         self.bar.set_postfix(loss="nan" if loss is None else f"{loss:.4f}", tok_s=f"{tps:,.0f}",
@@ -158,10 +195,15 @@ class Supervisor:
 
     def _run_engine(self) -> tuple:
         """Start the engine, follow its stdout to the end; returns (exit code, life summary)."""
-        life = {"resume": None, "stepped": False, "ckpt": -1, "done": None}
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        life = {"resume": None, "stepped": False, "ckpt": -1, "done": None, "error": None}
+        argv = list(self.argv)
+        limit = self._resume_limit()
+        if self.own_argv and limit is not None:
+            argv += ["--resume-at-most", str(limit)]
+        self.lives += 1
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                      text=True, encoding="utf-8", errors="replace", bufsize=1,
-                                     process_group=0)
+                                     process_group=0, env={**os.environ, PROXY_PID_ENV: str(os.getpid())})
         self.rec.state.update(status="running", engine_pid=self.proc.pid, pid=os.getpid())
         self.rec.flush(force=True)
         if self.stop_requested:  # a signal arrived while no engine was running
@@ -177,6 +219,15 @@ class Supervisor:
         rc = self.proc.wait()
         self.rec.state["engine_exit"] = rc
         return rc, life
+
+    def _resume_limit(self) -> Optional[int]:
+        """The newest step the engine may resume from: the last checkpoint whose events were all
+        recorded (see the module docstring). None: no records to keep whole (a run folder without
+        a state file), so the newest checkpoint."""
+        step = self.rec.state.get("last_checkpoint_step")
+        if step is not None:
+            return int(step)
+        return 0 if (self.rec.state_loaded or self.lives) else None
 
     def _wait_backoff(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -201,8 +252,16 @@ class Supervisor:
                 st.update(status="failed", message="engine aborted: too many non-finite steps in a row (exit 3)")
                 return EXIT_ABORTED
             if rc == EXIT_BAD_INPUT:
-                st.update(status="failed", message="engine refused its input (exit 2); see its error above")
+                st.update(status="failed", message=f"engine refused its input (exit 2): {life['error'] or 'see its error above'}")
                 return EXIT_BAD_INPUT
+            if rc == EXIT_NO_SPACE:
+                st.update(status="failed", message=f"engine stopped, disk full (exit 4): {life['error'] or 'see its error above'}")
+                return EXIT_NO_SPACE
+            if self.stop_requested and rc == -signal.SIGTERM and not life["stepped"]:
+                # the stop reached the engine while it was starting, before its handlers: it had
+                # trained nothing in this life, so there was nothing to save
+                st.update(status="stopped", message="stopped by a signal while the engine was starting")
+                return EXIT_OK
             if self.stop_requested:
                 st.update(status="failed", message=f"engine exited with {rc} while stopping")
                 return EXIT_GAVE_UP
@@ -234,6 +293,21 @@ class Supervisor:
         self.rec.state["engine_pid"] = None
         self.rec.flush(force=True)
         self.bar.close()
+        if self.rec.write_error is not None:
+            print(f"andrea.proxy: the last state could not be written ({self.rec.write_error}); "
+                  f"{self.rec.state_path} may be stale", file=sys.stderr)
+
+
+def refuse_unusable_checkpoints(run_dir: Path) -> None:
+    """CheckpointError when run_dir/checkpoints holds checkpoints but none is valid: a fresh start
+    would replace the history and overwrite them, so nothing is started and nothing written."""
+    from andrea.checkpoint import CheckpointError, scan
+
+    best, skipped = scan(run_dir)
+    if best is None and skipped:
+        names = "; ".join(f"{p.name}: {reason}" for p, reason in skipped)
+        raise CheckpointError(f"{run_dir / 'checkpoints'}: {len(skipped)} checkpoint(s) and none is valid ({names}). "
+                              "Nothing was started or changed: repair them, or move the folder away to start afresh")
 
 
 def supervise(cfg, run_dir, *, max_restarts: Optional[int] = None, backoff_s: Optional[float] = None,
@@ -247,7 +321,8 @@ def supervise(cfg, run_dir, *, max_restarts: Optional[int] = None, backoff_s: Op
 
     Returns an exit code of andrea.protocol: 0 (finished, or stopped by a signal), 1 (gave up after
     max_restarts restarts in a row without a new checkpoint, or the engine failed while stopping),
-    2 (the engine refused its input) or 3 (the engine aborted after too many non-finite steps).
+    2 (the engine refused its input, or only damaged checkpoints), 3 (the engine aborted after too
+    many non-finite steps) or 4 (a checkpoint did not fit on the disk).
     on_event(event, engine_pid) is called after each engine event is recorded (monitoring, tests).
     Raises RecordError before starting anything if a record file in run_dir is corrupt.
     """
@@ -264,13 +339,8 @@ def supervise(cfg, run_dir, *, max_restarts: Optional[int] = None, backoff_s: Op
     if not (run_dir / "config.yaml").is_file() and engine_argv is None:
         raise FileNotFoundError(f"run folder {run_dir}: no config.yaml; the engine reads the resolved "
                                 f"config from there (python -m andrea.train writes it)")
-    lock = open(run_dir / ".proxy.lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        raise RuntimeError(f"run folder {run_dir}: another proxy already supervises it (.proxy.lock held)")
-    try:
+    with run_lock(run_dir, "proxy"):
+        refuse_unusable_checkpoints(run_dir)
         sup = Supervisor(cfg, run_dir, max_restarts=max_restarts, backoff_s=backoff_s,
                          backoff_max_s=backoff_max_s, flush_s=flush_s, progress=progress,
                          on_event=on_event, engine_argv=engine_argv)
@@ -285,11 +355,10 @@ def supervise(cfg, run_dir, *, max_restarts: Optional[int] = None, backoff_s: Op
             sup.close(error)
             for s, h in old.items():
                 signal.signal(s, h)
-    finally:
-        lock.close()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from andrea.checkpoint import CheckpointError
     from andrea.config import load_run_config
 
     ap = argparse.ArgumentParser(prog="python -m andrea.proxy", description=__doc__.splitlines()[0])
@@ -303,7 +372,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return supervise(cfg, a.run_dir, max_restarts=a.max_restarts, backoff_s=a.backoff,
                          flush_s=a.flush, progress=not a.no_progress)
-    except (RecordError, RuntimeError, FileNotFoundError) as e:
+    except (RecordError, CheckpointError, RuntimeError, FileNotFoundError) as e:
         print(f"andrea.proxy: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
