@@ -1,15 +1,18 @@
 """Archive a finished run: final checkpoint + sidecar, resolved config, tokenizer, loss history, manifest.
 
-    python scripts/archive.py --config results/ANDREA-tiny/config.yaml \
-        --checkpoints results/ANDREA-tiny/checkpoints --loss results/ANDREA-tiny/ANDREA-tiny.loss.json \
-        --out results/ANDREA-tiny/archive/final [--tokenizer data/synthetic/tok512/tokenizer.json]
+    python scripts/archive.py --config results/ANDREA-tiny/trained/config.yaml \
+        --checkpoint results/ANDREA-tiny/trained/final.bin \
+        --loss results/ANDREA-tiny/trained/ANDREA-tiny.loss.json --out results/ANDREA-tiny/archive/final \
+        [--tokenizer data/synthetic/tok512/tokenizer.json]
 
 The archive is self-contained: `andrea generate`, `chat` and `export` need nothing else. The
 tokenizer is the config's data.tokenizer unless --tokenizer names it, and is archived as
 tokenizer.json.
 
-The final checkpoint is the newest valid one, and it must be at train.steps (a run that stopped
-early is not archived as final). manifest.json holds the sha256 and size of every archived file
+--checkpoint names the final checkpoint (its sidecar beside it, .json); --checkpoints a run's
+checkpoints/ folder instead, whose newest valid one is taken. Either way it must be valid and at
+train.steps (a run that stopped early is not archived as final); it is archived under its step
+name, step_XXXXXXXX.bin and .json. manifest.json holds the sha256 and size of every archived file
 and the software and hardware it was made with: Python, NumPy, CuPy, CUDA runtime and driver, GPU
 name (null where there is none), the git commit of the checkout. The folder is assembled under a
 temporary name and renamed into place, so it is either complete or absent.
@@ -27,7 +30,7 @@ import time
 from pathlib import Path
 
 from andrea.atomic import sha256_file as sha256
-from andrea.checkpoint import latest_checkpoint, sidecar_path
+from andrea.checkpoint import bin_path, latest_checkpoint, sidecar_path, why_invalid
 from andrea.config import load_run_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,20 +75,28 @@ def environment() -> dict:
             "git_commit": commit, "git_dirty": bool(dirty) if dirty is not None else None}
 
 
-def archive(config: Path, checkpoints: Path, loss: Path | None, out: Path, tokenizer: Path | None = None) -> dict:
+def archive(config: Path, checkpoints: Path | None, loss: Path | None, out: Path, tokenizer: Path | None = None,
+            checkpoint: Path | None = None) -> dict:
     cfg = load_run_config(config)
     tokenizer = Path(tokenizer or cfg.data.tokenizer)
     if not tokenizer.is_file():
         raise SystemExit(f"archive: tokenizer {tokenizer} (data.tokenizer of {config}): no such file; "
                          "an archive must hold its tokenizer (pass --tokenizer)")
-    ckpt = latest_checkpoint(checkpoints.parent) if checkpoints.name == "checkpoints" else None
-    if ckpt is None or ckpt.parent.resolve() != checkpoints.resolve():
-        raise SystemExit(f"archive: {checkpoints}: no valid checkpoint (step_XXXXXXXX.bin with a matching sidecar)")
-    step = int(ckpt.stem.split("_")[1])
+    if checkpoint is not None:
+        ckpt = checkpoint
+        reason = why_invalid(ckpt)
+        if reason is not None:
+            raise SystemExit(f"archive: {ckpt}: not a valid checkpoint: {reason}")
+    else:
+        ckpt = latest_checkpoint(checkpoints.parent) if checkpoints.name == "checkpoints" else None
+        if ckpt is None or ckpt.parent.resolve() != checkpoints.resolve():
+            raise SystemExit(f"archive: {checkpoints}: no valid checkpoint (step_XXXXXXXX.bin with a matching sidecar)")
+    step = int(json.loads(sidecar_path(ckpt).read_text())["step"])
     if step != cfg.train.steps:
-        raise SystemExit(f"archive: newest checkpoint {ckpt.name} is step {step} but train.steps={cfg.train.steps}; "
+        raise SystemExit(f"archive: checkpoint {ckpt.name} is step {step} but train.steps={cfg.train.steps}; "
                          "the run did not finish (see its <exp>.state.json)")
-    files = [(ckpt, ckpt.name), (sidecar_path(ckpt), sidecar_path(ckpt).name), (config, config.name),
+    name = bin_path(".", step).name
+    files = [(ckpt, name), (sidecar_path(ckpt), sidecar_path(name).name), (config, config.name),
              (tokenizer, "tokenizer.json")] + ([(loss, loss.name)] if loss else [])
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -110,12 +121,14 @@ def archive(config: Path, checkpoints: Path, loss: Path | None, out: Path, token
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, type=Path, help="resolved config.yaml of the run")
-    ap.add_argument("--checkpoints", required=True, type=Path, help="the run's checkpoints/ folder")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--checkpoint", type=Path, help="the final checkpoint (its .json sidecar beside it)")
+    where.add_argument("--checkpoints", type=Path, help="a run's checkpoints/ folder: its newest valid checkpoint")
     ap.add_argument("--loss", type=Path, help="<exp>.loss.json, archived beside the checkpoint")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--tokenizer", type=Path, help="tokenizer.json of the run (default: the config's data.tokenizer)")
     a = ap.parse_args(argv)
-    m = archive(a.config, a.checkpoints, a.loss, a.out, a.tokenizer)
+    m = archive(a.config, a.checkpoints, a.loss, a.out, a.tokenizer, a.checkpoint)
     env = m["environment"]
     print(f"archive: {m['exp']} step {m['step']} -> {a.out} ({len(m['files'])} files; python {env['python']}, "
           f"numpy {env['numpy']}, cupy {env['cupy']}, gpu {env['gpu']})", file=sys.stderr)

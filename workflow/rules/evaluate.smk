@@ -6,7 +6,7 @@ rule evaluate:
     input:
         config="results/{exp}/resolved/eval.yaml",
         archive="results/{exp}/archive/final",
-        loss="results/{exp}/{exp}.loss.json",
+        loss="results/{exp}/trained/{exp}.loss.json",
         tokenizer=tokenizer_of,
         shards=shards_of,
         val=split_of("val"),

@@ -1,13 +1,13 @@
 # Train one experiment through the proxy, then archive its final checkpoint.
 #
-# The train step starts from scratch every time it runs: Snakemake removes its outputs, the
-# checkpoints folder included, before running it (a re-run means the config or the data changed,
-# so old checkpoints are of another run), and after a failure unless --keep-incomplete is given.
-# For long GPU runs pass --keep-incomplete. To finish a run that failed or was interrupted
-# (its checkpoints kept): `python -m andrea.train experiment=<EXP> [the same overrides]` resumes
-# from the newest checkpoint; then `snakemake --cleanup-metadata results/<EXP>/config.yaml
-# results/<EXP>/<EXP>.loss.json results/<EXP>/checkpoints` marks train's outputs complete, and
-# `snakemake --cores 1 results/<EXP>` archives and evaluates without training again.
+# train's outputs are what a finished run produces, results/<EXP>/trained/ (final.bin and
+# final.json, links to the final checkpoint and its sidecar; the completed history; config.yaml),
+# never the checkpoints or the live records, so Snakemake never deletes resume state. A train
+# job that is stopped (Ctrl-C, SIGTERM, a preemption) exits 75 and counts as failed; running
+# the same command again resumes from the newest valid checkpoint of the same config and ends
+# with the same bytes as an uninterrupted run, and `--retries N` does that by itself. A changed
+# model or training setting moves the old run to results/<EXP>/previous/ (never deleted) and
+# starts afresh.
 
 
 rule train:
@@ -16,9 +16,10 @@ rule train:
         tokenizer=tokenizer_of,
         shards=shards_of,
     output:
-        config="results/{exp}/config.yaml",
-        loss="results/{exp}/{exp}.loss.json",
-        checkpoints=directory("results/{exp}/checkpoints"),
+        checkpoint="results/{exp}/trained/final.bin",
+        sidecar="results/{exp}/trained/final.json",
+        loss="results/{exp}/trained/{exp}.loss.json",
+        config="results/{exp}/trained/config.yaml",
     params:
         overrides=train_overrides,
     log:
@@ -26,14 +27,14 @@ rule train:
     conda:
         ENV
     shell:
-        "python3 -m andrea.train experiment={wildcards.exp} {params.overrides} > {log} 2>&1"
+        "python3 -m andrea.train --new-run-on-change experiment={wildcards.exp} {params.overrides} > {log} 2>&1"
 
 
 rule archive:
     input:
-        config="results/{exp}/config.yaml",
-        checkpoints="results/{exp}/checkpoints",
-        loss="results/{exp}/{exp}.loss.json",
+        config="results/{exp}/trained/config.yaml",
+        checkpoint="results/{exp}/trained/final.bin",
+        loss="results/{exp}/trained/{exp}.loss.json",
         tokenizer=tokenizer_of,
         script="scripts/archive.py",
     output:
@@ -43,5 +44,5 @@ rule archive:
     conda:
         ENV
     shell:
-        "python3 {input.script} --config {input.config} --checkpoints {input.checkpoints} "
+        "python3 {input.script} --config {input.config} --checkpoint {input.checkpoint} "
         "--loss {input.loss} --tokenizer {input.tokenizer} --out {output} > {log} 2>&1"
