@@ -149,6 +149,8 @@ class Run:
         if self.resumed_reason == "pivot" and self.step == self._resume_step:
             return  # the pivot checkpoint we resumed from already marks it
         path = self.save("pivot")
+        if path is None:  # not finite: nothing to archive; the abort policy decides what comes next
+            return
         emit("pivot", step=self.step, **{"from": cur.name if cur else "pretrain", "to": nxt.name},
              checkpoint=str(path))
 

@@ -62,10 +62,9 @@ def engine_pid(run, proc):
 def test_kill9_of_the_proxy_at_random_moments(straight, tmp_path):
     shards_home, ref = straight
     rng = random.Random(int(os.environ.get("ANDREA_RELIABILITY_SEED", "9")))
-    exact = 0
+    exact = kills = 0
     for trial in range(TRIALS):
         run = write_run(shards_home, run_dir=tmp_path / f"k{trial}" / "t", **SETTINGS)
-        kills = 0
         for _ in range(2):  # two kills per trial, then a clean finish
             proc = start_proxy(run)
             eng = engine_pid(run, proc)
@@ -81,18 +80,17 @@ def test_kill9_of_the_proxy_at_random_moments(straight, tmp_path):
         assert "Traceback" not in r.stderr
         check_whole(run, ref)
         exact += 1
-    print(f"\nproxy kill -9: {TRIALS} trials, resumed bit-exact with a whole history: {exact}")
+    print(f"\nproxy kill -9: {TRIALS} trials ({kills} kills), resumed bit-exact with a whole history: {exact}")
 
 
 def test_kill9_of_the_engine_at_random_moments(straight, tmp_path):
     shards_home, ref = straight
     rng = random.Random(int(os.environ.get("ANDREA_RELIABILITY_SEED", "9")) + 1)
-    exact = 0
+    exact = killed = 0
     for trial in range(TRIALS):
         run = write_run(shards_home, run_dir=tmp_path / f"e{trial}" / "t", **SETTINGS)
         proc = subprocess.Popen(proxy_cmd(run, "--backoff", "0.05"), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, env=env())
-        killed = 0
         try:
             for _ in range(2):
                 eng = engine_pid(run, proc)
@@ -112,7 +110,7 @@ def test_kill9_of_the_engine_at_random_moments(straight, tmp_path):
         assert proc.returncode == 0, err
         check_whole(run, ref)
         exact += 1
-    print(f"\nengine kill -9: {TRIALS} trials, resumed bit-exact with a whole history: {exact}")
+    print(f"\nengine kill -9: {TRIALS} trials ({killed} kills), resumed bit-exact with a whole history: {exact}")
 
 
 def test_sigterm_to_the_proxy_at_random_moments(straight, tmp_path):
