@@ -65,6 +65,10 @@ class Decoder:
         self.w = [{n: self.p[f"h{l}.{n}"] for n in model.LAYER_MATRICES + model.LAYER_VECTORS}
                   for l in range(m.n_layer)]
         self.tokens: List[int] = []  # what the cache holds, oldest first
+        # CUDA: the kernels' own scratch (cuBLAS workspace, ...) for one position, taken now
+        reserve = getattr(backend, "reserve_workspace", None)
+        self.workspace_bytes = (reserve(1, 1, m.d_model, m.n_head, self.b["params"].dtype)
+                                if reserve is not None else 0)
 
     def load(self, params) -> None:
         """Copy flat host weights (float32 or float64, n_params) into the arena."""
@@ -135,6 +139,9 @@ class Decoder:
         print(f"decoder memory plan: {self.m.name} context={self.context} dtype={self.dtype} "
               f"backend={self.be.NAME} params={self.layout.n_params:,}", file=file)
         print(self.plan.table(), file=file, flush=True)
+        if self.workspace_bytes:
+            print(f"{'kernel workspace':<22}{self.workspace_bytes:>16,}{self.workspace_bytes / 2**20:>12.1f}"
+                  "  (backend scratch, outside the arena)", file=file, flush=True)
 
 
 def _upload(dst, value: int) -> None:

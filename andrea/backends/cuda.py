@@ -488,6 +488,24 @@ def _attn_shapes(kernel, qkv, n_head):
     return B, T, C, n_head, C // n_head
 
 
+def k_attn_decode_fwd(out, kcache, vcache, qkv, pos, n_head):
+    """One new position against the KV cache (inference only): writes its k, v into row pos of
+    kcache, vcache (B,ctx,C), then out (B,1,C) = its causal attention over rows 0..pos."""
+    B, T, C, NH, hs = _attn_shapes("k_attn_decode_fwd", qkv, n_head)
+    ct = qkv.dtype
+    if T != 1:
+        raise ValueError(f"k_attn_decode_fwd: qkv has {T} positions, expected 1 (shape (B, 1, 3C))")
+    ctx = kcache.shape[1] if kcache.ndim == 3 else 0
+    _check("k_attn_decode_fwd", "kcache", kcache, (B, ctx, C), ct)
+    _check("k_attn_decode_fwd", "vcache", vcache, (B, ctx, C), ct)
+    _check("k_attn_decode_fwd", "out", out, (B, 1, C), ct)
+    if not 0 <= pos < ctx:
+        raise ValueError(f"k_attn_decode_fwd: pos {pos} outside the cache's {ctx} rows")
+    _launch("decode.cu", "k_attn_decode_fwd", ct, (NH, B), 128,
+            (out, kcache, vcache, qkv, _i32(NH), _i32(hs), _i32(ctx), _i32(pos), np.float32(1.0 / math.sqrt(hs))),
+            shared_mem=4 * (ctx + hs + 32))
+
+
 def _flash(dtype, hs, *arrays) -> bool:
     """Version 3 applies: 16-bit dtype, a supported head size, and every array 16-byte aligned
     (its tiles are copied 16 bytes at a time)."""
