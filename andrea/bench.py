@@ -60,11 +60,8 @@ class GraphTimed:
         import cupy as cp
         cp.cuda.Stream.null.synchronize()  # fills on the default stream come first
         s = self.stream
+        g = self._be.capture(lambda: fn(*args, **kw), s)
         with s:
-            self._be._blas()._bind_stream()  # handle set-up is not allowed inside a capture
-            s.begin_capture()
-            fn(*args, **kw)
-            g = s.end_capture()
             g.launch(stream=s)
             a, b = cp.cuda.Event(), cp.cuda.Event()
             a.record(s)
@@ -81,17 +78,17 @@ def graph_step_ms(eng, x, y, reps=5):
     import cupy as cp
 
     from . import model
-    eng.g["tokens"].set(x)
-    eng.g["targets"].set(y)
+    eng.be.write(eng.g["tokens"], x)
+    eng.be.write(eng.g["targets"], y)
     cp.cuda.Stream.null.synchronize()
     s = cp.cuda.Stream(non_blocking=True)
     n_head = eng.cfg.model.n_head
-    with s:
-        eng.be._blas()._bind_stream()
-        s.begin_capture()
+
+    def passes():
         model.forward(eng.be, eng.p, eng.layers, eng.g, n_head, loss=False)
         model.backward(eng.be, eng.p, eng.dp, eng.layers, eng.g, n_head, eng.dloss)
-        g = s.end_capture()
+    g = eng.be.capture(passes, s)
+    with s:
         g.launch(stream=s)
         a, b = cp.cuda.Event(), cp.cuda.Event()
         a.record(s)
@@ -107,8 +104,8 @@ def profile_step(eng, x, y):
     from . import model
     be = eng.be
     gt = GraphTimed(be)
-    eng.g["tokens"].set(x)
-    eng.g["targets"].set(y)
+    be.write(eng.g["tokens"], x)
+    be.write(eng.g["targets"], y)
     n_head = eng.cfg.model.n_head
     model.forward(gt, eng.p, eng.layers, eng.g, n_head, loss=False)
     model.backward(gt, eng.p, eng.dp, eng.layers, eng.g, n_head, eng.dloss)
@@ -139,11 +136,9 @@ def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=Tru
     cfg = load_run_config({"exp": exp, "model": m, "backend": {"name": "cuda"},
                            "train": {"batch_size": B, "seq_len": T, "precision": precision,
                                      "steps": warmup + 2 * steps, "warmup_steps": 0}})
-    be = get_backend("cuda")
-    be.FLASH = attention == "fused"
-    be.LT = cublaslt
+    be = get_backend("cuda", attention=attention, cublaslt=cublaslt)
     free0, total = cp.cuda.runtime.memGetInfo()
-    eng = Engine(cfg)
+    eng = Engine(cfg, backend=be)
     rng = np.random.default_rng(0)
     batches = []
     for _ in range(4):  # rotate a few batches: the same tokens every step would flatter the caches
@@ -175,8 +170,8 @@ def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=Tru
     tok_s = B * T / (ms / 1e3)
     flops_tok = 6 * n + 6 * m["n_layer"] * T * m["d_model"]
     return {"system": "andrea", "exp": exp, "precision": precision, "batch": B, "context": T,
-            "attention": attention if be._flash(eng.params_c.dtype, m["d_model"] // m["n_head"]) else "materialised",
-            "cublaslt": bool(be._lt() and be._lt().plans), "params": n, "ms_step": round(ms, 2), "tok_s": round(tok_s),
+            "attention": be.attention_variant(eng.params_c.dtype, m["d_model"] // m["n_head"]),
+            "cublaslt": be.used_cublaslt(), "params": n, "ms_step": round(ms, 2), "tok_s": round(tok_s),
             "tflops": round(flops_tok * tok_s / 1e12, 1), "host_ms_step": round(wall / steps * 1e3, 2),
             "loss": rec["loss"], "skipped": eng.skipped,
             "planned_gb": round((planned + extra) / 2**30, 3), "plan_arena_gb": round(planned / 2**30, 3),

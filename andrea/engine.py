@@ -18,7 +18,6 @@ copy of it when first used, so the host need not wait for the step to finish.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 from collections.abc import Mapping
@@ -36,7 +35,6 @@ from .config import AndreaConfig
 ALIGN = 256  # bytes; cuBLAS and vector loads want aligned starts
 SCALE_GROWTH_INTERVAL = 2000  # good fp16 steps before the loss scale doubles (as torch's GradScaler)
 MAX_LOSS_SCALE = 2.0 ** 24
-_SERIAL = itertools.count()  # a unique id per Engine: CUDA graphs are keyed by it (ids get reused)
 
 
 def phase_of(cfg: AndreaConfig, step: int):
@@ -169,21 +167,21 @@ class Engine:
         self.cfg = cfg
         self.be = backend if backend is not None else get_backend(cfg.backend.name)
         t = cfg.train
-        if t.precision != "fp32" and self.be.NAME == "numpy":
-            raise ValueError(f"train.precision={t.precision} needs backend=cuda; the NumPy reference "
-                             "runs fp32 (or float64 in checks)")
+        if t.precision not in self.be.precisions:
+            raise ValueError(f"train.precision={t.precision} needs backend=cuda; backend {self.be.name} "
+                             f"runs {', '.join(self.be.precisions)} (the NumPy reference: fp32, or "
+                             "float64 in checks)")
         self.layout = model.ParamLayout.from_config(cfg.model)
-        self.plan = make_plan(cfg, dtype, self.be.GRAD_NORM_PARTIALS)
+        self.plan = make_plan(cfg, dtype, self.be.grad_norm_partials)
         self.dtype = dtype
         self.mixed = t.precision != "fp32"
         self._allocate()
         self.loss_scale = float(t.loss_scale) if t.precision == "fp16" else 1.0
-        self.serial = next(_SERIAL)
         self.init_params(t.seed)
 
     # ------------------------------------------------------------ set-up
     def _allocate(self):
-        self.arena = Arena(self.be.xp, self.plan.total())
+        self.arena = Arena(self.be, self.plan.total())
         bufs = {r.name: self.arena.take(r.shape, r.dtype) for r in self.plan.rows}
         self.arena.seal()
         self.bufs = bufs
@@ -196,12 +194,13 @@ class Engine:
         shapes = model.activation_shapes(self.cfg.model, 1, 1)
         self.layers = [{k: bufs[f"h{l}.{k}"] for k in shapes} for l in range(self.cfg.model.n_layer)]
         self.g = {k: bufs[k] for k in model.global_shapes(self.cfg.model, 1, 1)}
-        # CUDA: the kernels' own scratch (attention statistics, column partials, sort keys, cuBLAS
-        # workspace) is allocated here too, not during step 1; backend.workspace_rows lists it
-        reserve = getattr(self.be, "reserve_workspace", None)
+        # the kernels' own scratch (CUDA: attention statistics, column partials, sort keys, the
+        # cuBLAS and cuBLASLt workspaces) is allocated here too, not during step 1; the graph
+        # runner replays whole passes (CUDA graphs; the CPU runs them as they are)
         m, t = self.cfg.model, self.cfg.train
-        self.workspace_bytes = (reserve(t.batch_size, t.seq_len, m.d_model, m.n_head, self.params_c.dtype)
-                                if reserve is not None else 0)
+        self.workspace = self.be.reserve_workspace(t.batch_size, t.seq_len, m.d_model, m.n_head,
+                                                   self.params_c.dtype)
+        self.graphs = self.be.graph_runner()
 
     def init_params(self, seed: int):
         """Normal(0, init_std) matrices and embeddings, zero biases, unit layer-norm gains."""
@@ -217,9 +216,9 @@ class Engine:
 
     def set_state(self, params, m=None, v=None):
         """Load host arrays into the device buffers (no new device buffers)."""
-        _upload(self.params, params)
-        _upload(self.m, m if m is not None else np.zeros_like(params))
-        _upload(self.v, v if v is not None else np.zeros_like(params))
+        self.be.write(self.params, params)
+        self.be.write(self.m, m if m is not None else np.zeros_like(params))
+        self.be.write(self.v, v if v is not None else np.zeros_like(params))
         self.grads.fill(0)
         if self.mixed:
             self.be.k_cast_params(self.params_c, self.params)
@@ -244,11 +243,12 @@ class Engine:
     def print_plan(self, file=sys.stderr):
         t = self.cfg.train
         print(f"memory plan: {self.cfg.model.name} B={t.batch_size} T={t.seq_len} "
-              f"precision={t.precision} backend={self.be.NAME} params={self.layout.n_params:,}",
+              f"precision={t.precision} backend={self.be.name} params={self.layout.n_params:,}",
               file=file)
         print(self.plan.table(), file=file, flush=True)
-        if self.workspace_bytes:
-            print(f"{'kernel workspace':<22}{self.workspace_bytes:>16,}{self.workspace_bytes / 2**20:>12.1f}"
+        ws = self.workspace.nbytes()
+        if ws:
+            print(f"{'kernel workspace':<22}{ws:>16,}{ws / 2**20:>12.1f}"
                   "  (backend scratch, outside the arena)", file=file, flush=True)
 
     # ------------------------------------------------------------ the optimizer state (on the device)
@@ -256,7 +256,7 @@ class Engine:
         return float(self.be.to_numpy(self.optim_state[slot:slot + 1])[0])
 
     def _set(self, slot, value):
-        _upload(self.optim_state[slot:slot + 1], [value])
+        self.be.write(self.optim_state[slot:slot + 1], [value])
 
     @property
     def loss_scale(self) -> float:
@@ -267,7 +267,7 @@ class Engine:
     def loss_scale(self, value):
         self._set(S_SCALE, value)
         t = self.cfg.train
-        _upload(self.dloss, [float(value) / (t.batch_size * t.seq_len)])
+        self.be.write(self.dloss, [float(value) / (t.batch_size * t.seq_len)])
 
     good_streak = property(lambda self: int(self._get(S_GOOD)), lambda self, v: self._set(S_GOOD, v),
                            doc="consecutive finite steps, for loss-scale growth")
@@ -282,8 +282,8 @@ class Engine:
 
     def forward(self, x, y):
         """Forward one microbatch; returns its mean loss (host float)."""
-        _upload(self.g["tokens"], x)
-        _upload(self.g["targets"], y)
+        self.be.write(self.g["tokens"], x)
+        self.be.write(self.g["targets"], y)
         model.forward(self.be, self.p, self.layers, self.g, self.cfg.model.n_head)
         return float(np.mean(self.be.to_numpy(self.g["losses"]), dtype=np.float64))
 
@@ -325,11 +325,7 @@ class Engine:
         self._run(("optimizer", n_micro), optimizer)
 
     def _run(self, key, fn):
-        run_graph = getattr(self.be, "run_graph", None)
-        if run_graph is None:
-            fn()
-        else:
-            run_graph((self.serial,) + key, fn)
+        self.graphs.run(key, fn)
 
     def train_step(self, step: int, batches) -> "StepRecord":
         """One optimizer step (1-based step number) over len(batches) microbatches. Queues the
@@ -449,11 +445,3 @@ def _pick(logits, temperature, rng) -> int:
     p /= p.sum()
     return int(rng.choice(len(p), p=p))
 
-
-def _upload(dst, src):
-    """Copy a host array into an existing buffer (NumPy or CuPy) without reallocating it."""
-    src = np.asarray(src, dtype=dst.dtype)
-    if isinstance(dst, np.ndarray):
-        dst[...] = src.reshape(dst.shape)
-    else:
-        dst.set(np.ascontiguousarray(src.reshape(dst.shape)))

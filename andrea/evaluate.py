@@ -58,10 +58,10 @@ def held_out_loss(eng, tok, cfg: AndreaConfig) -> dict:
 
 def decoder(cfg: AndreaConfig, params):
     """A NumPy KV-cache decoder over the trained positions (train.seq_len), weights loaded."""
-    from .backends import numpy_ref
+    from .backends import get_backend
     from .inference import Decoder
 
-    dec = Decoder(cfg.model, numpy_ref, min(cfg.model.context, cfg.train.seq_len))
+    dec = Decoder(cfg.model, get_backend("numpy"), min(cfg.model.context, cfg.train.seq_len))
     dec.load(params)
     return dec
 
@@ -233,7 +233,7 @@ def evaluate(a) -> dict:
     eng = Engine(cfg)
     c = eng.load_checkpoint(ckpt, config_hash(cfg))  # the path training resumes through, as checked
     m = {"exp": cfg.exp, "checkpoint": str(ckpt), "step": c.step, "config_hash": config_hash(cfg),
-         "backend": eng.be.NAME, **held_out_loss(eng, tok, cfg)}
+         "backend": eng.be.name, **held_out_loss(eng, tok, cfg)}
     dec = decoder(cfg, c.params)
     m["samples"] = sampling.sample_prompts(sampling.decoder_generate(dec), tok, cfg.eval)
     tasks = None

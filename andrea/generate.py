@@ -108,11 +108,12 @@ def load(path, backend: str = "auto", tokenizer=None, precision: str = ""):
     cfg, params = located.load()
     tok = load_tokenizer_for(located, cfg)
     be = get_backend(backend)
-    if not hasattr(be, "k_attn_decode_fwd"):
-        raise ValueError(f"backend {be.NAME} has no k_attn_decode_fwd kernel; use --backend numpy")
-    precision = precision or (cfg.train.precision if be.NAME != "numpy" else "fp32")
-    if precision != "fp32" and be.NAME == "numpy":
-        raise ValueError(f"--precision {precision} needs the CUDA backend; NumPy decodes in fp32")
+    if not be.decodes:
+        raise ValueError(f"backend {be.name} has no k_attn_decode_fwd kernel; use --backend numpy")
+    precision = precision or (cfg.train.precision if cfg.train.precision in be.precisions else "fp32")
+    if precision not in be.precisions:
+        raise ValueError(f"--precision {precision} needs the CUDA backend; backend {be.name} decodes in "
+                         f"{', '.join(be.precisions)}")
     context = min(cfg.model.context, cfg.train.seq_len)  # positions past seq_len were never trained
     dec = Decoder(cfg.model, be, context, compute_dtype(precision, "float32"))
     dec.load(params)
@@ -254,7 +255,7 @@ def bench(cfg, dec, prompt: List[int], sampler: Sampler, n_tokens: int, file=Non
         t_gen += time.perf_counter() - t1
         t_feed += t1 - t0
         fed += len(prompt)
-    print(f"decode bench: {cfg.model.name} ({dec.layout.n_params:,} params) backend={dec.be.NAME} "
+    print(f"decode bench: {cfg.model.name} ({dec.layout.n_params:,} params) backend={dec.be.name} "
           f"dtype={dec.dtype} window={dec.context}: prompt {fed / t_feed:,.0f} tokens/s, "
           f"generation {made / t_gen:,.0f} tokens/s ({1e3 * t_gen / made:.2f} ms/token, {made} tokens)",
           file=file or sys.stderr, flush=True)

@@ -58,29 +58,22 @@ class Decoder:
             raise ValueError(f"decoder context {self.context}: expected 2..model.context={m.context}")
         self.layout = model.ParamLayout.from_config(m)
         self.plan = decode_plan(m, self.context, dtype)
-        self.arena = Arena(backend.xp, self.plan.total())
+        self.arena = Arena(backend, self.plan.total())
         self.b = {r.name: self.arena.take(r.shape, r.dtype) for r in self.plan.rows}
         self.arena.seal()
         self.p = self.layout.views(self.b["params"])
         self.w = [{n: self.p[f"h{l}.{n}"] for n in model.LAYER_MATRICES + model.LAYER_VECTORS}
                   for l in range(m.n_layer)]
         self.tokens: List[int] = []  # what the cache holds, oldest first
-        # CUDA: the kernels' own scratch (cuBLAS workspace, ...) for one position, taken now
-        reserve = getattr(backend, "reserve_workspace", None)
-        self.workspace_bytes = (reserve(1, 1, m.d_model, m.n_head, self.b["params"].dtype)
-                                if reserve is not None else 0)
+        # the kernels' own scratch (CUDA: cuBLAS workspace, ...) for one position, taken now
+        self.workspace = backend.reserve_workspace(1, 1, m.d_model, m.n_head, self.b["params"].dtype)
 
     def load(self, params) -> None:
         """Copy flat host weights (float32 or float64, n_params) into the arena."""
         params = np.asarray(params)
         if params.shape != (self.layout.n_params,):
             raise ValueError(f"Decoder.load: {params.shape} weights, the model has ({self.layout.n_params},)")
-        host = np.ascontiguousarray(params, dtype=self.b["params"].dtype)
-        dst = self.b["params"]
-        if isinstance(dst, np.ndarray):
-            dst[...] = host
-        else:
-            dst.set(host)
+        self.be.write(self.b["params"], params)
         self.reset()
 
     def reset(self) -> None:
@@ -116,7 +109,7 @@ class Decoder:
 
     def _position(self, token: int, logits: bool):
         be, b, p, pos = self.be, self.b, self.p, self.pos
-        _upload(b["tokens"], token)
+        b["tokens"].fill(token)
         be.k_embed_fwd(b["x"], b["tokens"], p["wte"], p["wpe"][pos:pos + 1])
         for l, w in enumerate(self.w):
             be.k_layernorm_fwd(b["ln"], b["ln_mean"], b["ln_rstd"], b["x"], w["ln1_w"], w["ln1_b"])
@@ -137,15 +130,10 @@ class Decoder:
 
     def print_plan(self, file=sys.stderr) -> None:
         print(f"decoder memory plan: {self.m.name} context={self.context} dtype={self.dtype} "
-              f"backend={self.be.NAME} params={self.layout.n_params:,}", file=file)
+              f"backend={self.be.name} params={self.layout.n_params:,}", file=file)
         print(self.plan.table(), file=file, flush=True)
-        if self.workspace_bytes:
-            print(f"{'kernel workspace':<22}{self.workspace_bytes:>16,}{self.workspace_bytes / 2**20:>12.1f}"
+        ws = self.workspace.nbytes()
+        if ws:
+            print(f"{'kernel workspace':<22}{ws:>16,}{ws / 2**20:>12.1f}"
                   "  (backend scratch, outside the arena)", file=file, flush=True)
 
-
-def _upload(dst, value: int) -> None:
-    if isinstance(dst, np.ndarray):
-        dst[...] = value
-    else:
-        dst.fill(value)

@@ -130,7 +130,7 @@ class Run:
         st = self.eng.state()
         side = {"reason": reason, "data": self.loader.state(), **st.counters(),
                 "config_hash": self.hash, "precision": self.cfg.train.precision,
-                "backend": self.eng.be.NAME, "exp": self.cfg.exp,
+                "backend": self.eng.be.name, "exp": self.cfg.exp,
                 "rng": {"weights_seed": self.cfg.train.seed, "data_seed": self.loader.seed}}
         try:
             path = ck.write_checkpoint(self.ckpt_dir, self.step, st.params, st.m, st.v, side)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from andrea.backends import cuda_available, get_backend
+from andrea.backends import cuda_available
 from andrea.config import load_run_config
 from andrea.engine import Engine
 from conftest import make_shards, small_config
@@ -168,5 +168,6 @@ def test_bf16_trains(tmp_path):
 
 
 def test_backend_cuda_selected(tmp_path):
+    from andrea.backends.cuda import CudaBackend
     eng = Engine(cfg_for(tmp_path, "auto"))
-    assert eng.be is get_backend("cuda") and eng.be.NAME == "cuda"
+    assert isinstance(eng.be, CudaBackend) and eng.be.name == "cuda"

@@ -186,13 +186,13 @@ def test_residual_layernorm(be, prec, rng):
 @pytest.fixture(params=[True, False], ids=["cublaslt", "cublas"])
 def lt(request, be, monkeypatch):
     """Both paths of the products with a bias or GELU: cuBLASLt epilogues, and cuBLAS + kernels."""
-    monkeypatch.setattr(be, "LT", request.param)
+    monkeypatch.setattr(be, "cublaslt", request.param)
     return request.param
 
 
 def lt_used(be, epilogue):
     """True when cuBLASLt planned a product with this epilogue (so the test ran its path)."""
-    lt = be._lt()
+    lt = be.lt
     return lt is not None and any(key[10] == epilogue for key in lt.plans)
 
 
@@ -228,7 +228,7 @@ def test_attention(be, prec, rng, n_head):
 @pytest.mark.parametrize("n_head,Tq,Cq", [(2, 77, 128), (4, 130, 128), (3, 77, 48)])
 def test_attention_fused(be, prec, rng, n_head, Tq, Cq):
     if prec[0] == np.float16:
-        assert be._flash(np.float16, Cq // n_head), "this case must exercise the fused kernels"
+        assert be.attention_variant(np.float16, Cq // n_head) == "fused", "this case must exercise the fused kernels"
     check_attention(be, prec, rng, n_head, 3, Tq, Cq)
 
 
@@ -355,7 +355,7 @@ def test_step_check(be, rng, max_norm, poison, fp16):
     the same partials on both sides and works in float64 as Python does: the state must agree to
     the bit."""
     n = 100_003  # not a multiple of the partial count: the last chunk is short
-    P = be.GRAD_NORM_PARTIALS
+    P = be.grad_norm_partials
     grads = rnd(rng, (n,), np.float32, 0.3)
     if poison is not None:
         grads[12_345] = poison
@@ -419,8 +419,10 @@ def test_adamw_step(be, rng, skip, cdt):
 def test_upload_and_download_async(be, rng):
     """The host copies the engine queues without waiting: many in flight, each sees its own data."""
     import cupy as cp
+
+    from andrea.backends.cuda.backend import PINNED_DEPTH
     dst = cp.zeros((5, 7), cp.int32)
-    srcs = [rng.integers(0, 1000, (5, 7)).astype(np.int32) for _ in range(2 * be.PINNED_DEPTH + 1)]
+    srcs = [rng.integers(0, 1000, (5, 7)).astype(np.int32) for _ in range(2 * PINNED_DEPTH + 1)]
     pending = []
     for src in srcs:
         src = src.copy()

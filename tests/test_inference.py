@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from andrea.backends import numpy_ref as K
+from andrea.backends.numpy_backend import NumpyBackend
 from andrea.config import load_run_config
 from andrea.engine import Engine
 from andrea.inference import Decoder, decode_plan
@@ -44,7 +45,7 @@ def test_cached_logits_equal_full_forward_at_every_position(dtype, tol):
     cfg, eng, host, rng = make(dtype)
     tokens = rng.integers(0, V, CTX).astype(np.int32)
     full = full_logits(eng, tokens)
-    dec = Decoder(cfg.model, K, dtype=dtype)
+    dec = Decoder(cfg.model, NumpyBackend(), dtype=dtype)
     dec.load(host)
     stepped = np.stack([dec.step(t) for t in tokens])
     for t in range(CTX):
@@ -59,7 +60,7 @@ def test_cached_logits_equal_full_forward_at_every_position(dtype, tol):
 def test_full_window_slides_like_a_forward_over_the_last_context_tokens():
     cfg, eng, host, rng = make("float64", T=CTX)
     tokens = rng.integers(0, V, 2 * CTX + 3).astype(np.int32)
-    dec = Decoder(cfg.model, K, dtype="float64")
+    dec = Decoder(cfg.model, NumpyBackend(), dtype="float64")
     dec.load(host)
     for t, tok in enumerate(tokens):
         got = dec.step(tok)
@@ -73,13 +74,13 @@ def test_full_window_slides_like_a_forward_over_the_last_context_tokens():
 def test_cache_length_below_the_model_context():
     """A decoder for 9 positions of a 13-position model: the window is 9 (wpe rows 0..8 only)."""
     cfg, eng, host, rng = make("float64", T=9, context=CTX)
-    dec = Decoder(cfg.model, K, context=9, dtype="float64")
+    dec = Decoder(cfg.model, NumpyBackend(), context=9, dtype="float64")
     dec.load(host)
     tokens = rng.integers(0, V, 12).astype(np.int32)
     got = [dec.step(t) for t in tokens][-1]
     assert rel(got, full_logits(eng, tokens[-9:])[-1]) < 1e-12
     with pytest.raises(ValueError, match="decoder context 14"):
-        Decoder(cfg.model, K, context=14)
+        Decoder(cfg.model, NumpyBackend(), context=14)
 
 
 def test_decode_kernel_is_row_pos_of_causal_attention():
@@ -106,7 +107,7 @@ def test_memory_plan_is_known_up_front():
     plan = decode_plan(cfg.model, CTX)
     kv = plan.by_group()["kv cache"]
     assert kv == 2 * cfg.model.n_layer * CTX * cfg.model.d_model * 4
-    dec = Decoder(cfg.model, K)
+    dec = Decoder(cfg.model, NumpyBackend())
     assert dec.arena.sealed and dec.arena.buf.size == plan.total()
     dec.load(host)
     start = dec.arena.offset
@@ -119,6 +120,6 @@ def test_memory_plan_is_known_up_front():
 
 def test_bad_weights_are_refused():
     cfg, _, host, _ = make("float32")
-    dec = Decoder(cfg.model, K)
+    dec = Decoder(cfg.model, NumpyBackend())
     with pytest.raises(ValueError, match="weights"):
         dec.load(host[:-1])

@@ -1,4 +1,5 @@
-"""Every kernels/*.cu compiles with nvcc for sm_80 and sm_90, in each compute dtype (CPU only).
+"""Every kernels/*.cu and dev/cuda/*.cu variant compiles with nvcc for sm_80 and sm_90, in each
+compute dtype (CPU only).
 
     python -m pytest tests/test_kernels_compile.py -q
 
@@ -14,6 +15,7 @@ import pytest
 
 KERNELS = Path(__file__).resolve().parent.parent / "andrea" / "kernels"
 SOURCES = sorted(KERNELS.glob("*.cu"))
+VARIANTS = sorted((Path(__file__).resolve().parent.parent / "dev" / "cuda").glob("*.cu"))  # dev/cuda
 NVCC = shutil.which("nvcc")
 
 
@@ -26,7 +28,7 @@ def test_every_operation_has_a_source():
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("src", SOURCES, ids=[p.name for p in SOURCES])
+@pytest.mark.parametrize("src", SOURCES + VARIANTS, ids=[p.name for p in SOURCES + VARIANTS])
 def test_compiles(src, arch, tmp_path):
     # sm_80 in the default dtype, sm_90 in both 16-bit dtypes: every dtype and arch is covered
     # without compiling each file six times
@@ -35,5 +37,5 @@ def test_compiles(src, arch, tmp_path):
         cmd = [NVCC, "-std=c++17", f"-arch={arch}", f"-I{KERNELS}", "--ptx", f"-DCT={ct}",
                str(src), "-o", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True)
-        assert r.returncode == 0, f"kernels/{src.name} (CT={ct}, {arch}) does not compile:\n{r.stderr}"
+        assert r.returncode == 0, f"{src} (CT={ct}, {arch}) does not compile:\n{r.stderr}"
         assert out.stat().st_size > 0

@@ -308,3 +308,11 @@ def test_state_slots_match_the_cuda_enum():
     names = re.findall(r"\b(S_[A-Z_]+|STATE_LEN)\b", re.sub(r"//[^\n]*", "", enum))
     assert tuple(names) == K.STATE_SLOTS + ("STATE_LEN",)
     assert K.STATE_LEN >= len(K.STATE_SLOTS)
+
+
+def test_cast_params_rounds_to_nearest_like_torch(rng=np.random.default_rng(12)):
+    torch = pytest.importorskip("torch")
+    src = (rng.standard_normal(1001) * 100).astype(np.float32)
+    dst = np.full(1001, np.nan, dtype=np.float16)
+    K.k_cast_params(dst, src)
+    assert np.array_equal(dst, torch.tensor(src).to(torch.float16).numpy())

@@ -1,7 +1,8 @@
 """NumPy reference kernels: the judge of every CUDA kernel, and the CPU engine.
 
-Each function here has a CUDA twin of the same name in kernels/<op>.cu, in the same order, with the
-same arguments. Conventions shared by both backends (DESIGN.md, "Kernel pairs"):
+Each function here has a CUDA twin of the same name (andrea/backends/cuda/ops.py launching
+kernels/<op>.cu), in the same order, with the same arguments; NumpyBackend (numpy_backend.py)
+serves them through the backend interface (interface.py). Conventions shared by both backends:
 - Shapes: B batch, T sequence, C d_model, NH heads, hs = C // NH, V vocab. Linear weights are
   (out_features, in_features) and a linear layer computes `inp @ w.T + b`, as torch.nn.Linear does.
 - Forward kernels WRITE their outputs. Backward kernels ADD (`+=`) into every gradient buffer they
@@ -15,9 +16,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-NAME = "numpy"
-xp = np  # the array module, so backend-agnostic code can write backend.xp.zeros(...)
 
 GELU_K = math.sqrt(2.0 / math.pi)  # gelu_tanh constant, as in GPT-2
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default
@@ -365,34 +363,9 @@ def k_adamw_step(params, params_c, grads, m, v, state, beta1, beta2, eps, n_deca
     grads[...] = 0
 
 
-# ---------------------------------------------------------------- host utilities (not kernels)
-GRAD_NORM_PARTIALS = 64  # length of the partials buffer k_grad_norm_partial fills
+def k_cast_params(dst, src):
+    """dst (compute dtype) = src (float32 master weights), rounded to nearest: a flat copy."""
+    dst[...] = src
 
 
-def upload(dst, src):
-    """dst = src (the CUDA backend queues the copy without waiting for the device)."""
-    dst[...] = np.asarray(src, dtype=dst.dtype).reshape(dst.shape)
-
-
-class Pending:
-    """A copy of an array taken now; get() returns it (the CUDA backend's copy is asynchronous)."""
-
-    def __init__(self, a):
-        self.value = np.array(a, copy=True)
-
-    def get(self):
-        return self.value
-
-
-def download_async(a) -> Pending:
-    """A copy of a (the CUDA backend queues it on the device; .get() waits for it)."""
-    return Pending(a)
-
-
-def to_numpy(a):
-    """A host NumPy view or copy of a backend array."""
-    return np.asarray(a)
-
-
-def synchronize():
-    """Wait for queued work (nothing is queued on the CPU)."""
+GRAD_NORM_PARTIALS = 64  # length of the partials buffer k_grad_norm_partial fills (NumpyBackend)

@@ -1,7 +1,7 @@
 """cuBLASLt through ctypes: matrix products with a fused epilogue (bias; bias + GELU saving the
 pre-activation; the GELU gradient), for the CUDA backend's linear layers and MLP.
 
-Like the cuBLAS binding (cuda.Cublas), everything that is not a launch happens outside a CUDA-graph
+Like the cuBLAS binding (cublas.Cublas), everything that is not a launch happens outside a CUDA-graph
 capture: the handle, the workspace, and per problem (shape, transposes, dtypes, epilogue) one
 matmul descriptor, four matrix layouts and the algorithm cuBLASLt's heuristic picks, cached. A call
 only sets the descriptor's pointer attributes (host memory) and launches cublasLtMatmul on the
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import ctypes
 
-import cupy as cp
+from .cublas import find_library
+from .runtime import cp
 
 # cublasLtMatmulDescAttributes_t
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
@@ -34,22 +35,6 @@ class _Heuristic(ctypes.Structure):
                 ("reserved", ctypes.c_int * 4)]
 
 
-def _find_cublaslt():
-    """The libcublasLt next to the libcublas CuPy loaded, else the usual sonames."""
-    cp.cuda.device.get_cublas_handle()
-    with open("/proc/self/maps") as f:
-        for line in f:
-            path = line.split()[-1]
-            if path.rsplit("/", 1)[-1].startswith("libcublasLt.so"):
-                return ctypes.CDLL(path)
-    for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise OSError("libcublasLt not found: CuPy loaded none and no libcublasLt.so.{13,12} is on the path")
-
-
 class NoAlgorithm(RuntimeError):
     """cuBLASLt has no algorithm for this problem (the caller falls back to cuBLAS + kernels)."""
 
@@ -58,7 +43,7 @@ class CublasLt:
     """One cuBLASLt handle, a preallocated workspace and the cache of planned problems."""
 
     def __init__(self):
-        lib = self.lib = _find_cublaslt()
+        lib = self.lib = find_library("libcublasLt")
         vp, i, sz, u64, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int64
         lib.cublasLtCreate.argtypes = [ctypes.POINTER(vp)]
         lib.cublasLtMatmulDescCreate.argtypes = [ctypes.POINTER(vp), i, i]

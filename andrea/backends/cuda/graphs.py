@@ -1,0 +1,62 @@
+"""CUDA graphs of whole passes: capturing a function of backend kernels, and replaying it.
+
+`capture` records fn() on a stream into a graph; `GraphRunner` (one per engine) keeps the graphs
+of the passes it was asked to run, by key.
+"""
+from __future__ import annotations
+
+from .runtime import cp
+
+
+def capture(fn, stream, blas):
+    """fn() (backend kernels only: no host syncs, no allocation) recorded on stream as a CUDA
+    graph, not run. The cuBLAS handle is bound to the stream first: handle set-up is not allowed
+    inside a capture."""
+    with stream:
+        blas.bind_stream()
+        stream.begin_capture()
+        try:
+            fn()
+        finally:
+            graph = stream.end_capture()
+    return graph
+
+
+class GraphRunner:
+    """Runs a function of backend kernels as a CUDA graph: the first call with a key runs it
+    eagerly (compiles modules, allocates the workspace, creates the cuBLAS handle), the second
+    captures it on a private stream and launches the graph, later calls only launch it. The graph
+    runs on the caller's current stream, so uploads queued there before it are seen.
+    A key must stand for everything the function bakes in (array addresses, host scalars); the
+    workspace's addresses are tracked here: when it grows, graphs made before run eagerly again."""
+
+    MAX_GRAPHS = 8  # e.g. one per loss scale seen; older ones are dropped
+
+    def __init__(self, backend):
+        self.be = backend
+        self.graphs: dict = {}  # key -> (graph, workspace generation)
+        self.seen: dict = {}  # key -> workspace generation of its eager run
+        self.stream = None
+
+    def run(self, key, fn):
+        ws = self.be.workspace
+        gen = ws.generation
+        entry = self.graphs.get(key)
+        if entry is not None and entry[1] == gen:
+            entry[0].launch(stream=cp.cuda.get_current_stream())
+            return
+        if self.seen.get(key) != gen:  # new key, or the workspace moved: eager run first
+            fn()
+            self.seen[key] = ws.generation
+            return
+        if self.stream is None:
+            self.stream = cp.cuda.Stream(non_blocking=True)
+        cp.cuda.get_current_stream().synchronize()
+        g = capture(fn, self.stream, self.be.blas)
+        if len(self.graphs) >= self.MAX_GRAPHS:
+            self.graphs.pop(next(iter(self.graphs)))
+        self.graphs[key] = (g, gen)
+        g.launch(stream=cp.cuda.get_current_stream())
+
+    def __len__(self):
+        return len(self.graphs)

@@ -1,0 +1,495 @@
+"""The launchers: every k_* operation of the backend interface on the GPU, in numpy_ref's order.
+
+Same names, arguments and meaning as numpy_ref (read its docstring): forward kernels write,
+backward kernels ADD into every gradient buffer. Each launcher checks shapes, dtypes and
+contiguity first and raises naming the argument, then launches kernels of kernels/<op>.cu
+(self.rt, a Runtime) and matrix products on cuBLAS (self.blas). Scratch beyond the arguments
+comes from self.workspace. CudaOps is the half of CudaBackend (backend.py) that launches kernels.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..numpy_ref import STATE_LEN
+from .cublas import CUBLAS_WORKSPACE, cuda_type
+from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
+
+COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-norm gradients)
+LN_FUSED_MAXC = 1024  # widest row the one-pass layer-norm backward holds in registers
+LN_BLOCKS = 264  # blocks (and partial rows) of the one-pass layer-norm backward: 2 per SM of an H200
+# Attention version 3 (fused, kernels/attention.cu) runs for 16-bit compute dtypes and these head
+# sizes (tensor-core tiles of 16; 64 is the largest whose tiles fit 48 KB of shared memory);
+# float32 and other head sizes take version 1 (scores materialised, cuBLAS). The backend's
+# attention="materialised" forces version 1. (Version 2, fused without cp.async, is in git
+# history; see kernels/attention.cu.)
+FLASH_HEAD_SIZES = (16, 32, 48, 64)
+ATTENTION_PATHS = ("fused", "materialised")
+
+
+def _attn_shapes(kernel, qkv, n_head):
+    check(kernel, "qkv", qkv)
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    if C3 % 3 or C % n_head:
+        raise ValueError(f"{kernel}: qkv last axis {C3} must be 3*C with C divisible by n_head={n_head}")
+    return B, T, C, n_head, C // n_head
+
+
+def _loss_checks(kernel, losses, lse, logits, inp, wte, targets):
+    """Checks, and flat row views: x (N, C), targets, losses, lse (N,), logits as (R, V)."""
+    V, C = wte.shape
+    B, T = targets.shape
+    ct = wte.dtype
+    check(kernel, "targets", targets, dtype=np.int32)
+    check(kernel, "losses", losses, (B, T), np.float32)
+    check(kernel, "lse", lse, (B, T), np.float32)
+    check(kernel, "logits", logits, dtype=ct)
+    if logits.size % V or logits.size == 0:
+        raise ValueError(f"{kernel}: logits has shape {logits.shape}; expected (R, {V}) rows of the vocab")
+    check(kernel, "inp", inp, (B, T, C), ct)
+    check(kernel, "wte", wte, dtype=ct)
+    N = B * T
+    return (inp.reshape(N, C), targets.reshape(N), losses.reshape(N), lse.reshape(N),
+            logits.reshape(-1, V), N, V, C, ct)
+
+
+class CudaOps:
+    """The k_* launchers; CudaBackend sets rt, blas, lt, cublaslt, workspace and attention."""
+
+    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype):
+        """[(name, shape, dtype)] of the scratch the kernels take for one model shape: what
+        reserve_workspace allocates, for the engine's memory plan."""
+        act = np.dtype(act_dtype).name
+        N, BH = B * T, B * n_head
+        P = 1 << max(1, (N - 1).bit_length())
+        if self.attention_variant(act_dtype, C // n_head) == "fused":
+            rows = [("attn_D", (BH * T,), "float32")]
+        else:
+            rows = [("attn_scores", (BH * T * T,), "float32"), ("attn_probs", (BH * T * T,), act),
+                    ("attn_heads", (3 * N * C,), act), ("attn_y", (N * C,), act),
+                    ("attn_dheads", (3 * N * C,), "float32")]
+        rows += [("colsum_a", (max(COLSUM_CHUNKS * 4, LN_BLOCKS) * C,), "float32"),
+                 ("colsum_b", (max(COLSUM_CHUNKS * 4, LN_BLOCKS) * C,), "float32"),
+                 ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
+        if self.cublaslt:
+            from .cublaslt import WORKSPACE_BYTES
+            rows.append(("cublaslt", (WORKSPACE_BYTES,), "uint8"))
+        return rows
+
+    def _lt_matmul(self, D, A, B, ta, tb, M, N, K, lda, ldb, ldd, epilogue, bias=None, aux=None, aux_ld=0):
+        """One cuBLASLt product with its epilogue; False when it does not apply (the caller falls
+        back): cuBLASLt off or not loadable, or no algorithm for the problem."""
+        lt = self.lt
+        # cuBLASLt's heuristic assumes 256-byte aligned matrices (the arena's views and CuPy's pool are)
+        if lt is None or any(x.data.ptr % 256 for x in (D, A, B)):
+            return False
+        from .cublaslt import NoAlgorithm
+        ab, d = cuda_type(A.dtype), cuda_type(D.dtype)
+        try:
+            lt.matmul(D, A, B, ta, tb, M, N, K, lda, ldb, ldd, ab, d, epilogue, bias=bias,
+                      bias_type=cuda_type(bias.dtype) if bias is not None else None, aux=aux, aux_ld=aux_ld)
+        except NoAlgorithm:
+            return False
+        return True
+
+    def _colsum_add(self, out, x, N: int, Cc: int, slot="colsum_a"):
+        """out (Cc,) float32 += column sums of x (N, Cc), in two fixed-order passes."""
+        rpc = -(-N // COLSUM_CHUNKS)
+        chunks = -(-N // rpc)
+        part = self.workspace.get(slot, chunks * Cc, np.float32)
+        self.rt.launch("linear.cu", "k_colsum_partial", x.dtype, (-(-Cc // 32), chunks), (32, 8),
+                       (part, x, i64(N), i32(Cc), i32(rpc)))
+        self.rt.launch("linear.cu", "k_colsum_final", x.dtype, -(-Cc // 8), THREADS,
+                       (out, part, i32(chunks), i32(Cc)))
+
+    # ------------------------------------------------------------ embedding
+    def k_embed_fwd(self, out, tokens, wte, wpe):
+        """out (B,T,C) = wte[tokens] + wpe[:T]; tokens (B,T) int32."""
+        B, T = tokens.shape
+        V, C = wte.shape
+        ct = wte.dtype
+        check("k_embed_fwd", "tokens", tokens, dtype=np.int32)
+        check("k_embed_fwd", "wte", wte, dtype=ct)
+        check("k_embed_fwd", "wpe", wpe, dtype=ct)
+        check("k_embed_fwd", "out", out, (B, T, C), ct)
+        if wpe.shape[0] < T or wpe.shape[1] != C:
+            raise ValueError(f"k_embed_fwd: wpe has shape {wpe.shape}, needs at least ({T}, {C})")
+        N = B * T
+        self.rt.launch("embed.cu", "k_embed_fwd", ct, min(N, MAX_BLOCKS), THREADS,
+                       (out, tokens, wte, wpe, i32(N), i32(T), i32(C), i32(V)))
+
+    def k_embed_bwd(self, dwte, dwpe, dout, tokens):
+        """dwte[tokens] += dout, dwpe[:T] += sum over batch of dout; no atomics (sorted tokens)."""
+        B, T = tokens.shape
+        V, C = dwte.shape
+        ct = dout.dtype
+        check("k_embed_bwd", "tokens", tokens, dtype=np.int32)
+        check("k_embed_bwd", "dwte", dwte, dtype=np.float32)
+        check("k_embed_bwd", "dwpe", dwpe, dtype=np.float32)
+        check("k_embed_bwd", "dout", dout, (B, T, C))
+        N = B * T
+        shift = max(1, (N - 1).bit_length())
+        if V << shift >= 1 << 32:
+            raise ValueError(f"k_embed_bwd: vocab {V} with B*T={N} overflows the 32-bit sort key")
+        P = 1 << shift
+        keys = self.workspace.get("embed_keys", P, np.uint32)
+        use_shared = P * 4 <= 48 * 1024
+        self.rt.launch("embed.cu", "k_embed_sort", ct, 1, 1024,
+                       (keys, tokens, i32(N), i32(P), i32(shift), i32(int(use_shared))),
+                       shared_mem=P * 4 if use_shared else 0)
+        self.rt.launch("embed.cu", "k_embed_bwd_wte", ct, (N, -(-C // 128)), 128,
+                       (dwte, keys, dout, i32(N), i32(C), i32(shift)))
+        self.rt.launch("embed.cu", "k_embed_bwd_wpe", ct, -(-(T * C) // THREADS), THREADS,
+                       (dwpe, dout, i32(B), i32(T), i32(C)))
+
+    # ------------------------------------------------------------ layer norm
+    def k_layernorm_fwd(self, out, mean, rstd, inp, weight, bias):
+        """out (B,T,C) = (inp - mean) * rstd * weight + bias; saves mean, rstd (B,T) float32."""
+        C = inp.shape[-1]
+        ct = inp.dtype
+        for n, a in (("out", out), ("inp", inp)):
+            check("k_layernorm_fwd", n, a, inp.shape, ct)
+        for n, a in (("weight", weight), ("bias", bias)):
+            check("k_layernorm_fwd", n, a, (C,), ct)
+        for n, a in (("mean", mean), ("rstd", rstd)):
+            check("k_layernorm_fwd", n, a, inp.shape[:-1], np.float32)
+        N = inp.size // C
+        self.rt.launch("layernorm.cu", "k_layernorm_fwd", ct, -(-N // 8), THREADS,
+                       (out, mean, rstd, inp, weight, bias, i64(N), i32(C)))
+
+    def k_residual_layernorm_fwd(self, res, out, mean, rstd, a, b, weight, bias):
+        """res = a + b (the residual stream), then out = layer norm of res, in one pass."""
+        C = a.shape[-1]
+        ct = a.dtype
+        for n, x in (("res", res), ("out", out), ("a", a), ("b", b)):
+            check("k_residual_layernorm_fwd", n, x, a.shape, ct)
+        for n, x in (("weight", weight), ("bias", bias)):
+            check("k_residual_layernorm_fwd", n, x, (C,), ct)
+        for n, x in (("mean", mean), ("rstd", rstd)):
+            check("k_residual_layernorm_fwd", n, x, a.shape[:-1], np.float32)
+        N = a.size // C
+        self.rt.launch("layernorm.cu", "k_residual_layernorm_fwd", ct, -(-N // 8), THREADS,
+                       (res, out, mean, rstd, a, b, weight, bias, i64(N), i32(C)))
+
+    def k_layernorm_bwd(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+        """Adds into dinp (B,T,C) (compute dtype), dweight, dbias (C,) float32."""
+        C = inp.shape[-1]
+        ct = inp.dtype
+        for n, a in (("dinp", dinp), ("dout", dout), ("inp", inp)):
+            check("k_layernorm_bwd", n, a, inp.shape, ct)
+        check("k_layernorm_bwd", "weight", weight, (C,), ct)
+        for n, a in (("dweight", dweight), ("dbias", dbias)):
+            check("k_layernorm_bwd", n, a, (C,), np.float32)
+        for n, a in (("mean", mean), ("rstd", rstd)):
+            check("k_layernorm_bwd", n, a, inp.shape[:-1], np.float32)
+        N = inp.size // C
+        vec = 16 // inp.dtype.itemsize  # version 3 loads rows as whole 16-byte vectors
+        if C <= LN_FUSED_MAXC and C % vec == 0 and all(a.data.ptr % 16 == 0 for a in (dinp, dout, inp, weight)):
+            # version 3: one pass, block partials of dweight/dbias
+            rpb = -(-N // LN_BLOCKS)
+            n_blocks = -(-N // rpb)
+            pdw = self.workspace.get("colsum_a", n_blocks * C, np.float32)
+            pdb = self.workspace.get("colsum_b", n_blocks * C, np.float32)
+            self.rt.launch("layernorm.cu", "k_layernorm_bwd_fused", ct, n_blocks, THREADS,
+                           (dinp, pdw, pdb, dout, inp, weight, mean, rstd, i64(N), i32(C), i32(rpb)),
+                           defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}",))
+        else:  # version 1: row pass for dinp, then column partials (version 2 is in git history)
+            self.rt.launch("layernorm.cu", "k_layernorm_bwd_dx", ct, -(-N // 8), THREADS,
+                           (dinp, dout, inp, weight, mean, rstd, i64(N), i32(C)))
+            rpb = -(-N // COLSUM_CHUNKS)
+            n_blocks = -(-N // rpb)
+            pdw = self.workspace.get("colsum_a", n_blocks * C, np.float32)
+            pdb = self.workspace.get("colsum_b", n_blocks * C, np.float32)
+            self.rt.launch("layernorm.cu", "k_layernorm_bwd_partial", ct, (-(-C // 32), n_blocks), (32, 8),
+                           (pdw, pdb, dout, inp, mean, rstd, i64(N), i32(C), i32(rpb)))
+        self.rt.launch("layernorm.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dweight, pdw, i32(n_blocks), i32(C)))
+        self.rt.launch("layernorm.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dbias, pdb, i32(n_blocks), i32(C)))
+
+    # ------------------------------------------------------------ linear layers (shared)
+    def _linear_fwd(self, kernel, out, inp, w, b, bias=True):
+        """out (N, OC) = inp (N, IC) @ w (OC, IC).T (+ b)."""
+        OC, IC = w.shape
+        ct = w.dtype
+        check(kernel, "inp", inp, dtype=ct)
+        check(kernel, "w", w, dtype=ct)
+        if inp.shape[-1] != IC:
+            raise ValueError(f"{kernel}: inp has shape {inp.shape}, its last axis must be {IC}")
+        N = inp.size // IC
+        check(kernel, "out", out, inp.shape[:-1] + (OC,), ct)
+        if bias:
+            check(kernel, "b", b, (OC,), ct)
+            if self._lt_matmul(out, inp, w, False, True, N, OC, IC, IC, IC, OC, "bias", bias=b):
+                return
+        self.blas.gemm(out, inp, w, False, True, N, OC, IC, IC, IC, OC)
+        if bias:
+            self.rt.launch("linear.cu", "k_bias_add", ct, min(N, MAX_BLOCKS), THREADS, (out, b, i64(N), i32(OC)))
+
+    def _linear_bwd(self, kernel, dinp, dw, db, dout, inp, w):
+        """dinp (N, IC) += dout @ w; dw (OC, IC) += dout.T @ inp; db (OC,) += column sums of dout."""
+        OC, IC = w.shape
+        ct = w.dtype
+        N = inp.size // IC
+        check(kernel, "inp", inp, dtype=ct)
+        check(kernel, "dinp", dinp, inp.shape, ct)
+        check(kernel, "dout", dout, inp.shape[:-1] + (OC,), ct)
+        check(kernel, "dw", dw, (OC, IC), np.float32)
+        check(kernel, "db", db, (OC,), np.float32)
+        blas = self.blas
+        blas.gemm(dinp, dout, w, False, False, N, IC, OC, OC, IC, IC, beta=1.0)
+        blas.gemm(dw, dout, inp, True, False, OC, IC, N, OC, IC, IC, beta=1.0)
+        self._colsum_add(db, dout, N, OC)
+
+    def k_attn_qkv_fwd(self, qkv, inp, w, b):
+        """qkv (B,T,3C) = inp (B,T,C) @ w (3C,C).T + b (3C,)."""
+        self._linear_fwd("k_attn_qkv_fwd", qkv, inp, w, b)
+
+    def k_attn_qkv_bwd(self, dinp, dw, db, dqkv, inp, w):
+        """Adds into dinp (B,T,C), dw (3C,C), db (3C,)."""
+        self._linear_bwd("k_attn_qkv_bwd", dinp, dw, db, dqkv, inp, w)
+
+    # ------------------------------------------------------------ attention
+    def attention_variant(self, dtype, head_size: int) -> str:
+        """The path k_attn_fwd/_bwd take for this compute dtype and head size (arrays 16-byte
+        aligned, as the engine's are): "fused" (version 3) or "materialised" (version 1)."""
+        fused = (self.attention == "fused" and np.dtype(dtype) != np.float32
+                 and head_size in FLASH_HEAD_SIZES)
+        return "fused" if fused else "materialised"
+
+    def _fused(self, dtype, hs, *arrays) -> bool:
+        """Version 3 applies: attention_variant says so, and every array is 16-byte aligned (its
+        tiles are copied 16 bytes at a time)."""
+        return (self.attention_variant(dtype, hs) == "fused"
+                and all(a.data.ptr % 16 == 0 for a in arrays))
+
+    def _attn_scores(self, qkv, B, T, C, NH, hs):
+        """Split heads and compute S = Q K^T / sqrt(hs) (float32 workspace). Returns q, k, v, S."""
+        ct = qkv.dtype
+        N, BH = B * T, B * NH
+        heads = self.workspace.get("attn_heads", 3 * N * C, ct)
+        q, k, v = heads[:N * C], heads[N * C:2 * N * C], heads[2 * N * C:]
+        self.rt.launch("attention.cu", "k_attn_split_heads", ct, min(B * T, MAX_BLOCKS), THREADS,
+                       (q, k, v, qkv, i32(B), i32(T), i32(NH), i32(hs)))
+        S = self.workspace.get("attn_scores", BH * T * T, np.float32)
+        self.blas.gemm(S, q, k, False, True, T, T, hs, hs, hs, T, alpha=1.0 / math.sqrt(hs),
+                       batch=BH, stride_a=T * hs, stride_b=T * hs, stride_c=T * T)
+        return q, k, v, S
+
+    def k_attn_fwd(self, out, lse, qkv, n_head):
+        """Causal softmax(q k^T / sqrt(hs)) v into out (B,T,C); lse (B,NH,T) float32."""
+        B, T, C, NH, hs = _attn_shapes("k_attn_fwd", qkv, n_head)
+        ct = qkv.dtype
+        check("k_attn_fwd", "out", out, (B, T, C), ct)
+        check("k_attn_fwd", "lse", lse, (B, NH, T), np.float32)
+        scale = np.float32(1.0 / math.sqrt(hs))
+        if self._fused(ct, hs, qkv, out):
+            self.rt.launch("attention.cu", "k_attn_flash_fwd", ct, (-(-T // 64), B * NH), 128,
+                           (out, lse, qkv, i32(B), i32(T), i32(NH), scale), hs=hs)
+            return
+        q, k, v, S = self._attn_scores(qkv, B, T, C, NH, hs)
+        BH = B * NH
+        P = self.workspace.get("attn_probs", BH * T * T, ct)
+        self.rt.launch("attention.cu", "k_attn_softmax", ct, -(-(BH * T) // 8), THREADS,
+                       (P, lse, S, i64(BH * T), i32(T), i32(1)))
+        y = self.workspace.get("attn_y", B * T * C, ct)
+        self.blas.gemm(y, P, v, False, False, T, hs, T, T, hs, hs,
+                       batch=BH, stride_a=T * T, stride_b=T * hs, stride_c=T * hs)
+        self.rt.launch("attention.cu", "k_attn_merge_heads", ct, min(B * T, MAX_BLOCKS), THREADS,
+                       (out, y, i32(B), i32(T), i32(NH), i32(hs)))
+
+    def k_attn_bwd(self, dqkv, dout, qkv, out, lse, n_head):
+        """Adds into dqkv (B,T,3C); recomputes P from S and the saved lse."""
+        B, T, C, NH, hs = _attn_shapes("k_attn_bwd", qkv, n_head)
+        ct = qkv.dtype
+        check("k_attn_bwd", "dqkv", dqkv, qkv.shape, ct)
+        check("k_attn_bwd", "dout", dout, (B, T, C), ct)
+        check("k_attn_bwd", "out", out, (B, T, C), ct)
+        check("k_attn_bwd", "lse", lse, (B, NH, T), np.float32)
+        blas, N, BH = self.blas, B * T, B * NH
+        if self._fused(ct, hs, dqkv, qkv, dout, out):
+            scale = np.float32(1.0 / math.sqrt(hs))
+            D = self.workspace.get("attn_D", BH * T, np.float32)
+            self.rt.launch("attention.cu", "k_attn_flash_D", ct, -(-(BH * T) // 8), THREADS,
+                           (D, dout, out, i32(B), i32(T), i32(NH)), hs=hs)
+            for kernel in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
+                self.rt.launch("attention.cu", kernel, ct, (-(-T // 64), BH), 128,
+                               (dqkv, qkv, dout, lse, D, i32(B), i32(T), i32(NH), scale), hs=hs)
+            return
+        q, k, v, S = self._attn_scores(qkv, B, T, C, NH, hs)
+        P = self.workspace.get("attn_probs", BH * T * T, ct)
+        self.rt.launch("attention.cu", "k_attn_softmax", ct, -(-(BH * T) // 8), THREADS,
+                       (P, lse, S, i64(BH * T), i32(T), i32(0)))
+        dy = self.workspace.get("attn_y", N * C, ct)
+        self.rt.launch("attention.cu", "k_attn_split_dout", ct, min(B * T, MAX_BLOCKS), THREADS,
+                       (dy, dout, i32(B), i32(T), i32(NH), i32(hs)))
+        dh = self.workspace.get("attn_dheads", 3 * N * C, np.float32)
+        dq, dk, dv = dh[:N * C], dh[N * C:2 * N * C], dh[2 * N * C:]
+        th, tt = T * hs, T * T
+        blas.gemm(dv, P, dy, True, False, T, hs, T, T, hs, hs, batch=BH, stride_a=tt, stride_b=th, stride_c=th)
+        blas.gemm(S, dy, v, False, True, T, T, hs, hs, hs, T, batch=BH, stride_a=th, stride_b=th, stride_c=tt)
+        self.rt.launch("attention.cu", "k_attn_dscores", ct, -(-(BH * T) // 8), THREADS,
+                       (P, S, dout, out, i64(BH * T), i32(T), i32(NH), i32(hs), np.float32(1.0 / math.sqrt(hs))))
+        blas.gemm(dq, P, k, False, False, T, hs, T, T, hs, hs, batch=BH, stride_a=tt, stride_b=th, stride_c=th)
+        blas.gemm(dk, P, q, True, False, T, hs, T, T, hs, hs, batch=BH, stride_a=tt, stride_b=th, stride_c=th)
+        self.rt.launch("attention.cu", "k_attn_merge_grads", ct, min(B * T, MAX_BLOCKS), THREADS,
+                       (dqkv, dq, dk, dv, i32(B), i32(T), i32(NH), i32(hs)))
+
+    def k_attn_decode_fwd(self, out, kcache, vcache, qkv, pos, n_head):
+        """One new position against the KV cache (inference only): writes its k, v into row pos of
+        kcache, vcache (B,ctx,C), then out (B,1,C) = its causal attention over rows 0..pos."""
+        B, T, C, NH, hs = _attn_shapes("k_attn_decode_fwd", qkv, n_head)
+        ct = qkv.dtype
+        if T != 1:
+            raise ValueError(f"k_attn_decode_fwd: qkv has {T} positions, expected 1 (shape (B, 1, 3C))")
+        ctx = kcache.shape[1] if kcache.ndim == 3 else 0
+        check("k_attn_decode_fwd", "kcache", kcache, (B, ctx, C), ct)
+        check("k_attn_decode_fwd", "vcache", vcache, (B, ctx, C), ct)
+        check("k_attn_decode_fwd", "out", out, (B, 1, C), ct)
+        if not 0 <= pos < ctx:
+            raise ValueError(f"k_attn_decode_fwd: pos {pos} outside the cache's {ctx} rows")
+        self.rt.launch("decode.cu", "k_attn_decode_fwd", ct, (NH, B), 128,
+                       (out, kcache, vcache, qkv, i32(NH), i32(hs), i32(ctx), i32(pos),
+                        np.float32(1.0 / math.sqrt(hs))),
+                       shared_mem=4 * (ctx + hs + 32))
+
+    def k_attn_out_fwd(self, out, inp, w, b):
+        """out (B,T,C) = inp (B,T,C) @ w (C,C).T + b: the output projection W_O."""
+        self._linear_fwd("k_attn_out_fwd", out, inp, w, b)
+
+    def k_attn_out_bwd(self, dinp, dw, db, dout, inp, w):
+        """Adds into dinp (B,T,C), dw (C,C), db (C,)."""
+        self._linear_bwd("k_attn_out_bwd", dinp, dw, db, dout, inp, w)
+
+    # ------------------------------------------------------------ MLP
+    def k_mlp_fwd(self, out, pre, act, inp, w1, b1, w2, b2):
+        """out (B,T,C) = gelu_tanh(inp @ w1.T + b1) @ w2.T + b2; saves pre (B,T,4C); act workspace."""
+        H, C = w1.shape
+        ct = w1.dtype
+        check("k_mlp_fwd", "pre", pre, inp.shape[:-1] + (H,), ct)
+        check("k_mlp_fwd", "act", act, pre.shape, ct)
+        check("k_mlp_fwd", "b1", b1, (H,), ct)
+        check("k_mlp_fwd", "w2", w2, (C, H), ct)
+        check("k_mlp_fwd", "inp", inp, dtype=ct)
+        N = inp.size // C
+        # cuBLASLt: act = gelu(inp @ w1.T + b1) with pre saved by the epilogue, in one product
+        if not self._lt_matmul(act, inp, w1, False, True, N, H, C, C, C, H, "gelu_aux_bias", bias=b1,
+                               aux=pre, aux_ld=H):
+            self._linear_fwd("k_mlp_fwd", pre, inp, w1, None, bias=False)
+            self.rt.launch("mlp.cu", "k_mlp_bias_gelu", ct, min(N, MAX_BLOCKS), THREADS, (pre, act, b1, i64(N), i32(H)))
+        self._linear_fwd("k_mlp_fwd", out, act, w2, b2)
+
+    def k_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact):
+        """Adds into dinp, dw1 (4C,C), db1, dw2 (C,4C), db2. act, dact (B,T,4C) are workspace."""
+        H, C = w1.shape
+        ct = w1.dtype
+        for n, a in (("pre", pre), ("act", act), ("dact", dact)):
+            check("k_mlp_bwd", n, a, inp.shape[:-1] + (H,), ct)
+        check("k_mlp_bwd", "w2", w2, (C, H), ct)
+        check("k_mlp_bwd", "dout", dout, inp.shape, ct)
+        check("k_mlp_bwd", "dw2", dw2, (C, H), np.float32)
+        check("k_mlp_bwd", "db2", db2, (C,), np.float32)
+        N = inp.size // C
+        self.rt.launch("mlp.cu", "k_mlp_gelu", ct, blocks(N * H), THREADS, (act, pre, i64(N * H)))
+        blas = self.blas
+        blas.gemm(dw2, dout, act, True, False, C, H, N, C, H, H, beta=1.0)
+        self._colsum_add(db2, dout, N, C)
+        # dact = (dout @ w2) * gelu'(pre) (overwrites): one cuBLASLt product with its epilogue
+        if not self._lt_matmul(dact, dout, w2, False, False, N, H, C, C, H, H, "dgelu", aux=pre, aux_ld=H):
+            blas.gemm(dact, dout, w2, False, False, N, H, C, C, H, H)
+            self.rt.launch("mlp.cu", "k_mlp_gelu_bwd", ct, blocks(N * H), THREADS, (dact, pre, i64(N * H)))
+        self._linear_bwd("k_mlp_bwd", dinp, dw1, db1, dact, inp, w1)
+
+    # ------------------------------------------------------------ residual
+    def k_residual_add(self, out, a, b):
+        """out = a + b."""
+        for n, x in (("out", out), ("a", a), ("b", b)):
+            check("k_residual_add", n, x, a.shape, a.dtype)
+        self.rt.launch("residual.cu", "k_residual_add", a.dtype, blocks(a.size), THREADS, (out, a, b, i64(a.size)))
+
+    def k_residual_add_bwd(self, da, db, dout):
+        """da += dout, db += dout."""
+        for n, x in (("da", da), ("db", db), ("dout", dout)):
+            check("k_residual_add_bwd", n, x, dout.shape, dout.dtype)
+        self.rt.launch("residual.cu", "k_residual_add_bwd", dout.dtype, blocks(dout.size), THREADS,
+                       (da, db, dout, i64(dout.size)))
+
+    # ------------------------------------------------------------ loss
+    def k_loss_fwd(self, losses, lse, logits, inp, wte, targets):
+        """Writes losses, lse (B,T); logits (R, V) is workspace: chunks of R rows of inp @ wte.T."""
+        x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_loss_fwd", losses, lse, logits, inp, wte, targets)
+        R = z_all.shape[0]
+        for r0 in range(0, N, R):
+            n = min(R, N - r0)
+            z = z_all[:n]
+            self.blas.gemm(z, x[r0:r0 + n], wte, False, True, n, V, C, C, C, V)
+            self.rt.launch("loss.cu", "k_loss_fwd", ct, n, 512,
+                           (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)))
+
+    def k_loss_bwd(self, losses, lse, dinp, dwte, logits, inp, wte, targets, dloss):
+        """The fused classifier (numpy_ref.k_loss_bwd): per chunk of R rows the logits product, loss,
+        lse and dlogits in place, then dinp (B,T,C) += dlogits @ wte and dwte (V,C) += dlogits.T @ inp.
+        dloss: a float, or a (1,) float32 device array read when the kernel runs."""
+        x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_loss_bwd", losses, lse, logits, inp, wte, targets)
+        check("k_loss_bwd", "dinp", dinp, inp.shape, ct)
+        check("k_loss_bwd", "dwte", dwte, (V, C), np.float32)
+        if isinstance(dloss, cp.ndarray):
+            check("k_loss_bwd", "dloss", dloss, (1,), np.float32)
+            dl = (dloss, np.float32(0))
+        else:
+            dl = (np.uint64(0), np.float32(dloss))
+        blas, dx, R = self.blas, dinp.reshape(N, C), z_all.shape[0]
+        for r0 in range(0, N, R):
+            n = min(R, N - r0)
+            z = z_all[:n]
+            blas.gemm(z, x[r0:r0 + n], wte, False, True, n, V, C, C, C, V)
+            self.rt.launch("loss.cu", "k_loss_bwd", ct, n, 512,
+                           (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)) + dl)
+            blas.gemm(dx[r0:r0 + n], z, wte, False, False, n, C, V, V, C, C, beta=1.0)
+            blas.gemm(dwte, z, x[r0:r0 + n], True, False, V, C, n, V, C, C, beta=1.0)
+
+    # ------------------------------------------------------------ clipping and the optimizer
+    def k_grad_norm_partial(self, partials, grads):
+        """partials[i] = sum of squares of the i-th of len(partials) equal chunks of grads."""
+        check("k_grad_norm_partial", "partials", partials, dtype=np.float32)
+        check("k_grad_norm_partial", "grads", grads, dtype=np.float32)
+        self.rt.launch("optim.cu", "k_grad_norm_partial", np.float32, partials.shape[0], THREADS,
+                       (partials, grads, i64(grads.size)))
+
+    def k_loss_accum(self, state, losses):
+        """state[S_LOSS_SUM] += sum of losses in float64 (one block)."""
+        check("k_loss_accum", "state", state, (STATE_LEN,), np.float64)
+        check("k_loss_accum", "losses", losses, dtype=np.float32)
+        self.rt.launch("optim.cu", "k_loss_accum", np.float32, 1, 1024, (state, losses, i64(losses.size)))
+
+    def k_step_check(self, state, dloss, partials, n_micro, n_pos, beta1, beta2, weight_decay, max_norm,
+                     fp16, growth_interval, max_scale):
+        """The end-of-step bookkeeping of numpy_ref.k_step_check, by one device thread."""
+        check("k_step_check", "state", state, (STATE_LEN,), np.float64)
+        check("k_step_check", "dloss", dloss, (1,), np.float32)
+        check("k_step_check", "partials", partials, dtype=np.float32)
+        f64 = np.float64
+        self.rt.launch("optim.cu", "k_step_check", np.float32, 1, 32,
+                       (state, dloss, partials, i32(partials.size), i32(n_micro), f64(n_pos), f64(beta1),
+                        f64(beta2), f64(weight_decay), f64(max_norm), i32(int(bool(fp16))),
+                        f64(growth_interval), f64(max_scale)))
+
+    def k_adamw_step(self, params, params_c, grads, m, v, state, beta1, beta2, eps, n_decay):
+        """Clip + AdamW + cast + zeroing of grads in one pass, as numpy_ref.k_adamw_step."""
+        for n, a in (("params", params), ("grads", grads), ("m", m), ("v", v)):
+            check("k_adamw_step", n, a, params.shape, np.float32)
+        check("k_adamw_step", "state", state, (STATE_LEN,), np.float64)
+        cast = params_c is not None and params_c is not params
+        if cast:
+            check("k_adamw_step", "params_c", params_c, params.shape)
+        pc = params_c if cast else params
+        f32 = np.float32
+        self.rt.launch("optim.cu", "k_adamw_step", pc.dtype, blocks(params.size), THREADS,
+                       (params, pc, grads, m, v, state, i64(params.size), i64(n_decay), f32(beta1),
+                        f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(eps), i32(int(cast))))
+
+    def k_cast_params(self, dst, src):
+        """dst (compute dtype) = src (float32 master weights), a flat copy."""
+        check("k_cast_params", "src", src, dtype=np.float32)
+        check("k_cast_params", "dst", dst, src.shape)
+        self.rt.launch("optim.cu", "k_cast_params", dst.dtype, blocks(src.size), THREADS, (dst, src, i64(src.size)))

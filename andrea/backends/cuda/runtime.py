@@ -1,0 +1,108 @@
+"""Compiling and launching the kernels of andrea/kernels/*.cu: one Runtime per backend object.
+
+Each kernels/<op>.cu (andrea.paths.KERNEL_DIR) is compiled at run time by NVRTC (cupy.RawModule),
+once per compute dtype (-DCT=float|f16|bf16, picked from the arrays) and set of extra -D options,
+and cached on the Runtime. kernels/common.cuh is pasted in before compiling, so that CuPy's
+on-disk cache key covers it. `sources` maps a file name to another source (a dev/cuda variant) for this Runtime only.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ...paths import KERNEL_DIR
+
+try:  # the package imports without CuPy (interface checks on CPU machines); Runtime() needs it
+    import cupy as cp
+except ImportError:
+    cp = None
+
+try:  # registers numpy's "bfloat16" dtype where ml_dtypes is installed (bf16 precision)
+    import ml_dtypes  # noqa: F401
+except ImportError:
+    pass
+
+THREADS = 256
+MAX_BLOCKS = 8192  # grid-stride kernels: enough blocks to fill 132 SMs, few enough to stay cheap
+
+
+def require_cupy():
+    if cp is None:
+        raise RuntimeError("the CUDA backend needs CuPy: install the cuda12 or cuda13 extra on a GPU machine")
+    return cp
+
+
+def ct_name(dtype) -> str:
+    """The -DCT name of a compute dtype."""
+    dt = np.dtype(dtype)
+    if dt == np.float32:
+        return "float"
+    if dt == np.float16:
+        return "f16"
+    if dt.name == "bfloat16":
+        return "bf16"
+    raise TypeError(f"compute dtype {dt}: expected float32, float16 or bfloat16")
+
+
+class Runtime:
+    """The compiled modules and kernel handles of one backend object."""
+
+    def __init__(self, sources=None, directory=None):
+        require_cupy()
+        self.dir = Path(directory) if directory is not None else KERNEL_DIR
+        self.sources = {name: Path(p) for name, p in (sources or {}).items()}
+        self.modules: dict = {}
+        self.funcs: dict = {}
+
+    def source(self, fname: str) -> str:
+        path = self.sources.get(fname, self.dir / fname)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: kernel source missing (the CUDA backend reads the package's "
+                                    "kernels/; reinstall the package)")
+        common = (self.dir / "common.cuh").read_text()
+        return path.read_text().replace('#include "common.cuh"', common)
+
+    def function(self, fname: str, kernel: str, dtype, defs=()):
+        """The compiled kernel; defs are extra -D options (compile-time sizes, e.g. attention's HS)."""
+        key = (fname, kernel, ct_name(dtype), defs)
+        f = self.funcs.get(key)
+        if f is None:
+            mkey = (fname, key[2], defs)
+            mod = self.modules.get(mkey)
+            if mod is None:
+                opts = ("-std=c++17", f"-DCT={key[2]}") + tuple(defs)
+                mod = self.modules[mkey] = cp.RawModule(code=self.source(fname), options=opts)
+            f = self.funcs[key] = mod.get_function(kernel)
+        return f
+
+    def launch(self, fname, kernel, dtype, grid, block, args, shared_mem=0, hs=None, defs=()):
+        """Launch kernel of kernels/<fname> compiled for dtype, on the current stream."""
+        defs = tuple(defs) + ((f"-DHS={hs}",) if hs else ())
+        self.function(fname, kernel, dtype, defs)(grid if isinstance(grid, tuple) else (grid,),
+                                                  block if isinstance(block, tuple) else (block,), args,
+                                                  shared_mem=shared_mem)
+
+
+def blocks(n: int, per_block: int = THREADS) -> int:
+    return max(1, min(MAX_BLOCKS, -(-n // per_block)))
+
+
+def i32(x):
+    return np.int32(x)
+
+
+def i64(x):
+    return np.int64(x)
+
+
+def check(kernel: str, name: str, a, shape=None, dtype=None):
+    """Raise a clear error unless a is a C-contiguous CuPy array of this shape and dtype."""
+    if not isinstance(a, cp.ndarray):
+        raise TypeError(f"{kernel}: {name} must be a CuPy array, got {type(a).__name__}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{kernel}: {name} must be C-contiguous (strides {a.strides})")
+    if dtype is not None and a.dtype != np.dtype(dtype):
+        raise TypeError(f"{kernel}: {name} has dtype {a.dtype}, expected {np.dtype(dtype)}")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{kernel}: {name} has shape {tuple(a.shape)}, expected {tuple(shape)}")

@@ -1,0 +1,182 @@
+"""The backend interface, written down once: what the engine, the model and the benchmark may use.
+
+Two implementations: NumpyBackend (numpy_backend.py, the reference kernels of numpy_ref on the
+CPU) and CudaBackend (cuda/, kernels/*.cu on one GPU). Both implement every member below with
+the same names and signatures; tests/test_backend_interface.py checks it. `get_backend` (in
+__init__.py) returns a new object per call: one per engine.
+
+Kernel conventions (numpy_ref's docstring has them in full): shapes B batch, T sequence, C
+d_model, NH heads, hs = C // NH, V vocab; linear weights are (out, in) and compute inp @ w.T + b.
+Forward kernels WRITE their outputs; backward kernels ADD into every gradient buffer. Arrays are
+the backend's own (NumPy or CuPy), C-contiguous, in the compute dtype unless a kernel says
+float32 (statistics, gradients, master weights, optimizer state).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, List, Protocol, Tuple, runtime_checkable
+
+WorkspaceRow = Tuple[str, tuple, str]  # (name, shape, dtype name)
+
+
+@runtime_checkable
+class Workspace(Protocol):
+    """Scratch the kernels take beyond their arguments, for one model shape."""
+
+    def nbytes(self) -> int:
+        """Bytes held for the kernels (0 where they need none)."""
+
+
+@runtime_checkable
+class GraphRunner(Protocol):
+    """Runs whole passes; on CUDA as CUDA graphs replayed by key, on the CPU eagerly."""
+
+    def run(self, key: Hashable, fn: Callable[[], None]) -> None:
+        """fn() (backend kernels only: no host syncs, no allocation), replayed from a graph
+        recorded for key where the backend has graphs. key stands for everything fn bakes in
+        (buffer addresses, host scalars)."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    # ------------------------------------------------------------ what it is
+    name: str  # "numpy" or "cuda": for records and messages, never to choose code paths
+    precisions: Tuple[str, ...]  # train.precision values it runs ("fp32", "fp16", "bf16")
+    grad_norm_partials: int  # length of the partials buffer k_grad_norm_partial fills
+    xp: Any  # the array module (numpy or cupy), for small array arithmetic outside the kernels
+    attention: str  # attention path chosen at construction: "fused" or "materialised"
+    decodes: bool  # whether k_attn_decode_fwd (KV-cache inference) runs on this backend
+
+    def attention_variant(self, dtype, head_size: int) -> str:
+        """The path k_attn_fwd/_bwd take for this compute dtype and head size: "fused" or
+        "materialised"."""
+
+    def used_cublaslt(self) -> bool:
+        """Whether any matrix product so far ran through cuBLASLt with a fused epilogue (CUDA,
+        constructed with cublaslt=True, where cuBLASLt had an algorithm for the problem)."""
+
+    # ------------------------------------------------------------ arrays and the device
+    def empty(self, shape, dtype) -> Any:
+        """A new uninitialised array of the backend."""
+
+    def zeros(self, shape, dtype) -> Any:
+        """A new zero-filled array of the backend."""
+
+    def upload(self, dst, src) -> None:
+        """Copy host array src into the existing array dst (same size; converted to dst's
+        dtype; no new buffer). CUDA queues the copy on the current stream without waiting for
+        the device; src may be reused at once."""
+
+    def write(self, dst, src) -> None:
+        """dst = src now: the host waits for the copy (large one-off copies: weights, optimizer
+        state; upload's pinned buffers are for the small per-step ones)."""
+
+    def download_async(self, a) -> Any:
+        """A copy of a on its way to the host; its get() waits for it and returns the array."""
+
+    def to_numpy(self, a) -> Any:
+        """A host NumPy array with a's values (waits for the work that writes a)."""
+
+    def synchronize(self) -> None:
+        """Wait for all queued work."""
+
+    # ------------------------------------------------------------ workspace and graphs
+    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype) -> List[WorkspaceRow]:
+        """The scratch buffers the kernels take for this model shape."""
+
+    def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype) -> Workspace:
+        """Allocate that scratch now, so the step loop allocates nothing; the kernels of this
+        backend draw from the returned Workspace, which the engine keeps and prints."""
+
+    def graph_runner(self) -> GraphRunner:
+        """A new GraphRunner; the engine keeps one for its forward + backward passes."""
+
+    def capture(self, fn: Callable[[], None], stream=None) -> Any:
+        """fn() recorded as a graph on stream (CUDA; default a new stream), not run; the
+        result's launch(stream=...) replays it. The benchmark times kernels this way."""
+
+    # ------------------------------------------------------------ embedding
+    def k_embed_fwd(self, out, tokens, wte, wpe) -> None:
+        """out (B,T,C) = wte[tokens] + wpe[:T]; tokens (B,T) int32."""
+
+    def k_embed_bwd(self, dwte, dwpe, dout, tokens) -> None:
+        """dwte[tokens] += dout; dwpe[:T] += dout summed over the batch (float32 grads)."""
+
+    # ------------------------------------------------------------ layer norm
+    def k_layernorm_fwd(self, out, mean, rstd, inp, weight, bias) -> None:
+        """out (B,T,C) = (inp - mean) * rstd * weight + bias; saves mean, rstd (B,T) float32."""
+
+    def k_residual_layernorm_fwd(self, res, out, mean, rstd, a, b, weight, bias) -> None:
+        """res = a + b (the residual stream, saved), then out = layer norm of res, with mean and
+        rstd, in one pass."""
+
+    def k_layernorm_bwd(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
+        """Adds into dinp (B,T,C), dweight (C,), dbias (C,)."""
+
+    # ------------------------------------------------------------ linear layers
+    def k_attn_qkv_fwd(self, qkv, inp, w, b) -> None:
+        """qkv (B,T,3C) = inp (B,T,C) @ w (3C,C).T + b (3C,)."""
+
+    def k_attn_qkv_bwd(self, dinp, dw, db, dqkv, inp, w) -> None:
+        """Adds into dinp (B,T,C), dw (3C,C), db (3C,)."""
+
+    # ------------------------------------------------------------ attention
+    def k_attn_fwd(self, out, lse, qkv, n_head) -> None:
+        """out (B,T,C) = causal softmax(q k^T / sqrt(hs)) v; lse (B,NH,T) float32."""
+
+    def k_attn_bwd(self, dqkv, dout, qkv, out, lse, n_head) -> None:
+        """Adds into dqkv (B,T,3C)."""
+
+    def k_attn_decode_fwd(self, out, kcache, vcache, qkv, pos, n_head) -> None:
+        """Inference: write the new position's k, v (qkv (B,1,3C)) into row pos of kcache,
+        vcache (B,context,C); out (B,1,C) = its attention over rows 0..pos. Where `decodes` is
+        False it raises NotImplementedError."""
+
+    def k_attn_out_fwd(self, out, inp, w, b) -> None:
+        """out (B,T,C) = inp (B,T,C) @ w (C,C).T + b."""
+
+    def k_attn_out_bwd(self, dinp, dw, db, dout, inp, w) -> None:
+        """Adds into dinp (B,T,C), dw (C,C), db (C,)."""
+
+    # ------------------------------------------------------------ MLP
+    def k_mlp_fwd(self, out, pre, act, inp, w1, b1, w2, b2) -> None:
+        """out (B,T,C) = gelu_tanh(inp @ w1.T + b1) @ w2.T + b2; saves pre (B,T,4C); act is
+        workspace."""
+
+    def k_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact) -> None:
+        """Adds into dinp, dw1 (4C,C), db1, dw2 (C,4C), db2; act, dact (B,T,4C) are workspace."""
+
+    # ------------------------------------------------------------ residual
+    def k_residual_add(self, out, a, b) -> None:
+        """out = a + b."""
+
+    def k_residual_add_bwd(self, da, db, dout) -> None:
+        """da += dout; db += dout."""
+
+    # ------------------------------------------------------------ loss
+    def k_loss_fwd(self, losses, lse, logits, inp, wte, targets) -> None:
+        """Writes losses, lse (B,T); logits (R,V) is workspace: the rows of inp @ wte.T, R at a
+        time."""
+
+    def k_loss_bwd(self, losses, lse, dinp, dwte, logits, inp, wte, targets, dloss) -> None:
+        """The fused classifier: per chunk of R rows the logits, losses, lse and dlogits, then
+        dinp (B,T,C) += dlogits @ wte and dwte (V,C) += dlogits.T @ inp. dloss: a float, or a (1,)
+        float32 array read when the kernel runs."""
+
+    # ------------------------------------------------------------ clipping, optimizer, cast
+    def k_grad_norm_partial(self, partials, grads) -> None:
+        """partials[i] = sum of squares of the i-th of len(partials) equal chunks of grads."""
+
+    def k_loss_accum(self, state, losses) -> None:
+        """state[S_LOSS_SUM] += sum of losses, in float64 (state: numpy_ref.STATE_SLOTS)."""
+
+    def k_step_check(self, state, dloss, partials, n_micro, n_pos, beta1, beta2, weight_decay, max_norm,
+                     fp16, growth_interval, max_scale) -> None:
+        """The end of a step in float64 on the device: the gradient norm, the non-finite policy,
+        the loss scale and the clip factor, into state and dloss."""
+
+    def k_adamw_step(self, params, params_c, grads, m, v, state, beta1, beta2, eps, n_decay) -> None:
+        """Unless the step is skipped: clip + AdamW in place (decoupled decay on
+        params[:n_decay]) + the cast into params_c; grads zeroed."""
+
+    def k_cast_params(self, dst, src) -> None:
+        """dst (compute dtype) = src (float32 master weights), rounded to nearest."""

@@ -1,0 +1,118 @@
+"""The backend interface (andrea/backends/interface.py) against both backends, on the CPU.
+
+Every member of the Protocol exists in NumpyBackend and CudaBackend with the same parameters
+(names, kinds, defaults); neither backend has public methods the Protocol does not list; the
+engine, the model, the runner, evaluation and the benchmark reach a backend only through
+members of the Protocol.
+"""
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from andrea.backends.cuda import CudaBackend
+from andrea.backends.interface import Backend
+from andrea.backends.numpy_backend import NumpyBackend
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = [NumpyBackend, CudaBackend]
+
+
+def protocol_members(proto):
+    methods = {n for n, v in vars(proto).items() if inspect.isfunction(v) and not n.startswith("_")}
+    attributes = set(proto.__annotations__)
+    return methods, attributes
+
+
+def params(fn):
+    """(name, kind, default) of each parameter, without self (instance methods and
+    staticmethods then compare alike)."""
+    ps = list(inspect.signature(fn).parameters.values())
+    if ps and ps[0].name == "self":
+        ps = ps[1:]
+    return [(p.name, p.kind, p.default) for p in ps]
+
+
+def public_methods(cls):
+    out = set()
+    for klass in cls.__mro__[:-1]:
+        for n, v in vars(klass).items():
+            if not n.startswith("_") and isinstance(v, (staticmethod, classmethod)) or \
+                    (not n.startswith("_") and inspect.isfunction(v)):
+                out.add(n)
+    return out
+
+
+def mismatches(cls, proto=Backend):
+    """Every way cls differs from the protocol, as readable lines (empty: it conforms)."""
+    methods, attributes = protocol_members(proto)
+    out = []
+    for name in sorted(methods):
+        impl = getattr(cls, name, None)
+        if impl is None or not callable(impl):
+            out.append(f"{cls.__name__} lacks method {name}")
+        elif params(impl) != params(getattr(proto, name)):
+            out.append(f"{cls.__name__}.{name}{inspect.signature(impl)} differs from the interface's "
+                       f"{inspect.signature(getattr(proto, name))}")
+    for name in sorted(attributes):
+        if not hasattr(cls, name):
+            out.append(f"{cls.__name__} lacks attribute {name}")
+    for name in sorted(public_methods(cls) - methods):
+        out.append(f"{cls.__name__}.{name} is public but not in the interface")
+    return out
+
+
+@pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
+def test_backend_implements_the_interface(cls):
+    assert mismatches(cls) == []
+
+
+def test_both_backends_have_the_same_kernels():
+    """Same kernel names and parameters in both (the Protocol check implies it; this says so
+    directly, and lists the kernels so an empty interface cannot pass)."""
+    kernels = sorted(n for n in protocol_members(Backend)[0] if n.startswith("k_"))
+    assert len(kernels) == 23
+    for n in kernels:
+        assert params(getattr(NumpyBackend, n)) == params(getattr(CudaBackend, n)), n
+
+
+def test_the_check_catches_a_missing_method_and_a_changed_signature():
+    class Missing(NumpyBackend):
+        k_adamw_step = None
+
+    class Changed(NumpyBackend):
+        @staticmethod
+        def k_residual_add(out, a, b, alpha=1.0):
+            pass
+
+    class Extra(NumpyBackend):
+        def k_new_kernel(self, out):
+            pass
+
+    assert mismatches(Missing) == ["Missing lacks method k_adamw_step"]
+    assert len(mismatches(Changed)) == 1 and "k_residual_add" in mismatches(Changed)[0]
+    assert mismatches(Extra) == ["Extra.k_new_kernel is public but not in the interface"]
+
+
+def test_numpy_backend_is_a_runtime_backend():
+    be = NumpyBackend()
+    assert isinstance(be, Backend)
+    ws = be.reserve_workspace(2, 8, 16, 2, "float32")
+    assert ws.nbytes() == 0
+    ran = []
+    be.graph_runner().run("key", lambda: ran.append(1))
+    be.capture(lambda: ran.append(2)).launch()
+    assert ran == [1, 2]
+
+
+# callers of the backend: the object is named be, self.be, eng.be or e.be there
+CALLERS = ["andrea/engine.py", "andrea/model.py", "andrea/bench.py", "andrea/runner.py",
+           "andrea/evaluate.py", "andrea/train.py", "andrea/inference.py", "andrea/generate.py"]
+
+
+@pytest.mark.parametrize("path", [p for p in CALLERS if (ROOT / p).is_file()])
+def test_callers_use_only_interface_members(path):
+    methods, attributes = protocol_members(Backend)
+    used = set(re.findall(r"\bbe\.(\w+)(?![\w*])", (ROOT / path).read_text()))  # not `be.k_*` in prose
+    assert used - methods - attributes == set(), f"{path} uses backend members outside the interface"

@@ -1,0 +1,65 @@
+"""dev/cuda/harness.py on the CPU: its cases and comparisons, run with the NumPy backend as the
+"device" (float32 against the float64 reference), and a broken kernel it must catch.
+On a GPU the same code checks CUDA variants: python dev/cuda/harness.py OP [vN ...]."""
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from andrea.backends import numpy_ref as ref
+from andrea.backends.interface import Backend
+from andrea.backends.numpy_backend import NumpyBackend
+
+HARNESS = Path(__file__).resolve().parent.parent / "dev" / "cuda" / "harness.py"
+SMALL = {"B": 2, "T": 9, "C": 16, "NH": 2, "V": 31}
+
+
+@pytest.fixture(scope="module")
+def harness():
+    spec = importlib.util.spec_from_file_location("dev_cuda_harness", HARNESS)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_interface_kernel_has_a_case(harness):
+    kernels = {c.kernel for cs in harness.cases.CASES.values() for c in cs}
+    assert kernels == {n for n in vars(Backend) if n.startswith("k_")}
+
+
+@pytest.mark.parametrize("op", ["embed", "layernorm", "linear", "attention", "mlp", "residual", "loss", "optim"])
+def test_reference_in_float32_passes(harness, op):
+    df = harness.run(op, ["main"], ["fp32"], reps=1, timing=True, backend=lambda *a: NumpyBackend(),
+                     time_size=SMALL)
+    assert len(df) == len(harness.cases.CASES[op])  # every case runs: the NumPy backend has every capability
+    assert df.ok.all(), df.to_string()
+    assert (df["rel err"] < 1e-5).all() and (df["ms"] > 0).all()
+
+
+class Broken(NumpyBackend):
+    """Writes instead of adding in one backward kernel, and forgets one forward element."""
+
+    @staticmethod
+    def k_residual_add_bwd(da, db, dout):
+        da[...] = dout
+        db += dout
+
+    @staticmethod
+    def k_layernorm_fwd(out, mean, rstd, inp, weight, bias):
+        ref.k_layernorm_fwd(out, mean, rstd, inp, weight, bias)
+        out.reshape(-1)[-1] = np.nan
+
+
+@pytest.mark.parametrize("op,kernel", [("residual", "k_residual_add_bwd"), ("layernorm", "k_layernorm_fwd")])
+def test_broken_kernel_fails(harness, op, kernel):
+    df = harness.run(op, ["main"], ["fp32"], reps=1, timing=False, backend=lambda *a: Broken())
+    bad = df[~df.ok]
+    assert list(bad.kernel) == [kernel], df.to_string()
+
+
+def test_unknown_variant_is_named(harness):
+    with pytest.raises(SystemExit, match="layernorm_v99.cu: no such variant of layernorm"):
+        harness.variants("layernorm", ["v99"])
+    with pytest.raises(SystemExit, match="op 'softmax': expected one of"):
+        harness.run("softmax", [], ["fp32"], 1, False)
