@@ -43,6 +43,7 @@ from .atomic import atomic_write
 # composing also registers the config schemas that hydra.main below needs
 from .compose import ConfigError, compose_config, one_line, resolve  # noqa: F401 (compose_config: public here too)
 from .config import AndreaConfig, config_hash
+from .data.sizing import check_shards
 from .paths import CONF_DIR
 from .protocol import EXIT_BAD_INPUT, EXIT_STOPPED
 
@@ -151,6 +152,7 @@ def train(cfg: DictConfig) -> int:
     try:
         run_cfg = resolve(cfg)
         run_dir = run_folder()
+        check_shards(run_cfg)  # too few windows for one step or one validation: say which setting
     except (ConfigError, ValueError) as e:
         print(f"andrea.train: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 import andrea.config as andrea_config
 from andrea.compose import ConfigError, compose_config
 from andrea.config import to_dict
+from andrea.data.sizing import DataSizeError, synthetic_conversations
 from andrea.paths import experiments
 
 REPO = Path(workflow.basedir).resolve().parent
@@ -36,6 +37,7 @@ PULL_KEYS = {
 }
 PREP_KEYS = ("val_fraction",)
 _CONFIGS = {}
+TARGETS_ENV = "ANDREA_WORKFLOW_TARGETS"  # this invocation's targets, as first seen (requested_experiments)
 
 
 def exp_config(exp):
@@ -71,6 +73,11 @@ def _data_stage(cfg, stage):
             raise WorkflowError(f"experiment {cfg.exp}: data.source={d['source']!r}; expected one of "
                                 f"{sorted(PULL_KEYS)}")
         keys = PULL_KEYS[d["source"]]
+        if d["source"] == "synthetic":  # as many tasks as the experiment's batches need (a floor: n_synthetic)
+            try:
+                d["n_synthetic"] = synthetic_conversations(cfg)
+            except DataSizeError as e:
+                raise WorkflowError(f"experiment {cfg.exp}: {e}") from e
     else:
         keys = PREP_KEYS
     return {"data": {k: d[k] for k in keys}}
@@ -79,7 +86,12 @@ def _data_stage(cfg, stage):
 def requested_experiments():
     """Experiments named by this invocation's targets (`all` stands for the default one)."""
     ds = getattr(workflow, "dag_settings", None)  # set once the Snakefile is parsed
-    targets = set(ds.targets) if ds is not None and ds.targets else {"all"}
+    if ds is not None and ds.targets and TARGETS_ENV not in os.environ:
+        os.environ[TARGETS_ENV] = "\n".join(sorted(map(str, ds.targets)))
+    # A local job with a Python body executes in a child Snakemake that has no targets and evaluates
+    # the params again: the invocation's targets reach it through the environment (without them a
+    # shared data folder got the default experiment's settings).
+    targets = set(filter(None, os.environ.get(TARGETS_ENV, "").split("\n"))) or {"all"}
     found = {DEFAULT_EXP} if "all" in targets else set()
     for t in targets:
         t = str(t).rstrip("/")
