@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import II, OmegaConf
 
 
 @dataclass
@@ -30,7 +30,7 @@ class ModelConfig:
 # Where the data steps write and the engine reads: one definition, used by DataConfig's defaults
 # and, through data_root / default_data_paths, by the workflow.
 DATA_ROOT = "${data.dir}/${data.source}"
-TOKENIZED = DATA_ROOT + "/tok${model.vocab_size}"
+TOKENIZED = DATA_ROOT + "/tok${data.tokenizer_vocab}"
 DATA_FILES = ("tokenizer", "train_shards", "val_shards")
 
 
@@ -62,6 +62,8 @@ class DataConfig:
     val_fraction: float = 0.05  # share of conversations held out, by hash
     seed: int = 1234  # synthetic generation seed
     dir: str = "data"  # where pulled and prepared data lives
+    # BPE entries the tokenizer is trained to; the embedding keeps model.vocab_size rows (>= this)
+    tokenizer_vocab: int = II("model.vocab_size")
     # what the engine reads; the workflow writes them (token shards: andrea/data/shards.py)
     tokenizer: str = TOKENIZED + "/tokenizer.json"
     train_shards: str = TOKENIZED + "/train_*.bin"
@@ -247,6 +249,9 @@ def validate(cfg: AndreaConfig) -> None:
         raise ValueError(f"train.precision={t.precision!r}: expected fp32, fp16 or bf16")
     if cfg.backend.name not in ("auto", "numpy", "cuda"):
         raise ValueError(f"backend.name={cfg.backend.name!r}: expected auto, numpy or cuda")
+    if cfg.data.tokenizer_vocab > m.vocab_size:
+        raise ValueError(f"data.tokenizer_vocab={cfg.data.tokenizer_vocab} exceeds model.vocab_size={m.vocab_size}: "
+                         "the embedding needs a row for every token id")
     if t.eval_every > 0 and t.eval_batches < 1:
         raise ValueError(f"train.eval_batches={t.eval_batches}: expected an integer >= 1 when "
                          f"train.eval_every={t.eval_every} > 0 (a validation loss needs a batch)")
@@ -297,7 +302,8 @@ def validate_mix(d: DataConfig) -> None:
 
 
 def _fill(template: str, cfg: AndreaConfig) -> str:
-    node = OmegaConf.create({"data": {"dir": cfg.data.dir, "source": cfg.data.source},
+    node = OmegaConf.create({"data": {"dir": cfg.data.dir, "source": cfg.data.source,
+                                      "tokenizer_vocab": cfg.data.tokenizer_vocab},
                              "model": {"vocab_size": cfg.model.vocab_size}, "path": template})
     return str(node.path)
 
@@ -309,7 +315,7 @@ def data_root(cfg: AndreaConfig) -> str:
 
 def default_data_paths(cfg: AndreaConfig) -> dict:
     """{tokenizer, train_shards, val_shards} as DataConfig's defaults give them for cfg's data.dir,
-    data.source and model.vocab_size, whatever cfg itself sets them to."""
+    data.source and data.tokenizer_vocab, whatever cfg itself sets them to."""
     defaults = {f.name: f.default for f in dataclasses.fields(DataConfig) if f.name in DATA_FILES}
     return {k: _fill(v, cfg) for k, v in defaults.items()}
 

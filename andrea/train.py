@@ -152,7 +152,9 @@ def train(cfg: DictConfig) -> int:
     try:
         run_cfg = resolve(cfg)
         run_dir = run_folder()
-        check_shards(run_cfg)  # too few windows for one step or one validation: say which setting
+        # too few windows for one batch: stop and say which setting; fewer than a step's or a
+        # validation's worth: say so and go on (the loader re-reads windows)
+        check_shards(run_cfg, warn=lambda msg: print(f"andrea.train: warning: {msg}", file=sys.stderr))
     except (ConfigError, ValueError) as e:
         print(f"andrea.train: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

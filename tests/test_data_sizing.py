@@ -89,25 +89,44 @@ def test_check_shards_counts_windows_as_the_loader(tmp_path):
     assert info["epochs"] == pytest.approx(cfg.train.steps * 8 / 40)
 
 
-def test_small_val_names_the_setting(tmp_path):
+def test_val_short_of_its_batches_warns(tmp_path):
     cfg = _shards(tmp_path, "synthetic", 16 * 40 + 1, 16 * 24)  # one token short of 24 windows
-    with pytest.raises(DataSizeError, match=r"val shards .* hold 23 windows of 17 tokens; .* needs 24: "
-                                            r"raise data.n_synthetic"):
+    said = []
+    info = check_shards(cfg, warn=said.append)
+    assert info["short"] == ["val"] and info["val_windows"] == 23
+    assert len(said) == 1 and re.search(r"val shards .* hold 23 windows of 17 tokens; train.eval_batches=3 "
+                                        r"batches of train.batch_size=8 needs 24, .*raise data.n_synthetic", said[0])
+
+
+def test_val_below_one_batch_names_the_setting(tmp_path):
+    cfg = _shards(tmp_path, "synthetic", 16 * 40 + 1, 16 * 7)  # 6 windows, a batch is 8
+    with pytest.raises(DataSizeError, match=r"val shards .* hold 6 windows of 17 tokens, fewer than one batch of "
+                                            r"train.batch_size=8: raise data.n_synthetic"):
         check_shards(cfg)
 
 
 @pytest.mark.parametrize("extra, hint", [((), "local mirror data.local_path='/mirror/hermes3.jsonl' is too small"),
                                          (("data.max_conversations=100",), "raise data.max_conversations=100")])
 def test_small_local_mirror_names_the_setting(tmp_path, extra, hint):
-    cfg = _shards(tmp_path, "local", 16 * 5, 16 * 24 + 1, extra)  # 4 train windows, 8 needed
+    cfg = _shards(tmp_path, "local", 16 * 5, 16 * 24 + 1, extra)  # 4 train windows, a batch is 8
     with pytest.raises(DataSizeError, match=re.escape(hint)) as e:
         check_shards(cfg)
-    assert "train shards" in str(e.value) and "train.batch_size=8" in str(e.value)
+    assert "train shards" in str(e.value) and "fewer than one batch of train.batch_size=8" in str(e.value)
 
 
 def test_missing_shards_left_to_the_loader(tmp_path):
     cfg = compose_config("ANDREA-tiny", [f"data.dir={tmp_path}"])
     assert check_shards(cfg)["train_windows"] is None
+
+
+def test_tokenizer_vocab_names_the_data_folder():
+    cfg = compose_config("ANDREA-120M-synthetic")
+    assert cfg.model.vocab_size == 50304 and f"/tok{cfg.data.tokenizer_vocab}/" in cfg.data.tokenizer
+    assert cfg.data.tokenizer_vocab < cfg.model.vocab_size
+    plain = compose_config("ANDREA-12M")
+    assert plain.data.tokenizer_vocab == plain.model.vocab_size and "/tok8192/" in plain.data.tokenizer
+    with pytest.raises(Exception, match="data.tokenizer_vocab=9000 exceeds model.vocab_size=8192"):
+        compose_config("ANDREA-12M", ["data.tokenizer_vocab=9000"])
 
 
 def test_train_refuses_small_shards_before_starting(tmp_path):
@@ -124,5 +143,5 @@ def test_train_refuses_small_shards_before_starting(tmp_path):
                         f"results_dir={tmp_path / 'results'}"], cwd=root, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(root)), timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "val shards" in r.stderr and "needs 24: raise data.n_synthetic" in r.stderr
+    assert "val shards" in r.stderr and "fewer than one batch of train.batch_size=8: raise data.n_synthetic" in r.stderr
     assert not (tmp_path / "results" / "ANDREA-tiny" / "checkpoints").exists()

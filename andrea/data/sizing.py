@@ -12,7 +12,8 @@ them: the number of tasks whose train and val splits hold enough tokens even at 
 a task can take on average (MEAN_TASK_TOKENS), with a margin for the hash split. The
 workflow's pull step generates max(data.n_synthetic, that) tasks, so data.n_synthetic is a floor.
 `check_shards(cfg)` counts the windows of the built shards and raises DataSizeError naming the
-setting to change when a split is too small (a small local mirror, a capped pull).
+setting to change when a split cannot fill one batch (a small local mirror, a capped pull), and
+warns, naming the same settings, when it holds fewer windows than need(cfg).
 """
 from __future__ import annotations
 
@@ -93,22 +94,32 @@ def _raise_hint(cfg, split: str) -> str:
     return f"raise data.val_fraction={d.val_fraction} {less}" if split == "val" else less
 
 
-def check_shards(cfg) -> dict:
-    """Windows of cfg's train and val shards against need(cfg); DataSizeError when short.
+def check_shards(cfg, warn=None) -> dict:
+    """Windows of cfg's train and val shards against need(cfg).
 
-    A split without any shard is left to the loader, whose error says to run the tokenize step."""
-    n, T = need(cfg), cfg.train.seq_len
-    found = {"train": count_windows(cfg.data.train_shards, T), "val": count_windows(cfg.data.val_shards, T)}
+    Fewer than one batch (train.batch_size windows) in a split: DataSizeError naming the setting
+    to change (the loader could not make a single batch). At least one batch but fewer than
+    need(cfg): the run works, re-reading windows within a step or a validation; warn(message) is
+    called and the shortfall listed under "short". A split without any shard is left to the
+    loader, whose error says to run the tokenize step."""
+    n, T, B = need(cfg), cfg.train.seq_len, cfg.train.batch_size
     wanted = {"train": n.train_windows, "val": n.val_windows}
-    what = {"train": f"one optimizer step (train.batch_size={cfg.train.batch_size} x "
-                     f"train.grad_accum={cfg.train.grad_accum})",
-            "val": f"train.eval_batches={cfg.train.eval_batches} batches of train.batch_size="
-                   f"{cfg.train.batch_size}"}
+    what = {"train": f"one optimizer step (train.batch_size={B} x train.grad_accum={cfg.train.grad_accum})",
+            "val": f"train.eval_batches={cfg.train.eval_batches} batches of train.batch_size={B}"}
+    info, short = {}, []
     for split, pattern in (("train", cfg.data.train_shards), ("val", cfg.data.val_shards)):
-        if found[split] is not None and found[split] < wanted[split]:
-            raise DataSizeError(
-                f"experiment {cfg.exp}: {split} shards {pattern!r} hold {found[split]} windows of {T + 1} tokens; "
-                f"{what[split]} needs {wanted[split]}: {_raise_hint(cfg, split)}")
-    return {"train_windows": found["train"], "val_windows": found["val"], **{f"need_{k}": v for k, v in wanted.items()},
-            "epochs": round(cfg.train.steps * n.train_windows / found["train"], 3) if found["train"] else None}
-
+        found = count_windows(pattern, T)
+        info[f"{split}_windows"], info[f"need_{split}"] = found, wanted[split]
+        if found is None or found >= wanted[split]:
+            continue
+        head = f"experiment {cfg.exp}: {split} shards {pattern!r} hold {found} windows of {T + 1} tokens"
+        if found < B:
+            raise DataSizeError(f"{head}, fewer than one batch of train.batch_size={B}: {_raise_hint(cfg, split)}")
+        short.append(split)
+        if warn is not None:
+            warn(f"{head}; {what[split]} needs {wanted[split]}, so windows repeat within it: "
+                 f"{_raise_hint(cfg, split)}")
+    found_train = info["train_windows"]
+    info["short"] = short
+    info["epochs"] = round(cfg.train.steps * n.train_windows / found_train, 3) if found_train else None
+    return info
