@@ -218,7 +218,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--attention", choices=["fused", "materialised"], default="fused",
-                    help="attention version 2 (fused, 16-bit only) or version 1 (scores in memory)")
+                    help="attention version 4 (fused, 16-bit only) or version 1 (scores in memory)")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="time attention alone at the 12M and 120M shapes against PyTorch SDPA's backends "
+                         "(andrea/bench_attention.py) and exit")
     ap.add_argument("--cublaslt", choices=["on", "off"], default="on",
                     help="matrix-product epilogues through cuBLASLt, or cuBLAS + separate kernels")
     ap.add_argument("--anchor", help="path to torch_gpt.py: run it in this job and print the ratio")
@@ -228,6 +231,12 @@ def main(argv=None) -> int:
                     help="the anchor's precision (default: --precision), e.g. bf16, its best 16-bit")
     ap.add_argument("--json", help="also write all figures here")
     a = ap.parse_args(argv)
+    if a.attention_only:
+        if a.precision == "fp32":
+            raise SystemExit("--attention-only: --precision must be fp16 or bf16 (SDPA's fused backends are 16-bit)")
+        from .bench_attention import report
+        print(report(a.precision, a.steps))
+        return 0
     ours = run_engine(a.exp, a.precision, a.batch, a.steps, a.warmup, a.attention, a.cublaslt == "on")
     print("per-kernel device time (ms/step; each call captured as a CUDA graph and replayed):")
     total = sum(ours["per_kernel_ms"].values())

@@ -224,19 +224,46 @@ def test_attention(be, prec, rng, n_head):
     check_attention(be, prec, rng, n_head, B, T, C)
 
 
-# head sizes 64, 32 and 16 take version 2 (fused) in fp16: T=77 and 130 end mid-tile (tiles of 64)
-@pytest.mark.parametrize("n_head,Tq,Cq", [(2, 77, 128), (4, 130, 128), (3, 77, 48)])
+# 16-bit dtypes take version 4 (fused) at head sizes that are multiples of 16 up to 128: 64, 32,
+# 16, 80 and 128 here; T = 77, 130 and 1000 end mid-tile (tiles of 64 and 128 rows)
+FUSED_CASES = [(2, 77, 128), (4, 130, 128), (3, 77, 48), (2, 1000, 160), (2, 77, 256), (1, 1000, 128)]
+
+
+@pytest.mark.parametrize("n_head,Tq,Cq", FUSED_CASES)
 def test_attention_fused(be, prec, rng, n_head, Tq, Cq):
     if prec[0] == np.float16:
         assert be.attention_variant(np.float16, Cq // n_head) == "fused", "this case must exercise the fused kernels"
-    check_attention(be, prec, rng, n_head, 3, Tq, Cq)
+    check_attention(be, prec, rng, n_head, 2, Tq, Cq)
 
 
-def test_attention_fused_bf16(be, rng):
+@pytest.mark.parametrize("n_head,Tq,Cq", FUSED_CASES)
+def test_attention_fused_bf16(be, rng, n_head, Tq, Cq):
     """bfloat16 through the same kernels (the mma instruction's bf16 form). Tolerance 3e-2: 8
     significant bits, ~4e-3 per rounding, over the chain S -> P -> dS -> dQ, dK."""
     import ml_dtypes
-    check_attention(be, (ml_dtypes.bfloat16, 3e-2), rng, 2, 2, 77, 128)
+    assert be.attention_variant(ml_dtypes.bfloat16, Cq // n_head) == "fused"
+    check_attention(be, (ml_dtypes.bfloat16, 3e-2), rng, n_head, 2, Tq, Cq)
+
+
+@pytest.mark.parametrize("dt_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n_head,Tq,Cq", [(2, 1000, 128), (1, 333, 128)])
+def test_attention_fused_bitwise_rerun(be, rng, dt_name, n_head, Tq, Cq):
+    """The same inputs give the same bits, forward and backward (no atomics, fixed orders)."""
+    import cupy as cp
+    import ml_dtypes  # noqa: F401  (registers bfloat16)
+    dt = np.dtype(dt_name)
+    assert be.attention_variant(dt, Cq // n_head) == "fused"
+    qkv, dout = dev(rnd(rng, (2, Tq, 3 * Cq), dt), dt), dev(rnd(rng, (2, Tq, Cq), dt), dt)
+    pre = dev(rnd(rng, (2, Tq, 3 * Cq), dt), dt)
+    runs = []
+    for _ in range(2):
+        out, lse = nan_buf((2, Tq, Cq), dt), nan_buf((2, n_head, Tq), np.float32)
+        be.k_attn_fwd(out, lse, qkv, n_head)
+        dqkv = pre.copy()
+        be.k_attn_bwd(dqkv, dout, qkv, out, lse, n_head)
+        runs.append([cp.asnumpy(a).view(np.uint8) for a in (out, lse, dqkv)])
+    for name, a, b in zip(("out", "lse", "dqkv"), *runs):
+        assert np.array_equal(a, b), f"{name} differs between two runs on the same inputs"
 
 
 def check_attention(be, prec, rng, n_head, B, T, C):

@@ -1,5 +1,6 @@
 // attention.cu: causal multi-head attention. Two versions; the launcher (andrea/backends/cuda.py)
-// picks version 3 (fused, further down) for 16-bit dtypes and head sizes 16..64, version 1 else.
+// picks version 4 (fused, further down) for 16-bit dtypes, head sizes that are multiples of 16 up
+// to 128 and GPUs of compute capability 8.0 or later; version 1 otherwise.
 //
 // Version 1 materialises the scores of one layer: S = Q K^T / sqrt(hs) is a strided
 // batched GEMM into a float32 (B*NH, T, T) workspace, k_attn_softmax turns it into P (compute
@@ -110,46 +111,70 @@ extern "C" __global__ void k_attn_dscores(CT* P, const float* dP, const CT* dout
   for (int j = lane; j <= i; j += 32) p[j] = from_f<CT>(to_f(p[j]) * (dp[j] - D) * scale);
 }
 
-// ================================================================ version 3: fused (flash) path
-// For 16-bit compute dtypes and head sizes that are multiples of 16 up to 64 (HS, set by the
-// launcher with -DHS=...): the scores never reach global memory. Tensor-core tiles through the PTX
-// instruction mma.sync m16n8k16 (fp32 accumulation), whose register layouts the PTX manual fixes:
-//   A (16x16, row-major), lane = 4*g + t4: reg0 = A[g][2t4..2t4+1], reg1 = A[g+8][2t4..],
-//     reg2 = A[g][8+2t4..], reg3 = A[g+8][8+2t4..]
-//   B (16x8, "col"): reg0 = B[2t4..2t4+1][g], reg1 = B[8+2t4..][g]
-//   C (16x8 fp32): c0, c1 = C[g][2t4], C[g][2t4+1]; c2, c3 = C[g+8][2t4], C[g+8][2t4+1]
-// so a C tile of scores becomes the A operand of the next product in registers (as FlashAttention-2).
-// A block is 4 warps; each warp owns 16 rows of a 64-row tile and loops over 64-row tiles of the
-// other side, staged row-major in shared memory by cp.async, two buffers deep (the next tile loads
-// while this one computes). Forward: one pass with the online softmax (running row max m, sum l,
-// O rescaled when m grows). Backward, without atomics: k_attn_flash_bwd_dq owns query rows
-// (dQ += dS K), k_attn_flash_bwd_dkv owns key rows (dV += P^T dO, dK += dS^T Q); both recompute
-// P from Q, K and the saved lse. (Version 2, kept in git history, staged transposed copies with
-// plain loads and took two passes forward: 0.7 ms forward + 1.6 ms backward per layer at B=8,
-// T=1024, 12 heads of 64 on the H200.)
+// ================================================================ version 4: fused (flash) path
+// Causal flash attention on tensor cores through mma.sync (sm_80 and later),
+// laid out as FlashAttention-2 lays out its kernels; the scores never reach global memory.
+// Versions 2 and 3 are in git history (3 also in dev/cuda/attention_v3.cu; dev/cuda/attention_bench.py
+// checks and times the versions against PyTorch SDPA). What changed from version 3:
+// - Shared-memory fragments come through ldmatrix (x4: four 8x8 matrices per instruction; the
+//   .trans form gives the B operand of P V, dS K and P^T dO straight from row-major tiles), not
+//   32-bit and 16-bit scalar loads.
+// - Forward: 128 query rows per block when HS <= 64 (4 warps of 32 rows: each K/V fragment
+//   read from shared memory feeds two tensor-core products), 64 when larger.
+// - exp2 with log2(e) folded into the scale (one FFMA + MUFU.EX2 per score).
+// - Only tiles that cross the diagonal (or the end of the sequence) are masked; a warp whose rows
+//   are all above or all below a tile skips it.
+// - The heaviest tiles (most keys in the forward pass and dQ, most queries in dK/dV) launch first,
+//   so the last wave is made of short blocks.
+// - Backward without atomics, as before: k_attn_flash_bwd_dq owns query rows, k_attn_flash_bwd_dkv
+//   owns key rows; both recompute P from Q, K and the saved lse; the softmax scale is applied to
+//   dQ and dK once at the end.
+// Tiles are staged by cp.async, two deep, through one helper (pipeline_wait).
+//
+// mma.sync m16n8k16 register layouts (PTX manual), lane = 4*g + t4:
+//   A (16x16 row-major): a0 = A[g][2t4..], a1 = A[g+8][2t4..], a2 = A[g][8+2t4..], a3 = A[g+8][8+2t4..]
+//   B (16x8, "col"):     b0 = B[2t4..2t4+1][g], b1 = B[8+2t4..][g]
+//   C (16x8 fp32):       c0, c1 = C[g][2t4], C[g][2t4+1]; c2, c3 = the same at row g+8
+// so a C tile of scores becomes the A operand of the next product in registers.
+
 #ifndef HS
 #define HS 64
 #endif
-#define FT 64  // rows per tile, both sides (4 warps x 16)
-#define SP 8   // shared-memory row padding in 16-bit elements: rows land on different banks
-#define TS (FT * (HS + SP))  // elements of one staged tile
+#define SP 8                      // row padding (16-bit elements): ldmatrix rows land on different banks
+#define LDS (HS + SP)             // row stride of a staged tile
+#define BN 64                     // keys per tile (forward, dQ); keys per block (dK/dV)
+#define FWD_WM (HS <= 64 ? 2 : 1)  // 16-row slabs per warp in the forward pass
+#define FWD_BM (64 * FWD_WM)      // query rows per forward block (4 warps)
+#define DQ_BM 64                  // query rows per dQ block (4 warps of 16)
+#define DKV_BQ (HS <= 64 ? 64 : 32)  // queries per streamed tile in dK/dV
+#define DKV_KV_REGS (HS <= 64)    // dK/dV keeps its K and V fragments in registers (else re-reads them)
+#define LOG2E 1.4426950408889634f
 
+typedef unsigned short u16;
 template <typename T> struct half_of { typedef T t; };
 template <> struct half_of<float> { typedef f16 t; };  // float builds compile, never launch, this path
 typedef half_of<CT>::t HT;
 template <typename T> struct is_bf16 { static const bool v = false; };
 template <> struct is_bf16<bf16> { static const bool v = true; };
 
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-  return (unsigned)from_f<HT>(lo).x | ((unsigned)from_f<HT>(hi).x << 16);
+// Dynamic shared memory of each kernel, in bytes (the launcher asks for the same figures).
+#define FWD_SMEM ((FWD_BM + 4 * BN) * LDS * 2)
+#define DQ_SMEM ((2 * DQ_BM + 4 * BN) * LDS * 2)
+#define DKV_SMEM ((2 * BN + 4 * DKV_BQ) * LDS * 2 + 4 * DKV_BQ * 4)
+
+// ---------------------------------------------------------------- PTX wrappers
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  unsigned s;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(p));
+  return s;
 }
-// two consecutive 16-bit elements of one row
-__device__ __forceinline__ unsigned ld2(const unsigned short* t, int row, int col) {
-  return *(const unsigned*)(t + row * (HS + SP) + col);
+__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-// the same column of two consecutive rows (a B operand along the rows of a row-major tile)
-__device__ __forceinline__ unsigned ld2t(const unsigned short* t, int row, int col) {
-  return (unsigned)t[row * (HS + SP) + col] | ((unsigned)t[(row + 1) * (HS + SP) + col] << 16);
+__device__ __forceinline__ void ldsm_x4_t(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
   if (is_bf16<HT>::v)
@@ -161,158 +186,267 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-
+__device__ __forceinline__ float fast_exp2(float x) {  // MUFU.EX2; exp2(-inf) = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  return (unsigned)from_f<HT>(lo).x | ((unsigned)from_f<HT>(hi).x << 16);
+}
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  unsigned s;
-  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 4 : 0));
+}
+// Every kernel below first checks that the launcher gave it the dynamic shared memory it carves up.
+__device__ __forceinline__ void require_smem(unsigned bytes) {
+  unsigned have;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+  if (have < bytes) __trap();
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_wait_all_but_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 __device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
-// Start copying rows [r0, r0 + FT) of one head's slice (element (t, d) at base[t * ld + d]) into
-// the row-major tile dst[FT][HS+SP], 16 bytes per copy; rows at or past T are zero-filled.
-// Needs base, ld and HS in whole 16-byte units (the launcher checks C % 8 == 0).
-__device__ __forceinline__ void flash_load(unsigned short* dst, const HT* base, int r0, int T, int ld) {
-  for (int idx = threadIdx.x; idx < FT * (HS / 8); idx += blockDim.x) {
+// ---------------------------------------------------------------- tiles
+// Start copying rows [r0, r0 + ROWS) of one head's slice (element (t, d) at base[t * ld + d]) into
+// the row-major tile dst[ROWS][LDS], 16 bytes per copy; rows at or past T are zero-filled.
+// Needs base, ld and HS in whole 16-byte units (the launcher checks).
+template <int ROWS>
+__device__ __forceinline__ void load_tile(u16* dst, const HT* base, int r0, int T, int ld) {
+  for (int idx = threadIdx.x; idx < ROWS * (HS / 8); idx += blockDim.x) {
     int r = idx / (HS / 8), c = (idx % (HS / 8)) * 8;
     bool ok = r0 + r < T;
-    cp_async16(dst + r * (HS + SP) + c, base + (ok ? (i64)(r0 + r) * ld + c : 0), ok);
+    cp_async16(dst + r * LDS + c, base + (ok ? (i64)(r0 + r) * ld + c : 0), ok);
   }
 }
-
-// A fragments of this warp's 16 rows (starting at R) over all HS columns of a staged tile.
-__device__ __forceinline__ void flash_afrag(unsigned (*f)[4], const unsigned short* t, int R, int g, int t4) {
-#pragma unroll
-  for (int kk = 0; kk < HS / 16; ++kk) {
-    f[kk][0] = ld2(t, R + g, kk * 16 + 2 * t4);
-    f[kk][1] = ld2(t, R + g + 8, kk * 16 + 2 * t4);
-    f[kk][2] = ld2(t, R + g, kk * 16 + 8 + 2 * t4);
-    f[kk][3] = ld2(t, R + g + 8, kk * 16 + 8 + 2 * t4);
-  }
+// ROWS floats v[r0 + i] (0 past T) into dst[i].
+template <int ROWS>
+__device__ __forceinline__ void load_row_values(float* dst, const float* v, int r0, int T) {
+  for (int i = threadIdx.x; i < ROWS; i += blockDim.x) cp_async4(dst + i, v + (r0 + i < T ? r0 + i : 0), r0 + i < T);
 }
 
-// acc[FT/8][4] = A (16 x HS, fragments) @ Y^T for a staged tile Y[FT][HS]: 16 rows x FT columns.
-__device__ __forceinline__ void flash_rows_dot(float (*acc)[4], const unsigned (*a)[4], const unsigned short* Y,
-                                               int g, int t4) {
+// The double-buffered pipeline of every kernel here: step i computes on buffer i & 1. Before it
+// does, issue() starts the copies of step i + 1 into the other buffer (when there is one), then
+// this waits for step i's copies and for every thread's. Each step ends with __syncthreads() so
+// that the next step's copies never overwrite a buffer still being read.
+template <typename Issue>
+__device__ __forceinline__ void pipeline_wait(bool has_next, Issue issue) {
+  if (has_next) {
+    issue();
+    cp_commit();
+    cp_wait_all_but_one();
+  } else {
+    cp_wait_all();
+  }
+  __syncthreads();
+}
+
+// A fragments (16 rows from row0, all HS columns) of a staged tile.
+__device__ __forceinline__ void load_afrag(unsigned (*f)[4], const u16* tile, int row0) {
+  int lane = threadIdx.x & 31;
+  unsigned base = smem_u32(tile + (row0 + (lane & 15)) * LDS + (lane >> 4) * 8);
 #pragma unroll
-  for (int n8 = 0; n8 < FT / 8; ++n8) { acc[n8][0] = acc[n8][1] = acc[n8][2] = acc[n8][3] = 0.f; }
+  for (int kk = 0; kk < HS / 16; ++kk) ldsm_x4(f[kk], base + kk * 32);
+}
+
+// acc[m][NT/8][4] = A_m (16 x HS) @ Y^T, Y a staged tile [NT][LDS]: WM slabs of 16 rows x NT columns.
+template <int WM, int NT>
+__device__ __forceinline__ void rows_dot(float (*acc)[NT / 8][4], const unsigned (*a)[HS / 16][4], const u16* Y) {
+  int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int m = 0; m < WM; ++m)
+#pragma unroll
+    for (int n8 = 0; n8 < NT / 8; ++n8) acc[m][n8][0] = acc[m][n8][1] = acc[m][n8][2] = acc[m][n8][3] = 0.f;
+  unsigned base = smem_u32(Y + ((lane & 7) + ((lane >> 4) << 3)) * LDS + ((lane >> 3) & 1) * 8);
 #pragma unroll
   for (int kk = 0; kk < HS / 16; ++kk)
 #pragma unroll
-    for (int n8 = 0; n8 < FT / 8; ++n8)
-      mma16816(acc[n8], a[kk], ld2(Y, n8 * 8 + g, kk * 16 + 2 * t4), ld2(Y, n8 * 8 + g, kk * 16 + 8 + 2 * t4));
+    for (int n16 = 0; n16 < NT / 16; ++n16) {
+      unsigned b[4];
+      ldsm_x4(b, base + (n16 * 16 * LDS + kk * 16) * 2);
+#pragma unroll
+      for (int m = 0; m < WM; ++m) {
+        mma16816(acc[m][2 * n16], a[m][kk], b[0], b[1]);
+        mma16816(acc[m][2 * n16 + 1], a[m][kk], b[2], b[3]);
+      }
+    }
 }
 
-// out[HS/8][4] += P (16 x FT, C-layout floats, rounded to HT here) @ Z for a staged tile Z[FT][HS].
-__device__ __forceinline__ void flash_p_dot(float (*out)[4], const float (*p)[4], const unsigned short* Z,
-                                            int g, int t4) {
+// out[m][HS/8][4] += P_m (16 x NT, C-layout floats, rounded to HT here) @ Z, Z a staged tile [NT][LDS].
+template <int WM, int NT>
+__device__ __forceinline__ void p_dot(float (*out)[HS / 8][4], const float (*p)[NT / 8][4], const u16* Z) {
+  int lane = threadIdx.x & 31;
+  unsigned base = smem_u32(Z + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
 #pragma unroll
-  for (int kc = 0; kc < FT / 16; ++kc) {
-    unsigned a[4] = {pack2(p[2 * kc][0], p[2 * kc][1]), pack2(p[2 * kc][2], p[2 * kc][3]),
-                     pack2(p[2 * kc + 1][0], p[2 * kc + 1][1]), pack2(p[2 * kc + 1][2], p[2 * kc + 1][3])};
+  for (int kc = 0; kc < NT / 16; ++kc) {
+    unsigned a[WM][4];
 #pragma unroll
-    for (int n8 = 0; n8 < HS / 8; ++n8)
-      mma16816(out[n8], a, ld2t(Z, kc * 16 + 2 * t4, n8 * 8 + g), ld2t(Z, kc * 16 + 8 + 2 * t4, n8 * 8 + g));
+    for (int m = 0; m < WM; ++m) {
+      a[m][0] = pack2(p[m][2 * kc][0], p[m][2 * kc][1]);
+      a[m][1] = pack2(p[m][2 * kc][2], p[m][2 * kc][3]);
+      a[m][2] = pack2(p[m][2 * kc + 1][0], p[m][2 * kc + 1][1]);
+      a[m][3] = pack2(p[m][2 * kc + 1][2], p[m][2 * kc + 1][3]);
+    }
+#pragma unroll
+    for (int n16 = 0; n16 < HS / 16; ++n16) {
+      unsigned b[4];
+      ldsm_x4_t(b, base + (kc * 16 * LDS + n16 * 16) * 2);
+#pragma unroll
+      for (int m = 0; m < WM; ++m) {
+        mma16816(out[m][2 * n16], a[m], b[0], b[1]);
+        mma16816(out[m][2 * n16 + 1], a[m], b[2], b[3]);
+      }
+    }
   }
 }
 
-__device__ __forceinline__ void zero_acc(float (*acc)[4]) {
+template <int WM>
+__device__ __forceinline__ void zero_acc(float (*acc)[HS / 8][4]) {
 #pragma unroll
-  for (int n8 = 0; n8 < HS / 8; ++n8) acc[n8][0] = acc[n8][1] = acc[n8][2] = acc[n8][3] = 0.f;
+  for (int m = 0; m < WM; ++m)
+#pragma unroll
+    for (int n8 = 0; n8 < HS / 8; ++n8) acc[m][n8][0] = acc[m][n8][1] = acc[m][n8][2] = acc[m][n8][3] = 0.f;
 }
 
-// out (B,T,C) and lse (B*NH, T) from qkv (B,T,3C). grid (ceil(T/FT), B*NH), block 128.
-extern "C" __global__ void __launch_bounds__(128) k_attn_flash_fwd(HT* out, float* lse, const HT* qkv,
-                                                                   int B, int T, int NH, float scale) {
-  __shared__ __align__(16) unsigned short Ks[2 * TS];
-  __shared__ __align__(16) unsigned short Vs[2 * TS];
-  int C = NH * HS, ld = 3 * C, bh = blockIdx.y, b = bh / NH, h = bh % NH, q0 = blockIdx.x * FT;
-  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, R = warp * 16;
-  const HT* qb = qkv + (i64)b * T * ld + h * HS;
-  const HT* kb = qb + C;
-  const HT* vb = qb + 2 * C;
-  unsigned qf[HS / 16][4];
-  flash_load(Ks, qb, q0, T, ld);
-  cp_commit();
-  cp_wait_all();
-  __syncthreads();
-  flash_afrag(qf, Ks, R, g, t4);
-  __syncthreads();
-  int rows[2] = {q0 + R + g, q0 + R + g + 8};
-  int n_tiles = (min(q0 + FT, T) - 1) / FT + 1;  // causal: keys up to the block's last query
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, s[FT / 8][4], o[HS / 8][4];
-  zero_acc(o);
-  flash_load(Ks, kb, 0, T, ld);
-  flash_load(Vs, vb, 0, T, ld);
-  cp_commit();
-  for (int kt = 0; kt < n_tiles; ++kt) {
-    const unsigned short* K = Ks + (kt & 1) * TS;
-    const unsigned short* V = Vs + (kt & 1) * TS;
-    if (kt + 1 < n_tiles) {
-      flash_load(Ks + ((kt + 1) & 1) * TS, kb, (kt + 1) * FT, T, ld);
-      flash_load(Vs + ((kt + 1) & 1) * TS, vb, (kt + 1) * FT, T, ld);
-      cp_commit();
-      cp_wait_all_but_one();
-    } else {
-      cp_wait_all();
+// dst (16-bit, row stride ld) += scale * acc for this warp's 16 rows from row0 (rows >= T skipped),
+// two elements per 32-bit access.
+__device__ __forceinline__ void add_rows(HT* dst, i64 ld, const float (*acc)[4], int row0, int T, float scale) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    int row = row0 + g + 8 * r;
+    if (row >= T) continue;
+    unsigned* p = (unsigned*)(dst + row * ld + 2 * t4);
+#pragma unroll
+    for (int n8 = 0; n8 < HS / 8; ++n8) {
+      unsigned old = p[n8 * 4];
+      HT lo, hi;
+      lo.x = (u16)(old & 0xffffu);
+      hi.x = (u16)(old >> 16);
+      p[n8 * 4] = pack2(to_f(lo) + scale * acc[n8][2 * r], to_f(hi) + scale * acc[n8][2 * r + 1]);
     }
-    __syncthreads();
-    flash_rows_dot(s, qf, K, g, t4);
+  }
+}
+
+// ---------------------------------------------------------------- forward
+// One forward tile: scores of this warp's rows against keys [k0, k0 + BN), online softmax, O += P V.
+template <bool MASK>
+__device__ __forceinline__ void fwd_tile(float (*o)[HS / 8][4], float (*m)[2], float (*l)[2],
+                                         const unsigned (*qf)[HS / 16][4], const u16* K, const u16* V,
+                                         int row0, int k0, int T, float sl2) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float s[FWD_WM][BN / 8][4];
+  rows_dot<FWD_WM, BN>(s, qf, K);
+#pragma unroll
+  for (int i = 0; i < FWD_WM; ++i) {
     float tmax[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-    for (int n8 = 0; n8 < FT / 8; ++n8)
+    for (int n8 = 0; n8 < BN / 8; ++n8)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        int key = kt * FT + n8 * 8 + 2 * t4 + (e & 1), r = e >> 1;
-        s[n8][e] = (key <= rows[r] && key < T) ? s[n8][e] * scale : NEG_INF;
-        tmax[r] = fmaxf(tmax[r], s[n8][e]);
+        if (MASK) {
+          int key = k0 + n8 * 8 + 2 * t4 + (e & 1), row = row0 + i * 16 + g + 8 * (e >> 1);
+          if (key > row || key >= T) s[i][n8][e] = NEG_INF;
+        }
+        tmax[e >> 1] = fmaxf(tmax[e >> 1], s[i][n8][e]);
       }
-    float alpha[2];
+    float alpha[2], ms[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // the 4 lanes of a group hold one row between them
       tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
       tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
-      float mn = fmaxf(m[r], tmax[r]);
-      alpha[r] = mn == NEG_INF ? 1.f : expf(m[r] - mn);
-      m[r] = mn;
-      l[r] *= alpha[r];
+      float mn = fmaxf(m[i][r], tmax[r]);
+      ms[r] = mn == NEG_INF ? 0.f : mn * sl2;  // a row with no key yet keeps exp2(-inf) = 0
+      alpha[r] = fast_exp2(m[i][r] * sl2 - ms[r]);
+      m[i][r] = mn;
+      l[i][r] *= alpha[r];
     }
 #pragma unroll
-    for (int n8 = 0; n8 < FT / 8; ++n8)
+    for (int n8 = 0; n8 < BN / 8; ++n8)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        int r = e >> 1;
-        float p = s[n8][e] == NEG_INF ? 0.f : expf(s[n8][e] - m[r]);
-        s[n8][e] = p;
-        l[r] += p;
+        float p = fast_exp2(fmaf(s[i][n8][e], sl2, -ms[e >> 1]));
+        s[i][n8][e] = p;
+        l[i][e >> 1] += p;
       }
 #pragma unroll
     for (int n8 = 0; n8 < HS / 8; ++n8) {
-      o[n8][0] *= alpha[0]; o[n8][1] *= alpha[0]; o[n8][2] *= alpha[1]; o[n8][3] *= alpha[1];
+      o[i][n8][0] *= alpha[0]; o[i][n8][1] *= alpha[0]; o[i][n8][2] *= alpha[1]; o[i][n8][3] *= alpha[1];
     }
-    flash_p_dot(o, s, V, g, t4);
-    __syncthreads();  // the next iteration's copies overwrite this buffer
   }
-  float inv[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    inv[r] = 1.f / l[r];
-    if (t4 == 0 && rows[r] < T) lse[(i64)bh * T + rows[r]] = m[r] + logf(l[r]);
-  }
-#pragma unroll
-  for (int n8 = 0; n8 < HS / 8; ++n8)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      int r = e >> 1;
-      if (rows[r] < T)
-        out[((i64)b * T + rows[r]) * C + h * HS + n8 * 8 + 2 * t4 + (e & 1)] = from_f<HT>(o[n8][e] * inv[r]);
-    }
+  p_dot<FWD_WM, BN>(o, s, V);
 }
 
+// out (B,T,C) and lse (B*NH, T) from qkv (B,T,3C). grid (B*NH, ceil(T/FWD_BM)), block 128,
+// FWD_SMEM bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(128) k_attn_flash_fwd(HT* out, float* lse, const HT* qkv,
+                                                                   int B, int T, int NH, float scale) {
+  extern __shared__ __align__(16) u16 smem[];
+  require_smem(FWD_SMEM);
+  u16* q_tile = smem;                   // [FWD_BM][LDS], read once into registers
+  u16* k_tiles = q_tile + FWD_BM * LDS;  // [2][BN][LDS]
+  u16* v_tiles = k_tiles + 2 * BN * LDS;  // [2][BN][LDS]
+  int C = NH * HS, ld = 3 * C, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+  int q0 = (gridDim.y - 1 - blockIdx.y) * FWD_BM;  // the longest rows first
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  int row0 = q0 + warp * 16 * FWD_WM;  // this warp's first row
+  const HT* qb = qkv + (i64)b * T * ld + h * HS;
+  const HT* kb = qb + C;
+  const HT* vb = qb + 2 * C;
+  float sl2 = scale * LOG2E;
+  int n_tiles = (min(q0 + FWD_BM, T) - 1) / BN + 1;  // causal: keys up to the block's last query
+  load_tile<FWD_BM>(q_tile, qb, q0, T, ld);
+  load_tile<BN>(k_tiles, kb, 0, T, ld);
+  load_tile<BN>(v_tiles, vb, 0, T, ld);
+  cp_commit();
+  unsigned qf[FWD_WM][HS / 16][4];
+  float m[FWD_WM][2], l[FWD_WM][2], o[FWD_WM][HS / 8][4];
+#pragma unroll
+  for (int i = 0; i < FWD_WM; ++i) m[i][0] = m[i][1] = NEG_INF, l[i][0] = l[i][1] = 0.f;
+  zero_acc<FWD_WM>(o);
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    int k0 = kt * BN, nb = (kt + 1) & 1;
+    pipeline_wait(kt + 1 < n_tiles, [&] {
+      load_tile<BN>(k_tiles + nb * BN * LDS, kb, k0 + BN, T, ld);
+      load_tile<BN>(v_tiles + nb * BN * LDS, vb, k0 + BN, T, ld);
+    });
+    if (kt == 0)
+#pragma unroll
+      for (int i = 0; i < FWD_WM; ++i) load_afrag(qf[i], q_tile, row0 - q0 + i * 16);
+    const u16* K = k_tiles + (kt & 1) * BN * LDS;
+    const u16* V = v_tiles + (kt & 1) * BN * LDS;
+    if (k0 <= row0 + 16 * FWD_WM - 1) {  // else every key of the tile is after this warp's rows
+      if (k0 + BN - 1 > row0 || k0 + BN > T) fwd_tile<true>(o, m, l, qf, K, V, row0, k0, T, sl2);
+      else fwd_tile<false>(o, m, l, qf, K, V, row0, k0, T, sl2);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < FWD_WM; ++i) {
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[i][r] += __shfl_xor_sync(0xffffffffu, l[i][r], 1);
+      l[i][r] += __shfl_xor_sync(0xffffffffu, l[i][r], 2);
+      inv[r] = 1.f / l[i][r];
+      int row = row0 + i * 16 + g + 8 * r;
+      if (t4 == 0 && row < T) lse[(i64)bh * T + row] = m[i][r] * scale + logf(l[i][r]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      int row = row0 + i * 16 + g + 8 * r;
+      if (row >= T) continue;
+      unsigned* p = (unsigned*)(out + ((i64)b * T + row) * C + h * HS + 2 * t4);
+#pragma unroll
+      for (int n8 = 0; n8 < HS / 8; ++n8) p[n8 * 4] = pack2(o[i][n8][2 * r] * inv[r], o[i][n8][2 * r + 1] * inv[r]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- backward
 // D (B*NH, T) = rowsum(dout * out) per head: one warp per row.
 extern "C" __global__ void k_attn_flash_D(float* Dv, const HT* dout, const HT* out, int B, int T, int NH) {
   i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -327,156 +461,174 @@ extern "C" __global__ void k_attn_flash_D(float* Dv, const HT* dout, const HT* o
   if (lane == 0) Dv[row] = D;
 }
 
-// dQ part of dqkv += ...: one block per 64 query rows of one head. grid (ceil(T/FT), B*NH).
+// One dQ tile: S = Q K^T, dP = dO V^T for this warp's 16 rows and keys [k0, k0 + BN);
+// dS' = P (dP - D) (the scale comes at the end); dQ += dS' K.
+template <bool MASK>
+__device__ __forceinline__ void dq_tile(float (*dq)[HS / 8][4], const unsigned (*qf)[HS / 16][4],
+                                        const unsigned (*df)[HS / 16][4], const u16* K, const u16* V,
+                                        const float* L2, const float* D, int row0, int k0, int T, float sl2) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float s[1][BN / 8][4], dp[1][BN / 8][4];
+  rows_dot<1, BN>(s, qf, K);
+  rows_dot<1, BN>(dp, df, V);
+#pragma unroll
+  for (int n8 = 0; n8 < BN / 8; ++n8)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int r = e >> 1;
+      float p = fast_exp2(fmaf(s[0][n8][e], sl2, -L2[r]));
+      if (MASK) {
+        int key = k0 + n8 * 8 + 2 * t4 + (e & 1);
+        if (key > row0 + g + 8 * r || key >= T) p = 0.f;
+      }
+      s[0][n8][e] = p * (dp[0][n8][e] - D[r]);
+    }
+  p_dot<1, BN>(dq, s, K);
+}
+
+// dQ part of dqkv += ...: one block per DQ_BM query rows of one head. grid (B*NH, ceil(T/DQ_BM)),
+// block 128, DQ_SMEM bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(128) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
                                                                       const float* lse, const float* Dv,
                                                                       int B, int T, int NH, float scale) {
-  __shared__ __align__(16) unsigned short Ks[2 * TS];
-  __shared__ __align__(16) unsigned short Vs[2 * TS];
-  int C = NH * HS, ld = 3 * C, bh = blockIdx.y, b = bh / NH, h = bh % NH, q0 = blockIdx.x * FT;
-  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, R = warp * 16;
+  extern __shared__ __align__(16) u16 smem[];
+  require_smem(DQ_SMEM);
+  u16* q_tile = smem;                      // [DQ_BM][LDS], read once into registers
+  u16* do_tile = q_tile + DQ_BM * LDS;     // [DQ_BM][LDS], likewise
+  u16* k_tiles = do_tile + DQ_BM * LDS;    // [2][BN][LDS]
+  u16* v_tiles = k_tiles + 2 * BN * LDS;   // [2][BN][LDS]
+  int C = NH * HS, ld = 3 * C, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+  int q0 = (gridDim.y - 1 - blockIdx.y) * DQ_BM;  // the longest rows first
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  int row0 = q0 + warp * 16;
   const HT* qb = qkv + (i64)b * T * ld + h * HS;
   const HT* kb = qb + C;
   const HT* vb = qb + 2 * C;
   const HT* ob = dout + (i64)b * T * C + h * HS;
-  unsigned qf[HS / 16][4], df[HS / 16][4];
-  flash_load(Ks, qb, q0, T, ld);
-  flash_load(Vs, ob, q0, T, C);
-  cp_commit();
-  cp_wait_all();
-  __syncthreads();
-  flash_afrag(qf, Ks, R, g, t4);
-  flash_afrag(df, Vs, R, g, t4);
-  __syncthreads();
-  int rows[2] = {q0 + R + g, q0 + R + g + 8};
-  float L[2], D[2];
+  float sl2 = scale * LOG2E, L2[2], D[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    L[r] = rows[r] < T ? lse[(i64)bh * T + rows[r]] : 0.f;
-    D[r] = rows[r] < T ? Dv[(i64)bh * T + rows[r]] : 0.f;
+    int row = row0 + g + 8 * r;
+    L2[r] = row < T ? lse[(i64)bh * T + row] * LOG2E : 0.f;
+    D[r] = row < T ? Dv[(i64)bh * T + row] : 0.f;
   }
-  float dq[HS / 8][4], s[FT / 8][4], dp[FT / 8][4];
-  zero_acc(dq);
-  int n_tiles = (min(q0 + FT, T) - 1) / FT + 1;
-  flash_load(Ks, kb, 0, T, ld);
-  flash_load(Vs, vb, 0, T, ld);
+  int n_tiles = (min(q0 + DQ_BM, T) - 1) / BN + 1;
+  load_tile<DQ_BM>(q_tile, qb, q0, T, ld);
+  load_tile<DQ_BM>(do_tile, ob, q0, T, C);
+  load_tile<BN>(k_tiles, kb, 0, T, ld);
+  load_tile<BN>(v_tiles, vb, 0, T, ld);
   cp_commit();
+  unsigned qf[1][HS / 16][4], df[1][HS / 16][4];
+  float dq[1][HS / 8][4];
+  zero_acc<1>(dq);
   for (int kt = 0; kt < n_tiles; ++kt) {
-    const unsigned short* K = Ks + (kt & 1) * TS;
-    const unsigned short* V = Vs + (kt & 1) * TS;
-    if (kt + 1 < n_tiles) {
-      flash_load(Ks + ((kt + 1) & 1) * TS, kb, (kt + 1) * FT, T, ld);
-      flash_load(Vs + ((kt + 1) & 1) * TS, vb, (kt + 1) * FT, T, ld);
-      cp_commit();
-      cp_wait_all_but_one();
-    } else {
-      cp_wait_all();
+    int k0 = kt * BN, nb = (kt + 1) & 1;
+    pipeline_wait(kt + 1 < n_tiles, [&] {
+      load_tile<BN>(k_tiles + nb * BN * LDS, kb, k0 + BN, T, ld);
+      load_tile<BN>(v_tiles + nb * BN * LDS, vb, k0 + BN, T, ld);
+    });
+    if (kt == 0) {
+      load_afrag(qf[0], q_tile, row0 - q0);
+      load_afrag(df[0], do_tile, row0 - q0);
     }
-    __syncthreads();
-    flash_rows_dot(s, qf, K, g, t4);   // S = Q K^T
-    flash_rows_dot(dp, df, V, g, t4);  // dP = dO V^T
-#pragma unroll
-    for (int n8 = 0; n8 < FT / 8; ++n8)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        int key = kt * FT + n8 * 8 + 2 * t4 + (e & 1), r = e >> 1;
-        float p = (key <= rows[r] && key < T) ? expf(s[n8][e] * scale - L[r]) : 0.f;
-        s[n8][e] = p * (dp[n8][e] - D[r]) * scale;  // dS
-      }
-    flash_p_dot(dq, s, K, g, t4);  // dQ += dS K
+    const u16* K = k_tiles + (kt & 1) * BN * LDS;
+    const u16* V = v_tiles + (kt & 1) * BN * LDS;
+    if (k0 <= row0 + 15) {
+      if (k0 + BN - 1 > row0 || k0 + BN > T) dq_tile<true>(dq, qf, df, K, V, L2, D, row0, k0, T, sl2);
+      else dq_tile<false>(dq, qf, df, K, V, L2, D, row0, k0, T, sl2);
+    }
     __syncthreads();
   }
-#pragma unroll
-  for (int n8 = 0; n8 < HS / 8; ++n8)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      int r = e >> 1;
-      if (rows[r] < T) {
-        HT* p = dqkv + ((i64)b * T + rows[r]) * ld + h * HS + n8 * 8 + 2 * t4 + (e & 1);
-        *p = from_f<HT>(to_f(*p) + dq[n8][e]);
-      }
-    }
+  add_rows(dqkv + (i64)b * T * ld + h * HS, ld, dq[0], row0, T, scale);
 }
 
-// dK and dV parts of dqkv += ...: one block per 64 key rows of one head, looping over the query
-// tiles at or after them. grid (ceil(T/FT), B*NH).
+// One dK/dV tile: S^T = K Q^T, dP^T = V dO^T for this warp's 16 keys and queries [q0, q0 + DKV_BQ);
+// dV += P^T dO, dK += dS'^T Q (the scale comes at the end).
+template <bool MASK>
+__device__ __forceinline__ void dkv_tile(float (*dk)[HS / 8][4], float (*dv)[HS / 8][4],
+                                         const unsigned (*kf)[HS / 16][4], const unsigned (*vf)[HS / 16][4],
+                                         const u16* Q, const u16* dO, const float* L, const float* Dt,
+                                         int key0, int q0, int T, float sl2) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float s[1][DKV_BQ / 8][4], dp[1][DKV_BQ / 8][4];
+  rows_dot<1, DKV_BQ>(s, kf, Q);
+  rows_dot<1, DKV_BQ>(dp, vf, dO);
+#pragma unroll
+  for (int n8 = 0; n8 < DKV_BQ / 8; ++n8)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int qc = n8 * 8 + 2 * t4 + (e & 1);
+      float p = fast_exp2(fmaf(s[0][n8][e], sl2, -L[qc] * LOG2E));
+      if (MASK) {
+        int q = q0 + qc;
+        if (q < key0 + g + 8 * (e >> 1) || q >= T) p = 0.f;
+      }
+      s[0][n8][e] = p;
+      dp[0][n8][e] = p * (dp[0][n8][e] - Dt[qc]);
+    }
+  p_dot<1, DKV_BQ>(dv, s, dO);
+  p_dot<1, DKV_BQ>(dk, dp, Q);
+}
+
+// dK and dV parts of dqkv += ...: one block per BN keys of one head, streaming the query tiles at
+// or after them. grid (B*NH, ceil(T/BN)), block 128, DKV_SMEM bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(128) k_attn_flash_bwd_dkv(HT* dqkv, const HT* qkv, const HT* dout,
                                                                        const float* lse, const float* Dv,
                                                                        int B, int T, int NH, float scale) {
-  __shared__ __align__(16) unsigned short Qs[2 * TS];
-  __shared__ __align__(16) unsigned short Os[2 * TS];
-  __shared__ float Ls[2][FT], Ds[2][FT];
-  int C = NH * HS, ld = 3 * C, bh = blockIdx.y, b = bh / NH, h = bh % NH, k0 = blockIdx.x * FT;
-  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, R = warp * 16;
+  extern __shared__ __align__(16) u16 smem[];
+  require_smem(DKV_SMEM);
+  u16* k_tile = smem;                      // [BN][LDS]
+  u16* v_tile = k_tile + BN * LDS;         // [BN][LDS]
+  u16* q_tiles = v_tile + BN * LDS;        // [2][DKV_BQ][LDS]
+  u16* do_tiles = q_tiles + 2 * DKV_BQ * LDS;  // [2][DKV_BQ][LDS]
+  float* lse_tiles = (float*)(do_tiles + 2 * DKV_BQ * LDS);  // [2][DKV_BQ]
+  float* d_tiles = lse_tiles + 2 * DKV_BQ;                   // [2][DKV_BQ]
+  int C = NH * HS, ld = 3 * C, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+  int k0 = blockIdx.y * BN;  // the first keys see the most queries: they go first
+  int warp = threadIdx.x >> 5;
+  int key0 = k0 + warp * 16;
   const HT* qb = qkv + (i64)b * T * ld + h * HS;
   const HT* kb = qb + C;
   const HT* vb = qb + 2 * C;
   const HT* ob = dout + (i64)b * T * C + h * HS;
-  unsigned kf[HS / 16][4], vf[HS / 16][4];
-  flash_load(Qs, kb, k0, T, ld);
-  flash_load(Os, vb, k0, T, ld);
+  const float* lb = lse + (i64)bh * T;
+  const float* db = Dv + (i64)bh * T;
+  float sl2 = scale * LOG2E;
+  int first = k0 / DKV_BQ, n_tiles = (T - 1) / DKV_BQ + 1;
+  load_tile<BN>(k_tile, kb, k0, T, ld);
+  load_tile<BN>(v_tile, vb, k0, T, ld);
+  load_tile<DKV_BQ>(q_tiles, qb, first * DKV_BQ, T, ld);
+  load_tile<DKV_BQ>(do_tiles, ob, first * DKV_BQ, T, C);
+  load_row_values<DKV_BQ>(lse_tiles, lb, first * DKV_BQ, T);
+  load_row_values<DKV_BQ>(d_tiles, db, first * DKV_BQ, T);
   cp_commit();
-  cp_wait_all();
-  __syncthreads();
-  flash_afrag(kf, Qs, R, g, t4);
-  flash_afrag(vf, Os, R, g, t4);
-  __syncthreads();
-  int keys[2] = {k0 + R + g, k0 + R + g + 8};
-  float dk[HS / 8][4], dv[HS / 8][4], s[FT / 8][4], dp[FT / 8][4];
-  zero_acc(dk);
-  zero_acc(dv);
-  int first = k0 / FT, n_tiles = (T - 1) / FT + 1;
-  flash_load(Qs, qb, first * FT, T, ld);
-  flash_load(Os, ob, first * FT, T, C);
-  for (int i = threadIdx.x; i < FT; i += blockDim.x) {
-    int q = first * FT + i;
-    Ls[0][i] = q < T ? lse[(i64)bh * T + q] : 0.f;
-    Ds[0][i] = q < T ? Dv[(i64)bh * T + q] : 0.f;
-  }
-  cp_commit();
+  unsigned kf[1][HS / 16][4], vf[1][HS / 16][4];
+  float dk[1][HS / 8][4], dv[1][HS / 8][4];
+  zero_acc<1>(dk);
+  zero_acc<1>(dv);
   for (int qt = first; qt < n_tiles; ++qt) {
-    int cur = (qt - first) & 1, q0 = qt * FT;
-    const unsigned short* Q = Qs + cur * TS;
-    const unsigned short* O = Os + cur * TS;
-    if (qt + 1 < n_tiles) {
-      flash_load(Qs + (cur ^ 1) * TS, qb, q0 + FT, T, ld);
-      flash_load(Os + (cur ^ 1) * TS, ob, q0 + FT, T, C);
-      for (int i = threadIdx.x; i < FT; i += blockDim.x) {
-        int q = q0 + FT + i;
-        Ls[cur ^ 1][i] = q < T ? lse[(i64)bh * T + q] : 0.f;
-        Ds[cur ^ 1][i] = q < T ? Dv[(i64)bh * T + q] : 0.f;
-      }
-      cp_commit();
-      cp_wait_all_but_one();
-    } else {
-      cp_wait_all();
+    int q0 = qt * DKV_BQ, cur = (qt - first) & 1, nb = cur ^ 1;
+    pipeline_wait(qt + 1 < n_tiles, [&] {
+      load_tile<DKV_BQ>(q_tiles + nb * DKV_BQ * LDS, qb, q0 + DKV_BQ, T, ld);
+      load_tile<DKV_BQ>(do_tiles + nb * DKV_BQ * LDS, ob, q0 + DKV_BQ, T, C);
+      load_row_values<DKV_BQ>(lse_tiles + nb * DKV_BQ, lb, q0 + DKV_BQ, T);
+      load_row_values<DKV_BQ>(d_tiles + nb * DKV_BQ, db, q0 + DKV_BQ, T);
+    });
+    if (DKV_KV_REGS ? qt == first : true) {  // fragments of K and V: once, or every step to save registers
+      load_afrag(kf[0], k_tile, key0 - k0);
+      load_afrag(vf[0], v_tile, key0 - k0);
     }
-    __syncthreads();
-    flash_rows_dot(s, kf, Q, g, t4);   // S^T = K Q^T (rows keys, columns queries)
-    flash_rows_dot(dp, vf, O, g, t4);  // dP^T = V dO^T
-#pragma unroll
-    for (int n8 = 0; n8 < FT / 8; ++n8)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        int qc = n8 * 8 + 2 * t4 + (e & 1), q = q0 + qc, r = e >> 1;
-        float p = (q >= keys[r] && q < T) ? expf(s[n8][e] * scale - Ls[cur][qc]) : 0.f;
-        s[n8][e] = p;
-        dp[n8][e] = p * (dp[n8][e] - Ds[cur][qc]) * scale;  // dS^T
-      }
-    flash_p_dot(dv, s, O, g, t4);   // dV += P^T dO
-    flash_p_dot(dk, dp, Q, g, t4);  // dK += dS^T Q
+    const u16* Q = q_tiles + cur * DKV_BQ * LDS;
+    const u16* dO = do_tiles + cur * DKV_BQ * LDS;
+    const float* L = lse_tiles + cur * DKV_BQ;
+    const float* Dt = d_tiles + cur * DKV_BQ;
+    if (q0 + DKV_BQ - 1 >= key0) {  // else every query of the tile is before this warp's keys
+      if (q0 < key0 + 15 || q0 + DKV_BQ > T) dkv_tile<true>(dk, dv, kf, vf, Q, dO, L, Dt, key0, q0, T, sl2);
+      else dkv_tile<false>(dk, dv, kf, vf, Q, dO, L, Dt, key0, q0, T, sl2);
+    }
     __syncthreads();
   }
-#pragma unroll
-  for (int n8 = 0; n8 < HS / 8; ++n8)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      int r = e >> 1;
-      if (keys[r] < T) {
-        HT* p = dqkv + ((i64)b * T + keys[r]) * ld + C + h * HS + n8 * 8 + 2 * t4 + (e & 1);
-        *p = from_f<HT>(to_f(*p) + dk[n8][e]);
-        p += C;
-        *p = from_f<HT>(to_f(*p) + dv[n8][e]);
-      }
-    }
+  HT* base = dqkv + (i64)b * T * ld + h * HS;
+  add_rows(base + C, ld, dk[0], key0, T, scale);
+  add_rows(base + 2 * C, ld, dv[0], key0, T, 1.f);
 }

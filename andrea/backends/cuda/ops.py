@@ -19,12 +19,34 @@ from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
 COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-norm gradients)
 LN_FUSED_MAXC = 1024  # widest row the one-pass layer-norm backward holds in registers
 LN_BLOCKS = 264  # blocks (and partial rows) of the one-pass layer-norm backward: 2 per SM of an H200
-# Attention version 3 (fused, kernels/attention.cu) runs for 16-bit compute dtypes and these head
-# sizes (tensor-core tiles of 16; 64 is the largest whose tiles fit 48 KB of shared memory);
-# float32 and other head sizes take version 1 (scores materialised, cuBLAS). The backend's
-# attention="materialised" forces version 1. (Version 2, fused without cp.async, is in git
-# history; see kernels/attention.cu.)
-FLASH_HEAD_SIZES = (16, 32, 48, 64)
+# Attention version 4 (fused, andrea/kernels/attention.cu) runs for 16-bit compute dtypes, head
+# sizes that are multiples of 16 up to 128, on GPUs of compute capability 8.0 or later (cp.async,
+# ldmatrix, bf16 mma.sync) whose per-block shared-memory limit holds its tiles; float32, other
+# head sizes and older GPUs take version 1 (scores materialised, cuBLAS). The backend's
+# attention="materialised" forces version 1. (Versions 2 and 3 are in git history;
+# dev/cuda/attention_bench.py times 3 against 4.)
+FLASH_HEAD_SIZES = (16, 32, 48, 64, 80, 96, 112, 128)
+FLASH_MIN_CC = 80
+
+
+def flash_geometry(hs: int) -> dict:
+    """Version 4's launch geometry for head size hs, as andrea/kernels/attention.cu defines it
+    (each kernel traps if given less dynamic shared memory than it needs): query rows per forward
+    block ("fwd_rows") and bytes of dynamic shared memory per kernel."""
+    lds, bn = hs + 8, 64
+    fwd_rows = 128 if hs <= 64 else 64
+    bq = 64 if hs <= 64 else 32
+    return {"fwd_rows": fwd_rows,
+            "k_attn_flash_fwd": (fwd_rows + 4 * bn) * lds * 2,
+            "k_attn_flash_bwd_dq": (2 * 64 + 4 * bn) * lds * 2,
+            "k_attn_flash_bwd_dkv": (2 * bn + 4 * bq) * lds * 2 + 4 * bq * 4}
+
+
+def _device_fits_flash(hs: int) -> bool:
+    dev = cp.cuda.Device()
+    cc, smem = int(dev.compute_capability), int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
+    geo = flash_geometry(hs)
+    return cc >= FLASH_MIN_CC and max(v for k, v in geo.items() if k.startswith("k_")) <= smem
 ATTENTION_PATHS = ("fused", "materialised")
 
 
@@ -252,13 +274,13 @@ class CudaOps:
     # ------------------------------------------------------------ attention
     def attention_variant(self, dtype, head_size: int) -> str:
         """The path k_attn_fwd/_bwd take for this compute dtype and head size (arrays 16-byte
-        aligned, as the engine's are): "fused" (version 3) or "materialised" (version 1)."""
+        aligned, as the engine's are): "fused" (version 4) or "materialised" (version 1)."""
         fused = (self.attention == "fused" and np.dtype(dtype) != np.float32
-                 and head_size in FLASH_HEAD_SIZES)
+                 and head_size in FLASH_HEAD_SIZES and _device_fits_flash(head_size))
         return "fused" if fused else "materialised"
 
     def _fused(self, dtype, hs, *arrays) -> bool:
-        """Version 3 applies: attention_variant says so, and every array is 16-byte aligned (its
+        """Version 4 applies: attention_variant says so, and every array is 16-byte aligned (its
         tiles are copied 16 bytes at a time)."""
         return (self.attention_variant(dtype, hs) == "fused"
                 and all(a.data.ptr % 16 == 0 for a in arrays))
@@ -284,8 +306,10 @@ class CudaOps:
         check("k_attn_fwd", "lse", lse, (B, NH, T), np.float32)
         scale = np.float32(1.0 / math.sqrt(hs))
         if self._fused(ct, hs, qkv, out):
-            self.rt.launch("attention.cu", "k_attn_flash_fwd", ct, (-(-T // 64), B * NH), 128,
-                           (out, lse, qkv, i32(B), i32(T), i32(NH), scale), hs=hs)
+            geo = flash_geometry(hs)
+            self.rt.launch("attention.cu", "k_attn_flash_fwd", ct, (B * NH, -(-T // geo["fwd_rows"])), 128,
+                           (out, lse, qkv, i32(B), i32(T), i32(NH), scale), shared_mem=geo["k_attn_flash_fwd"],
+                           hs=hs)
             return
         q, k, v, S = self._attn_scores(qkv, B, T, C, NH, hs)
         BH = B * NH
@@ -312,9 +336,11 @@ class CudaOps:
             D = self.workspace.get("attn_D", BH * T, np.float32)
             self.rt.launch("attention.cu", "k_attn_flash_D", ct, -(-(BH * T) // 8), THREADS,
                            (D, dout, out, i32(B), i32(T), i32(NH)), hs=hs)
-            for kernel in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
-                self.rt.launch("attention.cu", kernel, ct, (-(-T // 64), BH), 128,
-                               (dqkv, qkv, dout, lse, D, i32(B), i32(T), i32(NH), scale), hs=hs)
+            geo = flash_geometry(hs)
+            for kernel in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):  # 64 query / key rows a block
+                self.rt.launch("attention.cu", kernel, ct, (BH, -(-T // 64)), 128,
+                               (dqkv, qkv, dout, lse, D, i32(B), i32(T), i32(NH), scale),
+                               shared_mem=geo[kernel], hs=hs)
             return
         q, k, v, S = self._attn_scores(qkv, B, T, C, NH, hs)
         P = self.workspace.get("attn_probs", BH * T * T, ct)

@@ -79,9 +79,11 @@ class Runtime:
     def launch(self, fname, kernel, dtype, grid, block, args, shared_mem=0, hs=None, defs=()):
         """Launch kernel of kernels/<fname> compiled for dtype, on the current stream."""
         defs = tuple(defs) + ((f"-DHS={hs}",) if hs else ())
-        self.function(fname, kernel, dtype, defs)(grid if isinstance(grid, tuple) else (grid,),
-                                                  block if isinstance(block, tuple) else (block,), args,
-                                                  shared_mem=shared_mem)
+        f = self.function(fname, kernel, dtype, defs)
+        if shared_mem > 48 * 1024 and f.max_dynamic_shared_size_bytes < shared_mem:
+            f.max_dynamic_shared_size_bytes = shared_mem  # the opt-in above the default 48 KB, once per kernel
+        f(grid if isinstance(grid, tuple) else (grid,), block if isinstance(block, tuple) else (block,), args,
+          shared_mem=shared_mem)
 
 
 def blocks(n: int, per_block: int = THREADS) -> int:

@@ -1,0 +1,323 @@
+"""Check, then time, the numbered fused-attention variants against PyTorch SDPA in one process.
+
+    PYTHONPATH=. python dev/cuda/attention_bench.py [--variants v3,v4] [--no-check] [--no-time] [--reps 20]
+
+Each variant is a kernel source compiled by NVRTC (CuPy RawModule) per compute dtype and head
+size: v3 is dev/cuda/attention_v3.cu (the fused path before version 4), v4 is the promoted
+andrea/kernels/attention.cu, and a later candidate dev/cuda/attention_vN.cu is added to VARIANTS below.
+Check (before any timing): every variant against the float64 NumPy reference
+(andrea.backends.numpy_ref k_attn_fwd / k_attn_bwd) at T = 77 and 1000, head sizes 32/64/80/128
+where the variant supports them, fp16 and bf16; outputs poisoned with NaN before the launch;
+gradients added into a random pre-filled buffer; two reruns compared bit for bit. A variant that
+fails a check is not timed. Time: forward (k_attn_flash_fwd) and backward (k_attn_flash_D +
+dq + dkv) per call between CUDA events, times the model's layers, at the ANDREA-12M and -120M
+attention shapes, next to torch SDPA (flash, cuDNN, efficient) timed the same way in the same
+process. Prints one table (pandas) and writes it as CSV under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from andrea.backends import numpy_ref as ref
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kernel_dir() -> Path:
+    from andrea.paths import KERNEL_DIR
+    return KERNEL_DIR
+
+
+class Variant:
+    """One kernel source (a path, or a callable giving it) and its launch geometry."""
+
+    def __init__(self, name, path, head_sizes, fwd_rows, dyn_smem, grid_bh_first):
+        self.name, self.path, self.head_sizes = name, path, head_sizes
+        self.fwd_rows, self.dyn_smem, self.grid_bh_first = fwd_rows, dyn_smem, grid_bh_first
+        self._mods = {}
+
+    def module(self, ct, hs):
+        import cupy as cp
+        key = (ct, hs)
+        if key not in self._mods:
+            kd = kernel_dir()
+            path = self.path() if callable(self.path) else self.path
+            src = path.read_text().replace('#include "common.cuh"', (kd / "common.cuh").read_text())
+            self._mods[key] = cp.RawModule(code=src, options=("-std=c++17", f"-DCT={ct}", f"-DHS={hs}"))
+        return self._mods[key]
+
+    def fn(self, ct, hs, kernel):
+        f = self.module(ct, hs).get_function(kernel)
+        smem = self.dyn_smem(kernel, hs)
+        if smem > 48 * 1024:
+            f.max_dynamic_shared_size_bytes = smem
+        return f, smem
+
+    def grid(self, kernel, BH, T, hs):
+        rows = self.fwd_rows(hs) if kernel == "k_attn_flash_fwd" else 64
+        n = -(-T // rows)
+        return (BH, n) if self.grid_bh_first else (n, BH)
+
+    def fwd(self, ct, out, lse, qkv, B, T, NH, hs):
+        f, smem = self.fn(ct, hs, "k_attn_flash_fwd")
+        f(self.grid("k_attn_flash_fwd", B * NH, T, hs), (128,),
+          (out, lse, qkv, np.int32(B), np.int32(T), np.int32(NH), np.float32(1 / math.sqrt(hs))), shared_mem=smem)
+
+    def bwd(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):
+        fD, _ = self.fn(ct, hs, "k_attn_flash_D")
+        fD((-(-(B * NH * T) // 8),), (256,), (D, dout, out, np.int32(B), np.int32(T), np.int32(NH)))
+        for k in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
+            f, smem = self.fn(ct, hs, k)
+            f(self.grid(k, B * NH, T, hs), (128,), (dqkv, qkv, dout, lse, D, np.int32(B), np.int32(T),
+                                                    np.int32(NH), np.float32(1 / math.sqrt(hs))), shared_mem=smem)
+
+
+class FusedBackward(Variant):
+    """Version 5 candidate: the one-pass backward k_attn_flash_bwd for head sizes up to 64 (the
+    dQ accumulator and the counters it orders the additions with are kept per shape)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._scratch = {}
+
+    def bwd(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):
+        if hs > 64:
+            return super().bwd(ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs)
+        import cupy as cp
+        n_q = -(-T // 64)
+        key = (B * NH, n_q, hs)
+        if key not in self._scratch:
+            self._scratch[key] = (cp.empty((B * NH * n_q * 64 * hs,), dtype=cp.float32),
+                                  cp.zeros((B * NH * n_q,), dtype=cp.int32))
+        acc, counters = self._scratch[key]
+        fD, _ = self.fn(ct, hs, "k_attn_flash_D")
+        fD((-(-(B * NH * T) // 8),), (256,), (D, dout, out, np.int32(B), np.int32(T), np.int32(NH)))
+        counters.fill(0)
+        f, smem = self.fn(ct, hs, "k_attn_flash_bwd")
+        f((B * NH, n_q), (128,), (dqkv, acc, counters, qkv, dout, lse, D, np.int32(B), np.int32(T),
+                                  np.int32(NH), np.float32(1 / math.sqrt(hs))), shared_mem=smem)
+
+
+def v5_smem(kernel, hs):
+    if kernel == "k_attn_flash_bwd":
+        return (2 * 64 + 4 * 64) * (hs + 8) * 2 + 64 * 72 * 2 + 4 * 64 * 4
+    return v4_smem(kernel, hs)
+
+
+def v4_smem(kernel, hs):
+    lds, bq = hs + 8, (64 if hs <= 64 else 32)
+    return {"k_attn_flash_fwd": ((128 if hs <= 64 else 64) + 4 * 64) * lds * 2,
+            "k_attn_flash_bwd_dq": (2 * 64 + 4 * 64) * lds * 2,
+            "k_attn_flash_bwd_dkv": (2 * 64 + 4 * bq) * lds * 2 + 4 * bq * 4}.get(kernel, 0)
+
+
+DEV = ROOT / "dev" / "cuda"
+VARIANTS = {
+    "v3": Variant("v3", DEV / "attention_v3.cu", (32, 64), lambda hs: 64, lambda k, hs: 0, False),
+    "v4": Variant("v4", lambda: kernel_dir() / "attention.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
+                  v4_smem, True),
+    "v5": FusedBackward("v5", DEV / "attention_v5.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
+                        v5_smem, True),
+}
+DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
+
+
+def host_dtype(name):
+    if name == "bf16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return np.float16
+
+
+def to_dev(x64, name):
+    """float64 host array -> (device uint16 bits, float64 values as rounded)."""
+    import cupy as cp
+    h = x64.astype(host_dtype(name))
+    return cp.asarray(h.view(np.uint16)), h.astype(np.float64)
+
+
+def from_dev(a, name):
+    import cupy as cp
+    return cp.asnumpy(a).view(host_dtype(name)).astype(np.float64)
+
+
+def rel(got, want):
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def check(v: Variant, name, hs, T, rng, B=2, NH=2):
+    import cupy as cp
+    ct, C = DTYPES[name][0], NH * hs
+    tol = 1e-2 if name == "fp16" else 3e-2
+    qkv_d, qkv = to_dev(rng.standard_normal((B, T, 3 * C)), name)
+    out, lse = np.zeros((B, T, C)), np.zeros((B, NH, T))
+    ref.k_attn_fwd(out, lse, qkv, NH)
+    runs = []
+    for _ in range(2):
+        g_out = cp.full((B, T, C), 0x7e00 if name == "fp16" else 0x7fc0, dtype=cp.uint16)  # NaN bits
+        g_lse = cp.full((B, NH, T), np.nan, dtype=cp.float32)
+        v.fwd(ct, g_out, g_lse, qkv_d, B, T, NH, hs)
+        runs.append((g_out, g_lse))
+    e_out = rel(from_dev(runs[0][0], name), out)
+    e_lse = rel(cp.asnumpy(runs[0][1]).astype(np.float64), lse)
+    same_f = all(bool((a == b).all()) for a, b in zip(runs[0], runs[1]))
+    out_d, out_r = to_dev(out, name)  # the backward pass reads the saved (rounded) output
+    dout_d, dout = to_dev(rng.standard_normal((B, T, C)), name)
+    lse_d = cp.asarray(lse.astype(np.float32))
+    dqkv = np.zeros_like(qkv)
+    ref.k_attn_bwd(dqkv, dout, qkv, out_r, lse_d.get().astype(np.float64), NH)
+    pre_d, pre = to_dev(rng.standard_normal(qkv.shape) * float(np.sqrt(np.mean(dqkv ** 2))), name)
+    D = cp.empty((B * NH * T,), dtype=cp.float32)
+    grads = []
+    for _ in range(2):
+        g = pre_d.copy()
+        v.bwd(ct, g, dout_d, qkv_d, out_d, lse_d, D, B, T, NH, hs)
+        grads.append(g)
+    cp.cuda.runtime.deviceSynchronize()
+    parts = {}
+    got = from_dev(grads[0], name) - pre
+    for i, part in enumerate(("dq", "dk", "dv")):
+        sl = slice(i * C, (i + 1) * C)
+        parts[part] = rel(got[..., sl], dqkv[..., sl])
+    same_b = bool((grads[0] == grads[1]).all())
+    errs = {"out": e_out, "lse": e_lse, **parts}
+    ok = e_out < tol and e_lse < 1e-3 and all(parts[p] < tol for p in parts) and same_f and same_b
+    return dict(variant=v.name, dtype=name, hs=hs, T=T, ok=ok, bitwise=same_f and same_b,
+                **{f"err_{k}": f"{e:.2e}" for k, e in errs.items()})
+
+
+def cuda_ms(fn, reps):
+    import cupy as cp
+    for _ in range(3):
+        fn()
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    e.synchronize()
+    return cp.cuda.get_elapsed_time(s, e) / reps
+
+
+SHAPES = {"120M": (8, 12, 1024, 64, 12), "12M": (32, 6, 256, 64, 6)}
+
+
+def time_ours(v: Variant, name, shape, reps):
+    import cupy as cp
+    B, NH, T, hs, L = shape
+    ct, C = DTYPES[name][0], NH * hs
+    rng = np.random.default_rng(1)
+    qkv, _ = to_dev(rng.standard_normal((B, T, 3 * C)), name)
+    out = cp.empty((B, T, C), dtype=cp.uint16)
+    lse = cp.empty((B, NH, T), dtype=cp.float32)
+    v.fwd(ct, out, lse, qkv, B, T, NH, hs)
+    dout, _ = to_dev(rng.standard_normal((B, T, C)), name)
+    dqkv = cp.zeros_like(qkv)
+    D = cp.empty((B * NH * T,), dtype=cp.float32)
+    f = cuda_ms(lambda: v.fwd(ct, out, lse, qkv, B, T, NH, hs), reps)
+    b = cuda_ms(lambda: v.bwd(ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs), reps)
+    return f * L, b * L
+
+
+def time_sdpa(shape, reps, name):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    B, NH, T, hs, L = shape
+    dt = torch.float16 if name == "fp16" else torch.bfloat16
+    rows = {}
+    for label, be in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                      ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        q, k, v = (torch.randn(B, NH, T, hs, device="cuda", dtype=dt, requires_grad=True) for _ in range(3))
+        do = torch.randn(B, NH, T, hs, device="cuda", dtype=dt)
+
+        def timeit(fn):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+            s.record()
+            for _ in range(reps):
+                fn()
+            e.record()
+            torch.cuda.synchronize()
+            return s.elapsed_time(e) / reps
+
+        try:
+            with sdpa_kernel(be):
+                tf = timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+                tfb = timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do))
+            rows[label] = (tf * L, (tfb - tf) * L)
+        except Exception as ex:  # a backend missing for this dtype/shape: reported, not fatal
+            print(f"{label} {name}: {type(ex).__name__}: {str(ex)[:100]}")
+    return rows
+
+
+def main(argv=None):
+    import pandas as pd
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--no-time", action="store_true")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--dtypes", default="fp16,bf16", help="dtypes timed (all are checked)")
+    ap.add_argument("--out", default=None, help="folder for checks.csv and times.csv")
+    a = ap.parse_args(argv)
+    names = a.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; known {list(VARIANTS)}")
+    passed = set(names)
+    if not a.no_check:
+        rng = np.random.default_rng(0)
+        rows = []
+        for n in names:
+            for dt in DTYPES:
+                for hs in VARIANTS[n].head_sizes:
+                    for T in (77, 1000):
+                        try:
+                            rows.append(check(VARIANTS[n], dt, hs, T, rng))
+                        except Exception as ex:
+                            rows.append(dict(variant=n, dtype=dt, hs=hs, T=T, ok=False, error=f"{type(ex).__name__}: {ex}"[:200]))
+                        print(rows[-1], flush=True)
+        checks = pd.DataFrame(rows)
+        print(checks.to_string(index=False))
+        failed = set(checks.loc[~checks["ok"], "variant"])
+        passed -= failed
+        if failed:
+            print(f"FAILED checks: {sorted(failed)} (not timed)")
+        if a.out:
+            checks.to_csv(Path(a.out) / "checks.csv", index=False)
+    if a.no_time:
+        return 0 if passed == set(names) else 1
+    rows = []
+    for dt in a.dtypes.split(","):
+        for shape_name, shape in SHAPES.items():
+            for n in names:
+                if n in passed:
+                    f, b = time_ours(VARIANTS[n], dt, shape, a.reps)
+                    rows.append(dict(shape=shape_name, dtype=dt, kernel=f"andrea-{n}", fwd_ms=f, bwd_ms=b))
+            for label, (f, b) in time_sdpa(shape, a.reps, dt).items():
+                rows.append(dict(shape=shape_name, dtype=dt, kernel=label, fwd_ms=f, bwd_ms=b))
+    times = pd.DataFrame(rows)
+    times["total_ms"] = times["fwd_ms"] + times["bwd_ms"]
+    cudnn = times[times["kernel"] == "sdpa-cudnn"].set_index(["shape", "dtype"])["total_ms"]
+    flash = times[times["kernel"] == "sdpa-flash"].set_index(["shape", "dtype"])["total_ms"]
+    key = pd.MultiIndex.from_frame(times[["shape", "dtype"]])
+    times["vs_cudnn"] = times["total_ms"].to_numpy() / cudnn.reindex(key).to_numpy()
+    times["vs_flash"] = times["total_ms"].to_numpy() / flash.reindex(key).to_numpy()
+    print(times.round(3).to_string(index=False))
+    if a.out:
+        times.to_csv(Path(a.out) / "times.csv", index=False)
+    return 0 if passed == set(names) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
