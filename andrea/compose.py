@@ -2,7 +2,10 @@
 
 compose_config gives the same typed AndreaConfig as `python -m andrea.train experiment=<EXP>`:
 the package's conf/ (andrea/paths.py), the experiment, then the overrides; errors become a
-ConfigError whose message names the key or the file.
+ConfigError whose message names the key or the file. The config's exp is the run's name
+(andrea/runs.py: the experiment, + the overrides that change what is trained) and `overrides`
+lists the overrides; conf/config.yaml names run folders with the same function, through the
+andrea_run_name resolver registered here.
 """
 from __future__ import annotations
 
@@ -11,10 +14,24 @@ from typing import Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from . import runs
 from .config import AndreaConfig, load_run_config, register_configs
 from .paths import CONF_DIR
 
 register_configs()
+
+
+def _run_name_resolver(exp, overrides, mode) -> str:
+    return runs.run_name(str(exp), [str(o) for o in (overrides or [])], sweep=str(mode) == "sweep")
+
+
+# conf/config.yaml: hydra.run.dir is ${results_dir}/${andrea_run_name:${exp},${hydra.overrides.task},run}
+OmegaConf.register_new_resolver("andrea_run_name", _run_name_resolver, replace=True)
+
+
+def recorded_overrides(overrides) -> list:
+    """The overrides a run keeps in its config (`overrides`): all but experiment= and exp=."""
+    return [str(o) for o in overrides if runs.override_key(o) not in ("experiment", "exp")]
 
 
 class ConfigError(ValueError):
@@ -43,12 +60,16 @@ def compose_config(exp: str, overrides: Iterable[str] = (), conf_dir: Optional[P
     from omegaconf.errors import OmegaConfBaseException
 
     conf_dir = Path(conf_dir or CONF_DIR).resolve()
-    overrides = [f"experiment={exp}", *overrides]
+    given = [str(o) for o in overrides]
+    overrides = [f"experiment={exp}", *given]
     try:
         with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-            return resolve(compose(config_name="config", overrides=overrides))
+            cfg = resolve(compose(config_name="config", overrides=overrides))
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise ConfigError(f"config {conf_dir}/config.yaml with overrides {overrides}: {_explain(e)}") from e
+    cfg.exp = runs.run_name(cfg.exp, given)
+    cfg.overrides = recorded_overrides(given)
+    return cfg
 
 
 def _explain(e: BaseException) -> str:

@@ -20,8 +20,13 @@ Writes `<out>/report.md` and `<out>/eval/{metrics.json, loss.png, samples.json, 
 - Tasks (data.source=synthetic): the first eval.n_tasks held-out val conversations, answered
   greedily; exact match against the answer recomputed from the question. Reported beside the
   uniform-guess chance and the best constant answer per task kind learnt from the train split.
-- Published (docs/published/<exp>.json): PASS when |val_loss - published val_loss| <=
-  eval.tolerance, FAIL otherwise; the published curve is drawn under this run's.
+- Uniform guess: ln V with V the tokenizer's real vocabulary (a small corpus can give fewer
+  tokens than model.vocab_size asks; the report then says so).
+- Published (docs/published/<experiment>.json): PASS when |val_loss - published val_loss| <=
+  eval.tolerance, FAIL otherwise; only for the published config itself: a run with overrides
+  (config `overrides`, except where data lives and the backend) is "not compared", naming them.
+  The published curve is drawn dashed, over this run's, so it shows where the two coincide.
+- Loss plot: linear cross-entropy axis, or logarithmic with eval.log_scale=true (or --log-scale).
 """
 from __future__ import annotations
 
@@ -39,8 +44,15 @@ from .atomic import atomic_write, replace_synced, tmp_path
 from .config import AndreaConfig, load_run_config
 from .data.loader import val_windows
 from . import sampling
+from .runs import compared_overrides
 
 TASK_TOKENS = 16  # the longest synthetic answer ("0 1 2 3 4") is 9 characters, 9 tokens at most
+
+
+def uniform_guess(tok, cfg: AndreaConfig) -> dict:
+    """ln V of a uniform guess over the tokenizer's real vocabulary (not model.vocab_size's rows)."""
+    v = min(int(tok.vocab_size), cfg.model.vocab_size)
+    return {"uniform_loss": math.log(v), "tokenizer_vocab": v, "model_vocab": cfg.model.vocab_size}
 
 
 def held_out_loss(eng, tok, cfg: AndreaConfig) -> dict:
@@ -52,8 +64,7 @@ def held_out_loss(eng, tok, cfg: AndreaConfig) -> dict:
     n_bytes = int(sum(nbytes[y].sum() for _, y in batches))
     return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)),
             "bits_per_byte": loss / math.log(2) * n_tok / max(1, n_bytes),
-            "val_tokens": n_tok, "val_bytes": n_bytes, "val_batches": len(batches),
-            "uniform_loss": math.log(cfg.model.vocab_size)}
+            "val_tokens": n_tok, "val_bytes": n_bytes, "val_batches": len(batches), **uniform_guess(tok, cfg)}
 
 
 def decoder(cfg: AndreaConfig, params):
@@ -138,26 +149,31 @@ def curves(hist: list) -> dict:
     return {"train": tr, "val": va}
 
 
-def plot(path: Path, exp: str, mine: dict, published: Optional[dict], uniform: float) -> None:
+def plot(path: Path, exp: str, mine: dict, published: Optional[dict], uniform: float,
+         log_scale: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers and in CI
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    if published is not None:
-        pc = curves(published.get("history", []))
-        if pc["train"]:
-            ax.plot(*zip(*pc["train"]), color="0.7", lw=1, label="published train")
-        if pc["val"]:
-            ax.plot(*zip(*pc["val"]), "s--", color="0.5", ms=3, label="published val")
     if mine["train"]:
-        ax.plot(*zip(*mine["train"]), color="C0", lw=1, label="train")
+        ax.plot(*zip(*mine["train"]), color="C0", lw=1, alpha=0.8, label="train")
     if mine["val"]:
         ax.plot(*zip(*mine["val"]), "o-", color="C1", ms=3, label="val")
+    if published is not None:  # drawn last, dashed and dark: visible where it coincides with this run
+        pc = curves(published.get("history", []))
+        if pc["train"]:
+            ax.plot(*zip(*pc["train"]), "--", color="k", lw=1.2, label="published train")
+        if pc["val"]:
+            ax.plot(*zip(*pc["val"]), "s:", color="C2", lw=1.5, ms=4, mfc="none", label="published val")
     ax.axhline(uniform, color="C3", ls=":", lw=1, label=f"uniform guess (ln V = {uniform:.2f})")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats)")
+    if log_scale:
+        ax.set_yscale("log")
+        ax.set_ylabel("cross-entropy (nats, log scale)")
+    else:
+        ax.set_ylabel("cross-entropy (nats)")
     ax.set_title(exp)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -180,11 +196,17 @@ def compare(metrics: dict, published: dict, tolerance: float, source: Path) -> d
 
 
 def report_md(m: dict) -> str:
+    ov = m.get("overrides") or []
+    uni = f"| uniform guess, ln V (V = {m.get('tokenizer_vocab', '?')}) | {m['uniform_loss']:.4f} |"
+    if m.get("tokenizer_vocab") is not None and m["tokenizer_vocab"] < m.get("model_vocab", 0):
+        uni = (f"| uniform guess, ln V (V = {m['tokenizer_vocab']} tokens of the tokenizer; "
+               f"model.vocab_size asked {m['model_vocab']}) | {m['uniform_loss']:.4f} |")
     L = [f"# {m['exp']}: evaluation", "",
          f"Checkpoint `{m['checkpoint']}` (step {m['step']}), config_hash `{m['config_hash'][:12]}`.", "",
+         "Overrides: " + (" ".join(f"`{o}`" for o in ov) if ov else "none (the experiment's pinned config)."), "",
          "| metric | value |", "| --- | --- |",
          f"| validation loss (nats) | {m['val_loss']:.4f} |",
-         f"| uniform guess, ln V | {m['uniform_loss']:.4f} |",
+         uni,
          f"| perplexity | {m['perplexity']:.3f} |",
          f"| bits per byte | {m['bits_per_byte']:.4f} |",
          f"| held-out tokens | {m['val_tokens']:,} ({m['val_batches']} batches) |"]
@@ -204,6 +226,8 @@ def report_md(m: dict) -> str:
         L += [f"**{c['verdict']}**: validation loss {m['val_loss']:.4f} vs published {c['val_loss']:.4f} "
               f"(difference {c['diff']:+.4f}, tolerance ±{c['tolerance']}); `{c['file']}`"
               + (f", measured on {c['machine']}." if c.get("machine") else ".")]
+    elif m.get("not_compared"):
+        L += [f"Not compared: {m['not_compared']}."]
     else:
         L += ["No published run for this experiment (docs/published/<exp>.json)."]
     L += ["", "## Loss curve", "", "![loss curve](eval/loss.png)", "", "## Samples", ""]
@@ -232,8 +256,12 @@ def evaluate(a) -> dict:
     ckpt = find_checkpoint(a.checkpoint_dir)
     eng = Engine(cfg)
     c = eng.load_checkpoint(ckpt, config_hash(cfg))  # the path training resumes through, as checked
-    m = {"exp": cfg.exp, "checkpoint": str(ckpt), "step": c.step, "config_hash": config_hash(cfg),
-         "backend": eng.be.name, **held_out_loss(eng, tok, cfg)}
+    m = {"exp": cfg.exp, "overrides": list(cfg.overrides), "checkpoint": str(ckpt), "step": c.step,
+         "config_hash": config_hash(cfg), "backend": eng.be.name, **held_out_loss(eng, tok, cfg)}
+    if m["tokenizer_vocab"] < cfg.model.vocab_size:
+        print(f"andrea.evaluate: WARNING: the tokenizer {cfg.data.tokenizer} has {m['tokenizer_vocab']} tokens, "
+              f"model.vocab_size asks {cfg.model.vocab_size}: the uniform guess is ln {m['tokenizer_vocab']}",
+              file=sys.stderr)
     dec = decoder(cfg, c.params)
     m["samples"] = sampling.sample_prompts(sampling.decoder_generate(dec), tok, cfg.eval)
     tasks = None
@@ -244,9 +272,14 @@ def evaluate(a) -> dict:
     published = None
     if a.published and Path(a.published).is_file():
         published = json.loads(Path(a.published).read_text())
-        m["published"] = compare(m, published, cfg.eval.tolerance, Path(a.published))
+        differ = compared_overrides(cfg.overrides)
+        if differ:  # the published run is of the pinned config: a verdict against it would mislead
+            m["not_compared"] = f"overrides {' '.join(differ)} (the published run `{a.published}` is of the pinned config)"
+        else:
+            m["published"] = compare(m, published, cfg.eval.tolerance, Path(a.published))
     out = Path(a.out_dir)
-    plot(out / "eval" / "loss.png", cfg.exp, curves(hist), published, m["uniform_loss"])
+    plot(out / "eval" / "loss.png", cfg.exp, curves(hist), published, m["uniform_loss"],
+         log_scale=a.log_scale or cfg.eval.log_scale)
     m["wall_s"] = time.time() - t0
     atomic_write(out / "eval" / "samples.json", json.dumps(m["samples"], indent=1) + "\n")
     atomic_write(out / "eval" / "tasks.json", json.dumps(tasks["rows"] if tasks else [], indent=1) + "\n")
@@ -278,12 +311,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", required=True, type=Path)
     ap.add_argument("--write-published", type=Path, help="also write this run as a published reference")
     ap.add_argument("--machine", default="", help="machine description stored with --write-published")
+    ap.add_argument("--log-scale", action="store_true", help="logarithmic loss axis (also eval.log_scale=true)")
     a = ap.parse_args(argv)
     m = evaluate(a)
     t = m.get("tasks")
     print(f"andrea.evaluate: {m['exp']}: val_loss {m['val_loss']:.4f} (uniform {m['uniform_loss']:.4f}), "
           f"bpb {m['bits_per_byte']:.4f}" + (f", tasks {t['accuracy']:.3f} (chance {t['chance']:.3f})" if t else "")
-          + (f", {m['published']['verdict']} vs published" if m.get("published") else ""), file=sys.stderr)
+          + (f", {m['published']['verdict']} vs published" if m.get("published") else "")
+          + (f", not compared: {m['not_compared']}" if m.get("not_compared") else ""), file=sys.stderr)
     return 0
 
 

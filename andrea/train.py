@@ -1,11 +1,13 @@
 """Train one experiment: Hydra composes the config, the proxy supervises the engine.
 
-    python -m andrea.train experiment=ANDREA-tiny                      # one run -> results/ANDREA-tiny/
-    python -m andrea.train experiment=ANDREA-tiny train.lr=1e-3        # any field can be overridden
+    python -m andrea.train experiment=ANDREA-tiny                # one run -> results/ANDREA-tiny/
+    python -m andrea.train experiment=ANDREA-tiny train.lr=1e-3  # -> results/ANDREA-tiny+train.lr=1e-3/
+    python -m andrea.train experiment=ANDREA-tiny train.lr=1e-3 exp=tiny-lr   # -> results/tiny-lr/
     python -m andrea.train -m experiment=ANDREA-tiny train.lr=1e-3,3e-3
-        # a sweep: one run per combination, each in results/ANDREA-tiny/sweep/<overrides>/,
-        # e.g. results/ANDREA-tiny/sweep/train.lr=0.001/ (path-like overrides are left out of
-        # the name; an over-long name becomes run<N>-<hash>)
+        # a sweep: one run per combination, results/ANDREA-tiny+train.lr=0.001/ and so on
+
+A run with overrides gets its own folder, named after them (andrea/runs.py says which overrides
+name a run: data paths, the backend, proxy and eval settings do not); that name is also its `exp`.
 
 The config comes from conf/ (config.yaml, one option per group, conf/experiment/<EXP>.yaml), typed
 by the dataclasses of andrea/config.py: an unknown key, a wrong type or a missing experiment stops
@@ -39,6 +41,7 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from . import runs
 from .atomic import atomic_write
 # composing also registers the config schemas that hydra.main below needs
 from .compose import ConfigError, compose_config, one_line, resolve  # noqa: F401 (compose_config: public here too)
@@ -147,6 +150,32 @@ def run_folder() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
+def check_backend(cfg: AndreaConfig) -> None:
+    """A run that needs a GPU fails now, not after the engine's restarts: one line, exit 2."""
+    if cfg.backend.name == "numpy":
+        if cfg.train.precision != "fp32":
+            raise ConfigError(f"train.precision={cfg.train.precision} needs backend=cuda; the NumPy engine runs fp32")
+        return
+    from .backends import cuda_available
+
+    if cuda_available():
+        return
+    if cfg.backend.name == "cuda":
+        raise ConfigError("backend=cuda but no usable CUDA GPU here (CuPy missing or no device); "
+                          "use backend=auto or backend=numpy, or install the cuda12/cuda13 extra on a GPU machine")
+    if cfg.train.precision != "fp32":
+        raise ConfigError(f"train.precision={cfg.train.precision} needs backend=cuda and there is no usable "
+                          "CUDA GPU here; the NumPy engine runs train.precision=fp32")
+
+
+def _remove_if_empty(d: Path) -> None:
+    """Hydra makes the run folder before the job starts; a refused run leaves none behind."""
+    try:
+        d.rmdir()
+    except OSError:  # not empty (a run that was there before), or already gone
+        pass
+
+
 def train(cfg: DictConfig) -> int:
     """Lock, check and prepare the run folder, supervise the run; returns the exit status."""
     try:
@@ -157,6 +186,7 @@ def train(cfg: DictConfig) -> int:
         check_shards(run_cfg, warn=lambda msg: print(f"andrea.train: warning: {msg}", file=sys.stderr))
     except (ConfigError, ValueError) as e:
         print(f"andrea.train: {e}", file=sys.stderr)
+        _remove_if_empty(run_folder())
         return EXIT_BAD_INPUT
     from .checkpoint import CheckpointError
     from .lock import LockHeld, run_lock

@@ -212,7 +212,7 @@ def pull_hub(d, w: Writer, skips: Skips) -> dict:
     # Decided before `datasets` is imported: huggingface_hub reads these once, at import.
     offline = _flag("HF_HUB_OFFLINE") or _flag("HF_DATASETS_OFFLINE")
     if not offline and not hub_reachable():
-        print(f"pull-hermes3: the hub is not reachable within {CONNECT_TIMEOUT_S:.0f} s; trying the local "
+        print(f"pull-hermes3: WARNING: the hub is not reachable within {CONNECT_TIMEOUT_S:.0f} s; trying the local "
               "Hugging Face cache only", file=sys.stderr)
         offline = True
     if offline:

@@ -38,6 +38,10 @@ def main(argv=None) -> int:
     info = describe(tok)
     print(f"train-tokenizer: {a.out}: {info['vocab_size']} tokens (asked {a.vocab_size}), "
           f"special ids {info['special_ids']}", file=sys.stderr)
+    if info["vocab_size"] < a.vocab_size:
+        print(f"train-tokenizer: WARNING: {a.out} has {info['vocab_size']} tokens, fewer than the {a.vocab_size} "
+              "asked (the corpus is too small for more merges); the model keeps model.vocab_size rows, "
+              "the report's uniform guess uses the real size", file=sys.stderr)
     return 0
 
 

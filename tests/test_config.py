@@ -104,13 +104,14 @@ def test_cross_field_error_exit_2(tmp_path):
     assert not (tmp_path / "ANDREA-tiny" / "config.yaml").exists()
 
 
-def _shard_overrides(tmp_path):
+def _shard_overrides(tmp_path, named=True):
+    """Small-run overrides; named: exp=ANDREA-tiny keeps the run in results/ANDREA-tiny."""
     from conftest import make_shards
     d = make_shards(tmp_path, vocab=512)
     return [f"data.train_shards={d}/train_*.bin", f"data.val_shards={d}/val_*.bin",
             f"data.tokenizer={tmp_path}/none.json", "train.steps=3", "train.eval_every=0",
             "train.sample_every=0", "train.ckpt_every=0", "train.seq_len=16", "train.batch_size=2",
-            "backend=numpy", f"results_dir={tmp_path}/results"]
+            "backend=numpy", f"results_dir={tmp_path}/results"] + (["exp=ANDREA-tiny"] if named else [])
 
 
 def test_run_writes_resolved_config_and_refuses_other_settings(tmp_path):
@@ -141,20 +142,73 @@ def test_corrupt_history_stops_the_run_with_its_name(tmp_path):
 def test_sweep_runs_each_to_its_own_folder(tmp_path):
     r = run_train("-m", "experiment=ANDREA-tiny", *_shard_overrides(tmp_path), "train.lr=1e-3,2e-3", timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
-    sweep = tmp_path / "results" / "ANDREA-tiny" / "sweep"
-    runs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
-    assert len(runs) == 2 and all("train.lr=" in n for n in runs), runs
-    lrs = sorted(yaml.safe_load((sweep / n / "config.yaml").read_text())["train"]["lr"] for n in runs)
-    assert lrs == [1e-3, 2e-3]
-    for n in runs:
-        assert (sweep / n / "ANDREA-tiny.loss.json").is_file()
+    results = tmp_path / "results"
+    names = sorted(p.name for p in results.iterdir() if p.is_dir())
+    # train.steps etc. of _shard_overrides name the runs too; the paths and the backend do not
+    assert len(names) == 2 and all(n.startswith("ANDREA-tiny+") and "train.lr=" in n for n in names), names
+    assert not any("shards" in n or "backend" in n for n in names), names
+    cfgs = [yaml.safe_load((results / n / "config.yaml").read_text()) for n in names]
+    assert sorted(c["train"]["lr"] for c in cfgs) == [1e-3, 2e-3]
+    for n, c in zip(names, cfgs):
+        assert c["exp"] == n and "train.steps=3" in c["overrides"]
+        assert (results / n / f"{n}.loss.json").is_file()
 
 
-def test_sweep_tag_is_path_safe_and_bounded():
-    from andrea.train import MAX_TAG, sweep_tag
-    assert sweep_tag("train.lr=0.001,train.seed=2", 0) == "train.lr=0.001,train.seed=2"
-    assert "/" not in sweep_tag("data.n_synthetic=10,x=/a/b", 1)
-    long = ",".join(f"train.k{i}={i}" for i in range(40))
-    a, b = sweep_tag(long, 3), sweep_tag(long + "1", 4)
-    assert len(a) <= MAX_TAG and a.startswith("run3-") and a != b
-    assert sweep_tag("", 5) == "run5"
+def test_override_run_gets_its_own_folder(tmp_path):
+    """A run with train.lr=1e-3 lives beside the one without (which it leaves alone); exp=NAME names a run."""
+    ov = _shard_overrides(tmp_path, named=False)
+    results = tmp_path / "results"
+    assert run_train("experiment=ANDREA-tiny", *ov).returncode == 0
+    (first,) = list(results.iterdir())
+    r = run_train("experiment=ANDREA-tiny", *ov, "train.lr=1e-3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (run,) = set(results.iterdir()) - {first}
+    assert run.name.startswith("ANDREA-tiny+") and "train.lr=1e-3" in run.name.split("+", 1)[1].split(",")
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["exp"] == run.name and saved["train"]["lr"] == 1e-3 and "train.lr=1e-3" in saved["overrides"]
+    assert (run / f"{run.name}.loss.json").is_file() and f"python -m andrea.dashboard {run}" in r.stderr
+    assert yaml.safe_load((first / "config.yaml").read_text())["train"]["lr"] == 3e-3  # untouched
+    r = run_train("experiment=ANDREA-tiny", *ov, "train.lr=2e-3", "exp=my-run")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert yaml.safe_load((results / "my-run" / "config.yaml").read_text())["exp"] == "my-run"
+    assert (results / "my-run" / "my-run.loss.json").is_file()
+
+
+def test_run_names():
+    from andrea.runs import base_experiment, run_name
+    assert run_name("ANDREA-tiny", []) == "ANDREA-tiny"
+    assert run_name("ANDREA-tiny", ["train.seed=2", "train.lr=1e-3"]) == "ANDREA-tiny+train.lr=1e-3,train.seed=2"
+    # where things are, evaluation and proxy settings do not name a run
+    assert run_name("ANDREA-tiny", ["backend=numpy", "data.local_path=/a/b", "eval.batches=4",
+                                    "proxy.max_restarts=1", "results_dir=/tmp/r"]) == "ANDREA-tiny"
+    assert "/" not in run_name("ANDREA-tiny", ["data.source=local", "model.name=a/b"])
+    assert run_name("mine", ["exp=mine", "train.lr=1"]) == "mine"
+    assert run_name("mine", ["exp=mine", "train.lr=1"], sweep=True) == "mine+train.lr=1"
+    long_a = run_name("E", [f"train.k{i}={i}" for i in range(40)])
+    long_b = run_name("E", [f"train.k{i}={i}" for i in range(41)])
+    assert len(long_a) < 200 and long_a.startswith("E+run-") and long_a != long_b
+    assert base_experiment("ANDREA-tiny+train.lr=1e-3") == "ANDREA-tiny"
+
+
+def test_compose_config_names_the_run():
+    cfg = compose_config("ANDREA-tiny", ["train.lr=1e-3", "eval.batches=2"])
+    assert cfg.exp == "ANDREA-tiny+train.lr=1e-3" and cfg.overrides == ["train.lr=1e-3", "eval.batches=2"]
+
+
+def test_backend_cuda_without_gpu_fails_at_once(tmp_path):
+    from andrea.backends import cuda_available
+    if cuda_available():
+        pytest.skip("a GPU is here")
+    r = run_train("experiment=ANDREA-tiny", "backend=cuda", f"results_dir={tmp_path}", timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "backend=cuda" in r.stderr and "no usable CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "ANDREA-tiny").exists()  # no empty run folder left behind
+
+
+def test_help_without_experiment():
+    r = run_train("--help")
+    assert r.returncode == 0 and "Traceback" not in r.stdout + r.stderr, r.stderr
+    assert "experiment=<EXP>" in r.stdout and "ANDREA-12M" in r.stdout
+    r = run_train("experiment=ANDREA-tiny", "--help")
+    assert r.returncode == 0 and "model: ANDREA-120M, ANDREA-12M, ANDREA-tiny" in r.stdout, r.stdout
+    assert "schema" not in r.stdout.split("== Config ==")[0]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from andrea import evaluate as ev
 from andrea.data.shards import write_shard
@@ -71,7 +72,8 @@ def trained(tmp_path_factory):
        d / "megachat" / "train.parquet", "--val", d / "megachat" / "val.parquet", "--out-dir", d / "tok512",
        "--manifest", d / "tok512" / "shards.json")
     sh("-m", "andrea.train", "experiment=ANDREA-tiny", f"data.dir={t / 'data'}", f"results_dir={t / 'results'}",
-       "train.steps=20", "train.eval_every=10", "train.ckpt_every=10", "eval.n_tasks=12", "eval.batches=2")
+       "train.steps=20", "train.eval_every=10", "train.ckpt_every=10", "eval.n_tasks=12", "eval.batches=2",
+       "exp=ANDREA-tiny")
     run = t / "results" / "ANDREA-tiny"
     sh(s / "archive.py", "--config", run / "config.yaml", "--checkpoints", run / "checkpoints",
        "--loss", run / "ANDREA-tiny.loss.json", "--out", run / "archive" / "final")
@@ -119,7 +121,10 @@ def test_evaluate_writes_report_and_metrics(trained, tmp_path):
        "--train-conversations", d / "megachat" / "train.parquet", "--out-dir", out, "--write-published", pub,
        "--machine", "test")
     m = json.loads((out / "eval" / "metrics.json").read_text())
-    assert m["step"] == 20 and m["val_batches"] == 2 and m["uniform_loss"] == pytest.approx(math.log(512))
+    assert m["step"] == 20 and m["val_batches"] == 2
+    from andrea.data.tokenizer import load_tokenizer
+    real = load_tokenizer(d / "tok512" / "tokenizer.json").vocab_size
+    assert m["tokenizer_vocab"] == min(real, 512) and m["uniform_loss"] == pytest.approx(math.log(min(real, 512)))
     assert m["perplexity"] == pytest.approx(math.exp(m["val_loss"]))
     assert 0 < m["bits_per_byte"] < m["val_loss"] / math.log(2)  # more than one byte per token
     tasks = m["tasks"]
@@ -127,8 +132,25 @@ def test_evaluate_writes_report_and_metrics(trained, tmp_path):
     rows = json.loads((out / "eval" / "tasks.json").read_text())
     assert len(rows) == 12 and all(r["reference_matches"] for r in rows)
     assert len(m["samples"]) == 4 and (out / "eval" / "loss.png").stat().st_size > 1000
-    # the same run against itself as the published reference: PASS, difference 0
+    # this run has overrides (train.steps=20, ...): listed, and never judged against the published run
+    assert "train.steps=20" in m["overrides"]
     sh("-m", "andrea.evaluate", "--config", run / "config.yaml", "--checkpoint-dir", run / "archive" / "final",
+       "--loss", run / "ANDREA-tiny.loss.json", "--val-conversations", d / "megachat" / "val.parquet",
+       "--out-dir", out, "--published", pub, "--log-scale")
+    m1, report = json.loads((out / "eval" / "metrics.json").read_text()), (out / "report.md").read_text()
+    assert "published" not in m1 and "train.steps=20" in m1["not_compared"]
+    assert "Not compared: overrides" in report and "`train.steps=20`" in report and "PASS" not in report
+    # the same run, as if of the pinned config, against itself as the published reference: PASS, difference 0
+    pinned = yaml.safe_load((run / "config.yaml").read_text())
+    pinned["overrides"] = ["backend=numpy", "eval.batches=2"]  # where it runs does not count; eval does
+    (tmp_path / "pinned.yaml").write_text(yaml.safe_dump(pinned))
+    sh("-m", "andrea.evaluate", "--config", tmp_path / "pinned.yaml", "--checkpoint-dir", run / "archive" / "final",
+       "--loss", run / "ANDREA-tiny.loss.json", "--val-conversations", d / "megachat" / "val.parquet",
+       "--out-dir", out, "--published", pub)
+    assert "eval.batches=2" in json.loads((out / "eval" / "metrics.json").read_text())["not_compared"]
+    pinned["overrides"] = ["backend=numpy", f"data.dir={t / 'data'}"]
+    (tmp_path / "pinned.yaml").write_text(yaml.safe_dump(pinned))
+    sh("-m", "andrea.evaluate", "--config", tmp_path / "pinned.yaml", "--checkpoint-dir", run / "archive" / "final",
        "--loss", run / "ANDREA-tiny.loss.json", "--val-conversations", d / "megachat" / "val.parquet",
        "--out-dir", out, "--published", pub)
     m2 = json.loads((out / "eval" / "metrics.json").read_text())

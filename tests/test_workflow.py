@@ -12,12 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parent.parent
 ALL_RULES = {"data_stage_config", "pull_hermes3", "prep_megachat", "train_tokenizer", "tokenize",
              "experiment_stage_config", "train", "archive", "evaluate"}
-COPY = ("andrea", "workflow", "scripts", "docs", "pyproject.toml", "data/fixtures")
+COPY = ("andrea", "config", "profiles", "workflow", "scripts", "docs", "pyproject.toml", "data/fixtures")
 
 
 def copy_repo(dst: Path) -> Path:
@@ -84,10 +85,89 @@ def test_shared_data_folder_with_different_settings(checkout):
     assert r.returncode != 0 and "share this data folder" in out and "ANDREA-tiny" in out
 
 
+def test_every_stage_from_its_own_experiment(tmp_path):
+    """All experiments read data/local here, where ANDREA-tiny pins val_fraction 0.05 and ANDREA-12M
+    0.01: the stage files written for results/ANDREA-12M hold ANDREA-12M's settings (they once came
+    from the default experiment, re-parsed in a job that did not know the targets)."""
+    work = copy_repo(tmp_path)
+    ov = "overrides=[data.source=local,data.local_path=data/fixtures/hermes3-sample.jsonl]"
+    r = smk(work, "--cores", "1", "results/ANDREA-12M", "--until", "data_stage_config", "experiment_stage_config",
+            "--config", ov)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert OmegaConf.load(work / "data/local/config/prep.yaml").data.val_fraction == 0.01
+    run = work / "results" / "ANDREA-12M+data.source=local"
+    for part in ("train", "eval"):
+        cfg = OmegaConf.load(run / "resolved" / f"{part}.yaml")
+        assert cfg.data.val_fraction == 0.01 and cfg.exp == run.name and cfg.model.vocab_size == 8192
+    assert "eval" not in OmegaConf.load(run / "resolved" / "train.yaml")
+    assert not (work / "results" / "ANDREA-tiny").exists()
+
+
+def test_overrides_run_in_their_own_folder(checkout):
+    """A list of overrides names the run folder; the older one-string form gives the same run;
+    eval.* overrides re-evaluate the run in place (they do not change the weights)."""
+    r = smk(checkout, "-n", "--cores", "1", "--config", "overrides=[train.lr=1e-3,train.seed=2]")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    name = "ANDREA-tiny+train.lr=1e-3,train.seed=2"
+    assert f"results/{name}/{name}.loss.json" in out and "results/ANDREA-tiny/" not in out
+    assert f"exp={name}" in out.replace("'", "")  # the train step is told its run's name
+    s = smk(checkout, "-n", "--cores", "1", "--config", "overrides=train.seed=2 train.lr=1e-3")
+    assert s.returncode == 0 and f"results/{name}/report.md" in s.stdout + s.stderr
+    e = smk(checkout, "-n", "--cores", "1", "--config", "overrides=[eval.batches=4]")
+    assert e.returncode == 0 and "results/ANDREA-tiny/report.md" in e.stdout + e.stderr
+
+
+@pytest.mark.parametrize("cfg, expect", [
+    ("bogus=1", "Additional properties are not allowed"),
+    ("overrides=[train.lr=1e-3,'bad key=1']", "is not valid under any of the given schemas"),
+    ("exp=ANDREA-1B", "exp='ANDREA-1B'; expected one of"),
+])
+def test_workflow_config_schema(checkout, cfg, expect):
+    r = smk(checkout, "-n", "--cores", "1", "--config", cfg)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and expect in out, out[-3000:]
+
+
+def test_workflow_config_file_is_valid():
+    import jsonschema
+    schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    jsonschema.validate(cfg, schema)
+    assert cfg["exp"] == "ANDREA-tiny" and cfg["overrides"] == []
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"exp": "ANDREA-tiny", "overrides": [1]}, schema)
+
+
+def test_slurm_profile_dry_run(checkout):
+    """profiles/slurm parses (its executor plugin is a dev dependency) and asks Slurm for a GPU and
+    the engine's planned memory for training ANDREA-12M; ANDREA-tiny's training asks for no GPU."""
+    r = smk(checkout, "-n", "--workflow-profile", "profiles/slurm", "results/ANDREA-12M")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    train = re.search(r"^rule train:\n(.*?)\n\n|^rule train:\n(.*?)(?=^\[|^rule )", out, re.S | re.M)
+    block = out[out.index("rule train:"):]
+    block = block[:block.index("resources:") + 400].split("\n")
+    res = next(line for line in block if "resources:" in line)
+    assert "gpu=1" in res and "slurm_partition=gpu" in res and "runtime=2880" in res, res
+    from andrea.engine import make_plan
+    from andrea.train import compose_config
+    assert f"mem_mb={make_plan(compose_config('ANDREA-12M')).total() // 2**20 + 2048}" in res
+    t = smk(checkout, "-n", "--workflow-profile", "profiles/slurm", "results/ANDREA-tiny")
+    block = (t.stdout + t.stderr).split("rule train:")[1]
+    assert "gpu=0" in block[:block.index("\n\n") if "\n\n" in block else 2000]
+
+
+def test_default_profile_dry_run(checkout):
+    r = smk(checkout, "-n", "results/ANDREA-tiny")  # no --cores: profiles/default gives it
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "profiles/default" in out, out[-3000:]
+
+
 def test_local_mirror_data_chain(tmp_path):
     """data.source=local: the fixture mirror through pull, prep, tokenizer and shards of ANDREA-12M."""
     work = copy_repo(tmp_path)
-    ov = "overrides=data.source=local data.local_path=data/fixtures/hermes3-sample.jsonl data.val_fraction=0.2"
+    ov = "overrides=[data.source=local,data.local_path=data/fixtures/hermes3-sample.jsonl,data.val_fraction=0.2]"
     dry = smk(work, "-n", "--cores", "1", "results/ANDREA-12M", "--config", ov)
     assert dry.returncode == 0 and "data/fixtures/hermes3-sample.jsonl" in dry.stdout + dry.stderr
     r = smk(work, "--cores", "1", "data/local/tok8192/shards.json", "--config", ov)
@@ -132,3 +212,22 @@ def test_offline_default_end_to_end(tmp_path):
     assert set(job_stats(ev.stdout + ev.stderr)) == {"experiment_stage_config", "evaluate", "all"}
     # a dry run wrote nothing: the pinned config is still up to date
     assert job_stats(smk(work, "-n", "--cores", "1").stdout) == {}
+    assert "Overrides: none" in report
+
+    # a run with overrides: its own folder, the pinned run untouched, the report says why it is not compared
+    before = (run / "report.md").read_text()
+    r = smk(work, "--cores", "1", "--config", "overrides=[train.steps=20,train.eval_every=10]")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert set(job_stats(r.stdout + r.stderr)) == {"experiment_stage_config", "train", "archive", "evaluate", "all"}
+    assert "step" in r.stderr and "python -m andrea.dashboard" in r.stderr  # training shown on the terminal
+    other = work / "results" / "ANDREA-tiny+train.eval_every=10,train.steps=20"
+    rep = (other / "report.md").read_text()
+    assert "`train.steps=20`" in rep and "Not compared: overrides" in rep and "PASS" not in rep
+    assert json.loads((other / "eval" / "metrics.json").read_text())["step"] == 20
+    assert (run / "report.md").read_text() == before
+    assert (other / "benchmarks" / "train.tsv").is_file()
+
+    # snakemake --report: one page holding the reports, loss plots and samples
+    r = smk(work, "--cores", "1", "--report", "report.html")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert (work / "report.html").stat().st_size > 10_000

@@ -87,7 +87,7 @@ class Supervisor:
         self.bar = tqdm(total=int(cfg.train.steps), initial=self.rec.last_step(), desc=cfg.exp, unit="step",
                         file=sys.stderr, disable=not progress, dynamic_ncols=True,
                         # into a log file (the workflow's train rule), a line every 30 s, not per step
-                        mininterval=0.1 if sys.stderr.isatty() else 30.0)
+                        mininterval=0.1 if sys.stderr.isatty() else 10.0)
 
     def _say(self, msg: str) -> None:
         tqdm.write(f"andrea.proxy: {msg}", file=sys.stderr)  # above the bar, on stderr like the bar

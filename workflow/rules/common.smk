@@ -1,10 +1,15 @@
 # Helpers of the workflow: experiment configs, stage configs, input functions. No rules here.
 #
+# The workflow's own settings are config/config.yaml (exp: the default target's experiment;
+# overrides: a list of Hydra overrides for every experiment), checked against
+# workflow/schemas/config.schema.yaml; `--config overrides='[train.lr=1e-3]'` changes them.
 # Every experiment's config is composed with Hydra exactly as `python -m andrea.train` does
-# (the installed package's conf/, see andrea/paths.py, + `--config overrides="..."`). Each step
-# gets the part of that config it depends on as a small YAML "stage file" (rules/config.smk writes
-# them). A stage file's text is also a param of the rule that writes it, so Snakemake's params
-# trigger rewrites it when, and only when, that part of the config changes; the steps that read it then re-run because their
+# (the installed package's conf/, see andrea/paths.py, + the overrides). A run with overrides that
+# change what is trained lives in its own folder, results/<EXP>+<overrides> (andrea/runs.py), so
+# the pinned run in results/<EXP> is never overwritten; {exp} in the rules is that run name. Each
+# step gets the part of that config it depends on as a small YAML "stage file" (rules/config.smk
+# writes them). A stage file's text is also a param of the rule that writes it, so Snakemake's
+# params trigger rewrites it when, and only when, that part of the config changes; the steps that read it then re-run because their
 # input is newer. Changing train.lr re-runs train -> archive -> evaluate; changing eval.* re-runs
 # evaluate; a second run with the same config does nothing.
 
@@ -15,8 +20,10 @@ import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from snakemake.utils import validate
 
 import andrea.config as andrea_config
+from andrea import runs
 from andrea.compose import ConfigError, compose_config
 from andrea.config import to_dict
 from andrea.data.sizing import DataSizeError, synthetic_conversations
@@ -26,9 +33,27 @@ REPO = Path(workflow.basedir).resolve().parent
 # Steps run `python3` from the environment that runs Snakemake (a venv, conda or the system's),
 # whatever else PATH holds.
 shell.prefix(f"set -euo pipefail; export PATH={shlex.quote(str(Path(sys.executable).parent))}:\"$PATH\"; ")
-OVERRIDES = shlex.split(str(config.get("overrides", "")))
+
+
+def workflow_overrides(cfg):
+    """config["overrides"] as a list of Hydra overrides. The list is the form; one string (the
+    older form, `--config overrides="a=1 b=2"`) is split as a shell would and still works."""
+    ov = cfg.get("overrides") or []
+    return shlex.split(ov) if isinstance(ov, str) else [str(o) for o in ov]
+
+
+try:
+    validate(config, schema=str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+except WorkflowError as e:
+    raise WorkflowError(f"workflow config (config/config.yaml and --config): {e}") from None
+OVERRIDES = workflow_overrides(config)
 EXPERIMENTS = experiments()
-DEFAULT_EXP = str(config.get("exp", "ANDREA-tiny"))
+DEFAULT_EXP = str(config["exp"])
+if DEFAULT_EXP not in EXPERIMENTS:
+    raise WorkflowError(f"config/config.yaml or --config: exp={DEFAULT_EXP!r}; expected one of {EXPERIMENTS}")
+# run name of each experiment under OVERRIDES (= the experiment's name when there are none)
+RUNS = {e: runs.run_name(e, OVERRIDES) for e in EXPERIMENTS}
+EXP_OF_RUN = {r: e for e, r in RUNS.items()}
 # What each data source's pull depends on (keys of data.*); other data keys do not re-pull.
 PULL_KEYS = {
     "synthetic": ("source", "n_synthetic", "seed", "max_conversations"),
@@ -40,8 +65,10 @@ _CONFIGS = {}
 TARGETS_ENV = "ANDREA_WORKFLOW_TARGETS"  # this invocation's targets, as first seen (requested_experiments)
 
 
-def exp_config(exp):
-    """The resolved AndreaConfig of an experiment (cached), or a WorkflowError naming the problem."""
+def exp_config(name):
+    """The resolved AndreaConfig of an experiment or of its run name (cached; its exp is the run
+    name), or a WorkflowError naming the problem."""
+    exp = EXP_OF_RUN.get(name, name)
     if exp not in _CONFIGS:
         if exp not in EXPERIMENTS:
             raise WorkflowError(f"experiment {exp!r}: no andrea/conf/experiment/{exp}.yaml (known: {EXPERIMENTS})")
@@ -84,7 +111,10 @@ def _data_stage(cfg, stage):
 
 
 def requested_experiments():
-    """Experiments named by this invocation's targets (`all` stands for the default one)."""
+    """Experiments named by this invocation's targets: `results/<EXP>`, a file of its run folder;
+    `all` or targets that name none (a data file) stand for the default one (config exp).
+    Only the main Snakemake process knows its targets: stage files are written there (shell jobs
+    run in the main process), never in a job that re-parses the workflow without them."""
     ds = getattr(workflow, "dag_settings", None)  # set once the Snakefile is parsed
     if ds is not None and ds.targets and TARGETS_ENV not in os.environ:
         os.environ[TARGETS_ENV] = "\n".join(sorted(map(str, ds.targets)))
@@ -92,11 +122,13 @@ def requested_experiments():
     # the params again: the invocation's targets reach it through the environment (without them a
     # shared data folder got the default experiment's settings).
     targets = set(filter(None, os.environ.get(TARGETS_ENV, "").split("\n"))) or {"all"}
-    found = {DEFAULT_EXP} if "all" in targets else set()
+    found = set()
     for t in targets:
         t = str(t).rstrip("/")
-        found |= {e for e in EXPERIMENTS if t == f"results/{e}" or t.startswith(f"results/{e}/")}
-    return found
+        for e in EXPERIMENTS:
+            if t in (f"results/{e}", f"results/{RUNS[e]}") or t.startswith(f"results/{RUNS[e]}/"):
+                found.add(e)
+    return found or {DEFAULT_EXP}
 
 
 def data_stage_text(wildcards):
@@ -120,20 +152,13 @@ def data_stage_text(wildcards):
 
 
 def exp_stage_text(wildcards):
-    """train: everything but eval (eval settings never change the weights); eval: everything."""
+    """train: everything but eval (eval settings and overrides never change the weights);
+    eval: everything."""
     d = to_dict(exp_config(wildcards.exp))
     if wildcards.part == "train":
         d.pop("eval")
+        d["overrides"] = runs.training_overrides(d["overrides"])
     return _yaml(d)
-
-
-def write_stage(path, text, log):
-    """Stage files are small; written whole, then renamed, so a reader never sees half of one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    Path(log).write_text(f"wrote {path}\n")
 
 
 def pull_inputs(wildcards):
@@ -167,7 +192,8 @@ def split_of(name):
 
 
 def published_of(wildcards):
-    p = REPO / "docs" / "published" / f"{wildcards.exp}.json"
+    """The experiment's published run; evaluate compares only a run without overrides with it."""
+    p = REPO / "docs" / "published" / f"{EXP_OF_RUN.get(wildcards.exp, wildcards.exp)}.json"
     return [os.path.relpath(p)] if p.is_file() else []  # relative: reports name it as in the repo
 
 
@@ -177,14 +203,46 @@ def published_arg(wildcards, input):
     return " ".join(f"--published {shlex.quote(str(x))}" for x in paths)
 
 
-def _affects_training(override):
-    key = override.lstrip("+~").split("=", 1)[0]
-    return not (key == "eval" or key.startswith("eval."))
+def train_args(wildcards):
+    """Arguments of python -m andrea.train: the experiment, the run's name (exp=) and the overrides
+    but eval.* ones, which only matter to evaluate (its stage file)."""
+    args = [f"experiment={EXP_OF_RUN[wildcards.exp]}", f"exp={wildcards.exp}", *runs.training_overrides(OVERRIDES)]
+    return " ".join(shlex.quote(a) for a in args)
 
 
-def train_overrides(wildcards):
-    """Overrides for python -m andrea.train; eval.* ones only matter to evaluate (its stage file)."""
-    return " ".join(shlex.quote(o) for o in OVERRIDES if _affects_training(o))
+def train_resources(cfg):
+    """(gpus, host MiB) of a training run: a GPU when it must run on CUDA (backend=cuda, or fp16 /
+    bf16, which the NumPy engine does not run); the engine's own memory plan (every buffer it will
+    allocate) plus 2 GiB for the interpreter, data loader and records."""
+    from andrea.engine import make_plan
+
+    gpus = 1 if cfg.backend.name == "cuda" or cfg.train.precision != "fp32" else 0
+    return gpus, make_plan(cfg).total() // 2**20 + 2048
+
+
+def train_gpus(wildcards):
+    return train_resources(exp_config(wildcards.exp))[0]
+
+
+def train_mem_mb(wildcards):
+    return train_resources(exp_config(wildcards.exp))[1]
+
+
+def show_failed_logs(main_log, lines=25):
+    """onerror: the last lines of each failed step's log, on the terminal under Snakemake's error."""
+    try:
+        text = Path(main_log).read_text(errors="replace")
+    except (OSError, TypeError):
+        return
+    seen = []
+    for m in re.finditer(r"log: (.+?) \(check log file", text):
+        for path in m.group(1).split(", "):
+            if path not in seen and Path(path).is_file():
+                seen.append(path)
+    for path in seen:
+        tail = Path(path).read_text(errors="replace").replace("\r", "\n").splitlines()[-lines:]
+        print(f"--- last {len(tail)} lines of {path} ---", *tail, f"--- end of {path} ---", sep="\n",
+              file=sys.stderr)
 
 
 def parent_of_output(wildcards, output):
@@ -196,7 +254,8 @@ def run_dir(wildcards, output):
 
 
 def experiment_targets(exps):
-    return [f"results/{e}/report.md" for e in exps]
+    """The reports of these experiments' runs (under the workflow's overrides)."""
+    return [f"results/{RUNS[e]}/report.md" for e in exps]
 
 
 # The software of every step: a conda environment with the andrea package (pyproject.toml), used

@@ -1,6 +1,8 @@
 # Data steps: one raw pull per data root (<data.dir>/<data.source>), one megachat mix, one
 # tokenizer and one set of token shards per vocabulary size. Each step's script and the andrea
-# module holding its logic are inputs too: editing them re-runs the step.
+# module holding its logic are inputs too: editing them re-runs the step. The lines of a step's
+# log that say "warning" are repeated on the terminal (an unreachable hub, a tokenizer smaller
+# than asked), not only kept in the log.
 
 
 rule pull_hermes3:
@@ -14,11 +16,13 @@ rule pull_hermes3:
         report="{root}/raw/pull-report.json",
     log:
         "{root}/logs/pull.log",
+    benchmark:
+        "{root}/benchmarks/pull.tsv"
     conda:
         ENV
     shell:
         "python3 {input.script} --config {input.config} --out {output.conversations} "
-        "--report {output.report} > {log} 2>&1"
+        "--report {output.report} > {log} 2>&1 && (grep -i -h warning {log} >&2 || true)"
 
 
 rule prep_megachat:
@@ -33,11 +37,13 @@ rule prep_megachat:
         report="{root}/megachat/report.json",
     log:
         "{root}/logs/prep.log",
+    benchmark:
+        "{root}/benchmarks/prep.tsv"
     conda:
         ENV
     shell:
         "python3 {input.script} --config {input.config} --inputs {input.conversations} "
-        "--train {output.train} --val {output.val} --report {output.report} > {log} 2>&1"
+        "--train {output.train} --val {output.val} --report {output.report} > {log} 2>&1 && (grep -i -h warning {log} >&2 || true)"
 
 
 rule train_tokenizer:
@@ -51,10 +57,12 @@ rule train_tokenizer:
         vocab="{vocab}",
     log:
         "{root}/logs/tokenizer-{vocab}.log",
+    benchmark:
+        "{root}/benchmarks/tokenizer-{vocab}.tsv"
     conda:
         ENV
     shell:
-        "python3 {input.script} --train {input.train} --vocab-size {params.vocab} --out {output} > {log} 2>&1"
+        "python3 {input.script} --train {input.train} --vocab-size {params.vocab} --out {output} > {log} 2>&1 && (grep -i -h warning {log} >&2 || true)"
 
 
 rule tokenize:
@@ -70,6 +78,8 @@ rule tokenize:
     threads: 4
     log:
         "{root}/logs/tokenize-{vocab}.log",
+    benchmark:
+        "{root}/benchmarks/tokenize-{vocab}.tsv"
     conda:
         ENV
     shell:

@@ -1,5 +1,6 @@
 # Evaluate the archived final checkpoint on the held-out split; compare with the published run
-# (docs/published/<EXP>.json) when there is one.
+# (docs/published/<EXP>.json) when there is one and the run has no overrides. The report, the loss
+# plot and the samples go into `snakemake --report report.html` as well.
 
 
 rule evaluate:
@@ -13,19 +14,21 @@ rule evaluate:
         train=split_of("train"),
         published=published_of,
     output:
-        report="results/{exp}/report.md",
+        report=report("results/{exp}/report.md", category="{exp}", labels={"run": "{exp}", "file": "report"}),
         metrics="results/{exp}/eval/metrics.json",
-        plot="results/{exp}/eval/loss.png",
-        samples="results/{exp}/eval/samples.json",
+        plot=report("results/{exp}/eval/loss.png", category="{exp}", labels={"run": "{exp}", "file": "loss curve"}),
+        samples=report("results/{exp}/eval/samples.json", category="{exp}", labels={"run": "{exp}", "file": "samples"}),
         tasks="results/{exp}/eval/tasks.json",
     params:
         published=published_arg,
         out_dir=run_dir,
     log:
         "results/{exp}/logs/evaluate.log",
+    benchmark:
+        "results/{exp}/benchmarks/evaluate.tsv"
     conda:
         ENV
     shell:
         "python3 -m andrea.evaluate --config {input.config} --checkpoint-dir {input.archive} --loss {input.loss} "
         "--val-conversations {input.val} --train-conversations {input.train} {params.published} "
-        "--out-dir {params.out_dir} > {log} 2>&1"
+        "--out-dir {params.out_dir} > {log} 2>&1 && (grep -i -h warning {log} >&2 || true)"

@@ -21,11 +21,17 @@ rule train:
         loss="results/{exp}/trained/{exp}.loss.json",
         config="results/{exp}/trained/config.yaml",
     params:
-        overrides=train_overrides,
+        args=train_args,
+    resources:
+        gpu=train_gpus,
+        mem_mb=train_mem_mb,
     log:
         "results/{exp}/logs/train.log",
+    benchmark:
+        "results/{exp}/benchmarks/train.tsv"
     conda:
         ENV
+    # the progress bar (step, loss, tokens/s, ETA) and the dashboard command go to the terminal too
     shell:
         "python3 -m andrea.train --new-run-on-change experiment={wildcards.exp} {params.overrides} > {log} 2>&1"
 
@@ -41,6 +47,8 @@ rule archive:
         directory("results/{exp}/archive/final"),
     log:
         "results/{exp}/logs/archive.log",
+    benchmark:
+        "results/{exp}/benchmarks/archive.tsv"
     conda:
         ENV
     shell:

@@ -1,0 +1,88 @@
+"""Run names: which folder a run with command-line overrides lives in.
+
+A run of an experiment with its pinned config lives in `results/<EXP>/`. A run with overrides that
+change what is trained lives beside it in `results/<EXP>+<overrides>/`, the overrides sorted and
+joined with commas as Hydra's multirun names its jobs (`results/ANDREA-tiny+train.lr=1e-3/`), so
+an override never continues or overwrites the pinned run. The name is also the run's `exp`: its
+records are `<name>.loss.json` and so on. `exp=NAME` on the command line names the run yourself.
+
+Overrides of where things are (data paths, results_dir, the backend), of the training proxy and
+of evaluation settings do not name a run: they do not change the weights. Evaluation overrides
+still make a run's report "not compared" with the published one (`compared_overrides`).
+
+`python -m andrea.train`, its sweeps (`-m`) and the Snakemake workflow all name runs here.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Iterable, List
+
+MAX_NAME = 200  # run folder names stay under the usual 255-byte file-name limit
+SEP = "+"  # between the experiment and its overrides
+# where things are, not what is trained
+PLACE_KEYS = ("experiment", "exp", "results_dir", "data.dir", "data.tokenizer", "data.train_shards",
+              "data.val_shards", "data.local_path", "backend", "backend.name", "backend.device")
+# sections that never change the weights
+NON_TRAINING = ("eval", "proxy", "hydra")
+
+
+def override_key(override: str) -> str:
+    """The dotted key of a Hydra override: `+train.lr=1` -> train.lr, `~eval` -> eval."""
+    key = str(override).lstrip("+~").split("=", 1)[0]
+    return key.split("@", 1)[0].strip()
+
+
+def _section(key: str) -> str:
+    return key.split(".", 1)[0]
+
+
+def naming_overrides(overrides: Iterable[str]) -> List[str]:
+    """The overrides that change what is trained, sorted: they name the run."""
+    return sorted(str(o) for o in overrides
+                  if override_key(o) not in PLACE_KEYS and _section(override_key(o)) not in NON_TRAINING)
+
+
+def compared_overrides(overrides: Iterable[str]) -> List[str]:
+    """The overrides that make a result differ from the published one's config (training or eval)."""
+    return sorted(str(o) for o in overrides
+                  if override_key(o) not in PLACE_KEYS and _section(override_key(o)) not in ("proxy", "hydra"))
+
+
+def training_overrides(overrides: Iterable[str]) -> List[str]:
+    """All overrides but evaluation ones, in their order: what the train step is given."""
+    return [str(o) for o in overrides if _section(override_key(o)) != "eval"]
+
+
+def names_itself(overrides: Iterable[str]) -> bool:
+    """True when the overrides set exp=NAME: the run is then called NAME, nothing appended."""
+    return any(override_key(o) == "exp" for o in overrides)
+
+
+def tag(overrides: Iterable[str]) -> str:
+    """The naming overrides made path-safe (`train.lr=1e-3,train.seed=2`); "" when there are none;
+    a very long one becomes `run-<hash>`, so names stay unique and short."""
+    joined = ",".join(naming_overrides(overrides))
+    safe = re.sub(r"[^A-Za-z0-9._=,+-]", "_", joined)
+    if len(safe) > MAX_NAME - 40:
+        safe = "run-" + hashlib.sha256(joined.encode()).hexdigest()[:12]
+    return safe
+
+
+def run_name(exp: str, overrides: Iterable[str] = (), sweep: bool = False) -> str:
+    """The run folder's name (= the run's exp) of experiment exp with these overrides.
+
+    exp is the config's exp: the experiment's own name, or the NAME of an exp=NAME override, which
+    stands as given for one run; in a sweep the job's other overrides are appended to it as well,
+    so each job keeps its own folder.
+    """
+    overrides = [str(o) for o in overrides]
+    if names_itself(overrides) and not sweep:
+        return str(exp)
+    t = tag(overrides)
+    return f"{exp}{SEP}{t}" if t else str(exp)
+
+
+def base_experiment(name: str) -> str:
+    """The experiment a run name starts with (`ANDREA-tiny+train.lr=1e-3` -> ANDREA-tiny)."""
+    return str(name).split(SEP, 1)[0]
