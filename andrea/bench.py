@@ -1,7 +1,7 @@
 """Benchmark: time training steps of the engine on the GPU, with a per-kernel breakdown.
 
     python -m andrea.bench --exp ANDREA-120M --precision fp16 --batch 8 --steps 20 \
-        [--anchor .gpu/torch_gpt.py] [--json out.json]
+        [--anchor [path/to/torch_gpt.py]] [--json out.json]
 
 Builds the Engine for the experiment's model shape (conf/model/<exp>.yaml) at T = context, runs
 warm-up steps on fixed random tokens, then times --steps steps between CUDA events and prints
@@ -9,7 +9,8 @@ tokens/s, ms/step, TFLOP/s (6N + 6*L*T*d per token, as the PyTorch anchor counts
 against what the device holds, the device time of forward + backward captured as one CUDA graph,
 and where the time goes (each backend call captured as its own graph and replayed between CUDA
 events, so Python's launch overhead is left out). With --anchor it runs the PyTorch anchor in a subprocess of the same job and
-prints our speed as a ratio of each anchor mode.
+prints our speed as a ratio of each anchor mode; the anchor is benchmarks/torch_gpt.py of this
+checkout unless a path is given. It needs a CUDA GPU and CuPy; elsewhere it says so and exits 2.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-ANCHOR_SHAPES = {"ANDREA-120M": "120m", "ANDREA-12M": "12m"}  # torch_gpt.py's --shape names
+ANCHOR_SHAPES = {"ANDREA-120M": "120m", "ANDREA-12M": "12m", "ANDREA-tiny": "tiny"}  # torch_gpt.py's --shape names
+# the repository's PyTorch anchor (a clone or an editable install has it; a wheel does not)
+DEFAULT_ANCHOR = Path(__file__).resolve().parent.parent / "benchmarks" / "torch_gpt.py"
 ANCHOR_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -224,13 +227,23 @@ def main(argv=None) -> int:
                          "(andrea/bench_attention.py) and exit")
     ap.add_argument("--cublaslt", choices=["on", "off"], default="on",
                     help="matrix-product epilogues through cuBLASLt, or cuBLAS + separate kernels")
-    ap.add_argument("--anchor", help="path to torch_gpt.py: run it in this job and print the ratio")
+    ap.add_argument("--anchor", nargs="?", const=str(DEFAULT_ANCHOR),
+                    help="run the PyTorch anchor in this job and print the ratio (default benchmarks/torch_gpt.py)")
     ap.add_argument("--anchor-modes", default="eager,reduce-overhead",
                     help="comma list of eager, default (torch.compile), reduce-overhead")
     ap.add_argument("--anchor-precision", choices=["fp32", "fp16", "bf16"],
                     help="the anchor's precision (default: --precision), e.g. bf16, its best 16-bit")
     ap.add_argument("--json", help="also write all figures here")
     a = ap.parse_args(argv)
+    from .backends import cuda_available
+
+    if not cuda_available():
+        print("andrea.bench: needs a CUDA GPU and CuPy (pip install -e '.[cuda12]' or '.[cuda13]' on a GPU "
+              "machine); none here", file=sys.stderr)
+        return 2
+    if a.anchor and not Path(a.anchor).is_file():
+        print(f"andrea.bench: --anchor {a.anchor}: no such file (benchmarks/torch_gpt.py of a clone)", file=sys.stderr)
+        return 2
     if a.attention_only:
         if a.precision == "fp32":
             raise SystemExit("--attention-only: --precision must be fp16 or bf16 (SDPA's fused backends are 16-bit)")

@@ -38,18 +38,35 @@ PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-i
             "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'")
 
 
-def exp_of(run_dir: Path) -> str:
-    """The experiment whose records a run folder holds: `exp` of its config.yaml when that is a plain
-    name (a sweep's folders are named after their overrides), else the folder's name (results/<exp>)."""
+def _config(run_dir: Path) -> dict:
     import yaml
 
     try:
-        exp = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("exp")
-    except (OSError, yaml.YAMLError, AttributeError):
-        exp = None  # no config yet, or not one we can read: fall back to the folder's name
-    if isinstance(exp, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", exp):
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        cfg = None  # no config yet, or not one we can read
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def exp_of(run_dir: Path) -> str:
+    """The run whose records a run folder holds: `exp` of its config.yaml when that is a plain name
+    (letters, digits and ._=,+- as run names with overrides have, andrea/runs.py), else the folder's
+    name (results/<exp>)."""
+    exp = _config(run_dir).get("exp")
+    if isinstance(exp, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._=,+-]*", exp):
         return exp
     return run_dir.name
+
+
+def label_of(run_dir: Path, exp: str) -> str:
+    """The run's label on the page: its experiment and the overrides that changed what it trained
+    (`ANDREA-tiny: train.lr=1e-3`), the folder's name in brackets when it differs from the run's."""
+    from .runs import base_experiment, naming_overrides
+
+    ov = _config(run_dir).get("overrides")
+    ov = naming_overrides(str(o) for o in ov) if isinstance(ov, list) else []
+    name = f"{base_experiment(exp) if ov else exp}: {' '.join(ov)}" if ov else exp
+    return name if exp == run_dir.name else f"{name} ({run_dir.name})"
 
 
 def build_routes(run_dirs: Sequence[Path]) -> tuple:
@@ -61,8 +78,7 @@ def build_routes(run_dirs: Sequence[Path]) -> tuple:
             raise FileNotFoundError(f"run folder {d}: no such directory")
         d = d.resolve()
         exp = exp_of(d)
-        name = exp if exp == d.name else f"{exp} ({d.name})"
-        entry = {"id": i, "name": name, "exp": exp, "dir": str(d)}
+        entry = {"id": i, "name": label_of(d, exp), "exp": exp, "dir": str(d)}
         for kind in KINDS:
             url = f"/runs/{i}/{exp}.{kind}.json"
             files[url] = (d, f"{exp}.{kind}.json")

@@ -211,6 +211,9 @@ def hub_reachable(timeout: float = CONNECT_TIMEOUT_S) -> bool:
 def pull_hub(d, w: Writer, skips: Skips) -> dict:
     # Decided before `datasets` is imported: huggingface_hub reads these once, at import.
     offline = _flag("HF_HUB_OFFLINE") or _flag("HF_DATASETS_OFFLINE")
+    if offline:
+        print(f"pull-hermes3: WARNING: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set: {d.hub_repo} comes from "
+              "the local Hugging Face cache only; unset them to download it", file=sys.stderr)
     if not offline and not hub_reachable():
         print(f"pull-hermes3: WARNING: the hub is not reachable within {CONNECT_TIMEOUT_S:.0f} s; trying the local "
               "Hugging Face cache only", file=sys.stderr)

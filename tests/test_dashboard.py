@@ -189,3 +189,26 @@ def test_cli_port_in_use_says_so(server, tmp_path):
     r = subprocess.run([sys.executable, "-m", "andrea.dashboard", str(runs[0]), "--port", str(port)],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr
+
+
+def test_run_with_overrides_is_labelled_by_them(tmp_path):
+    """results/ANDREA-tiny+train.lr=1e-3: records <run name>.*.json, label 'ANDREA-tiny: train.lr=1e-3'
+    (where it ran, such as backend=numpy, is left out of the label)."""
+    name = "ANDREA-tiny+train.lr=1e-3"
+    run = tmp_path / name
+    make_records(run)
+    (run / "config.yaml").write_text(f"exp: {name}\noverrides: [train.lr=1e-3, backend=numpy]\n")
+    pinned = tmp_path / "ANDREA-tiny"
+    make_records(pinned)
+    (pinned / "config.yaml").write_text("exp: ANDREA-tiny\noverrides: []\n")
+    srv = DashboardServer([run, pinned], "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        a, b = json.loads(get(srv, "/runs.json")[2])["runs"]
+        assert a["name"] == "ANDREA-tiny: train.lr=1e-3" and a["exp"] == name
+        assert b["name"] == "ANDREA-tiny"
+        st, _, body = get(srv, a["loss"])
+        assert st == 200 and json.loads(body)["exp"] == name
+    finally:
+        srv.shutdown()
+        srv.server_close()

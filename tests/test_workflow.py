@@ -172,6 +172,8 @@ def test_local_mirror_data_chain(tmp_path):
     assert dry.returncode == 0 and "data/fixtures/hermes3-sample.jsonl" in dry.stdout + dry.stderr
     r = smk(work, "--cores", "1", "data/local/tok8192/shards.json", "--config", ov)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    # 21 conversations cannot give 8192 tokens: said on the terminal, not only in the step's log
+    assert re.search(r"train-tokenizer: WARNING: .* fewer than the 8192 asked", r.stderr), r.stderr[-3000:]
     pull = json.loads((work / "data/local/raw/pull-report.json").read_text())
     assert pull["rows"] == 23 and pull["skipped"] == 2  # a cut-off line, a row without conversations
     prep = json.loads((work / "data/local/megachat/report.json").read_text())
@@ -179,6 +181,17 @@ def test_local_mirror_data_chain(tmp_path):
     man = json.loads((work / "data/local/tok8192/shards.json").read_text())
     assert man["train"]["tokens"] > 0 and man["val"]["tokens"] > 0
     assert job_stats(smk(work, "-n", "--cores", "1", "data/local/tok8192/shards.json", "--config", ov).stdout) == {}
+
+
+def test_failed_step_shows_its_log(tmp_path):
+    """A step that fails prints the last lines of its log under Snakemake's error (ANDREA-12M's
+    pull from the hub, offline here, fails at once with its hint)."""
+    work = copy_repo(tmp_path)
+    r = smk(work, "--cores", "1", "results/ANDREA-12M", "--until", "pull_hermes3")
+    assert r.returncode != 0
+    assert "--- last" in r.stderr and "data/hub/logs/pull.log ---" in r.stderr, r.stderr[-3000:]
+    assert "data.source=synthetic" in r.stderr.split("--- last", 1)[1]  # the hint, from the log
+    assert "WARNING: HF_HUB_OFFLINE" in r.stderr
 
 
 @pytest.mark.slow

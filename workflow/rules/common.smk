@@ -206,8 +206,12 @@ def published_arg(wildcards, input):
 def train_args(wildcards):
     """Arguments of python -m andrea.train: the experiment, the run's name (exp=) and the overrides
     but eval.* ones, which only matter to evaluate (its stage file)."""
-    args = [f"experiment={EXP_OF_RUN[wildcards.exp]}", f"exp={wildcards.exp}", *runs.training_overrides(OVERRIDES)]
-    return " ".join(shlex.quote(a) for a in args)
+    name = wildcards.exp
+    # a run name with overrides holds = and , which Hydra's override grammar would parse: quoted for
+    # Hydra inside double quotes for the shell (run names hold only letters, digits and ._=,+-)
+    exp = f"exp={name}" if re.fullmatch(r"[A-Za-z0-9._-]+", name) else f"\"exp='{name}'\""
+    args = [f"experiment={EXP_OF_RUN[name]}", *runs.training_overrides(OVERRIDES)]
+    return " ".join([args[0], exp, *(shlex.quote(a) for a in args[1:])])
 
 
 def train_resources(cfg):
@@ -230,10 +234,13 @@ def train_mem_mb(wildcards):
 
 def show_failed_logs(main_log, lines=25):
     """onerror: the last lines of each failed step's log, on the terminal under Snakemake's error."""
-    try:
-        text = Path(main_log).read_text(errors="replace")
-    except (OSError, TypeError):
-        return
+    logs = [main_log] if isinstance(main_log, (str, Path)) else list(main_log or [])  # Snakemake 9: a list
+    text = ""
+    for f in logs:
+        try:
+            text += Path(f).read_text(errors="replace")
+        except (OSError, TypeError):
+            pass
     seen = []
     for m in re.finditer(r"log: (.+?) \(check log file", text):
         for path in m.group(1).split(", "):

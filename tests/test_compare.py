@@ -1,0 +1,65 @@
+"""python -m andrea.compare: one table of runs (pandas), an overlay plot, clear errors."""
+import json
+
+import pytest
+import yaml
+
+from andrea import compare
+
+
+def make_run(root, name, overrides, history, metrics=None):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump({"exp": name, "overrides": overrides, "train": {"steps": 4}}))
+    (d / f"{name}.loss.json").write_text(json.dumps({"format": "andrea-loss/1", "exp": name, "history": history}))
+    if metrics is not None:
+        (d / "eval").mkdir()
+        (d / "eval" / "metrics.json").write_text(json.dumps(metrics))
+    return d
+
+
+def hist(losses, val, tps):
+    h = [{"step": i + 1, "loss": l, "tokens_per_s": t, "wall_s": 2.0 * (i + 1)} for i, (l, t) in enumerate(zip(losses, tps))]
+    h[-1]["val_loss"] = val
+    return h
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    a = make_run(tmp_path, "E", [], hist([3.0, 2.5, 2.0], 2.2, [100.0, 300.0, 200.0]),
+                 metrics={"val_loss": 2.1, "tasks": {"accuracy": 0.25}})
+    b = make_run(tmp_path, "E+train.lr=1e-3", ["train.lr=1e-3"], hist([3.0, 2.0, 1.5, 1.2], 1.4, [50.0] * 4))
+    return a, b
+
+
+def test_table_of_runs(two_runs, tmp_path, capsys):
+    a, b = two_runs
+    df = compare.summary([compare.read_run(a), compare.read_run(b)])
+    assert list(df.columns) == compare.COLUMNS
+    assert list(df["run"]) == ["E+train.lr=1e-3", "E"]  # sorted by validation loss
+    first, second = df.iloc[0], df.iloc[1]
+    assert first["overrides"] == "train.lr=1e-3" and first["val_loss"] == 1.4 and first["val_from"] == "training"
+    assert first["steps"] == 4 and first["wall_s"] == 8.0 and first["tokens_per_s"] == 50.0
+    assert pd_isna(first["task_accuracy"])
+    assert second["overrides"] == "(pinned)" and second["val_loss"] == 2.1 and second["val_from"] == "evaluation"
+    assert second["task_accuracy"] == 0.25 and second["tokens_per_s"] == 200.0  # the median
+    plot, csv = tmp_path / "cmp.png", tmp_path / "cmp.csv"
+    assert compare.main([str(a), str(b), "--plot", str(plot), "--csv", str(csv), "--log-scale"]) == 0
+    out = capsys.readouterr().out
+    assert "train.lr=1e-3" in out and "(pinned)" in out and "1.4000" in out and "0.250" in out
+    assert plot.stat().st_size > 1000 and csv.read_text().splitlines()[0] == ",".join(compare.COLUMNS)
+
+
+def pd_isna(x):
+    import pandas as pd
+    return pd.isna(x)
+
+
+def test_bad_run_folder_is_named(tmp_path, capsys):
+    (tmp_path / "nothing").mkdir()
+    assert compare.main([str(tmp_path / "nothing"), "--plot", str(tmp_path / "p.png")]) == 2
+    assert "no config.yaml" in capsys.readouterr().err and not (tmp_path / "p.png").exists()
+    d = make_run(tmp_path, "X", [], hist([1.0], 1.0, [1.0]))
+    (d / "X.loss.json").write_text("{not json")
+    assert compare.main([str(d), "--plot", str(tmp_path / "p.png")]) == 2
+    assert "X.loss.json" in capsys.readouterr().err
