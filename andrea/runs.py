@@ -6,9 +6,11 @@ joined with commas as Hydra's multirun names its jobs (`results/ANDREA-tiny+trai
 an override never continues or overwrites the pinned run. The name is also the run's `exp`: its
 records are `<name>.loss.json` and so on. `exp=NAME` on the command line names the run yourself.
 
-Overrides of where things are (data paths, results_dir, the backend), of the training proxy and
-of evaluation settings do not name a run: they do not change the weights. Evaluation overrides
-still make a run's report "not compared" with the published one (`compared_overrides`).
+Overrides of where things are (data paths, results_dir), of the training proxy and of evaluation
+settings do not name a run: they do not change the weights. The backend does name a run (a run on
+another backend is another run, and a failing one must not replace the pinned run's checkpoints)
+but is no reason not to compare with the published run; evaluation overrides are
+(`compared_overrides`).
 
 `python -m andrea.train`, its sweeps (`-m`) and the Snakemake workflow all name runs here.
 """
@@ -22,7 +24,9 @@ MAX_NAME = 200  # run folder names stay under the usual 255-byte file-name limit
 SEP = "+"  # between the experiment and its overrides
 # where things are, not what is trained
 PLACE_KEYS = ("experiment", "exp", "results_dir", "data.dir", "data.tokenizer", "data.train_shards",
-              "data.val_shards", "data.local_path", "backend", "backend.name", "backend.device")
+              "data.val_shards", "data.local_path")
+# where it runs: names a run, but the published comparison still applies (same numbers up to rounding)
+BACKEND_KEYS = ("backend", "backend.name", "backend.device")
 # sections that never change the weights
 NON_TRAINING = ("eval", "proxy", "hydra")
 
@@ -45,8 +49,8 @@ def naming_overrides(overrides: Iterable[str]) -> List[str]:
 
 def compared_overrides(overrides: Iterable[str]) -> List[str]:
     """The overrides that make a result differ from the published one's config (training or eval)."""
-    return sorted(str(o) for o in overrides
-                  if override_key(o) not in PLACE_KEYS and _section(override_key(o)) not in ("proxy", "hydra"))
+    return sorted(str(o) for o in overrides if override_key(o) not in PLACE_KEYS + BACKEND_KEYS
+                  and _section(override_key(o)) not in ("proxy", "hydra"))
 
 
 def training_overrides(overrides: Iterable[str]) -> List[str]:

@@ -7,7 +7,7 @@
         # a sweep: one run per combination, results/ANDREA-tiny+train.lr=0.001/ and so on
 
 A run with overrides gets its own folder, named after them (andrea/runs.py says which overrides
-name a run: data paths, the backend, proxy and eval settings do not); that name is also its `exp`.
+name a run: data paths, proxy and eval settings do not); that name is also its `exp`.
 
 The config comes from conf/ (config.yaml, one option per group, conf/experiment/<EXP>.yaml), typed
 by the dataclasses of andrea/config.py: an unknown key, a wrong type or a missing experiment stops

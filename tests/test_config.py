@@ -146,7 +146,7 @@ def test_sweep_runs_each_to_its_own_folder(tmp_path):
     names = sorted(p.name for p in results.iterdir() if p.is_dir())
     # train.steps etc. of _shard_overrides name the runs too; the paths and the backend do not
     assert len(names) == 2 and all(n.startswith("ANDREA-tiny+") and "train.lr=" in n for n in names), names
-    assert not any("shards" in n or "backend" in n for n in names), names
+    assert not any("shards" in n or "results_dir" in n for n in names), names
     cfgs = [yaml.safe_load((results / n / "config.yaml").read_text()) for n in names]
     assert sorted(c["train"]["lr"] for c in cfgs) == [1e-3, 2e-3]
     for n, c in zip(names, cfgs):
@@ -178,9 +178,10 @@ def test_run_names():
     from andrea.runs import base_experiment, run_name
     assert run_name("ANDREA-tiny", []) == "ANDREA-tiny"
     assert run_name("ANDREA-tiny", ["train.seed=2", "train.lr=1e-3"]) == "ANDREA-tiny+train.lr=1e-3,train.seed=2"
-    # where things are, evaluation and proxy settings do not name a run
-    assert run_name("ANDREA-tiny", ["backend=numpy", "data.local_path=/a/b", "eval.batches=4",
+    # where things are, evaluation and proxy settings do not name a run; the backend does
+    assert run_name("ANDREA-tiny", ["data.local_path=/a/b", "eval.batches=4", "data.dir=d",
                                     "proxy.max_restarts=1", "results_dir=/tmp/r"]) == "ANDREA-tiny"
+    assert run_name("ANDREA-tiny", ["backend=cuda"]) == "ANDREA-tiny+backend=cuda"
     assert "/" not in run_name("ANDREA-tiny", ["data.source=local", "model.name=a/b"])
     assert run_name("mine", ["exp=mine", "train.lr=1"]) == "mine"
     assert run_name("mine", ["exp=mine", "train.lr=1"], sweep=True) == "mine+train.lr=1"

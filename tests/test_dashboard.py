@@ -193,11 +193,11 @@ def test_cli_port_in_use_says_so(server, tmp_path):
 
 def test_run_with_overrides_is_labelled_by_them(tmp_path):
     """results/ANDREA-tiny+train.lr=1e-3: records <run name>.*.json, label 'ANDREA-tiny: train.lr=1e-3'
-    (where it ran, such as backend=numpy, is left out of the label)."""
+    (where its data lives, such as data.dir, is left out of the label)."""
     name = "ANDREA-tiny+train.lr=1e-3"
     run = tmp_path / name
     make_records(run)
-    (run / "config.yaml").write_text(f"exp: {name}\noverrides: [train.lr=1e-3, backend=numpy]\n")
+    (run / "config.yaml").write_text(f"exp: {name}\noverrides: [train.lr=1e-3, data.dir=/d]\n")
     pinned = tmp_path / "ANDREA-tiny"
     make_records(pinned)
     (pinned / "config.yaml").write_text("exp: ANDREA-tiny\noverrides: []\n")

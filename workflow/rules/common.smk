@@ -152,12 +152,14 @@ def data_stage_text(wildcards):
 
 
 def exp_stage_text(wildcards):
-    """train: everything but eval (eval settings and overrides never change the weights);
-    eval: everything."""
+    """train: everything but eval and proxy (their settings and overrides never change the
+    weights, so changing them never re-trains); eval: everything."""
     d = to_dict(exp_config(wildcards.exp))
     if wildcards.part == "train":
         d.pop("eval")
-        d["overrides"] = runs.training_overrides(d["overrides"])
+        d.pop("proxy")
+        d["overrides"] = [o for o in runs.training_overrides(d["overrides"])
+                          if runs.override_key(o).split(".", 1)[0] != "proxy"]
     return _yaml(d)
 
 

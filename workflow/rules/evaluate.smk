@@ -1,6 +1,7 @@
 # Evaluate the archived final checkpoint on the held-out split; compare with the published run
 # (docs/published/<EXP>.json) when there is one and the run has no overrides. The report, the loss
-# plot and the samples go into `snakemake --report report.html` as well.
+# plot and the samples go into `snakemake --report report.html` as well. Its few lines (the
+# result, any warning) go to the terminal too.
 
 
 rule evaluate:
@@ -31,4 +32,4 @@ rule evaluate:
     shell:
         "python3 -m andrea.evaluate --config {input.config} --checkpoint-dir {input.archive} --loss {input.loss} "
         "--val-conversations {input.val} --train-conversations {input.train} {params.published} "
-        "--out-dir {params.out_dir} > {log} 2>&1 && (grep -i -h warning {log} >&2 || true)"
+        "--out-dir {params.out_dir} 2>&1 | tee {log}"
