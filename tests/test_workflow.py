@@ -232,7 +232,9 @@ def test_offline_default_end_to_end(tmp_path):
     r = smk(work, "--cores", "1", "--config", "overrides=[train.steps=20,train.eval_every=10]")
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert set(job_stats(r.stdout + r.stderr)) == {"experiment_stage_config", "train", "archive", "evaluate", "all"}
-    assert "step" in r.stderr and "python -m andrea.dashboard" in r.stderr  # training shown on the terminal
+    shown = r.stdout + r.stderr  # the train and evaluate steps tee their output to the terminal
+    assert "20/20" in shown and "loss=" in shown and "python -m andrea.dashboard" in shown
+    assert "andrea.evaluate: ANDREA-tiny+" in shown and "not compared: overrides" in shown
     other = work / "results" / "ANDREA-tiny+train.eval_every=10,train.steps=20"
     rep = (other / "report.md").read_text()
     assert "`train.steps=20`" in rep and "Not compared: overrides" in rep and "PASS" not in rep
