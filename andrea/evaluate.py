@@ -51,7 +51,8 @@ TASK_TOKENS = 16  # the longest synthetic answer ("0 1 2 3 4") is 9 characters, 
 
 def uniform_guess(tok, cfg: AndreaConfig) -> dict:
     """ln V of a uniform guess over the tokenizer's real vocabulary (not model.vocab_size's rows)."""
-    v = min(int(tok.vocab_size), cfg.model.vocab_size)
+    real = getattr(tok, "vocab_size", None)  # a stand-in without one: the model's rows
+    v = min(int(real), cfg.model.vocab_size) if real else cfg.model.vocab_size
     return {"uniform_loss": math.log(v), "tokenizer_vocab": v, "model_vocab": cfg.model.vocab_size}
 
 
