@@ -44,7 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import runs
 from .atomic import atomic_write
 # composing also registers the config schemas that hydra.main below needs
-from .compose import ConfigError, compose_config, one_line, resolve  # noqa: F401 (compose_config: public here too)
+from .compose import ConfigError, compose_config, one_line, recorded_overrides, resolve  # noqa: F401 (compose_config: public here too)
 from .config import AndreaConfig, config_hash
 from .data.sizing import check_shards
 from .paths import CONF_DIR
@@ -179,8 +179,13 @@ def _remove_if_empty(d: Path) -> None:
 def train(cfg: DictConfig) -> int:
     """Lock, check and prepare the run folder, supervise the run; returns the exit status."""
     try:
+        from hydra.core.hydra_config import HydraConfig
+
         run_cfg = resolve(cfg)
         run_dir = run_folder()
+        run_cfg.exp = run_dir.name  # the run's name: its folder (see andrea/runs.py)
+        run_cfg.overrides = recorded_overrides(HydraConfig.get().overrides.task)
+        check_backend(run_cfg)
         # too few windows for one batch: stop and say which setting; fewer than a step's or a
         # validation's worth: say so and go on (the loader re-reads windows)
         check_shards(run_cfg, warn=lambda msg: print(f"andrea.train: warning: {msg}", file=sys.stderr))
@@ -199,7 +204,9 @@ def train(cfg: DictConfig) -> int:
             refuse_unusable_checkpoints(run_dir)
             check_run_folder(run_cfg, run_dir, NEW_RUN_ON_CHANGE)
             write_config(run_dir / "config.yaml", run_cfg)
-            print(f"andrea.train: {run_cfg.exp} -> {run_dir} (config_hash {config_hash(run_cfg)[:12]})",
+            ov = " ".join(run_cfg.overrides) or "none"
+            print(f"andrea.train: {run_cfg.exp} -> {run_dir} (config_hash {config_hash(run_cfg)[:12]}, "
+                  f"overrides: {ov})\nandrea.train: watch it live: python -m andrea.dashboard {run_dir}",
                   file=sys.stderr)
             rc = supervise(run_cfg, run_dir)
             return finish(run_cfg, run_dir, rc)
@@ -247,6 +254,15 @@ def precheck(argv) -> Optional[str]:
     return None
 
 
+def short_help(conf_dir: Path = CONF_DIR) -> str:
+    """What --help prints when no experiment is named (Hydra's own help needs one to compose)."""
+    exps = sorted(p.stem for p in (Path(conf_dir) / "experiment").glob("*.yaml"))
+    title, body = __doc__.strip("\n").split("\n\n", 1)
+    return (f"{title}\n\nusage: python -m andrea.train experiment=<EXP> [key=value ...] [-m for sweeps]\n"
+            f"experiments: {', '.join(exps)}\n\n{body.rstrip()}\n\n"
+            "The groups, their options and every field: python -m andrea.train experiment=<EXP> --help\n")
+
+
 _task_started = False  # set once Hydra has composed the config and called main
 
 
@@ -263,6 +279,10 @@ def cli() -> None:
     """`python -m andrea.train`: a config that does not compose exits 2 with one line, before Hydra
     starts; anything Hydra itself refuses later (a sweep's config) exits 2 as well."""
     global NEW_RUN_ON_CHANGE
+    argv = sys.argv[1:]
+    if {"-h", "--help"} & set(argv) and not any(a.startswith("experiment=") for a in argv):
+        print(short_help())  # Hydra's own help needs an experiment to compose
+        return
     if NEW_RUN_FLAG in sys.argv[1:]:
         sys.argv.remove(NEW_RUN_FLAG)
         NEW_RUN_ON_CHANGE = True

@@ -33,7 +33,7 @@ rule train:
         ENV
     # the progress bar (step, loss, tokens/s, ETA) and the dashboard command go to the terminal too
     shell:
-        "python3 -m andrea.train --new-run-on-change experiment={wildcards.exp} {params.overrides} > {log} 2>&1"
+        "python3 -m andrea.train --new-run-on-change {params.args} 2>&1 | tee {log}"
 
 
 rule archive:
