@@ -2,7 +2,7 @@
 workflow (ANDREA-tiny with few steps) at a random point of training by signalling Snakemake's
 process group, run the same command again, and compare the final checkpoint's sha256 and the
 report with a straight run. A preempted train job (SIGTERM to it alone) resumes by itself under
-`--retries`; a changed training setting starts afresh and keeps the old run aside.
+`--retries`; a changed training setting starts afresh in its own run folder, the old run untouched.
 
 Runs in a copy of the checkout (the real data/ and results/ are never touched)."""
 import hashlib
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from andrea.runs import run_name
 from relkit import REPO, TRIALS, wait_for
 
 RUNS = max(1, TRIALS // 2)  # a pipeline run costs a minute or more: one interruption per kind by default
@@ -30,7 +31,8 @@ STEPS = 40
 OVERRIDES = (f"train.steps={STEPS} train.ckpt_every=5 train.eval_every=10 train.sample_every=20 "
              "train.batch_size=4 train.seq_len=32 data.n_synthetic=400 "
              "eval.n_tasks=8 eval.batches=2 eval.max_new_tokens=8")
-RUN = Path("results/ANDREA-tiny")
+NAME = run_name("ANDREA-tiny", OVERRIDES.split())  # a run with overrides has its own folder (andrea/runs.py)
+RUN = Path("results") / NAME
 FINAL = RUN / "archive" / "final" / f"step_{STEPS:08d}.bin"
 
 
@@ -55,7 +57,7 @@ def outcome(work):
     report = re.sub(r"Evaluated in [\d.]+ s", "Evaluated in _ s", report)
     metrics = json.loads((work / RUN / "eval" / "metrics.json").read_text())
     metrics.pop("wall_s", None)
-    steps = [h["step"] for h in json.loads((work / RUN / "trained" / "ANDREA-tiny.loss.json").read_text())["history"]]
+    steps = [h["step"] for h in json.loads((work / RUN / "trained" / f"{NAME}.loss.json").read_text())["history"]]
     return hashlib.sha256((work / FINAL).read_bytes()).hexdigest(), report, metrics, steps
 
 
@@ -81,7 +83,7 @@ def interrupt(work, sig, rng):
     p = subprocess.Popen(smk_cmd(), cwd=work, env=smk_env(work), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        state = work / RUN / "ANDREA-tiny.state.json"
+        state = work / RUN / f"{NAME}.state.json"
         wait_for(lambda: state.exists() and json.loads(state.read_text()).get("engine_pid"), "training to start",
                  timeout=600, proc=p)
         wait_for(lambda: json.loads(state.read_text()).get("step", 0) >= rng.randint(1, STEPS // 2),
@@ -113,7 +115,7 @@ def test_interrupted_workflow_resumes_to_the_same_bytes(straight, sig):
         r = smk(work)
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
         assert outcome(work) == ref
-        hist = json.loads((work / RUN / "trained" / "ANDREA-tiny.loss.json").read_text())["history"]
+        hist = json.loads((work / RUN / "trained" / f"{NAME}.loss.json").read_text())["history"]
         assert all(h["t"] < t_again for h in hist if h["step"] <= kept), "resumed, not trained again"
         exact += 1
     print(f"\nsnakemake {signal.Signals(sig).name} to the process group: {RUNS} interrupted, "
@@ -129,7 +131,7 @@ def test_retries_resume_a_preempted_train_job(straight):
     p = subprocess.Popen(smk_cmd("--retries", "1"), cwd=work, env=smk_env(work), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        state = work / RUN / "ANDREA-tiny.state.json"
+        state = work / RUN / f"{NAME}.state.json"
         wait_for(lambda: state.exists() and json.loads(state.read_text()).get("last_checkpoint_step"),
                  "a first checkpoint", timeout=600, proc=p)
         proxy = json.loads(state.read_text())["pid"]
@@ -155,9 +157,9 @@ def test_changed_training_setting_starts_afresh_and_keeps_the_old_run(straight):
                         f"overrides={OVERRIDES} train.lr=1e-3"], cwd=work, env=smk_env(work),
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    aside = list((work / RUN / "previous").iterdir())
-    assert len(aside) == 1
-    assert sorted(x.name for x in (aside[0] / "checkpoints").glob("step_*")) == old
-    assert (aside[0] / "ANDREA-tiny.loss.json").exists()
-    hist = json.loads((work / RUN / "trained" / "ANDREA-tiny.loss.json").read_text())["history"]
+    # a changed training setting is another run, in its own folder: the old one is left as it was
+    assert sorted(x.name for x in (work / RUN / "checkpoints").glob("step_*")) == old
+    new = run_name("ANDREA-tiny", OVERRIDES.split() + ["train.lr=1e-3"])
+    assert new != NAME
+    hist = json.loads((work / "results" / new / "trained" / f"{new}.loss.json").read_text())["history"]
     assert [h["step"] for h in hist] == list(range(1, STEPS + 1))

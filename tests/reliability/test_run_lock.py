@@ -15,7 +15,8 @@ def overrides(tmp_path, steps):
     return [f"data.train_shards={d}/train_*.bin", f"data.val_shards={d}/val_*.bin",
             f"data.tokenizer={tmp_path}/none.json", f"train.steps={steps}", "train.eval_every=0",
             "train.sample_every=0", "train.ckpt_every=20", "train.seq_len=16", "train.batch_size=2",
-            "backend=numpy", f"results_dir={tmp_path}/results", "proxy.restart_backoff_s=0.1"]
+            "backend=numpy", f"results_dir={tmp_path}/results", "proxy.restart_backoff_s=0.1",
+            "exp=ANDREA-tiny"]  # named: the run stays in results/ANDREA-tiny whatever the overrides
 
 
 def train_cmd(*args):
