@@ -273,3 +273,32 @@ def test_firehose_target_tokenizes_the_groups(tmp_path):
     assert jobs["tokenize_groups"] == jobs["tokenize"] == jobs["train"] == jobs["evaluate"] == 1
     r = smk(tmp_path, "-n", "--cores", "1", "results/ANDREA-tiny")
     assert "tokenize_groups" not in job_stats(r.stdout + r.stderr)
+
+
+# ---------------------------------------------------------------- comparison table
+def test_firehose_report_tabulates_arms_at_equal_steps(tmp_path):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("firehose_report", REPO / "scripts" / "firehose-report.py")
+    rep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rep)
+    groups = ["a", "noise"]
+    for arm, kind, reward, seed, noise_steps, val_a in [("u1", "uniform", "loss", 1, 2, 2.0), ("u2", "uniform", "loss", 2, 1, 3.0),
+                                                        ("p1", "bandit", "progress", 1, 0, 1.0)]:
+        run = tmp_path / "sweep" / arm
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(
+            f"exp: X\ndata:\n  mixer: {{kind: {kind}, reward: {reward}}}\ntrain:\n  seed: {seed}\n")
+        hist = [{"step": s, "loss": 1.0, "group": "noise" if s <= noise_steps else "a",
+                 "mix": {"a": 0.5, "noise": 0.5}} for s in range(1, 5)]
+        hist[-1]["group_val_loss"] = {"a": val_a, "noise": 6.0}
+        (run / "X.loss.json").write_text(json.dumps({"history": hist}))
+    runs, mixes = rep.load_runs(tmp_path / "sweep")
+    t = rep.summary(runs, "noise")
+    assert t.loc["uniform", "seeds"] == 2 and t.loc["uniform", "steps"] == 4
+    assert t.loc["uniform", "val_learnable_mean"] == 2.5 and t.loc["uniform", "val_learnable_spread"] == 1.0
+    assert t.loc["uniform", "share_noise"] == pytest.approx((0.5 + 0.25) / 2)
+    assert t.loc["bandit-progress", "share_noise"] == 0.0 and t.loc["bandit-progress", "val_a"] == 1.0
+    assert len(mixes) == 3 * 4 * len(groups)
+    rep.plot(mixes, tmp_path / "mix.png", "noise")
+    assert (tmp_path / "mix.png").stat().st_size > 1000
+    assert "| bandit-progress |" in rep.markdown(t)
