@@ -130,7 +130,9 @@ def layernorm_fwd(rng, dt, s):
 
 def residual_layernorm_fwd(rng, dt, s):
     B, T, C = s["B"], s["T"], s["C"]
-    return [Out((B, T, C)), Out((B, T, C)), Out((B, T), "f32", 1e-5),
+    # the kernel rounds the residual sum to the compute dtype before its mean; the reference sums
+    # exactly, so in 16 bits the mean differs by that rounding: the dtype's tolerance, as in the tests
+    return [Out((B, T, C)), Out((B, T, C)), Out((B, T), "f32", 1e-5 if dt == np.float32 else None),
             Out((B, T), "f32", 1e-5 if dt == np.float32 else 1e-3), In(rnd(rng, (B, T, C), dt, 2.0, 0.5)),
             In(rnd(rng, (B, T, C), dt)), In(rnd(rng, (C,), dt, 0.5, 1.0)), In(rnd(rng, (C,), dt, 0.1))]
 
