@@ -1,5 +1,6 @@
-"""Shared test set-up: offline hub, small configs, random-token shards."""
+"""Shared test set-up: offline hub, small configs, random-token shards, polling with a deadline."""
 import os
+import time
 
 import numpy as np
 import pytest
@@ -36,3 +37,15 @@ def tiny_run(tmp_path):
     """(config dict, tmp_path) with shards written; tests adjust cfg["train"] before use."""
     make_shards(tmp_path)
     return small_config(tmp_path), tmp_path
+
+
+def wait_for(pred, what: str, timeout: float = 60.0, proc=None):
+    """Poll pred until it holds; fail naming what was awaited, or at once if proc exits first."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode} while waiting for {what}")
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

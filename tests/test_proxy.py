@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from andrea.config import load_run_config
 from andrea.proxy import supervise
+from conftest import wait_for
 
 
 def write_run(cfg: dict, parent: Path):
@@ -35,17 +36,6 @@ def read(run: Path, kind: str) -> dict:
 
 def steps_of(run: Path) -> list:
     return [r["step"] for r in read(run, "loss")["history"]]
-
-
-def wait_for(pred, what: str, timeout: float = 60.0, proc=None):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"proxy exited with {proc.returncode} while waiting for {what}")
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def state_step(run: Path) -> int:

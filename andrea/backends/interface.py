@@ -44,7 +44,6 @@ class Backend(Protocol):
     grad_norm_partials: int  # length of the partials buffer k_grad_norm_partial fills
     xp: Any  # the array module (numpy or cupy), for small array arithmetic outside the kernels
     attention: str  # attention path chosen at construction: "fused" or "materialised"
-    decodes: bool  # whether k_attn_decode_fwd (KV-cache inference) runs on this backend
 
     def attention_variant(self, dtype, head_size: int) -> str:
         """The path k_attn_fwd/_bwd take for this compute dtype and head size: "fused" or
@@ -128,8 +127,7 @@ class Backend(Protocol):
 
     def k_attn_decode_fwd(self, out, kcache, vcache, qkv, pos, n_head) -> None:
         """Inference: write the new position's k, v (qkv (B,1,3C)) into row pos of kcache,
-        vcache (B,context,C); out (B,1,C) = its attention over rows 0..pos. Where `decodes` is
-        False it raises NotImplementedError."""
+        vcache (B,context,C); out (B,1,C) = its attention over rows 0..pos."""
 
     def k_attn_out_fwd(self, out, inp, w, b) -> None:
         """out (B,T,C) = inp (B,T,C) @ w (C,C).T + b."""

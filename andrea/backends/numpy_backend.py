@@ -53,7 +53,6 @@ class NumpyBackend:
     precisions = ("fp32",)
     grad_norm_partials = ref.GRAD_NORM_PARTIALS
     attention = "materialised"  # the reference has one attention path
-    decodes = True
     xp = np
 
     def attention_variant(self, dtype, head_size: int) -> str:

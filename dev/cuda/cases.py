@@ -60,7 +60,6 @@ class Case:
     kernel: str
     make: Callable  # (rng, dt, size) -> list of arguments
     size: Optional[dict] = None  # the check size, if not CHECK_SIZE
-    needs: str = ""  # a capability of the backend interface the kernel needs (e.g. "decodes")
 
 
 # sizes that divide nothing: T=77 ends mid-tile, C=200 and V=1001 are no multiples of 32 or 64,
@@ -285,7 +284,7 @@ CASES: Dict[str, List[Case]] = {
                Case("k_attn_out_fwd", linear_fwd(1)), Case("k_attn_out_bwd", linear_bwd(1))],
     "attention": [Case("k_attn_fwd", attn_fwd), Case("k_attn_bwd", attn_bwd),
                   Case("k_attn_fwd", attn_fwd, FUSED_SIZE), Case("k_attn_bwd", attn_bwd, FUSED_SIZE),
-                  Case("k_attn_decode_fwd", attn_decode_fwd, needs="decodes")],
+                  Case("k_attn_decode_fwd", attn_decode_fwd)],
     "mlp": [Case("k_mlp_fwd", mlp_fwd), Case("k_mlp_bwd", mlp_bwd)],
     "residual": [Case("k_residual_add", residual_fwd), Case("k_residual_add_bwd", residual_bwd)],
     "loss": [Case("k_loss_fwd", loss_fwd), Case("k_loss_bwd", loss_bwd)],

@@ -3,7 +3,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -11,7 +10,7 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))  # the shared tests/conftest.py helpers
 
-from conftest import make_shards, small_config  # noqa: E402,F401
+from conftest import make_shards, small_config, wait_for  # noqa: E402,F401
 
 # randomized kill loops run this many trials by default; ANDREA_RELIABILITY_TRIALS raises it
 TRIALS = int(os.environ.get("ANDREA_RELIABILITY_TRIALS", "2"))
@@ -54,17 +53,6 @@ def proxy_cmd(run: Path, *extra: str):
 
 def run_proxy(run: Path, *extra: str, timeout: float = 120):
     return subprocess.run(proxy_cmd(run, *extra), capture_output=True, text=True, timeout=timeout, env=env())
-
-
-def wait_for(pred, what: str, timeout: float = 60.0, proc=None):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited with {proc.returncode} while waiting for {what}")
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def pid_alive(pid: int) -> bool:

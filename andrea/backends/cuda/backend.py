@@ -33,7 +33,6 @@ class CudaBackend(CudaOps):
     precisions = ("fp32", "fp16", "bf16")
     grad_norm_partials = GRAD_NORM_PARTIALS
     attention = "fused"  # the default; the constructor's argument sets it per object
-    decodes = True  # k_attn_decode_fwd: kernels/decode.cu
     xp = cp  # CuPy (None where it is not installed: then the constructor refuses)
 
     def __init__(self, attention: str = "fused", cublaslt: bool = True, sources=None):
