@@ -186,14 +186,43 @@ def plot(path: Path, exp: str, mine: dict, published: Optional[dict], uniform: f
     replace_synced(tmp, path)
 
 
-def compare(metrics: dict, published: dict, tolerance: float, source: Path) -> dict:
+def training_summary(hist: list, state: Optional[dict]) -> dict:
+    """Speed and size of the training run from its records: the median tokens/s of the logged steps
+    (the first tenth left out: start-up, compilation and graph capture), the engine's wall time at
+    its last logged step, and the memory plan's bytes (from the run's state file)."""
+    import pandas as pd
+
+    df = pd.DataFrame([r for r in hist if r.get("tokens_per_s") is not None], columns=["step", "tokens_per_s", "wall_s"])
+    steady = df[df["step"] > df["step"].max() / 10] if len(df) >= 10 else df
+    return {"tokens_per_s": float(steady["tokens_per_s"].median()) if len(steady) else None,
+            "train_wall_s": float(df["wall_s"].dropna().iloc[-1]) if df["wall_s"].notna().any() else None,
+            "plan_bytes": (state or {}).get("plan_bytes")}
+
+
+def same_losses(hist: list, published: dict) -> dict:
+    """How many of the published run's logged training losses this run reproduces bit for bit."""
+    mine = {r["step"]: r["loss"] for r in hist if r.get("loss") is not None}
+    ref = {r["step"]: r["loss"] for r in history_of(published) if r.get("loss") is not None}
+    common = sorted(set(mine) & set(ref))
+    return {"steps": len(common), "identical": sum(mine[s] == ref[s] for s in common),
+            "first_difference": next((s for s in common if mine[s] != ref[s]), None)}
+
+
+def compare(metrics: dict, published: dict, tolerance: float, source: Path, hist: Optional[list] = None) -> dict:
     ref = published.get("val_loss")
     if not isinstance(ref, (int, float)):
         raise ValueError(f"{source}: field val_loss is {ref!r}; expected a number")
     diff = metrics["val_loss"] - ref
-    return {"file": str(source), "val_loss": ref, "diff": diff, "tolerance": tolerance,
-            "verdict": "PASS" if abs(diff) <= tolerance else "FAIL",
-            "machine": published.get("machine"), "accuracy": published.get("task_accuracy")}
+    out = {"file": str(source), "val_loss": ref, "diff": diff, "tolerance": tolerance,
+           "verdict": "PASS" if abs(diff) <= tolerance else "FAIL",
+           "machine": published.get("machine"), "accuracy": published.get("task_accuracy"),
+           "commit": published.get("commit"), "training": {k: published.get(k) for k in TRAINING_FIELDS}}
+    if hist:
+        out["losses"] = same_losses(hist, published)
+    return out
+
+
+TRAINING_FIELDS = ("tokens_per_s", "train_wall_s", "plan_bytes")
 
 
 def report_md(m: dict) -> str:
@@ -222,11 +251,28 @@ def report_md(m: dict) -> str:
             maj = "n/a" if p["majority_baseline"] is None else f"{p['majority_baseline']:.3f}"
             L.append(f"| {k} | {p['n']} | {p['accuracy']:.3f} | {p['chance']:.3f} | {maj} |")
     c = m.get("published")
+    tr = m.get("training") or {}
+    if any(v is not None for v in tr.values()):
+        pub = (c or {}).get("training") or {}
+        fmt = {"tokens_per_s": lambda v: f"{v:,.0f}", "train_wall_s": lambda v: f"{v:,.1f} s",
+               "plan_bytes": lambda v: f"{v / 2**30:.3f} GiB"}
+        names = {"tokens_per_s": "training tokens/s (median)", "train_wall_s": "training wall time",
+                 "plan_bytes": "memory plan"}
+        L += ["", "## Training", "", "| | this run | published |", "| --- | --- | --- |"]
+        for k in TRAINING_FIELDS:
+            L.append(f"| {names[k]} | {'n/a' if tr.get(k) is None else fmt[k](tr[k])} | "
+                     f"{'n/a' if pub.get(k) is None else fmt[k](pub[k])} |")
     L += ["", "## Against the published run", ""]
     if c:
         L += [f"**{c['verdict']}**: validation loss {m['val_loss']:.4f} vs published {c['val_loss']:.4f} "
               f"(difference {c['diff']:+.4f}, tolerance ±{c['tolerance']}); `{c['file']}`"
-              + (f", measured on {c['machine']}." if c.get("machine") else ".")]
+              + (f", measured on {c['machine']}" if c.get("machine") else "")
+              + (f" at commit {c['commit']}." if c.get("commit") else ".")]
+        ls = c.get("losses")
+        if ls and ls["steps"]:
+            L += ["", f"Training losses identical to the published run's, bit for bit: {ls['identical']} of "
+                      f"{ls['steps']} logged steps"
+                      + (f" (first difference at step {ls['first_difference']})." if ls["first_difference"] else ".")]
     elif m.get("not_compared"):
         L += [f"Not compared: {m['not_compared']}."]
     else:
@@ -270,6 +316,9 @@ def evaluate(a) -> dict:
         tasks = task_accuracy(dec, tok, cfg, a.val_conversations, a.train_conversations)
         m["tasks"] = tasks["summary"]
     hist = history_of(json.loads(Path(a.loss).read_text())) if a.loss else []
+    state_path = Path(a.loss).with_name(Path(a.loss).name.replace(".loss.json", ".state.json")) if a.loss else None
+    state = json.loads(state_path.read_text()) if state_path and state_path.is_file() else None
+    m["training"] = training_summary(hist, state)
     published = None
     if a.published and Path(a.published).is_file():
         published = json.loads(Path(a.published).read_text())
@@ -277,7 +326,7 @@ def evaluate(a) -> dict:
         if differ:  # the published run is of the pinned config: a verdict against it would mislead
             m["not_compared"] = f"overrides {' '.join(differ)} (the published run `{a.published}` is of the pinned config)"
         else:
-            m["published"] = compare(m, published, cfg.eval.tolerance, Path(a.published))
+            m["published"] = compare(m, published, cfg.eval.tolerance, Path(a.published), hist)
     out = Path(a.out_dir)
     plot(out / "eval" / "loss.png", cfg.exp, curves(hist), published, m["uniform_loss"],
          log_scale=a.log_scale or cfg.eval.log_scale)
@@ -287,16 +336,28 @@ def evaluate(a) -> dict:
     atomic_write(out / "eval" / "metrics.json", json.dumps(m, indent=1) + "\n")
     atomic_write(out / "report.md", report_md(m))
     if a.write_published:
-        write_published(Path(a.write_published), m, hist, a.machine)
+        write_published(Path(a.write_published), m, hist, a.machine, a.commit or git_commit())
     return m
 
 
-def write_published(path: Path, m: dict, hist: list, machine: str) -> None:
+def git_commit() -> Optional[str]:
+    """The commit of the source tree this runs from, when it is a git checkout (else None)."""
+    import subprocess
+    try:
+        r = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10,
+                           cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() or None if r.returncode == 0 else None
+
+
+def write_published(path: Path, m: dict, hist: list, machine: str, commit: Optional[str] = None) -> None:
     """Freeze this evaluation as the published reference of its experiment."""
     keep = ("step", "loss", "val_loss")
     pub = {"exp": m["exp"], "val_loss": m["val_loss"], "perplexity": m["perplexity"],
            "bits_per_byte": m["bits_per_byte"], "step": m["step"], "config_hash": m["config_hash"],
-           "task_accuracy": (m.get("tasks") or {}).get("accuracy"), "machine": machine,
+           "task_accuracy": (m.get("tasks") or {}).get("accuracy"), "machine": machine, "commit": commit,
+           **(m.get("training") or {}),
            "history": [{k: r[k] for k in keep if r.get(k) is not None} for r in hist]}
     atomic_write(path, json.dumps(pub, indent=1) + "\n")
 
@@ -312,6 +373,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", required=True, type=Path)
     ap.add_argument("--write-published", type=Path, help="also write this run as a published reference")
     ap.add_argument("--machine", default="", help="machine description stored with --write-published")
+    ap.add_argument("--commit", default="", help="commit stored with --write-published (default: git rev-parse)")
     ap.add_argument("--log-scale", action="store_true", help="logarithmic loss axis (also eval.log_scale=true)")
     a = ap.parse_args(argv)
     m = evaluate(a)

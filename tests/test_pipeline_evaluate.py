@@ -49,6 +49,48 @@ def test_compare_rejects_bad_published():
         ev.compare({"val_loss": 1.0}, {"loss": 1.0}, 0.05, Path("docs/published/x.json"))
 
 
+def test_training_summary_leaves_out_start_up():
+    hist = [{"step": s, "loss": 1.0, "tokens_per_s": 10.0 if s <= 2 else 100.0 + s % 3, "wall_s": 0.5 * s}
+            for s in range(1, 21)] + [{"step": 20, "val_loss": 1.0}]
+    t = ev.training_summary(hist, {"plan_bytes": 12345})
+    assert t == {"tokens_per_s": 101.0, "train_wall_s": 10.0, "plan_bytes": 12345}
+    assert ev.training_summary([], None) == {"tokens_per_s": None, "train_wall_s": None, "plan_bytes": None}
+
+
+def test_same_losses_counts_bit_identical_steps():
+    pub = {"history": [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}, {"step": 3, "loss": 2.0},
+                       {"step": 3, "val_loss": 2.1}]}
+    mine = [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}, {"step": 3, "loss": 2.0}]
+    assert ev.same_losses(mine, pub) == {"steps": 3, "identical": 3, "first_difference": None}
+    mine[1]["loss"] = float(np.nextafter(2.25, 3.0))  # one ulp is a difference
+    assert ev.same_losses(mine, pub) == {"steps": 3, "identical": 2, "first_difference": 2}
+    c = ev.compare({"val_loss": 2.1}, {**pub, "val_loss": 2.1, "tokens_per_s": 5.0}, 0.05, Path("p.json"), mine)
+    assert c["losses"]["identical"] == 2 and c["training"]["tokens_per_s"] == 5.0
+
+
+def test_publish_freezes_metrics_and_history(tmp_path):
+    from andrea import publish
+    res = tmp_path / "results" / "X"
+    (res / "eval").mkdir(parents=True)
+    (res / "trained").mkdir()
+    m = {"exp": "X", "val_loss": 1.5, "perplexity": 4.48, "bits_per_byte": 0.5, "step": 30, "config_hash": "ab",
+         "overrides": ["backend=cuda"], "tasks": {"accuracy": 0.25},
+         "training": {"tokens_per_s": 1e6, "train_wall_s": 12.0, "plan_bytes": 99}}
+    (res / "eval" / "metrics.json").write_text(json.dumps(m))
+    with pytest.raises(FileNotFoundError, match="X.loss.json"):
+        publish.publish(res, tmp_path / "p.json", "gpu", "abc")
+    (res / "trained" / "X.loss.json").write_text(json.dumps({"history": [{"step": 30, "loss": 1.25, "lr": 0.1}]}))
+    out = publish.publish(res, tmp_path / "p.json", "gpu", "abc")
+    p = json.loads(out.read_text())
+    assert (p["val_loss"], p["task_accuracy"], p["commit"], p["plan_bytes"]) == (1.5, 0.25, "abc", 99)
+    assert p["history"] == [{"step": 30, "loss": 1.25}]
+    m["overrides"].append("train.steps=3")  # not the pinned config: refused, naming the override
+    (res / "eval" / "metrics.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="train.steps=3"):
+        publish.publish(res, tmp_path / "p.json", "gpu", "abc")
+    assert publish.main([str(res), "--machine", "gpu", "--out", str(tmp_path / "q.json")]) == 2
+
+
 def sh(*args, cwd=REPO, env=None):
     r = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300,
                        env=env or dict(os.environ, PYTHONPATH=str(REPO)))
@@ -156,4 +198,9 @@ def test_evaluate_writes_report_and_metrics(trained, tmp_path):
     m2 = json.loads((out / "eval" / "metrics.json").read_text())
     assert m2["val_loss"] == m["val_loss"] and m2["published"]["verdict"] == "PASS"
     assert m2["tasks"]["majority_baseline"] is None and m2["tasks"]["accuracy"] == tasks["accuracy"]
-    assert "**PASS**" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "**PASS**" in report and "bit for bit:" in report
+    assert m2["published"]["losses"]["identical"] == m2["published"]["losses"]["steps"] > 0
+    published = json.loads(pub.read_text())
+    assert published["machine"] == "test" and published["tokens_per_s"] > 0 and published["train_wall_s"] > 0
+    assert published["plan_bytes"] == json.loads((run / "ANDREA-tiny.state.json").read_text())["plan_bytes"] > 0

@@ -37,7 +37,8 @@ os.replace), so a reader never sees half a file.
 `<exp>.state.json`: {"exp", "status" (running | stopped | finished | failed), "step", "total_steps",
     "phase", "last_checkpoint" (path relative to the run folder), "last_checkpoint_step",
     "restarts" (engine restarts after a crash, counted over the run's whole life), "pid" (proxy),
-    "engine_pid", "engine_exit" (last exit code), "n_params", "archives" (list of {"phase",
+    "engine_pid", "engine_exit" (last exit code), "n_params", "plan_bytes" (the engine's memory plan,
+    bytes), "archives" (list of {"phase",
     "step", "dir"}), "skipped_checkpoints" (list of {"file", "reason"}: checkpoints the engine
     found damaged and did not resume from), "message", "started_at", "updated_at"}.
 
@@ -133,7 +134,8 @@ STATE_FIELDS = {
     "phase": (_str_or_null, "a string or null"), "last_checkpoint": (_str_or_null, "a string or null"),
     "last_checkpoint_step": (_int_or_null, "an integer or null"),
     "restarts": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0, "an integer >= 0"),
-    "n_params": (_int_or_null, "an integer or null"), "message": (_str_or_null, "a string"),
+    "n_params": (_int_or_null, "an integer or null"), "plan_bytes": (_int_or_null, "an integer or null"),
+    "message": (_str_or_null, "a string"),
     "skipped_checkpoints": (lambda x: isinstance(x, list) and all(isinstance(e, dict) for e in x),
                             "a list of {file, reason}"),
 }
@@ -211,8 +213,8 @@ class RunRecords:
         self.state = {"exp": exp, "status": "running", "step": self.last_step(), "total_steps": total_steps,
                       "phase": None, "last_checkpoint": None, "last_checkpoint_step": None,
                       "restarts": 0, "pid": os.getpid(), "engine_pid": None, "engine_exit": None,
-                      "n_params": None, "archives": [], "message": ""}
-        for k in ("phase", "last_checkpoint", "last_checkpoint_step", "restarts", "n_params", "archives",
+                      "n_params": None, "plan_bytes": None, "archives": [], "message": ""}
+        for k in ("phase", "last_checkpoint", "last_checkpoint_step", "restarts", "n_params", "plan_bytes", "archives",
                   "skipped_checkpoints"):
             if state and k in state:
                 self.state[k] = state[k]

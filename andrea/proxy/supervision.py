@@ -155,6 +155,7 @@ class Supervisor:
                 rec.flush(force=True)
         elif kind == "plan":
             rec.state["n_params"] = ev.get("n_params")
+            rec.state["plan_bytes"] = ev.get("total_bytes")
         elif kind == "bad_checkpoint":
             name, reason = Path(str(ev.get("checkpoint", "?"))).name, str(ev.get("reason", "?"))
             skipped = rec.state.setdefault("skipped_checkpoints", [])
