@@ -115,7 +115,7 @@ def set_aside(cfg: AndreaConfig, run_dir: Path, their_hash: str) -> Path:
 def publish_trained(cfg: AndreaConfig, run_dir: Path, final: Path) -> Path:
     """<run>/trained/: what a finished run produces, the workflow's train outputs: final.bin and
     final.json (hard links to the final checkpoint and its sidecar, copies where links cannot be
-    made), <exp>.loss.json (the completed history) and config.yaml. Assembled under a temporary
+    made), <exp>.loss.json (the completed history), <exp>.state.json and config.yaml. Assembled under a temporary
     name and renamed, so it is complete or absent; resume state never lives there."""
     import shutil
 
@@ -134,6 +134,8 @@ def publish_trained(cfg: AndreaConfig, run_dir: Path, final: Path) -> Path:
                 atomic_copy(src, tmp / name)
         for name in (f"{cfg.exp}.loss.json", "config.yaml"):
             atomic_copy(run_dir / name, tmp / name)
+        if (run_dir / f"{cfg.exp}.state.json").is_file():  # the run's state: its memory plan, restarts
+            atomic_copy(run_dir / f"{cfg.exp}.state.json", tmp / f"{cfg.exp}.state.json")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
