@@ -285,10 +285,13 @@ def report_md(m: dict) -> str:
 
 
 def find_checkpoint(d: Path) -> Path:
+    """The checkpoint to evaluate in d: the archived step_XXXXXXXX.bin, or a finished run's trained/final.bin."""
     bins = sorted(d.glob("step_*.bin"))
+    if not bins and (d / "final.bin").is_file():
+        return d / "final.bin"
     if len(bins) != 1:
-        raise FileNotFoundError(f"{d}: expected exactly one step_XXXXXXXX.bin (the archived final checkpoint), "
-                                f"found {len(bins)}")
+        raise FileNotFoundError(f"{d}: expected exactly one step_XXXXXXXX.bin (the archived final checkpoint) "
+                                f"or a final.bin (a finished run's trained/), found {len(bins)} step files")
     return bins[0]
 
 

@@ -302,3 +302,26 @@ def test_firehose_report_tabulates_arms_at_equal_steps(tmp_path):
     rep.plot(mixes, tmp_path / "mix.png", "noise")
     assert (tmp_path / "mix.png").stat().st_size > 1000
     assert "| bandit-progress |" in rep.markdown(t)
+    # a finished run's trained/ copy is not a second run; an evaluated run gets its task exact match
+    (tmp_path / "sweep" / "p1" / "trained").mkdir()
+    for f in ("config.yaml", "X.loss.json"):
+        (tmp_path / "sweep" / "p1" / "trained" / f).write_text((tmp_path / "sweep" / "p1" / f).read_text())
+    (tmp_path / "sweep" / "p1" / "eval").mkdir()
+    (tmp_path / "sweep" / "p1" / "eval" / "metrics.json").write_text(json.dumps({"tasks": {"accuracy": 0.5}}))
+    t = rep.summary(rep.load_runs(tmp_path / "sweep")[0], "noise")
+    assert t.loc["bandit-progress", "seeds"] == 1 and t.loc["bandit-progress", "tasks"] == 0.5
+    # against a published comparison: frozen, then judged per arm within the tolerances
+    assert rep.main(["--runs", str(tmp_path / "sweep"), "--write-published", str(tmp_path / "pub.json"),
+                     "--machine", "m"]) == 0
+    pub = json.loads((tmp_path / "pub.json").read_text())
+    assert {a["arm"] for a in pub["arms"]} == {"uniform", "bandit-progress"} and pub["machine"] == "m"
+    v = rep.compare(t, pub, "noise", 0.05, 0.05)
+    assert (v["verdict"] == "PASS").all()
+    pub["arms"][[a["arm"] for a in pub["arms"]].index("uniform")]["val_learnable_mean"] += 0.06
+    v = rep.compare(t, pub, "noise", 0.05, 0.05)
+    assert v.loc["uniform", "verdict"] == "FAIL" and v.loc["bandit-progress", "verdict"] == "PASS"
+    (tmp_path / "pub.json").write_text(json.dumps(pub))
+    assert rep.main(["--runs", str(tmp_path / "sweep"), "--published", str(tmp_path / "pub.json"),
+                     "--report", str(tmp_path / "report.md"), "--plot", str(tmp_path / "mix.png")]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "**FAIL**" in text and "![mixtures](mix.png)" in text

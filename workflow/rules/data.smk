@@ -108,4 +108,4 @@ rule tokenize_groups:
     shell:
         "python3 {input.script} --tokenizer {input.tokenizer} --train {input.train} --val {input.val} "
         "--out-dir {params.out_dir} --manifest {output} --threads {threads} --group-by field:task "
-        "--noise-group noise --noise-tokens 200000 --noise-seed 0 > {log} 2>&1"
+        "--noise-group noise --noise-tokens 8000000 --noise-seed 0 > {log} 2>&1"
