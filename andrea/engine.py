@@ -242,9 +242,11 @@ class Engine:
 
     def print_plan(self, file=sys.stderr):
         t = self.cfg.train
-        print(f"memory plan: {self.cfg.model.name} B={t.batch_size} T={t.seq_len} "
-              f"precision={t.precision} backend={self.be.name} params={self.layout.n_params:,}",
-              file=file)
+        mc = self.cfg.model
+        attn = self.be.attention_variant(self.params_c.dtype, mc.d_model // mc.n_head)
+        print(f"memory plan: {mc.name} B={t.batch_size} T={t.seq_len} "
+              f"precision={t.precision} backend={self.be.name} params={self.layout.n_params:,} "
+              f"attention={attn}", file=file)
         print(self.plan.table(), file=file, flush=True)
         ws = self.workspace.nbytes()
         if ws:

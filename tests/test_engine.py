@@ -161,3 +161,13 @@ def test_classifier_in_chunks_matches_one_chunk(monkeypatch):
     # atol: parameters whose true gradient is zero get rounding noise g ~ 1e-16, which AdamW turns
     # into steps of lr * g / eps ~ 1e-10 (the summation order of the chunks differs)
     np.testing.assert_allclose(chunked.params, one.params, rtol=1e-12, atol=1e-10)
+
+
+def test_plan_names_the_attention_path():
+    import io
+    eng = Engine(make_cfg())
+    out = io.StringIO()
+    eng.print_plan(file=out)
+    head = out.getvalue().splitlines()[0]
+    assert head.startswith("memory plan:") and head.endswith("attention=materialised")
+    assert "total (aligned)" in out.getvalue()

@@ -1,7 +1,9 @@
-// mlp.cu: the elementwise parts of the MLP, around cuBLAS's two products (andrea/backends/cuda.py
-// k_mlp_fwd / k_mlp_bwd): the first bias fused with GELU (tanh form, as GPT-2), GELU recomputed
-// from the saved pre-activation in the backward pass, and the GELU derivative. The second bias
-// uses k_bias_add and the bias gradients k_colsum_* (common.cuh).
+// mlp.cu: the elementwise parts of k_mlp_fwd / k_mlp_bwd (andrea/backends/cuda/ops.py), around the
+// two products, named by the operation they belong to: k_mlp_fwd_bias_gelu (the first bias fused
+// with GELU, tanh form as GPT-2; only when cuBLASLt's bias + GELU epilogue does not apply),
+// k_mlp_bwd_gelu (GELU recomputed from the saved pre-activation) and k_mlp_bwd_dgelu (the GELU
+// derivative; only without cuBLASLt's dGELU epilogue). The second bias and the bias gradients
+// are linear.cu's k_bias_add and k_colsum_*.
 #include "common.cuh"
 
 #define GELU_K 0.7978845608028654f  // sqrt(2 / pi), as numpy_ref.GELU_K
@@ -12,7 +14,7 @@ __device__ __forceinline__ float gelu(float x) {
 
 // pre (N, H) += b1 (rounded to CT, as saved); act = gelu(pre).
 // Blocks stride over rows, threads over columns (no 64-bit division per element).
-extern "C" __global__ void k_mlp_bias_gelu(CT* pre, CT* act, const CT* b1, i64 N, int H) {
+extern "C" __global__ void k_mlp_fwd_bias_gelu(CT* pre, CT* act, const CT* b1, i64 N, int H) {
   for (i64 r = blockIdx.x; r < N; r += gridDim.x)
     for (int c = threadIdx.x; c < H; c += blockDim.x) {
       i64 i = r * H + c;
@@ -23,13 +25,13 @@ extern "C" __global__ void k_mlp_bias_gelu(CT* pre, CT* act, const CT* b1, i64 N
 }
 
 // act = gelu(pre): the backward pass recomputes what the forward pass did not keep.
-extern "C" __global__ void k_mlp_gelu(CT* act, const CT* pre, i64 total) {
+extern "C" __global__ void k_mlp_bwd_gelu(CT* act, const CT* pre, i64 total) {
   for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x)
     act[i] = from_f<CT>(gelu(to_f(pre[i])));
 }
 
 // dact *= gelu'(pre).
-extern "C" __global__ void k_mlp_gelu_bwd(CT* dact, const CT* pre, i64 total) {
+extern "C" __global__ void k_mlp_bwd_dgelu(CT* dact, const CT* pre, i64 total) {
   for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
     float x = to_f(pre[i]);
     float u = GELU_K * (x + 0.044715f * x * x * x);

@@ -3,7 +3,7 @@
 //
 // layernorm.cu: layer norm over the last axis (C), forward and backward. One warp per row for
 // the row-wise parts; the weight and bias gradients are column sums over all rows, done in fixed
-// row chunks (k_layernorm_bwd_partial) then added in chunk order (k_colsum_final, common.cuh),
+// row chunks (k_layernorm_bwd_partial) then added in chunk order (k_colsum_final, now in linear.cu),
 // so no floating-point atomics. Statistics (mean, rstd) are float32 whatever CT is.
 #include "common.cuh"
 

@@ -226,8 +226,8 @@ class CudaOps:
             pdb = self.workspace.get("colsum_b", n_blocks * C, np.float32)
             self.rt.launch("layernorm.cu", "k_layernorm_bwd_partial", ct, (-(-C // 32), n_blocks), (32, 8),
                            (pdw, pdb, dout, inp, mean, rstd, i64(N), i32(C), i32(rpb)))
-        self.rt.launch("layernorm.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dweight, pdw, i32(n_blocks), i32(C)))
-        self.rt.launch("layernorm.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dbias, pdb, i32(n_blocks), i32(C)))
+        self.rt.launch("linear.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dweight, pdw, i32(n_blocks), i32(C)))
+        self.rt.launch("linear.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dbias, pdb, i32(n_blocks), i32(C)))
 
     # ------------------------------------------------------------ linear layers (shared)
     def _linear_fwd(self, kernel, out, inp, w, b, bias=True):
@@ -402,7 +402,7 @@ class CudaOps:
         if not self._lt_matmul(act, inp, w1, False, True, N, H, C, C, C, H, "gelu_aux_bias", bias=b1,
                                aux=pre, aux_ld=H):
             self._linear_fwd("k_mlp_fwd", pre, inp, w1, None, bias=False)
-            self.rt.launch("mlp.cu", "k_mlp_bias_gelu", ct, min(N, MAX_BLOCKS), THREADS, (pre, act, b1, i64(N), i32(H)))
+            self.rt.launch("mlp.cu", "k_mlp_fwd_bias_gelu", ct, min(N, MAX_BLOCKS), THREADS, (pre, act, b1, i64(N), i32(H)))
         self._linear_fwd("k_mlp_fwd", out, act, w2, b2)
 
     def k_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact):
@@ -416,14 +416,14 @@ class CudaOps:
         check("k_mlp_bwd", "dw2", dw2, (C, H), np.float32)
         check("k_mlp_bwd", "db2", db2, (C,), np.float32)
         N = inp.size // C
-        self.rt.launch("mlp.cu", "k_mlp_gelu", ct, blocks(N * H), THREADS, (act, pre, i64(N * H)))
+        self.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(N * H), THREADS, (act, pre, i64(N * H)))
         blas = self.blas
         blas.gemm(dw2, dout, act, True, False, C, H, N, C, H, H, beta=1.0)
         self._colsum_add(db2, dout, N, C)
         # dact = (dout @ w2) * gelu'(pre) (overwrites): one cuBLASLt product with its epilogue
         if not self._lt_matmul(dact, dout, w2, False, False, N, H, C, C, H, H, "dgelu", aux=pre, aux_ld=H):
             blas.gemm(dact, dout, w2, False, False, N, H, C, C, H, H)
-            self.rt.launch("mlp.cu", "k_mlp_gelu_bwd", ct, blocks(N * H), THREADS, (dact, pre, i64(N * H)))
+            self.rt.launch("mlp.cu", "k_mlp_bwd_dgelu", ct, blocks(N * H), THREADS, (dact, pre, i64(N * H)))
         self._linear_bwd("k_mlp_bwd", dinp, dw1, db1, dact, inp, w1)
 
     # ------------------------------------------------------------ residual
