@@ -25,33 +25,55 @@ ENGINE_LOCK_WAIT_S = float(os.environ.get("ANDREA_ENGINE_LOCK_WAIT_S", "15"))
 
 
 def _report(message: str) -> None:
-    """A fatal error: on stderr for the terminal, and as an event for the proxy's state.json."""
+    """A fatal error: on stderr for the terminal, and as an event for the proxy's state.json
+    (rank 0's; the other ranks of a data-parallel run say nothing on stdout)."""
+    from .comm import launch_rank
     from .protocol import emit
 
-    print(f"engine: {message}", file=sys.stderr)
-    emit("error", message=message)
+    rank, size = launch_rank()
+    print(f"engine{f' (rank {rank} of {size})' if size > 1 else ''}: {message}", file=sys.stderr)
+    if rank == 0:
+        emit("error", message=message)
 
 
 def cmd_engine(args) -> int:
+    if os.environ.get(PROXY_PID_ENV):
+        from .runner import die_with_parent
+
+        die_with_parent(int(os.environ[PROXY_PID_ENV]))
+    return run_engine(args.config, args.run_dir, args.resume, args.resume_at_most)
+
+
+def run_engine(config, run_dir=None, resume=False, resume_at_most=None) -> int:
+    """The engine on a resolved config (a config.yaml path, or the AndreaConfig itself); returns
+    its exit code. Under a launcher of several ranks (andrea/comm.py) this process is one rank:
+    rank 0 holds the run folder's engine lock and writes; the others only train."""
+    import contextlib
+
     from omegaconf.errors import OmegaConfBaseException
 
     from .atomic import NoSpace
     from .checkpoint import CheckpointError
+    from .comm import make_comm, select_gpu
     from .config import load_run_config
     from .data.shards import ShardError
     from .lock import LockHeld, run_lock
-    from .runner import Run, die_with_parent
+    from .runner import Run
 
-    if os.environ.get(PROXY_PID_ENV):
-        die_with_parent(int(os.environ[PROXY_PID_ENV]))
     try:
-        cfg = load_run_config(args.config)
-        run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.results_dir) / cfg.exp
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # one engine per run folder; an engine killed a moment ago may still be on its way out
-        with run_lock(run_dir, "engine", wait_s=ENGINE_LOCK_WAIT_S):
-            run = Run(cfg, run_dir)
-            rc = run.train(resume=args.resume, resume_at_most=args.resume_at_most)
+        cfg = load_run_config(config) if isinstance(config, (str, Path)) else config
+        run_dir = Path(run_dir) if run_dir else Path(cfg.results_dir) / cfg.exp
+        comm = make_comm()
+        select_gpu(cfg.backend.name, comm)
+        if comm.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            # one engine per run folder; an engine killed a moment ago may still be on its way out
+            lock = run_lock(run_dir, "engine", wait_s=ENGINE_LOCK_WAIT_S)
+        else:
+            lock = contextlib.nullcontext()
+        with lock:
+            run = Run(cfg, run_dir, comm=comm)
+            rc = run.train(resume=resume, resume_at_most=resume_at_most)
     except LockHeld as e:
         _report(str(e))
         return EXIT_BAD_INPUT
@@ -63,7 +85,7 @@ def cmd_engine(args) -> int:
         return EXIT_BAD_INPUT
     # The run's last checkpoint is on disk: further stop signals have nothing left to save, and
     # must not kill interpreter shutdown (which restores default handlers) with a non-zero status.
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     return rc
 

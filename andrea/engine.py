@@ -28,8 +28,9 @@ import numpy as np
 
 from . import model
 from .backends import get_backend
-from .backends.numpy_ref import (S_BAD, S_GOOD, S_LOSS, S_LR, S_NORM, S_REC_SCALE, S_SCALE, S_SKIP,
-                                 S_SKIPPED, S_STEP, STATE_LEN)
+from .backends.numpy_ref import (S_BAD, S_GOOD, S_LOSS, S_LOSS_SUM, S_LR, S_NORM, S_REC_SCALE, S_SCALE,
+                                 S_SKIP, S_SKIPPED, S_STEP, STATE_LEN)
+from .comm import SINGLE
 from .config import AndreaConfig
 
 ALIGN = 256  # bytes; cuBLAS and vector loads want aligned starts
@@ -163,8 +164,11 @@ class Arena:
 class Engine:
     """Owns every buffer and the optimizer state of one model; runs steps on one backend."""
 
-    def __init__(self, cfg: AndreaConfig, backend=None, dtype: str = "float32"):
+    def __init__(self, cfg: AndreaConfig, backend=None, dtype: str = "float32", comm=None):
         self.cfg = cfg
+        # data parallelism (andrea/comm.py): this engine is one rank of comm.size, each running
+        # its own microbatches; the step sums the gradients over the ranks before the optimizer
+        self.comm = comm if comm is not None else SINGLE
         self.be = backend if backend is not None else get_backend(cfg.backend.name)
         t = cfg.train
         if t.precision not in self.be.precisions:
@@ -176,6 +180,7 @@ class Engine:
         self.dtype = dtype
         self.mixed = t.precision != "fp32"
         self._allocate()
+        self.comm.prepare(self.grads)
         self.loss_scale = float(t.loss_scale) if t.precision == "fp16" else 1.0
         self.init_params(t.seed)
 
@@ -252,6 +257,10 @@ class Engine:
         if ws:
             print(f"{'kernel workspace':<22}{ws:>16,}{ws / 2**20:>12.1f}"
                   "  (backend scratch, outside the arena)", file=file, flush=True)
+        if self.comm.size > 1:
+            print(f"data parallel: {self.comm.describe()}; the bytes above are per rank (each rank holds "
+                  f"the whole model, its gradients and Adam state), {self.comm.size} ranks hold "
+                  f"{self.comm.size * (self.plan.total() + ws):,} bytes in all", file=file, flush=True)
 
     # ------------------------------------------------------------ the optimizer state (on the device)
     def _get(self, slot) -> float:
@@ -313,11 +322,15 @@ class Engine:
         self._run(("passes", accumulate), passes)
 
     def _optimizer(self, n_micro):
-        """Queue the end of the step: norm, non-finite policy, loss scale, clip + AdamW + cast."""
-        t, be = self.cfg.train, self.be
+        """Queue the end of the step: the sum over the ranks, norm, non-finite policy, loss scale,
+        clip + AdamW + cast. n_micro: this rank's microbatches (every rank runs as many)."""
+        t, be, comm = self.cfg.train, self.be, self.comm
         partials = self.bufs["norm_partials"]
+        loss_sum = self.optim_state[S_LOSS_SUM:S_LOSS_SUM + 1]
+        n_micro *= comm.size  # the average is over every rank's microbatches
 
         def optimizer():
+            comm.allreduce_sum(self.grads, loss_sum)  # nothing with one rank
             be.k_grad_norm_partial(partials, self.grads)
             be.k_step_check(self.optim_state, self.dloss, partials, n_micro, t.batch_size * t.seq_len,
                             t.beta1, t.beta2, t.weight_decay, t.grad_clip, t.precision == "fp16",

@@ -4,7 +4,7 @@
 
 stdout carries only JSON objects, one per line, each with an "event" key: plan, resume, step,
 val, sample, checkpoint, pivot, done (andrea/protocol.py defines each). Human text goes to stderr.
-Signals are handled at step boundaries: SIGTERM / SIGINT write a checkpoint and exit 0; SIGUSR1
+Signals are handled at step boundaries: SIGTERM / SIGINT / SIGUSR2 write a checkpoint and exit 0; SIGUSR1
 writes one and training goes on. A signal that arrives while a checkpoint is being written only
 sets a flag, so the write always completes. Exit codes: 0 finished or stopped, 3 aborted after
 train.max_bad_steps non-finite steps in a row (the newest checkpoint holds the last finite state:
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from . import checkpoint as ck
+from .comm import SINGLE
 from .config import AndreaConfig, config_hash
 from .data.loader import train_loader, val_windows
 from .engine import Engine, phase_of
@@ -40,6 +41,7 @@ class Signals:
     def install(self):
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
+        signal.signal(signal.SIGUSR2, self._stop)  # mpirun forwards it to every rank (docs/DISTRIBUTED.md)
         signal.signal(signal.SIGUSR1, self._save)
 
     def _stop(self, signum, frame):
@@ -73,15 +75,36 @@ def die_with_parent(expected_parent: int) -> None:
         os._exit(EXIT_ORPHANED)
 
 
-class Run:
-    """The training loop of one run: cadence, checkpoints, signals, records."""
+def _quiet(event: str, **fields) -> None:
+    """emit() of the ranks other than 0: they say nothing on stdout."""
 
-    def __init__(self, cfg: AndreaConfig, run_dir, engine: Engine = None):
+
+class Run:
+    """The training loop of one run: cadence, checkpoints, signals, records.
+
+    With a comm of several ranks (data parallelism, andrea/comm.py) every rank runs this loop on
+    its own slice of each step's microbatches: the loader reads the whole step on every rank (so
+    its position and the data mix stay global and identical) and rank r keeps microbatches
+    r*k .. r*k+k-1 of the step's grad_accum = size*k. Rank 0 alone resumes (then sends the state
+    to the others), validates, samples, writes checkpoints and speaks the protocol on stdout; a
+    stop or save signal that reaches any rank is agreed on at the step boundary, so every rank
+    stops after the same step."""
+
+    def __init__(self, cfg: AndreaConfig, run_dir, engine: Engine = None, comm=None):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.hash = config_hash(cfg)
-        self.eng = engine or Engine(cfg)
+        self.comm = comm if comm is not None else (engine.comm if engine is not None else SINGLE)
+        self.root = self.comm.rank == 0
+        self.emit = emit if self.root else _quiet
         t = cfg.train
+        if t.grad_accum % self.comm.size:
+            raise ValueError(f"train.grad_accum={t.grad_accum} is not a multiple of the {self.comm.size} ranks: "
+                             f"each rank runs grad_accum/ranks microbatches of train.batch_size, so that the "
+                             f"global batch stays grad_accum x batch_size (set train.grad_accum to a multiple "
+                             f"of {self.comm.size})")
+        self.micro = t.grad_accum // self.comm.size  # microbatches of each rank per step
+        self.eng = engine or Engine(cfg, comm=self.comm)
         V = cfg.model.vocab_size
         self.loader = train_loader(cfg, V)  # with data.groups: the mixer picks each step's group
         self.val = None  # the validation batches (the report's windows too: data.loader.val_windows)
@@ -91,6 +114,7 @@ class Run:
         self.group_val = [(g.name, val_windows(g.val_shards, t.batch_size, t.seq_len, t.eval_batches, V))
                           for g in cfg.data.groups if g.val_shards and t.eval_every]
         self.step = 0
+        self.status = None  # finished | stopped | aborted, once train() returns
         self.resumed_reason = None
         self.sig = Signals()
         self.tokenizer = None
@@ -101,7 +125,7 @@ class Run:
         path, skipped = ck.scan(self.run_dir, self.eng.layout.n_params, max_step=at_most)
         for bad, reason in skipped:
             print(f"engine: skipping checkpoint {bad.name}: {reason}", file=sys.stderr)
-            emit("bad_checkpoint", checkpoint=str(bad), reason=reason)
+            self.emit("bad_checkpoint", checkpoint=str(bad), reason=reason)
         if path is None:
             if skipped:
                 names = ", ".join(f"{b.name} ({r})" for b, r in skipped)
@@ -114,8 +138,27 @@ class Run:
         self.loader.load_state(s["data"], source=str(ck.sidecar_path(path)))
         self.step = c.step
         self.resumed_reason = s.get("reason")
-        emit("resume", step=c.step, checkpoint=str(path))
+        self.emit("resume", step=c.step, checkpoint=str(path))
         return True
+
+    def _share_start(self) -> None:
+        """Every rank starts from rank 0's state: its config hash (checked), step, data position
+        and weights, Adam moments and counters (resumed or freshly initialised)."""
+        if self.comm.size == 1:
+            return
+        st = self.eng.state()
+        head = self.comm.bcast({"hash": self.hash, "step": self.step, "reason": self.resumed_reason,
+                                "data": self.loader.state(), "counters": st.counters()})
+        if head["hash"] != self.hash:
+            raise ValueError(f"rank {self.comm.rank}: its config (config_hash {self.hash[:12]}…) differs from rank "
+                             f"0's ({head['hash'][:12]}…); every rank must run the same command")
+        self.comm.bcast_arrays([st.params, st.m, st.v])
+        if not self.root:
+            self.step, self.resumed_reason = head["step"], head["reason"]
+            self.loader.load_state(head["data"], source="rank 0's data position")
+            st.loss_scale, st.good_streak, st.bad_streak, st.skipped = (head["counters"][k] for k in (
+                "loss_scale", "good_streak", "bad_streak", "skipped"))
+            self.eng.load_state(st)
 
     def save(self, reason: str):
         """Write a checkpoint of the current state; None (and a message) when the state is not
@@ -123,6 +166,8 @@ class Run:
         When the proxy is gone (stdout closed) the engine stops here, writing nothing: the proxy
         would never record this checkpoint, and the steps before it would be missing from the
         history when a new proxy resumes from it."""
+        if not self.root:
+            return None  # rank 0 writes the run's checkpoints
         if reader_gone():
             print(f"engine: stdout is closed (the proxy is gone); stopping at step {self.step} without "
                   "a checkpoint", file=sys.stderr)
@@ -138,7 +183,7 @@ class Run:
             print(f"engine: {e}", file=sys.stderr)
             return None
         ck.prune(self.ckpt_dir, self.cfg.train.keep_last, protect=[path])
-        emit("checkpoint", step=self.step, path=str(path), reason=reason)
+        self.emit("checkpoint", step=self.step, path=str(path), reason=reason)
         return path
 
     def _maybe_pivot(self):
@@ -151,24 +196,27 @@ class Run:
         path = self.save("pivot")
         if path is None:  # not finite: nothing to archive; the abort policy decides what comes next
             return
-        emit("pivot", step=self.step, **{"from": cur.name if cur else "pretrain", "to": nxt.name},
+        self.emit("pivot", step=self.step, **{"from": cur.name if cur else "pretrain", "to": nxt.name},
              checkpoint=str(path))
 
     def train(self, resume: bool = False, resume_at_most=None) -> int:
         t = self.cfg.train
         self.sig.install()
-        self.eng.print_plan()
+        if self.root:
+            self.eng.print_plan()
         plan = self.eng.plan
-        emit("plan", n_params=self.eng.layout.n_params, total_bytes=plan.total(),
+        self.emit("plan", n_params=self.eng.layout.n_params, total_bytes=plan.total(),
              rows=[{"name": g, "bytes": b} for g, b in plan.by_group().items()])
-        if resume:
+        if resume and self.root:
             self.resume(resume_at_most)
+        self._share_start()
         self._resume_step = self.step
+        r, k = self.comm.rank, self.micro
         tokens = t.batch_size * t.seq_len * t.grad_accum
         t0 = time.perf_counter()
         while self.step < t.steps:
             self._maybe_pivot()
-            batches = self.loader.next_step(t.grad_accum)
+            batches = self.loader.next_step(t.grad_accum)[r * k:(r + 1) * k]  # this rank's part
             ts = time.perf_counter()
             rec = self.eng.train_step(self.step + 1, batches)
             self.eng.be.synchronize()
@@ -177,32 +225,40 @@ class Run:
             mix = self.loader.feedback(rec)
             ph = phase_of(self.cfg, self.step)
             if self.step % max(1, t.log_every) == 0 or rec["skipped"] or self.step == t.steps:
-                emit("step", phase=ph.name if ph else "pretrain", tokens_per_s=tokens / dt,
+                self.emit("step", phase=ph.name if ph else "pretrain", tokens_per_s=tokens / dt,
                      wall_s=time.perf_counter() - t0, **rec, **mix)
-            if self.eng.bad_streak >= t.max_bad_steps:
+            if self.eng.bad_streak >= t.max_bad_steps:  # the same on every rank: one global step
                 saved = self.save("abort")
-                where = (f"{saved.name} holds the last good weights" if saved is not None else
-                         f"the newest checkpoint ({self._newest_name()}) holds the last finite weights")
-                print(f"aborting: {self.eng.bad_streak} non-finite steps in a row (train.max_bad_steps="
-                      f"{t.max_bad_steps}); {where}", file=sys.stderr)
-                emit("done", step=self.step, status="aborted")
+                if self.root:
+                    where = (f"{saved.name} holds the last good weights" if saved is not None else
+                             f"the newest checkpoint ({self._newest_name()}) holds the last finite weights")
+                    print(f"aborting: {self.eng.bad_streak} non-finite steps in a row (train.max_bad_steps="
+                          f"{t.max_bad_steps}); {where}", file=sys.stderr)
+                self._done("aborted")
                 return EXIT_ABORTED
             self._cadence()
+            # a signal on any rank holds for all of them (one small collective per step)
+            self.sig.stop, self.sig.save = self.comm.any(self.sig.stop, self.sig.save)
             if self.sig.stop:
                 self.save("signal")
-                emit("done", step=self.step, status="stopped")
+                self._done("stopped")
                 return 0
             if self.sig.save:
                 self.sig.save = False
                 self.save("signal")
-        if not ck.is_valid(ck.bin_path(self.ckpt_dir, self.step)):  # a signal save may have just written it
+        # a signal save may have just written the final checkpoint
+        if self.root and not ck.is_valid(ck.bin_path(self.ckpt_dir, self.step)):
             if self.save("final") is None:
                 print(f"aborting: the final weights are not finite; the newest checkpoint "
                       f"({self._newest_name()}) holds the last finite weights", file=sys.stderr)
-                emit("done", step=self.step, status="aborted")
+                self._done("aborted")
                 return EXIT_ABORTED
-        emit("done", step=self.step, status="finished")
+        self._done("finished")
         return 0
+
+    def _done(self, status: str) -> None:
+        self.status = status
+        self.emit("done", step=self.step, status=status)
 
     def _newest_name(self) -> str:
         p = ck.latest_checkpoint(self.run_dir)
@@ -210,13 +266,15 @@ class Run:
 
     def _cadence(self):
         t, s = self.cfg.train, self.step
+        if not self.root:
+            return  # validation, samples and checkpoints are rank 0's
         if self.val is not None and t.eval_every and (s % t.eval_every == 0 or s == t.steps):
             extra = {}
             if self.group_val:
                 extra["group_val_loss"] = {n: self.eng.val_loss(v) for n, v in self.group_val}
-            emit("val", step=s, val_loss=self.eng.val_loss(self.val), **extra)
+            self.emit("val", step=s, val_loss=self.eng.val_loss(self.val), **extra)
         if t.sample_every and (s % t.sample_every == 0 or s == t.steps):
-            emit("sample", step=s, samples=self.samples())
+            self.emit("sample", step=s, samples=self.samples())
         if t.ckpt_every and s % t.ckpt_every == 0 and s != t.steps:
             self.save("cadence")
 

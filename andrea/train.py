@@ -6,6 +6,11 @@
     python -m andrea.train -m experiment=ANDREA-tiny train.lr=1e-3,3e-3
         # a sweep: one run per combination, results/ANDREA-tiny+train.lr=0.001/ and so on
 
+Data parallelism (docs/DISTRIBUTED.md): each of N ranks trains on its part of every step's
+microbatches (train.grad_accum must be a multiple of N), rank 0 keeps the records and checkpoints:
+    python -m andrea.train --ranks 2 experiment=ANDREA-120M train.grad_accum=2   # this host
+    mpirun -n 2 python -m andrea.train experiment=ANDREA-120M train.grad_accum=2 # or srun, a cluster
+
 A run with overrides gets its own folder, named after them (andrea/runs.py says which overrides
 name a run: data paths, proxy and eval settings do not); that name is also its `exp`.
 
@@ -44,6 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import runs
 from .atomic import atomic_write
 # composing also registers the config schemas that hydra.main below needs
+from .comm import launch_rank
 from .compose import ConfigError, compose_config, one_line, recorded_overrides, resolve  # noqa: F401 (compose_config: public here too)
 from .config import AndreaConfig, config_hash
 from .data.sizing import check_shards
@@ -54,6 +60,7 @@ TRAINED_DIR = "trained"  # what a finished run produces (the workflow's train ou
 SET_ASIDE_DIR = "previous"  # runs of other settings, moved aside by --new-run-on-change
 NEW_RUN_FLAG = "--new-run-on-change"
 NEW_RUN_ON_CHANGE = False  # set by NEW_RUN_FLAG (the workflow passes it)
+RANKS_FLAG = "--ranks"  # data parallelism on this host: python -m andrea.train --ranks N ... (andrea/launch.py)
 MAX_TAG = 200  # sweep folder names stay under the usual 255-byte file-name limit
 
 
@@ -195,6 +202,9 @@ def train(cfg: DictConfig) -> int:
         print(f"andrea.train: {e}", file=sys.stderr)
         _remove_if_empty(run_folder())
         return EXIT_BAD_INPUT
+    rank, size = launch_rank()
+    if rank > 0:
+        return follow(run_cfg, run_dir)
     from .checkpoint import CheckpointError
     from .lock import LockHeld, run_lock
     from .proxy import RecordError, refuse_unusable_checkpoints, supervise  # late: composing needs no engine
@@ -210,11 +220,26 @@ def train(cfg: DictConfig) -> int:
             print(f"andrea.train: {run_cfg.exp} -> {run_dir} (config_hash {config_hash(run_cfg)[:12]}, "
                   f"overrides: {ov})\nandrea.train: watch it live: python -m andrea.dashboard {run_dir}",
                   file=sys.stderr)
-            rc = supervise(run_cfg, run_dir)
+            if size > 1:
+                print(f"andrea.train: data parallel over {size} ranks; this is rank 0, which keeps the "
+                      "records and checkpoints", file=sys.stderr)
+            # several ranks: an engine that crashed cannot rejoin its MPI world, so the proxy does not
+            # restart it; its exit ends the launch (every rank), and the same command resumes the run
+            rc = supervise(run_cfg, run_dir, max_restarts=0 if size > 1 else None)
             return finish(run_cfg, run_dir, rc)
     except (ConfigError, RecordError, CheckpointError, LockHeld) as e:  # bad config, records or checkpoints
         print(f"andrea.train: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def follow(cfg: AndreaConfig, run_dir: Path) -> int:
+    """Rank r > 0 of a data-parallel launch (docs/DISTRIBUTED.md): the engine runs in this process,
+    on the config this rank composed (checked against rank 0's), and writes nothing; rank 0's
+    proxy keeps the records. 0 when the run finished or stopped (rank 0 says which), else the
+    engine's exit code, which ends the launch."""
+    from .cli import run_engine
+
+    return run_engine(cfg, run_dir, resume=True)
 
 
 def finish(cfg: AndreaConfig, run_dir: Path, rc: int) -> int:
@@ -277,6 +302,24 @@ def main(cfg: DictConfig) -> None:
         sys.exit(code)  # in a sweep this stops the sweep: later runs would likely fail the same way
 
 
+def take_ranks_flag(argv: list) -> Optional[int]:
+    """Remove `--ranks N` / `--ranks=N` from argv; N, or None without the flag. Exits 2 on a bad
+    N, or on an N that differs from the launch this process is part of."""
+    for i, a in enumerate(argv):
+        if a == RANKS_FLAG or a.startswith(RANKS_FLAG + "="):
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            del argv[i:i + (1 if "=" in a else 2)]
+            if not value.isdigit() or int(value) < 1:
+                print(f"andrea.train: {RANKS_FLAG} {value!r}: expected a whole number of ranks >= 1", file=sys.stderr)
+                sys.exit(EXIT_BAD_INPUT)
+            size = launch_rank()[1]
+            if size > 1 and int(value) != size:
+                print(f"andrea.train: {RANKS_FLAG} {value} inside a launch of {size} ranks", file=sys.stderr)
+                sys.exit(EXIT_BAD_INPUT)
+            return int(value) if size == 1 else None
+    return None
+
+
 def cli() -> None:
     """`python -m andrea.train`: a config that does not compose exits 2 with one line, before Hydra
     starts; anything Hydra itself refuses later (a sweep's config) exits 2 as well."""
@@ -285,6 +328,8 @@ def cli() -> None:
     if {"-h", "--help"} & set(argv) and not any(a.startswith("experiment=") for a in argv):
         print(short_help())  # Hydra's own help needs an experiment to compose
         return
+    ranks = take_ranks_flag(sys.argv)
+    passed = list(sys.argv[1:])
     if NEW_RUN_FLAG in sys.argv[1:]:
         sys.argv.remove(NEW_RUN_FLAG)
         NEW_RUN_ON_CHANGE = True
@@ -292,6 +337,10 @@ def cli() -> None:
     if problem is not None:
         print(f"andrea.train: config error: {problem}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    if ranks is not None and ranks > 1:
+        from .launch import launch
+
+        sys.exit(launch(ranks, passed))  # every rank runs this command, without --ranks
     try:
         main()
     except SystemExit as e:

@@ -5,7 +5,7 @@
 protocol, andrea/protocol.py) and keeps the run's three record files through RunRecords
 (andrea/proxy/records.py documents their formats).
 
-Signals: SIGTERM or SIGINT (Ctrl-C) to the proxy forwards SIGTERM to the engine, which checkpoints
+Signals: SIGTERM, SIGINT (Ctrl-C) or SIGUSR2 to the proxy forwards SIGTERM to the engine, which checkpoints
 at the next step boundary and exits 0; the proxy then writes status `stopped` and returns 0. SIGUSR1
 is forwarded as is (checkpoint and go on). The engine runs in its own process group, so a Ctrl-C in
 the terminal reaches it only once, through the proxy.
@@ -112,7 +112,9 @@ class Supervisor:
         if threading.current_thread() is not threading.main_thread():
             print("andrea.proxy: not in the main thread, so signals are not forwarded", file=sys.stderr)
             return {}
-        handlers = {signal.SIGTERM: self._on_stop, signal.SIGINT: self._on_stop, signal.SIGUSR1: self._on_usr1}
+        # SIGUSR2: a stop too, the one mpirun forwards to every rank of a data-parallel launch
+        handlers = {signal.SIGTERM: self._on_stop, signal.SIGINT: self._on_stop, signal.SIGUSR2: self._on_stop,
+                    signal.SIGUSR1: self._on_usr1}
         return {s: signal.signal(s, h) for s, h in handlers.items()}
 
     # one engine life -------------------------------------------------------------------------

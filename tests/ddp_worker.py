@@ -1,0 +1,42 @@
+"""One rank of the data-parallel equality test (tests/test_ddp.py), started by mpirun.
+
+    mpirun -n N python tests/ddp_worker.py CONFIG.json OUT_PREFIX DTYPE STEPS
+
+Every rank builds the same engine (andrea.comm.make_comm), draws the same global batches from a
+fixed seed, runs its own microbatches (rank r: r*k .. r*k+k-1 of grad_accum = N*k) and writes
+OUT_PREFIX.<rank>.npz: the weights and the step records after STEPS steps.
+"""
+import json
+import sys
+
+import numpy as np
+
+from andrea.comm import make_comm
+from andrea.config import load_run_config
+from andrea.engine import Engine
+
+
+def global_batches(cfg, step, seed=11):
+    """The grad_accum (x, y) microbatches of a step, the same in every process."""
+    t, V = cfg.train, cfg.model.vocab_size
+    rng = np.random.default_rng([seed, step])
+    toks = rng.integers(0, V, (t.grad_accum, t.batch_size, t.seq_len + 1)).astype(np.int32)
+    return [(m[:, :-1].copy(), m[:, 1:].copy()) for m in toks]
+
+
+def main(config_json, out, dtype, steps):
+    cfg = load_run_config(json.loads(open(config_json).read()))
+    comm = make_comm()
+    eng = Engine(cfg, dtype=dtype, comm=comm)
+    k = cfg.train.grad_accum // comm.size
+    r = comm.rank
+    recs = []
+    for step in range(1, int(steps) + 1):
+        rec = eng.train_step(step, global_batches(cfg, step)[r * k:(r + 1) * k])
+        recs.append([rec["loss"], rec["grad_norm"]])
+    params, m, v = (eng.be.to_numpy(a) for a in (eng.params, eng.m, eng.v))
+    np.savez(f"{out}.{r}.npz", params=params, m=m, v=v, recs=np.array(recs))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
