@@ -8,7 +8,7 @@ every rank: each rank stops after the same step and rank 0 writes one checkpoint
 mpirun itself is its teardown: it signals the ranks and kills them shortly after, which can cut
 rank 0's checkpoint short.) SIGUSR1 is forwarded as SIGUSR1: checkpoint and go on.
 
-ANDREA_MPIRUN replaces the launcher command (default: `mpirun` from PATH), e.g.
+Each rank gets OMP_NUM_THREADS = CPUs / N unless it is set. ANDREA_MPIRUN replaces the launcher command (default: `mpirun` from PATH), e.g.
 ANDREA_MPIRUN="mpirun --hostfile hosts"; with Open MPI the form adds `--bind-to none` (each rank
 uses several threads) and `--oversubscribe` when N exceeds the CPU count.
 """
@@ -53,6 +53,15 @@ def mpirun_argv(ranks: int, argv: Sequence[str], cmd: Sequence[str], open_mpi: b
     return [*cmd, "-n", str(ranks), *extra, sys.executable, "-m", "andrea.train", *argv]
 
 
+def rank_env(ranks: int, env=None) -> dict:
+    """The ranks' environment: OMP_NUM_THREADS (the BLAS threads of each rank) set to the CPUs
+    shared out between the ranks unless it is set already; N ranks of as many threads as CPUs
+    spend their time evicting each other."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    return env
+
+
 def launch(ranks: int, argv: Sequence[str]) -> int:
     """Run argv on `ranks` ranks through mpirun; returns mpirun's exit status."""
     cmd = launcher()
@@ -63,7 +72,7 @@ def launch(ranks: int, argv: Sequence[str]) -> int:
     full = mpirun_argv(ranks, argv, cmd, is_open_mpi(cmd))
     print(f"andrea.train: {shlex.join(full)}", file=sys.stderr, flush=True)
     # its own process group: a Ctrl-C in the terminal reaches mpirun only as the SIGUSR2 sent here
-    proc = subprocess.Popen(full, process_group=0)
+    proc = subprocess.Popen(full, process_group=0, env=rank_env(ranks))
 
     def forward(sig):
         def handler(signum, frame):

