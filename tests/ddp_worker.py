@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from andrea.comm import make_comm
+from andrea.comm import make_comm, select_gpu
 from andrea.config import load_run_config
 from andrea.engine import Engine
 
@@ -27,6 +27,7 @@ def global_batches(cfg, step, seed=11):
 def main(config_json, out, dtype, steps):
     cfg = load_run_config(json.loads(open(config_json).read()))
     comm = make_comm()
+    select_gpu(cfg.backend.name, comm)  # rank r on GPU r of its host
     eng = Engine(cfg, dtype=dtype, comm=comm)
     k = cfg.train.grad_accum // comm.size
     r = comm.rank

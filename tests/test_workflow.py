@@ -134,7 +134,7 @@ def test_workflow_config_file_is_valid():
     schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     jsonschema.validate(cfg, schema)
-    assert cfg["exp"] == "ANDREA-tiny" and cfg["overrides"] == []
+    assert cfg["exp"] == "ANDREA-tiny" and cfg["overrides"] == [] and cfg["ranks"] == 1
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"exp": "ANDREA-tiny", "overrides": [1]}, schema)
 
@@ -156,6 +156,31 @@ def test_slurm_profile_dry_run(checkout):
     t = smk(checkout, "-n", "--workflow-profile", "profiles/slurm", "results/ANDREA-tiny")
     block = (t.stdout + t.stderr).split("rule train:")[1]
     assert "gpu=0" in block[:block.index("\n\n") if "\n\n" in block else 2000]
+
+
+def test_train_rule_takes_the_rank_count(checkout):
+    """config ranks: 1 is today's command; N > 1 the single-host launch (--ranks N); with a launcher
+    (Slurm: srun) `srun -n N`, and the job asks Slurm for N tasks of one GPU each and N GPUs."""
+    ov, run = "overrides=[train.grad_accum=4]", "results/ANDREA-12M+train.grad_accum=4"
+
+    def train_block(*cfg, profile=("--cores", "1", "--resources", "gpu=4")):  # default profile: gpu=1
+        r = smk(checkout, "-n", "-p", *profile, "--config", *cfg, ov, "--", f"{run}/trained/final.bin")
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-3000:]
+        block = out[out.index("rule train:"):]
+        return block[:block.index("tee ")]
+
+    one = train_block("ranks=1")
+    assert "python3 -m andrea.train --new-run-on-change experiment=ANDREA-12M" in one and "gpu=1," in one
+    two = train_block("ranks=2")
+    assert "python3 -m andrea.train --ranks 2 --new-run-on-change" in two and "gpu=2," in two
+    assert "tasks=0" in two and "mpi=," in two
+    slurm = train_block("ranks=4", "launcher=srun", profile=("--workflow-profile", "profiles/slurm"))
+    assert "srun -n 4 python3 -m andrea.train --new-run-on-change" in slurm
+    for want in ("gpu=4", "tasks=4", "tasks_per_gpu=1", "mpi=srun"):
+        assert want in slurm, slurm
+    r = smk(checkout, "-n", "--cores", "1", "--config", "ranks=0")
+    assert r.returncode != 0 and "ranks" in r.stdout + r.stderr
 
 
 def test_default_profile_dry_run(checkout):

@@ -216,14 +216,46 @@ def train_args(wildcards):
     return " ".join([args[0], exp, *(shlex.quote(a) for a in args[1:])])
 
 
+RANKS = int(config["ranks"])
+LAUNCHER = str(config["launcher"] or "")
+
+
 def train_resources(cfg):
     """(gpus, host MiB) of a training run: a GPU when it must run on CUDA (backend=cuda, or fp16 /
     bf16, which the NumPy engine does not run); the engine's own memory plan (every buffer it will
-    allocate) plus 2 GiB for the interpreter, data loader and records."""
+    allocate) plus 2 GiB for the interpreter, data loader and records. Both per rank, times the
+    ranks (config ranks: every rank holds the whole plan)."""
     from andrea.engine import make_plan
 
     gpus = 1 if cfg.backend.name == "cuda" or cfg.train.precision != "fp32" else 0
-    return gpus, make_plan(cfg).total() // 2**20 + 2048
+    return gpus * RANKS, (make_plan(cfg).total() // 2**20 + 2048) * RANKS
+
+
+def train_launch(wildcards):
+    """The command that trains: python3 -m andrea.train (one rank); with config ranks = N > 1,
+    python3 -m andrea.train --ranks N (mpirun on this machine), or, with a launcher, `<launcher>
+    -n N python3 -m andrea.train` (srun inside a Slurm job: the ranks may span its nodes)."""
+    if RANKS == 1:
+        return "python3 -m andrea.train"
+    if LAUNCHER:
+        return f"{LAUNCHER} -n {RANKS} python3 -m andrea.train"
+    return f"python3 -m andrea.train --ranks {RANKS}"
+
+
+def train_slurm_tasks(wildcards):
+    """Slurm tasks of a train job (snakemake-executor-plugin-slurm's `tasks`): the ranks when a
+    launcher starts them, else 0 (the plugin's default of one task)."""
+    return RANKS if RANKS > 1 and LAUNCHER else 0
+
+
+def train_slurm_tasks_per_gpu(wildcards):
+    """One rank per GPU when a launcher starts several; 0 leaves the plugin's default."""
+    return 1 if RANKS > 1 and LAUNCHER and train_gpus(wildcards) else 0
+
+
+def train_mpi(wildcards):
+    """The plugin's `mpi` resource: set (the launcher) only when it starts several ranks."""
+    return LAUNCHER if RANKS > 1 else ""
 
 
 def train_gpus(wildcards):

