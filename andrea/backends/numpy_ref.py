@@ -369,3 +369,166 @@ def k_cast_params(dst, src):
 
 
 GRAD_NORM_PARTIALS = 64  # length of the partials buffer k_grad_norm_partial fills (NumpyBackend)
+
+
+# ---------------------------------------------------------------- FP8 (train.precision=fp8)
+# The linear layers' matrix products with FP8 operands (kernels/fp8.cu, cuda/fp8.py; docs/FP8.md).
+# A tensor x is quantised with one scale for the whole tensor, taken from its own amax (current
+# scaling): scale = 2^k, the largest power of two with amax * scale <= the format's largest value,
+# and q = fp8(x * scale), rounded to nearest even and saturated to the largest finite value. The
+# product runs on q (exact in float32 accumulation terms) and is multiplied back by 1/scale of each
+# operand (exact: powers of two). Each tensor's (amax, 1/scale) pair is its "meta", a float32 (2,).
+FP8_FORMATS = {  # name: (mantissa bits, exponent bias, largest finite value)
+    "e4m3": (3, 7, 448.0),
+    "e5m2": (2, 15, 57344.0),
+}
+FP8_FWD = "e4m3"  # weights and activations
+FP8_MAX_SHIFT = 126  # |log2 scale| at most this: 2^k and 2^-k stay normal float32 numbers
+
+
+def _fp8_format(fmt):
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"FP8 format {fmt!r}: expected one of {', '.join(FP8_FORMATS)}")
+    return FP8_FORMATS[fmt]
+
+
+def fp8_scale(amax, fmt):
+    """(scale, 1/scale) as float32 for a tensor of this amax: scale = 2^k with k the largest
+    integer such that amax * 2^k <= the format's largest value (|k| <= FP8_MAX_SHIFT); 1 for an
+    all-zero tensor; NaN for a non-finite amax (the step then becomes non-finite and is skipped).
+    Read from the float32 bits of amax, as the CUDA kernels do."""
+    M, bias, top = _fp8_format(fmt)
+    top_exp = int(np.floor(np.log2(top)))  # 448 = 1.75 * 2^8, 57344 = 1.75 * 2^15
+    u = int(np.asarray(amax, dtype=np.float32).view(np.uint32)) & 0x7FFFFFFF
+    if u >= 0x7F800000:
+        return np.float32(np.nan), np.float32(np.nan)
+    if u == 0:
+        return np.float32(1.0), np.float32(1.0)
+    e = (u >> 23) - 127  # amax = 1.m * 2^e (a subnormal amax clamps below anyway)
+    k = top_exp - e - (1 if (u & 0x7FFFFF) > 0x600000 else 0)  # mantissa above 1.75: one less
+    k = max(-FP8_MAX_SHIFT, min(FP8_MAX_SHIFT, k))
+    return np.float32(2.0 ** k), np.float32(2.0 ** -k)
+
+
+def fp8_round(y, fmt):
+    """float32 values of fp8(y): round to nearest even on the format's grid (normal and
+    subnormal), saturated to +-largest finite value (infinities too); NaN stays NaN."""
+    M, bias, top = _fp8_format(fmt)
+    y = np.asarray(y, dtype=np.float32)
+    a = np.abs(y).astype(np.float64)
+    emin = 1 - bias
+    with np.errstate(divide="ignore", invalid="ignore"):
+        _, E = np.frexp(a)  # a = f * 2^E, f in [0.5, 1)
+    e = np.maximum(E.astype(np.int64) - 1, emin)  # subnormals share the quantum of the smallest binade
+    quantum = np.ldexp(1.0, e - M)
+    with np.errstate(invalid="ignore"):
+        q = np.minimum(np.rint(a / quantum) * quantum, top)  # np.rint: half to even
+    q = np.where(np.isnan(a), np.nan, q)
+    return np.copysign(q, y).astype(np.float32)
+
+
+def fp8_encode(v, fmt):
+    """The fp8 bytes (uint8) of values already on the grid (fp8_round's output). NaN is 0x7F."""
+    M, bias, top = _fp8_format(fmt)
+    v = np.asarray(v, dtype=np.float32)
+    a = np.abs(v).astype(np.float64)
+    sign = np.signbit(v).astype(np.uint8) << 7
+    emin = 1 - bias
+    with np.errstate(divide="ignore", invalid="ignore"):
+        _, E = np.frexp(a)
+    normal = a >= 2.0 ** emin
+    e = np.where(normal, E.astype(np.int64) - 1, emin)
+    mant = np.where(normal, a / np.ldexp(1.0, e) - 1.0, a / np.ldexp(1.0, emin)) * (1 << M)
+    mant = np.nan_to_num(mant)
+    field = np.where(normal, e + bias, 0)
+    bits = (field.astype(np.int64) << M) | np.rint(mant).astype(np.int64)
+    bits = np.where(np.isnan(a), 0x7F, bits).astype(np.uint8)
+    return np.where(np.isnan(a), bits, bits | sign).astype(np.uint8)
+
+
+def fp8_decode(bits, fmt):
+    """float32 values of fp8 bytes (NaN encodings to NaN; E5M2's infinities to inf)."""
+    M, bias, top = _fp8_format(fmt)
+    b = np.asarray(bits, dtype=np.uint8).astype(np.int64)
+    field, mant = (b >> M) & ((1 << (7 - M)) - 1), b & ((1 << M) - 1)
+    emin = 1 - bias
+    mag = np.where(field == 0, np.ldexp(mant.astype(np.float64), emin - M),
+                   np.ldexp(1.0 + mant / (1 << M), field - bias))
+    top_field = (1 << (7 - M)) - 1
+    if fmt == "e4m3":  # E4M3 ("fn"): no infinities, S.1111.111 is NaN
+        mag = np.where((field == top_field) & (mant == (1 << M) - 1), np.nan, mag)
+    else:  # E5M2: IEEE-like, the top exponent holds inf and NaN
+        mag = np.where(field == top_field, np.where(mant == 0, np.inf, np.nan), mag)
+    return np.where(b & 0x80, -mag, mag).astype(np.float32)
+
+
+def k_fp8_amax(meta, x):
+    """meta[0] = max |x| over the whole tensor (float32; NaN if any element is NaN)."""
+    a = np.abs(np.asarray(x, dtype=np.float32))
+    meta[0] = np.nan if np.isnan(a).any() else (a.max() if a.size else 0.0)
+
+
+def _fp8_quantise(meta, x, fmt):
+    scale, inv = fp8_scale(meta[0], fmt)
+    meta[1] = inv
+    return fp8_encode(fp8_round(np.asarray(x, dtype=np.float32) * scale, fmt), fmt)
+
+
+def k_fp8_cast(out, meta, x, fmt):
+    """out (uint8, x's shape) = fp8 bytes of x * scale, scale from meta[0] (k_fp8_amax);
+    meta[1] = 1/scale, what the product multiplies back."""
+    out[...] = _fp8_quantise(meta, x, fmt)
+
+
+def k_fp8_cast_transpose(out, out_t, meta, x, fmt):
+    """As k_fp8_cast for x (R, K), writing out (R, K) and/or out_t (K, R), its transpose (either
+    may be None): the backward pass's operands must be contiguous along the summed axis."""
+    q = _fp8_quantise(meta, x, fmt)
+    if out is not None:
+        out[...] = q
+    if out_t is not None:
+        out_t[...] = q.T
+
+
+def fp8_fake(x, fmt):
+    """x as the FP8 product sees it: fp8(x * scale) / scale with x's own scale, in float64."""
+    meta = np.zeros(2, dtype=np.float32)
+    k_fp8_amax(meta, x)
+    q = _fp8_quantise(meta, x, fmt)
+    return fp8_decode(q, fmt).astype(np.float64) * float(meta[1])
+
+
+def k_fp8_linear_fwd(out, inp, w, b):
+    """out (N.., OC) = fp8(inp) @ fp8(w).T + b: E4M3 operands, each with its own scale, the
+    product in float64 here (float32 on tensor cores), then out's dtype."""
+    OC, IC = w.shape
+    y = fp8_fake(inp, FP8_FWD).reshape(-1, IC) @ fp8_fake(w, FP8_FWD).T + np.asarray(b, np.float64)
+    out[...] = y.reshape(out.shape)
+
+
+def k_fp8_linear_bwd(dinp, dw, db, dout, inp, w, grad_fmt):
+    """Adds into dinp += fp8g(dout) @ fp8(w), dw += fp8g(dout).T @ fp8(inp) and db += column sums
+    of dout (not quantised); fp8g is the gradient format grad_fmt ("e4m3" or "e5m2"). The
+    quantisation's own derivative is taken as 1 (straight-through), as every FP8 recipe does."""
+    OC, IC = w.shape
+    g = fp8_fake(dout, grad_fmt).reshape(-1, OC)
+    dinp += (g @ fp8_fake(w, FP8_FWD)).reshape(dinp.shape)
+    dw += g.T @ fp8_fake(inp, FP8_FWD).reshape(-1, IC)
+    db += np.asarray(dout, np.float64).reshape(-1, OC).sum(axis=0)
+
+
+def k_fp8_mlp_fwd(out, pre, act, inp, w1, b1, w2, b2):
+    """k_mlp_fwd with both products in FP8: pre = fp8(inp) @ fp8(w1).T + b1, act = gelu(pre),
+    out = fp8(act) @ fp8(w2).T + b2."""
+    k_fp8_linear_fwd(pre, inp, w1, b1)
+    _gelu(np.asarray(pre, np.float64), act)
+    k_fp8_linear_fwd(out, act, w2, b2)
+
+
+def k_fp8_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, grad_fmt):
+    """k_mlp_bwd with the four products in FP8 (k_fp8_linear_bwd's rules)."""
+    _gelu(np.asarray(pre, np.float64), act)
+    dact[...] = 0
+    k_fp8_linear_bwd(dact, dw2, db2, dout, act, w2, grad_fmt)
+    dact *= _gelu_grad(np.asarray(pre, np.float64))
+    k_fp8_linear_bwd(dinp, dw1, db1, dact, inp, w1, grad_fmt)

@@ -1,0 +1,152 @@
+"""The FP8 reference (numpy_ref's FP8 section) against PyTorch's float8 casts, and the FP8 linear
+layers against the float64 ones they approximate (CPU only).
+
+    python -m pytest tests/test_fp8_ref.py -q
+
+PyTorch's `x.to(torch.float8_e4m3fn / float8_e5m2)` rounds to nearest even but does not saturate,
+so the comparisons clamp to the largest finite value first (what a saturating cast means). Sizes
+are odd (the reference takes any; the CUDA path needs multiples of 16 and says so).
+"""
+import numpy as np
+import pytest
+
+from andrea.backends import numpy_ref as K
+
+torch = pytest.importorskip("torch")
+TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FMTS = ["e4m3", "e5m2"]
+
+
+def torch_round(x, fmt):
+    top = K.FP8_FORMATS[fmt][2]
+    t = torch.from_numpy(np.asarray(x, np.float32)).clamp(-top, top)
+    return t.to(TORCH_FP8[fmt]).to(torch.float32).numpy()
+
+
+def samples(rng, n=20000):
+    """Values over every binade of both formats, subnormals, exact ties, zeros, overflow."""
+    x = rng.normal(0, 1, n) * np.exp2(rng.integers(-24, 20, n))
+    ties = (np.arange(1, 200) + 0.5) * 2.0 ** -9  # halfway between E4M3 subnormals
+    ties2 = (1.0 + (2 * np.arange(8) + 1) / 16.0) * 4.0  # halfway between E4M3 normals (1.xxx1 * 4)
+    extra = [0.0, -0.0, 448.0, 449.0, 463.9, 464.0, 1e6, -1e6, 57344.0, 61439.0, 61440.0, 1e30, np.inf, -np.inf]
+    return np.concatenate([x, ties, -ties, ties2, -ties2, extra]).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_round_matches_torch_saturating_cast(fmt):
+    x = samples(np.random.default_rng(0))
+    ours, theirs = K.fp8_round(x, fmt), torch_round(x, fmt)
+    bad = np.flatnonzero(ours != theirs)
+    assert bad.size == 0, f"{bad.size} differ, e.g. x={x[bad[:5]]}: ours {ours[bad[:5]]}, torch {theirs[bad[:5]]}"
+    assert np.isnan(K.fp8_round(np.float32(np.nan), fmt))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_encode_decode_every_byte_as_torch(fmt):
+    bits = np.arange(256, dtype=np.uint8)
+    theirs = torch.from_numpy(bits).view(TORCH_FP8[fmt]).to(torch.float32).numpy()
+    ours = K.fp8_decode(bits, fmt)
+    np.testing.assert_array_equal(ours, theirs)  # NaN where both are NaN
+    finite = np.isfinite(ours)
+    np.testing.assert_array_equal(K.fp8_encode(ours[finite], fmt), bits[finite])
+    assert K.fp8_encode(np.float32(np.nan), fmt) == 0x7F
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_scale_is_the_largest_power_of_two_that_fits(fmt):
+    top = K.FP8_FORMATS[fmt][2]
+    rng = np.random.default_rng(1)
+    amaxes = np.concatenate([np.abs(samples(rng, 2000)), [top, top * 1.0001, 1.75, 1.7500001, 2.0 ** -140]])
+    for a in amaxes[np.isfinite(amaxes) & (amaxes > 0)]:
+        s, inv = K.fp8_scale(a, fmt)
+        k = np.log2(s)
+        assert k == np.round(k) and s * inv == 1.0, (a, s, inv)
+        if abs(k) < K.FP8_MAX_SHIFT:
+            assert np.float64(a) * s <= top < np.float64(a) * s * 2, (a, s)
+    assert K.fp8_scale(np.float32(0), fmt) == (1.0, 1.0)
+    assert all(np.isnan(K.fp8_scale(np.float32(v), fmt)).all() for v in (np.nan, np.inf))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_cast_and_cast_transpose_match_torch(fmt):
+    rng = np.random.default_rng(2)
+    x = (rng.normal(0, 3e-3, (37, 53)) * (1 + 50 * (rng.random((37, 53)) < 0.01))).astype(np.float32)
+    meta = np.full(2, -1, np.float32)
+    K.k_fp8_amax(meta, x)
+    assert meta[0] == np.abs(x).max()
+    out, out_t = np.zeros((37, 53), np.uint8), np.zeros((53, 37), np.uint8)
+    K.k_fp8_cast_transpose(out, out_t, meta, x, fmt)
+    scale, inv = K.fp8_scale(meta[0], fmt)
+    assert meta[1] == inv
+    theirs = torch.from_numpy(torch_round(x * scale, fmt)).to(TORCH_FP8[fmt]).view(torch.uint8).numpy()
+    np.testing.assert_array_equal(out, theirs)
+    np.testing.assert_array_equal(out_t, theirs.T)
+    alone = np.zeros_like(out)
+    K.k_fp8_cast(alone, meta, x, fmt)
+    np.testing.assert_array_equal(alone, out)
+    assert np.abs(K.fp8_decode(out, fmt)).max() <= K.FP8_FORMATS[fmt][2]
+    nan_meta = np.zeros(2, np.float32)
+    x[3, 4] = np.nan
+    K.k_fp8_amax(nan_meta, x)
+    assert np.isnan(nan_meta[0])
+
+
+def on_grid(rng, shape, fmt="e4m3"):
+    """Values an FP8 product represents exactly: fp8 grid points times one power of two, and
+    amax a power of two times 1.75 or less, so the tensor's own scale keeps them on the grid."""
+    v = K.fp8_round(rng.normal(0, 40, shape), fmt).astype(np.float64)
+    v.reshape(-1)[0] = 448.0 if fmt == "e4m3" else 57344.0
+    return v * 2.0 ** -10
+
+
+def test_linear_is_exact_on_the_grid_and_close_off_it():
+    """On-grid operands: the FP8 layer is the float64 layer exactly (forward and backward). Off
+    the grid (normal inputs): E4M3 errors of a few percent, not zero."""
+    rng = np.random.default_rng(3)
+    N, IC, OC = 29, 21, 13
+    inp, w, b = on_grid(rng, (N, IC)), on_grid(rng, (OC, IC)), rng.normal(0, 1, OC)
+    out, ref = np.zeros((N, OC)), np.zeros((N, OC))
+    K.k_fp8_linear_fwd(out, inp, w, b)
+    K._linear_fwd(ref, inp, w, b)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+    for grad_fmt in FMTS:
+        dout = on_grid(rng, (N, OC), grad_fmt)
+        g8 = [rng.normal(0, 1, s) for s in ((N, IC), (OC, IC), (OC,))]  # pre-filled: backward ADDS
+        g64 = [a.copy() for a in g8]
+        K.k_fp8_linear_bwd(*g8, dout, inp, w, grad_fmt)
+        K._linear_bwd(*g64, dout, inp, w)
+        for a, r in zip(g8, g64):
+            np.testing.assert_allclose(a, r, rtol=1e-12, atol=1e-12)
+    x, w = rng.normal(0, 1, (N, IC)), rng.normal(0, 0.02, (OC, IC))
+    K.k_fp8_linear_fwd(out, x, w, b * 0)
+    K._linear_fwd(ref, x, w, b * 0)
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert 1e-3 < err < 0.08, err
+
+
+def rel(a, b):
+    return float(np.linalg.norm(np.asarray(a) - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("grad_fmt,tol", [("e4m3", 0.08), ("e5m2", 0.15)])
+def test_mlp_close_to_float64_and_consistent(grad_fmt, tol):
+    """The FP8 MLP against the float64 one: within the formats' relative errors (E4M3 2^-4,
+    E5M2 2^-3 per element, less after summing), and its backward is the float64 backward of the
+    quantised operands (the straight-through rule)."""
+    rng = np.random.default_rng(4)
+    N, C, H = 23, 11, 44
+    inp, dout = rng.normal(0, 1, (N, C)), rng.normal(0, 1e-3, (N, C))
+    w1, b1, w2, b2 = rng.normal(0, 0.3, (H, C)), rng.normal(0, 0.1, H), rng.normal(0, 0.2, (C, H)), rng.normal(0, 0.1, C)
+    outs = {}
+    for name, fwd, bwd, extra in (("fp8", K.k_fp8_mlp_fwd, K.k_fp8_mlp_bwd, (grad_fmt,)),
+                                  ("f64", K.k_mlp_fwd, K.k_mlp_bwd, ())):
+        out, pre, act, dact = np.zeros((N, C)), np.zeros((N, H)), np.zeros((N, H)), np.zeros((N, H))
+        fwd(out, pre, act, inp, w1, b1, w2, b2)
+        g = [np.zeros((N, C)), np.zeros((H, C)), np.zeros(H), np.zeros((C, H)), np.zeros(C)]
+        bwd(*g, dout, inp, pre, w1, w2, act, dact, *extra)
+        outs[name] = [out] + g
+    for i, (a, r) in enumerate(zip(outs["fp8"], outs["f64"])):
+        e = rel(a, r)
+        assert e < tol, (i, e)
+    assert rel(outs["fp8"][0], outs["f64"][0]) > 1e-4  # the quantisation is there
+    np.testing.assert_allclose(outs["fp8"][5], outs["f64"][5], rtol=1e-12)  # db2: dout itself, not quantised
