@@ -27,7 +27,7 @@ import numpy as np
 ANCHOR_SHAPES = {"ANDREA-120M": "120m", "ANDREA-12M": "12m", "ANDREA-tiny": "tiny"}  # torch_gpt.py's --shape names
 # the repository's PyTorch anchor (a clone or an editable install has it; a wheel does not)
 DEFAULT_ANCHOR = Path(__file__).resolve().parent.parent / "benchmarks" / "torch_gpt.py"
-ANCHOR_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+ANCHOR_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}  # fp8: the 16-bit anchor
 
 
 def model_dict(exp: str) -> dict:
@@ -166,7 +166,7 @@ def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=Tru
     free1, _ = cp.cuda.runtime.memGetInfo()
     planned = eng.plan.total()
     extra = sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in
-                be.workspace_rows(B, T, m["d_model"], m["n_head"], eng.params_c.dtype))
+                be.workspace_rows(B, T, m["d_model"], m["n_head"], eng.params_c.dtype, precision == "fp8"))
     graph_ms = graph_step_ms(eng, *batches[0])
     per_kernel = profile_step(eng, *batches[1])
     n = eng.layout.n_params
@@ -216,7 +216,7 @@ def table(ours, anchors) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m andrea.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--exp", default="ANDREA-120M", help="model shape: conf/model/<exp>.yaml")
-    ap.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp16")
+    ap.add_argument("--precision", choices=["fp32", "fp16", "bf16", "fp8"], default="fp16")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -225,6 +225,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention-only", action="store_true",
                     help="time attention alone at the 12M and 120M shapes against PyTorch SDPA's backends "
                          "(andrea/bench_attention.py) and exit")
+    ap.add_argument("--fp8-layers", action="store_true",
+                    help="FP8 linear layers alone at --exp's shapes: error against float32 and time against "
+                         "fp16, per product (andrea/bench_fp8.py), and exit")
     ap.add_argument("--cublaslt", choices=["on", "off"], default="on",
                     help="matrix-product epilogues through cuBLASLt, or cuBLAS + separate kernels")
     ap.add_argument("--anchor", nargs="?", const=str(DEFAULT_ANCHOR),
@@ -249,6 +252,10 @@ def main(argv=None) -> int:
             raise SystemExit("--attention-only: --precision must be fp16 or bf16 (SDPA's fused backends are 16-bit)")
         from .bench_attention import report
         print(report(a.precision, a.steps))
+        return 0
+    if a.fp8_layers:
+        from .bench_fp8 import report as fp8_report
+        print(fp8_report(a.exp, a.batch, a.steps))
         return 0
     ours = run_engine(a.exp, a.precision, a.batch, a.steps, a.warmup, a.attention, a.cublaslt == "on")
     print("per-kernel device time (ms/step; each call captured as a CUDA graph and replayed):")

@@ -96,7 +96,7 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clip (0 = off)
-    precision: str = "fp32"  # fp32 | fp16 | bf16 (fp16/bf16 on the GPU only)
+    precision: str = "fp32"  # fp32 | fp16 | bf16 | fp8 (all but fp32 on the GPU only; fp8 on cc >= 8.9)
     init_std: float = 0.02  # normal init of matrices and embeddings
     ckpt_every: int = 100  # steps between checkpoints (0 = only at the end)
     keep_last: int = 3  # checkpoints kept; the newest good one is never deleted
@@ -241,8 +241,8 @@ def validate(cfg: AndreaConfig) -> None:
         raise ValueError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
     if t.seq_len > m.context:
         raise ValueError(f"train.seq_len={t.seq_len} exceeds model.context={m.context}")
-    if t.precision not in ("fp32", "fp16", "bf16"):
-        raise ValueError(f"train.precision={t.precision!r}: expected fp32, fp16 or bf16")
+    if t.precision not in ("fp32", "fp16", "bf16", "fp8"):
+        raise ValueError(f"train.precision={t.precision!r}: expected fp32, fp16, bf16 or fp8")
     if cfg.backend.name not in ("auto", "numpy", "cuda"):
         raise ValueError(f"backend.name={cfg.backend.name!r}: expected auto, numpy or cuda")
     if cfg.data.tokenizer_vocab > m.vocab_size:

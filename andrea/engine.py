@@ -104,7 +104,9 @@ class MemoryPlan:
 
 
 def compute_dtype(precision: str, base: str) -> str:
-    return {"fp32": base, "fp16": "float16", "bf16": "bfloat16"}[precision]
+    """The dtype of activations and of the weights' compute copy. fp8 computes in bf16 outside the
+    linear layers' FP8 products (docs/FP8.md)."""
+    return {"fp32": base, "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}[precision]
 
 
 def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64) -> MemoryPlan:
@@ -204,7 +206,7 @@ class Engine:
         # runner replays whole passes (CUDA graphs; the CPU runs them as they are)
         m, t = self.cfg.model, self.cfg.train
         self.workspace = self.be.reserve_workspace(t.batch_size, t.seq_len, m.d_model, m.n_head,
-                                                   self.params_c.dtype)
+                                                   self.params_c.dtype, fp8=t.precision == "fp8")
         self.graphs = self.be.graph_runner()
 
     def init_params(self, seed: int):
@@ -257,6 +259,13 @@ class Engine:
         if ws:
             print(f"{'kernel workspace':<22}{ws:>16,}{ws / 2**20:>12.1f}"
                   "  (backend scratch, outside the arena)", file=file, flush=True)
+        if t.precision == "fp8":  # the FP8 operands and their scales, part of that workspace
+            m = self.cfg.model
+            for name, shape, dtype in self.be.workspace_rows(t.batch_size, t.seq_len, m.d_model, m.n_head,
+                                                             self.params_c.dtype, fp8=True):
+                if name.startswith("fp8_"):
+                    b = int(np.prod(shape)) * np.dtype(dtype).itemsize
+                    print(f"  {name:<20}{b:>16,}{b / 2**20:>12.1f}  {dtype} {shape}", file=file, flush=True)
         if self.comm.size > 1:
             print(f"data parallel: {self.comm.describe()}; the bytes above are per rank (each rank holds "
                   f"the whole model, its gradients and Adam state), {self.comm.size} ranks hold "

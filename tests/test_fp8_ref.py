@@ -150,3 +150,11 @@ def test_mlp_close_to_float64_and_consistent(grad_fmt, tol):
         assert e < tol, (i, e)
     assert rel(outs["fp8"][0], outs["f64"][0]) > 1e-4  # the quantisation is there
     np.testing.assert_allclose(outs["fp8"][5], outs["f64"][5], rtol=1e-12)  # db2: dout itself, not quantised
+
+
+def test_numpy_backend_refuses_fp8_clearly(tmp_path):
+    from andrea.config import load_run_config
+    from andrea.engine import Engine
+    from conftest import small_config
+    with pytest.raises(ValueError, match="precision=fp8 needs backend=cuda"):
+        Engine(load_run_config(small_config(tmp_path, precision="fp8")))

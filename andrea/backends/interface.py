@@ -40,7 +40,7 @@ class GraphRunner(Protocol):
 class Backend(Protocol):
     # ------------------------------------------------------------ what it is
     name: str  # "numpy" or "cuda": for records and messages, never to choose code paths
-    precisions: Tuple[str, ...]  # train.precision values it runs ("fp32", "fp16", "bf16")
+    precisions: Tuple[str, ...]  # train.precision values it runs ("fp32", "fp16", "bf16", "fp8")
     grad_norm_partials: int  # length of the partials buffer k_grad_norm_partial fills
     xp: Any  # the array module (numpy or cupy), for small array arithmetic outside the kernels
     attention: str  # attention path chosen at construction: "fused" or "materialised"
@@ -79,12 +79,15 @@ class Backend(Protocol):
         """Wait for all queued work."""
 
     # ------------------------------------------------------------ workspace and graphs
-    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype) -> List[WorkspaceRow]:
-        """The scratch buffers the kernels take for this model shape."""
+    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False) -> List[WorkspaceRow]:
+        """The scratch buffers the kernels take for this model shape (fp8: with the FP8 operands
+        and scales of train.precision=fp8)."""
 
-    def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype) -> Workspace:
+    def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False) -> Workspace:
         """Allocate that scratch now, so the step loop allocates nothing; the kernels of this
-        backend draw from the returned Workspace, which the engine keeps and prints."""
+        backend draw from the returned Workspace, which the engine keeps and prints. fp8: from
+        now on the linear layers (k_attn_qkv_*, k_attn_out_*, k_mlp_*) run their products in FP8
+        (CUDA on compute capability 8.9 or later; elsewhere a clear error)."""
 
     def graph_runner(self) -> GraphRunner:
         """A new GraphRunner; the engine keeps one for its forward + backward passes."""

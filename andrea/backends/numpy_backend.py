@@ -84,10 +84,13 @@ class NumpyBackend:
         """Nothing is queued on the CPU."""
 
     # ------------------------------------------------------------ workspace and graphs
-    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype):
+    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False):
         return []
 
-    def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype):
+    def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False):
+        if fp8:
+            raise ValueError("train.precision=fp8 needs backend=cuda on a GPU with FP8 tensor cores; the NumPy "
+                             "backend runs fp32 (numpy_ref's k_fp8_* functions are the FP8 reference, for tests)")
         return NoWorkspace()
 
     def graph_runner(self):

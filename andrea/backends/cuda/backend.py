@@ -16,6 +16,7 @@ from .cublas import CUBLAS_WORKSPACE, Cublas
 from .ops import ATTENTION_PATHS, CudaOps
 from .runtime import Runtime, check, cp, require_cupy
 from .workspace import Workspace
+from ..numpy_ref import FP8_GRAD
 
 GRAD_NORM_PARTIALS = 1024  # blocks of k_grad_norm_partial: enough to fill the GPU at 124M params
 
@@ -27,20 +28,22 @@ class CudaBackend(CudaOps):
     (version 1 always). cublaslt: matrix products with a fused epilogue through cuBLASLt
     (cublaslt.py: bias, bias + GELU saving the pre-activation, the GELU gradient); False (or no
     algorithm for a problem) takes cuBLAS and the separate bias / GELU kernels. sources: {file
-    name: path} compiled instead of kernels/<file name>, e.g. a dev/cuda variant under test."""
+    name: path} compiled instead of kernels/<file name>, e.g. a dev/cuda variant under test.
+    fp8_grad: the format of the output gradients in train.precision=fp8 ("e4m3" or "e5m2")."""
 
     name = "cuda"
-    precisions = ("fp32", "fp16", "bf16")
+    precisions = ("fp32", "fp16", "bf16", "fp8")  # fp8: bf16 with FP8 linear products (cc >= 8.9)
     grad_norm_partials = GRAD_NORM_PARTIALS
     attention = "fused"  # the default; the constructor's argument sets it per object
     xp = cp  # CuPy (None where it is not installed: then the constructor refuses)
 
-    def __init__(self, attention: str = "fused", cublaslt: bool = True, sources=None):
+    def __init__(self, attention: str = "fused", cublaslt: bool = True, sources=None, fp8_grad: str = FP8_GRAD):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r}: expected one of {', '.join(ATTENTION_PATHS)}")
         self.cp = require_cupy()
         self.attention = attention
         self.cublaslt = bool(cublaslt)
+        self.fp8_grad = fp8_grad
         self.rt = Runtime(sources)
         self.workspace = Workspace()
         self._blas = None
@@ -114,18 +117,27 @@ class CudaBackend(CudaOps):
         self.cp.cuda.get_current_stream().synchronize()
 
     # ------------------------------------------------------------ workspace and graphs
-    def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype) -> Workspace:
+    def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False) -> Workspace:
         """Allocate the kernels' scratch for this shape now (start-up), so the step loop
         allocates nothing, and create the cuBLAS handle. Returns the Workspace the kernels of
-        this backend draw from."""
+        this backend draw from. fp8: the linear layers' products run in FP8 from now on (a GPU
+        without FP8 tensor cores is refused here, with a clear error)."""
+        if fp8:
+            from .fp8 import check_fp8_device
+            check_fp8_device(B, T, C)
         self.workspace.outside["cublas"] = CUBLAS_WORKSPACE
         self.workspace.outside["cublaslt"] = 0  # counted once the binding exists (below)
-        self.workspace.reserve(self.workspace_rows(B, T, C, n_head, act_dtype))
+        self.workspace.reserve(self.workspace_rows(B, T, C, n_head, act_dtype, fp8))
         if self._blas is None:  # the handle and its 32 MiB workspace, now rather than in step 1
             self._blas = Cublas()
         lt = self.lt
         if lt is not None:
             self.workspace.outside["cublaslt"] = lt.workspace.nbytes
+        if fp8:
+            from .fp8 import Fp8Ops
+            self.fp8 = Fp8Ops(self, self.fp8_grad)
+        else:
+            self.fp8 = None
         return self.workspace
 
     def graph_runner(self) -> graphs.GraphRunner:

@@ -80,9 +80,12 @@ def _loss_checks(kernel, losses, lse, logits, inp, wte, targets):
 class CudaOps:
     """The k_* launchers; CudaBackend sets rt, blas, lt, cublaslt, workspace and attention."""
 
-    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype):
+    fp8 = None  # the FP8 launchers (cuda/fp8.Fp8Ops) once reserve_workspace(fp8=True) made them
+
+    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False):
         """[(name, shape, dtype)] of the scratch the kernels take for one model shape: what
-        reserve_workspace allocates, for the engine's memory plan."""
+        reserve_workspace allocates, for the engine's memory plan. fp8: with the FP8 operands
+        and scales of train.precision=fp8 (cuda/fp8.py)."""
         act = np.dtype(act_dtype).name
         N, BH = B * T, B * n_head
         P = 1 << max(1, (N - 1).bit_length())
@@ -98,6 +101,9 @@ class CudaOps:
         if self.cublaslt:
             from .cublaslt import WORKSPACE_BYTES
             rows.append(("cublaslt", (WORKSPACE_BYTES,), "uint8"))
+        if fp8:
+            from .fp8 import fp8_rows
+            rows += fp8_rows(B, T, C)
         return rows
 
     def _lt_matmul(self, D, A, B, ta, tb, M, N, K, lda, ldb, ldd, epilogue, bias=None, aux=None, aux_ld=0):
@@ -231,7 +237,10 @@ class CudaOps:
 
     # ------------------------------------------------------------ linear layers (shared)
     def _linear_fwd(self, kernel, out, inp, w, b, bias=True):
-        """out (N, OC) = inp (N, IC) @ w (OC, IC).T (+ b)."""
+        """out (N, OC) = inp (N, IC) @ w (OC, IC).T (+ b). With the FP8 path on, the layers'
+        products (those with a bias) run in FP8 (cuda/fp8.py)."""
+        if bias and self.fp8 is not None:
+            return self.fp8.k_fp8_linear_fwd(out, inp, w, b)
         OC, IC = w.shape
         ct = w.dtype
         check(kernel, "inp", inp, dtype=ct)
@@ -250,6 +259,8 @@ class CudaOps:
 
     def _linear_bwd(self, kernel, dinp, dw, db, dout, inp, w):
         """dinp (N, IC) += dout @ w; dw (OC, IC) += dout.T @ inp; db (OC,) += column sums of dout."""
+        if self.fp8 is not None:
+            return self.fp8.k_fp8_linear_bwd(dinp, dw, db, dout, inp, w)
         OC, IC = w.shape
         ct = w.dtype
         N = inp.size // IC
@@ -390,6 +401,8 @@ class CudaOps:
     # ------------------------------------------------------------ MLP
     def k_mlp_fwd(self, out, pre, act, inp, w1, b1, w2, b2):
         """out (B,T,C) = gelu_tanh(inp @ w1.T + b1) @ w2.T + b2; saves pre (B,T,4C); act workspace."""
+        if self.fp8 is not None:
+            return self.fp8.k_fp8_mlp_fwd(out, pre, act, inp, w1, b1, w2, b2)
         H, C = w1.shape
         ct = w1.dtype
         check("k_mlp_fwd", "pre", pre, inp.shape[:-1] + (H,), ct)
@@ -407,6 +420,8 @@ class CudaOps:
 
     def k_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact):
         """Adds into dinp, dw1 (4C,C), db1, dw2 (C,4C), db2. act, dact (B,T,4C) are workspace."""
+        if self.fp8 is not None:
+            return self.fp8.k_fp8_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact)
         H, C = w1.shape
         ct = w1.dtype
         for n, a in (("pre", pre), ("act", act), ("dact", dact)):

@@ -1,0 +1,243 @@
+"""The FP8 linear layers of train.precision=fp8: quantisation kernels (kernels/fp8.cu) and
+cuBLASLt FP8 products, behind the same names as numpy_ref's FP8 section.
+
+    be.reserve_workspace(B, T, C, n_head, "bfloat16", fp8=True)   # be.fp8 is an Fp8Ops now
+    # the backend's k_attn_qkv_*, k_attn_out_*, k_mlp_* then run their products here
+
+Each operand of a product is quantised with its own per-tensor scale, taken from the tensor's
+amax in the same pass (current scaling, docs/FP8.md): k_fp8_amax, then k_fp8_cast (forward:
+activations and weights, E4M3) or k_fp8_cast_transpose (backward: cuBLASLt's FP8 products want
+both operands contiguous along the summed axis, so dW = dY.T @ X takes dY and X transposed and
+dX = dY @ W takes W transposed). The output gradient dY is quantised in the gradient format
+(numpy_ref.FP8_GRAD). Products accumulate in float32 and write the compute dtype (bf16) or, for
+the weight gradients, add into the float32 grads (beta = 1). Biases ride on cuBLASLt's bias
+epilogue, the first MLP product on its GELU epilogue, where cuBLASLt has an FP8 algorithm for
+them; otherwise a plain product and the 16-bit path's bias / GELU kernels. Bias gradients are
+column sums of the 16-bit dY, as in the 16-bit path. The operands live in the backend's
+workspace ("fp8_*" rows), reused by every layer; the scales live in "fp8_meta".
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..numpy_ref import FP8_FORMATS, FP8_FWD
+from .cublas import cuda_type
+from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
+
+FP8_CUDA_TYPES = {"e4m3": 28, "e5m2": 29}  # cudaDataType_t CUDA_R_8F_E4M3, CUDA_R_8F_E5M2
+FP8_MIN_CC = 89  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) or later
+FP8_MULTIPLE = 16  # cuBLASLt's FP8 products want every dimension a multiple of 16
+META_STRIDE = 64  # floats between two tensors' (amax, 1/scale) pairs: 256-byte aligned pointers
+META_SLOTS = {"x": 0, "w": 1, "dy": 2}  # the input, the weight, the output gradient of a product
+TILE = 64  # k_fp8_cast_transpose's tile
+
+
+def fp8_rows(B: int, T: int, C: int):
+    """The workspace rows of the FP8 path for this model shape: the widest operand of each role
+    (the MLP's: B*T x 4C activations and gradients, a 4C x C weight) and the scales."""
+    N, H = B * T, 4 * C
+    return [("fp8_x", (N * H,), "uint8"), ("fp8_dy", (N * H,), "uint8"), ("fp8_dyt", (N * H,), "uint8"),
+            ("fp8_w", (H * C,), "uint8"), ("fp8_meta", (len(META_SLOTS) * META_STRIDE,), "float32")]
+
+
+def check_fp8_device(B: int, T: int, C: int):
+    """Raise a clear error where train.precision=fp8 cannot run: a GPU without FP8 tensor cores,
+    or sizes cuBLASLt's FP8 products do not take."""
+    dev = cp.cuda.Device()
+    cc = int(dev.compute_capability)
+    if cc < FP8_MIN_CC:
+        name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
+        name = name.decode() if isinstance(name, bytes) else name
+        raise RuntimeError(f"train.precision=fp8 needs FP8 tensor cores (compute capability 8.9 or later); "
+                           f"this GPU ({name}) is {cc // 10}.{cc % 10}: use precision fp16 or bf16")
+    for what, v in (("model.d_model", C), ("train.batch_size * train.seq_len", B * T)):
+        if v % FP8_MULTIPLE:
+            raise ValueError(f"train.precision=fp8: {what} = {v} must be a multiple of {FP8_MULTIPLE} "
+                             "(cuBLASLt's FP8 products)")
+
+
+class Fp8Ops:
+    """The FP8 launchers of one CudaBackend (ops): its Runtime, cuBLASLt binding and workspace.
+    grad_fmt: the format of the output gradients ("e4m3" or "e5m2")."""
+
+    def __init__(self, ops, grad_fmt: str):
+        if grad_fmt not in FP8_FORMATS:
+            raise ValueError(f"FP8 gradient format {grad_fmt!r}: expected one of {', '.join(FP8_FORMATS)}")
+        if ops.lt is None:
+            raise RuntimeError("train.precision=fp8 needs cuBLASLt (the backend was made with cublaslt=False, "
+                               "or libcublasLt could not be loaded)")
+        self.ops, self.grad_fmt = ops, grad_fmt
+
+    # ------------------------------------------------------------ the quantisation kernels
+    @staticmethod
+    def _defs(fmt):
+        if fmt not in FP8_FORMATS:
+            raise ValueError(f"FP8 format {fmt!r}: expected one of {', '.join(FP8_FORMATS)}")
+        return (f"-DFP8_E5M2={int(fmt == 'e5m2')}",)
+
+    @staticmethod
+    def _check_x(kernel, x):
+        check(kernel, "x", x)
+        if x.size % FP8_MULTIPLE or x.data.ptr % 16:
+            raise ValueError(f"{kernel}: x has {x.size} values (need a multiple of {FP8_MULTIPLE}) "
+                             f"at address {x.data.ptr:#x} (need 16-byte alignment)")
+
+    def k_fp8_amax(self, meta, x):
+        """meta[0] = max |x| (NaN if any x is NaN); zeroes meta[0] first (a memset, so it captures)."""
+        check("k_fp8_amax", "meta", meta, dtype=np.float32)
+        self._check_x("k_fp8_amax", x)
+        cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, 4, cp.cuda.get_current_stream().ptr)
+        n = x.size
+        self.ops.rt.launch("fp8.cu", "k_fp8_amax", x.dtype, blocks(n // 8, THREADS), THREADS, (meta, x, i64(n)))
+
+    def k_fp8_cast(self, out, meta, x, fmt):
+        """out (uint8, x's size) = fp8 bytes of x * scale (scale from meta[0]); meta[1] = 1/scale."""
+        check("k_fp8_cast", "meta", meta, dtype=np.float32)
+        self._check_x("k_fp8_cast", x)
+        check("k_fp8_cast", "out", out, dtype=np.uint8)
+        if out.size != x.size:
+            raise ValueError(f"k_fp8_cast: out has {out.size} bytes, x {x.size} values")
+        self.ops.rt.launch("fp8.cu", "k_fp8_cast", x.dtype, blocks(x.size // 8, THREADS), THREADS,
+                           (out, meta, x, i64(x.size)), defs=self._defs(fmt))
+
+    def k_fp8_cast_transpose(self, out, out_t, meta, x, fmt):
+        """x (R, K) to out (R, K) and/or out_t (K, R) (None skips one), as k_fp8_cast."""
+        check("k_fp8_cast_transpose", "meta", meta, dtype=np.float32)
+        self._check_x("k_fp8_cast_transpose", x)
+        if x.ndim != 2 or x.shape[0] % FP8_MULTIPLE or x.shape[1] % FP8_MULTIPLE:
+            raise ValueError(f"k_fp8_cast_transpose: x has shape {x.shape}; expected (R, K), both multiples "
+                             f"of {FP8_MULTIPLE}")
+        R, K = x.shape
+        for name, a in (("out", out), ("out_t", out_t)):
+            if a is not None:
+                check("k_fp8_cast_transpose", name, a, dtype=np.uint8)
+                if a.size != x.size:
+                    raise ValueError(f"k_fp8_cast_transpose: {name} has {a.size} bytes, x {x.size} values")
+        null = np.uint64(0)
+        self.ops.rt.launch("fp8.cu", "k_fp8_cast_transpose", x.dtype, (-(-K // TILE), -(-R // TILE)), THREADS,
+                           (out if out is not None else null, out_t if out_t is not None else null, meta, x,
+                            i32(R), i32(K)), defs=self._defs(fmt))
+
+    # ------------------------------------------------------------ operands and products
+    def _meta(self, role):
+        m = self.ops.workspace.get("fp8_meta", len(META_SLOTS) * META_STRIDE, np.float32)
+        i = META_SLOTS[role] * META_STRIDE
+        return m[i:i + 2]
+
+    def _quantise(self, role, x2, fmt, transpose=False, both=False):
+        """x2 (R, K) quantised into the role's workspace: (q, q_t, 1/scale as a (1,) view); q is
+        (R, K) unless transpose without both, q_t (K, R) with transpose."""
+        R, K = x2.shape
+        meta = self._meta(role)
+        slot = {"x": "fp8_x", "w": "fp8_w", "dy": "fp8_dy"}[role]
+        self.k_fp8_amax(meta, x2)
+        if not transpose:
+            q = self.ops.workspace.get(slot, R * K, np.uint8).reshape(R, K)
+            self.k_fp8_cast(q, meta, x2, fmt)
+            return q, None, meta[1:2]
+        t_slot = "fp8_dyt" if role == "dy" else slot
+        q_t = self.ops.workspace.get(t_slot, R * K, np.uint8).reshape(K, R)
+        q = self.ops.workspace.get(slot, R * K, np.uint8).reshape(R, K) if both else None
+        self.k_fp8_cast_transpose(q, q_t, meta, x2, fmt)
+        return q, q_t, meta[1:2]
+
+    def _product(self, D, A, a_fmt, a_inv, B, b_fmt, b_inv, epilogue="none", bias=None, aux=None,
+                 beta=0.0, fast_accum=False):
+        """D (M, N) [+]= A (M, K) @ B (N, K).T times both inverse scales (cuBLASLt, FP8 operands).
+        Raises NoAlgorithm where cuBLASLt has none for this problem and epilogue."""
+        M, K = A.shape
+        N = B.shape[0]
+        lt = self.ops.lt
+        lt.matmul(D, A, B, False, True, M, N, K, K, K, N, FP8_CUDA_TYPES[a_fmt], cuda_type(D.dtype),
+                  epilogue, bias=bias, bias_type=cuda_type(bias.dtype) if bias is not None else None,
+                  aux=aux, aux_ld=N if aux is not None else 0, beta=beta, b_type=FP8_CUDA_TYPES[b_fmt],
+                  scales=(a_inv, b_inv), fast_accum=fast_accum)
+
+    def _fwd_product(self, out2, x2, w, b, epilogue="bias", aux=None, fallback=None):
+        """out2 (N, OC) = fp8(x2) @ fp8(w).T + b with the epilogue where cuBLASLt has it, else a
+        plain product and fallback() (the 16-bit path's bias / GELU kernels)."""
+        from .cublaslt import NoAlgorithm
+        xq, _, x_inv = self._quantise("x", x2, FP8_FWD)
+        wq, _, w_inv = self._quantise("w", w, FP8_FWD)
+        try:
+            self._product(out2, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, epilogue, bias=b, aux=aux, fast_accum=True)
+        except NoAlgorithm:
+            self._product(aux if aux is not None else out2, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv,
+                          fast_accum=True)
+            fallback()
+
+    def _dgrad_wgrad(self, dinp2, dw, dy2, x2, w, dx_epilogue=None):
+        """The two backward products of one linear layer, dY already in the workspace's dy slot
+        (dy2 the 16-bit one): dinp2 += fp8(dY) @ fp8(w) (or, with dx_epilogue, written through it)
+        and dw += fp8(dY).T @ fp8(x2)."""
+        g = self.grad_fmt
+        dq, dq_t, d_inv = self._quantise("dy", dy2, g, transpose=True, both=True)
+        wq_t, w_inv = self._quantise("w", w, FP8_FWD, transpose=True)[1:]
+        if dx_epilogue is None:
+            self._product(dinp2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, beta=1.0)
+        else:
+            dx_epilogue(dq, g, d_inv, wq_t, w_inv)
+        xq_t, x_inv = self._quantise("x", x2, FP8_FWD, transpose=True)[1:]
+        self._product(dw, dq_t, g, d_inv, xq_t, FP8_FWD, x_inv, beta=1.0)
+
+    # ------------------------------------------------------------ the layers (numpy_ref's names)
+    def k_fp8_linear_fwd(self, out, inp, w, b):
+        """out (B,T,OC) = fp8(inp) @ fp8(w).T + b; E4M3 operands, float32 accumulation."""
+        ops = self.ops
+        OC, IC = w.shape
+        x2, out2 = inp.reshape(-1, IC), out.reshape(-1, OC)
+        N = x2.shape[0]
+        self._fwd_product(out2, x2, w, b, fallback=lambda: ops.rt.launch(
+            "linear.cu", "k_bias_add", out.dtype, min(N, MAX_BLOCKS), THREADS, (out, b, i64(N), i32(OC))))
+
+    def k_fp8_linear_bwd(self, dinp, dw, db, dout, inp, w, grad_fmt=None):
+        """Adds into dinp (B,T,IC), dw (OC,IC) float32, db (OC,) float32 (numpy_ref.k_fp8_linear_bwd);
+        grad_fmt: this call's gradient format (default the backend's)."""
+        if grad_fmt is not None and grad_fmt != self.grad_fmt:
+            saved, self.grad_fmt = self.grad_fmt, grad_fmt
+            try:
+                return self.k_fp8_linear_bwd(dinp, dw, db, dout, inp, w)
+            finally:
+                self.grad_fmt = saved
+        OC, IC = w.shape
+        dy2 = dout.reshape(-1, OC)
+        self._dgrad_wgrad(dinp.reshape(-1, IC), dw, dy2, inp.reshape(-1, IC), w)
+        self.ops._colsum_add(db, dy2, dy2.shape[0], OC)
+
+    def k_fp8_mlp_fwd(self, out, pre, act, inp, w1, b1, w2, b2):
+        """numpy_ref.k_fp8_mlp_fwd: act = gelu(fp8(inp) @ fp8(w1).T + b1) with pre saved, then
+        out = fp8(act) @ fp8(w2).T + b2."""
+        ops = self.ops
+        H, C = w1.shape
+        x2, pre2, act2 = inp.reshape(-1, C), pre.reshape(-1, H), act.reshape(-1, H)
+        N = x2.shape[0]
+        self._fwd_product(act2, x2, w1, b1, "gelu_aux_bias", aux=pre2, fallback=lambda: ops.rt.launch(
+            "mlp.cu", "k_mlp_bias_gelu", pre.dtype, min(N, MAX_BLOCKS), THREADS, (pre, act, b1, i64(N), i32(H))))
+        self.k_fp8_linear_fwd(out, act, w2, b2)
+
+    def k_fp8_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, grad_fmt=None):
+        """numpy_ref.k_fp8_mlp_bwd: adds into dinp, dw1, db1, dw2, db2; act, dact workspace."""
+        if grad_fmt is not None and grad_fmt != self.grad_fmt:
+            saved, self.grad_fmt = self.grad_fmt, grad_fmt
+            try:
+                return self.k_fp8_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact)
+            finally:
+                self.grad_fmt = saved
+        from .cublaslt import NoAlgorithm
+        ops = self.ops
+        H, C = w1.shape
+        ct = pre.dtype
+        n_h = pre.size
+        ops.rt.launch("mlp.cu", "k_mlp_gelu", ct, blocks(n_h), THREADS, (act, pre, i64(n_h)))
+        dy2, act2, dact2, pre2 = dout.reshape(-1, C), act.reshape(-1, H), dact.reshape(-1, H), pre.reshape(-1, H)
+
+        def dact_product(dq, g, d_inv, wq_t, w_inv):  # dact = (fp8(dout) @ fp8(w2)) * gelu'(pre)
+            try:
+                self._product(dact2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, "dgelu", aux=pre2)
+            except NoAlgorithm:
+                self._product(dact2, dq, g, d_inv, wq_t, FP8_FWD, w_inv)
+                ops.rt.launch("mlp.cu", "k_mlp_gelu_bwd", ct, blocks(n_h), THREADS, (dact, pre, i64(n_h)))
+
+        self._dgrad_wgrad(None, dw2, dy2, act2, w2, dx_epilogue=dact_product)
+        ops._colsum_add(db2, dy2, dy2.shape[0], C)
+        self.k_fp8_linear_bwd(dinp, dw1, db1, dact, inp, w1)

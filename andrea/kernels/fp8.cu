@@ -1,0 +1,142 @@
+// fp8.cu: the FP8 operands of the linear layers' products (train.precision=fp8, docs/FP8.md).
+// Per-tensor current scaling: k_fp8_amax finds max |x| of the whole tensor into meta[0] (meta is
+// float32 [amax, 1/scale], zeroed by the launcher first), then k_fp8_cast / k_fp8_cast_transpose
+// write fp8(x * scale) with scale = 2^k, the largest power of two with amax * 2^k <= the format's
+// largest value, and meta[1] = 2^-k for the product to multiply back. The product itself is
+// cuBLASLt's (andrea/backends/cuda/fp8.py). Reference: numpy_ref's FP8 section, same names.
+//
+// Compiled per compute dtype (-DCT) and per format: -DFP8_E5M2=1 for E5M2, else E4M3. The
+// conversion is the sm_89+ instruction cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (round to nearest even,
+// saturating to the largest finite value, NaN stays NaN); built for an older GPU the kernels trap,
+// and the backend refuses train.precision=fp8 there before any launch. Sizes: every length and row
+// length a multiple of 8 (the launcher asks 16, what cuBLASLt's FP8 products need), arrays 16-byte
+// aligned. Deterministic: a maximum does not depend on the order it is taken in.
+#include "common.cuh"
+
+#ifndef FP8_E5M2
+#define FP8_E5M2 0
+#endif
+#if FP8_E5M2
+#define FP8_TOP_EXP 15  // largest finite E5M2 value 57344 = 1.75 * 2^15
+#else
+#define FP8_TOP_EXP 8  // largest finite E4M3 value 448 = 1.75 * 2^8
+#endif
+#define FP8_MAX_SHIFT 126  // |k| at most this: 2^k and 2^-k stay normal float32 numbers
+
+// Eight compute-dtype values, loaded as whole 16-byte vectors (two for float), and eight fp8
+// bytes, stored as one 8-byte word. (Own types and max: NVRTC compiles without CUDA headers.)
+struct alignas(16) Pack8 { CT v[8]; };
+struct alignas(8) Bytes8 { unsigned int x, y; };
+__device__ __forceinline__ unsigned int umax(unsigned int a, unsigned int b) { return a > b ? a : b; }
+
+// scale = 2^k from the float32 bits of amax (numpy_ref.fp8_scale); *inv = 2^-k. NaN for a
+// non-finite amax, 1 for zero.
+__device__ __forceinline__ float fp8_scale(float amax, float* inv) {
+  unsigned int u = __float_as_uint(amax) & 0x7fffffffu;
+  if (u >= 0x7f800000u) {
+    *inv = __uint_as_float(0x7fc00000u);
+    return *inv;
+  }
+  if (u == 0u) {
+    *inv = 1.f;
+    return 1.f;
+  }
+  int k = FP8_TOP_EXP - ((int)(u >> 23) - 127) - ((u & 0x7fffffu) > 0x600000u ? 1 : 0);
+  k = k > FP8_MAX_SHIFT ? FP8_MAX_SHIFT : (k < -FP8_MAX_SHIFT ? -FP8_MAX_SHIFT : k);
+  *inv = __uint_as_float((unsigned int)(127 - k) << 23);
+  return __uint_as_float((unsigned int)(127 + k) << 23);
+}
+
+// Two floats to two fp8 bytes: lo in the low byte (the first in memory), hi in the high one.
+__device__ __forceinline__ unsigned int fp8x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned short r;
+#if FP8_E5M2
+  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+#endif
+  return r;
+#else
+  __trap();  // no FP8 conversion below sm_89: never launched there (the backend refuses first)
+  return 0u;
+#endif
+}
+
+// Eight values times scale to eight fp8 bytes, element i in byte i.
+__device__ __forceinline__ Bytes8 fp8x8(const Pack8& p, float s) {
+  Bytes8 r;
+  r.x = fp8x2(to_f(p.v[0]) * s, to_f(p.v[1]) * s) | (fp8x2(to_f(p.v[2]) * s, to_f(p.v[3]) * s) << 16);
+  r.y = fp8x2(to_f(p.v[4]) * s, to_f(p.v[5]) * s) | (fp8x2(to_f(p.v[6]) * s, to_f(p.v[7]) * s) << 16);
+  return r;
+}
+
+// meta[0] = max(meta[0], max |x|) over x (n values, n % 8 == 0). The maximum is taken on the
+// float bits as unsigned integers, which order non-negative floats as their values and put NaN
+// above infinity, so a NaN anywhere makes amax NaN. One atomicMax per block.
+extern "C" __global__ void k_fp8_amax(float* meta, const CT* x, i64 n) {
+  __shared__ unsigned int warp_max_bits[32];
+  unsigned int m = 0u;
+  const Pack8* xp = reinterpret_cast<const Pack8*>(x);
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n / 8; i += (i64)gridDim.x * blockDim.x) {
+    Pack8 p = xp[i];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = umax(m, __float_as_uint(to_f(p.v[j])) & 0x7fffffffu);
+  }
+  for (int o = 16; o > 0; o >>= 1) m = umax(m, __shfl_xor_sync(0xffffffffu, m, o));
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_max_bits[warp] = m;
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < (int)(blockDim.x >> 5) ? warp_max_bits[lane] : 0u;
+    for (int o = 16; o > 0; o >>= 1) m = umax(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(meta), m);
+  }
+}
+
+// out (n bytes) = fp8(x * scale), scale from meta[0]; meta[1] = 1/scale (n % 8 == 0).
+extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, const CT* x, i64 n) {
+  float inv, s = fp8_scale(meta[0], &inv);
+  if (blockIdx.x == 0 && threadIdx.x == 0) meta[1] = inv;
+  const Pack8* xp = reinterpret_cast<const Pack8*>(x);
+  Bytes8* op = reinterpret_cast<Bytes8*>(out);
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n / 8; i += (i64)gridDim.x * blockDim.x)
+    op[i] = fp8x8(xp[i], s);
+}
+
+// x (R, K) to out (R, K) and/or out_t (K, R) (a null pointer skips it), as k_fp8_cast. Tiles of
+// 64 x 64: 256 threads read 8 consecutive values each (twice), write them to out and to a shared
+// byte tile, then write 8 consecutive bytes of a row of out_t each (twice). R % 8 == K % 8 == 0.
+#define FP8_TILE 64
+extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
+                                                const CT* x, int R, int K) {
+  __shared__ unsigned char tile[FP8_TILE][FP8_TILE + 8];
+  float inv, s = fp8_scale(meta[0], &inv);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[1] = inv;
+  int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
+    if (r0 + r < R && c0 + c8 < K) {
+      i64 at = (i64)(r0 + r) * K + c0 + c8;
+      Bytes8 q = fp8x8(*reinterpret_cast<const Pack8*>(x + at), s);
+      if (out) *reinterpret_cast<Bytes8*>(out + at) = q;
+      *reinterpret_cast<Bytes8*>(&tile[r][c8]) = q;
+    }
+  }
+  if (!out_t) return;
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    int c = threadIdx.x + h * blockDim.x, col = c >> 3, r8 = (c & 7) * 8;
+    if (c0 + col < K && r0 + r8 < R) {
+      unsigned int lo = 0u, hi = 0u;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        lo |= (unsigned int)tile[r8 + j][col] << (8 * j);
+        hi |= (unsigned int)tile[r8 + 4 + j][col] << (8 * j);
+      }
+      *reinterpret_cast<Bytes8*>(out_t + (i64)(c0 + col) * R + r0 + r8) = Bytes8{lo, hi};
+    }
+  }
+}
