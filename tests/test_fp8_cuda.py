@@ -130,6 +130,10 @@ def test_linear_layer_matches_the_fp8_reference(be, grad_fmt, IC, OC):
 
 
 def test_mlp_matches_the_fp8_reference(be):
+    """Stage by stage, each reference stage fed the GPU's bf16 intermediates (pre, act, dact), as
+    every kernel test feeds the reference the inputs rounded to the compute dtype: an intermediate
+    rounded to bf16 and then to FP8 lands on the other side of an FP8 rounding boundary now and
+    then (double rounding), which the float64 reference of the whole MLP would not see."""
     import cupy as cp
     rng = np.random.default_rng(5)
     Bn, T, C, H = 4, 48, 80, 320
@@ -139,18 +143,29 @@ def test_mlp_matches_the_fp8_reference(be):
     out, pre = cp.full((Bn, T, C), np.nan, bf16()), cp.full((Bn, T, H), np.nan, bf16())
     act, dact = cp.empty((Bn, T, H), bf16()), cp.empty((Bn, T, H), bf16())
     be.fp8.k_fp8_mlp_fwd(out, pre, act, x, w1, b1, w2, b2)
+    X, DY, W1, B1, W2, B2 = (host(a) for a in (x, dy, w1, b1, w2, b2))
+    P, A = host(pre), host(act)
+    p_ref, o_ref = np.zeros((Bn, T, H)), np.zeros((Bn, T, C))
+    ref.k_fp8_linear_fwd(p_ref, X, W1, B1)
+    assert rel(P, p_ref) < TOL
+    gelu = np.zeros_like(P)
+    ref._gelu(P, gelu)
+    assert rel(A, gelu) < TOL  # act = gelu(pre), in bf16
+    ref.k_fp8_linear_fwd(o_ref, A, W2, B2)
+    assert rel(host(out), o_ref) < TOL
     g = [cp.zeros((Bn, T, C), bf16()), cp.zeros((H, C), cp.float32), cp.zeros(H, cp.float32),
          cp.zeros((C, H), cp.float32), cp.zeros(C, cp.float32)]
     be.fp8.k_fp8_mlp_bwd(*g, dy, x, pre, w1, w2, act, dact)
-    X, DY, W1, B1, W2, B2 = (host(a) for a in (x, dy, w1, b1, w2, b2))
-    o, p, a, d = np.zeros((Bn, T, C)), np.zeros((Bn, T, H)), np.zeros((Bn, T, H)), np.zeros((Bn, T, H))
-    ref.k_fp8_mlp_fwd(o, p, a, X, W1, B1, W2, B2)
-    gr = [np.zeros((Bn, T, C)), np.zeros((H, C)), np.zeros(H), np.zeros((C, H)), np.zeros(C)]
-    ref.k_fp8_mlp_bwd(*gr, DY, X, p, W1, W2, a, d, be.fp8.grad_fmt)
-    assert rel(host(out), o) < TOL and rel(host(pre), p) < TOL
-    for i, (got, r) in enumerate(zip(g, gr)):
+    A, D = host(act), host(dact)  # the backward pass's own act (recomputed) and dact
+    d2 = [np.zeros((Bn, T, H)), np.zeros((C, H)), np.zeros(C)]
+    ref.k_fp8_linear_bwd(*d2, DY, A, W2, be.fp8.grad_fmt)
+    d2[0] *= ref._gelu_grad(P)
+    assert rel(D, d2[0]) < TOL, "dact"
+    d1 = [np.zeros((Bn, T, C)), np.zeros((H, C)), np.zeros(H)]
+    ref.k_fp8_linear_bwd(*d1, D, X, W1, be.fp8.grad_fmt)
+    for name, got, r in zip(("dinp", "dw1", "db1", "dw2", "db2"), g, d1 + d2[1:]):
         e = rel(host(got), r)
-        assert e < TOL, f"gradient {i}: {e:.3g}"
+        assert e < TOL, f"{name}: {e:.3g}"
 
 
 # ---------------------------------------------------------------- the engine in fp8

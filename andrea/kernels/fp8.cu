@@ -1,8 +1,10 @@
 // fp8.cu: the FP8 operands of the linear layers' products (train.precision=fp8, docs/FP8.md).
-// Per-tensor current scaling: k_fp8_amax finds max |x| of the whole tensor into meta[0] (meta is
-// float32 [amax, 1/scale], zeroed by the launcher first), then k_fp8_cast / k_fp8_cast_transpose
-// write fp8(x * scale) with scale = 2^k, the largest power of two with amax * 2^k <= the format's
-// largest value, and meta[1] = 2^-k for the product to multiply back. The product itself is
+// Per-tensor current scaling: k_fp8_amax finds max |x| of the whole tensor into meta[0] (zeroed by
+// the launcher first), then k_fp8_cast / k_fp8_cast_transpose write fp8(x * scale) with scale =
+// 2^k, the largest power of two with amax * 2^k <= the format's largest value, and meta[inv_at] =
+// 2^-k for the product to multiply back. meta is float32 (2m,), amax first and 1/scale at m: the
+// reference's (2,) pair, or wider where cuBLASLt reads 1/scale (the FP8 path's slots put it 128
+// bytes in, aligned as cuBLASLt's scale pointers want). The product itself is
 // cuBLASLt's (andrea/backends/cuda/fp8.py). Reference: numpy_ref's FP8 section, same names.
 //
 // Compiled per compute dtype (-DCT) and per format: -DFP8_E5M2=1 for E5M2, else E4M3. The
@@ -94,10 +96,10 @@ extern "C" __global__ void k_fp8_amax(float* meta, const CT* x, i64 n) {
   }
 }
 
-// out (n bytes) = fp8(x * scale), scale from meta[0]; meta[1] = 1/scale (n % 8 == 0).
-extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, const CT* x, i64 n) {
+// out (n bytes) = fp8(x * scale), scale from meta[0]; meta[inv_at] = 1/scale (n % 8 == 0).
+extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_at, const CT* x, i64 n) {
   float inv, s = fp8_scale(meta[0], &inv);
-  if (blockIdx.x == 0 && threadIdx.x == 0) meta[1] = inv;
+  if (blockIdx.x == 0 && threadIdx.x == 0) meta[inv_at] = inv;
   const Pack8* xp = reinterpret_cast<const Pack8*>(x);
   Bytes8* op = reinterpret_cast<Bytes8*>(out);
   for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n / 8; i += (i64)gridDim.x * blockDim.x)
@@ -109,10 +111,10 @@ extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, const CT*
 // byte tile, then write 8 consecutive bytes of a row of out_t each (twice). R % 8 == K % 8 == 0.
 #define FP8_TILE 64
 extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
-                                                const CT* x, int R, int K) {
+                                                int inv_at, const CT* x, int R, int K) {
   __shared__ unsigned char tile[FP8_TILE][FP8_TILE + 8];
   float inv, s = fp8_scale(meta[0], &inv);
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[1] = inv;
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[inv_at] = inv;
   int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

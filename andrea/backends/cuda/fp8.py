@@ -27,7 +27,7 @@ from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
 FP8_CUDA_TYPES = {"e4m3": 28, "e5m2": 29}  # cudaDataType_t CUDA_R_8F_E4M3, CUDA_R_8F_E5M2
 FP8_MIN_CC = 89  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) or later
 FP8_MULTIPLE = 16  # cuBLASLt's FP8 products want every dimension a multiple of 16
-META_STRIDE = 64  # floats between two tensors' (amax, 1/scale) pairs: 256-byte aligned pointers
+META_STRIDE = 64  # floats per tensor: amax at 0, 1/scale at 32 (128-byte aligned, for cuBLASLt)
 META_SLOTS = {"x": 0, "w": 1, "dy": 2}  # the input, the weight, the output gradient of a product
 TILE = 64  # k_fp8_cast_transpose's tile
 
@@ -76,6 +76,14 @@ class Fp8Ops:
         return (f"-DFP8_E5M2={int(fmt == 'e5m2')}",)
 
     @staticmethod
+    def _inv_at(kernel, meta):
+        """Where 1/scale goes in meta: float32 (2m,) holds amax at 0 and 1/scale at m."""
+        check(kernel, "meta", meta, dtype=np.float32)
+        if meta.ndim != 1 or meta.size < 2 or meta.size % 2:
+            raise ValueError(f"{kernel}: meta has shape {meta.shape}; expected (2m,): amax at 0, 1/scale at m")
+        return i32(meta.size // 2)
+
+    @staticmethod
     def _check_x(kernel, x):
         check(kernel, "x", x)
         if x.size % FP8_MULTIPLE or x.data.ptr % 16:
@@ -91,18 +99,19 @@ class Fp8Ops:
         self.ops.rt.launch("fp8.cu", "k_fp8_amax", x.dtype, blocks(n // 8, THREADS), THREADS, (meta, x, i64(n)))
 
     def k_fp8_cast(self, out, meta, x, fmt):
-        """out (uint8, x's size) = fp8 bytes of x * scale (scale from meta[0]); meta[1] = 1/scale."""
-        check("k_fp8_cast", "meta", meta, dtype=np.float32)
+        """out (uint8, x's size) = fp8 bytes of x * scale (scale from meta[0]); 1/scale into meta
+        (meta[1] of a (2,) pair, as numpy_ref; meta[m] of a (2m,) slot)."""
+        inv_at = self._inv_at("k_fp8_cast", meta)
         self._check_x("k_fp8_cast", x)
         check("k_fp8_cast", "out", out, dtype=np.uint8)
         if out.size != x.size:
             raise ValueError(f"k_fp8_cast: out has {out.size} bytes, x {x.size} values")
         self.ops.rt.launch("fp8.cu", "k_fp8_cast", x.dtype, blocks(x.size // 8, THREADS), THREADS,
-                           (out, meta, x, i64(x.size)), defs=self._defs(fmt))
+                           (out, meta, inv_at, x, i64(x.size)), defs=self._defs(fmt))
 
     def k_fp8_cast_transpose(self, out, out_t, meta, x, fmt):
         """x (R, K) to out (R, K) and/or out_t (K, R) (None skips one), as k_fp8_cast."""
-        check("k_fp8_cast_transpose", "meta", meta, dtype=np.float32)
+        inv_at = self._inv_at("k_fp8_cast_transpose", meta)
         self._check_x("k_fp8_cast_transpose", x)
         if x.ndim != 2 or x.shape[0] % FP8_MULTIPLE or x.shape[1] % FP8_MULTIPLE:
             raise ValueError(f"k_fp8_cast_transpose: x has shape {x.shape}; expected (R, K), both multiples "
@@ -115,14 +124,14 @@ class Fp8Ops:
                     raise ValueError(f"k_fp8_cast_transpose: {name} has {a.size} bytes, x {x.size} values")
         null = np.uint64(0)
         self.ops.rt.launch("fp8.cu", "k_fp8_cast_transpose", x.dtype, (-(-K // TILE), -(-R // TILE)), THREADS,
-                           (out if out is not None else null, out_t if out_t is not None else null, meta, x,
-                            i32(R), i32(K)), defs=self._defs(fmt))
+                           (out if out is not None else null, out_t if out_t is not None else null, meta,
+                            inv_at, x, i32(R), i32(K)), defs=self._defs(fmt))
 
     # ------------------------------------------------------------ operands and products
     def _meta(self, role):
         m = self.ops.workspace.get("fp8_meta", len(META_SLOTS) * META_STRIDE, np.float32)
         i = META_SLOTS[role] * META_STRIDE
-        return m[i:i + 2]
+        return m[i:i + META_STRIDE]
 
     def _quantise(self, role, x2, fmt, transpose=False, both=False):
         """x2 (R, K) quantised into the role's workspace: (q, q_t, 1/scale as a (1,) view); q is
@@ -134,12 +143,12 @@ class Fp8Ops:
         if not transpose:
             q = self.ops.workspace.get(slot, R * K, np.uint8).reshape(R, K)
             self.k_fp8_cast(q, meta, x2, fmt)
-            return q, None, meta[1:2]
+            return q, None, meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
         t_slot = "fp8_dyt" if role == "dy" else slot
         q_t = self.ops.workspace.get(t_slot, R * K, np.uint8).reshape(K, R)
         q = self.ops.workspace.get(slot, R * K, np.uint8).reshape(R, K) if both else None
         self.k_fp8_cast_transpose(q, q_t, meta, x2, fmt)
-        return q, q_t, meta[1:2]
+        return q, q_t, meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
 
     def _product(self, D, A, a_fmt, a_inv, B, b_fmt, b_inv, epilogue="none", bias=None, aux=None,
                  beta=0.0, fast_accum=False):
