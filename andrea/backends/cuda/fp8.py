@@ -221,7 +221,7 @@ class Fp8Ops:
         x2, pre2, act2 = inp.reshape(-1, C), pre.reshape(-1, H), act.reshape(-1, H)
         N = x2.shape[0]
         self._fwd_product(act2, x2, w1, b1, "gelu_aux_bias", aux=pre2, fallback=lambda: ops.rt.launch(
-            "mlp.cu", "k_mlp_bias_gelu", pre.dtype, min(N, MAX_BLOCKS), THREADS, (pre, act, b1, i64(N), i32(H))))
+            "mlp.cu", "k_mlp_fwd_bias_gelu", pre.dtype, min(N, MAX_BLOCKS), THREADS, (pre, act, b1, i64(N), i32(H))))
         self.k_fp8_linear_fwd(out, act, w2, b2)
 
     def k_fp8_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, grad_fmt=None):
@@ -237,7 +237,7 @@ class Fp8Ops:
         H, C = w1.shape
         ct = pre.dtype
         n_h = pre.size
-        ops.rt.launch("mlp.cu", "k_mlp_gelu", ct, blocks(n_h), THREADS, (act, pre, i64(n_h)))
+        ops.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(n_h), THREADS, (act, pre, i64(n_h)))
         dy2, act2, dact2, pre2 = dout.reshape(-1, C), act.reshape(-1, H), dact.reshape(-1, H), pre.reshape(-1, H)
 
         def dact_product(dq, g, d_inv, wq_t, w_inv):  # dact = (fp8(dout) @ fp8(w2)) * gelu'(pre)
@@ -245,7 +245,7 @@ class Fp8Ops:
                 self._product(dact2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, "dgelu", aux=pre2)
             except NoAlgorithm:
                 self._product(dact2, dq, g, d_inv, wq_t, FP8_FWD, w_inv)
-                ops.rt.launch("mlp.cu", "k_mlp_gelu_bwd", ct, blocks(n_h), THREADS, (dact, pre, i64(n_h)))
+                ops.rt.launch("mlp.cu", "k_mlp_bwd_dgelu", ct, blocks(n_h), THREADS, (dact, pre, i64(n_h)))
 
         self._dgrad_wgrad(None, dw2, dy2, act2, w2, dx_epilogue=dact_product)
         ops._colsum_add(db2, dy2, dy2.shape[0], C)
