@@ -37,6 +37,8 @@ rule firehose_train:
         loss=f"{_FH_RUN}/trained/{FIREHOSE_EXP}-{{arm}}-seed{{seed}}.loss.json",
         config=f"{_FH_RUN}/trained/config.yaml",
     params:
+        exp=FIREHOSE_EXP,
+        results_dir=lambda w, output: str(Path(output.checkpoint).parents[2]),
         overrides=lambda w: " ".join(FIREHOSE_ARMS[w.arm]),
     resources:
         gpu=1,
@@ -45,8 +47,8 @@ rule firehose_train:
     conda:
         ENV
     shell:
-        "python3 -m andrea.train --new-run-on-change experiment={FIREHOSE_EXP} "
-        "exp={FIREHOSE_EXP}-{wildcards.arm}-seed{wildcards.seed} results_dir={FIREHOSE_DIR} "
+        "python3 -m andrea.train --new-run-on-change experiment={params.exp} "
+        "exp={params.exp}-{wildcards.arm}-seed{wildcards.seed} results_dir={params.results_dir} "
         "{params.overrides} train.seed={wildcards.seed} > {log} 2>&1"
 
 
@@ -80,13 +82,14 @@ rule firehose_report:
         plot=report(f"{FIREHOSE_DIR}/mixers.png", category=FIREHOSE_EXP, labels={"file": "mixers"}),
         report=f"{FIREHOSE_DIR}/report.md",
     params:
+        runs=lambda w, output: str(Path(output.table).parent),
         published=lambda w: f"--published {FIREHOSE_PUBLISHED}" if (REPO / FIREHOSE_PUBLISHED).is_file() else "",
     log:
         f"{FIREHOSE_DIR}/logs/report.log",
     conda:
         ENV
     shell:
-        "python3 {input.script} --runs {FIREHOSE_DIR} --noise noise --table {output.table} --plot {output.plot} "
+        "python3 {input.script} --runs {params.runs} --noise noise --table {output.table} --plot {output.plot} "
         "--report {output.report} {params.published} 2>&1 | tee {log}"
 
 
