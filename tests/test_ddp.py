@@ -263,3 +263,50 @@ def test_single_host_launch_stop_and_resume_on_other_ranks(tmp_path):
     hist = json.loads((run / "trained" / f"{exp}.loss.json").read_text())["history"]
     assert [h["step"] for h in hist] == list(range(1, steps + 1))
     assert json.loads(state.read_text())["status"] == "finished"
+
+
+def test_a_crashed_rank_ends_the_launch_and_the_same_command_resumes(tmp_path):
+    """kill -9 of rank 1: no restart (a rank cannot rejoin its MPI world); the launcher ends every
+    rank and exits with an error; the same command resumes from the newest checkpoint and
+    finishes, with every step once in the history."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_data_sizing import _shards
+
+    _shards(tmp_path, "synthetic", 20000, 3000)
+    exp, steps = "crash", 60
+    args = ["experiment=ANDREA-tiny", f"data.dir={tmp_path}", "train.batch_size=4", "train.seq_len=16",
+            "train.eval_batches=3", "backend=numpy", f"results_dir={tmp_path / 'results'}", f"train.steps={steps}",
+            "train.grad_accum=2", "train.eval_every=0", "train.ckpt_every=10", "train.sample_every=0",
+            "proxy.record_flush_s=0", f"exp={exp}"]
+    run = tmp_path / "results" / exp
+    state = run / f"{exp}.state.json"
+    cmd = [sys.executable, "-m", "andrea.train", "--ranks", "2", *args]
+    p = subprocess.Popen(cmd, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def checkpointed():
+        try:
+            return (json.loads(state.read_text()).get("last_checkpoint_step") or 0) >= 10
+        except (OSError, ValueError):
+            return False
+    wait_for(checkpointed, "a checkpoint of the 2-rank run", timeout=240, proc=p)
+    pid = rank_pid(p.pid, 1)
+    assert pid is not None, "rank 1's process not found under mpirun"
+    os.kill(pid, signal.SIGKILL)
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode not in (0, 75), out[-3000:]
+    st = json.loads(state.read_text())
+    assert st["step"] < steps, "the crash came too late to test a resume"
+
+    def gone(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    wait_for(lambda: gone(int(st["engine_pid"])), "rank 0's engine to be gone too", timeout=30)
+
+    r = subprocess.run(cmd, env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    hist = json.loads((run / "trained" / f"{exp}.loss.json").read_text())["history"]
+    assert [h["step"] for h in hist] == list(range(1, steps + 1))
+    assert json.loads(state.read_text())["status"] == "finished"
