@@ -202,15 +202,18 @@ def run_anchor(path, exp, precision, B, steps, modes):
 
 
 def table(ours, anchors) -> str:
-    lines = [f"{'system':<38}{'tok/s':>10}{'ms/step':>10}{'TFLOP/s':>9}{'ratio':>8}"]
-    lines.append(f"{'andrea ' + ours['precision'] + ' attn ' + ours['attention']:<38}{ours['tok_s']:>10,}{ours['ms_step']:>10.2f}"
-                 f"{ours['tflops']:>9.1f}{'1.00':>8}")
-    for a in anchors:
-        lines.append(f"{'pytorch ' + a['dtype'] + ' ' + a['anchor_mode']:<38}{a['tok_s']:>10,}"
-                     f"{a['ms_step']:>10.2f}{a['tflops']:>9.1f}{ours['tok_s'] / a['tok_s']:>8.2f}")
-    lines.append(f"memory: planned {ours['planned_gb']} GB (arena {ours['plan_arena_gb']} + kernel "
-                 f"workspace), CuPy pool {ours['pool_used_gb']} GB, device {ours['device_used_gb']} GB")
-    return "\n".join(lines)
+    """Ours and each anchor: tokens/s, ms per step, TFLOP/s and ours over theirs (ratio), then the memory line."""
+    import pandas as pd
+
+    rows = [{"system": f"andrea {ours['precision']} attn {ours['attention']}", **ours}]
+    rows += [{"system": f"pytorch {a['dtype']} {a['anchor_mode']}", **a} for a in anchors]
+    df = pd.DataFrame(rows).set_index("system")[["tok_s", "ms_step", "tflops"]]
+    df["ratio"] = ours["tok_s"] / df["tok_s"]
+    text = df.to_string(formatters={"tok_s": "{:,}".format, "ms_step": "{:.2f}".format,
+                                    "tflops": "{:.1f}".format, "ratio": "{:.2f}".format},
+                        header=["tok/s", "ms/step", "TFLOP/s", "ratio"], index_names=False)
+    return text + (f"\nmemory: planned {ours['planned_gb']} GB (arena {ours['plan_arena_gb']} + kernel "
+                   f"workspace), CuPy pool {ours['pool_used_gb']} GB, device {ours['device_used_gb']} GB")
 
 
 def main(argv=None) -> int:

@@ -114,25 +114,27 @@ def task_accuracy(dec, tok, cfg: AndreaConfig, val_path: Path, train_path: Optio
         for q, a in read_exchanges(train_path):
             by_kind[synthetic.kind_of(q)][a] += 1
         majority = {k: c.most_common(1)[0][0] for k, c in by_kind.items()}
-    rows, per = [], defaultdict(lambda: {"n": 0, "correct": 0, "chance": 0.0, "majority": 0})
+    import pandas as pd
+
+    rows, scored = [], []
     for q, ref in tasks:
         got = complete(dec, tok, q, min(TASK_TOKENS, cfg.eval.max_new_tokens), 0.0, cfg.eval.seed)
         kind, right = synthetic.kind_of(q), synthetic.answer(q)
         ok = synthetic.is_correct(q, got)
-        p = per[kind]
-        p["n"] += 1
-        p["correct"] += ok
-        p["chance"] += synthetic.chance(q)
-        p["majority"] += majority.get(kind) == right
         rows.append({"kind": kind, "question": q, "answer": right, "completion": got, "correct": ok,
                      "reference_matches": ref == right})
-    n = len(rows)
-    summary = {"n": n, "accuracy": sum(r["correct"] for r in rows) / n,
-               "chance": sum(p["chance"] for p in per.values()) / n,
-               "majority_baseline": sum(p["majority"] for p in per.values()) / n if majority else None,
-               "per_kind": {k: {"n": p["n"], "accuracy": p["correct"] / p["n"], "chance": p["chance"] / p["n"],
-                                "majority_baseline": p["majority"] / p["n"] if majority else None}
-                            for k, p in sorted(per.items())}}
+        scored.append({"kind": kind, "correct": int(ok), "chance": synthetic.chance(q),
+                       "majority": int(majority.get(kind) == right)})
+    kinds = pd.DataFrame(scored).groupby("kind").agg(n=("correct", "size"), correct=("correct", "sum"),
+                                                     chance=("chance", "sum"), majority=("majority", "sum"))
+    n = int(kinds["n"].sum())
+
+    def rates(r) -> dict:  # one row of sums (a kind's, or all kinds') as the report's rates
+        return {"accuracy": int(r["correct"]) / int(r["n"]), "chance": float(r["chance"]) / int(r["n"]),
+                "majority_baseline": int(r["majority"]) / int(r["n"]) if majority else None}
+
+    summary = {"n": n, **rates(kinds.sum()),
+               "per_kind": {k: {"n": int(r["n"]), **rates(r)} for k, r in kinds.iterrows()}}
     return {"summary": summary, "rows": rows}
 
 

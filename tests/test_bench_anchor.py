@@ -87,3 +87,16 @@ def test_bench_without_gpu_is_one_line():
                        timeout=120, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
     assert "needs a CUDA GPU" in r.stderr
+
+
+def test_bench_table_ratio_is_ours_over_theirs():
+    from andrea.bench import table
+    ours = dict(precision="fp16", attention="fused", tok_s=300_000, ms_step=20.0, tflops=100.0, planned_gb=1.0,
+                plan_arena_gb=0.9, pool_used_gb=1.0, device_used_gb=1.1)
+    anchors = [dict(dtype="bf16", anchor_mode="eager", tok_s=600_000, ms_step=10.0, tflops=200.0),
+               dict(dtype="bf16", anchor_mode="reduce-overhead", tok_s=200_000, ms_step=30.0, tflops=66.7)]
+    lines = table(ours, anchors).splitlines()
+    assert lines[0].split() == ["tok/s", "ms/step", "TFLOP/s", "ratio"]
+    assert lines[1].split()[-4:] == ["300,000", "20.00", "100.0", "1.00"]
+    assert lines[2].startswith("pytorch bf16 eager") and lines[2].split()[-1] == "0.50"
+    assert lines[3].split()[-1] == "1.50" and lines[4].startswith("memory: planned 1.0 GB")

@@ -204,3 +204,28 @@ def test_evaluate_writes_report_and_metrics(trained, tmp_path):
     published = json.loads(pub.read_text())
     assert published["machine"] == "test" and published["tokens_per_s"] > 0 and published["train_wall_s"] > 0
     assert published["plan_bytes"] == json.loads((run / "ANDREA-tiny.state.json").read_text())["plan_bytes"] > 0
+
+
+def test_task_accuracy_per_kind_against_hand_counts(tmp_path, monkeypatch):
+    """The per-kind table from a decoder that answers right exactly on every third question."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from types import SimpleNamespace
+
+    from andrea.data import synthetic
+    val, train = synthetic.generate(13, seed=5), synthetic.generate(40, seed=6)
+    for path, rows in ((tmp_path / "val.parquet", val), (tmp_path / "train.parquet", train)):
+        pq.write_table(pa.table({"conversations": [r["conversations"] for r in rows]}), path)
+    qs = [ev.read_exchanges(tmp_path / "val.parquet")[i][0] for i in range(13)]
+    monkeypatch.setattr(ev, "complete", lambda dec, tok, q, *a: synthetic.answer(q) if qs.index(q) % 3 == 0 else "?")
+    cfg = SimpleNamespace(eval=SimpleNamespace(n_tasks=0, max_new_tokens=32, seed=0))
+    t = ev.task_accuracy(None, None, cfg, tmp_path / "val.parquet", tmp_path / "train.parquet")["summary"]
+    kinds = [synthetic.kind_of(q) for q in qs]
+    assert t["n"] == 13 and t["accuracy"] == 5 / 13  # questions 0, 3, 6, 9, 12
+    for k in set(kinds):
+        idx = [i for i, kk in enumerate(kinds) if kk == k]
+        p = t["per_kind"][k]
+        assert p["n"] == len(idx) and p["accuracy"] == sum(i % 3 == 0 for i in idx) / len(idx)
+        assert p["chance"] == pytest.approx(sum(synthetic.chance(qs[i]) for i in idx) / len(idx))
+        assert 0.0 <= p["majority_baseline"] <= 1.0
+    assert t["chance"] == pytest.approx(sum(synthetic.chance(q) for q in qs) / 13)
