@@ -261,9 +261,10 @@ def finish(cfg: AndreaConfig, run_dir: Path, rc: int) -> int:
     return 0
 
 
-def precheck(argv) -> Optional[str]:
+def precheck(argv, ranks: int = 1) -> Optional[str]:
     """What is wrong with the config of a single run given these command-line overrides, on one
-    line (None when it composes and validates). Sweeps (-m) and Hydra flags are left to Hydra."""
+    line (None when it composes and validates; with several ranks, train.grad_accum must be a
+    multiple of them). Sweeps (-m) and Hydra flags are left to Hydra."""
     if any(a.startswith("-") or a.startswith(("hydra.", "hydra/", "+hydra", "~hydra")) for a in argv):
         return None
     from hydra import compose, initialize_config_dir
@@ -273,7 +274,10 @@ def precheck(argv) -> Optional[str]:
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            resolve(compose(config_name="config", overrides=list(argv)))
+            cfg = resolve(compose(config_name="config", overrides=list(argv)))
+        if cfg.train.grad_accum % ranks:
+            return (f"train.grad_accum={cfg.train.grad_accum} is not a multiple of the {ranks} ranks: each rank runs "
+                    f"grad_accum/ranks microbatches (set train.grad_accum=<a multiple of {ranks}>)")
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         return one_line(e)
     finally:
@@ -333,7 +337,7 @@ def cli() -> None:
     if NEW_RUN_FLAG in sys.argv[1:]:
         sys.argv.remove(NEW_RUN_FLAG)
         NEW_RUN_ON_CHANGE = True
-    problem = precheck(sys.argv[1:])
+    problem = precheck(sys.argv[1:], ranks or launch_rank()[1])
     if problem is not None:
         print(f"andrea.train: config error: {problem}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

@@ -67,6 +67,14 @@ def test_ranks_flag_and_launcher_command(monkeypatch):
     assert "--bind-to" not in mpirun_argv(2, [], ["mpiexec"], open_mpi=False)
 
 
+def test_launcher_refuses_a_grad_accum_the_ranks_cannot_share(tmp_path):
+    """Checked before any rank starts: one line, exit 2, no run folder."""
+    r = subprocess.run([sys.executable, "-m", "andrea.train", "--ranks", "2", "experiment=ANDREA-tiny",
+                        f"results_dir={tmp_path}"], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "train.grad_accum=1 is not a multiple of the 2 ranks" in r.stderr, r.stderr[-2000:]
+    assert "mpirun" not in r.stderr and not any(tmp_path.iterdir())
+
+
 # ------------------------------------------------------------------ the update
 
 def one_process(cfg, dtype, steps):
