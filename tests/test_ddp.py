@@ -162,6 +162,15 @@ def rank_pid(launcher_pid, rank):
     return None
 
 
+def catches(pid, sig) -> bool:
+    """Whether process pid has a handler for sig (Linux: SigCgt of /proc/<pid>/status)."""
+    try:
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+
+
 STEPS, ACCUM = 120, 6  # 6 microbatches: 2 ranks of 3, 3 ranks of 2
 
 
@@ -185,6 +194,8 @@ def test_sigterm_to_one_rank_stops_all_and_resume_is_bit_exact(tmp_path):
     assert seen[0]["event"] == "plan"  # the ranks have installed their signal handlers
     pid = rank_pid(p.pid, 1)
     assert pid is not None, "rank 1's process not found under mpirun"
+    # rank 1 may still be starting: signal it once its handlers are in place (SIGUSR2 is only ours)
+    wait_for(lambda: catches(pid, signal.SIGUSR2), "rank 1's signal handlers", timeout=120, proc=p)
     os.kill(pid, signal.SIGTERM)
     rc, rest, err = finish(p)
     assert rc == 0, err[-3000:]
