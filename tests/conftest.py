@@ -9,6 +9,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
+def fp8_gpu() -> bool:
+    """A CUDA GPU with FP8 tensor cores (compute capability 8.9 or later) and CuPy."""
+    from andrea.backends import cuda_available
+    if not cuda_available():
+        return False
+    import cupy as cp
+    return int(cp.cuda.Device().compute_capability) >= 89
+
+
 def small_config(tmp_path, **train):
     """An ANDREA-tiny-shaped config dict whose shards live in tmp_path (call make_shards)."""
     t = {"steps": 12, "batch_size": 2, "seq_len": 16, "lr": 3e-3, "warmup_steps": 2,

@@ -1,6 +1,7 @@
 """The FP8 path on the GPU (train.precision=fp8): the quantisation kernels byte for byte and the
-FP8 linear layers against numpy_ref's FP8 section, two fp8 runs bit-identical, and SIGTERM +
-resume of an fp8 run bit-identical (skipped without a GPU of compute capability 8.9 or later).
+FP8 linear layers against numpy_ref's FP8 section, and two fp8 runs bit-identical (skipped without a
+GPU of compute capability 8.9 or later). SIGTERM + resume of an fp8 run is
+tests/test_cuda_engine.py::test_sigterm_resume_bit_exact_on_gpu[fp8].
 
     python -m pytest -m gpu tests/test_fp8_cuda.py -q
 
@@ -11,29 +12,15 @@ element): 1e-2 relative (Frobenius) for every output, against the FP8 reference.
 layers without quantisation the E4M3 error is a few percent: asserted below 0.1, and above 1e-3 so
 the FP8 path is seen to be in use.
 """
-import json
-import signal
-import subprocess
-import sys
-
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
-from andrea.backends import cuda_available
 from andrea.backends import numpy_ref as ref
-from conftest import make_shards, small_config
-
-
-def _fp8_gpu() -> bool:
-    if not cuda_available():
-        return False
-    import cupy as cp
-    return int(cp.cuda.Device().compute_capability) >= 89
+from conftest import fp8_gpu, small_config
 
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU with FP8 tensor cores and CuPy")]
+              pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA GPU with FP8 tensor cores and CuPy")]
 
 TOL = 1e-2
 MODEL = {"n_layer": 2, "d_model": 48, "n_head": 3, "context": 40, "vocab_size": 97}  # head size 16
@@ -206,43 +193,3 @@ def test_fp8_refuses_sizes_it_cannot_run(tmp_path):
     from andrea.engine import Engine
     with pytest.raises(ValueError, match="multiple of 16"):
         Engine(cfg_for(tmp_path, batch_size=3, seq_len=37, precision="fp8"))
-
-
-def _engine_proc(run, resume=False):
-    cmd = [sys.executable, "-m", "andrea.cli", "engine", "--config", str(run / "config.yaml"),
-           "--run-dir", str(run)] + (["--resume"] if resume else [])
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-
-def test_sigterm_resume_bit_exact_fp8(tmp_path):
-    """The engine process in fp8, stopped by SIGTERM and resumed, ends with the same checkpoint
-    bytes as a straight run (current scaling keeps no state between steps: docs/FP8.md)."""
-    from andrea import checkpoint as ck
-    make_shards(tmp_path, vocab=97)
-    steps = 60
-    runs = {}
-    for name in ("straight", "stopped"):
-        d = small_config(tmp_path, steps=steps, ckpt_every=20, precision="fp8", batch_size=4, seq_len=32)
-        d["model"], d["backend"] = dict(MODEL), {"name": "cuda"}
-        runs[name] = tmp_path / name
-        runs[name].mkdir()
-        OmegaConf.save(OmegaConf.create(d), runs[name] / "config.yaml")
-    p = _engine_proc(runs["straight"])
-    assert p.wait(timeout=300) == 0
-    p = _engine_proc(runs["stopped"])
-    for line in p.stdout:
-        ev = json.loads(line)
-        if ev["event"] == "step" and ev["step"] >= 25:
-            p.send_signal(signal.SIGTERM)
-            break
-    rest = [json.loads(line) for line in p.stdout]
-    assert p.wait(timeout=300) == 0
-    assert rest[-1]["event"] == "done" and rest[-1]["status"] == "stopped", rest[-1:]
-    assert rest[-1]["step"] < steps, "the signal came too late to test a resume"
-    p = _engine_proc(runs["stopped"], resume=True)
-    p.stdout.read()
-    assert p.wait(timeout=300) == 0
-    a = ck.bin_path(runs["straight"] / "checkpoints", steps)
-    b = ck.bin_path(runs["stopped"] / "checkpoints", steps)
-    assert a.read_bytes() == b.read_bytes(), "resumed fp8 run differs from the straight run"
-    assert ck.sidecar_path(a).read_text() == ck.sidecar_path(b).read_text()
