@@ -7,34 +7,15 @@ Same method as tests/test_cuda_kernels.py: odd sizes (head sizes 40 and 25, a 77
 inputs rounded to the compute dtype before the float64 reference sees them, outputs NaN-filled
 before the launch. Tolerances: fp32 1e-5, fp16 1e-2 (relative to the largest reference value).
 """
-import zlib
-
 import numpy as np
 import pytest
 
 from andrea.backends import cuda_available
 from andrea.backends import numpy_ref as ref
+from test_cuda_kernels import be, prec, rng  # noqa: F401  (the fixtures: backend, fp32/fp16, seeded rng)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and CuPy")]
-
-PREC = {"fp32": (np.float32, 1e-5), "fp16": (np.float16, 1e-2)}
-
-
-@pytest.fixture(scope="module")
-def be():
-    from andrea.backends import get_backend
-    return get_backend("cuda")
-
-
-@pytest.fixture(params=list(PREC))
-def prec(request):
-    return PREC[request.param]
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 def err(got, want):
