@@ -64,15 +64,8 @@ class GraphTimed:
         cp.cuda.Stream.null.synchronize()  # fills on the default stream come first
         s = self.stream
         g = self._be.capture(lambda: fn(*args, **kw), s)
-        with s:
-            g.launch(stream=s)
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(s)
-            for _ in range(self.REPS):
-                g.launch(stream=s)
-            b.record(s)
-            b.synchronize()
-        self.ms[name] += cp.cuda.get_elapsed_time(a, b) / self.REPS
+        from .backends.cuda.graphs import replay_ms
+        self.ms[name] += replay_ms(g, s, self.REPS)
 
 
 def graph_step_ms(eng, x, y, reps=5):
@@ -90,16 +83,8 @@ def graph_step_ms(eng, x, y, reps=5):
     def passes():
         model.forward(eng.be, eng.p, eng.layers, eng.g, n_head, loss=False)
         model.backward(eng.be, eng.p, eng.dp, eng.layers, eng.g, n_head, eng.dloss)
-    g = eng.be.capture(passes, s)
-    with s:
-        g.launch(stream=s)
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(s)
-        for _ in range(reps):
-            g.launch(stream=s)
-        b.record(s)
-        b.synchronize()
-    return cp.cuda.get_elapsed_time(a, b) / reps
+    from .backends.cuda.graphs import replay_ms
+    return replay_ms(eng.be.capture(passes, s), s, reps)
 
 
 def profile_step(eng, x, y):

@@ -23,6 +23,7 @@ def ours_ms(precision: str, shape, reps: int) -> tuple[float, float, str]:
     import cupy as cp
 
     from .backends import get_backend
+    from .backends.cuda.graphs import replay_ms
     be = get_backend("cuda")
     dt = np.dtype("bfloat16") if precision == "bf16" else np.dtype(np.float16)
     B, NH, T, hs, L = shape
@@ -48,20 +49,7 @@ def ours_ms(precision: str, shape, reps: int) -> tuple[float, float, str]:
     bwd()  # compiles, allocates the workspace: nothing of that may happen inside a capture
     cp.cuda.Stream.null.synchronize()
     s = cp.cuda.Stream(non_blocking=True)
-    times = []
-    with s:
-        for fn in (fwd, bwd):
-            s.begin_capture()
-            fn()
-            g = s.end_capture()
-            g.launch(stream=s)
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(s)
-            for _ in range(reps):
-                g.launch(stream=s)
-            b.record(s)
-            b.synchronize()
-            times.append(cp.cuda.get_elapsed_time(a, b) / reps)
+    times = [replay_ms(be.capture(fn, s), s, reps) for fn in (fwd, bwd)]
     return times[0], times[1], f"attention {be.attention_variant(dt, hs)} (version 4 when fused)"
 
 

@@ -144,16 +144,8 @@ def time_case(be, case, precision: str, reps: int, rng, size=None) -> float:
         for _ in range(reps):
             graph.launch()
         return (time.perf_counter() - t0) / reps * 1e3
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        graph.launch(stream=s)
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(s)
-        for _ in range(reps):
-            graph.launch(stream=s)
-        b.record(s)
-        b.synchronize()
-    return cp.cuda.get_elapsed_time(a, b) / reps
+    from andrea.backends.cuda.graphs import replay_ms
+    return replay_ms(graph, cp.cuda.Stream(non_blocking=True), reps)
 
 
 def variants(op: str, names):

@@ -22,6 +22,20 @@ def capture(fn, stream, blas):
     return graph
 
 
+def replay_ms(graph, stream, reps: int) -> float:
+    """Device milliseconds per replay of a captured graph on stream: one launch to warm up, then
+    reps launches between two CUDA events (no Python launch overhead in the figure)."""
+    with stream:
+        graph.launch(stream=stream)
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(stream)
+        for _ in range(reps):
+            graph.launch(stream=stream)
+        b.record(stream)
+        b.synchronize()
+    return cp.cuda.get_elapsed_time(a, b) / reps
+
+
 class GraphRunner:
     """Runs a function of backend kernels as a CUDA graph: the first call with a key runs it
     eagerly (compiles modules, allocates the workspace, creates the cuBLAS handle), the second
