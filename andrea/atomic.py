@@ -68,10 +68,10 @@ def atomic_write_many(items: Sequence[Tuple[object, Data]]) -> List[Path]:
     are renamed in the given order, so a full disk or a signal during the writes changes none of
     them. A full disk raises NoSpace naming the file and the bytes it needed; no temporary file
     is left behind, whatever the failure."""
-    todo = [(Path(p), _chunks(d)) for p, d in items]
+    pending = [(Path(p), _chunks(d)) for p, d in items]
     written: List[Path] = []
     try:
-        for path, chunks in todo:
+        for path, chunks in pending:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = tmp_path(path)
             written.append(tmp)
@@ -86,13 +86,13 @@ def atomic_write_many(items: Sequence[Tuple[object, Data]]) -> List[Path]:
                     raise
                 _drop(tmp)
                 raise NoSpace(path, sum(len(c) for c in chunks), free_bytes(path.parent)) from None
-        for (path, _), tmp in zip(todo, written):
+        for (path, _), tmp in zip(pending, written):
             os.replace(tmp, path)
     except BaseException:  # a full disk, a signal, a bad chunk: the old files stay, no temporary one
         for tmp in written:
             _drop(tmp)
         raise
-    return [p for p, _ in todo]
+    return [p for p, _ in pending]
 
 
 def _drop(tmp: Path) -> None:
@@ -107,6 +107,19 @@ def atomic_write_json(path, obj, indent=None) -> Path:
     seps = (",", ":") if indent is None else None
     text = json.dumps(obj, indent=indent, separators=seps, allow_nan=False)
     return atomic_write(path, text + ("\n" if indent is not None else ""))
+
+
+def atomic_savefig(fig, path, **savefig_kw) -> Path:
+    """A matplotlib figure saved to path atomically (the format from path's suffix)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path(path)
+    try:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", **savefig_kw)
+        return replace_synced(tmp, path)
+    except BaseException:
+        _drop(tmp)
+        raise
 
 
 def atomic_copy(src, dst) -> Path:

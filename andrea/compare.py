@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 
 import pandas as pd
 
-from .atomic import atomic_write, replace_synced, tmp_path
+from .atomic import atomic_savefig, atomic_write
 
 COLUMNS = ["run", "overrides", "val_loss", "val_from", "task_accuracy", "tokens_per_s", "steps", "wall_s"]
 
@@ -112,11 +112,8 @@ def plot(path: Path, runs: Sequence[dict], log_scale: bool = False) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_path(path)
-    fig.savefig(tmp, format="png")
+    atomic_savefig(fig, path)
     plt.close(fig)
-    replace_synced(tmp, path)
 
 
 def format_table(df: pd.DataFrame) -> str:

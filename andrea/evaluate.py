@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Optional
 
 
-from .atomic import atomic_write, replace_synced, tmp_path
+from .atomic import atomic_savefig, atomic_write
 from .config import AndreaConfig, load_run_config
 from .data.loader import val_windows
 from . import sampling
@@ -181,11 +181,8 @@ def plot(path: Path, exp: str, mine: dict, published: Optional[dict], uniform: f
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_path(path)
-    fig.savefig(tmp, format="png")
+    atomic_savefig(fig, path)
     plt.close(fig)
-    replace_synced(tmp, path)
 
 
 def training_summary(hist: list, state: Optional[dict]) -> dict:

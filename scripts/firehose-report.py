@@ -143,8 +143,9 @@ def plot(mixes: pd.DataFrame, path: Path, noise: str) -> None:
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    from andrea.atomic import atomic_savefig
+    atomic_savefig(fig, path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:

@@ -63,3 +63,27 @@ def test_bad_run_folder_is_named(tmp_path, capsys):
     (d / "X.loss.json").write_text("{not json")
     assert compare.main([str(d), "--plot", str(tmp_path / "p.png")]) == 2
     assert "X.loss.json" in capsys.readouterr().err
+
+
+def test_atomic_savefig_keeps_the_old_plot_when_saving_fails(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from andrea.atomic import atomic_savefig
+    fig = plt.figure()
+    plt.plot([1, 2, 3])
+    path = atomic_savefig(fig, tmp_path / "sub" / "loss.png")
+    old = path.read_bytes()
+    assert old.startswith(b"\x89PNG") and len(old) > 1000
+
+    class Broken:  # writes half a file, then fails, as a full disk would
+        def savefig(self, f, **kw):
+            with open(f, "wb") as fh:
+                fh.write(b"\x89PNG half")
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        atomic_savefig(Broken(), path)
+    assert path.read_bytes() == old and sorted(p.name for p in path.parent.iterdir()) == ["loss.png"]
+    plt.close(fig)

@@ -149,16 +149,16 @@ def rank_pid(launcher_pid, rank):
                     for c in (t / "children").read_text().split()]
         except OSError:
             return []
-    todo = children(launcher_pid)
-    while todo:
-        pid = todo.pop()
+    pending = children(launcher_pid)
+    while pending:
+        pid = pending.pop()
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
         if f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
             return pid
-        todo += children(pid)
+        pending += children(pid)
     return None
 
 
