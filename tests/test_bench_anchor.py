@@ -10,12 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea.config import load_run_config
-from andrea.engine import Engine
 from andrea.model import count_params
 from andrea.train import compose_config
 
 torch = pytest.importorskip("torch")
+from test_model_torch import general_position_step  # noqa: E402  (needs torch)
 REPO = Path(__file__).resolve().parent.parent
 ANCHOR = REPO / "benchmarks" / "torch_gpt.py"
 
@@ -38,16 +37,7 @@ def test_anchor_has_andreas_shapes_and_parameter_count(exp, shape):
 
 def test_anchor_computes_andreas_loss_and_gradients():
     """ANDREA's weights loaded into the anchor give the NumPy engine's loss and gradients (float64)."""
-    cfg = load_run_config({"model": {"n_layer": 2, "d_model": 24, "n_head": 3, "context": 16, "vocab_size": 37},
-                           "train": {"batch_size": 3, "seq_len": 11, "init_std": 0.3}, "backend": {"name": "numpy"}})
-    eng = Engine(cfg, dtype="float64")
-    rng = np.random.default_rng(1)
-    host = eng.be.to_numpy(eng.params).copy()
-    host[eng.layout.n_decay:] += rng.normal(0, 0.3, host.size - eng.layout.n_decay)
-    eng.set_state(host)
-    tokens = rng.integers(0, 37, (3, 11)).astype(np.int32)
-    targets = rng.integers(0, 37, (3, 11)).astype(np.int32)
-    loss = eng.forward_backward(tokens, targets)
+    _, eng, host, tokens, targets, loss = general_position_step("float64", seed=1)
     ours = eng.layout.views(eng.be.to_numpy(eng.grads))
     w = eng.layout.views(host)
     model = anchor().GPT(2, 24, 3, 16, 37).double()

@@ -39,21 +39,27 @@ def torch_loss(cfg, views, tokens, targets, dtype):
     return float(loss.detach()), {k: t.grad.numpy() for k, t in P.items()}
 
 
-@pytest.mark.parametrize("dtype,tol", [("float64", 1e-9), ("float32", 1e-4)])
-def test_model_matches_torch(dtype, tol):
+def general_position_step(dtype: str, seed: int):
+    """A 2-layer NumPy engine with non-trivial layer-norm gains and biases (so their gradients are
+    tested in general position) after one forward + backward on a random batch:
+    (cfg, eng, host weights, tokens, targets, loss)."""
     cfg = load_run_config({"model": {"n_layer": 2, "d_model": 24, "n_head": 3, "context": 16,
                                      "vocab_size": 37},
                            "train": {"batch_size": 3, "seq_len": 11, "init_std": 0.3},
                            "backend": {"name": "numpy"}})
     eng = Engine(cfg, dtype=dtype)
-    rng = np.random.default_rng(0)
-    # non-trivial layer-norm gains and biases, so their gradients are tested in general position
+    rng = np.random.default_rng(seed)
     host = eng.be.to_numpy(eng.params).copy()
     host[eng.layout.n_decay:] += rng.normal(0, 0.3, host.size - eng.layout.n_decay)
     eng.set_state(host)
     tokens = rng.integers(0, 37, (3, 11)).astype(np.int32)
     targets = rng.integers(0, 37, (3, 11)).astype(np.int32)
-    loss = eng.forward_backward(tokens, targets)
+    return cfg, eng, host, tokens, targets, eng.forward_backward(tokens, targets)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-9), ("float32", 1e-4)])
+def test_model_matches_torch(dtype, tol):
+    cfg, eng, host, tokens, targets, loss = general_position_step(dtype, seed=0)
     ref_loss, ref_grads = torch_loss(cfg, eng.layout.views(host), tokens, targets,
                                      getattr(torch, dtype))
     assert abs(loss - ref_loss) / abs(ref_loss) < tol, (loss, ref_loss)
