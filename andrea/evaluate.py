@@ -103,6 +103,8 @@ def read_exchanges(path: Path, limit: int = 0) -> list:
 
 
 def task_accuracy(dec, tok, cfg: AndreaConfig, val_path: Path, train_path: Optional[Path]) -> dict:
+    import pandas as pd
+
     from .data import synthetic
 
     tasks = read_exchanges(val_path, cfg.eval.n_tasks)
@@ -114,8 +116,6 @@ def task_accuracy(dec, tok, cfg: AndreaConfig, val_path: Path, train_path: Optio
         for q, a in read_exchanges(train_path):
             by_kind[synthetic.kind_of(q)][a] += 1
         majority = {k: c.most_common(1)[0][0] for k, c in by_kind.items()}
-    import pandas as pd
-
     rows, scored = [], []
     for q, ref in tasks:
         got = complete(dec, tok, q, min(TASK_TOKENS, cfg.eval.max_new_tokens), 0.0, cfg.eval.seed)
@@ -125,16 +125,14 @@ def task_accuracy(dec, tok, cfg: AndreaConfig, val_path: Path, train_path: Optio
                      "reference_matches": ref == right})
         scored.append({"kind": kind, "correct": int(ok), "chance": synthetic.chance(q),
                        "majority": int(majority.get(kind) == right)})
-    kinds = pd.DataFrame(scored).groupby("kind").agg(n=("correct", "size"), correct=("correct", "sum"),
-                                                     chance=("chance", "sum"), majority=("majority", "sum"))
-    n = int(kinds["n"].sum())
-
-    def rates(r) -> dict:  # one row of sums (a kind's, or all kinds') as the report's rates
-        return {"accuracy": int(r["correct"]) / int(r["n"]), "chance": float(r["chance"]) / int(r["n"]),
-                "majority_baseline": int(r["majority"]) / int(r["n"]) if majority else None}
-
-    summary = {"n": n, **rates(kinds.sum()),
-               "per_kind": {k: {"n": int(r["n"]), **rates(r)} for k, r in kinds.iterrows()}}
+    df = pd.DataFrame(scored)
+    kinds = df.groupby("kind").agg(n=("correct", "size"), accuracy=("correct", "mean"),
+                                   chance=("chance", "mean"), majority_baseline=("majority", "mean"))
+    if not majority:  # no train split: no constant-answer baseline
+        kinds["majority_baseline"] = None
+    summary = {"n": len(df), "accuracy": float(df["correct"].mean()), "chance": float(df["chance"].mean()),
+               "majority_baseline": float(df["majority"].mean()) if majority else None,
+               "per_kind": kinds.astype(object).to_dict(orient="index")}
     return {"summary": summary, "rows": rows}
 
 
