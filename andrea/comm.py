@@ -81,6 +81,7 @@ class MpiComm:
         self.mpi = mpi_comm
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.nccl = None
+        self._gathered = {}  # dtype -> receive buffer of the rank-order sum, made at the first step
 
     def prepare(self, grads) -> None:
         """Start NCCL when the gradients live on a GPU: rank 0 makes the unique id, MPI sends it,
@@ -103,10 +104,14 @@ class MpiComm:
 
     def _sum_in_rank_order(self, a: np.ndarray) -> None:
         flat = a.reshape(-1)  # a view: a is contiguous (an arena view)
+        need = self.size * min(CHUNK, flat.size)
+        buf = self._gathered.get(flat.dtype)
+        if buf is None or buf.size < need:  # the first step's: later steps allocate nothing here
+            buf = self._gathered[flat.dtype] = np.empty(need, dtype=flat.dtype)
         for lo in range(0, flat.size, CHUNK):
             part = flat[lo:lo + CHUNK]
-            got = np.empty((self.size, part.size), dtype=part.dtype)
-            self.mpi.Allgather(np.ascontiguousarray(part), got)
+            got = buf[:self.size * part.size].reshape(self.size, part.size)  # contiguous
+            self.mpi.Allgather(part, got)
             np.copyto(part, got[0])
             for r in range(1, self.size):
                 part += got[r]
