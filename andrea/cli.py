@@ -54,7 +54,7 @@ def run_engine(config, run_dir=None, resume=False, resume_at_most=None) -> int:
 
     from .atomic import NoSpace
     from .checkpoint import CheckpointError
-    from .comm import make_comm, select_gpu
+    from .comm import make_comm, select_gpu, zero1_requested
     from .config import load_run_config
     from .data.shards import ShardError
     from .lock import LockHeld, run_lock
@@ -72,7 +72,7 @@ def run_engine(config, run_dir=None, resume=False, resume_at_most=None) -> int:
         else:
             lock = contextlib.nullcontext()
         with lock:
-            run = Run(cfg, run_dir, comm=comm)
+            run = Run(cfg, run_dir, comm=comm, zero1=zero1_requested())
             rc = run.train(resume=resume, resume_at_most=resume_at_most)
     except LockHeld as e:
         _report(str(e))

@@ -4,6 +4,9 @@
     comm = make_comm()                # SingleComm (one process) or MpiComm (mpi4py's COMM_WORLD)
     comm.prepare(grads)               # CUDA arrays: one NCCL communicator, its id sent by MPI
     comm.allreduce_sum(grads, loss)   # in place, the same bits on every rank (the engine's step)
+    comm.reduce_scatter_sum(grads)    # ZeRO-1: rank r's shard of grads becomes the sum over the ranks
+    comm.allgather(params)            # ZeRO-1: every rank's shard of params onto every rank, in place
+    whole = comm.gather(part)         # host arrays: the ranks' parts end to end on rank 0 (None elsewhere)
     stop, save = comm.any(stop, save) # a flag set on any rank is set on every rank
     obj = comm.bcast(obj)             # rank 0's object (small), or rank 0's arrays (bcast_arrays)
 
@@ -15,10 +18,17 @@ The engine keeps one comm. The single-process comm (SingleComm, the default) doe
 one process trains exactly as it always has. MpiComm sums gradients in a fixed order:
   - NumPy arrays: every rank gathers every rank's array (MPI Allgather) and adds them in rank
     order (rank 0 + rank 1 + ...), chunk by chunk, so every rank ends with the same bits and a
-    run is reproducible bit for bit for a given number of ranks;
+    run is reproducible bit for bit for a given number of ranks; the reduce-scatter of ZeRO-1 is the
+    same sum restricted to each rank's shard (MPI Alltoallv brings every rank's copy of the shard to
+    its owner, which adds them in rank order): the shard's bits are those of the all-reduce;
   - CUDA arrays: NCCL all-reduce (sum) on the current CUDA stream, which is the stream a CUDA graph
     is being captured on, so the all-reduce becomes part of the optimizer's graph. NCCL's order is
-    fixed for a given number of ranks and topology, and every rank receives the same result.
+    fixed for a given number of ranks and topology, and every rank receives the same result. The
+    reduce-scatter and all-gather of ZeRO-1 are NCCL's too, in place, on the same stream.
+
+ZeRO-1 (docs/DISTRIBUTED.md) is asked for with ZERO1_ENV=1 in every rank's environment
+(`python -m andrea.train --zero1` sets it); zero1_requested() reads it. It is not part of the
+config: a run may be resumed with or without it.
 """
 from __future__ import annotations
 
@@ -32,6 +42,26 @@ import numpy as np
 RANK_ENV = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
             ("SLURM_PROCID", "SLURM_NTASKS"))
 CHUNK = 1 << 22  # elements gathered at a time by the NumPy sum (bounds its scratch to size x CHUNK)
+ZERO1_ENV = "ANDREA_ZERO1"  # "1": shard the Adam state over the ranks (ZeRO-1); "0" or unset: do not
+
+
+def zero1_requested(env=None) -> bool:
+    """Whether this rank was asked to shard the optimizer state (ZERO1_ENV); a value other than
+    1/0/true/false/yes/no/empty is an error naming the variable."""
+    env = os.environ if env is None else env
+    value = env.get(ZERO1_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"environment variable {ZERO1_ENV}={env[ZERO1_ENV]!r}: expected 1 (ZeRO-1 on) or 0 (off)")
+
+
+def shard_bounds(n: int, size: int, rank: int) -> Tuple[int, int, int]:
+    """(padded, lo, hi) of ZeRO-1: n elements padded to a multiple of size, and rank's contiguous
+    shard [lo, hi) of padded/size elements."""
+    per = -(-n // size)
+    return per * size, rank * per, (rank + 1) * per
 
 
 def launch_rank(env=None) -> Tuple[int, int]:
@@ -60,6 +90,15 @@ class SingleComm:
 
     def allreduce_sum(self, *arrays) -> None:
         pass
+
+    def reduce_scatter_sum(self, a) -> None:
+        pass
+
+    def allgather(self, a) -> None:
+        pass
+
+    def gather(self, part: np.ndarray) -> np.ndarray:
+        return part
 
     def any(self, *flags: bool) -> Tuple[bool, ...]:
         return tuple(bool(f) for f in flags)
@@ -104,10 +143,7 @@ class MpiComm:
 
     def _sum_in_rank_order(self, a: np.ndarray) -> None:
         flat = a.reshape(-1)  # a view: a is contiguous (an arena view)
-        need = self.size * min(CHUNK, flat.size)
-        buf = self._gathered.get(flat.dtype)
-        if buf is None or buf.size < need:  # the first step's: later steps allocate nothing here
-            buf = self._gathered[flat.dtype] = np.empty(need, dtype=flat.dtype)
+        buf = self._scratch(flat.dtype, self.size * min(CHUNK, flat.size))
         for lo in range(0, flat.size, CHUNK):
             part = flat[lo:lo + CHUNK]
             got = buf[:self.size * part.size].reshape(self.size, part.size)  # contiguous
@@ -116,18 +152,86 @@ class MpiComm:
             for r in range(1, self.size):
                 part += got[r]
 
-    def _nccl_sum(self, a) -> None:
+    def _scratch(self, dtype, need: int) -> np.ndarray:
+        buf = self._gathered.get(dtype)
+        if buf is None or buf.size < need:  # the first step's: later steps allocate nothing here
+            buf = self._gathered[dtype] = np.empty(need, dtype=dtype)
+        return buf
+
+    def reduce_scatter_sum(self, a) -> None:
+        """ZeRO-1: a (flat, size x S elements) is cut into one shard of S per rank; rank r's shard
+        becomes the sum over the ranks of that shard, in place, with the bits allreduce_sum would
+        give it. The rest of a is left undefined (the engine zeroes it)."""
+        S = self._shard_len(a, "reduce_scatter_sum")
+        if isinstance(a, np.ndarray):
+            self._reduce_scatter_in_rank_order(a.reshape(-1), S)
+            return
+        from cupy.cuda import nccl
+
+        kind, stream = self._nccl_args(a, "reduce_scatter_sum")
+        mine = a.data.ptr + self.rank * S * a.itemsize  # in place: recvbuff = sendbuff + rank * count
+        self.nccl.reduceScatter(a.data.ptr, mine, S, kind, nccl.NCCL_SUM, stream.ptr)
+
+    def allgather(self, a) -> None:
+        """ZeRO-1: every rank's shard of a (flat, size x S elements) onto every rank, in place."""
+        S = self._shard_len(a, "allgather")
+        if isinstance(a, np.ndarray):
+            from mpi4py import MPI
+
+            self.mpi.Allgather(MPI.IN_PLACE, a.reshape(-1))
+            return
+        kind, stream = self._nccl_args(a, "allgather")
+        mine = a.data.ptr + self.rank * S * a.itemsize  # in place: sendbuff = recvbuff + rank * count
+        self.nccl.allGather(mine, a.data.ptr, S, kind, stream.ptr)
+
+    def gather(self, part: np.ndarray) -> Optional[np.ndarray]:
+        """Host arrays of the same length on every rank: rank 0 gets them end to end, in rank
+        order (a checkpoint's Adam moments under ZeRO-1); the other ranks get None."""
+        part = np.ascontiguousarray(part)
+        whole = np.empty(self.size * part.size, dtype=part.dtype) if self.rank == 0 else None
+        self.mpi.Gather(part, whole, root=0)
+        return whole
+
+    def _shard_len(self, a, what: str) -> int:
+        if a.size % self.size:
+            raise ValueError(f"MpiComm.{what}: {a.size} elements are not a multiple of the {self.size} ranks "
+                             "(the engine pads its flat buffers under ZeRO-1)")
+        return a.size // self.size
+
+    def _reduce_scatter_in_rank_order(self, flat: np.ndarray, S: int) -> None:
+        from mpi4py.util.dtlib import from_numpy_dtype
+
+        kind = from_numpy_dtype(flat.dtype)
+        mine = flat[self.rank * S:(self.rank + 1) * S]
+        buf = self._scratch(flat.dtype, self.size * min(CHUNK, S))
+        for lo in range(0, S, CHUNK):
+            n = min(CHUNK, S - lo)
+            got = buf[:self.size * n].reshape(self.size, n)  # got[r] = rank r's copy of this piece
+            counts = [n] * self.size
+            self.mpi.Alltoallv([flat, (counts, [r * S + lo for r in range(self.size)]), kind],
+                               [got, (counts, [r * n for r in range(self.size)]), kind])
+            part = mine[lo:lo + n]
+            np.copyto(part, got[0])
+            for r in range(1, self.size):
+                part += got[r]
+
+    def _nccl_args(self, a, what: str):
         import cupy as cp
         from cupy.cuda import nccl
 
         kinds = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
                  np.dtype(np.float16): nccl.NCCL_FLOAT16}
         if self.nccl is None:
-            raise RuntimeError("MpiComm.allreduce_sum on a CUDA array before prepare(grads)")
+            raise RuntimeError(f"MpiComm.{what} on a CUDA array before prepare(grads)")
         if np.dtype(a.dtype) not in kinds:
-            raise TypeError(f"NCCL sum of a {a.dtype} array: expected one of {sorted(str(k) for k in kinds)}")
-        stream = cp.cuda.get_current_stream()
-        self.nccl.allReduce(a.data.ptr, a.data.ptr, a.size, kinds[np.dtype(a.dtype)], nccl.NCCL_SUM, stream.ptr)
+            raise TypeError(f"NCCL {what} of a {a.dtype} array: expected one of {sorted(str(k) for k in kinds)}")
+        return kinds[np.dtype(a.dtype)], cp.cuda.get_current_stream()
+
+    def _nccl_sum(self, a) -> None:
+        from cupy.cuda import nccl
+
+        kind, stream = self._nccl_args(a, "allreduce_sum")
+        self.nccl.allReduce(a.data.ptr, a.data.ptr, a.size, kind, nccl.NCCL_SUM, stream.ptr)
 
     def any(self, *flags: bool) -> Tuple[bool, ...]:
         from mpi4py import MPI

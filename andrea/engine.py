@@ -30,7 +30,7 @@ from . import model
 from .backends import get_backend
 from .backends.numpy_ref import (S_BAD, S_GOOD, S_LOSS, S_LOSS_SUM, S_LR, S_NORM, S_REC_SCALE, S_SCALE,
                                  S_SKIP, S_SKIPPED, S_STEP, STATE_LEN)
-from .comm import SINGLE
+from .comm import SINGLE, shard_bounds
 from .config import AndreaConfig
 
 ALIGN = 256  # bytes; cuBLAS and vector loads want aligned starts
@@ -109,20 +109,26 @@ def compute_dtype(precision: str, base: str) -> str:
     return {"fp32": base, "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}[precision]
 
 
-def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64) -> MemoryPlan:
-    """Every buffer the engine will ever use, from the config alone."""
+def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, shards: int = 0) -> MemoryPlan:
+    """Every buffer the engine will ever use, from the config alone. shards = N > 0: ZeRO-1 over N
+    ranks (Engine): the flat buffers padded to a multiple of N, the Adam moments one rank's shard
+    of padded/N, and the norm's partials one block per rank."""
     m, t = cfg.model, cfg.train
     B, T = t.batch_size, t.seq_len
     act = compute_dtype(t.precision, dtype)
     f32 = "float32" if dtype == "float32" else dtype  # float64 in gradient checks
     n = model.ParamLayout.from_config(m).n_params
+    flat, moments = n, n
+    if shards:
+        flat, _, per = shard_bounds(n, shards, 0)
+        moments, n_partials = per, n_partials * shards
     plan = MemoryPlan()
-    plan.add("params", (n,), dtype, "weights")
+    plan.add("params", (flat,), dtype, "weights")
     if act != dtype:
-        plan.add("params_c", (n,), act, "weights (compute copy)")
-    plan.add("grads", (n,), dtype, "grads")
-    plan.add("adam_m", (n,), dtype, "adam_m")
-    plan.add("adam_v", (n,), dtype, "adam_v")
+        plan.add("params_c", (flat,), act, "weights (compute copy)")
+    plan.add("grads", (flat,), dtype, "grads")
+    plan.add("adam_m", (moments,), dtype, "adam_m")
+    plan.add("adam_v", (moments,), dtype, "adam_v")
     kinds = {"act": act, "f32": f32, "i32": "int32"}
     for l in range(m.n_layer):
         for name, (shape, kind) in model.activation_shapes(m, B, T).items():
@@ -166,11 +172,14 @@ class Arena:
 class Engine:
     """Owns every buffer and the optimizer state of one model; runs steps on one backend."""
 
-    def __init__(self, cfg: AndreaConfig, backend=None, dtype: str = "float32", comm=None):
+    def __init__(self, cfg: AndreaConfig, backend=None, dtype: str = "float32", comm=None, zero1: bool = False):
         self.cfg = cfg
         # data parallelism (andrea/comm.py): this engine is one rank of comm.size, each running
-        # its own microbatches; the step sums the gradients over the ranks before the optimizer
+        # its own microbatches; the step sums the gradients over the ranks before the optimizer.
+        # zero1: each rank keeps the Adam moments of its own shard of the flat buffers only
+        # (ZeRO-1, docs/DISTRIBUTED.md); with one rank the shard is everything (same plan, same bits)
         self.comm = comm if comm is not None else SINGLE
+        self.zero1 = bool(zero1)
         self.be = backend if backend is not None else get_backend(cfg.backend.name)
         t = cfg.train
         if t.precision not in self.be.precisions:
@@ -178,7 +187,7 @@ class Engine:
                              f"runs {', '.join(self.be.precisions)} (the NumPy reference: fp32, or "
                              "float64 in checks)")
         self.layout = model.ParamLayout.from_config(cfg.model)
-        self.plan = make_plan(cfg, dtype, self.be.grad_norm_partials)
+        self.plan = make_plan(cfg, dtype, self.be.grad_norm_partials, self.comm.size if self.zero1 else 0)
         self.dtype = dtype
         self.mixed = t.precision != "fp32"
         self._allocate()
@@ -196,6 +205,15 @@ class Engine:
         self.m, self.v = bufs["adam_m"], bufs["adam_v"]
         self.params_c = bufs.get("params_c", self.params)
         self.optim_state, self.dloss = bufs["optim_state"], bufs["dloss"]
+        # ZeRO-1: this rank's shard [lo, hi) of the (padded) flat buffers, the part its AdamW updates
+        n, size = self.layout.n_params, self.comm.size
+        self.lo, self.hi = (shard_bounds(n, size, self.comm.rank)[1:] if self.zero1 else (0, n))
+        if self.zero1:
+            P = self.be.grad_norm_partials
+            self.shard = {"params": self.params[self.lo:self.hi], "grads": self.grads[self.lo:self.hi],
+                          "partials": bufs["norm_partials"][self.comm.rank * P:(self.comm.rank + 1) * P],
+                          # the rest of grads, zeroed after each step (the shard's part by k_adamw_step)
+                          "rest": [g for g in (self.grads[:self.lo], self.grads[self.hi:]) if g.size]}
         self.p = self.layout.views(self.params_c)  # what the kernels read
         self.dp = self.layout.views(self.grads)
         shapes = model.activation_shapes(self.cfg.model, 1, 1)
@@ -222,24 +240,47 @@ class Engine:
         self.set_state(host)
 
     def set_state(self, params, m=None, v=None):
-        """Load host arrays into the device buffers (no new device buffers)."""
-        self.be.write(self.params, params)
-        self.be.write(self.m, m if m is not None else np.zeros_like(params))
-        self.be.write(self.v, v if v is not None else np.zeros_like(params))
+        """Load host arrays (of n_params each) into the device buffers (no new device buffers);
+        under ZeRO-1 this rank keeps its shard of m and v."""
+        n = self.layout.n_params
+        self.be.write(self.params[:n], params)
+        for buf, host in ((self.m, m), (self.v, v)):
+            if host is None:
+                buf.fill(0)
+            elif self.zero1:  # the shard, the padding past n_params as zeros
+                mine = np.zeros(self.hi - self.lo, dtype=buf.dtype)
+                got = np.asarray(host)[self.lo:min(self.hi, n)]
+                mine[:got.size] = got
+                self.be.write(buf, mine)
+            else:
+                self.be.write(buf, host)
         self.grads.fill(0)
         if self.mixed:
             self.be.k_cast_params(self.params_c, self.params)
 
     def host_state(self):
-        """(params, m, v) as host float32 arrays, the checkpoint's three blocks."""
-        return tuple(np.ascontiguousarray(self.be.to_numpy(a), dtype=np.float32)
-                     for a in (self.params, self.m, self.v))
+        """(params, m, v) as host float32 arrays of n_params, the checkpoint's three blocks. Under
+        ZeRO-1 on several ranks a collective (every rank calls it): m and v are gathered from the
+        ranks' shards on rank 0, and are None on the other ranks."""
+        n = self.layout.n_params
+        params = np.ascontiguousarray(self.be.to_numpy(self.params[:n]), dtype=np.float32)
+        if not self.zero1:
+            return (params, *(np.ascontiguousarray(self.be.to_numpy(a), dtype=np.float32) for a in (self.m, self.v)))
+        m, v = (self.comm.gather(np.ascontiguousarray(self.be.to_numpy(a), dtype=np.float32)) for a in (self.m, self.v))
+        return params, *((None if a is None else a[:n]) for a in (m, v))
 
     def state(self) -> "EngineState":
-        """Everything a checkpoint keeps of this engine, as host copies (the engine goes on)."""
+        """Everything a checkpoint keeps of this engine, as host copies (the engine goes on). Under
+        ZeRO-1 on several ranks a collective, whose m and v are rank 0's alone (host_state)."""
         # the NumPy backend's host view is the buffer itself: copy it, so the state stays put
-        params, m, v = (h.copy() if h is a else h for h, a in zip(self.host_state(), (self.params, self.m, self.v)))
+        params, m, v = (h.copy() if isinstance(a, np.ndarray) and h is not None and np.shares_memory(h, a) else h
+                        for h, a in zip(self.host_state(), (self.params, self.m, self.v)))
         return EngineState(params, m, v, self.loss_scale, self.good_streak, self.bad_streak, self.skipped)
+
+    def state_counters(self) -> dict:
+        """The loss scale and the step counters, as in a checkpoint's sidecar (EngineState.counters)."""
+        return {"loss_scale": self.loss_scale, "good_streak": self.good_streak, "bad_streak": self.bad_streak,
+                "skipped": self.skipped}
 
     def load_state(self, st: "EngineState") -> None:
         """Continue from st: weights, Adam moments, loss scale and step counters (no new buffers)."""
@@ -266,7 +307,14 @@ class Engine:
                 if name.startswith("fp8_"):
                     b = int(np.prod(shape)) * np.dtype(dtype).itemsize
                     print(f"  {name:<20}{b:>16,}{b / 2**20:>12.1f}  {dtype} {shape}", file=file, flush=True)
-        if self.comm.size > 1:
+        if self.comm.size > 1 and self.zero1:
+            saved = make_plan(self.cfg, self.dtype, self.be.grad_norm_partials).total() - self.plan.total()
+            print(f"data parallel: {self.comm.describe()}, ZeRO-1; the bytes above are per rank (each rank "
+                  f"holds the whole model and its gradients, padded to {self.params.size:,} elements, and the "
+                  f"Adam moments of its shard of {self.hi - self.lo:,}: {saved:,} bytes fewer than without "
+                  f"ZeRO-1), {self.comm.size} ranks hold {self.comm.size * (self.plan.total() + ws):,} bytes "
+                  "in all", file=file, flush=True)
+        elif self.comm.size > 1:
             print(f"data parallel: {self.comm.describe()}; the bytes above are per rank (each rank holds "
                   f"the whole model, its gradients and Adam state), {self.comm.size} ranks hold "
                   f"{self.comm.size * (self.plan.total() + ws):,} bytes in all", file=file, flush=True)
@@ -338,15 +386,35 @@ class Engine:
         loss_sum = self.optim_state[S_LOSS_SUM:S_LOSS_SUM + 1]
         n_micro *= comm.size  # the average is over every rank's microbatches
 
-        def optimizer():
-            comm.allreduce_sum(self.grads, loss_sum)  # nothing with one rank
-            be.k_grad_norm_partial(partials, self.grads)
+        def check():
             be.k_step_check(self.optim_state, self.dloss, partials, n_micro, t.batch_size * t.seq_len,
                             t.beta1, t.beta2, t.weight_decay, t.grad_clip, t.precision == "fp16",
                             SCALE_GROWTH_INTERVAL, MAX_LOSS_SCALE)
+
+        def optimizer():
+            comm.allreduce_sum(self.grads, loss_sum)  # nothing with one rank
+            be.k_grad_norm_partial(partials, self.grads)
+            check()
             be.k_adamw_step(self.params, self.params_c, self.grads, self.m, self.v, self.optim_state,
                             t.beta1, t.beta2, t.eps, self.layout.n_decay)
-        self._run(("optimizer", n_micro), optimizer)
+
+        def sharded():  # ZeRO-1: this rank updates its shard, then every rank gets every shard
+            sh = self.shard
+            comm.allreduce_sum(loss_sum)
+            comm.reduce_scatter_sum(self.grads)  # the shard of grads: the sum over the ranks
+            be.k_grad_norm_partial(sh["partials"], sh["grads"])  # this rank's block of the partials
+            comm.allgather(partials)  # every rank's block: the same norm and decisions everywhere
+            check()
+            # the decayed parameters are the first n_decay of the flat buffer: those in the shard
+            n_decay = min(max(self.layout.n_decay - self.lo, 0), self.hi - self.lo)
+            be.k_adamw_step(sh["params"], sh["params"], sh["grads"], self.m, self.v, self.optim_state,
+                            t.beta1, t.beta2, t.eps, n_decay)
+            comm.allgather(self.params)  # the fp32 master weights, whole on every rank
+            if self.mixed:
+                be.k_cast_params(self.params_c, self.params)
+            for g in sh["rest"]:  # the rest of grads (reduce-scatter scratch) for the next step
+                g.fill(0)
+        self._run(("optimizer", n_micro), sharded if self.zero1 else optimizer)
 
     def _run(self, key, fn):
         self.graphs.run(key, fn)
@@ -399,9 +467,7 @@ class Engine:
         passes none. Returns the Checkpoint, whose sidecar also holds the data position."""
         from .checkpoint import read_checkpoint
         c = read_checkpoint(path, self.layout.n_params, config_hash)
-        mine = {"loss_scale": self.loss_scale, "good_streak": self.good_streak, "bad_streak": self.bad_streak,
-                "skipped": self.skipped}
-        self.load_state(EngineState.from_checkpoint(c, mine))
+        self.load_state(EngineState.from_checkpoint(c, self.state_counters()))
         return c
 
 

@@ -23,11 +23,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from . import checkpoint as ck
 from .comm import SINGLE
 from .config import AndreaConfig, config_hash
 from .data.loader import train_loader, val_windows
-from .engine import Engine, phase_of
+from .engine import Engine, EngineState, phase_of
 from .protocol import EXIT_ABORTED, EXIT_ORPHANED, emit, reader_gone
 
 
@@ -90,7 +92,7 @@ class Run:
     stop or save signal that reaches any rank is agreed on at the step boundary, so every rank
     stops after the same step."""
 
-    def __init__(self, cfg: AndreaConfig, run_dir, engine: Engine = None, comm=None):
+    def __init__(self, cfg: AndreaConfig, run_dir, engine: Engine = None, comm=None, zero1: bool = False):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.hash = config_hash(cfg)
@@ -104,7 +106,9 @@ class Run:
                              f"global batch stays grad_accum x batch_size (set train.grad_accum to a multiple "
                              f"of {self.comm.size})")
         self.micro = t.grad_accum // self.comm.size  # microbatches of each rank per step
-        self.eng = engine or Engine(cfg, comm=self.comm)
+        # zero1: the Adam state sharded over the ranks (ZeRO-1; not part of the config: a run may
+        # resume with or without it, on any number of ranks)
+        self.eng = engine or Engine(cfg, comm=self.comm, zero1=zero1)
         V = cfg.model.vocab_size
         self.loader = train_loader(cfg, V)  # with data.groups: the mixer picks each step's group
         self.val = None  # the validation batches (the report's windows too: data.loader.val_windows)
@@ -114,6 +118,7 @@ class Run:
         self.group_val = [(g.name, val_windows(g.val_shards, t.batch_size, t.seq_len, t.eval_batches, V))
                           for g in cfg.data.groups if g.val_shards and t.eval_every]
         self.step = 0
+        self.loaded = None  # rank 0: the EngineState it resumed from (whole, whatever ZeRO-1 shards)
         self.status = None  # finished | stopped | aborted, once train() returns
         self.resumed_reason = None
         self.sig = Signals()
@@ -134,6 +139,7 @@ class Run:
                     "changed; repair them, or move the folder away to start afresh")
             return False
         c = self.eng.load_checkpoint(path, self.hash)  # refuses a checkpoint of other settings
+        self.loaded = EngineState(c.params, c.m, c.v, **self.eng.state_counters())
         s = c.sidecar
         self.loader.load_state(s["data"], source=str(ck.sidecar_path(path)))
         self.step = c.step
@@ -146,12 +152,19 @@ class Run:
         and weights, Adam moments and counters (resumed or freshly initialised)."""
         if self.comm.size == 1:
             return
-        st = self.eng.state()
         head = self.comm.bcast({"hash": self.hash, "step": self.step, "reason": self.resumed_reason,
-                                "data": self.loader.state(), "counters": st.counters()})
+                                "data": self.loader.state(), "counters": self.eng.state_counters(),
+                                "resumed": self.loaded is not None})
         if head["hash"] != self.hash:
             raise ValueError(f"rank {self.comm.rank}: its config (config_hash {self.hash[:12]}…) differs from rank "
                              f"0's ({head['hash'][:12]}…); every rank must run the same command")
+        if head["resumed"]:  # rank 0's engine may keep only its shard of the moments it loaded
+            n = self.eng.layout.n_params
+            st = self.loaded if self.root else EngineState(*(np.empty(n, np.float32) for _ in "pmv"), **head["counters"])
+        else:
+            st = self.eng.state()  # under ZeRO-1 a collective: the moments whole on rank 0 only
+        if not self.root:
+            st.m, st.v = (a if a is not None else np.empty_like(st.params) for a in (st.m, st.v))
         self.comm.bcast_arrays([st.params, st.m, st.v])
         if not self.root:
             self.step, self.resumed_reason = head["step"], head["reason"]
@@ -166,13 +179,15 @@ class Run:
         When the proxy is gone (stdout closed) the engine stops here, writing nothing: the proxy
         would never record this checkpoint, and the steps before it would be missing from the
         history when a new proxy resumes from it."""
-        if not self.root:
+        if not self.root and not self.eng.zero1:
             return None  # rank 0 writes the run's checkpoints
-        if reader_gone():
+        if self.root and reader_gone():
             print(f"engine: stdout is closed (the proxy is gone); stopping at step {self.step} without "
                   "a checkpoint", file=sys.stderr)
             os._exit(EXIT_ORPHANED)
-        st = self.eng.state()
+        st = self.eng.state()  # under ZeRO-1 every rank is here: the moments are gathered on rank 0
+        if not self.root:
+            return None
         side = {"reason": reason, "data": self.loader.state(), **st.counters(),
                 "config_hash": self.hash, "precision": self.cfg.train.precision,
                 "backend": self.eng.be.name, "exp": self.cfg.exp,
@@ -247,8 +262,11 @@ class Run:
                 self.sig.save = False
                 self.save("signal")
         # a signal save may have just written the final checkpoint
-        if self.root and not ck.is_valid(ck.bin_path(self.ckpt_dir, self.step)):
-            if self.save("final") is None:
+        final = self.root and not ck.is_valid(ck.bin_path(self.ckpt_dir, self.step))
+        if self.eng.zero1:  # every rank takes part in the save
+            final = self.comm.bcast(final)
+        if final:
+            if self.save("final") is None and self.root:
                 print(f"aborting: the final weights are not finite; the newest checkpoint "
                       f"({self._newest_name()}) holds the last finite weights", file=sys.stderr)
                 self._done("aborted")
@@ -266,8 +284,13 @@ class Run:
 
     def _cadence(self):
         t, s = self.cfg.train, self.step
-        if not self.root:
-            return  # validation, samples and checkpoints are rank 0's
+        if self.root:  # validation and samples are rank 0's
+            self._evaluate(s)
+        if t.ckpt_every and s % t.ckpt_every == 0 and s != t.steps:
+            self.save("cadence")  # rank 0 writes (under ZeRO-1 every rank gathers its moments to it)
+
+    def _evaluate(self, s: int):
+        t = self.cfg.train
         if self.val is not None and t.eval_every and (s % t.eval_every == 0 or s == t.steps):
             extra = {}
             if self.group_val:
@@ -275,8 +298,6 @@ class Run:
             self.emit("val", step=s, val_loss=self.eng.val_loss(self.val), **extra)
         if t.sample_every and (s % t.sample_every == 0 or s == t.steps):
             self.emit("sample", step=s, samples=self.samples())
-        if t.ckpt_every and s % t.ckpt_every == 0 and s != t.steps:
-            self.save("cadence")
 
     def samples(self):
         """Completions of the eval prompts (andrea.sampling, as in the report), when a tokenizer is present."""

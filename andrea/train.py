@@ -10,6 +10,9 @@ Data parallelism (docs/DISTRIBUTED.md): each of N ranks trains on its part of ev
 microbatches (train.grad_accum must be a multiple of N), rank 0 keeps the records and checkpoints:
     python -m andrea.train --ranks 2 experiment=ANDREA-120M train.grad_accum=2   # this host
     mpirun -n 2 python -m andrea.train experiment=ANDREA-120M train.grad_accum=2 # or srun, a cluster
+With --zero1 (first arguments, as --ranks) each rank keeps the Adam moments of its shard of the
+weights only (ZeRO-1); it is not part of the config, so a run resumes with or without it:
+    python -m andrea.train --ranks 2 --zero1 experiment=ANDREA-120M train.grad_accum=2
 
 A run with overrides gets its own folder, named after them (andrea/runs.py says which overrides
 name a run: data paths, proxy and eval settings do not); that name is also its `exp`.
@@ -49,7 +52,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import runs
 from .atomic import atomic_write
 # composing also registers the config schemas that hydra.main below needs
-from .comm import launch_rank
+from .comm import ZERO1_ENV, launch_rank
 from .compose import ConfigError, compose_config, one_line, recorded_overrides, resolve  # noqa: F401 (compose_config: public here too)
 from .config import AndreaConfig, config_hash
 from .data.sizing import check_shards
@@ -61,6 +64,7 @@ SET_ASIDE_DIR = "previous"  # runs of other settings, moved aside by --new-run-o
 NEW_RUN_FLAG = "--new-run-on-change"
 NEW_RUN_ON_CHANGE = False  # set by NEW_RUN_FLAG (the workflow passes it)
 RANKS_FLAG = "--ranks"  # data parallelism on this host: python -m andrea.train --ranks N ... (andrea/launch.py)
+ZERO1_FLAG = "--zero1"  # ZeRO-1: sets comm.ZERO1_ENV for the engine (every rank runs the same command)
 MAX_TAG = 200  # sweep folder names stay under the usual 255-byte file-name limit
 
 
@@ -337,6 +341,9 @@ def cli() -> None:
     if NEW_RUN_FLAG in sys.argv[1:]:
         sys.argv.remove(NEW_RUN_FLAG)
         NEW_RUN_ON_CHANGE = True
+    if ZERO1_FLAG in sys.argv[1:]:  # the engine processes (rank 0's under its proxy) inherit it
+        sys.argv.remove(ZERO1_FLAG)
+        os.environ[ZERO1_ENV] = "1"
     problem = precheck(sys.argv[1:], ranks or launch_rank()[1])
     if problem is not None:
         print(f"andrea.train: config error: {problem}", file=sys.stderr)

@@ -1,10 +1,12 @@
 """One rank of the data-parallel equality test (tests/test_ddp.py), started by mpirun.
 
-    mpirun -n N python tests/ddp_worker.py CONFIG.json OUT_PREFIX DTYPE STEPS
+    mpirun -n N python tests/ddp_worker.py CONFIG.json OUT_PREFIX DTYPE STEPS [ZERO1]
 
-Every rank builds the same engine (andrea.comm.make_comm), draws the same global batches from a
-fixed seed, runs its own microbatches (rank r: r*k .. r*k+k-1 of grad_accum = N*k) and writes
-OUT_PREFIX.<rank>.npz: the weights and the step records after STEPS steps.
+Every rank builds the same engine (andrea.comm.make_comm; ZERO1=1: with the Adam state sharded),
+draws the same global batches from a fixed seed, runs its own microbatches (rank r: r*k .. r*k+k-1
+of grad_accum = N*k) and writes OUT_PREFIX.<rank>.npz: the weights, the Adam moments and the step
+records after STEPS steps (under ZeRO-1 rank 0 holds the moments gathered from every shard, the
+other ranks their own shard).
 """
 import json
 import sys
@@ -24,18 +26,23 @@ def global_batches(cfg, step, seed=11):
     return [(m[:, :-1].copy(), m[:, 1:].copy()) for m in toks]
 
 
-def main(config_json, out, dtype, steps):
+def main(config_json, out, dtype, steps, zero1="0"):
     cfg = load_run_config(json.loads(open(config_json).read()))
     comm = make_comm()
     select_gpu(cfg.backend.name, comm)  # rank r on GPU r of its host
-    eng = Engine(cfg, dtype=dtype, comm=comm)
+    eng = Engine(cfg, dtype=dtype, comm=comm, zero1=zero1 == "1")
     k = cfg.train.grad_accum // comm.size
     r = comm.rank
     recs = []
     for step in range(1, int(steps) + 1):
         rec = eng.train_step(step, global_batches(cfg, step)[r * k:(r + 1) * k])
         recs.append([rec["loss"], rec["grad_norm"]])
-    params, m, v = (eng.be.to_numpy(a) for a in (eng.params, eng.m, eng.v))
+    n = eng.layout.n_params
+    params, m, v = (eng.be.to_numpy(a) for a in (eng.params[:n], eng.m, eng.v))
+    if eng.zero1 and r == 0:  # the whole moments, in the engine's dtype (the checkpoint's are float32)
+        m, v = (comm.gather(a)[:n] for a in (m, v))
+    elif eng.zero1:
+        comm.gather(m), comm.gather(v)
     np.savez(f"{out}.{r}.npz", params=params, m=m, v=v, recs=np.array(recs))
 
 

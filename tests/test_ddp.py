@@ -19,9 +19,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from andrea import checkpoint as ck
-from andrea.comm import launch_rank
+from andrea.comm import ZERO1_ENV, launch_rank, shard_bounds, zero1_requested
 from andrea.config import load_run_config
-from andrea.engine import Engine
+from andrea.engine import Engine, make_plan
+from andrea.model import count_params
 from conftest import make_shards, small_config, wait_for
 
 pytest.importorskip("mpi4py")
@@ -86,10 +87,10 @@ def one_process(cfg, dtype, steps):
     return {k: eng.be.to_numpy(a).copy() for k, a in (("params", eng.params), ("m", eng.m), ("v", eng.v))}, np.array(recs)
 
 
-def ranks_run(tmp_path, n, cfg_dict, dtype, steps):
+def ranks_run(tmp_path, n, cfg_dict, dtype, steps, zero1=False):
     (tmp_path / "cfg.json").write_text(json.dumps(cfg_dict))
     r = subprocess.run(mpirun(n, REPO / "tests" / "ddp_worker.py", tmp_path / "cfg.json", tmp_path / "out", dtype,
-                              steps), env=ENV, capture_output=True, text=True, timeout=300)
+                              steps, int(zero1)), env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return [np.load(tmp_path / f"out.{k}.npz") for k in range(n)]
 
@@ -108,6 +109,70 @@ def test_ranks_give_the_update_of_one_process_over_the_whole_batch(tmp_path, n):
     for k in ("params", "m", "v"):
         np.testing.assert_allclose(outs[0][k], ref[k], rtol=1e-9, atol=1e-13, err_msg=k)
     np.testing.assert_allclose(outs[0]["recs"], recs, rtol=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_zero1_ranks_give_the_update_of_one_process_over_the_whole_batch(tmp_path, n):
+    """ZeRO-1 (each rank's AdamW on its shard, Adam moments of the shard only): N ranks of 2
+    microbatches = one process of 2N, to float64 round-off (the norm now sums each rank's shard
+    partials, a different order); the ranks hold the same weights and records to the bit, and
+    rank 0's gathered moments are the one process's. The model's 28,448 parameters are not a
+    multiple of 3: 3 ranks pad the flat buffers to 28,449."""
+    d = small_config(tmp_path, grad_accum=2 * n)
+    cfg = load_run_config(d)
+    if n == 3:
+        assert count_params(cfg.model) % 3, "the padded case needs n_params not divisible by 3"
+    outs = ranks_run(tmp_path, n, d, "float64", 3, zero1=True)
+    ref, recs = one_process(cfg, "float64", 3)
+    for o in outs[1:]:
+        for k in ("params", "recs"):
+            assert np.array_equal(o[k], outs[0][k]), f"rank weights differ in {k}"
+    per = shard_bounds(count_params(cfg.model), n, 0)[2]
+    assert [o["m"].size for o in outs] == [ref["m"].size] + [per] * (n - 1), "rank 0 gathers, the others keep a shard"
+    for r, o in enumerate(outs[1:], 1):  # rank r's shard is that part of the whole moments
+        lo, hi = shard_bounds(ref["m"].size, n, r)[1:]
+        np.testing.assert_array_equal(o["m"][:min(hi, ref["m"].size) - lo], outs[0]["m"][lo:hi])
+    for k in ("params", "m", "v"):
+        np.testing.assert_allclose(outs[0][k], ref[k], rtol=1e-9, atol=1e-13, err_msg=k)
+    np.testing.assert_allclose(outs[0]["recs"], recs, rtol=1e-12)
+
+
+def test_zero1_of_one_process_changes_nothing(tmp_path):
+    """With one rank the shard is the whole buffer: the same plan and the same bits as without."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ddp_worker import global_batches
+
+    cfg = load_run_config(small_config(tmp_path, grad_accum=2))
+    a, b = Engine(cfg, dtype="float64"), Engine(cfg, dtype="float64", zero1=True)
+    assert a.plan.rows == b.plan.rows
+    for s in range(1, 4):
+        assert dict(a.train_step(s, global_batches(cfg, s))) == dict(b.train_step(s, global_batches(cfg, s)))
+    for x, y in zip(a.host_state(), b.host_state()):
+        assert np.array_equal(x, y)
+
+
+def test_zero1_plan_pads_and_shards(tmp_path):
+    """The plan of one rank of N under ZeRO-1: params, compute copy and grads padded to a multiple
+    of N, Adam m and v of padded/N, one block of norm partials per rank; the bytes saved are the
+    moments the rank no longer holds (less the partials and alignment)."""
+    cfg = load_run_config(dict(small_config(tmp_path), train={**small_config(tmp_path)["train"], "grad_accum": 3}))
+    n = count_params(cfg.model)
+    plain, z = make_plan(cfg), make_plan(cfg, shards=3)
+    rows = {r.name: r for r in z.rows}
+    assert rows["params"].shape == rows["grads"].shape == (n + 1,)  # 28,448 -> 28,449
+    assert rows["adam_m"].shape == rows["adam_v"].shape == ((n + 1) // 3,)
+    assert rows["norm_partials"].shape == (3 * 64,)
+    assert plain.by_group()["adam_m"] - z.by_group()["adam_m"] == 4 * (n - (n + 1) // 3)
+    assert 0 < plain.total() - z.total() <= 8 * (n - (n + 1) // 3)
+    assert make_plan(cfg, shards=1).rows == plain.rows
+    assert shard_bounds(10, 3, 2) == (12, 8, 12) and shard_bounds(12, 3, 1) == (12, 4, 8)
+
+
+def test_zero1_switch_is_read_from_the_environment():
+    assert not zero1_requested({}) and not zero1_requested({ZERO1_ENV: "0"})
+    assert zero1_requested({ZERO1_ENV: "1"}) and zero1_requested({ZERO1_ENV: "yes"})
+    with pytest.raises(ValueError, match=f"{ZERO1_ENV}='on'"):
+        zero1_requested({ZERO1_ENV: "on"})
 
 
 def test_ranks_in_float32_agree_with_each_other_and_with_one_process(tmp_path):
@@ -129,11 +194,12 @@ def write_run(tmp_path, name, **train):
     return run
 
 
-def engine(n, run, resume=True):
+def engine(n, run, resume=True, zero1=False):
     argv = ["-m", "andrea.cli", "engine", "--config", run / "config.yaml", "--run-dir", run]
     cmd = mpirun(n, *argv, *(["--resume"] if resume else [])) if n > 1 else [sys.executable, *map(str, argv)] + (
         ["--resume"] if resume else [])
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, ZERO1_ENV: "1" if zero1 else "0"})
 
 
 def finish(p):
@@ -177,8 +243,8 @@ STEPS, ACCUM = 120, 6  # 6 microbatches: 2 ranks of 3, 3 ranks of 2
 def test_sigterm_to_one_rank_stops_all_and_resume_is_bit_exact(tmp_path):
     """SIGTERM to rank 1 alone: every rank stops after the same step, rank 0 writes one checkpoint;
     resuming on 2 ranks ends with the bytes of an uninterrupted 2-rank run. The same checkpoint
-    resumed on 3 ranks and on one process trains the same next batch (the data position is
-    global): its loss is the uninterrupted run's to float64 round-off."""
+    resumed on 3 ranks with ZeRO-1 (the moments sharded) and on one process trains the same next
+    batch (the data position is global): its loss is the uninterrupted run's to float64 round-off."""
     make_shards(tmp_path)
     straight = write_run(tmp_path, "straight", steps=STEPS, ckpt_every=60, grad_accum=ACCUM)
     rc, evs, err = finish(engine(2, straight))
@@ -210,7 +276,7 @@ def test_sigterm_to_one_rank_stops_all_and_resume_is_bit_exact(tmp_path):
     for n in (3, 1):
         other = tmp_path / f"on{n}"
         shutil.copytree(run, other)
-        rc, evs, err = finish(engine(n, other))
+        rc, evs, err = finish(engine(n, other, zero1=n == 3))
         assert rc == 0, err[-3000:]
         assert evs[1]["event"] == "resume" and evs[1]["step"] == done["step"]
         others[n] = {e["step"]: e["loss"] for e in evs if e["event"] == "step"}
@@ -229,6 +295,69 @@ def test_sigterm_to_one_rank_stops_all_and_resume_is_bit_exact(tmp_path):
         assert abs(got[STEPS] - loss[STEPS]) < 0.05, "training on another number of ranks went astray"
 
 
+def stop_rank_1(p):
+    """SIGTERM to rank 1 of a running mpirun of the engine, once its handlers are in place; the
+    events and stderr of the stopped run."""
+    seen = [json.loads(p.stdout.readline())]
+    assert seen[0]["event"] == "plan"  # the ranks have installed their signal handlers
+    pid = rank_pid(p.pid, 1)
+    assert pid is not None, "rank 1's process not found under mpirun"
+    wait_for(lambda: catches(pid, signal.SIGUSR2), "rank 1's signal handlers", timeout=120, proc=p)
+    os.kill(pid, signal.SIGTERM)
+    rc, rest, err = finish(p)
+    assert rc == 0, err[-3000:]
+    return seen + rest, err
+
+
+def test_zero1_stop_resume_is_bit_exact_and_resumes_across_zero1_and_ranks(tmp_path):
+    """ZeRO-1 on 2 ranks: SIGTERM to rank 1 stops every rank after the same step with one
+    checkpoint (the moments gathered from both shards); resuming it with ZeRO-1 on 2 ranks ends
+    with the bytes of an uninterrupted ZeRO-1 run. The checkpoint (the seed's format) resumes on 3
+    ZeRO-1 ranks (padded shards), on 2 ranks without ZeRO-1 and on one process: the next step's loss
+    is the uninterrupted run's to float64 round-off. (A checkpoint written without ZeRO-1 resumed
+    with it: test_sigterm_to_one_rank_stops_all_and_resume_is_bit_exact.)"""
+    make_shards(tmp_path)
+    straight = write_run(tmp_path, "straight", steps=STEPS, ckpt_every=60, grad_accum=ACCUM)
+    rc, evs, err = finish(engine(2, straight, zero1=True))
+    assert rc == 0, err[-3000:]
+    assert evs[-1] == {"event": "done", "step": STEPS, "status": "finished"}
+    assert "ZeRO-1" in err and "Adam moments of its shard of 14,224" in err, err[-3000:]
+    plan = next(e for e in evs if e["event"] == "plan")
+    assert plan["total_bytes"] == make_plan(load_run_config(small_config(tmp_path, grad_accum=ACCUM)),
+                                            shards=2).total()
+    loss = {e["step"]: e["loss"] for e in evs if e["event"] == "step"}
+
+    run = write_run(tmp_path, "interrupted", steps=STEPS, ckpt_every=60, grad_accum=ACCUM)
+    evs, err = stop_rank_1(engine(2, run, zero1=True))
+    done = evs[-1]
+    assert done["event"] == "done" and done["status"] == "stopped" and 1 <= done["step"] < STEPS
+    saves = [e for e in evs if e["event"] == "checkpoint" and e["reason"] == "signal"]
+    assert [e["step"] for e in saves] == [done["step"]]
+    for s in range(1, done["step"] + 1):
+        assert [e["loss"] for e in evs if e["event"] == "step" and e["step"] == s] in ([], [loss[s]])
+
+    others = {}
+    for n, zero1 in ((3, True), (2, False), (1, False)):
+        other = tmp_path / f"on{n}{'z' if zero1 else ''}"
+        shutil.copytree(run, other)
+        rc, evs, err = finish(engine(n, other, zero1=zero1))
+        assert rc == 0, err[-3000:]
+        assert evs[1]["event"] == "resume" and evs[1]["step"] == done["step"]
+        assert evs[-1] == {"event": "done", "step": STEPS, "status": "finished"}
+        others[n, zero1] = {e["step"]: e["loss"] for e in evs if e["event"] == "step"}
+
+    rc, evs, err = finish(engine(2, run, zero1=True))
+    assert rc == 0, err[-3000:]
+    assert [e["step"] for e in evs if e["event"] == "step"][0] == done["step"] + 1
+    a, b = ck.bin_path(straight / "checkpoints", STEPS), ck.bin_path(run / "checkpoints", STEPS)
+    assert a.read_bytes() == b.read_bytes()
+    assert ck.sidecar_path(a).read_text() == ck.sidecar_path(b).read_text()
+    nxt = done["step"] + 1
+    for key, got in others.items():
+        assert abs(got[nxt] - loss[nxt]) <= 1e-12 * abs(loss[nxt]), (key, got[nxt], loss[nxt])
+        assert abs(got[STEPS] - loss[STEPS]) < 0.05, f"training on {key} went astray"
+
+
 def test_grad_accum_must_be_a_multiple_of_the_ranks(tmp_path):
     make_shards(tmp_path)
     run = write_run(tmp_path, "bad", grad_accum=3)
@@ -243,8 +372,9 @@ def test_grad_accum_must_be_a_multiple_of_the_ranks(tmp_path):
 
 def test_single_host_launch_stop_and_resume_on_other_ranks(tmp_path):
     """python -m andrea.train --ranks 2: SIGTERM to it stops every rank (exit 75, status stopped,
-    one checkpoint); the same command with --ranks 3 resumes and finishes (exit 0, trained/), with
-    every step once in the history."""
+    one checkpoint); the same command with --ranks 3 --zero1 resumes and finishes (exit 0,
+    trained/), with every step once in the history and the Adam state sharded (the flag reaches
+    every rank's engine, rank 0's through its proxy)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from test_data_sizing import _shards
 
@@ -275,10 +405,11 @@ def test_single_host_launch_stop_and_resume_on_other_ranks(tmp_path):
     assert [c.name for c in sorted((run / "checkpoints").glob("*.bin"))] == [f"step_{st['step']:08d}.bin"]
     assert "data parallel over 2 ranks" in out
 
-    r = subprocess.run([sys.executable, "-m", "andrea.train", "--ranks", "3", *args], env=ENV, cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "andrea.train", "--ranks", "3", "--zero1", *args], env=ENV, cwd=REPO,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "data parallel over 3 ranks" in r.stderr
+    assert "rank 0 of 3 (MPI), ZeRO-1" in r.stderr, r.stderr[-3000:]
     hist = json.loads((run / "trained" / f"{exp}.loss.json").read_text())["history"]
     assert [h["step"] for h in hist] == list(range(1, steps + 1))
     assert json.loads(state.read_text())["status"] == "finished"

@@ -1,6 +1,7 @@
 """Data parallelism on the CUDA backend with one rank (skipped without a GPU): the gradient sum is a
 real NCCL all-reduce (cupy.cuda.nccl, a world of one GPU) inside the optimizer's CUDA graph, and
-it changes nothing: the same bits as the engine without a comm. Two or more GPUs: dev/ddp_gpu_check.sh.
+it changes nothing: the same bits as the engine without a comm. The same for ZeRO-1 in that world
+(NCCL reduce-scatter and all-gather in the graph). Two or more GPUs: dev/ddp_gpu_check.sh.
 
     python -m pytest -m gpu tests/test_ddp_gpu.py -q
 """
@@ -36,6 +37,9 @@ class OneRankWorld:
     def bcast(self, obj, root=0):
         return obj
 
+    def Gather(self, send, recv, root=0):  # the moments of a checkpoint under ZeRO-1
+        recv[...] = send
+
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_nccl_sum_of_one_rank_in_the_graph_changes_nothing(tmp_path, precision):
@@ -57,3 +61,33 @@ def test_nccl_sum_of_one_rank_in_the_graph_changes_nothing(tmp_path, precision):
         assert a == b
     for x, y in zip(ours.host_state(), plain.host_state()):
         assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_zero1_of_one_nccl_rank_gives_the_bits_of_no_zero1(tmp_path, precision):
+    """ZeRO-1 in an NCCL world of one GPU, the optimizer replayed as a CUDA graph with the
+    reduce-scatter and the all-gather inside. Expected: the same records, weights and moments to
+    the bit as the engine without ZeRO-1 and without a comm, because with one rank the shard is
+    the whole buffer (no padding, the same plan), NCCL's reduce-scatter and all-gather of one rank
+    in place leave the buffers as they are, the norm's partials are the same single block, and the
+    only other difference, the compute copy cast by k_cast_params after the all-gather instead of
+    inside k_adamw_step, rounds each weight the same way."""
+    d = small_config(tmp_path, precision=precision, grad_accum=2)
+    d["model"] = {"n_layer": 2, "d_model": 48, "n_head": 3, "context": 40, "vocab_size": 97}
+    d["train"]["seq_len"] = 37
+    d["backend"] = {"name": "cuda"}
+    cfg = load_run_config(d)
+    comm = MpiComm(OneRankWorld())
+    ours, plain = Engine(cfg, comm=comm, zero1=True), Engine(cfg)
+    assert comm.nccl is not None and ours.plan.rows == plain.plan.rows
+    recs = []
+    for step in range(1, 6):
+        batches = global_batches(cfg, step)
+        recs.append((dict(ours.train_step(step, batches)), dict(plain.train_step(step, batches))))
+    ours.be.synchronize()
+    assert ("optimizer", 2) in ours.graphs.graphs, "the optimizer (reduce-scatter, all-gather) was not captured"
+    for a, b in recs:
+        assert a == b
+    for x, y in zip(ours.host_state(), plain.host_state()):
+        assert np.array_equal(x, y)
+    assert np.array_equal(ours.be.to_numpy(ours.params_c), plain.be.to_numpy(plain.params_c))

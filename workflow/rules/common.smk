@@ -218,17 +218,20 @@ def train_args(wildcards):
 
 RANKS = int(config["ranks"])
 LAUNCHER = str(config["launcher"] or "")
+ZERO1 = bool(config["zero1"])
 
 
 def train_resources(cfg):
     """(gpus, host MiB) of a training run: a GPU when it must run on CUDA (backend=cuda, or fp16 /
     bf16, which the NumPy engine does not run); the engine's own memory plan (every buffer it will
     allocate) plus 2 GiB for the interpreter, data loader and records. Both per rank, times the
-    ranks (config ranks: every rank holds the whole plan)."""
+    ranks (config ranks: every rank holds the whole plan, under ZeRO-1 with its shard of the Adam
+    moments)."""
     from andrea.engine import make_plan
 
     gpus = 1 if cfg.backend.name == "cuda" or cfg.train.precision != "fp32" else 0
-    return gpus * RANKS, (make_plan(cfg).total() // 2**20 + 2048) * RANKS
+    plan = make_plan(cfg, shards=RANKS if ZERO1 and RANKS > 1 else 0)  # ZeRO-1: each rank its shard of Adam
+    return gpus * RANKS, (plan.total() // 2**20 + 2048) * RANKS
 
 
 def train_launch(wildcards):
@@ -237,9 +240,10 @@ def train_launch(wildcards):
     -n N python3 -m andrea.train` (srun inside a Slurm job: the ranks may span its nodes)."""
     if RANKS == 1:
         return "python3 -m andrea.train"
+    zero1 = " --zero1" if ZERO1 else ""  # config zero1: the Adam state sharded over the ranks (ZeRO-1)
     if LAUNCHER:
-        return f"{LAUNCHER} -n {RANKS} python3 -m andrea.train"
-    return f"python3 -m andrea.train --ranks {RANKS}"
+        return f"{LAUNCHER} -n {RANKS} python3 -m andrea.train{zero1}"
+    return f"python3 -m andrea.train --ranks {RANKS}{zero1}"
 
 
 def train_slurm_tasks(wildcards):
