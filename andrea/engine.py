@@ -15,6 +15,10 @@ compute copy and zeroes the grads in one pass. On CUDA each microbatch and the o
 as CUDA graphs. The optimizer state (loss scale, streaks, skipped count, the last step's record)
 lives on the device (numpy_ref.STATE_SLOTS); train_step returns a StepRecord that reads the step's
 copy of it when first used, so the host need not wait for the step to finish.
+
+Data parallelism (comm, docs/DISTRIBUTED.md): the gradients are summed over the ranks before the
+norm; with zero1 (ZeRO-1) each rank keeps the Adam moments of its own shard of the flat buffers,
+updates that shard and all-gathers the weights (Engine._optimizer).
 """
 from __future__ import annotations
 

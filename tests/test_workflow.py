@@ -159,8 +159,9 @@ def test_slurm_profile_dry_run(checkout):
 
 
 def test_train_rule_takes_the_rank_count(checkout):
-    """config ranks: 1 is today's command; N > 1 the single-host launch (--ranks N); with a launcher
-    (Slurm: srun) `srun -n N`, and the job asks Slurm for N tasks of one GPU each and N GPUs."""
+    """config ranks: 1 is today's command; N > 1 the single-host launch (--ranks N, and --zero1 with
+    config zero1); with a launcher (Slurm: srun) `srun -n N`, and the job asks Slurm for N tasks of
+    one GPU each and N GPUs."""
     ov, run = "overrides=[train.grad_accum=4]", "results/ANDREA-12M+train.grad_accum=4"
 
     def train_block(*cfg, profile=("--cores", "1", "--resources", "gpu=4")):  # default profile: gpu=1
@@ -175,6 +176,8 @@ def test_train_rule_takes_the_rank_count(checkout):
     two = train_block("ranks=2")
     assert "python3 -m andrea.train --ranks 2 --new-run-on-change" in two and "gpu=2," in two
     assert "tasks=0" in two and "mpi=," in two
+    zero1 = train_block("ranks=2", "zero1=true")  # ZeRO-1: every rank gets the flag
+    assert "python3 -m andrea.train --ranks 2 --zero1 --new-run-on-change" in zero1
     slurm = train_block("ranks=4", "launcher=srun", profile=("--workflow-profile", "profiles/slurm"))
     assert "srun -n 4 python3 -m andrea.train --new-run-on-change" in slurm
     for want in ("gpu=4", "tasks=4", "tasks_per_gpu=1", "mpi=srun"):
