@@ -176,7 +176,7 @@ def test_train_rule_takes_the_rank_count(checkout):
     two = train_block("ranks=2")
     assert "python3 -m andrea.train --ranks 2 --new-run-on-change" in two and "gpu=2," in two
     assert "tasks=0" in two and "mpi=," in two
-    zero1 = train_block("ranks=2", "zero1=true")  # ZeRO-1: every rank gets the flag
+    zero1 = train_block("ranks=2", "zero1=True")  # ZeRO-1: every rank gets the flag
     assert "python3 -m andrea.train --ranks 2 --zero1 --new-run-on-change" in zero1
     slurm = train_block("ranks=4", "launcher=srun", profile=("--workflow-profile", "profiles/slurm"))
     assert "srun -n 4 python3 -m andrea.train --new-run-on-change" in slurm
