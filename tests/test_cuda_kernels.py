@@ -162,7 +162,8 @@ def test_layernorm(be, prec, rng, C):
     gb.check("k_layernorm_bwd dbias", tol)
 
 
-def test_residual_layernorm(be, prec, rng):
+@pytest.mark.parametrize("C", [C, 201])  # rows of 200 are whole 16-byte vectors (version 2), of 201 not
+def test_residual_layernorm(be, prec, rng, C):
     """The fused residual add + layer norm: the same bits as k_residual_add then k_layernorm_fwd
     on the GPU, and the reference's values."""
     dt, tol = prec
@@ -287,15 +288,20 @@ def check_attention(be, prec, rng, n_head, B, T, C):
 
 
 # ---------------------------------------------------------------- MLP
-def test_mlp(be, prec, rng, lt):
+# (2, 77, 200): B*T*4C in whole 16-byte vectors, k_mlp_bwd_gelu's vector path; (1, 77, 201): not
+@pytest.mark.parametrize("shape", [(B, T, C), (1, T, 201)])
+@pytest.mark.parametrize("dgelu_epilogue", [False, True])
+def test_mlp(be, prec, rng, lt, shape, dgelu_epilogue, monkeypatch):
     dt, tol = prec
-    H = 4 * C
-    inp = rnd(rng, (B, T, C), dt)
-    w1, b1 = rnd(rng, (H, C), dt, 0.07), rnd(rng, (H,), dt, 0.1)
-    w2, b2 = rnd(rng, (C, H), dt, 0.035), rnd(rng, (C,), dt, 0.1)
-    out, pre, act = np.zeros((B, T, C)), np.zeros((B, T, H)), np.zeros((B, T, H))
+    monkeypatch.setattr(be, "dgelu_epilogue", dgelu_epilogue)
+    b, t, c = shape
+    H = 4 * c
+    inp = rnd(rng, (b, t, c), dt)
+    w1, b1 = rnd(rng, (H, c), dt, 0.07), rnd(rng, (H,), dt, 0.1)
+    w2, b2 = rnd(rng, (c, H), dt, 0.035), rnd(rng, (c,), dt, 0.1)
+    out, pre, act = np.zeros((b, t, c)), np.zeros((b, t, H)), np.zeros((b, t, H))
     ref.k_mlp_fwd(out, pre, act, inp, w1, b1, w2, b2)
-    g_out, g_pre, g_act = nan_buf((B, T, C), dt), nan_buf((B, T, H), dt), nan_buf((B, T, H), dt)
+    g_out, g_pre, g_act = nan_buf((b, t, c), dt), nan_buf((b, t, H), dt), nan_buf((b, t, H), dt)
     be.k_mlp_fwd(g_out, g_pre, g_act, dev(inp, dt), dev(w1, dt), dev(b1, dt), dev(w2, dt), dev(b2, dt))
     assert_close("k_mlp_fwd out", host(g_out), out, tol)
     assert_close("k_mlp_fwd pre", host(g_pre), pre, tol)
@@ -303,15 +309,15 @@ def test_mlp(be, prec, rng, lt):
     assert lt_used(be, "gelu_aux_bias") or not lt
 
     pre = pre.astype(dt).astype(np.float64)
-    dout = rnd(rng, (B, T, C), dt)
+    dout = rnd(rng, (b, t, c), dt)
     dinp, dw1, db1, dw2, db2 = zeros_like64(inp, w1, b1, w2, b2)
     ref.k_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, np.zeros_like(pre), np.zeros_like(pre))
     gs = [Grad(rng, dinp, dt)] + [Grad(rng, x, np.float32) for x in (dw1, db1, dw2, db2)]
     be.k_mlp_bwd(*(g.d for g in gs), dev(dout, dt), dev(inp, dt), dev(pre, dt), dev(w1, dt),
-                 dev(w2, dt), nan_buf((B, T, H), dt), nan_buf((B, T, H), dt))
+                 dev(w2, dt), nan_buf((b, t, H), dt), nan_buf((b, t, H), dt))
     for g, n in zip(gs, ("dinp", "dw1", "db1", "dw2", "db2")):
         g.check(f"k_mlp_bwd {n}", tol)
-    assert lt_used(be, "dgelu") or not lt
+    assert lt_used(be, "dgelu") or not (lt and dgelu_epilogue)
 
 
 # ---------------------------------------------------------------- residual
@@ -334,7 +340,8 @@ def test_residual(be, prec, rng):
 
 # ---------------------------------------------------------------- loss
 @pytest.mark.parametrize("rows", [B * T, 64])  # one chunk; chunks of 64 rows, the last short
-def test_loss(be, prec, rng, rows):
+@pytest.mark.parametrize("V", [V, 1000])  # rows of 1000 are whole 16-byte vectors: the kernels' vector path
+def test_loss(be, prec, rng, rows, V):
     dt, tol = prec
     inp, wte = rnd(rng, (B, T, C), dt), rnd(rng, (V, C), dt, 0.1)
     targets = rng.integers(0, V, (B, T)).astype(np.int32)

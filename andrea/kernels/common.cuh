@@ -77,3 +77,12 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   v = lane < nw ? scratch[lane] : 0.f;
   return warp_sum(v);
 }
+
+// ---------------------------------------------------------------- 16-byte vectors
+// Elementwise kernels over long rows load 16 bytes per thread and instruction (CT_VEC elements);
+// with 2-byte scalar loads they wait on memory latency, not bandwidth.
+#define CT_VEC (16 / (int)sizeof(CT))  // elements of CT in one 16-byte vector
+struct __align__(16) vec16 { unsigned int w[4]; };  // one 16-byte load (no CUDA headers here)
+__device__ __forceinline__ float vget(const vec16& r, int i) { return to_f(((const CT*)&r)[i]); }
+__device__ __forceinline__ void vset(vec16& r, int i, float f) { ((CT*)&r)[i] = from_f<CT>(f); }
+__device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15ull) == 0; }

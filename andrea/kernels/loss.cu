@@ -7,14 +7,41 @@
 // (B, T, V) buffer exists, and training reads each row of logits twice and writes it once.
 #include "common.cuh"
 
+// Merge CT_VEC values of one 16-byte vector into a thread's online softmax state (m, z): one
+// rescale per vector instead of one per element.
+__device__ __forceinline__ void merge_vec(const vec16& r, float& m, float& z) {
+  float v[CT_VEC], mx = m;
+#pragma unroll
+  for (int i = 0; i < CT_VEC; ++i) { v[i] = vget(r, i); mx = fmaxf(mx, v[i]); }
+  if (mx == NEG_INF) return;  // nothing but -inf so far
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < CT_VEC; ++i) s += expf(v[i] - mx);
+  z = z * expf(m - mx) + s;
+  m = mx;
+}
+
 // Log-sum-exp of row x (V values) by one block (blockDim.x a multiple of 32, at most 1024),
-// returned to every thread.
+// returned to every thread. A row in whole aligned 16-byte vectors is read 16 bytes per load, two
+// loads in flight per thread (version 1, dev/cuda/loss_v1.cu, loaded one element per thread and
+// waited on memory latency); any other row one element at a time.
 __device__ __forceinline__ float row_lse(const CT* x, int V) {
   __shared__ float sm[32], ss[32], out;
   float m = NEG_INF, z = 0.f;
-  for (int j = threadIdx.x; j < V; j += blockDim.x) {
-    float v = to_f(x[j]);
-    if (v > m) { z = z * expf(m - v) + 1.f; m = v; } else { z += expf(v - m); }
+  if (V % CT_VEC == 0 && aligned16(x)) {
+    const vec16* xv = (const vec16*)x;
+    int nv = V / CT_VEC, j = threadIdx.x;
+    for (; j + (int)blockDim.x < nv; j += 2 * blockDim.x) {
+      vec16 a = xv[j], b = xv[j + blockDim.x];
+      merge_vec(a, m, z);
+      merge_vec(b, m, z);
+    }
+    if (j < nv) merge_vec(xv[j], m, z);
+  } else {
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+      float v = to_f(x[j]);
+      if (v > m) { z = z * expf(m - v) + 1.f; m = v; } else { z += expf(v - m); }
+    }
   }
   warp_softmax_state(m, z);
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -59,8 +86,21 @@ extern "C" __global__ void k_loss_bwd(float* losses, float* lse, CT* logits, con
   float L = row_lse(x, V);
   row_loss(losses + row, lse + row, x, t, V, L);
   __syncthreads();  // thread 0 reads x[t] before it is overwritten
-  for (int j = threadIdx.x; j < V; j += blockDim.x) {
-    float p = expf(to_f(x[j]) - L) - (j == t ? 1.f : 0.f);
-    x[j] = from_f<CT>(p * dloss);
+  if (V % CT_VEC == 0 && aligned16(x)) {
+    vec16* xv = (vec16*)x;
+    for (int q = threadIdx.x; q < V / CT_VEC; q += blockDim.x) {
+      vec16 r = xv[q];
+#pragma unroll
+      for (int i = 0; i < CT_VEC; ++i) {
+        int j = q * CT_VEC + i;
+        vset(r, i, (expf(vget(r, i) - L) - (j == t ? 1.f : 0.f)) * dloss);
+      }
+      xv[q] = r;
+    }
+  } else {
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+      float p = expf(to_f(x[j]) - L) - (j == t ? 1.f : 0.f);
+      x[j] = from_f<CT>(p * dloss);
+    }
   }
 }

@@ -1,8 +1,8 @@
 // mlp.cu: the elementwise parts of k_mlp_fwd / k_mlp_bwd (andrea/backends/cuda/ops.py), around the
 // two products, named by the operation they belong to: k_mlp_fwd_bias_gelu (the first bias fused
 // with GELU, tanh form as GPT-2; only when cuBLASLt's bias + GELU epilogue does not apply),
-// k_mlp_bwd_gelu (GELU recomputed from the saved pre-activation) and k_mlp_bwd_dgelu (the GELU
-// derivative; only without cuBLASLt's dGELU epilogue). The second bias and the bias gradients
+// k_mlp_bwd_gelu (GELU recomputed from the saved pre-activation, and the GELU derivative applied
+// to the gradient of the second product's input, in one pass). The second bias and the bias gradients
 // are linear.cu's k_bias_add and k_colsum_*.
 #include "common.cuh"
 
@@ -24,19 +24,36 @@ extern "C" __global__ void k_mlp_fwd_bias_gelu(CT* pre, CT* act, const CT* b1, i
     }
 }
 
-// act = gelu(pre): the backward pass recomputes what the forward pass did not keep.
-extern "C" __global__ void k_mlp_bwd_gelu(CT* act, const CT* pre, i64 total) {
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x)
-    act[i] = from_f<CT>(gelu(to_f(pre[i])));
+// act = gelu(pre) where act is not null (the backward pass recomputes what the forward pass did
+// not keep), and dact *= gelu'(pre) where dact is not null: one pass over pre for both, 16 bytes
+// per load where every buffer allows it (version 1, dev/cuda/mlp_v1.cu, loaded one element per
+// thread, with a separate kernel for the derivative).
+__device__ __forceinline__ void gelu_and_slope(float x, float& g, float& dg) {
+  float th = tanhf(GELU_K * (x + 0.044715f * x * x * x));
+  g = 0.5f * x * (1.0f + th);
+  dg = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * GELU_K * (1.0f + 3.0f * 0.044715f * x * x);
 }
-
-// dact *= gelu'(pre).
-extern "C" __global__ void k_mlp_bwd_dgelu(CT* dact, const CT* pre, i64 total) {
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-    float x = to_f(pre[i]);
-    float u = GELU_K * (x + 0.044715f * x * x * x);
-    float th = tanhf(u);
-    float g = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * GELU_K * (1.0f + 3.0f * 0.044715f * x * x);
-    dact[i] = from_f<CT>(to_f(dact[i]) * g);
+extern "C" __global__ void k_mlp_bwd_gelu(CT* act, CT* dact, const CT* pre, i64 total) {
+  i64 i0 = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+  float g, dg;
+  if (total % CT_VEC == 0 && aligned16(pre) && aligned16(act) && aligned16(dact)) {
+    for (i64 q = i0; q < total / CT_VEC; q += stride) {
+      vec16 p = ((const vec16*)pre)[q], a, d;
+      if (dact) d = ((const vec16*)dact)[q];
+#pragma unroll
+      for (int i = 0; i < CT_VEC; ++i) {
+        gelu_and_slope(vget(p, i), g, dg);
+        vset(a, i, g);
+        if (dact) vset(d, i, vget(d, i) * dg);
+      }
+      if (act) ((vec16*)act)[q] = a;
+      if (dact) ((vec16*)dact)[q] = d;
+    }
+    return;
+  }
+  for (i64 i = i0; i < total; i += stride) {
+    gelu_and_slope(to_f(pre[i]), g, dg);
+    if (act) act[i] = from_f<CT>(g);
+    if (dact) dact[i] = from_f<CT>(to_f(dact[i]) * dg);
   }
 }

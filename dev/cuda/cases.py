@@ -66,6 +66,7 @@ class Case:
 # n_head=5 gives head size 40; attention's second size takes the fused path in 16-bit (hs 64)
 CHECK_SIZE = {"B": 2, "T": 77, "C": 200, "NH": 5, "V": 1001}
 FUSED_SIZE = {"B": 3, "T": 130, "C": 128, "NH": 2, "V": 1001}
+VEC_SIZE = {"B": 2, "T": 77, "C": 200, "NH": 5, "V": 1000}  # V in whole 16-byte vectors: loss.cu's vector path
 TIME_SIZE = {"B": 8, "T": 1024, "C": 768, "NH": 12, "V": 50304}  # ANDREA-120M's step shapes
 
 
@@ -287,7 +288,8 @@ CASES: Dict[str, List[Case]] = {
                   Case("k_attn_decode_fwd", attn_decode_fwd)],
     "mlp": [Case("k_mlp_fwd", mlp_fwd), Case("k_mlp_bwd", mlp_bwd)],
     "residual": [Case("k_residual_add", residual_fwd), Case("k_residual_add_bwd", residual_bwd)],
-    "loss": [Case("k_loss_fwd", loss_fwd), Case("k_loss_bwd", loss_bwd)],
+    "loss": [Case("k_loss_fwd", loss_fwd), Case("k_loss_bwd", loss_bwd),
+             Case("k_loss_fwd", loss_fwd, VEC_SIZE), Case("k_loss_bwd", loss_bwd, VEC_SIZE)],
     "optim": [Case("k_grad_norm_partial", grad_norm_partial), Case("k_loss_accum", loss_accum),
               Case("k_step_check", step_check), Case("k_adamw_step", adamw_step),
               Case("k_cast_params", cast_params)],

@@ -217,6 +217,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-time", action="store_true", help="check only")
     ap.add_argument("--attention", choices=["fused", "materialised"], default="fused")
     ap.add_argument("--time-size", default="8,1024,768,12,50304", help="B,T,C,NH,V of the timing")
+    ap.add_argument("--set", action="append", default=[], metavar="ATTR=INT",
+                    help="set an attribute of every backend first, e.g. --set dgelu_epilogue=1 (repeatable)")
     a = ap.parse_args(argv)
     precisions = a.dtype.split(",")
     for p in precisions:
@@ -227,8 +229,22 @@ def main(argv=None) -> int:
         B, T, C, NH, V = (int(x) for x in a.time_size.split(","))
     except ValueError:
         raise SystemExit(f"--time-size {a.time_size}: expected five integers B,T,C,NH,V")
+    settings = {}
+    for item in a.set:
+        name, _, value = item.partition("=")
+        if not name or not value.lstrip("-").isdigit():
+            raise SystemExit(f"--set {item}: expected ATTR=INT, e.g. dgelu_epilogue=1")
+        settings[name] = int(value)
+
+    def backend(label, path, side):
+        be = make_backend(a.op, path, side, a.attention)
+        for name, value in settings.items():
+            if not hasattr(be, name):
+                raise SystemExit(f"--set {name}: the CUDA backend has no attribute {name}")
+            setattr(be, name, type(getattr(be, name))(value))
+        return be
     df = run(a.op, a.variants, precisions, a.reps, not a.no_time, a.attention,
-             time_size={"B": B, "T": T, "C": C, "NH": NH, "V": V})
+             backend=backend, time_size={"B": B, "T": T, "C": C, "NH": NH, "V": V})
     with pd.option_context("display.width", 200, "display.max_rows", 500, "display.float_format", "{:.4g}".format):
         print(df.to_string(index=False))
     bad = df[~df.ok]

@@ -237,7 +237,7 @@ class Fp8Ops:
         H, C = w1.shape
         ct = pre.dtype
         n_h = pre.size
-        ops.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(n_h), THREADS, (act, pre, i64(n_h)))
+        ops.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(n_h), THREADS, (act, np.uint64(0), pre, i64(n_h)))
         dy2, act2, dact2, pre2 = dout.reshape(-1, C), act.reshape(-1, H), dact.reshape(-1, H), pre.reshape(-1, H)
 
         def dact_product(dq, g, d_inv, wq_t, w_inv):  # dact = (fp8(dout) @ fp8(w2)) * gelu'(pre)
@@ -245,7 +245,7 @@ class Fp8Ops:
                 self._product(dact2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, "dgelu", aux=pre2)
             except NoAlgorithm:
                 self._product(dact2, dq, g, d_inv, wq_t, FP8_FWD, w_inv)
-                ops.rt.launch("mlp.cu", "k_mlp_bwd_dgelu", ct, blocks(n_h), THREADS, (dact, pre, i64(n_h)))
+                ops.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(n_h), THREADS, (np.uint64(0), dact, pre, i64(n_h)))
 
         self._dgrad_wgrad(None, dw2, dy2, act2, w2, dx_epilogue=dact_product)
         ops._colsum_add(db2, dy2, dy2.shape[0], C)

@@ -81,6 +81,9 @@ class CudaOps:
     """The k_* launchers; CudaBackend sets rt, blas, lt, cublaslt, workspace and attention."""
 
     fp8 = None  # the FP8 launchers (cuda/fp8.Fp8Ops) once reserve_workspace(fp8=True) made them
+    # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
+    # after a plain product (False); docs/BENCHMARKS.md has the timings behind the default
+    dgelu_epilogue = False
 
     def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False):
         """[(name, shape, dtype)] of the scratch the kernels take for one model shape: what
@@ -184,8 +187,9 @@ class CudaOps:
         for n, a in (("mean", mean), ("rstd", rstd)):
             check("k_layernorm_fwd", n, a, inp.shape[:-1], np.float32)
         N = inp.size // C
-        self.rt.launch("layernorm.cu", "k_layernorm_fwd", ct, -(-N // 8), THREADS,
-                       (out, mean, rstd, inp, weight, bias, i64(N), i32(C)))
+        if not self._layernorm_fwd_vec(None, out, mean, rstd, inp, None, weight, bias):
+            self.rt.launch("layernorm.cu", "k_layernorm_fwd", ct, -(-N // 8), THREADS,
+                           (out, mean, rstd, inp, weight, bias, i64(N), i32(C)))
 
     def k_residual_layernorm_fwd(self, res, out, mean, rstd, a, b, weight, bias):
         """res = a + b (the residual stream), then out = layer norm of res, in one pass."""
@@ -198,8 +202,25 @@ class CudaOps:
         for n, x in (("mean", mean), ("rstd", rstd)):
             check("k_residual_layernorm_fwd", n, x, a.shape[:-1], np.float32)
         N = a.size // C
-        self.rt.launch("layernorm.cu", "k_residual_layernorm_fwd", ct, -(-N // 8), THREADS,
-                       (res, out, mean, rstd, a, b, weight, bias, i64(N), i32(C)))
+        if not self._layernorm_fwd_vec(res, out, mean, rstd, a, b, weight, bias):
+            self.rt.launch("layernorm.cu", "k_residual_layernorm_fwd", ct, -(-N // 8), THREADS,
+                           (res, out, mean, rstd, a, b, weight, bias, i64(N), i32(C)))
+
+    def _layernorm_fwd_vec(self, res, out, mean, rstd, a, b, weight, bias) -> bool:
+        """Version 2 of the layer-norm forward (16-byte loads, the row in registers, compiled for
+        the row width) where the rows are whole aligned vectors; b None: no residual. False where
+        it does not apply (the caller launches version 1)."""
+        C = a.shape[-1]
+        vec = 16 // a.dtype.itemsize
+        bufs = [x for x in (res, out, a, b, weight, bias) if x is not None]
+        if C > LN_FUSED_MAXC or C % vec or any(x.data.ptr % 16 for x in bufs):
+            return False
+        null = np.uint64(0)
+        N = a.size // C
+        self.rt.launch("layernorm.cu", "k_layernorm_fwd_vec", a.dtype, -(-N // 8), THREADS,
+                       (null if res is None else res, out, mean, rstd, a, null if b is None else b, weight, bias,
+                        i64(N), i32(C)), defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}",))
+        return True
 
     def k_layernorm_bwd(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
         """Adds into dinp (B,T,C) (compute dtype), dweight, dbias (C,) float32."""
@@ -431,14 +452,17 @@ class CudaOps:
         check("k_mlp_bwd", "dw2", dw2, (C, H), np.float32)
         check("k_mlp_bwd", "db2", db2, (C,), np.float32)
         N = inp.size // C
-        self.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(N * H), THREADS, (act, pre, i64(N * H)))
-        blas = self.blas
+        blas, gelu_grid = self.blas, blocks(-(-N * H // 8))  # 16-byte vectors of 8 halves
+        # dact = (dout @ w2) * gelu'(pre) (overwrites) and act = gelu(pre) for dw2: the product, then
+        # one pass over pre for both (or cuBLASLt's dGELU epilogue where dgelu_epilogue is set)
+        if self.dgelu_epilogue and self._lt_matmul(dact, dout, w2, False, False, N, H, C, C, H, H, "dgelu",
+                                                   aux=pre, aux_ld=H):
+            self.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, gelu_grid, THREADS, (act, np.uint64(0), pre, i64(N * H)))
+        else:
+            blas.gemm(dact, dout, w2, False, False, N, H, C, C, H, H)
+            self.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, gelu_grid, THREADS, (act, dact, pre, i64(N * H)))
         blas.gemm(dw2, dout, act, True, False, C, H, N, C, H, H, beta=1.0)
         self._colsum_add(db2, dout, N, C)
-        # dact = (dout @ w2) * gelu'(pre) (overwrites): one cuBLASLt product with its epilogue
-        if not self._lt_matmul(dact, dout, w2, False, False, N, H, C, C, H, H, "dgelu", aux=pre, aux_ld=H):
-            blas.gemm(dact, dout, w2, False, False, N, H, C, C, H, H)
-            self.rt.launch("mlp.cu", "k_mlp_bwd_dgelu", ct, blocks(N * H), THREADS, (dact, pre, i64(N * H)))
         self._linear_bwd("k_mlp_bwd", dinp, dw1, db1, dact, inp, w1)
 
     # ------------------------------------------------------------ residual
