@@ -447,18 +447,26 @@ extern "C" __global__ void __launch_bounds__(128) k_attn_flash_fwd(HT* out, floa
 }
 
 // ---------------------------------------------------------------- backward
-// D (B*NH, T) = rowsum(dout * out) per head: one warp per row.
+// D (B*NH, T) = rowsum(dout * out) per head. One thread per head row r = (b*T + i)*NH + h, in
+// memory order, so a warp reads consecutive rows, each as HS / 8 16-byte vectors (version 4,
+// dev/cuda/attention_v4.cu, took a warp per row with 2-byte loads).
 extern "C" __global__ void k_attn_flash_D(float* Dv, const HT* dout, const HT* out, int B, int T, int NH) {
-  i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
-  int lane = threadIdx.x & 31;
-  if (row >= (i64)B * NH * T) return;
-  int i = (int)(row % T), h = (int)((row / T) % NH);
-  i64 b = row / ((i64)T * NH);
-  i64 o = (b * T + i) * (i64)(NH * HS) + (i64)h * HS;
+  i64 r = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+  if (r >= (i64)B * NH * T) return;
+  int h = (int)(r % NH);
+  i64 bi = r / NH;
+  int i = (int)(bi % T);
+  i64 b = bi / T;
+  const vec16* d = (const vec16*)(dout + r * HS);
+  const vec16* o = (const vec16*)(out + r * HS);
   float D = 0.f;
-  for (int d = lane; d < HS; d += 32) D += to_f(dout[o + d]) * to_f(out[o + d]);
-  D = warp_sum(D);
-  if (lane == 0) Dv[row] = D;
+#pragma unroll
+  for (int q = 0; q < HS / 8; ++q) {
+    vec16 dv = d[q], ov = o[q];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) D += to_f(((const HT*)&dv)[e]) * to_f(((const HT*)&ov)[e]);
+  }
+  Dv[(b * NH + h) * T + i] = D;
 }
 
 // One dQ tile: S = Q K^T, dP = dO V^T for this warp's 16 rows and keys [k0, k0 + BN);

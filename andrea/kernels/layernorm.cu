@@ -111,13 +111,15 @@ extern "C" __global__ void k_layernorm_bwd_partial(float* pdw, float* pdb, const
 // a contiguous chunk of rows (one warp per row at a time); each lane keeps the row's values and its
 // running dweight/dbias sums for its vectors (lane, lane+32, ...) in registers. The warps then add
 // their sums into shared memory one warp after another (a fixed order) and the block writes its
-// partial row pdw/pdb[blockIdx.x][C]; k_colsum_final adds the blocks in order.
+// partial row pdw/pdb[blockIdx.x][C]; k_colsum_final adds the blocks in order. dinp's row is
+// loaded with the row's other inputs (one memory round trip per row; version 3 of
+// dev/cuda/layernorm_v1.cu loaded it after the reductions), with two blocks per SM up to C = 768.
 #ifndef LN_MAXC
 #define LN_MAXC 1024
 #endif
 #define LN_VEC CT_VEC  // elements per 16-byte vector (common.cuh)
 #define LN_CHUNKS ((LN_MAXC + 32 * LN_VEC - 1) / (32 * LN_VEC))  // vectors per lane
-extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
+extern "C" __global__ void __launch_bounds__(256, LN_MAXC <= 768 ? 2 : 1) k_layernorm_bwd_fused(
     CT* dinp, float* pdw, float* pdb, const CT* dout, const CT* inp, const CT* weight,
     const float* mean, const float* rstd, i64 N, int C, int rows_per_block) {
   __shared__ float sw[LN_CHUNKS * 32 * LN_VEC], sb[LN_CHUNKS * 32 * LN_VEC];
@@ -132,15 +134,19 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
   for (i64 r = r0 + warp; r < r1; r += nw) {
     const CT* x = inp + r * C;
     const CT* d = dout + r * C;
+    CT* g = dinp + r * C;
     float mu = mean[r], rs = rstd[r], xh[LN_CHUNKS][LN_VEC], dy[LN_CHUNKS][LN_VEC], a = 0.f, b = 0.f;
+    vec16 rg[LN_CHUNKS];  // dinp's row, loaded with the others: one memory round trip per row, not two
 #pragma unroll
     for (int k = 0; k < LN_CHUNKS; ++k) {
       int q = lane + 32 * k;
       vec16 rx = {{0u, 0u, 0u, 0u}}, rd = rx, rw = rx;
+      rg[k] = rx;
       if (q < nq) {
         rx = *(const vec16*)(x + q * LN_VEC);
         rd = *(const vec16*)(d + q * LN_VEC);
         rw = *(const vec16*)(weight + q * LN_VEC);
+        rg[k] = *(const vec16*)(g + q * LN_VEC);
       }
       const CT* ex = (const CT*)&rx;
       const CT* ed = (const CT*)&rd;
@@ -158,19 +164,17 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
     }
     a = warp_sum(a) / C;
     b = warp_sum(b) / C;
-    CT* g = dinp + r * C;
 #pragma unroll
     for (int k = 0; k < LN_CHUNKS; ++k) {
       int q = lane + 32 * k;
       if (q < nq) {
-        vec16 rg = *(const vec16*)(g + q * LN_VEC);
         vec16 rw = *(const vec16*)(weight + q * LN_VEC);
-        CT* eg = (CT*)&rg;
+        CT* eg = (CT*)&rg[k];
         const CT* ew = (const CT*)&rw;
 #pragma unroll
         for (int j = 0; j < LN_VEC; ++j)
           eg[j] = from_f<CT>(to_f(eg[j]) + rs * (dy[k][j] * to_f(ew[j]) - a - xh[k][j] * b));
-        *(vec16*)(g + q * LN_VEC) = rg;
+        *(vec16*)(g + q * LN_VEC) = rg[k];
       }
     }
   }

@@ -1,5 +1,6 @@
 // layernorm_v1.cu: andrea/kernels/layernorm.cu before version 2 of the forward kernels (16-byte loads, the row
-// in registers); kept to time against it until version 2 has won, measured. Launched by layernorm_v1.py.
+// in registers) and before the backward loaded dinp's row with the others; kept to time against it until
+// the new version has won, measured. Its forward kernels are launched by layernorm_v1.py.
 //
 // layernorm.cu: layer norm over the last axis (C), forward and backward. One warp per row for
 // the row-wise parts; the weight and bias gradients are column sums over all rows, done in fixed

@@ -84,6 +84,7 @@ class CudaOps:
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # after a plain product (False); docs/BENCHMARKS.md has the timings behind the default
     dgelu_epilogue = False
+    ln_blocks = LN_BLOCKS  # blocks of the one-pass layer-norm backward (dev/cuda/harness.py --set ln_blocks=N)
 
     def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False):
         """[(name, shape, dtype)] of the scratch the kernels take for one model shape: what
@@ -98,8 +99,8 @@ class CudaOps:
             rows = [("attn_scores", (BH * T * T,), "float32"), ("attn_probs", (BH * T * T,), act),
                     ("attn_heads", (3 * N * C,), act), ("attn_y", (N * C,), act),
                     ("attn_dheads", (3 * N * C,), "float32")]
-        rows += [("colsum_a", (max(COLSUM_CHUNKS * 4, LN_BLOCKS) * C,), "float32"),
-                 ("colsum_b", (max(COLSUM_CHUNKS * 4, LN_BLOCKS) * C,), "float32"),
+        rows += [("colsum_a", (max(COLSUM_CHUNKS * 4, self.ln_blocks) * C,), "float32"),
+                 ("colsum_b", (max(COLSUM_CHUNKS * 4, self.ln_blocks) * C,), "float32"),
                  ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
         if self.cublaslt:
             from .cublaslt import WORKSPACE_BYTES
@@ -237,7 +238,7 @@ class CudaOps:
         vec = 16 // inp.dtype.itemsize  # version 3 loads rows as whole 16-byte vectors
         if C <= LN_FUSED_MAXC and C % vec == 0 and all(a.data.ptr % 16 == 0 for a in (dinp, dout, inp, weight)):
             # version 3: one pass, block partials of dweight/dbias
-            rpb = -(-N // LN_BLOCKS)
+            rpb = -(-N // self.ln_blocks)
             n_blocks = -(-N // rpb)
             pdw = self.workspace.get("colsum_a", n_blocks * C, np.float32)
             pdb = self.workspace.get("colsum_b", n_blocks * C, np.float32)
@@ -366,7 +367,7 @@ class CudaOps:
         if self._fused(ct, hs, dqkv, qkv, dout, out):
             scale = np.float32(1.0 / math.sqrt(hs))
             D = self.workspace.get("attn_D", BH * T, np.float32)
-            self.rt.launch("attention.cu", "k_attn_flash_D", ct, -(-(BH * T) // 8), THREADS,
+            self.rt.launch("attention.cu", "k_attn_flash_D", ct, -(-(BH * T) // THREADS), THREADS,
                            (D, dout, out, i32(B), i32(T), i32(NH)), hs=hs)
             geo = flash_geometry(hs)
             for kernel in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):  # 64 query / key rows a block
