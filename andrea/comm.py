@@ -32,6 +32,7 @@ config: a run may be resumed with or without it.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from typing import Optional, Sequence, Tuple
 
@@ -88,6 +89,9 @@ class SingleComm:
     def prepare(self, grads) -> None:
         pass
 
+    def on_close(self, fn) -> None:
+        pass
+
     def allreduce_sum(self, *arrays) -> None:
         pass
 
@@ -120,6 +124,7 @@ class MpiComm:
         self.mpi = mpi_comm
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.nccl = None
+        self._before_close = []  # what close() runs before NCCL goes (on_close)
         self._gathered = {}  # dtype -> receive buffer of the rank-order sum, made at the first step
 
     def prepare(self, grads) -> None:
@@ -131,6 +136,32 @@ class MpiComm:
 
         uid = self.mpi.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
         self.nccl = nccl.NcclCommunicator(self.size, uid, self.rank)
+        atexit.register(self.close)  # runs before mpi4py's MPI_Finalize (registered earlier)
+
+    def on_close(self, fn) -> None:
+        """fn() runs in close(), before NCCL is torn down: the engine drops its CUDA graphs there."""
+        self._before_close.append(fn)
+
+    def close(self) -> None:
+        """Tear NCCL down while the interpreter is whole (at exit). A CUDA graph that captured an
+        NCCL call holds a reference on the communicator, and NCCL's teardown waits until every such
+        graph is destroyed: left to interpreter shutdown, the communicator could go first and the
+        process never exit (seen on 2 GPUs: every rank done, mpirun waiting). So: wait for the
+        device, drop the graphs (on_close), collect them, then abort the communicator, which needs
+        no other rank (each rank closes on its own, also after another rank failed)."""
+        if self.nccl is None:
+            return
+        import gc
+
+        import cupy as cp
+        cp.cuda.Device().synchronize()
+        for fn in self._before_close:
+            fn()
+        self._before_close.clear()
+        gc.collect()
+        cp.cuda.Device().synchronize()
+        self.nccl.abort()
+        self.nccl = None
 
     def allreduce_sum(self, *arrays) -> None:
         """Each array becomes the sum of that array over the ranks, in place, the same bits on

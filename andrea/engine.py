@@ -196,6 +196,7 @@ class Engine:
         self.mixed = t.precision != "fp32"
         self._allocate()
         self.comm.prepare(self.grads)
+        self.comm.on_close(self.graphs.clear)  # graphs holding NCCL calls go before NCCL does
         self.loss_scale = float(t.loss_scale) if t.precision == "fp16" else 1.0
         self.init_params(t.seed)
 

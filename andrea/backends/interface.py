@@ -35,6 +35,9 @@ class GraphRunner(Protocol):
         recorded for key where the backend has graphs. key stands for everything fn bakes in
         (buffer addresses, host scalars)."""
 
+    def clear(self) -> None:
+        """Forget every recorded graph (before the communicator they call is torn down)."""
+
 
 @runtime_checkable
 class Backend(Protocol):

@@ -25,6 +25,9 @@ class EagerRunner:
     def run(self, key, fn):
         fn()
 
+    def clear(self):
+        pass
+
 
 class EagerGraph:
     """What capture returns on the CPU: launch() runs the function again."""

@@ -72,5 +72,10 @@ class GraphRunner:
         self.graphs[key] = (g, gen)
         g.launch(stream=cp.cuda.get_current_stream())
 
+    def clear(self):
+        """Drop every graph (the next run of a key starts again with an eager run)."""
+        self.graphs.clear()
+        self.seen.clear()
+
     def __len__(self):
         return len(self.graphs)
