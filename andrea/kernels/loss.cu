@@ -23,7 +23,7 @@ __device__ __forceinline__ void merge_vec(const vec16& r, float& m, float& z) {
 
 // Log-sum-exp of row x (V values) by one block (blockDim.x a multiple of 32, at most 1024),
 // returned to every thread. A row in whole aligned 16-byte vectors is read 16 bytes per load, two
-// loads in flight per thread (version 1, dev/cuda/loss_v1.cu, loaded one element per thread and
+// loads in flight per thread (version 1, in git history, loaded one element per thread and
 // waited on memory latency); any other row one element at a time.
 __device__ __forceinline__ float row_lse(const CT* x, int V) {
   __shared__ float sm[32], ss[32], out;

@@ -26,7 +26,7 @@ extern "C" __global__ void k_mlp_fwd_bias_gelu(CT* pre, CT* act, const CT* b1, i
 
 // act = gelu(pre) where act is not null (the backward pass recomputes what the forward pass did
 // not keep), and dact *= gelu'(pre) where dact is not null: one pass over pre for both, 16 bytes
-// per load where every buffer allows it (version 1, dev/cuda/mlp_v1.cu, loaded one element per
+// per load where every buffer allows it (version 1, in git history, loaded one element per
 // thread, with a separate kernel for the derivative).
 __device__ __forceinline__ void gelu_and_slope(float x, float& g, float& dg) {
   float th = tanhf(GELU_K * (x + 0.044715f * x * x * x));
