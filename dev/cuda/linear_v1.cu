@@ -1,0 +1,49 @@
+// linear_v1.cu: andrea/kernels/linear.cu before k_colsum (kept to time against it until k_colsum has won,
+// measured): the bias gradients' column sums in two launches, k_colsum_partial then k_colsum_final,
+// one 2-byte load per thread and row. Launched by linear_v1.py.
+//
+// linear.cu: the kernels of the linear layers besides cuBLAS's products (andrea/backends/cuda/ops.py
+// _linear_fwd / _linear_bwd, used by k_attn_qkv_fwd/_bwd, k_attn_out_fwd/_bwd and k_mlp_fwd/_bwd when
+// cuBLASLt's epilogues do not apply): the bias add after the forward product, and the column sums of
+// every bias gradient (and of the layer norms' weight gradients), in two fixed-order passes.
+#include "common.cuh"
+
+// x (N, OC) += b (OC,), in place: the bias of a cuBLAS product. Blocks stride over rows and
+// threads over columns, so no 64-bit division per element.
+extern "C" __global__ void k_bias_add(CT* x, const CT* b, i64 N, int OC) {
+  for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
+    CT* row = x + r * OC;
+    for (int c = threadIdx.x; c < OC; c += blockDim.x) row[c] = from_f<CT>(to_f(row[c]) + to_f(b[c]));
+  }
+}
+
+// Column sums of x (N, C) in two passes with no atomics: pass 1 writes partial[chunk][c] (block
+// (32, 8): 32 columns, 8 row lanes, a fixed row chunk per blockIdx.y); pass 2 adds the chunks in
+// order into out[c]. Used for every bias gradient.
+extern "C" __global__ void k_colsum_partial(float* partial, const CT* x, i64 N, int C, int rows_per_chunk) {
+  __shared__ float acc[8][33];
+  int c = blockIdx.x * 32 + threadIdx.x;
+  i64 r0 = (i64)blockIdx.y * rows_per_chunk;
+  i64 r1 = r0 + rows_per_chunk < N ? r0 + rows_per_chunk : N;
+  float a = 0.f;
+  if (c < C)
+    for (i64 r = r0 + threadIdx.y; r < r1; r += 8) a += to_f(x[r * C + c]);
+  acc[threadIdx.y][threadIdx.x] = a;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    float s = 0.f;
+    for (int k = 0; k < 8; ++k) s += acc[k][threadIdx.x];
+    partial[(i64)blockIdx.y * C + c] = s;
+  }
+}
+
+// out[c] += sum over chunks of partial[chunk][c]: one warp per column, lane j adding chunks
+// j, j+32, ... in order, then the fixed shuffle tree. out is float32 (a grad).
+extern "C" __global__ void k_colsum_final(float* out, const float* partial, int n_chunks, int C) {
+  int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (c >= C) return;
+  float s = 0.f;
+  for (int k = lane; k < n_chunks; k += 32) s += partial[(i64)k * C + c];
+  s = warp_sum(s);
+  if (lane == 0) out[c] += s;
+}
