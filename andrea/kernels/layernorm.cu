@@ -78,7 +78,7 @@ extern "C" __global__ void k_layernorm_bwd_dx(CT* dinp, const CT* dout, const CT
 }
 
 // Partial column sums of dout * xhat (-> pdw) and dout (-> pdb) over one chunk of rows per
-// blockIdx.y; block (32, 8) as version 1 of the column sums (dev/cuda/linear_v1.cu).
+// blockIdx.y; block (32, 8) as k_colsum_partial.
 extern "C" __global__ void k_layernorm_bwd_partial(float* pdw, float* pdb, const CT* dout, const CT* inp,
                                                    const float* mean, const float* rstd, i64 N, int C,
                                                    int rows_per_chunk) {

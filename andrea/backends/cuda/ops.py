@@ -16,8 +16,7 @@ from ..numpy_ref import STATE_LEN
 from .cublas import CUBLAS_WORKSPACE, cuda_type
 from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
 
-COLSUM_CHUNKS = 64  # row chunks of the column sums (bias and layer-norm gradients)
-COLSUM_COUNTERS = 1024  # k_colsum's column-group counters reserved at start-up (32768 scalar columns)
+COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-norm gradients)
 LN_FUSED_MAXC = 1024  # widest row the one-pass layer-norm backward holds in registers
 LN_BLOCKS = 264  # blocks (and partial rows) of the one-pass layer-norm backward: 2 per SM of an H200
 # Attention version 4 (fused, andrea/kernels/attention.cu) runs for 16-bit compute dtypes, head
@@ -102,7 +101,6 @@ class CudaOps:
                     ("attn_dheads", (3 * N * C,), "float32")]
         rows += [("colsum_a", (max(COLSUM_CHUNKS * 4, self.ln_blocks) * C,), "float32"),
                  ("colsum_b", (max(COLSUM_CHUNKS * 4, self.ln_blocks) * C,), "float32"),
-                 ("colsum_counters", (COLSUM_COUNTERS,), "uint32"),
                  ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
         if self.cublaslt:
             from .cublaslt import WORKSPACE_BYTES
@@ -129,25 +127,14 @@ class CudaOps:
         return True
 
     def _colsum_add(self, out, x, N: int, Cc: int, slot="colsum_a"):
-        """out (Cc,) float32 += column sums of x (N, Cc): k_colsum, one launch, fixed order (16-byte
-        loads where the rows are whole aligned vectors)."""
+        """out (Cc,) float32 += column sums of x (N, Cc), in two fixed-order passes."""
         rpc = -(-N // COLSUM_CHUNKS)
         chunks = -(-N // rpc)
-        vec = 16 // x.dtype.itemsize
-        use_vec = Cc % vec == 0 and x.data.ptr % 16 == 0
-        groups = -(-Cc // (32 * (vec if use_vec else 1)))
         part = self.workspace.get(slot, chunks * Cc, np.float32)
-        self.rt.launch("linear.cu", "k_colsum", x.dtype, (groups, chunks), (32, 8),
-                       (out, part, self._colsum_counters(groups), x, i64(N), i32(Cc), i32(rpc), i32(int(use_vec))))
-
-    def _colsum_counters(self, n: int):
-        """k_colsum's per-group counters: zero between launches (each launch's last blocks reset
-        theirs), zeroed here once whenever the buffer is new."""
-        cnt = self.workspace.get("colsum_counters", max(n, COLSUM_COUNTERS), np.uint32)
-        if getattr(self, "_counters_zeroed", None) != cnt.data.ptr:
-            cnt.fill(0)
-            self._counters_zeroed = cnt.data.ptr
-        return cnt
+        self.rt.launch("linear.cu", "k_colsum_partial", x.dtype, (-(-Cc // 32), chunks), (32, 8),
+                       (part, x, i64(N), i32(Cc), i32(rpc)))
+        self.rt.launch("linear.cu", "k_colsum_final", x.dtype, -(-Cc // 8), THREADS,
+                       (out, part, i32(chunks), i32(Cc)))
 
     # ------------------------------------------------------------ embedding
     def k_embed_fwd(self, out, tokens, wte, wpe):
