@@ -197,7 +197,7 @@ def lt_used(be, epilogue):
     return lt is not None and any(key[10] == epilogue for key in lt.plans)
 
 
-# oc = C + 1: bias-gradient rows that are not whole 16-byte vectors (k_colsum's scalar path)
+# oc = C + 1: bias-gradient rows that are not whole 16-byte vectors
 @pytest.mark.parametrize("op,oc", [("attn_qkv", 3 * C), ("attn_out", C), ("attn_out", C + 1)])
 def test_linear(be, prec, rng, op, oc, lt):
     dt, tol = prec
@@ -218,7 +218,7 @@ def test_linear(be, prec, rng, op, oc, lt):
     gi.check(f"{bwd} dinp", tol)
     gw.check(f"{bwd} dw", tol)
     gb.check(f"{bwd} db", tol)
-    # again on the same buffers: k_colsum's counters were reset by the first launch, so db adds once more
+    # again on the same buffers: db adds once more (no state left behind by the first launch)
     getattr(be, bwd)(gi.d, gw.d, gb.d, dev(dout, dt), dev(inp, dt), dev(w, dt))
     assert_close(f"{bwd} db, second launch", host(gb.d) - gb.pre, 2 * db, tol)
 
