@@ -4,7 +4,9 @@
 
 Each variant is a kernel source compiled by NVRTC (CuPy RawModule) per compute dtype and head
 size: v3 is dev/cuda/attention_v3.cu (the fused path before version 4), v4 is the promoted
-andrea/kernels/attention.cu, and a later candidate dev/cuda/attention_vN.cu is added to VARIANTS below.
+andrea/kernels/attention.cu, v5 and v6 are candidates (v6: the wgmma forward of
+dev/cuda/attention_v6.cu on compute capability 9.0, built for sm_90a by attention_v6.py); a later
+candidate dev/cuda/attention_vN.cu is added to VARIANTS below.
 Check (before any timing): every variant against the float64 NumPy reference
 (andrea.backends.numpy_ref k_attn_fwd / k_attn_bwd) at T = 77 and 1000, head sizes 32/64/80/128
 where the variant supports them, fp16 and bf16; outputs poisoned with NaN before the launch;
@@ -103,6 +105,27 @@ class FusedBackward(Variant):
                                   np.int32(NH), np.float32(1 / math.sqrt(hs))), shared_mem=smem)
 
 
+class HopperForward(Variant):
+    """Version 6 candidate: on compute capability 9.0 the forward is attention_v6.cu built for sm_90a
+    (wgmma) and launched as attention_v6.py launches it; the backward, and the forward elsewhere,
+    are version 4's code from the same file (built by RawModule for the device's own arch)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._sm90a = {}
+        self._sidecar = None
+
+    def fwd(self, ct, out, lse, qkv, B, T, NH, hs):
+        import importlib.util
+        if self._sidecar is None:
+            spec = importlib.util.spec_from_file_location("dev_cuda_attention_v6", DEV / "attention_v6.py")
+            self._sidecar = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(self._sidecar)
+        if not self._sidecar.is_hopper():
+            return super().fwd(ct, out, lse, qkv, B, T, NH, hs)
+        self._sidecar.launch_fwd(self._sm90a, ct, out, lse, qkv, B, T, NH, hs)
+
+
 def v5_smem(kernel, hs):
     if kernel == "k_attn_flash_bwd":
         return (2 * 64 + 4 * 64) * (hs + 8) * 2 + 64 * 72 * 2 + 4 * 64 * 4
@@ -123,6 +146,8 @@ VARIANTS = {
                   v4_smem, True),
     "v5": FusedBackward("v5", DEV / "attention_v5.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
                         v5_smem, True),
+    "v6": HopperForward("v6", DEV / "attention_v6.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
+                        v4_smem, True),
 }
 DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
 

@@ -1,0 +1,1169 @@
+// attention_v6.cu: andrea/kernels/attention.cu (version 4) with a Hopper forward. On compute
+// capability 9.0, k_attn_flash_fwd computes S = Q K^T and O += P V with wgmma.mma_async (built for
+// sm_90a by attention_v6.py, the launch that goes with it); everywhere else, and for every other
+// kernel (version 1, k_attn_flash_D, version 4's backward), this is version 4's code unchanged.
+// Design, and what is and is not done: "version 6" further down. Status: compiled only (nvcc 13,
+// sm_90a, fp16 and bf16, every head size: 127-128 registers, no spills; 20-96 KB of dynamic shared
+// memory); never run on a GPU yet.
+//
+// How to run it next time (an H200; repository root, package importable; minutes in all):
+//   1. python dev/cuda/wgmma_probe.py
+//      Expect "all probes passed": build, layout, ss, rs and pipeline for fp16/bf16 x hs 64/80/128.
+//      A FAIL names the block: layout -> load_tile6; ss or rs -> the descriptors (the line says
+//      whether exchanging LBO and SBO fixes it) or the fragment order; pipeline -> the proxy fence
+//      or the barriers. Fix there before step 2: the forward is built from the same functions.
+//   2. python dev/cuda/harness.py attention main v6 --dtype fp16,bf16
+//      Expect every row ok. The k_attn_fwd row at B3 T130 C128 NH2 is the wgmma path (hs 64: two
+//      query blocks, a partial key tile; stderr says "compiled for sm_90a"); the other rows run
+//      version 1/4 code from this file and must match main. Timing is one call (one layer) at the
+//      120M shape: main's forward is about 0.07 ms (0.84-0.89 ms for 12 layers); cuDNN's is 0.56 / 12
+//      = 0.047 ms. This first version (cp.async, no TMA, no warp specialisation) should land between.
+//   3. python dev/cuda/attention_bench.py --variants v4,v6 --out $OUT
+//      Checks T = 77 and 1000, hs 32/64/80/128, fp16/bf16, two runs bit-identical, then forward and
+//      backward times x layers at the 12M and 120M shapes next to SDPA flash/cuDNN/efficient in the
+//      same process (v6's backward is v4's: only fwd_ms should move).
+//   ptxas figures: nvcc -std=c++17 -arch=sm_90a --cubin -Xptxas -v -Iandrea/kernels -DCT=f16
+//      -DV6_SM90A -DHS=64 dev/cuda/attention_v6.cu -o /tmp/v6.cubin
+//
+// attention.cu's text from here on: causal multi-head attention. Two versions; the launcher
+// (andrea/backends/cuda.py) picks version 4 (fused, further down) for 16-bit dtypes, head sizes
+// that are multiples of 16 up to 128 and GPUs of compute capability 8.0 or later; version 1 otherwise.
+//
+// Version 1 materialises the scores of one layer: S = Q K^T / sqrt(hs) is a strided
+// batched GEMM into a float32 (B*NH, T, T) workspace, k_attn_softmax turns it into P (compute
+// dtype) and saves lse, and Y = P V is a second GEMM. The workspace is shared by all layers (the
+// backward pass recomputes P from S and lse), so memory grows as B*NH*T*T once, not per layer.
+// Backward: S again, P again, dV = P^T dY, dP = dY V^T (into the S workspace), k_attn_dscores
+// turns P into dS = P * (dP - D) / sqrt(hs) in place (D = rowsum(dY * Y), as flash attention),
+// then dQ = dS K and dK = dS^T Q. The head split (B,T,3C) -> (B,NH,T,hs) and the merges are the
+// small permute kernels below. Scores above the diagonal are computed by the GEMM and ignored.
+#include "common.cuh"
+
+// The four permutes below run one block per (b, t) row (blocks stride over rows) and threads over
+// its channels, so the index arithmetic is 32-bit; head h, channel d of a row sit at h*hs + d.
+#define HEAD_IDX(b, h, t, d) ((((i64)(b) * NH + (h)) * T + (t)) * hs + (d))
+
+// q, k, v (B*NH, T, hs) <- qkv (B, T, 3C), C = NH * hs.
+extern "C" __global__ void k_attn_split_heads(CT* q, CT* k, CT* v, const CT* qkv, int B, int T, int NH, int hs) {
+  int C = NH * hs;
+  for (int bt = blockIdx.x; bt < B * T; bt += gridDim.x) {
+    int b = bt / T, t = bt % T;
+    const CT* src = qkv + (i64)bt * 3 * C;
+    for (int col = threadIdx.x; col < 3 * C; col += blockDim.x) {
+      int which = col / C, h = (col % C) / hs, d = col % hs;
+      CT* dst = which == 0 ? q : (which == 1 ? k : v);
+      dst[HEAD_IDX(b, h, t, d)] = src[col];
+    }
+  }
+}
+
+// out (B, T, C) <- y (B*NH, T, hs).
+extern "C" __global__ void k_attn_merge_heads(CT* out, const CT* y, int B, int T, int NH, int hs) {
+  int C = NH * hs;
+  for (int bt = blockIdx.x; bt < B * T; bt += gridDim.x) {
+    int b = bt / T, t = bt % T;
+    for (int col = threadIdx.x; col < C; col += blockDim.x)
+      out[(i64)bt * C + col] = y[HEAD_IDX(b, col / hs, t, col % hs)];
+  }
+}
+
+// dy (B*NH, T, hs) <- dout (B, T, C).
+extern "C" __global__ void k_attn_split_dout(CT* dy, const CT* dout, int B, int T, int NH, int hs) {
+  int C = NH * hs;
+  for (int bt = blockIdx.x; bt < B * T; bt += gridDim.x) {
+    int b = bt / T, t = bt % T;
+    for (int col = threadIdx.x; col < C; col += blockDim.x)
+      dy[HEAD_IDX(b, col / hs, t, col % hs)] = dout[(i64)bt * C + col];
+  }
+}
+
+// dqkv (B, T, 3C) += [dq | dk | dv], each float32 (B*NH, T, hs).
+extern "C" __global__ void k_attn_merge_grads(CT* dqkv, const float* dq, const float* dk, const float* dv,
+                                              int B, int T, int NH, int hs) {
+  int C = NH * hs;
+  for (int bt = blockIdx.x; bt < B * T; bt += gridDim.x) {
+    int b = bt / T, t = bt % T;
+    CT* dst = dqkv + (i64)bt * 3 * C;
+    for (int col = threadIdx.x; col < 3 * C; col += blockDim.x) {
+      int which = col / C, h = (col % C) / hs, d = col % hs;
+      const float* src = which == 0 ? dq : (which == 1 ? dk : dv);
+      dst[col] = from_f<CT>(to_f(dst[col]) + src[HEAD_IDX(b, h, t, d)]);
+    }
+  }
+}
+
+// One warp per score row (rows = B*NH*T, query i = row % T). S already holds the scaled scores.
+// write_lse = 1 (forward): finds lse over j <= i in one online pass and saves it; 0 (backward):
+// reads the saved lse. Then P[j] = exp(S[j] - lse) for j <= i and 0 above the diagonal.
+extern "C" __global__ void k_attn_softmax(CT* P, float* lse, const float* S, i64 rows, int T, int write_lse) {
+  i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
+  int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  int i = (int)(row % T);
+  const float* s = S + row * T;
+  float L;
+  if (write_lse) {
+    float m = NEG_INF, z = 0.f;
+    for (int j = lane; j <= i; j += 32) {
+      float v = s[j];
+      if (v > m) { z = z * expf(m - v) + 1.f; m = v; } else { z += expf(v - m); }
+    }
+    warp_softmax_state(m, z);
+    L = m + logf(z);
+    if (lane == 0) lse[row] = L;
+  } else {
+    L = lse[row];
+  }
+  CT* p = P + row * T;
+  for (int j = lane; j < T; j += 32) p[j] = from_f<CT>(j <= i ? expf(s[j] - L) : 0.f);
+}
+
+// P (holding probabilities) becomes dS = P * (dP - D) * scale in place, for j <= i (entries above
+// the diagonal are already 0). D = sum over the head's hs channels of dout * out at (b, i).
+extern "C" __global__ void k_attn_dscores(CT* P, const float* dP, const CT* dout, const CT* out,
+                                          i64 rows, int T, int NH, int hs, float scale) {
+  i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
+  int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  int i = (int)(row % T);
+  i64 bh = row / T;
+  int h = (int)(bh % NH);
+  i64 b = bh / NH;
+  i64 o = (b * T + i) * (i64)(NH * hs) + (i64)h * hs;
+  float D = 0.f;
+  for (int d = lane; d < hs; d += 32) D += to_f(dout[o + d]) * to_f(out[o + d]);
+  D = warp_sum(D);
+  CT* p = P + row * T;
+  const float* dp = dP + row * T;
+  for (int j = lane; j <= i; j += 32) p[j] = from_f<CT>(to_f(p[j]) * (dp[j] - D) * scale);
+}
+
+// ================================================================ version 4: fused (flash) path
+// Causal flash attention on tensor cores through mma.sync (sm_80 and later),
+// laid out as FlashAttention-2 lays out its kernels; the scores never reach global memory.
+// Versions 2 and 3 are in git history (3 also in dev/cuda/attention_v3.cu; dev/cuda/attention_bench.py
+// checks and times the versions against PyTorch SDPA). What changed from version 3:
+// - Shared-memory fragments come through ldmatrix (x4: four 8x8 matrices per instruction; the
+//   .trans form gives the B operand of P V, dS K and P^T dO straight from row-major tiles), not
+//   32-bit and 16-bit scalar loads.
+// - Forward: 128 query rows per block when HS <= 64 (4 warps of 32 rows: each K/V fragment
+//   read from shared memory feeds two tensor-core products), 64 when larger.
+// - exp2 with log2(e) folded into the scale (one FFMA + MUFU.EX2 per score).
+// - Only tiles that cross the diagonal (or the end of the sequence) are masked; a warp whose rows
+//   are all above or all below a tile skips it.
+// - The heaviest tiles (most keys in the forward pass and dQ, most queries in dK/dV) launch first,
+//   so the last wave is made of short blocks.
+// - Backward without atomics, as before: k_attn_flash_bwd_dq owns query rows, k_attn_flash_bwd_dkv
+//   owns key rows; both recompute P from Q, K and the saved lse; the softmax scale is applied to
+//   dQ and dK once at the end.
+// Tiles are staged by cp.async, two deep, through one helper (pipeline_wait).
+//
+// mma.sync m16n8k16 register layouts (PTX manual), lane = 4*g + t4:
+//   A (16x16 row-major): a0 = A[g][2t4..], a1 = A[g+8][2t4..], a2 = A[g][8+2t4..], a3 = A[g+8][8+2t4..]
+//   B (16x8, "col"):     b0 = B[2t4..2t4+1][g], b1 = B[8+2t4..][g]
+//   C (16x8 fp32):       c0, c1 = C[g][2t4], C[g][2t4+1]; c2, c3 = the same at row g+8
+// so a C tile of scores becomes the A operand of the next product in registers.
+
+#ifndef HS
+#define HS 64
+#endif
+#define SP 8                      // row padding (16-bit elements): ldmatrix rows land on different banks
+#define LDS (HS + SP)             // row stride of a staged tile
+#define BN 64                     // keys per tile (forward, dQ); keys per block (dK/dV)
+#define FWD_WM (HS <= 64 ? 2 : 1)  // 16-row slabs per warp in the forward pass
+#define FWD_BM (64 * FWD_WM)      // query rows per forward block (4 warps)
+#define DQ_BM 64                  // query rows per dQ block (4 warps of 16)
+#define DKV_BQ (HS <= 64 ? 64 : 32)  // queries per streamed tile in dK/dV
+#define DKV_KV_REGS (HS <= 64)    // dK/dV keeps its K and V fragments in registers (else re-reads them)
+#define LOG2E 1.4426950408889634f
+
+typedef unsigned short u16;
+template <typename T> struct half_of { typedef T t; };
+template <> struct half_of<float> { typedef f16 t; };  // float builds compile, never launch, this path
+typedef half_of<CT>::t HT;
+template <typename T> struct is_bf16 { static const bool v = false; };
+template <> struct is_bf16<bf16> { static const bool v = true; };
+
+// Dynamic shared memory of each kernel, in bytes (the launcher asks for the same figures).
+#define FWD_SMEM ((FWD_BM + 4 * BN) * LDS * 2)
+#define DQ_SMEM ((2 * DQ_BM + 4 * BN) * LDS * 2)
+#define DKV_SMEM ((2 * BN + 4 * DKV_BQ) * LDS * 2 + 4 * DKV_BQ * 4)
+
+// ---------------------------------------------------------------- PTX wrappers
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  unsigned s;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(p));
+  return s;
+}
+__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  if (is_bf16<HT>::v)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float fast_exp2(float x) {  // MUFU.EX2; exp2(-inf) = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  return (unsigned)from_f<HT>(lo).x | ((unsigned)from_f<HT>(hi).x << 16);
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 4 : 0));
+}
+// Every kernel below first checks that the launcher gave it the dynamic shared memory it carves up.
+__device__ __forceinline__ void require_smem(unsigned bytes) {
+  unsigned have;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+  if (have < bytes) __trap();
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_wait_all_but_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// ---------------------------------------------------------------- tiles
+// Start copying rows [r0, r0 + ROWS) of one head's slice (element (t, d) at base[t * ld + d]) into
+// the row-major tile dst[ROWS][LDS], 16 bytes per copy; rows at or past T are zero-filled.
+// Needs base, ld and HS in whole 16-byte units (the launcher checks).
+template <int ROWS>
+__device__ __forceinline__ void load_tile(u16* dst, const HT* base, int r0, int T, int ld) {
+  for (int idx = threadIdx.x; idx < ROWS * (HS / 8); idx += blockDim.x) {
+    int r = idx / (HS / 8), c = (idx % (HS / 8)) * 8;
+    bool ok = r0 + r < T;
+    cp_async16(dst + r * LDS + c, base + (ok ? (i64)(r0 + r) * ld + c : 0), ok);
+  }
+}
+// ROWS floats v[r0 + i] (0 past T) into dst[i].
+template <int ROWS>
+__device__ __forceinline__ void load_row_values(float* dst, const float* v, int r0, int T) {
+  for (int i = threadIdx.x; i < ROWS; i += blockDim.x) cp_async4(dst + i, v + (r0 + i < T ? r0 + i : 0), r0 + i < T);
+}
+
+// The double-buffered pipeline of every kernel here: step i computes on buffer i & 1. Before it
+// does, issue() starts the copies of step i + 1 into the other buffer (when there is one), then
+// this waits for step i's copies and for every thread's. Each step ends with __syncthreads() so
+// that the next step's copies never overwrite a buffer still being read.
+template <typename Issue>
+__device__ __forceinline__ void pipeline_wait(bool has_next, Issue issue) {
+  if (has_next) {
+    issue();
+    cp_commit();
+    cp_wait_all_but_one();
+  } else {
+    cp_wait_all();
+  }
+  __syncthreads();
+}
+
+// A fragments (16 rows from row0, all HS columns) of a staged tile.
+__device__ __forceinline__ void load_afrag(unsigned (*f)[4], const u16* tile, int row0) {
+  int lane = threadIdx.x & 31;
+  unsigned base = smem_u32(tile + (row0 + (lane & 15)) * LDS + (lane >> 4) * 8);
+#pragma unroll
+  for (int kk = 0; kk < HS / 16; ++kk) ldsm_x4(f[kk], base + kk * 32);
+}
+
+// acc[m][NT/8][4] = A_m (16 x HS) @ Y^T, Y a staged tile [NT][LDS]: WM slabs of 16 rows x NT columns.
+template <int WM, int NT>
+__device__ __forceinline__ void rows_dot(float (*acc)[NT / 8][4], const unsigned (*a)[HS / 16][4], const u16* Y) {
+  int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int m = 0; m < WM; ++m)
+#pragma unroll
+    for (int n8 = 0; n8 < NT / 8; ++n8) acc[m][n8][0] = acc[m][n8][1] = acc[m][n8][2] = acc[m][n8][3] = 0.f;
+  unsigned base = smem_u32(Y + ((lane & 7) + ((lane >> 4) << 3)) * LDS + ((lane >> 3) & 1) * 8);
+#pragma unroll
+  for (int kk = 0; kk < HS / 16; ++kk)
+#pragma unroll
+    for (int n16 = 0; n16 < NT / 16; ++n16) {
+      unsigned b[4];
+      ldsm_x4(b, base + (n16 * 16 * LDS + kk * 16) * 2);
+#pragma unroll
+      for (int m = 0; m < WM; ++m) {
+        mma16816(acc[m][2 * n16], a[m][kk], b[0], b[1]);
+        mma16816(acc[m][2 * n16 + 1], a[m][kk], b[2], b[3]);
+      }
+    }
+}
+
+// out[m][HS/8][4] += P_m (16 x NT, C-layout floats, rounded to HT here) @ Z, Z a staged tile [NT][LDS].
+template <int WM, int NT>
+__device__ __forceinline__ void p_dot(float (*out)[HS / 8][4], const float (*p)[NT / 8][4], const u16* Z) {
+  int lane = threadIdx.x & 31;
+  unsigned base = smem_u32(Z + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
+#pragma unroll
+  for (int kc = 0; kc < NT / 16; ++kc) {
+    unsigned a[WM][4];
+#pragma unroll
+    for (int m = 0; m < WM; ++m) {
+      a[m][0] = pack2(p[m][2 * kc][0], p[m][2 * kc][1]);
+      a[m][1] = pack2(p[m][2 * kc][2], p[m][2 * kc][3]);
+      a[m][2] = pack2(p[m][2 * kc + 1][0], p[m][2 * kc + 1][1]);
+      a[m][3] = pack2(p[m][2 * kc + 1][2], p[m][2 * kc + 1][3]);
+    }
+#pragma unroll
+    for (int n16 = 0; n16 < HS / 16; ++n16) {
+      unsigned b[4];
+      ldsm_x4_t(b, base + (kc * 16 * LDS + n16 * 16) * 2);
+#pragma unroll
+      for (int m = 0; m < WM; ++m) {
+        mma16816(out[m][2 * n16], a[m], b[0], b[1]);
+        mma16816(out[m][2 * n16 + 1], a[m], b[2], b[3]);
+      }
+    }
+  }
+}
+
+template <int WM>
+__device__ __forceinline__ void zero_acc(float (*acc)[HS / 8][4]) {
+#pragma unroll
+  for (int m = 0; m < WM; ++m)
+#pragma unroll
+    for (int n8 = 0; n8 < HS / 8; ++n8) acc[m][n8][0] = acc[m][n8][1] = acc[m][n8][2] = acc[m][n8][3] = 0.f;
+}
+
+// dst (16-bit, row stride ld) += scale * acc for this warp's 16 rows from row0 (rows >= T skipped),
+// two elements per 32-bit access.
+__device__ __forceinline__ void add_rows(HT* dst, i64 ld, const float (*acc)[4], int row0, int T, float scale) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    int row = row0 + g + 8 * r;
+    if (row >= T) continue;
+    unsigned* p = (unsigned*)(dst + row * ld + 2 * t4);
+#pragma unroll
+    for (int n8 = 0; n8 < HS / 8; ++n8) {
+      unsigned old = p[n8 * 4];
+      HT lo, hi;
+      lo.x = (u16)(old & 0xffffu);
+      hi.x = (u16)(old >> 16);
+      p[n8 * 4] = pack2(to_f(lo) + scale * acc[n8][2 * r], to_f(hi) + scale * acc[n8][2 * r + 1]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- forward
+// One forward tile: scores of this warp's rows against keys [k0, k0 + BN), online softmax, O += P V.
+template <bool MASK>
+__device__ __forceinline__ void fwd_tile(float (*o)[HS / 8][4], float (*m)[2], float (*l)[2],
+                                         const unsigned (*qf)[HS / 16][4], const u16* K, const u16* V,
+                                         int row0, int k0, int T, float sl2) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float s[FWD_WM][BN / 8][4];
+  rows_dot<FWD_WM, BN>(s, qf, K);
+#pragma unroll
+  for (int i = 0; i < FWD_WM; ++i) {
+    float tmax[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int n8 = 0; n8 < BN / 8; ++n8)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (MASK) {
+          int key = k0 + n8 * 8 + 2 * t4 + (e & 1), row = row0 + i * 16 + g + 8 * (e >> 1);
+          if (key > row || key >= T) s[i][n8][e] = NEG_INF;
+        }
+        tmax[e >> 1] = fmaxf(tmax[e >> 1], s[i][n8][e]);
+      }
+    float alpha[2], ms[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // the 4 lanes of a group hold one row between them
+      tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
+      tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
+      float mn = fmaxf(m[i][r], tmax[r]);
+      ms[r] = mn == NEG_INF ? 0.f : mn * sl2;  // a row with no key yet keeps exp2(-inf) = 0
+      alpha[r] = fast_exp2(m[i][r] * sl2 - ms[r]);
+      m[i][r] = mn;
+      l[i][r] *= alpha[r];
+    }
+#pragma unroll
+    for (int n8 = 0; n8 < BN / 8; ++n8)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float p = fast_exp2(fmaf(s[i][n8][e], sl2, -ms[e >> 1]));
+        s[i][n8][e] = p;
+        l[i][e >> 1] += p;
+      }
+#pragma unroll
+    for (int n8 = 0; n8 < HS / 8; ++n8) {
+      o[i][n8][0] *= alpha[0]; o[i][n8][1] *= alpha[0]; o[i][n8][2] *= alpha[1]; o[i][n8][3] *= alpha[1];
+    }
+  }
+  p_dot<FWD_WM, BN>(o, s, V);
+}
+
+// Version 4's forward: out (B,T,C) and lse (B*NH, T) from qkv (B,T,3C). grid (B*NH, ceil(T/FWD_BM)),
+// block 128, FWD_SMEM bytes of dynamic shared memory. The kernel below runs it where wgmma is absent.
+__device__ __forceinline__ void fwd_v4(u16* smem, HT* out, float* lse, const HT* qkv, int B, int T, int NH,
+                                       float scale) {
+  require_smem(FWD_SMEM);
+  u16* q_tile = smem;                   // [FWD_BM][LDS], read once into registers
+  u16* k_tiles = q_tile + FWD_BM * LDS;  // [2][BN][LDS]
+  u16* v_tiles = k_tiles + 2 * BN * LDS;  // [2][BN][LDS]
+  int C = NH * HS, ld = 3 * C, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+  int q0 = (gridDim.y - 1 - blockIdx.y) * FWD_BM;  // the longest rows first
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  int row0 = q0 + warp * 16 * FWD_WM;  // this warp's first row
+  const HT* qb = qkv + (i64)b * T * ld + h * HS;
+  const HT* kb = qb + C;
+  const HT* vb = qb + 2 * C;
+  float sl2 = scale * LOG2E;
+  int n_tiles = (min(q0 + FWD_BM, T) - 1) / BN + 1;  // causal: keys up to the block's last query
+  load_tile<FWD_BM>(q_tile, qb, q0, T, ld);
+  load_tile<BN>(k_tiles, kb, 0, T, ld);
+  load_tile<BN>(v_tiles, vb, 0, T, ld);
+  cp_commit();
+  unsigned qf[FWD_WM][HS / 16][4];
+  float m[FWD_WM][2], l[FWD_WM][2], o[FWD_WM][HS / 8][4];
+#pragma unroll
+  for (int i = 0; i < FWD_WM; ++i) m[i][0] = m[i][1] = NEG_INF, l[i][0] = l[i][1] = 0.f;
+  zero_acc<FWD_WM>(o);
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    int k0 = kt * BN, nb = (kt + 1) & 1;
+    pipeline_wait(kt + 1 < n_tiles, [&] {
+      load_tile<BN>(k_tiles + nb * BN * LDS, kb, k0 + BN, T, ld);
+      load_tile<BN>(v_tiles + nb * BN * LDS, vb, k0 + BN, T, ld);
+    });
+    if (kt == 0)
+#pragma unroll
+      for (int i = 0; i < FWD_WM; ++i) load_afrag(qf[i], q_tile, row0 - q0 + i * 16);
+    const u16* K = k_tiles + (kt & 1) * BN * LDS;
+    const u16* V = v_tiles + (kt & 1) * BN * LDS;
+    if (k0 <= row0 + 16 * FWD_WM - 1) {  // else every key of the tile is after this warp's rows
+      if (k0 + BN - 1 > row0 || k0 + BN > T) fwd_tile<true>(o, m, l, qf, K, V, row0, k0, T, sl2);
+      else fwd_tile<false>(o, m, l, qf, K, V, row0, k0, T, sl2);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < FWD_WM; ++i) {
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[i][r] += __shfl_xor_sync(0xffffffffu, l[i][r], 1);
+      l[i][r] += __shfl_xor_sync(0xffffffffu, l[i][r], 2);
+      inv[r] = 1.f / l[i][r];
+      int row = row0 + i * 16 + g + 8 * r;
+      if (t4 == 0 && row < T) lse[(i64)bh * T + row] = m[i][r] * scale + logf(l[i][r]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      int row = row0 + i * 16 + g + 8 * r;
+      if (row >= T) continue;
+      unsigned* p = (unsigned*)(out + ((i64)b * T + row) * C + h * HS + 2 * t4);
+#pragma unroll
+      for (int n8 = 0; n8 < HS / 8; ++n8) p[n8 * 4] = pack2(o[i][n8][2 * r] * inv[r], o[i][n8][2 * r + 1] * inv[r]);
+    }
+  }
+}
+
+
+// ================================================================ version 6: the Hopper forward
+// Compiled for sm_90a (the launcher in attention_v6.py asks NVRTC for it, with -DV6_SM90A in case
+// the compiler does not define __CUDA_ARCH_FEAT_SM90_ALL), k_attn_flash_fwd takes
+// S = Q K^T and O += P V through wgmma.mma_async; built for any other target (sm_80, plain sm_90,
+// the float build) it is version 4's forward above, with version 4's launch.
+//
+// Block: V6_WG = 2 warpgroups of 128 threads, 64 query rows each (V6_BM = 128 rows a block);
+// keys in tiles of V6_BN (128 when HS <= 64, else 64). All 256 threads stage Q once and K/V two
+// deep with cp.async (16 bytes a copy, rows past T zero-filled), then each warpgroup, alone:
+//   S (64 x BN, fp32)  = wgmma m64nBNk16, HS/16 steps, A = Q and B = K from shared memory;
+//   online softmax in fp32 on S's registers (exp2, log2(e) folded into the scale, as version 4);
+//   O (64 x HS, fp32) += wgmma m64nHSk16, BN/16 steps, A = P from registers (S's accumulator
+//   layout is the A-operand layout: rounded to 16 bits in place), B = V from shared memory read
+//   MN-major (the transpose flag), so V needs no transposed copy.
+//
+// Shared-memory tiles, no swizzle: a tile of R rows x HS columns is stored as 8 x 8 "core
+// matrices" (8 rows x 16 bytes, 128 contiguous bytes). Element (r, c) sits at 16-bit offset
+//   (r / 8) * 8 * HS + (c / 8) * 64 + (r % 8) * 8 + c % 8
+// i.e. core matrices 128 bytes apart along the columns and 8 * HS * 2 bytes apart along the rows.
+// One layout serves every operand: the K-major A (Q) and B (K) of Q K^T take LBO = 128 (along
+// HS, the K dimension) and SBO = 16 * HS (along rows); the MN-major B (V) of P V takes
+// LBO = 16 * HS (along keys, its K dimension) and SBO = 128 (along HS, its N dimension). Each
+// k16 step moves the start address: 256 bytes in Q K^T, 2 row groups in P V. wgmma reads whole
+// core matrices, so there are no bank conflicts to swizzle away; the cp.async stores of a warp
+// are 512 contiguous bytes (thread i stores the i-th 16 bytes of the tile).
+//
+// Matrix descriptor (PTX ISA, "matrix descriptor format" of wgmma): bits 0-13 start address >> 4,
+// 16-29 LBO >> 4, 32-45 SBO >> 4, 49-51 base offset (0), 62-63 swizzle (0: none).
+// Accumulator fragment of m64nN (fp32), thread = 128 * wg + 32 * warp + 4 * g + t4: d[4 * j + e]
+// holds row 16 * warp + g + 8 * (e >> 1), column 8 * j + 2 * t4 + (e & 1) -- version 4's
+// mma.sync C layout, one m16 slab per warp. The A-from-registers fragment of m64k16 (16-bit):
+// a[0..3] = rows g / g+8, columns 2t4 / 8+2t4, as mma.sync's A.
+// Ordering: after its copies land, every thread runs fence.proxy.async (wgmma reads shared memory
+// through the async proxy), then the block barrier; wgmma.fence before each batch of products,
+// commit + wait_group 0 after it, and an empty asm over the accumulators so that the compiler
+// reads them only after the wait.
+//
+// Done: fp16 and bf16, every head size of FLASH_HEAD_SIZES (multiples of 16 up to 128), causal,
+// any T (rows and keys past T masked or zero-filled), lse as version 4 writes it (the backward
+// here, version 4's, reads it), deterministic (fixed order everywhere, no atomics).
+// Not done: TMA (cp.async.bulk.tensor) loads, mbarrier producer/consumer warp specialisation and
+// setmaxnreg, overlapping the softmax of one warpgroup with the other's products (FlashAttention-3's
+// "ping-pong"), swizzled layouts, an intra-warpgroup pipeline of S(j+1) against softmax(j), and
+// any change to the backward. Each is a later step once this one is checked on the GPU.
+#if defined(__CUDA_ARCH__) && (defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(V6_SM90A))
+#define V6_WGMMA 1
+#else
+#define V6_WGMMA 0
+#endif
+#define V6_WG 2                                // warpgroups per block
+#define V6_BM (64 * V6_WG)                     // query rows per block
+#define V6_BN (HS <= 64 ? 128 : 64)            // keys per tile
+#define V6_THREADS (128 * V6_WG)
+#define V6_SMEM ((V6_BM + 4 * V6_BN) * HS * 2)  // Q, then K and V two deep (attention_v6.py asks the same)
+#define FWD_THREADS (V6_WGMMA ? V6_THREADS : 128)
+
+typedef unsigned long long u64;
+
+// ---------------------------------------------------------------- version 6 tiles
+// Start copying rows [r0, r0 + ROWS) of one head's slice (element (t, d) at base[t * ld + d]) into
+// the core-matrix tile dst (ROWS x HS, layout above); rows at or past T are zero-filled. Thread i
+// copies the i-th 16 bytes of the tile: row group i / HS, column chunk (i % HS) / 8, row i % 8.
+template <int ROWS>
+__device__ __forceinline__ void load_tile6(u16* dst, const HT* base, int r0, int T, int ld) {
+  for (int idx = threadIdx.x; idx < ROWS * (HS / 8); idx += blockDim.x) {
+    int rem = idx % HS, r = (idx / HS) * 8 + (rem & 7), c = (rem >> 3) * 8;
+    bool ok = r0 + r < T;
+    cp_async16(dst + idx * 8, base + (ok ? (i64)(r0 + r) * ld + c : 0), ok);
+  }
+}
+
+#if V6_WGMMA
+// ---------------------------------------------------------------- wgmma and its fences (sm_90a)
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// The compiler must not read or write accumulators across an unfinished wgmma: an empty asm that
+// "changes" them, placed after the wait (and before the first product), pins the order.
+template <int N>
+__device__ __forceinline__ void fence_regs(float* d) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// A wgmma descriptor of the no-swizzle layout above; lbo and sbo in bytes.
+__device__ __forceinline__ u64 make_desc(const void* p, unsigned lbo, unsigned sbo) {
+  return (u64)((smem_u32(p) & 0x3FFFFu) >> 4) | ((u64)((lbo >> 4) & 0x3FFFu) << 16) |
+         ((u64)((sbo >> 4) & 0x3FFFu) << 32);
+}
+#define CM_COL_BYTES 128        // between core matrices along the columns (HS)
+#define CM_ROW_BYTES (HS * 16)  // between core matrices along the rows (8-row groups)
+// Q or K, K-major (the K dimension of Q K^T is HS, along the columns).
+__device__ __forceinline__ u64 desc_kmajor(const u16* tile) { return make_desc(tile, CM_COL_BYTES, CM_ROW_BYTES); }
+// V as the MN-major B of P V (its K dimension is the keys, along the rows; N is HS).
+__device__ __forceinline__ u64 desc_mnmajor(const u16* tile) { return make_desc(tile, CM_ROW_BYTES, CM_COL_BYTES); }
+
+// Wg<N, bf16?, transpose B>::ss (A and B from shared memory) and ::rs (A from registers):
+// D (64 x N fp32) = A B + (scale_d ? D : 0), one k16 step, the whole warpgroup. Written out for
+// each N because inline PTX names every accumulator register.
+template <int N, bool BF, int TB> struct Wg;
+template <int TB> struct Wg<16, false, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %10, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, %11; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %13, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, %14; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<32, false, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, %19; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %21, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, %22; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<48, false, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %26, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1, 0, %27; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %29, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, {%24, %25, %26, %27}, %28, p, 1, 1, %30; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<64, false, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<80, false, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %42, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, %43; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %45, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, {%40, %41, %42, %43}, %44, p, 1, 1, %46; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<96, false, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %50, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1, 0, %51; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %53, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, {%48, %49, %50, %51}, %52, p, 1, 1, %54; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<112, false, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %58, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n112k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, %56, %57, p, 1, 1, 0, %59; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %61, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n112k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, {%56, %57, %58, %59}, %60, p, 1, 1, %62; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<128, false, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %67; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<16, true, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %10, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, %11; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %13, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, %14; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<32, true, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, %19; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %21, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, %22; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<48, true, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %26, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1, 0, %27; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %29, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, {%24, %25, %26, %27}, %28, p, 1, 1, %30; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<64, true, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<80, true, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %42, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, %43; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %45, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, {%40, %41, %42, %43}, %44, p, 1, 1, %46; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<96, true, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %50, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1, 0, %51; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %53, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, {%48, %49, %50, %51}, %52, p, 1, 1, %54; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<112, true, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %58, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, %56, %57, p, 1, 1, 0, %59; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %61, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, {%56, %57, %58, %59}, %60, p, 1, 1, %62; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+template <int TB> struct Wg<128, true, TB> {
+  static __device__ __forceinline__ void ss(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %67; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+  }
+  static __device__ __forceinline__ void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+  }
+};
+
+// ---------------------------------------------------------------- version 6 products (sm_90a)
+// Version 4's two-deep pipeline step, with the proxy fence wgmma needs: issue step i + 1's copies
+// (when there is one), wait for step i's, make them visible to the async proxy, then the barrier.
+template <typename Issue>
+__device__ __forceinline__ void pipeline_wait_async(bool has_next, Issue issue) {
+  if (has_next) {
+    issue();
+    cp_commit();
+    cp_wait_all_but_one();
+  } else {
+    cp_wait_all();
+  }
+  fence_proxy_async();
+  __syncthreads();
+}
+
+// s (this warpgroup's 64 x V6_BN scores, accumulator layout) = A B^T over HS: dq describes the
+// warpgroup's 64 rows of Q, dk a K tile (both K-major). Returns once the products are done.
+__device__ __forceinline__ void scores_wgmma(float* s, u64 dq, u64 dk) {
+  fence_regs<V6_BN / 2>(s);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < HS / 16; ++kk)  // 256 bytes (two core matrices along HS) a step
+    Wg<V6_BN, is_bf16<HT>::v, 0>::ss(s, dq + (u64)(kk * 16), dk + (u64)(kk * 16), kk);
+  wgmma_commit();
+  wgmma_wait_all();
+  fence_regs<V6_BN / 2>(s);
+}
+
+// P's A fragments (16-bit, rounded here) from the accumulator layout of s: k16 block kc holds
+// columns 16 kc .. 16 kc + 15, i.e. accumulator entries 8 kc .. 8 kc + 7.
+__device__ __forceinline__ void p_frags(unsigned (*p)[4], const float* s) {
+#pragma unroll
+  for (int kc = 0; kc < V6_BN / 16; ++kc) {
+    p[kc][0] = pack2(s[8 * kc + 0], s[8 * kc + 1]);
+    p[kc][1] = pack2(s[8 * kc + 2], s[8 * kc + 3]);
+    p[kc][2] = pack2(s[8 * kc + 4], s[8 * kc + 5]);
+    p[kc][3] = pack2(s[8 * kc + 6], s[8 * kc + 7]);
+  }
+}
+
+// o (64 x HS, accumulator layout) += P V: p from p_frags, dv describes a V tile (MN-major).
+__device__ __forceinline__ void pv_wgmma(float* o, const unsigned (*p)[4], u64 dv) {
+  fence_regs<HS / 2>(o);
+  wgmma_fence();
+#pragma unroll
+  for (int kc = 0; kc < V6_BN / 16; ++kc)  // two row groups of V (16 keys) a step
+    Wg<HS, is_bf16<HT>::v, 1>::rs(o, p[kc], dv + (u64)(kc * 2 * CM_ROW_BYTES / 16), 1);
+  wgmma_commit();
+  wgmma_wait_all();
+  fence_regs<HS / 2>(o);
+}
+
+// One forward tile of one warpgroup: scores of its 64 rows (this thread: rows row0 + g and
+// row0 + g + 8) against keys [k0, k0 + V6_BN), online softmax, O += P V.
+template <bool MASK>
+__device__ __forceinline__ void fwd6_tile(float* o, float* m, float* l, u64 dq, const u16* K, const u16* V,
+                                          int row0, int k0, int T, float sl2) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float s[V6_BN / 2];
+  scores_wgmma(s, dq, desc_kmajor(K));
+  float tmax[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+  for (int j = 0; j < V6_BN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (MASK) {
+        int key = k0 + j * 8 + 2 * t4 + (e & 1), row = row0 + g + 8 * (e >> 1);
+        if (key > row || key >= T) s[4 * j + e] = NEG_INF;
+      }
+      tmax[e >> 1] = fmaxf(tmax[e >> 1], s[4 * j + e]);
+    }
+  float alpha[2], ms[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {  // the 4 lanes of a group hold one row between them
+    tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
+    tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
+    float mn = fmaxf(m[r], tmax[r]);
+    ms[r] = mn == NEG_INF ? 0.f : mn * sl2;  // a row with no key yet keeps exp2(-inf) = 0
+    alpha[r] = fast_exp2(m[r] * sl2 - ms[r]);
+    m[r] = mn;
+    l[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int j = 0; j < V6_BN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float p = fast_exp2(fmaf(s[4 * j + e], sl2, -ms[e >> 1]));
+      s[4 * j + e] = p;
+      l[e >> 1] += p;
+    }
+#pragma unroll
+  for (int j = 0; j < HS / 8; ++j) {
+    o[4 * j] *= alpha[0]; o[4 * j + 1] *= alpha[0]; o[4 * j + 2] *= alpha[1]; o[4 * j + 3] *= alpha[1];
+  }
+  unsigned p[V6_BN / 16][4];
+  p_frags(p, s);
+  pv_wgmma(o, p, desc_mnmajor(V));
+}
+
+// Version 6's forward. grid (B*NH, ceil(T/V6_BM)), block V6_THREADS, V6_SMEM bytes of dynamic
+// shared memory (traps on anything else).
+__device__ __forceinline__ void fwd_v6(u16* smem, HT* out, float* lse, const HT* qkv, int B, int T, int NH,
+                                       float scale) {
+  require_smem(V6_SMEM);
+  if (blockDim.x != V6_THREADS) __trap();
+  u16* q_tile = smem;                       // [V6_BM x HS], stays for the whole block
+  u16* k_tiles = q_tile + V6_BM * HS;       // [2][V6_BN x HS]
+  u16* v_tiles = k_tiles + 2 * V6_BN * HS;  // [2][V6_BN x HS]
+  int C = NH * HS, ld = 3 * C, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+  int q0 = (gridDim.y - 1 - blockIdx.y) * V6_BM;  // the longest rows first
+  int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  int wrow0 = q0 + 64 * wg;     // this warpgroup's first row
+  int row0 = wrow0 + 16 * warp;  // this warp's first row
+  const HT* qb = qkv + (i64)b * T * ld + h * HS;
+  const HT* kb = qb + C;
+  const HT* vb = qb + 2 * C;
+  float sl2 = scale * LOG2E;
+  int n_tiles = (min(q0 + V6_BM, T) - 1) / V6_BN + 1;  // causal: keys up to the block's last query
+  load_tile6<V6_BM>(q_tile, qb, q0, T, ld);
+  load_tile6<V6_BN>(k_tiles, kb, 0, T, ld);
+  load_tile6<V6_BN>(v_tiles, vb, 0, T, ld);
+  cp_commit();
+  u64 dq = desc_kmajor(q_tile + 64 * wg * HS);  // 64 rows = 8 row groups of 8 * HS elements
+  float o[HS / 2], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < HS / 2; ++i) o[i] = 0.f;
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    int k0 = kt * V6_BN, nb = (kt + 1) & 1;
+    pipeline_wait_async(kt + 1 < n_tiles, [&] {
+      load_tile6<V6_BN>(k_tiles + nb * V6_BN * HS, kb, k0 + V6_BN, T, ld);
+      load_tile6<V6_BN>(v_tiles + nb * V6_BN * HS, vb, k0 + V6_BN, T, ld);
+    });
+    const u16* K = k_tiles + (kt & 1) * V6_BN * HS;
+    const u16* V = v_tiles + (kt & 1) * V6_BN * HS;
+    if (k0 <= wrow0 + 63) {  // else every key of the tile is after the warpgroup's rows (uniform branch)
+      if (k0 + V6_BN - 1 > wrow0 || k0 + V6_BN > T) fwd6_tile<true>(o, m, l, dq, K, V, row0, k0, T, sl2);
+      else fwd6_tile<false>(o, m, l, dq, K, V, row0, k0, T, sl2);
+    }
+    __syncthreads();
+  }
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    inv[r] = 1.f / l[r];
+    int row = row0 + g + 8 * r;
+    if (t4 == 0 && row < T) lse[(i64)bh * T + row] = m[r] * scale + logf(l[r]);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    int row = row0 + g + 8 * r;
+    if (row >= T) continue;
+    unsigned* p = (unsigned*)(out + ((i64)b * T + row) * C + h * HS + 2 * t4);
+#pragma unroll
+    for (int j = 0; j < HS / 8; ++j) p[j * 4] = pack2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+  }
+}
+#endif  // V6_WGMMA
+
+// out (B,T,C) and lse (B*NH, T) from qkv (B,T,3C): version 6 where compiled for sm_90a (grid
+// (B*NH, ceil(T/V6_BM)), block V6_THREADS, V6_SMEM bytes), else version 4 (fwd_v4's launch).
+extern "C" __global__ void __launch_bounds__(FWD_THREADS) k_attn_flash_fwd(HT* out, float* lse, const HT* qkv,
+                                                                           int B, int T, int NH, float scale) {
+  extern __shared__ __align__(16) u16 smem[];
+#if V6_WGMMA
+  fwd_v6(smem, out, lse, qkv, B, T, NH, scale);
+#else
+  if (blockDim.x != 128) __trap();  // version 6's launch reached a build without wgmma
+  fwd_v4(smem, out, lse, qkv, B, T, NH, scale);
+#endif
+}
+
+// ---------------------------------------------------------------- backward
+// D (B*NH, T) = rowsum(dout * out) per head. One thread per head row r = (b*T + i)*NH + h, in
+// memory order, so a warp reads consecutive rows, each as HS / 8 16-byte vectors (version 4,
+// dev/cuda/attention_v4.cu, took a warp per row with 2-byte loads).
+extern "C" __global__ void k_attn_flash_D(float* Dv, const HT* dout, const HT* out, int B, int T, int NH) {
+  i64 r = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+  if (r >= (i64)B * NH * T) return;
+  int h = (int)(r % NH);
+  i64 bi = r / NH;
+  int i = (int)(bi % T);
+  i64 b = bi / T;
+  const vec16* d = (const vec16*)(dout + r * HS);
+  const vec16* o = (const vec16*)(out + r * HS);
+  float D = 0.f;
+#pragma unroll
+  for (int q = 0; q < HS / 8; ++q) {
+    vec16 dv = d[q], ov = o[q];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) D += to_f(((const HT*)&dv)[e]) * to_f(((const HT*)&ov)[e]);
+  }
+  Dv[(b * NH + h) * T + i] = D;
+}
+
+// One dQ tile: S = Q K^T, dP = dO V^T for this warp's 16 rows and keys [k0, k0 + BN);
+// dS' = P (dP - D) (the scale comes at the end); dQ += dS' K.
+template <bool MASK>
+__device__ __forceinline__ void dq_tile(float (*dq)[HS / 8][4], const unsigned (*qf)[HS / 16][4],
+                                        const unsigned (*df)[HS / 16][4], const u16* K, const u16* V,
+                                        const float* L2, const float* D, int row0, int k0, int T, float sl2) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float s[1][BN / 8][4], dp[1][BN / 8][4];
+  rows_dot<1, BN>(s, qf, K);
+  rows_dot<1, BN>(dp, df, V);
+#pragma unroll
+  for (int n8 = 0; n8 < BN / 8; ++n8)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int r = e >> 1;
+      float p = fast_exp2(fmaf(s[0][n8][e], sl2, -L2[r]));
+      if (MASK) {
+        int key = k0 + n8 * 8 + 2 * t4 + (e & 1);
+        if (key > row0 + g + 8 * r || key >= T) p = 0.f;
+      }
+      s[0][n8][e] = p * (dp[0][n8][e] - D[r]);
+    }
+  p_dot<1, BN>(dq, s, K);
+}
+
+// dQ part of dqkv += ...: one block per DQ_BM query rows of one head. grid (B*NH, ceil(T/DQ_BM)),
+// block 128, DQ_SMEM bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(128) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
+                                                                      const float* lse, const float* Dv,
+                                                                      int B, int T, int NH, float scale) {
+  extern __shared__ __align__(16) u16 smem[];
+  require_smem(DQ_SMEM);
+  u16* q_tile = smem;                      // [DQ_BM][LDS], read once into registers
+  u16* do_tile = q_tile + DQ_BM * LDS;     // [DQ_BM][LDS], likewise
+  u16* k_tiles = do_tile + DQ_BM * LDS;    // [2][BN][LDS]
+  u16* v_tiles = k_tiles + 2 * BN * LDS;   // [2][BN][LDS]
+  int C = NH * HS, ld = 3 * C, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+  int q0 = (gridDim.y - 1 - blockIdx.y) * DQ_BM;  // the longest rows first
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  int row0 = q0 + warp * 16;
+  const HT* qb = qkv + (i64)b * T * ld + h * HS;
+  const HT* kb = qb + C;
+  const HT* vb = qb + 2 * C;
+  const HT* ob = dout + (i64)b * T * C + h * HS;
+  float sl2 = scale * LOG2E, L2[2], D[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    int row = row0 + g + 8 * r;
+    L2[r] = row < T ? lse[(i64)bh * T + row] * LOG2E : 0.f;
+    D[r] = row < T ? Dv[(i64)bh * T + row] : 0.f;
+  }
+  int n_tiles = (min(q0 + DQ_BM, T) - 1) / BN + 1;
+  load_tile<DQ_BM>(q_tile, qb, q0, T, ld);
+  load_tile<DQ_BM>(do_tile, ob, q0, T, C);
+  load_tile<BN>(k_tiles, kb, 0, T, ld);
+  load_tile<BN>(v_tiles, vb, 0, T, ld);
+  cp_commit();
+  unsigned qf[1][HS / 16][4], df[1][HS / 16][4];
+  float dq[1][HS / 8][4];
+  zero_acc<1>(dq);
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    int k0 = kt * BN, nb = (kt + 1) & 1;
+    pipeline_wait(kt + 1 < n_tiles, [&] {
+      load_tile<BN>(k_tiles + nb * BN * LDS, kb, k0 + BN, T, ld);
+      load_tile<BN>(v_tiles + nb * BN * LDS, vb, k0 + BN, T, ld);
+    });
+    if (kt == 0) {
+      load_afrag(qf[0], q_tile, row0 - q0);
+      load_afrag(df[0], do_tile, row0 - q0);
+    }
+    const u16* K = k_tiles + (kt & 1) * BN * LDS;
+    const u16* V = v_tiles + (kt & 1) * BN * LDS;
+    if (k0 <= row0 + 15) {
+      if (k0 + BN - 1 > row0 || k0 + BN > T) dq_tile<true>(dq, qf, df, K, V, L2, D, row0, k0, T, sl2);
+      else dq_tile<false>(dq, qf, df, K, V, L2, D, row0, k0, T, sl2);
+    }
+    __syncthreads();
+  }
+  add_rows(dqkv + (i64)b * T * ld + h * HS, ld, dq[0], row0, T, scale);
+}
+
+// One dK/dV tile: S^T = K Q^T, dP^T = V dO^T for this warp's 16 keys and queries [q0, q0 + DKV_BQ);
+// dV += P^T dO, dK += dS'^T Q (the scale comes at the end).
+template <bool MASK>
+__device__ __forceinline__ void dkv_tile(float (*dk)[HS / 8][4], float (*dv)[HS / 8][4],
+                                         const unsigned (*kf)[HS / 16][4], const unsigned (*vf)[HS / 16][4],
+                                         const u16* Q, const u16* dO, const float* L, const float* Dt,
+                                         int key0, int q0, int T, float sl2) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float s[1][DKV_BQ / 8][4], dp[1][DKV_BQ / 8][4];
+  rows_dot<1, DKV_BQ>(s, kf, Q);
+  rows_dot<1, DKV_BQ>(dp, vf, dO);
+#pragma unroll
+  for (int n8 = 0; n8 < DKV_BQ / 8; ++n8)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int qc = n8 * 8 + 2 * t4 + (e & 1);
+      float p = fast_exp2(fmaf(s[0][n8][e], sl2, -L[qc] * LOG2E));
+      if (MASK) {
+        int q = q0 + qc;
+        if (q < key0 + g + 8 * (e >> 1) || q >= T) p = 0.f;
+      }
+      s[0][n8][e] = p;
+      dp[0][n8][e] = p * (dp[0][n8][e] - Dt[qc]);
+    }
+  p_dot<1, DKV_BQ>(dv, s, dO);
+  p_dot<1, DKV_BQ>(dk, dp, Q);
+}
+
+// dK and dV parts of dqkv += ...: one block per BN keys of one head, streaming the query tiles at
+// or after them. grid (B*NH, ceil(T/BN)), block 128, DKV_SMEM bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(128) k_attn_flash_bwd_dkv(HT* dqkv, const HT* qkv, const HT* dout,
+                                                                       const float* lse, const float* Dv,
+                                                                       int B, int T, int NH, float scale) {
+  extern __shared__ __align__(16) u16 smem[];
+  require_smem(DKV_SMEM);
+  u16* k_tile = smem;                      // [BN][LDS]
+  u16* v_tile = k_tile + BN * LDS;         // [BN][LDS]
+  u16* q_tiles = v_tile + BN * LDS;        // [2][DKV_BQ][LDS]
+  u16* do_tiles = q_tiles + 2 * DKV_BQ * LDS;  // [2][DKV_BQ][LDS]
+  float* lse_tiles = (float*)(do_tiles + 2 * DKV_BQ * LDS);  // [2][DKV_BQ]
+  float* d_tiles = lse_tiles + 2 * DKV_BQ;                   // [2][DKV_BQ]
+  int C = NH * HS, ld = 3 * C, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+  int k0 = blockIdx.y * BN;  // the first keys see the most queries: they go first
+  int warp = threadIdx.x >> 5;
+  int key0 = k0 + warp * 16;
+  const HT* qb = qkv + (i64)b * T * ld + h * HS;
+  const HT* kb = qb + C;
+  const HT* vb = qb + 2 * C;
+  const HT* ob = dout + (i64)b * T * C + h * HS;
+  const float* lb = lse + (i64)bh * T;
+  const float* db = Dv + (i64)bh * T;
+  float sl2 = scale * LOG2E;
+  int first = k0 / DKV_BQ, n_tiles = (T - 1) / DKV_BQ + 1;
+  load_tile<BN>(k_tile, kb, k0, T, ld);
+  load_tile<BN>(v_tile, vb, k0, T, ld);
+  load_tile<DKV_BQ>(q_tiles, qb, first * DKV_BQ, T, ld);
+  load_tile<DKV_BQ>(do_tiles, ob, first * DKV_BQ, T, C);
+  load_row_values<DKV_BQ>(lse_tiles, lb, first * DKV_BQ, T);
+  load_row_values<DKV_BQ>(d_tiles, db, first * DKV_BQ, T);
+  cp_commit();
+  unsigned kf[1][HS / 16][4], vf[1][HS / 16][4];
+  float dk[1][HS / 8][4], dv[1][HS / 8][4];
+  zero_acc<1>(dk);
+  zero_acc<1>(dv);
+  for (int qt = first; qt < n_tiles; ++qt) {
+    int q0 = qt * DKV_BQ, cur = (qt - first) & 1, nb = cur ^ 1;
+    pipeline_wait(qt + 1 < n_tiles, [&] {
+      load_tile<DKV_BQ>(q_tiles + nb * DKV_BQ * LDS, qb, q0 + DKV_BQ, T, ld);
+      load_tile<DKV_BQ>(do_tiles + nb * DKV_BQ * LDS, ob, q0 + DKV_BQ, T, C);
+      load_row_values<DKV_BQ>(lse_tiles + nb * DKV_BQ, lb, q0 + DKV_BQ, T);
+      load_row_values<DKV_BQ>(d_tiles + nb * DKV_BQ, db, q0 + DKV_BQ, T);
+    });
+    if (DKV_KV_REGS ? qt == first : true) {  // fragments of K and V: once, or every step to save registers
+      load_afrag(kf[0], k_tile, key0 - k0);
+      load_afrag(vf[0], v_tile, key0 - k0);
+    }
+    const u16* Q = q_tiles + cur * DKV_BQ * LDS;
+    const u16* dO = do_tiles + cur * DKV_BQ * LDS;
+    const float* L = lse_tiles + cur * DKV_BQ;
+    const float* Dt = d_tiles + cur * DKV_BQ;
+    if (q0 + DKV_BQ - 1 >= key0) {  // else every query of the tile is before this warp's keys
+      if (q0 < key0 + 15 || q0 + DKV_BQ > T) dkv_tile<true>(dk, dv, kf, vf, Q, dO, L, Dt, key0, q0, T, sl2);
+      else dkv_tile<false>(dk, dv, kf, vf, Q, dO, L, Dt, key0, q0, T, sl2);
+    }
+    __syncthreads();
+  }
+  HT* base = dqkv + (i64)b * T * ld + h * HS;
+  add_rows(base + C, ld, dk[0], key0, T, scale);
+  add_rows(base + 2 * C, ld, dv[0], key0, T, 1.f);
+}
