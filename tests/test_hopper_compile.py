@@ -1,0 +1,58 @@
+"""dev/cuda's Hopper forward (attention_v6.cu) and its probes (wgmma_probe.cu) compile to sm_90a
+machine code, with the wgmma path in, and build without it for plain sm_90 (CPU only).
+
+    python -m pytest tests/test_hopper_compile.py -q
+
+tests/test_kernels_compile.py compiles every dev/cuda file to PTX for sm_80 and sm_90, where the
+wgmma code is compiled out; here ptxas assembles the sm_90a build (cubin), so an invalid wgmma,
+descriptor or fence operand fails on a machine without a GPU, and k_attn_flash_fwd must not spill
+at the two tile shapes (128 keys a tile up to head size 64, 64 keys above). -DV6_SM90A is what
+dev/cuda/attention_v6.py passes to NVRTC with -arch=sm_90a. Skipped where nvcc is absent.
+"""
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "andrea" / "kernels"
+DEV = ROOT / "dev" / "cuda"
+NVCC = shutil.which("nvcc")
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+
+
+def nvcc(src, arch, ct, hs, out, *extra):
+    cmd = [NVCC, "-std=c++17", f"-arch={arch}", f"-I{KERNELS}", f"-DCT={ct}", f"-DHS={hs}", *extra,
+           str(src), "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, f"{src.name} (CT={ct}, HS={hs}, {arch}) does not compile:\n{r.stderr}"
+    return r.stderr
+
+
+@pytest.mark.parametrize("hs", [64, 128])
+@pytest.mark.parametrize("ct", ["f16", "bf16"])
+def test_v6_forward_assembles_for_sm90a_without_spills(ct, hs, tmp_path):
+    log = nvcc(DEV / "attention_v6.cu", "sm_90a", ct, hs, tmp_path / "v6.cubin", "--cubin", "-Xptxas", "-v",
+               "-DV6_SM90A")
+    m = re.search(r"Compiling entry function 'k_attn_flash_fwd'.*?(\d+) bytes spill stores, (\d+) bytes spill loads",
+                  log, re.S)
+    assert m, f"no ptxas figures for k_attn_flash_fwd:\n{log}"
+    assert (int(m.group(1)), int(m.group(2))) == (0, 0), f"k_attn_flash_fwd spills (CT={ct}, HS={hs}):\n{log}"
+
+
+@pytest.mark.parametrize("arch, wgmma", [("sm_90a", True), ("sm_90", False)])
+def test_v6_forward_has_wgmma_only_for_sm90a(arch, wgmma, tmp_path):
+    # sm_90a: __CUDA_ARCH_FEAT_SM90_ALL selects version 6; sm_90 (the backend's own NVRTC build) keeps version 4
+    nvcc(DEV / "attention_v6.cu", arch, "f16", 64, tmp_path / "v6.ptx", "--ptx")
+    ptx = (tmp_path / "v6.ptx").read_text()
+    body = ptx[ptx.index(".entry k_attn_flash_fwd"):]
+    body = body[:body.index("\n}\n")]
+    assert ("wgmma.mma_async" in body) == wgmma
+    assert ("mma.sync" in body) != wgmma
+
+
+@pytest.mark.parametrize("ct", ["f16", "bf16"])
+def test_probes_assemble_for_sm90a(ct, tmp_path):
+    nvcc(DEV / "wgmma_probe.cu", "sm_90a", ct, 80, tmp_path / "probe.cubin", "--cubin", "-DV6_SM90A")
