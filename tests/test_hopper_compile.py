@@ -6,7 +6,8 @@ machine code, with the wgmma path in, and build without it for plain sm_90 (CPU 
 tests/test_kernels_compile.py compiles every dev/cuda file to PTX for sm_80 and sm_90, where the
 wgmma code is compiled out; here ptxas assembles the sm_90a build (cubin), so an invalid wgmma,
 descriptor or fence operand fails on a machine without a GPU, and k_attn_flash_fwd must not spill
-at the two tile shapes (128 keys a tile up to head size 64, 64 keys above). -DV6_SM90A is what
+at the two tile shapes (128 keys a tile up to head size 64, 64 keys above); the launch geometry of
+attention_v6.py is checked against the kernel's macros at compile time. -DV6_SM90A is what
 dev/cuda/attention_v6.py passes to NVRTC with -arch=sm_90a. Skipped where nvcc is absent.
 """
 import re
@@ -56,3 +57,21 @@ def test_v6_forward_has_wgmma_only_for_sm90a(arch, wgmma, tmp_path):
 @pytest.mark.parametrize("ct", ["f16", "bf16"])
 def test_probes_assemble_for_sm90a(ct, tmp_path):
     nvcc(DEV / "wgmma_probe.cu", "sm_90a", ct, 80, tmp_path / "probe.cubin", "--cubin", "-DV6_SM90A")
+
+
+@pytest.mark.parametrize("hs", [16, 64, 80, 128])
+def test_sidecar_geometry_is_the_kernels(hs, tmp_path):
+    # attention_v6.py launches what attention_v6.cu's macros say (the kernel traps otherwise): the
+    # compiler checks the launcher's figures against the macros
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dev_cuda_attention_v6", DEV / "attention_v6.py")
+    v6 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(v6)
+    geo = v6.geometry(hs)
+    src = tmp_path / "geometry.cu"
+    src.write_text(f'#include "{DEV / "attention_v6.cu"}"\n'
+                   f'static_assert(V6_BM == {geo["rows"]}, "rows");\n'
+                   f'static_assert(V6_BN == {geo["keys"]}, "keys");\n'
+                   f'static_assert(V6_THREADS == {geo["threads"]}, "threads");\n'
+                   f'static_assert(V6_SMEM == {geo["smem"]}, "smem");\n')
+    nvcc(src, "sm_90a", "f16", hs, tmp_path / "geometry.ptx", "--ptx", "-DV6_SM90A")

@@ -22,6 +22,11 @@
 //      Checks T = 77 and 1000, hs 32/64/80/128, fp16/bf16, two runs bit-identical, then forward and
 //      backward times x layers at the 12M and 120M shapes next to SDPA flash/cuDNN/efficient in the
 //      same process (v6's backward is v4's: only fwd_ms should move).
+//   All three in one go, logs under $OUT (no package install needed, only PYTHONPATH):
+//      export PYTHONPATH=$PWD PYTHONUNBUFFERED=1; python3 dev/cuda/wgmma_probe.py 2>&1 | tee $OUT/probe.log;
+//      python3 dev/cuda/harness.py attention main v6 --dtype fp16,bf16 2>&1 | tee $OUT/harness.log;
+//      python3 dev/cuda/attention_bench.py --variants v4,v6 --out $OUT 2>&1 | tee $OUT/bench.log
+//   If the probes fail, steps 2 and 3 will too: stop there and fix the block they name.
 //   ptxas figures: nvcc -std=c++17 -arch=sm_90a --cubin -Xptxas -v -Iandrea/kernels -DCT=f16
 //      -DV6_SM90A -DHS=64 dev/cuda/attention_v6.cu -o /tmp/v6.cubin
 //
