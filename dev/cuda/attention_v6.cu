@@ -500,9 +500,10 @@ __device__ __forceinline__ void fwd_v4(u16* smem, HT* out, float* lse, const HT*
 // One layout serves every operand: the K-major A (Q) and B (K) of Q K^T take LBO = 128 (along
 // HS, the K dimension) and SBO = 16 * HS (along rows); the MN-major B (V) of P V takes
 // LBO = 16 * HS (along keys, its K dimension) and SBO = 128 (along HS, its N dimension). Each
-// k16 step moves the start address: 256 bytes in Q K^T, 2 row groups in P V. wgmma reads whole
-// core matrices, so there are no bank conflicts to swizzle away; the cp.async stores of a warp
-// are 512 contiguous bytes (thread i stores the i-th 16 bytes of the tile).
+// k16 step moves the start address: 256 bytes in Q K^T, 2 row groups in P V. Each core matrix is
+// 128 contiguous bytes (the 32 banks once), so wgmma's reads should not conflict (to be confirmed
+// with ncu); the swizzled layouts serve writers of whole rows such as TMA, not used here. The
+// cp.async stores of a warp are 512 contiguous bytes (thread i stores the i-th 16 bytes of the tile).
 //
 // Matrix descriptor (PTX ISA, "matrix descriptor format" of wgmma): bits 0-13 start address >> 4,
 // 16-29 LBO >> 4, 32-45 SBO >> 4, 49-51 base offset (0), 62-63 swizzle (0: none).
