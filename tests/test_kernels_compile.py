@@ -39,3 +39,39 @@ def test_compiles(src, arch, tmp_path):
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0, f"{src} (CT={ct}, {arch}) does not compile:\n{r.stderr}"
         assert out.stat().st_size > 0
+
+
+def test_kernel_source_pastes_each_include_once(tmp_path):
+    """kernel_source (what NVRTC compiles: it has no include path): a name is found beside the
+    including file first, then in the package's folder; a file pasted once is not pasted again;
+    an include found nowhere names the file and the include."""
+    from andrea.backends.cuda.runtime import kernel_source
+    pkg, dev = tmp_path / "pkg", tmp_path / "dev"
+    pkg.mkdir(), dev.mkdir()
+    (pkg / "common.cuh").write_text("COMMON\n")
+    (pkg / "op.cu").write_text('#include "common.cuh"\nOP\n')
+    (dev / "part.cu").write_text("PART\n")
+    (dev / "op_v2.cu").write_text('#include "common.cuh"\n#include "op.cu"\n#include "part.cu"\nNEW\n')
+    text = kernel_source(dev / "op_v2.cu", (pkg,))
+    assert text.split("\n").count("COMMON") == 1 and "OP" in text and "PART" in text and "NEW" in text
+    assert "#include" not in text
+    (dev / "bad_v3.cu").write_text('#include "nowhere.cu"\n')
+    with pytest.raises(FileNotFoundError, match="bad_v3.cu.*nowhere.cu"):
+        kernel_source(dev / "bad_v3.cu", (pkg,))
+
+
+PASTED = [p for p in VARIANTS if any(f'#include "{k.name}"' in p.read_text() for k in SOURCES)]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("src", PASTED, ids=[p.name for p in PASTED])
+def test_variant_text_compiles_without_include_path(src, tmp_path):
+    """A dev/cuda variant that includes the package file it varies compiles as the Runtime hands
+    it to NVRTC: includes pasted in, no -I."""
+    from andrea.backends.cuda.runtime import kernel_source
+    text = tmp_path / src.name
+    text.write_text(kernel_source(src))
+    out = tmp_path / "x.ptx"
+    r = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "--ptx", "-DCT=f16", str(text), "-o", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, f"{src} as pasted does not compile:\n{r.stderr}"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.backends.cuda.runtime import check, ct_name, i32
+from andrea.backends.cuda.runtime import check, ct_name, i32, kernel_source
 
 HERE = Path(__file__).resolve().parent
 V6_WG = 2  # warpgroups per block (V6_WG in attention_v6.cu)
@@ -41,13 +41,9 @@ def geometry(hs: int) -> dict:
 
 
 def source(path: Path) -> str:
-    """The text NVRTC compiles: path with common.cuh (andrea/kernels) and any dev/cuda file it
-    includes pasted in, as the Runtime pastes common.cuh (NVRTC is given no include path)."""
-    from andrea.paths import KERNEL_DIR
-    text = path.read_text()
-    for name in ("attention_v6.cu",):
-        text = text.replace(f'#include "{name}"', (HERE / name).read_text())
-    return text.replace('#include "common.cuh"', (KERNEL_DIR / "common.cuh").read_text())
+    """The text NVRTC compiles: path with its includes pasted in, as the Runtime does (NVRTC is
+    given no include path): dev/cuda files beside it, common.cuh from andrea/kernels."""
+    return kernel_source(path)
 
 
 def compile_sm90a(text: str, name: str, ct: str, defs=()) -> bytes:

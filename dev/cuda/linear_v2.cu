@@ -1,23 +1,8 @@
-// linear_v2.cu: andrea/kernels/linear.cu plus k_colsum, the bias gradients' column sums in one launch with
-// 16-byte loads (launched by linear_v2.py). Compiled and reviewed but not yet run on a GPU: check and time it
-// with `python dev/cuda/harness.py linear main v2 --dtype fp16,bf16,fp32` (and tests/test_cuda_kernels.py with
-// ops._colsum_add switched to it) before it replaces k_colsum_partial + k_colsum_final.
-//
-// linear.cu: the kernels of the linear layers besides cuBLAS's products (andrea/backends/cuda/ops.py
-// _linear_fwd / _linear_bwd, used by k_attn_qkv_fwd/_bwd, k_attn_out_fwd/_bwd and k_mlp_fwd/_bwd when
-// cuBLASLt's epilogues do not apply): the bias add after the forward product, the column sums of
-// every bias gradient (k_colsum), and the ordered sum of the layer-norm backward's block partials
-// (k_colsum_final).
-#include "common.cuh"
-
-// x (N, OC) += b (OC,), in place: the bias of a cuBLAS product. Blocks stride over rows and
-// threads over columns, so no 64-bit division per element.
-extern "C" __global__ void k_bias_add(CT* x, const CT* b, i64 N, int OC) {
-  for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
-    CT* row = x + r * OC;
-    for (int c = threadIdx.x; c < OC; c += blockDim.x) row[c] = from_f<CT>(to_f(row[c]) + to_f(b[c]));
-  }
-}
+// linear_v2.cu: andrea/kernels/linear.cu (included) plus k_colsum, the bias gradients' column sums in
+// one launch with 16-byte loads (launched by linear_v2.py instead of k_colsum_partial +
+// k_colsum_final). Compiled and reviewed but not yet run on a GPU: check and time it with
+// `python dev/cuda/harness.py linear main v2 --dtype fp16,bf16,fp32` before it replaces them.
+#include "linear.cu"
 
 // out[c] += column sums of x (N, C) in one launch with no floating-point atomics: every bias
 // gradient. Block (32, 8) = one group of columns x one chunk of rows (blockIdx.y). Thread
@@ -25,8 +10,8 @@ extern "C" __global__ void k_bias_add(CT* x, const CT* b, i64 N, int OC) {
 // aligned 16-byte vectors, vec != 0, else 1); the 8 row lanes are added in order through shared
 // memory and the block writes partial[chunk][c]. The last block of a column group to finish (an
 // integer counter per group elects it; it does not decide any order) adds the group's chunks in
-// chunk order into out and resets the counter for the next launch. Version 1 (dev/cuda/linear_v1.cu)
-// took two launches (k_colsum_partial, then k_colsum_final) and one 2-byte load per thread and row.
+// chunk order into out and resets the counter for the next launch. The package
+// takes two launches (k_colsum_partial, then k_colsum_final) and one 2-byte load per thread and row.
 #define COLSUM_MAXW 8
 extern "C" __global__ void __launch_bounds__(256) k_colsum(float* out, float* partial, unsigned int* counters,
                                                            const CT* x, i64 N, int C, int rows_per_chunk, int vec) {
@@ -82,34 +67,3 @@ extern "C" __global__ void __launch_bounds__(256) k_colsum(float* out, float* pa
   if (t == 0) counters[blockIdx.x] = 0u;
 }
 
-// Column sums of x (N, C) in two passes with no atomics: pass 1 writes partial[chunk][c] (block
-// (32, 8): 32 columns, 8 row lanes, a fixed row chunk per blockIdx.y); pass 2 adds the chunks in
-// order into out[c]. Used for every bias gradient.
-extern "C" __global__ void k_colsum_partial(float* partial, const CT* x, i64 N, int C, int rows_per_chunk) {
-  __shared__ float acc[8][33];
-  int c = blockIdx.x * 32 + threadIdx.x;
-  i64 r0 = (i64)blockIdx.y * rows_per_chunk;
-  i64 r1 = r0 + rows_per_chunk < N ? r0 + rows_per_chunk : N;
-  float a = 0.f;
-  if (c < C)
-    for (i64 r = r0 + threadIdx.y; r < r1; r += 8) a += to_f(x[r * C + c]);
-  acc[threadIdx.y][threadIdx.x] = a;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    float s = 0.f;
-    for (int k = 0; k < 8; ++k) s += acc[k][threadIdx.x];
-    partial[(i64)blockIdx.y * C + c] = s;
-  }
-}
-
-// out[c] += sum over chunks of partial[chunk][c]: one warp per column, lane j adding chunks
-// j, j+32, ... in order, then the fixed shuffle tree. out is float32 (a grad). The layer-norm
-// backward's weight and bias gradients (its blocks' partial rows).
-extern "C" __global__ void k_colsum_final(float* out, const float* partial, int n_chunks, int C) {
-  int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (c >= C) return;
-  float s = 0.f;
-  for (int k = lane; k < n_chunks; k += 32) s += partial[(i64)k * C + c];
-  s = warp_sum(s);
-  if (lane == 0) out[c] += s;
-}

@@ -2,11 +2,14 @@
 
 Each kernels/<op>.cu (andrea.paths.KERNEL_DIR) is compiled at run time by NVRTC (cupy.RawModule),
 once per compute dtype (-DCT=float|f16|bf16, picked from the arrays) and set of extra -D options,
-and cached on the Runtime. kernels/common.cuh is pasted in before compiling, so that CuPy's
-on-disk cache key covers it. `sources` maps a file name to another source (a dev/cuda variant) for this Runtime only.
+and cached on the Runtime. Every `#include "name"` (common.cuh; in a dev/cuda variant, also the
+package file it varies) is pasted in before compiling (kernel_source), so that CuPy's on-disk
+cache key covers it. `sources` maps a file name to another source (a dev/cuda variant) for this
+Runtime only.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +25,33 @@ try:  # registers numpy's "bfloat16" dtype where ml_dtypes is installed (bf16 pr
     import ml_dtypes  # noqa: F401
 except ImportError:
     pass
+
+INCLUDE = re.compile(r'^[ \t]*#include "([^"]+)"[ \t]*$', re.M)
+
+
+def kernel_source(path: Path, dirs=(KERNEL_DIR,)) -> str:
+    """The text NVRTC compiles (it is given no include path): path with every `#include "name"`
+    pasted in, recursively, each file once (later includes of it become a comment). A name is
+    looked up beside the including file first, then in dirs, so a dev/cuda variant can include
+    the package file it varies ("attention.cu") and common.cuh."""
+    seen = set()
+
+    def expand(p: Path) -> str:
+        def paste(m):
+            name = m.group(1)
+            found = next((d / name for d in (p.parent, *map(Path, dirs)) if (d / name).is_file()), None)
+            if found is None:
+                raise FileNotFoundError(f"{p}: #include \"{name}\" is neither beside it nor in "
+                                        f"{', '.join(str(d) for d in dirs)}")
+            key = found.resolve()
+            if key in seen:
+                return f"// {name}: pasted above"
+            seen.add(key)
+            return expand(found)
+        return INCLUDE.sub(paste, p.read_text())
+    seen.add(Path(path).resolve())
+    return expand(Path(path))
+
 
 THREADS = 256
 MAX_BLOCKS = 8192  # grid-stride kernels: enough blocks to fill 132 SMs, few enough to stay cheap
@@ -60,8 +90,7 @@ class Runtime:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: kernel source missing (the CUDA backend reads the package's "
                                     "kernels/; reinstall the package)")
-        common = (self.dir / "common.cuh").read_text()
-        return path.read_text().replace('#include "common.cuh"', common)
+        return kernel_source(path, (self.dir,))
 
     def function(self, fname: str, kernel: str, dtype, defs=()):
         """The compiled kernel; defs are extra -D options (compile-time sizes, e.g. attention's HS)."""
