@@ -255,22 +255,13 @@ def test_sigterm_to_one_rank_stops_all_and_resume_is_bit_exact(tmp_path):
     assert sorted(loss) == list(range(1, STEPS + 1))
 
     run = write_run(tmp_path, "interrupted", steps=STEPS, ckpt_every=60, grad_accum=ACCUM)
-    p = engine(2, run)
-    seen = [json.loads(p.stdout.readline())]
-    assert seen[0]["event"] == "plan"  # the ranks have installed their signal handlers
-    pid = rank_pid(p.pid, 1)
-    assert pid is not None, "rank 1's process not found under mpirun"
-    # rank 1 may still be starting: signal it once its handlers are in place (SIGUSR2 is only ours)
-    wait_for(lambda: catches(pid, signal.SIGUSR2), "rank 1's signal handlers", timeout=120, proc=p)
-    os.kill(pid, signal.SIGTERM)
-    rc, rest, err = finish(p)
-    assert rc == 0, err[-3000:]
-    done = rest[-1]
+    stopped, _ = stop_rank_1(engine(2, run))
+    done = stopped[-1]
     assert done["event"] == "done" and done["status"] == "stopped" and 1 <= done["step"] < STEPS
-    saves = [e for e in rest if e["event"] == "checkpoint" and e["reason"] == "signal"]
+    saves = [e for e in stopped if e["event"] == "checkpoint" and e["reason"] == "signal"]
     assert [e["step"] for e in saves] == [done["step"]]
     for s in range(1, done["step"] + 1):  # the same steps as the uninterrupted run
-        assert [e["loss"] for e in seen + rest if e["event"] == "step" and e["step"] == s] in ([], [loss[s]])
+        assert [e["loss"] for e in stopped if e["event"] == "step" and e["step"] == s] in ([], [loss[s]])
 
     others = {}
     for n in (3, 1):
@@ -302,6 +293,7 @@ def stop_rank_1(p):
     assert seen[0]["event"] == "plan"  # the ranks have installed their signal handlers
     pid = rank_pid(p.pid, 1)
     assert pid is not None, "rank 1's process not found under mpirun"
+    # rank 1 may still be starting: signal it once its handlers are in place (SIGUSR2 is only ours)
     wait_for(lambda: catches(pid, signal.SIGUSR2), "rank 1's signal handlers", timeout=120, proc=p)
     os.kill(pid, signal.SIGTERM)
     rc, rest, err = finish(p)

@@ -41,26 +41,34 @@ class OneRankWorld:
         recv[...] = send
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_nccl_sum_of_one_rank_in_the_graph_changes_nothing(tmp_path, precision):
+def one_rank_against_plain(tmp_path, precision, **engine_kw):
+    """An engine in an NCCL world of one GPU (engine_kw: e.g. zero1=True) and one without a comm,
+    5 steps of 2 microbatches each: the first replays its optimizer, collectives inside, as a
+    captured CUDA graph; both must give the same records and the same bits."""
     d = small_config(tmp_path, precision=precision, grad_accum=2)
     d["model"] = {"n_layer": 2, "d_model": 48, "n_head": 3, "context": 40, "vocab_size": 97}
     d["train"]["seq_len"] = 37
     d["backend"] = {"name": "cuda"}
     cfg = load_run_config(d)
     comm = MpiComm(OneRankWorld())
-    ours, plain = Engine(cfg, comm=comm), Engine(cfg)
-    assert comm.nccl is not None  # a communicator of one GPU
+    ours, plain = Engine(cfg, comm=comm, **engine_kw), Engine(cfg)
+    assert comm.nccl is not None and ours.plan.rows == plain.plan.rows  # a communicator of one GPU
     recs = []
     for step in range(1, 6):
         batches = global_batches(cfg, step)
         recs.append((dict(ours.train_step(step, batches)), dict(plain.train_step(step, batches))))
     ours.be.synchronize()
-    assert ("optimizer", 2) in ours.graphs.graphs, "the optimizer (with the all-reduce) was not captured"
+    assert ("optimizer", 2) in ours.graphs.graphs, "the optimizer (with its collectives) was not captured"
     for a, b in recs:
         assert a == b
     for x, y in zip(ours.host_state(), plain.host_state()):
         assert np.array_equal(x, y)
+    assert np.array_equal(ours.be.to_numpy(ours.params_c), plain.be.to_numpy(plain.params_c))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_nccl_sum_of_one_rank_in_the_graph_changes_nothing(tmp_path, precision):
+    one_rank_against_plain(tmp_path, precision)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -72,22 +80,4 @@ def test_zero1_of_one_nccl_rank_gives_the_bits_of_no_zero1(tmp_path, precision):
     in place leave the buffers as they are, the norm's partials are the same single block, and the
     only other difference, the compute copy cast by k_cast_params after the all-gather instead of
     inside k_adamw_step, rounds each weight the same way."""
-    d = small_config(tmp_path, precision=precision, grad_accum=2)
-    d["model"] = {"n_layer": 2, "d_model": 48, "n_head": 3, "context": 40, "vocab_size": 97}
-    d["train"]["seq_len"] = 37
-    d["backend"] = {"name": "cuda"}
-    cfg = load_run_config(d)
-    comm = MpiComm(OneRankWorld())
-    ours, plain = Engine(cfg, comm=comm, zero1=True), Engine(cfg)
-    assert comm.nccl is not None and ours.plan.rows == plain.plan.rows
-    recs = []
-    for step in range(1, 6):
-        batches = global_batches(cfg, step)
-        recs.append((dict(ours.train_step(step, batches)), dict(plain.train_step(step, batches))))
-    ours.be.synchronize()
-    assert ("optimizer", 2) in ours.graphs.graphs, "the optimizer (reduce-scatter, all-gather) was not captured"
-    for a, b in recs:
-        assert a == b
-    for x, y in zip(ours.host_state(), plain.host_state()):
-        assert np.array_equal(x, y)
-    assert np.array_equal(ours.be.to_numpy(ours.params_c), plain.be.to_numpy(plain.params_c))
+    one_rank_against_plain(tmp_path, precision, zero1=True)
