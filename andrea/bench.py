@@ -112,25 +112,31 @@ def profile_step(eng, x, y):
     return dict(gt.ms)
 
 
+def bench_config(exp, precision, B, steps):
+    """The run config of a benchmark: exp's model at T = its context, B sequences, constant lr."""
+    from .config import load_run_config
+
+    m = model_dict(exp)
+    return load_run_config({"exp": exp, "model": m, "backend": {"name": "cuda"},
+                            "train": {"batch_size": B, "seq_len": m["context"], "precision": precision,
+                                      "steps": steps, "warmup_steps": 0}})
+
+
 def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=True):
     import cupy as cp
 
     from .backends import get_backend
-    from .config import load_run_config
     from .engine import Engine
 
-    m = model_dict(exp)
-    T = m["context"]
-    cfg = load_run_config({"exp": exp, "model": m, "backend": {"name": "cuda"},
-                           "train": {"batch_size": B, "seq_len": T, "precision": precision,
-                                     "steps": warmup + 2 * steps, "warmup_steps": 0}})
+    cfg = bench_config(exp, precision, B, warmup + 2 * steps)
+    m, T = cfg.model, cfg.model.context
     be = get_backend("cuda", attention=attention, cublaslt=cublaslt)
     free0, total = cp.cuda.runtime.memGetInfo()
     eng = Engine(cfg, backend=be)
     rng = np.random.default_rng(0)
     batches = []
     for _ in range(4):  # rotate a few batches: the same tokens every step would flatter the caches
-        xy = rng.integers(0, m["vocab_size"], (B, T + 1)).astype(np.int32)
+        xy = rng.integers(0, m.vocab_size, (B, T + 1)).astype(np.int32)
         batches.append((xy[:, :-1], xy[:, 1:]))
     step = 0
     for _ in range(warmup):
@@ -151,14 +157,14 @@ def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=Tru
     free1, _ = cp.cuda.runtime.memGetInfo()
     planned = eng.plan.total()
     extra = sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in
-                be.workspace_rows(B, T, m["d_model"], m["n_head"], eng.params_c.dtype, precision == "fp8"))
+                be.workspace_rows(B, T, m.d_model, m.n_head, eng.params_c.dtype, precision == "fp8"))
     graph_ms = graph_step_ms(eng, *batches[0])
     per_kernel = profile_step(eng, *batches[1])
     n = eng.layout.n_params
     tok_s = B * T / (ms / 1e3)
-    flops_tok = 6 * n + 6 * m["n_layer"] * T * m["d_model"]
+    flops_tok = 6 * n + 6 * m.n_layer * T * m.d_model
     return {"system": "andrea", "exp": exp, "precision": precision, "batch": B, "context": T,
-            "attention": be.attention_variant(eng.params_c.dtype, m["d_model"] // m["n_head"]),
+            "attention": be.attention_variant(eng.params_c.dtype, m.d_model // m.n_head),
             "cublaslt": be.used_cublaslt(), "params": n, "ms_step": round(ms, 2), "tok_s": round(tok_s),
             "tflops": round(flops_tok * tok_s / 1e12, 1), "host_ms_step": round(wall / steps * 1e3, 2),
             "loss": rec["loss"], "skipped": eng.skipped,

@@ -75,19 +75,15 @@ def profile_andrea(exp, precision, B, steps):
     from torch.profiler import ProfilerActivity, profile
 
     from andrea.backends import get_backend
-    from andrea.bench import model_dict
-    from andrea.config import load_run_config
+    from andrea.bench import bench_config
     from andrea.engine import Engine
 
-    m = model_dict(exp)
-    T = m["context"]
-    cfg = load_run_config({"exp": exp, "model": m, "backend": {"name": "cuda"},
-                           "train": {"batch_size": B, "seq_len": T, "precision": precision,
-                                     "steps": 2 + steps, "warmup_steps": 0}})
+    cfg = bench_config(exp, precision, B, 2 + steps)
+    m, T = cfg.model, cfg.model.context
     eng = Engine(cfg, backend=get_backend("cuda"))
     eng._run = lambda key, fn: fn()  # eager: the kernels are those the graphs hold
     rng = np.random.default_rng(0)
-    xy = rng.integers(0, m["vocab_size"], (B, T + 1)).astype(np.int32)
+    xy = rng.integers(0, m.vocab_size, (B, T + 1)).astype(np.int32)
     batch = [(xy[:, :-1], xy[:, 1:])]
     for s in (1, 2):
         eng.train_step(s, batch)
