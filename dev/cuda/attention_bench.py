@@ -47,9 +47,9 @@ class Variant:
         import cupy as cp
         key = (ct, hs)
         if key not in self._mods:
-            kd = kernel_dir()
+            from andrea.backends.cuda.runtime import kernel_source
             path = self.path() if callable(self.path) else self.path
-            src = path.read_text().replace('#include "common.cuh"', (kd / "common.cuh").read_text())
+            src = kernel_source(path, (kernel_dir(),))  # includes pasted, as the Runtime does
             self._mods[key] = cp.RawModule(code=src, options=("-std=c++17", f"-DCT={ct}", f"-DHS={hs}"))
         return self._mods[key]
 

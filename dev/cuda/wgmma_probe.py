@@ -89,8 +89,8 @@ def run_probes(v6, name: str, hs: int, rng) -> list:
     mod.launch("probe_layout", (1,), (128,), (dump, src_d, i32(r0), i32(T), i32(ld)), shared_mem=64 * hs * 2)
     want = np.zeros(64 * hs, dtype=np.uint16)
     bits = src_d.get()
-    rows = np.arange(64)[:, None] + r0
-    vals = np.where(rows < T, bits[np.minimum(rows, T - 1), :hs], 0).astype(np.uint16)
+    rows = np.arange(64) + r0  # (64,): indexing with it gives (64, hs), not (64, 1, hs)
+    vals = np.where((rows < T)[:, None], bits[np.minimum(rows, T - 1), :hs], 0).astype(np.uint16)
     want[core_offsets(64, hs).ravel()] = vals.ravel()
     got = dump.get()
     bad = int((got != want).sum())
