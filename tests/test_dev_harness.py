@@ -63,3 +63,19 @@ def test_unknown_variant_is_named(harness):
         harness.variants("layernorm", ["v99"])
     with pytest.raises(SystemExit, match="op 'softmax': expected one of"):
         harness.run("softmax", [], ["fp32"], 1, False)
+
+
+def test_exp_size_is_the_experiments_step(harness):
+    from andrea.compose import compose_config
+    size = harness.exp_size("ANDREA-12M")
+    assert size["B"] * size["T"] == 8192 and size["C"] == 384  # the 12M step: 32 sequences of 256 tokens
+    cfg = compose_config("ANDREA-120M")
+    assert harness.exp_size("ANDREA-120M", batch=8) == {"B": 8, "T": 1024, "C": 768, "NH": 12, "V": 50304}
+    assert harness.exp_size("ANDREA-120M")["B"] == cfg.train.batch_size != 8
+
+
+def test_bad_exp_or_batch_is_named(harness):
+    with pytest.raises(SystemExit, match="--exp ANDREA-7B: no such experiment"):
+        harness.main(["layernorm", "--exp", "ANDREA-7B"])
+    with pytest.raises(SystemExit, match="--batch 4: expected a positive B together with --exp"):
+        harness.main(["layernorm", "--batch", "4"])

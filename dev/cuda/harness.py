@@ -3,6 +3,7 @@
     python dev/cuda/harness.py layernorm                # andrea/kernels/layernorm.cu and every layernorm_v*.cu here
     python dev/cuda/harness.py attention v4 --dtype fp16,bf16 --reps 50
     python dev/cuda/harness.py mlp main v1 --no-time    # "main" is the file in andrea/kernels/ today
+    python dev/cuda/harness.py layernorm main v2 --exp ANDREA-12M   # timed at ANDREA-12M's step shapes
 
 OP is a kernel file of andrea/kernels/ (embed, layernorm, linear, attention, mlp, residual, loss, optim).
 A variant <op>_vN.cu is a drop-in replacement of andrea/kernels/<op>.cu: the CUDA backend's launchers
@@ -11,7 +12,8 @@ launch, <op>_vN.py next to it defines functions k_*(be, *args) that replace thos
 that variant. For every variant, compute dtype and kernel of the op, the harness runs the kernel
 on random odd-sized inputs against numpy_ref in float64 (the error is norm(got - ref) / norm(ref)
 of every output it writes or adds to, the largest one shown), then times it at ANDREA-120M's
-step shapes (the call captured as a CUDA graph, replayed --reps times between CUDA events).
+step shapes, or another experiment's with --exp (the call captured as a CUDA graph, replayed
+--reps times between CUDA events).
 Exit status 1 if any check fails. README.md here has the conventions.
 """
 from __future__ import annotations
@@ -148,6 +150,19 @@ def time_case(be, case, precision: str, reps: int, rng, size=None) -> float:
     return replay_ms(graph, cp.cuda.Stream(non_blocking=True), reps)
 
 
+def exp_size(exp: str, batch=None) -> dict:
+    """The timing size of an experiment's training step: B = its train.batch_size (or batch),
+    T = its train.seq_len, C, NH and V from its model."""
+    from andrea.compose import compose_config
+    from andrea.paths import experiments
+    if exp not in experiments():
+        raise SystemExit(f"--exp {exp}: no such experiment (andrea/conf/experiment/ has {', '.join(experiments())})")
+    cfg = compose_config(exp)
+    m = cfg.model
+    return {"B": batch or cfg.train.batch_size, "T": cfg.train.seq_len, "C": m.d_model, "NH": m.n_head,
+            "V": m.vocab_size}
+
+
 def variants(op: str, names):
     """[(label, path or None for andrea/kernels/<op>.cu, sidecar path or None)]."""
     found = sorted(HERE.glob(f"{op}_v*.cu"), key=lambda p: int(p.stem.rsplit("_v", 1)[1]))
@@ -216,7 +231,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="graph replays per timing")
     ap.add_argument("--no-time", action="store_true", help="check only")
     ap.add_argument("--attention", choices=["fused", "materialised"], default="fused")
-    ap.add_argument("--time-size", default="8,1024,768,12,50304", help="B,T,C,NH,V of the timing")
+    ap.add_argument("--time-size", default="8,1024,768,12,50304", help="B,T,C,NH,V of the timing "
+                                                                     "(default: ANDREA-120M's benchmark step, B=8)")
+    ap.add_argument("--exp", help="time at this experiment's step shapes instead (its batch_size, seq_len "
+                                  "and model), e.g. ANDREA-12M")
+    ap.add_argument("--batch", type=int, help="with --exp: B instead of the experiment's batch_size")
     ap.add_argument("--set", action="append", default=[], metavar="ATTR=INT",
                     help="set an attribute of every backend first, e.g. --set dgelu_epilogue=1 (repeatable)")
     a = ap.parse_args(argv)
@@ -225,10 +244,16 @@ def main(argv=None) -> int:
         if p not in TOL:
             raise SystemExit(f"--dtype {p}: expected fp32, fp16 or bf16")
     import pandas as pd
-    try:
-        B, T, C, NH, V = (int(x) for x in a.time_size.split(","))
-    except ValueError:
-        raise SystemExit(f"--time-size {a.time_size}: expected five integers B,T,C,NH,V")
+    if a.batch is not None and (a.exp is None or a.batch < 1):
+        raise SystemExit(f"--batch {a.batch}: expected a positive B together with --exp")
+    if a.exp:
+        time_size = exp_size(a.exp, a.batch)
+    else:
+        try:
+            B, T, C, NH, V = (int(x) for x in a.time_size.split(","))
+        except ValueError:
+            raise SystemExit(f"--time-size {a.time_size}: expected five integers B,T,C,NH,V")
+        time_size = {"B": B, "T": T, "C": C, "NH": NH, "V": V}
     settings = {}
     for item in a.set:
         name, _, value = item.partition("=")
@@ -244,7 +269,9 @@ def main(argv=None) -> int:
             setattr(be, name, type(getattr(be, name))(value))
         return be
     df = run(a.op, a.variants, precisions, a.reps, not a.no_time, a.attention,
-             backend=backend, time_size={"B": B, "T": T, "C": C, "NH": NH, "V": V})
+             backend=backend, time_size=time_size)
+    if not a.no_time:
+        print("timed at " + " ".join(f"{k}={v}" for k, v in time_size.items()) + (f" ({a.exp})" if a.exp else ""))
     with pd.option_context("display.width", 200, "display.max_rows", 500, "display.float_format", "{:.4g}".format):
         print(df.to_string(index=False))
     bad = df[~df.ok]
