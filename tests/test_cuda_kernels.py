@@ -324,6 +324,26 @@ def test_mlp(be, prec, rng, lt, shape, dgelu_epilogue, monkeypatch):
     assert lt_used(be, "dgelu") or not (lt and dgelu_epilogue)
 
 
+def test_mlp_bwd_gelu_colsum_bits(be, prec, rng, monkeypatch):
+    """k_mlp_bwd_gelu_colsum (the GELU pass that also writes db1's column partials) gives the bits of
+    k_mlp_bwd_gelu followed by k_colsum_partial, in every output of k_mlp_bwd."""
+    dt, _ = prec
+    b, t, c = 3, 77, 200  # N = 231 rows: chunks of 4 rows, the last one short
+    H = 4 * c
+    inp, dout, pre = rnd(rng, (b, t, c), dt), rnd(rng, (b, t, c), dt), rnd(rng, (b, t, H), dt)
+    w1, w2 = rnd(rng, (H, c), dt, 0.07), rnd(rng, (c, H), dt, 0.035)
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(be, "gelu_colsum", fused)
+        gs = [dev(np.full((b, t, c), 0.5), dt)] + [dev(np.full(s, 0.25), np.float32)
+                                                  for s in ((H, c), (H,), (c, H), (c,))]
+        act, dact = nan_buf((b, t, H), dt), nan_buf((b, t, H), dt)
+        be.k_mlp_bwd(*gs, dev(dout, dt), dev(inp, dt), dev(pre, dt), dev(w1, dt), dev(w2, dt), act, dact)
+        outs[fused] = [host(x) for x in gs + [act, dact]]
+    for n, x, y in zip(("dinp", "dw1", "db1", "dw2", "db2", "act", "dact"), outs[True], outs[False]):
+        assert np.array_equal(x, y, equal_nan=True), f"k_mlp_bwd {n}: the fused GELU pass changed the bits"
+
+
 # ---------------------------------------------------------------- residual
 def test_residual(be, prec, rng):
     dt, tol = prec

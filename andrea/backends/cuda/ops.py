@@ -84,6 +84,9 @@ class CudaOps:
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # after a plain product (False); docs/BENCHMARKS.md has the timings behind the default
     dgelu_epilogue = False
+    # the GELU pass of the MLP backward also writes the first bias's column partials
+    # (k_mlp_bwd_gelu_colsum; False: k_mlp_bwd_gelu, then k_colsum_partial reads dact again)
+    gelu_colsum = True
     ln_blocks = LN_BLOCKS  # blocks of the one-pass layer-norm backward (dev/cuda/harness.py --set ln_blocks=N)
 
     def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False):
@@ -279,8 +282,10 @@ class CudaOps:
         if bias:
             self.rt.launch("linear.cu", "k_bias_add", ct, min(N, MAX_BLOCKS), THREADS, (out, b, i64(N), i32(OC)))
 
-    def _linear_bwd(self, kernel, dinp, dw, db, dout, inp, w):
-        """dinp (N, IC) += dout @ w; dw (OC, IC) += dout.T @ inp; db (OC,) += column sums of dout."""
+    def _linear_bwd(self, kernel, dinp, dw, db, dout, inp, w, db_partials=None):
+        """dinp (N, IC) += dout @ w; dw (OC, IC) += dout.T @ inp; db (OC,) += column sums of dout,
+        or, with db_partials = (partials, chunks), of those column partials (k_colsum_partial's form)
+        that the kernel which wrote dout also wrote."""
         if self.fp8 is not None:
             return self.fp8.k_fp8_linear_bwd(dinp, dw, db, dout, inp, w)
         OC, IC = w.shape
@@ -294,7 +299,11 @@ class CudaOps:
         blas = self.blas
         blas.gemm(dinp, dout, w, False, False, N, IC, OC, OC, IC, IC, beta=1.0)
         blas.gemm(dw, dout, inp, True, False, OC, IC, N, OC, IC, IC, beta=1.0)
-        self._colsum_add(db, dout, N, OC)
+        if db_partials is None:
+            self._colsum_add(db, dout, N, OC)
+        else:
+            part, chunks = db_partials
+            self.rt.launch("linear.cu", "k_colsum_final", ct, -(-OC // 8), THREADS, (db, part, i32(chunks), i32(OC)))
 
     def k_attn_qkv_fwd(self, qkv, inp, w, b):
         """qkv (B,T,3C) = inp (B,T,C) @ w (3C,C).T + b (3C,)."""
@@ -454,6 +463,7 @@ class CudaOps:
         check("k_mlp_bwd", "db2", db2, (C,), np.float32)
         N = inp.size // C
         blas, gelu_grid = self.blas, blocks(-(-N * H // 8))  # 16-byte vectors of 8 halves
+        db1_done = None  # (partials, chunks) when the GELU pass wrote db1's column partials
         # dact = (dout @ w2) * gelu'(pre) (overwrites) and act = gelu(pre) for dw2: the product, then
         # one pass over pre for both (or cuBLASLt's dGELU epilogue where dgelu_epilogue is set)
         if self.dgelu_epilogue and self._lt_matmul(dact, dout, w2, False, False, N, H, C, C, H, H, "dgelu",
@@ -461,10 +471,20 @@ class CudaOps:
             self.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, gelu_grid, THREADS, (act, np.uint64(0), pre, i64(N * H)))
         else:
             blas.gemm(dact, dout, w2, False, False, N, H, C, C, H, H)
-            self.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, gelu_grid, THREADS, (act, dact, pre, i64(N * H)))
+            vec = 16 // np.dtype(ct).itemsize
+            if self.gelu_colsum and H % vec == 0 and all(a.data.ptr % 16 == 0 for a in (act, dact, pre)):
+                # the pass also writes db1's column partials, so the sums do not read dact again
+                rpc = -(-N // COLSUM_CHUNKS)
+                chunks = -(-N // rpc)
+                part = self.workspace.get("colsum_b", chunks * H, np.float32)  # colsum_a: db2's below
+                self.rt.launch("mlp.cu", "k_mlp_bwd_gelu_colsum", ct, (-(-H // (32 * vec)), chunks), (32, 8),
+                               (part, act, dact, pre, i64(N), i32(H), i32(rpc)))
+                db1_done = (part, chunks)
+            else:
+                self.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, gelu_grid, THREADS, (act, dact, pre, i64(N * H)))
         blas.gemm(dw2, dout, act, True, False, C, H, N, C, H, H, beta=1.0)
         self._colsum_add(db2, dout, N, C)
-        self._linear_bwd("k_mlp_bwd", dinp, dw1, db1, dact, inp, w1)
+        self._linear_bwd("k_mlp_bwd", dinp, dw1, db1, dact, inp, w1, db_partials=db1_done)
 
     # ------------------------------------------------------------ residual
     def k_residual_add(self, out, a, b):
