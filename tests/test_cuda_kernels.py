@@ -506,3 +506,23 @@ def test_launcher_rejects_bad_arguments(be):
         be.k_residual_add(x, x, x.astype(cp.float16))
     with pytest.raises(ValueError, match="C-contiguous"):
         be.k_residual_add(x, x, cp.zeros((2, 8, 3), cp.float32).transpose(0, 2, 1))
+
+
+# ---------------------------------------------------------------- architecture-specific builds
+def test_runtime_arch_sm90a(tmp_path):
+    """Runtime.function(..., arch="sm_90a") builds through NVRTC for the architecture-specific target
+    (what wgmma needs) and launches like any other kernel; the plain build of the same file does not
+    see the sm_90a feature macro."""
+    import cupy as cp
+    from andrea.backends.cuda.runtime import Runtime
+    if int(cp.cuda.Device().compute_capability) != 90:
+        pytest.skip("sm_90a needs compute capability 9.0")
+    src = tmp_path / "arch.cu"
+    src.write_text('extern "C" __global__ void k_arch(int* out, int v) {\n'
+                   "#if defined(__CUDA_ARCH_FEAT_SM90_ALL)\n  out[0] = v;\n#else\n  out[0] = -v;\n#endif\n}\n")
+    rt = Runtime(sources={"arch.cu": src})
+    out = cp.zeros((1,), dtype=cp.int32)
+    rt.launch("arch.cu", "k_arch", np.float32, 1, 1, (out, np.int32(7)), arch="sm_90a")
+    assert int(out.get()[0]) == 7
+    rt.launch("arch.cu", "k_arch", np.float32, 1, 1, (out, np.int32(7)))
+    assert int(out.get()[0]) == -7

@@ -53,6 +53,29 @@ def kernel_source(path: Path, dirs=(KERNEL_DIR,)) -> str:
     return expand(Path(path))
 
 
+def arch_module(text: str, name: str, options, arch: str):
+    """text compiled by NVRTC for arch (e.g. "sm_90a") and loaded as a cubin. CuPy's RawModule
+    appends its own -arch, built from the device's compute capability as an integer, so it cannot
+    ask for an architecture-specific target: Hopper's wgmma.mma_async exists only for sm_90a.
+    -ftz=true as RawModule compiles every other kernel. Not cached on disk (compiled once per
+    process and module)."""
+    from cupy.cuda import function
+    from cupy_backends.cuda.libs import nvrtc
+    opts = tuple(options) + (f"-arch={arch}", "-ftz=true")
+    prog = nvrtc.createProgram(text, name, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"{name}: NVRTC {' '.join(opts)} failed:\n{nvrtc.getProgramLog(prog)}") from e
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    mod = function.Module()
+    mod.load(cubin)
+    return mod
+
+
 THREADS = 256
 MAX_BLOCKS = 8192  # grid-stride kernels: enough blocks to fill 132 SMs, few enough to stay cheap
 
@@ -92,23 +115,27 @@ class Runtime:
                                     "kernels/; reinstall the package)")
         return kernel_source(path, (self.dir,))
 
-    def function(self, fname: str, kernel: str, dtype, defs=()):
-        """The compiled kernel; defs are extra -D options (compile-time sizes, e.g. attention's HS)."""
-        key = (fname, kernel, ct_name(dtype), defs)
+    def function(self, fname: str, kernel: str, dtype, defs=(), arch=None):
+        """The compiled kernel; defs are extra -D options (compile-time sizes, e.g. attention's HS).
+        arch: None builds for the device's own architecture (CuPy's RawModule, cached on disk);
+        an architecture-specific target such as "sm_90a" (wgmma) goes through arch_module."""
+        key = (fname, kernel, ct_name(dtype), defs, arch)
         f = self.funcs.get(key)
         if f is None:
-            mkey = (fname, key[2], defs)
+            mkey = (fname, key[2], defs, arch)
             mod = self.modules.get(mkey)
             if mod is None:
                 opts = ("-std=c++17", f"-DCT={key[2]}") + tuple(defs)
-                mod = self.modules[mkey] = cp.RawModule(code=self.source(fname), options=opts)
+                mod = self.modules[mkey] = (cp.RawModule(code=self.source(fname), options=opts) if arch is None
+                                            else arch_module(self.source(fname), fname, opts, arch))
             f = self.funcs[key] = mod.get_function(kernel)
         return f
 
-    def launch(self, fname, kernel, dtype, grid, block, args, shared_mem=0, hs=None, defs=()):
-        """Launch kernel of kernels/<fname> compiled for dtype, on the current stream."""
+    def launch(self, fname, kernel, dtype, grid, block, args, shared_mem=0, hs=None, defs=(), arch=None):
+        """Launch kernel of kernels/<fname> compiled for dtype (and arch, see function), on the
+        current stream."""
         defs = tuple(defs) + ((f"-DHS={hs}",) if hs else ())
-        f = self.function(fname, kernel, dtype, defs)
+        f = self.function(fname, kernel, dtype, defs, arch)
         if shared_mem > 48 * 1024 and f.max_dynamic_shared_size_bytes < shared_mem:
             f.max_dynamic_shared_size_bytes = shared_mem  # the opt-in above the default 48 KB, once per kernel
         f(grid if isinstance(grid, tuple) else (grid,), block if isinstance(block, tuple) else (block,), args,
