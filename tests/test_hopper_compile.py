@@ -1,13 +1,14 @@
-"""dev/cuda's Hopper forward (attention_v6.cu) and its probes (wgmma_probe.cu) compile to sm_90a
-machine code, with the wgmma path in, and build without it for plain sm_90 (CPU only).
+"""dev/cuda's Hopper forward (attention_v6.cu), backward (attention_v7.cu) and probes (wgmma_probe.cu)
+compile to sm_90a machine code, with the wgmma path in, and build without it for plain sm_90 (CPU only).
 
     python -m pytest tests/test_hopper_compile.py -q
 
 tests/test_kernels_compile.py compiles every dev/cuda file to PTX for sm_80 and sm_90, where the
 wgmma code is compiled out; here ptxas assembles the sm_90a build (cubin), so an invalid wgmma,
 descriptor or fence operand fails on a machine without a GPU, and k_attn_flash_fwd must not spill
-at the two tile shapes (128 keys a tile up to head size 64, 64 keys above); the launch geometry of
-attention_v6.py is checked against the kernel's macros at compile time. -DV6_SM90A is what
+at the two tile shapes (128 keys a tile up to head size 64, 64 keys above), nor may version 7's
+k_attn_flash_bwd_dq and k_attn_flash_bwd_dkv at any head size; the launch geometry of
+attention_v6.py and attention_v7.py is checked against the kernels' macros at compile time. -DV6_SM90A is what
 dev/cuda/attention_v6.py passes to NVRTC with -arch=sm_90a. Skipped where nvcc is absent.
 """
 import re
@@ -75,3 +76,58 @@ def test_sidecar_geometry_is_the_kernels(hs, tmp_path):
                    f'static_assert(V6_THREADS == {geo["threads"]}, "threads");\n'
                    f'static_assert(V6_SMEM == {geo["smem"]}, "smem");\n')
     nvcc(src, "sm_90a", "f16", hs, tmp_path / "geometry.ptx", "--ptx", "-DV6_SM90A")
+
+
+def load_dev(name):
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location(f"dev_cuda_{name}", DEV / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def ptxas_figures(log, entry):
+    """(registers, spill store bytes, spill load bytes) ptxas reported for entry."""
+    m = re.search(rf"Compiling entry function '{entry}'.*?(\d+) bytes spill stores, (\d+) bytes spill loads"
+                  rf".*?Used (\d+) registers", log, re.S)
+    assert m, f"no ptxas figures for {entry}:\n{log}"
+    return int(m.group(3)), int(m.group(1)), int(m.group(2))
+
+
+@pytest.mark.parametrize("hs", [32, 64, 80, 128])
+@pytest.mark.parametrize("ct", ["f16", "bf16"])
+def test_v7_backward_assembles_for_sm90a_without_spills(ct, hs, tmp_path):
+    log = nvcc(DEV / "attention_v7.cu", "sm_90a", ct, hs, tmp_path / "v7.cubin", "--cubin", "-Xptxas", "-v",
+               "-DV6_SM90A")
+    for entry in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv", "k_attn_flash_fwd"):
+        regs, st, ld = ptxas_figures(log, entry)
+        assert (st, ld) == (0, 0), f"{entry} spills (CT={ct}, HS={hs}): {st} bytes stored, {ld} loaded"
+        assert regs <= 255
+
+
+@pytest.mark.parametrize("arch, wgmma", [("sm_90a", True), ("sm_90", False)])
+def test_v7_backward_has_wgmma_only_for_sm90a(arch, wgmma, tmp_path):
+    # sm_90a: versions 6 and 7 take the names; sm_90 (the backend's own build) keeps version 4's kernels
+    nvcc(DEV / "attention_v7.cu", arch, "f16", 64, tmp_path / "v7.ptx", "--ptx")
+    ptx = (tmp_path / "v7.ptx").read_text()
+    for entry in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv", "k_attn_flash_fwd"):
+        body = ptx[ptx.index(f".entry {entry}("):]  # not the _v4 names, version 4 renamed
+        body = body[:body.index("\n}\n")]
+        assert ("wgmma.mma_async" in body) == wgmma, entry
+        assert ("mma.sync" in body) != wgmma, entry
+    assert ("k_attn_flash_bwd_dkv_v4" in ptx) == wgmma
+
+
+@pytest.mark.parametrize("hs", [16, 64, 80, 128])
+def test_v7_sidecar_geometry_is_the_kernels(hs, tmp_path):
+    geo = load_dev("attention_v7").geometry(hs)
+    src = tmp_path / "geometry7.cu"
+    src.write_text(f'#include "{DEV / "attention_v7.cu"}"\n'
+                   f'static_assert(V7_THREADS == {geo["threads"]}, "threads");\n'
+                   f'static_assert(V7_BK == {geo["keys"]}, "keys");\n'
+                   f'static_assert(V7_QM == {geo["rows"]}, "rows");\n'
+                   f'static_assert(V7_DKV_SMEM == {geo["dkv_smem"]}, "dkv smem");\n'
+                   f'static_assert(V7_DQ_SMEM == {geo["dq_smem"]}, "dq smem");\n')
+    nvcc(src, "sm_90a", "f16", hs, tmp_path / "geometry7.ptx", "--ptx", "-DV6_SM90A")

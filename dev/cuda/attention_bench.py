@@ -4,15 +4,17 @@
 
 Each variant is a kernel source compiled by NVRTC (CuPy RawModule) per compute dtype and head
 size: v3 is dev/cuda/attention_v3.cu (the fused path before version 4), v4 is the promoted
-andrea/kernels/attention.cu, v5 and v6 are candidates (v6: the wgmma forward of
-dev/cuda/attention_v6.cu on compute capability 9.0, built for sm_90a by attention_v6.py); a later
+andrea/kernels/attention.cu, v5, v6 and v7 are candidates (v6: the wgmma forward of
+dev/cuda/attention_v6.cu on compute capability 9.0, built for sm_90a by attention_v6.py; v7: that
+forward and the wgmma backward of attention_v7.cu, built and launched by attention_v7.py); a later
 candidate dev/cuda/attention_vN.cu is added to VARIANTS below.
 Check (before any timing): every variant against the float64 NumPy reference
 (andrea.backends.numpy_ref k_attn_fwd / k_attn_bwd) at T = 77 and 1000, head sizes 32/64/80/128
 where the variant supports them, fp16 and bf16; outputs poisoned with NaN before the launch;
 gradients added into a random pre-filled buffer; two reruns compared bit for bit. A variant that
 fails a check is not timed. Time: forward (k_attn_flash_fwd) and backward (k_attn_flash_D +
-dq + dkv) per call between CUDA events, times the model's layers, at the ANDREA-12M and -120M
+dq + dkv, and each of the three alone: D_ms, dq_ms, dkv_ms) per call between CUDA events, times
+the model's layers, at the ANDREA-12M and -120M
 attention shapes, next to torch SDPA (flash, cuDNN, efficient) timed the same way in the same
 process. Prints one table (pandas) and writes it as CSV under --out.
 """
@@ -70,13 +72,22 @@ class Variant:
         f(self.grid("k_attn_flash_fwd", B * NH, T, hs), (128,),
           (out, lse, qkv, np.int32(B), np.int32(T), np.int32(NH), np.float32(1 / math.sqrt(hs))), shared_mem=smem)
 
-    def bwd(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):
+    def bwd_parts(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):
+        """{kernel: a function launching it} of the backward, in order (timed one by one too);
+        None where the backward is not these three kernels."""
         fD, _ = self.fn(ct, hs, "k_attn_flash_D")
-        fD((-(-(B * NH * T) // 8),), (256,), (D, dout, out, np.int32(B), np.int32(T), np.int32(NH)))
+        parts = {"k_attn_flash_D": lambda: fD((-(-(B * NH * T) // 8),), (256,),
+                                              (D, dout, out, np.int32(B), np.int32(T), np.int32(NH)))}
         for k in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
             f, smem = self.fn(ct, hs, k)
-            f(self.grid(k, B * NH, T, hs), (128,), (dqkv, qkv, dout, lse, D, np.int32(B), np.int32(T),
-                                                    np.int32(NH), np.float32(1 / math.sqrt(hs))), shared_mem=smem)
+            parts[k] = (lambda f=f, smem=smem, k=k: f(
+                self.grid(k, B * NH, T, hs), (128,), (dqkv, qkv, dout, lse, D, np.int32(B), np.int32(T),
+                                                      np.int32(NH), np.float32(1 / math.sqrt(hs))), shared_mem=smem))
+        return parts
+
+    def bwd(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):
+        for launch in self.bwd_parts(ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs).values():
+            launch()
 
 
 class FusedBackward(Variant):
@@ -86,6 +97,9 @@ class FusedBackward(Variant):
     def __init__(self, *args):
         super().__init__(*args)
         self._scratch = {}
+
+    def bwd_parts(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):
+        return None
 
     def bwd(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):
         if hs > 64:
@@ -115,15 +129,34 @@ class HopperForward(Variant):
         self._sm90a = {}
         self._sidecar = None
 
-    def fwd(self, ct, out, lse, qkv, B, T, NH, hs):
-        import importlib.util
+    def sidecar(self):
+        """The variant's launcher module, dev/cuda/attention_<name>.py."""
         if self._sidecar is None:
-            spec = importlib.util.spec_from_file_location("dev_cuda_attention_v6", DEV / "attention_v6.py")
-            self._sidecar = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(self._sidecar)
-        if not self._sidecar.is_hopper():
+            import importlib.util
+            name = f"dev_cuda_attention_{self.name}"
+            if name not in sys.modules:
+                spec = importlib.util.spec_from_file_location(name, DEV / f"attention_{self.name}.py")
+                mod = importlib.util.module_from_spec(spec)
+                sys.modules[name] = mod
+                spec.loader.exec_module(mod)
+            self._sidecar = sys.modules[name]
+        return self._sidecar
+
+    def fwd(self, ct, out, lse, qkv, B, T, NH, hs):
+        if not self.sidecar().is_hopper():
             return super().fwd(ct, out, lse, qkv, B, T, NH, hs)
-        self._sidecar.launch_fwd(self._sm90a, ct, out, lse, qkv, B, T, NH, hs)
+        self.sidecar().launch_fwd(self._sm90a, ct, out, lse, qkv, B, T, NH, hs)
+
+
+class HopperBackward(HopperForward):
+    """Version 7 candidate: version 6's forward and, on compute capability 9.0, the wgmma backward
+    of attention_v7.cu (dQ and dK/dV, 256 threads a block), launched as attention_v7.py launches
+    it; elsewhere version 4's kernels from the same file."""
+
+    def bwd_parts(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):
+        if not self.sidecar().is_hopper():
+            return super().bwd_parts(ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs)
+        return self.sidecar().launch_bwd_parts(self._sm90a, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs)
 
 
 def v5_smem(kernel, hs):
@@ -148,6 +181,8 @@ VARIANTS = {
                         v5_smem, True),
     "v6": HopperForward("v6", DEV / "attention_v6.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
                         v4_smem, True),
+    "v7": HopperBackward("v7", DEV / "attention_v7.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
+                         v4_smem, True),
 }
 DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
 
@@ -232,6 +267,7 @@ def cuda_ms(fn, reps):
 
 
 SHAPES = {"120M": (8, 12, 1024, 64, 12), "12M": (32, 6, 256, 64, 6)}
+PART_COLUMNS = {"k_attn_flash_D": "D_ms", "k_attn_flash_bwd_dq": "dq_ms", "k_attn_flash_bwd_dkv": "dkv_ms"}
 
 
 def time_ours(v: Variant, name, shape, reps):
@@ -248,7 +284,8 @@ def time_ours(v: Variant, name, shape, reps):
     D = cp.empty((B * NH * T,), dtype=cp.float32)
     f = cuda_ms(lambda: v.fwd(ct, out, lse, qkv, B, T, NH, hs), reps)
     b = cuda_ms(lambda: v.bwd(ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs), reps)
-    return f * L, b * L
+    parts = v.bwd_parts(ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs) or {}
+    return f * L, b * L, {PART_COLUMNS[k]: cuda_ms(fn, reps) * L for k, fn in parts.items()}
 
 
 def time_sdpa(shape, reps, name):
@@ -327,8 +364,8 @@ def main(argv=None):
         for shape_name, shape in SHAPES.items():
             for n in names:
                 if n in passed:
-                    f, b = time_ours(VARIANTS[n], dt, shape, a.reps)
-                    rows.append(dict(shape=shape_name, dtype=dt, kernel=f"andrea-{n}", fwd_ms=f, bwd_ms=b))
+                    f, b, parts = time_ours(VARIANTS[n], dt, shape, a.reps)
+                    rows.append(dict(shape=shape_name, dtype=dt, kernel=f"andrea-{n}", fwd_ms=f, bwd_ms=b, **parts))
             for label, (f, b) in time_sdpa(shape, a.reps, dt).items():
                 rows.append(dict(shape=shape_name, dtype=dt, kernel=label, fwd_ms=f, bwd_ms=b))
     times = pd.DataFrame(rows)
@@ -338,6 +375,8 @@ def main(argv=None):
     key = pd.MultiIndex.from_frame(times[["shape", "dtype"]])
     times["vs_cudnn"] = times["total_ms"].to_numpy() / cudnn.reindex(key).to_numpy()
     times["vs_flash"] = times["total_ms"].to_numpy() / flash.reindex(key).to_numpy()
+    cudnn_b = times[times["kernel"] == "sdpa-cudnn"].set_index(["shape", "dtype"])["bwd_ms"]
+    times["bwd_vs_cudnn"] = times["bwd_ms"].to_numpy() / cudnn_b.reindex(key).to_numpy()
     print(times.round(3).to_string(index=False))
     if a.out:
         times.to_csv(Path(a.out) / "times.csv", index=False)

@@ -1,0 +1,325 @@
+// attention_v7.cu: attention_v6.cu (version 6's wgmma forward over the package's attention.cu, both
+// included below) with a Hopper BACKWARD. On compute capability 9.0, k_attn_flash_bwd_dkv and
+// k_attn_flash_bwd_dq take every product through wgmma.mma_async (built for sm_90a by
+// attention_v7.py, the launch that goes with it); everywhere else, and for every other kernel
+// (k_attn_flash_D, version 1), this is version 6's and the package's code itself. Same arguments,
+// outputs and semantics as version 4's two backward kernels: dqkv (B,T,3C) += [dQ | dK | dV], P
+// recomputed from Q, K and the lse the forward saved, D from k_attn_flash_D, the softmax scale
+// applied to dQ and dK once at the end, no atomics.
+//
+// Status: compiled (nvcc 13.0, sm_90a, fp16 and bf16, no spills at any head size of
+// FLASH_HEAD_SIZES; figures for HS=64 below); not yet run on a GPU when this header was written:
+// the section "Measured" at the end of this comment says what the GPU said.
+//   ptxas (sm_90a, CT=f16, HS=64):  k_attn_flash_bwd_dkv 168 registers, k_attn_flash_bwd_dq 154
+//   registers, 0 bytes spilled; dynamic shared memory 66,560 and 65,536 bytes (V7_DKV_SMEM,
+//   V7_DQ_SMEM); one block of 256 threads per multiprocessor (registers).
+//
+// Design (every product is one of version 6's two forms, so wgmma_probe.py's ss and rs probes cover
+// the layouts used here: A and B K-major from shared memory; A from registers, B MN-major):
+//   k_attn_flash_bwd_dkv: one block per V7_BK = 128 keys of one head, two warpgroups of 64 keys.
+//   K and V stay in shared memory; query tiles of V7_BQ rows (64 up to head size 64, else 32) and
+//   their lse and D are streamed two deep with cp.async. Per warpgroup and query tile:
+//     S^T  (64 x BQ) = K Q^T            ss, A = K, B = Q      (HS/16 k-steps)
+//     dP^T (64 x BQ) = V dO^T           ss, A = V, B = dO     (same group as S^T: one wait)
+//     P^T = exp2(S^T * scale * log2e - lse * log2e), 0 where query < key or query >= T
+//     dS^T = P^T * (dP^T - D)           (the scale comes at the end, as version 4)
+//     dV (64 x HS) += P^T dO            rs, P^T from registers, dO MN-major (transpose flag)
+//     dK (64 x HS) += dS^T Q            rs, dS^T from registers, Q MN-major (same group as dV)
+//   A warpgroup skips a query tile entirely before its keys; only tiles that cross its diagonal or
+//   the end of the sequence are masked. The first keys see the most queries: they launch first.
+//   k_attn_flash_bwd_dq: one block per V7_QM = 128 query rows of one head, two warpgroups of 64
+//   rows. Q and dO stay in shared memory; key tiles of V7_BN = 64 (K and V) streamed two deep:
+//     S (64 x BN) = Q K^T, dP (64 x BN) = dO V^T   ss, one group
+//     dS = P * (dP - D)
+//     dQ (64 x HS) += dS K              rs, dS from registers, K MN-major
+//   The longest rows launch first.
+//   Accumulator fragments are mma.sync's C layout per warp (attention_v6.cu): dK, dV and dQ are
+//   added into dqkv by version 4's add_rows.
+// Deterministic: fixed order everywhere, each output element owned by one thread.
+//
+// Not done: TMA loads and mbarrier producer/consumer warp specialisation (a producer warpgroup with
+// setmaxnreg), keeping the next tile's products in flight while the exponentials of this one run
+// (both warpgroups wait on their own products; the other warpgroup's work is the only overlap),
+// swizzled layouts, one fused kernel for dQ and dK/dV (it needs atomics or an ordered reduction
+// for dQ), and the 12M-shape tuning (T = 256 gives only 2 key blocks a head).
+//
+// Build: attention_v7.py compiles this file with NVRTC, -arch=sm_90a -DV6_SM90A (the wgmma forward
+// and this backward); the backend's Runtime builds it for the device's own architecture (sm_90 on
+// an H200), where V7_WGMMA is 0 and version 4's backward kernels remain, as the harness's fallback.
+//   ptxas figures: nvcc -std=c++17 -arch=sm_90a --cubin -Xptxas -v -Iandrea/kernels -DCT=f16
+//      -DV6_SM90A -DHS=64 dev/cuda/attention_v7.cu -o /tmp/v7.cubin
+// How to run it (an H200; repository root, PYTHONPATH=.):
+//   python dev/cuda/wgmma_probe.py                             the building blocks (layouts, ss, rs)
+//   python dev/cuda/harness.py attention main v7 --dtype fp16,bf16
+//   python dev/cuda/attention_bench.py --variants v4,v6,v7 --out DIR
+//
+// Measured: (none yet)
+
+#ifndef HS
+#define HS 64
+#endif
+#if defined(__CUDA_ARCH__) && (defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(V6_SM90A)) && HS % 16 == 0 && HS <= 128
+#define V7_WGMMA 1
+#else
+#define V7_WGMMA 0
+#endif
+#define V7_WG 2                        // warpgroups per block (both kernels)
+#define V7_THREADS (128 * V7_WG)
+#define V7_BK (64 * V7_WG)             // keys per dK/dV block
+#define V7_BQ (HS <= 64 ? 64 : 32)     // queries per streamed tile in dK/dV
+#define V7_QM (64 * V7_WG)             // query rows per dQ block
+#define V7_BN 64                       // keys per streamed tile in dQ
+// Dynamic shared memory (attention_v7.py asks the same): K, V, then Q and dO two deep, lse and D two deep
+#define V7_DKV_SMEM (2 * V7_BK * HS * 2 + 4 * V7_BQ * HS * 2 + 4 * V7_BQ * 4)
+// Q and dO, then K and V two deep
+#define V7_DQ_SMEM (2 * V7_QM * HS * 2 + 4 * V7_BN * HS * 2)
+
+// Where the wgmma backward is compiled in, version 4's kernels are renamed out of the way.
+#if V7_WGMMA
+#define k_attn_flash_bwd_dq k_attn_flash_bwd_dq_v4
+#define k_attn_flash_bwd_dkv k_attn_flash_bwd_dkv_v4
+#endif
+#include "attention_v6.cu"
+#if V7_WGMMA
+#undef k_attn_flash_bwd_dq
+#undef k_attn_flash_bwd_dkv
+#endif
+
+#if V7_WGMMA
+// ---------------------------------------------------------------- version 7 products (sm_90a)
+// acc (64 x N, fp32, accumulator layout) = A B^T over HS: da describes this warpgroup's 64 rows of
+// A, db the N rows of B, both K-major tiles of load_tile6. Issues only: the caller fences, commits
+// and waits (several products in one group).
+template <int N>
+__device__ __forceinline__ void ss7_issue(float* acc, u64 da, u64 db) {
+#pragma unroll
+  for (int kk = 0; kk < HS / 16; ++kk)  // 256 bytes (two core matrices along HS) a step
+    Wg<N, is_bf16<HT>::v, 0>::ss(acc, da + (u64)(kk * 16), db + (u64)(kk * 16), kk);
+}
+
+// acc (64 x HS) += A B: A (64 x NK) as NK/16 register fragments (frags7), db an NK x HS tile of
+// load_tile6 read MN-major (its K dimension, NK, along the rows), as version 6's P V. Issues only.
+template <int NK>
+__device__ __forceinline__ void rs7_issue(float* acc, const unsigned (*a)[4], u64 db) {
+#pragma unroll
+  for (int kc = 0; kc < NK / 16; ++kc)  // two row groups (16 rows) a step
+    Wg<HS, is_bf16<HT>::v, 1>::rs(acc, a[kc], db + (u64)(kc * 2 * CM_ROW_BYTES / 16), 1);
+}
+
+// A fragments (16-bit, rounded here) of a 64 x N accumulator: k16 block kc is entries 8kc..8kc+7.
+template <int N>
+__device__ __forceinline__ void frags7(unsigned (*f)[4], const float* s) {
+#pragma unroll
+  for (int kc = 0; kc < N / 16; ++kc) {
+    f[kc][0] = pack2(s[8 * kc + 0], s[8 * kc + 1]);
+    f[kc][1] = pack2(s[8 * kc + 2], s[8 * kc + 3]);
+    f[kc][2] = pack2(s[8 * kc + 4], s[8 * kc + 5]);
+    f[kc][3] = pack2(s[8 * kc + 6], s[8 * kc + 7]);
+  }
+}
+
+// Two score-shaped products in one group: s = A1 B1^T, t = A2 B2^T (64 x N each); returns when done.
+template <int N>
+__device__ __forceinline__ void two_scores(float* s, float* t, u64 a1, u64 b1, u64 a2, u64 b2) {
+  fence_regs<N / 2>(s);
+  fence_regs<N / 2>(t);
+  wgmma_fence();
+  ss7_issue<N>(s, a1, b1);
+  ss7_issue<N>(t, a2, b2);
+  wgmma_commit();
+  wgmma_wait_all();
+  fence_regs<N / 2>(s);
+  fence_regs<N / 2>(t);
+}
+
+// ---------------------------------------------------------------- dK, dV
+// One query tile of one warpgroup: its 64 keys (this thread: keys key0 + g and key0 + g + 8, key0
+// the warp's first) against queries [q0, q0 + V7_BQ). dk, dv: 64 x HS accumulators.
+template <bool MASK>
+__device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dval, const u16* Q, const u16* dO,
+                                          const float* L, const float* Dt, int key0, int q0, int T, float sl2) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float s[V7_BQ / 2], dp[V7_BQ / 2];
+  two_scores<V7_BQ>(s, dp, dkey, desc_kmajor(Q), dval, desc_kmajor(dO));
+#pragma unroll
+  for (int j = 0; j < V7_BQ / 8; ++j) {
+    float l2[2], d[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      l2[c] = L[8 * j + 2 * t4 + c] * LOG2E;
+      d[c] = Dt[8 * j + 2 * t4 + c];
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float p = fast_exp2(fmaf(s[4 * j + e], sl2, -l2[e & 1]));
+      if (MASK) {
+        int q = q0 + 8 * j + 2 * t4 + (e & 1);
+        if (q < key0 + g + 8 * (e >> 1) || q >= T) p = 0.f;
+      }
+      s[4 * j + e] = p;
+      dp[4 * j + e] = p * (dp[4 * j + e] - d[e & 1]);
+    }
+  }
+  unsigned pf[V7_BQ / 16][4], sf[V7_BQ / 16][4];
+  frags7<V7_BQ>(pf, s);
+  frags7<V7_BQ>(sf, dp);
+  fence_regs<HS / 2>(dv);
+  fence_regs<HS / 2>(dk);
+  wgmma_fence();
+  rs7_issue<V7_BQ>(dv, pf, desc_mnmajor(dO));
+  rs7_issue<V7_BQ>(dk, sf, desc_mnmajor(Q));
+  wgmma_commit();
+  wgmma_wait_all();
+  fence_regs<HS / 2>(dv);
+  fence_regs<HS / 2>(dk);
+}
+
+// dK and dV parts of dqkv += ...: version 7, grid (B*NH, ceil(T/V7_BK)), block V7_THREADS,
+// V7_DKV_SMEM bytes of dynamic shared memory (traps on anything else).
+extern "C" __global__ void __launch_bounds__(V7_THREADS) k_attn_flash_bwd_dkv(HT* dqkv, const HT* qkv, const HT* dout,
+                                                                             const float* lse, const float* Dv,
+                                                                             int B, int T, int NH, float scale) {
+  extern __shared__ __align__(16) u16 smem[];
+  require_smem(V7_DKV_SMEM);
+  if (blockDim.x != V7_THREADS) __trap();
+  u16* k_tile = smem;                           // [V7_BK x HS]
+  u16* v_tile = k_tile + V7_BK * HS;            // [V7_BK x HS]
+  u16* q_tiles = v_tile + V7_BK * HS;           // [2][V7_BQ x HS]
+  u16* do_tiles = q_tiles + 2 * V7_BQ * HS;     // [2][V7_BQ x HS]
+  float* lse_tiles = (float*)(do_tiles + 2 * V7_BQ * HS);  // [2][V7_BQ]
+  float* d_tiles = lse_tiles + 2 * V7_BQ;                  // [2][V7_BQ]
+  int C = NH * HS, ld = 3 * C, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+  int k0 = blockIdx.y * V7_BK;  // the first keys see the most queries: they go first
+  int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3;
+  int wkey0 = k0 + 64 * wg;      // this warpgroup's first key
+  int key0 = wkey0 + 16 * warp;  // this warp's first key
+  const HT* qb = qkv + (i64)b * T * ld + h * HS;
+  const HT* kb = qb + C;
+  const HT* vb = qb + 2 * C;
+  const HT* ob = dout + (i64)b * T * C + h * HS;
+  const float* lb = lse + (i64)bh * T;
+  const float* db = Dv + (i64)bh * T;
+  float sl2 = scale * LOG2E;
+  int first = k0 / V7_BQ, n_tiles = (T - 1) / V7_BQ + 1;
+  load_tile6<V7_BK>(k_tile, kb, k0, T, ld);
+  load_tile6<V7_BK>(v_tile, vb, k0, T, ld);
+  load_tile6<V7_BQ>(q_tiles, qb, first * V7_BQ, T, ld);
+  load_tile6<V7_BQ>(do_tiles, ob, first * V7_BQ, T, C);
+  load_row_values<V7_BQ>(lse_tiles, lb, first * V7_BQ, T);
+  load_row_values<V7_BQ>(d_tiles, db, first * V7_BQ, T);
+  cp_commit();
+  u64 dkey = desc_kmajor(k_tile + 64 * wg * HS), dval = desc_kmajor(v_tile + 64 * wg * HS);
+  float dk[HS / 2], dv[HS / 2];
+#pragma unroll
+  for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
+  for (int qt = first; qt < n_tiles; ++qt) {
+    int q0 = qt * V7_BQ, cur = (qt - first) & 1, nb = cur ^ 1;
+    pipeline_wait_async(qt + 1 < n_tiles, [&] {
+      load_tile6<V7_BQ>(q_tiles + nb * V7_BQ * HS, qb, q0 + V7_BQ, T, ld);
+      load_tile6<V7_BQ>(do_tiles + nb * V7_BQ * HS, ob, q0 + V7_BQ, T, C);
+      load_row_values<V7_BQ>(lse_tiles + nb * V7_BQ, lb, q0 + V7_BQ, T);
+      load_row_values<V7_BQ>(d_tiles + nb * V7_BQ, db, q0 + V7_BQ, T);
+    });
+    const u16* Q = q_tiles + cur * V7_BQ * HS;
+    const u16* dO = do_tiles + cur * V7_BQ * HS;
+    const float* L = lse_tiles + cur * V7_BQ;
+    const float* Dt = d_tiles + cur * V7_BQ;
+    // else every query of the tile is before the warpgroup's keys, or it has no key (uniform branch)
+    if (q0 + V7_BQ - 1 >= wkey0 && wkey0 < T) {
+      if (q0 < wkey0 + 63 || q0 + V7_BQ > T) dkv7_tile<true>(dk, dv, dkey, dval, Q, dO, L, Dt, key0, q0, T, sl2);
+      else dkv7_tile<false>(dk, dv, dkey, dval, Q, dO, L, Dt, key0, q0, T, sl2);
+    }
+    __syncthreads();
+  }
+  HT* base = dqkv + (i64)b * T * ld + h * HS;
+  add_rows(base + C, ld, (const float(*)[4])dk, key0, T, scale);
+  add_rows(base + 2 * C, ld, (const float(*)[4])dv, key0, T, 1.f);
+}
+
+// ---------------------------------------------------------------- dQ
+// One key tile of one warpgroup: its 64 query rows (this thread: rows row0 + g and row0 + g + 8,
+// row0 the warp's first) against keys [k0, k0 + V7_BN). dq: 64 x HS accumulator.
+template <bool MASK>
+__device__ __forceinline__ void dq7_tile(float* dq, u64 dqry, u64 ddo, const u16* K, const u16* V, const float* L2,
+                                         const float* D, int row0, int k0, int T, float sl2) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float s[V7_BN / 2], dp[V7_BN / 2];
+  two_scores<V7_BN>(s, dp, dqry, desc_kmajor(K), ddo, desc_kmajor(V));
+#pragma unroll
+  for (int j = 0; j < V7_BN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int r = e >> 1;
+      float p = fast_exp2(fmaf(s[4 * j + e], sl2, -L2[r]));
+      if (MASK) {
+        int key = k0 + 8 * j + 2 * t4 + (e & 1);
+        if (key > row0 + g + 8 * r || key >= T) p = 0.f;
+      }
+      s[4 * j + e] = p * (dp[4 * j + e] - D[r]);
+    }
+  unsigned sf[V7_BN / 16][4];
+  frags7<V7_BN>(sf, s);
+  fence_regs<HS / 2>(dq);
+  wgmma_fence();
+  rs7_issue<V7_BN>(dq, sf, desc_mnmajor(K));
+  wgmma_commit();
+  wgmma_wait_all();
+  fence_regs<HS / 2>(dq);
+}
+
+// dQ part of dqkv += ...: version 7, grid (B*NH, ceil(T/V7_QM)), block V7_THREADS, V7_DQ_SMEM bytes
+// of dynamic shared memory (traps on anything else).
+extern "C" __global__ void __launch_bounds__(V7_THREADS) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
+                                                                            const float* lse, const float* Dv,
+                                                                            int B, int T, int NH, float scale) {
+  extern __shared__ __align__(16) u16 smem[];
+  require_smem(V7_DQ_SMEM);
+  if (blockDim.x != V7_THREADS) __trap();
+  u16* q_tile = smem;                       // [V7_QM x HS], stays for the whole block
+  u16* do_tile = q_tile + V7_QM * HS;       // [V7_QM x HS], likewise
+  u16* k_tiles = do_tile + V7_QM * HS;      // [2][V7_BN x HS]
+  u16* v_tiles = k_tiles + 2 * V7_BN * HS;  // [2][V7_BN x HS]
+  int C = NH * HS, ld = 3 * C, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+  int q0 = (gridDim.y - 1 - blockIdx.y) * V7_QM;  // the longest rows first
+  int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2;
+  int wrow0 = q0 + 64 * wg;      // this warpgroup's first row
+  int row0 = wrow0 + 16 * warp;  // this warp's first row
+  const HT* qb = qkv + (i64)b * T * ld + h * HS;
+  const HT* kb = qb + C;
+  const HT* vb = qb + 2 * C;
+  const HT* ob = dout + (i64)b * T * C + h * HS;
+  float sl2 = scale * LOG2E, L2[2], D[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    int row = row0 + g + 8 * r;
+    L2[r] = row < T ? lse[(i64)bh * T + row] * LOG2E : 0.f;
+    D[r] = row < T ? Dv[(i64)bh * T + row] : 0.f;
+  }
+  int n_tiles = (min(q0 + V7_QM, T) - 1) / V7_BN + 1;  // causal: keys up to the block's last query
+  load_tile6<V7_QM>(q_tile, qb, q0, T, ld);
+  load_tile6<V7_QM>(do_tile, ob, q0, T, C);
+  load_tile6<V7_BN>(k_tiles, kb, 0, T, ld);
+  load_tile6<V7_BN>(v_tiles, vb, 0, T, ld);
+  cp_commit();
+  u64 dqry = desc_kmajor(q_tile + 64 * wg * HS), ddo = desc_kmajor(do_tile + 64 * wg * HS);
+  float dq[HS / 2];
+#pragma unroll
+  for (int i = 0; i < HS / 2; ++i) dq[i] = 0.f;
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    int k0 = kt * V7_BN, nb = (kt + 1) & 1;
+    pipeline_wait_async(kt + 1 < n_tiles, [&] {
+      load_tile6<V7_BN>(k_tiles + nb * V7_BN * HS, kb, k0 + V7_BN, T, ld);
+      load_tile6<V7_BN>(v_tiles + nb * V7_BN * HS, vb, k0 + V7_BN, T, ld);
+    });
+    const u16* K = k_tiles + (kt & 1) * V7_BN * HS;
+    const u16* V = v_tiles + (kt & 1) * V7_BN * HS;
+    // else every key of the tile is after the warpgroup's rows, or it has no row (uniform branch)
+    if (k0 <= wrow0 + 63 && wrow0 < T) {
+      if (k0 + V7_BN - 1 > wrow0 || k0 + V7_BN > T) dq7_tile<true>(dq, dqry, ddo, K, V, L2, D, row0, k0, T, sl2);
+      else dq7_tile<false>(dq, dqry, ddo, K, V, L2, D, row0, k0, T, sl2);
+    }
+    __syncthreads();
+  }
+  add_rows(dqkv + (i64)b * T * ld + h * HS, ld, (const float(*)[4])dq, row0, T, scale);
+}
+#endif  // V7_WGMMA
