@@ -66,9 +66,22 @@
 #define V7_WG 2                        // warpgroups per block (both kernels)
 #define V7_THREADS (128 * V7_WG)
 #define V7_BK (64 * V7_WG)             // keys per dK/dV block
-#define V7_BQ (HS <= 64 ? 64 : 32)     // queries per streamed tile in dK/dV
 #define V7_QM (64 * V7_WG)             // query rows per dQ block
-#define V7_BN 64                       // keys per streamed tile in dQ
+// Tunable with -D (attention_v7.py passes the same to the launch): queries per streamed tile in
+// dK/dV, keys per streamed tile in dQ, and the blocks per multiprocessor each kernel asks the
+// compiler to fit (the second argument of __launch_bounds__: 2 caps registers at 128).
+#ifndef V7_BQ
+#define V7_BQ (HS <= 64 ? 64 : 32)
+#endif
+#ifndef V7_BN
+#define V7_BN 64
+#endif
+#ifndef V7_DKV_BLOCKS
+#define V7_DKV_BLOCKS 1
+#endif
+#ifndef V7_DQ_BLOCKS
+#define V7_DQ_BLOCKS 1
+#endif
 // Dynamic shared memory (attention_v7.py asks the same): K, V, then Q and dO two deep, lse and D two deep
 #define V7_DKV_SMEM (2 * V7_BK * HS * 2 + 4 * V7_BQ * HS * 2 + 4 * V7_BQ * 4)
 // Q and dO, then K and V two deep
@@ -176,7 +189,7 @@ __device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dv
 
 // dK and dV parts of dqkv += ...: version 7, grid (B*NH, ceil(T/V7_BK)), block V7_THREADS,
 // V7_DKV_SMEM bytes of dynamic shared memory (traps on anything else).
-extern "C" __global__ void __launch_bounds__(V7_THREADS) k_attn_flash_bwd_dkv(HT* dqkv, const HT* qkv, const HT* dout,
+extern "C" __global__ void __launch_bounds__(V7_THREADS, V7_DKV_BLOCKS) k_attn_flash_bwd_dkv(HT* dqkv, const HT* qkv, const HT* dout,
                                                                              const float* lse, const float* Dv,
                                                                              int B, int T, int NH, float scale) {
   extern __shared__ __align__(16) u16 smem[];
@@ -269,7 +282,7 @@ __device__ __forceinline__ void dq7_tile(float* dq, u64 dqry, u64 ddo, const u16
 
 // dQ part of dqkv += ...: version 7, grid (B*NH, ceil(T/V7_QM)), block V7_THREADS, V7_DQ_SMEM bytes
 // of dynamic shared memory (traps on anything else).
-extern "C" __global__ void __launch_bounds__(V7_THREADS) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
+extern "C" __global__ void __launch_bounds__(V7_THREADS, V7_DQ_BLOCKS) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
                                                                             const float* lse, const float* Dv,
                                                                             int B, int T, int NH, float scale) {
   extern __shared__ __align__(16) u16 smem[];
