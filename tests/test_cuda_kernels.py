@@ -137,6 +137,41 @@ def test_embed_bwd_deterministic_large(be):
         assert_close(f"k_embed_bwd dwte B*T={Bq * Tq}", outs[0].astype(np.float64), want, 1e-5)
 
 
+# B*T: a single key, sizes that are no power of two or end mid-block/mid-tile (77, 2049, 8191,
+# 12289), the ANDREA-12M step (8192), and two beyond the one-block sort's shared memory (20000,
+# 70001: the latter past embed_rank_max, so the rank path is forced there)
+@pytest.mark.parametrize("N,V", [(1, 7), (77, 5), (2049, 50304), (8191, 3), (8192, 8192), (12289, 50), (20000, 1000),
+                                 (70001, 30)])
+def test_embed_sort_rank(be, rng, N, V, monkeypatch):
+    """k_embed_bwd's keys sorted by rank (k_embed_sort_rank) and by the bitonic sort (k_embed_sort):
+    both equal NumPy's sort of the packed keys (padding 0xffffffff), tokens heavily repeated, and
+    dwte is the same bits either way."""
+    import cupy as cp
+    tokens = rng.integers(0, V, (1, N)).astype(np.int32)
+    C2 = 16
+    dout = rnd(rng, (1, N, C2), np.float32)
+    shift = max(1, (N - 1).bit_length())
+    want = np.full(1 << shift, 0xffffffff, np.uint32)
+    want[:N] = np.sort((tokens.reshape(-1).astype(np.uint64) << shift | np.arange(N, dtype=np.uint64)).astype(np.uint32))
+    got = {}
+    for name, rank_max in (("rank", 1 << 30), ("bitonic", 0)):
+        monkeypatch.setattr(be, "embed_rank_max", rank_max)
+        launched = []
+        launch = be.rt.launch
+        monkeypatch.setattr(be.rt, "launch", lambda f, k, *a, **kw: (launched.append(k), launch(f, k, *a, **kw))[1])
+        dwte, dwpe = cp.zeros((V, C2), cp.float32), cp.zeros((N, C2), cp.float32)
+        be.k_embed_bwd(dwte, dwpe, dev(dout, np.float32), dev(tokens, np.int32))
+        monkeypatch.setattr(be.rt, "launch", launch)
+        assert launched[0] == {"rank": "k_embed_sort_rank", "bitonic": "k_embed_sort"}[name]
+        keys = cp.asnumpy(be.workspace.get("embed_keys", 1 << shift, np.uint32))
+        assert np.array_equal(keys, want), f"{name}: keys not sorted as NumPy sorts them"
+        got[name] = cp.asnumpy(dwte)
+    assert np.array_equal(got["rank"].view(np.uint32), got["bitonic"].view(np.uint32))
+    want_dwte = np.zeros((V, C2))
+    np.add.at(want_dwte, tokens.reshape(-1), dout.reshape(N, C2))
+    assert_close(f"k_embed_bwd dwte N={N}", got["rank"].astype(np.float64), want_dwte, 1e-5)
+
+
 # ---------------------------------------------------------------- layer norm
 @pytest.mark.parametrize("C", [200, 1100])  # one-pass backward (C <= 1024), and the two-pass one
 def test_layernorm(be, prec, rng, C):
@@ -160,6 +195,67 @@ def test_layernorm(be, prec, rng, C):
     gi.check("k_layernorm_bwd dinp", tol)
     gw.check("k_layernorm_bwd dweight", tol)
     gb.check("k_layernorm_bwd dbias", tol)
+
+
+# The one-pass backward (version 4) at the widths and row counts that take each of its paths:
+# 2 rows a warp-step (C = 384 in 16 bits), 4 (C = 64 in 16 bits), 1 with dinp loaded early or late
+# (whichever compiles without spilling: C = 768 in 16 bits is late), one block a SM (C = 768 in
+# fp32); row counts that end mid-slab (8191, 77) and fewer rows than SMs (5); 8192 x 384 is the
+# ANDREA-12M step. ln_blocks/ln_group: a small grid with an uneven last group, and a group of 1.
+LN_BWD_SHAPES = [(8192, 384, "float16", 0, 0), (8191, 384, "bfloat16", 0, 0), (77, 64, "float16", 0, 0),
+                 (3001, 768, "float16", 0, 0), (3001, 768, "bfloat16", 0, 0), (1025, 768, "float32", 0, 0),
+                 (5, 1024, "float16", 0, 0), (999, 384, "float16", 7, 3), (999, 200, "float32", 6, 1)]
+
+
+@pytest.mark.parametrize("N,Cq,dt_name,blocks,group", LN_BWD_SHAPES)
+def test_layernorm_bwd_one_pass(be, rng, N, Cq, dt_name, blocks, group, monkeypatch):
+    """k_layernorm_bwd through the one-pass kernel and its reduction tree: against the reference,
+    the same bits on a second launch and on a graph replay (the counters are back to zero after
+    each launch), and no k_colsum_final launched."""
+    import cupy as cp
+    import ml_dtypes  # noqa: F401  (registers bfloat16)
+    dt = np.dtype(dt_name)
+    tol = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 3e-2}[dt_name]
+    monkeypatch.setattr(be, "ln_blocks", blocks)
+    monkeypatch.setattr(be, "ln_group", group)
+    plan = be._ln_bwd_plan(N, Cq, dt)
+    assert plan is not None and plan["grid"] * plan["rows_per_block"] >= N
+    if blocks:
+        assert plan["grid"] <= blocks and plan["n_groups"] == -(-plan["grid"] // group)
+    inp = rnd(rng, (N, Cq), dt, 2.0, 0.5)
+    w, b = rnd(rng, (Cq,), dt, 0.5, 1.0), rnd(rng, (Cq,), dt, 0.1)
+    out, mean, rstd = np.zeros((N, Cq)), np.zeros(N), np.zeros(N)
+    ref.k_layernorm_fwd(out, mean, rstd, inp, w, b)
+    mean, rstd = mean.astype(np.float32).astype(np.float64), rstd.astype(np.float32).astype(np.float64)
+    dout = rnd(rng, (N, Cq), dt)
+    dinp, dw, db = zeros_like64(inp, w, b)
+    ref.k_layernorm_bwd(dinp, dw, db, dout, inp, w, mean, rstd)
+    args = [dev(x, y) for x, y in ((dout, dt), (inp, dt), (w, dt), (mean, np.float32), (rstd, np.float32))]
+    gi, gw, gb = Grad(rng, dinp, dt), Grad(rng, dw, np.float32), Grad(rng, db, np.float32)
+    pre = [g.d.copy() for g in (gi, gw, gb)]
+    launched = []
+    launch = be.rt.launch
+    monkeypatch.setattr(be.rt, "launch", lambda f, k, *a, **kw: (launched.append(k), launch(f, k, *a, **kw))[1])
+    be.k_layernorm_bwd(gi.d, gw.d, gb.d, *args)
+    assert launched == ["k_layernorm_bwd_fused"]
+    gi.check("k_layernorm_bwd dinp", tol)
+    gw.check("k_layernorm_bwd dweight", tol)
+    gb.check("k_layernorm_bwd dbias", tol)
+    first = [cp.asnumpy(g.d).view(np.uint8) for g in (gi, gw, gb)]
+    cnt = be.workspace.get("ln_counters", plan["n_groups"] + 1, np.uint32)
+    assert not cnt.any(), "the reduction tree's counters are not back to zero"
+    reset = lambda: [g.d.data.copy_from_device(p.data, p.nbytes) for g, p in zip((gi, gw, gb), pre)]  # noqa: E731
+    reset()
+    be.k_layernorm_bwd(gi.d, gw.d, gb.d, *args)
+    for name, g, f in zip(("dinp", "dweight", "dbias"), (gi, gw, gb), first):
+        assert np.array_equal(cp.asnumpy(g.d).view(np.uint8), f), f"{name} differs on a second launch"
+    graph = be.capture(lambda: be.k_layernorm_bwd(gi.d, gw.d, gb.d, *args))
+    for _ in range(2):
+        reset()
+        graph.launch()
+        be.synchronize()
+        for name, g, f in zip(("dinp", "dweight", "dbias"), (gi, gw, gb), first):
+            assert np.array_equal(cp.asnumpy(g.d).view(np.uint8), f), f"{name} differs on a graph replay"
 
 
 @pytest.mark.parametrize("C", [C, 201])  # rows of 200 are whole 16-byte vectors (version 2), of 201 not
@@ -441,6 +537,24 @@ def test_step_check(be, rng, max_norm, poison, fp16):
         assert got[i] == st[i] or (np.isnan(got[i]) and np.isnan(st[i])), f"{name}: {got[i]!r} vs {st[i]!r}"
     assert host(g_dloss)[0] == dloss[0]
     assert bool(got[ref.S_SKIP]) == (poison is not None)
+
+
+@pytest.mark.parametrize("P", [1, 1000, 4096, 5001])  # partials in shared memory (up to 4096), and past it
+def test_step_check_partials(be, rng, P):
+    """k_step_check sums any number of partials in order, in float64, to the reference's bits: the
+    partials differ by orders of magnitude, so another order would round differently."""
+    parts = (rng.random(P) * 10.0 ** rng.integers(-6, 6, P)).astype(np.float32)
+    st = _state(1.0, 3e-4, 9, skipped=2, good=5)
+    st[ref.S_LOSS_SUM] = 77.0 * 3.5
+    g_st = dev(st, np.float64)
+    dloss, g_dloss = np.zeros(1, np.float32), nan_buf((1,), np.float32)
+    args = (1, 77, 0.9, 0.95, 0.1, 1.0, False, 2000, 2.0 ** 24)
+    ref.k_step_check(st, dloss, parts, *args)
+    be.k_step_check(g_st, g_dloss, dev(parts, np.float32), *args)
+    got = host(g_st)
+    for name, i in zip(ref.STATE_SLOTS, range(len(ref.STATE_SLOTS))):
+        assert got[i] == st[i], f"{name}: {got[i]!r} vs {st[i]!r}"
+    assert host(g_dloss)[0] == dloss[0]
 
 
 @pytest.mark.parametrize("skip", [False, True])

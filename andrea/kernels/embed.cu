@@ -1,6 +1,7 @@
 // embed.cu: token + position embedding. k_embed_fwd gathers; k_embed_bwd scatters back without
-// floating-point atomics: the positions are sorted by (token, position) in one block (bitonic
-// sort of packed keys), then one block per distinct token sums its rows in position order.
+// floating-point atomics: the positions are sorted by (token, position) as packed keys (each
+// key's rank counted directly, k_embed_sort_rank, or a one-block bitonic sort, k_embed_sort),
+// then one block per distinct token sums its rows in position order.
 // Launchers: andrea/backends/cuda.py (k_embed_fwd, k_embed_bwd).
 #include "common.cuh"
 
@@ -44,6 +45,65 @@ extern "C" __global__ void k_embed_sort(unsigned int* keys, const int* tokens, i
   }
   if (use_shared)
     for (int i = threadIdx.x; i < P; i += blockDim.x) keys[i] = s[i];
+}
+
+// The same sorted keys as k_embed_sort, by rank: the keys (tokens[i] << shift) | i are distinct, so
+// key i goes to keys[rank], rank = the number of keys smaller than it (the tokens smaller than
+// tokens[i], and the equal tokens at earlier positions), counted directly: O(N^2) comparisons
+// spread over the whole GPU instead of the one-block sort's O(N log^2 N) steps on one SM; the
+// launcher takes it up to a size beyond which the count costs more. Integer counts only, no
+// atomics. A block owns ER_KEYS keys, ER_PER_THREAD per thread: thread t holds keys
+// (t % ER_GROUPS) * ER_PER_THREAD + 0..ER_PER_THREAD-1 of the block and compares them with the
+// slice t / ER_GROUPS of every shared-memory tile of ER_TILE keys (16-byte vectors q of the tile
+// with q % ER_SLICES == slice, so a warp's slices read different banks); the slices' counts are
+// added in shared memory, then each key is written at its rank. Slots N..P-1 get 0xffffffff.
+#define ER_THREADS 256
+#define ER_PER_THREAD 4
+#define ER_GROUPS 8                                  // threads sharing one slice
+#define ER_KEYS (ER_GROUPS * ER_PER_THREAD)          // keys a block ranks: 32
+#define ER_SLICES (ER_THREADS / ER_GROUPS)           // 32
+#define ER_TILE 2048                                 // keys a shared-memory tile holds
+extern "C" __global__ void __launch_bounds__(ER_THREADS) k_embed_sort_rank(unsigned int* keys, const int* tokens,
+                                                                          int N, int P, int shift) {
+  __shared__ vec16 tile[ER_TILE / 4];
+  __shared__ int part[ER_SLICES][ER_KEYS + 1];
+  int t = threadIdx.x, g = t % ER_GROUPS, slice = t / ER_GROUPS;
+  int i0 = blockIdx.x * ER_KEYS + g * ER_PER_THREAD;
+  unsigned int ki[ER_PER_THREAD];
+  int cnt[ER_PER_THREAD];
+#pragma unroll
+  for (int q = 0; q < ER_PER_THREAD; ++q) {
+    int i = i0 + q;
+    ki[q] = i < N ? (((unsigned int)tokens[i]) << shift) | (unsigned int)i : 0u;
+    cnt[q] = 0;
+  }
+  unsigned int* tk = (unsigned int*)tile;
+  for (int j0 = 0; j0 < N; j0 += ER_TILE) {
+    int nt = N - j0 < ER_TILE ? N - j0 : ER_TILE;
+    __syncthreads();  // the previous tile is no longer read
+    for (int j = t; j < ER_TILE; j += ER_THREADS)  // padding 0xffffffff: above every key, counts nothing
+      tk[j] = j < nt ? (((unsigned int)tokens[j0 + j]) << shift) | (unsigned int)(j0 + j) : 0xffffffffu;
+    __syncthreads();
+    int nq = (nt + 3) >> 2;
+    for (int q = slice; q < nq; q += ER_SLICES) {
+      vec16 v = tile[q];
+#pragma unroll
+      for (int k = 0; k < ER_PER_THREAD; ++k)
+        cnt[k] += (v.w[0] < ki[k]) + (v.w[1] < ki[k]) + (v.w[2] < ki[k]) + (v.w[3] < ki[k]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < ER_PER_THREAD; ++k) part[slice][g * ER_PER_THREAD + k] = cnt[k];
+  __syncthreads();
+  if (t < ER_KEYS) {
+    int i = blockIdx.x * ER_KEYS + t;
+    if (i < N) {
+      int r = 0;
+      for (int s = 0; s < ER_SLICES; ++s) r += part[s][t];
+      keys[r] = (((unsigned int)tokens[i]) << shift) | (unsigned int)i;
+    }
+  }
+  for (int i = N + blockIdx.x * ER_THREADS + t; i < P; i += gridDim.x * ER_THREADS) keys[i] = 0xffffffffu;
 }
 
 // dwte[tok] += sum of dout rows whose token is tok, in position order. grid.x = N sorted slots:

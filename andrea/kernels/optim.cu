@@ -1,7 +1,8 @@
 // optim.cu: the optimizer step on the device, with no host round trip. The gradient norm is
-// reduced in fixed chunks (k_grad_norm_partial: one block per chunk); k_step_check (one thread)
-// sums the chunks in order in float64, applies the non-finite policy and the dynamic loss scale to
-// the optimizer state (a small float64 array, slots below) and writes the step's scalars;
+// reduced in fixed chunks (k_grad_norm_partial: one block per chunk); k_step_check (one thread,
+// with a small block's help) sums the chunks in order in float64, applies the non-finite policy
+// and the dynamic loss scale to the optimizer state (a small float64 array, slots below) and
+// writes the step's scalars;
 // k_adamw_step then makes one pass over params, grads, m and v: unscale and clip the gradient,
 // AdamW, the cast to the compute copy, and zero the gradient for the next step. Every float32
 // operation is rounded as NumPy's expression in numpy_ref (the _rn intrinsics forbid fused
@@ -48,18 +49,38 @@ extern "C" __global__ void k_loss_accum(double* state, const float* losses, i64 
 
 __device__ __forceinline__ bool finite_d(double x) { return x - x == 0.0; }
 
-// One thread: the end-of-step bookkeeping of numpy_ref.k_step_check, in the same float64 order.
-// norm = sqrt(sum partials) / (n_micro * scale) (the averaged, unscaled gradient's norm, rounded to
-// float32); loss = loss sum / (n_micro * n_pos). Non-finite loss or norm: skip (fp16 halves the
-// scale; an fp16 overflow with a finite loss does not count towards the bad streak); otherwise the
-// clip factor and the AdamW scalars of update number step - skipped, and the scale may grow.
-extern "C" __global__ void k_step_check(double* state, float* dloss, const float* partials, int P,
-                                        int n_micro, double n_pos, double beta1, double beta2,
-                                        double weight_decay, double max_norm, int fp16,
-                                        double growth_interval, double max_scale) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+// The end-of-step bookkeeping of numpy_ref.k_step_check, in the same float64 order, by one thread
+// (thread 0) of a block of SC_THREADS: the block first copies the partials into shared memory (all
+// loads in flight at once, not one dependent load per term), then thread 0 adds them in order
+// while warps 1 and 2 compute beta1^t and beta2^t (float64 pow, hundreds of cycles each, which do
+// not depend on the sum), then thread 0 does the rest. Partials beyond SC_SHARED are read from
+// global memory. norm = sqrt(sum partials) / (n_micro * scale) (the averaged, unscaled gradient's
+// norm, rounded to float32); loss = loss sum / (n_micro * n_pos). Non-finite loss or norm: skip
+// (fp16 halves the scale; an fp16 overflow with a finite loss does not count towards the bad
+// streak); otherwise the clip factor and the AdamW scalars of update number step - skipped, and
+// the scale may grow.
+#define SC_THREADS 96
+#define SC_SHARED 4096
+extern "C" __global__ void __launch_bounds__(SC_THREADS) k_step_check(
+    double* state, float* dloss, const float* partials, int P, int n_micro, double n_pos, double beta1,
+    double beta2, double weight_decay, double max_norm, int fp16, double growth_interval, double max_scale) {
+  __shared__ float sp[SC_SHARED];
+  __shared__ double pw[2];
+  if (blockIdx.x != 0) return;
+  int ps = P < SC_SHARED ? P : SC_SHARED;
+  for (int i = threadIdx.x; i < ps; i += blockDim.x) sp[i] = partials[i];
+  double t = __dsub_rn(state[S_STEP], state[S_SKIPPED]);  // update number (unchanged below until used)
+  __syncthreads();
+  if (threadIdx.x == 32) pw[0] = pow(beta1, t);
+  if (threadIdx.x == 64) pw[1] = pow(beta2, t);
   double ss = 0.0;
-  for (int i = 0; i < P; ++i) ss = __dadd_rn(ss, (double)partials[i]);
+  if (threadIdx.x == 0) {
+#pragma unroll 16
+    for (int i = 0; i < ps; ++i) ss = __dadd_rn(ss, (double)sp[i]);
+    for (int i = ps; i < P; ++i) ss = __dadd_rn(ss, (double)partials[i]);
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
   double scale = state[S_SCALE];
   double pre_scale = __ddiv_rn(1.0, __dmul_rn((double)n_micro, scale));
   float normf = (float)__dmul_rn(sqrt(ss), pre_scale);
@@ -84,9 +105,8 @@ extern "C" __global__ void k_step_check(double* state, float* dloss, const float
       clip = c < 1.0 ? c : 1.0;
     }
     double lr = state[S_LR];
-    double t = __dsub_rn(state[S_STEP], state[S_SKIPPED]);
-    double mhat = __ddiv_rn(1.0, __dsub_rn(1.0, pow(beta1, t)));
-    double vhat = __ddiv_rn(1.0, __dsub_rn(1.0, pow(beta2, t)));
+    double mhat = __ddiv_rn(1.0, __dsub_rn(1.0, pw[0]));
+    double vhat = __ddiv_rn(1.0, __dsub_rn(1.0, pw[1]));
     state[S_CLIP] = (double)(float)__dmul_rn(pre_scale, clip);
     state[S_DECAY] = (double)(float)__dsub_rn(1.0, __dmul_rn(lr, weight_decay));
     state[S_STEP_SIZE] = (double)(float)__dmul_rn(lr, mhat);

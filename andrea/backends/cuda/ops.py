@@ -18,7 +18,11 @@ from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
 
 COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-norm gradients)
 LN_FUSED_MAXC = 1024  # widest row the one-pass layer-norm backward holds in registers
-LN_BLOCKS = 264  # blocks (and partial rows) of the one-pass layer-norm backward: 2 per SM of an H200
+STEP_CHECK_THREADS = 96  # SC_THREADS in optim.cu: the summing warp and the two that compute the powers
+EMBED_RANK_MAX = 1 << 16  # see CudaOps.embed_rank_max
+EMBED_RANK_KEYS = 32  # keys a block of k_embed_sort_rank ranks (ER_KEYS in embed.cu)
+LN_ROWS_CHOICES = (1, 2, 4)  # rows a warp of the one-pass layer-norm backward takes at a time (LN_ROWS)
+LN_MAX_SLOTS = 4  # 16-byte vectors per lane beyond which one row at a time (the running sums live in registers)
 # Attention version 4 (fused, andrea/kernels/attention.cu) runs for 16-bit compute dtypes, head
 # sizes that are multiples of 16 up to 128, on GPUs of compute capability 8.0 or later (cp.async,
 # ldmatrix, bf16 mma.sync) whose per-block shared-memory limit holds its tiles; float32, other
@@ -87,7 +91,15 @@ class CudaOps:
     # the GELU pass of the MLP backward also writes the first bias's column partials
     # (k_mlp_bwd_gelu_colsum; False: k_mlp_bwd_gelu, then k_colsum_partial reads dact again)
     gelu_colsum = True
-    ln_blocks = LN_BLOCKS  # blocks of the one-pass layer-norm backward (dev/cuda/harness.py --set ln_blocks=N)
+    # the one-pass layer-norm backward's grid: 0 = as many blocks as fit on the SMs at once, and
+    # groups of about sqrt(blocks) blocks in its reduction tree (dev/cuda/harness.py --set ln_blocks=N)
+    ln_blocks = 0
+    ln_group = 0
+    _ln_zeroed = None  # the counters buffer _ln_counters last zeroed
+    # B*T up to which k_embed_bwd sorts its keys by rank (k_embed_sort_rank, O(N^2) comparisons over
+    # the whole GPU); above it the one-block bitonic sort (k_embed_sort) costs less
+    # (dev/cuda/harness.py embed --set embed_rank_max=N)
+    embed_rank_max = EMBED_RANK_MAX
 
     def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False):
         """[(name, shape, dtype)] of the scratch the kernels take for one model shape: what
@@ -102,8 +114,10 @@ class CudaOps:
             rows = [("attn_scores", (BH * T * T,), "float32"), ("attn_probs", (BH * T * T,), act),
                     ("attn_heads", (3 * N * C,), act), ("attn_y", (N * C,), act),
                     ("attn_dheads", (3 * N * C,), "float32")]
-        rows += [("colsum_a", (max(COLSUM_CHUNKS * 4, self.ln_blocks) * C,), "float32"),
-                 ("colsum_b", (max(COLSUM_CHUNKS * 4, self.ln_blocks) * C,), "float32"),
+        ln = self._ln_bwd_plan(N, C, act_dtype)
+        partial_rows = max(COLSUM_CHUNKS * 4, ln["partial_rows"] if ln else 0)
+        rows += [("colsum_a", (partial_rows * C,), "float32"), ("colsum_b", (partial_rows * C,), "float32"),
+                 ("ln_counters", (ln["n_groups"] + 1 if ln else 1,), "uint32"),
                  ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
         if self.cublaslt:
             from .cublaslt import WORKSPACE_BYTES
@@ -170,10 +184,14 @@ class CudaOps:
             raise ValueError(f"k_embed_bwd: vocab {V} with B*T={N} overflows the 32-bit sort key")
         P = 1 << shift
         keys = self.workspace.get("embed_keys", P, np.uint32)
-        use_shared = P * 4 <= 48 * 1024
-        self.rt.launch("embed.cu", "k_embed_sort", ct, 1, 1024,
-                       (keys, tokens, i32(N), i32(P), i32(shift), i32(int(use_shared))),
-                       shared_mem=P * 4 if use_shared else 0)
+        if N <= self.embed_rank_max:
+            self.rt.launch("embed.cu", "k_embed_sort_rank", ct, -(-N // EMBED_RANK_KEYS), THREADS,
+                           (keys, tokens, i32(N), i32(P), i32(shift)))
+        else:
+            use_shared = P * 4 <= 48 * 1024
+            self.rt.launch("embed.cu", "k_embed_sort", ct, 1, 1024,
+                           (keys, tokens, i32(N), i32(P), i32(shift), i32(int(use_shared))),
+                           shared_mem=P * 4 if use_shared else 0)
         self.rt.launch("embed.cu", "k_embed_bwd_wte", ct, (N, -(-C // 128)), 128,
                        (dwte, keys, dout, i32(N), i32(C), i32(shift)))
         self.rt.launch("embed.cu", "k_embed_bwd_wpe", ct, -(-(T * C) // THREADS), THREADS,
@@ -226,6 +244,51 @@ class CudaOps:
                         i64(N), i32(C)), defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}",))
         return True
 
+    def _ln_bwd_plan(self, N: int, C: int, dtype):
+        """The launch of version 4 of the layer-norm backward (k_layernorm_bwd_fused) for N rows of
+        C elements of dtype, or None where it does not apply (C > LN_FUSED_MAXC or rows not in
+        whole 16-byte vectors): its -D options, grid, rows per block and reduction groups."""
+        ct = np.dtype(dtype)
+        vec = 16 // ct.itemsize
+        if C > LN_FUSED_MAXC or C % vec or N < 1:
+            return None
+        plans = self.__dict__.setdefault("_ln_plans", {})
+        key = (N, C, ct.name, self.ln_blocks, self.ln_group)
+        if key in plans:
+            return plans[key]
+        nq = C // vec  # vectors per row
+
+        def slots(r):
+            return -(-r * nq // 32)
+        # rows per warp-step: the fewest idle lanes (slots * 32 against r * nq vectors), then the fewest rows
+        fits = [r for r in LN_ROWS_CHOICES if r == 1 or slots(r) <= LN_MAX_SLOTS]
+        rows = min(fits, key=lambda r: (slots(r) * 32 / (r * nq), r))
+        drv = cp.cuda.driver
+        for early in (1, 0):  # dinp's row loaded with the others where that compiles without spilling
+            defs = (f"-DLN_ROWS={rows}", f"-DLN_SLOTS={slots(rows)}", f"-DLN_DINP_EARLY={early}")
+            f = self.rt.function("layernorm.cu", "k_layernorm_bwd_fused", ct, defs)
+            if drv.funcGetAttribute(3, f.ptr) == 0:  # 3: CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
+                break
+        per_sm = max(1, drv.occupancyMaxActiveBlocksPerMultiprocessor(f.ptr, THREADS, 0))
+        target = self.ln_blocks or per_sm * cp.cuda.Device().attributes["MultiProcessorCount"]
+        rpb = -(-(-(-N // target)) // rows) * rows  # whole slabs per block
+        n_blocks = -(-N // rpb)
+        group = self.ln_group or max(1, math.isqrt(n_blocks))
+        n_groups = -(-n_blocks // group)
+        plan = plans[key] = {"defs": defs, "grid": n_blocks, "rows_per_block": rpb, "group": group,
+                             "n_groups": n_groups, "partial_rows": n_blocks + n_groups}
+        return plan
+
+    def _ln_counters(self, n: int):
+        """n uint32 counters of the layer-norm backward's reduction tree, zero: zeroed here once per
+        buffer (the kernel sets them back to zero after using them)."""
+        cnt = self.workspace.get("ln_counters", n, np.uint32)
+        base = cnt.base if cnt.base is not None else cnt
+        if self._ln_zeroed is not base:
+            base.fill(0)
+            self._ln_zeroed = base  # held, so its address is not reused by another buffer meanwhile
+        return cnt
+
     def k_layernorm_bwd(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
         """Adds into dinp (B,T,C) (compute dtype), dweight, dbias (C,) float32."""
         C = inp.shape[-1]
@@ -238,25 +301,26 @@ class CudaOps:
         for n, a in (("mean", mean), ("rstd", rstd)):
             check("k_layernorm_bwd", n, a, inp.shape[:-1], np.float32)
         N = inp.size // C
-        vec = 16 // inp.dtype.itemsize  # version 3 loads rows as whole 16-byte vectors
-        if C <= LN_FUSED_MAXC and C % vec == 0 and all(a.data.ptr % 16 == 0 for a in (dinp, dout, inp, weight)):
-            # version 3: one pass, block partials of dweight/dbias
-            rpb = -(-N // self.ln_blocks)
-            n_blocks = -(-N // rpb)
-            pdw = self.workspace.get("colsum_a", n_blocks * C, np.float32)
-            pdb = self.workspace.get("colsum_b", n_blocks * C, np.float32)
-            self.rt.launch("layernorm.cu", "k_layernorm_bwd_fused", ct, n_blocks, THREADS,
-                           (dinp, pdw, pdb, dout, inp, weight, mean, rstd, i64(N), i32(C), i32(rpb)),
-                           defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}",))
-        else:  # version 1: row pass for dinp, then column partials (version 2 is in git history)
-            self.rt.launch("layernorm.cu", "k_layernorm_bwd_dx", ct, -(-N // 8), THREADS,
-                           (dinp, dout, inp, weight, mean, rstd, i64(N), i32(C)))
-            rpb = -(-N // COLSUM_CHUNKS)
-            n_blocks = -(-N // rpb)
-            pdw = self.workspace.get("colsum_a", n_blocks * C, np.float32)
-            pdb = self.workspace.get("colsum_b", n_blocks * C, np.float32)
-            self.rt.launch("layernorm.cu", "k_layernorm_bwd_partial", ct, (-(-C // 32), n_blocks), (32, 8),
-                           (pdw, pdb, dout, inp, mean, rstd, i64(N), i32(C), i32(rpb)))
+        plan = self._ln_bwd_plan(N, C, ct)
+        if plan and all(a.data.ptr % 16 == 0 for a in (dinp, dout, inp, weight)):
+            # version 4: one pass, dweight/dbias added by its own reduction tree
+            pdw = self.workspace.get("colsum_a", plan["partial_rows"] * C, np.float32)
+            pdb = self.workspace.get("colsum_b", plan["partial_rows"] * C, np.float32)
+            cnt = self._ln_counters(plan["n_groups"] + 1)
+            self.rt.launch("layernorm.cu", "k_layernorm_bwd_fused", ct, plan["grid"], THREADS,
+                           (dinp, dweight, dbias, pdw, pdb, cnt, dout, inp, weight, mean, rstd, i64(N), i32(C),
+                            i32(plan["rows_per_block"]), i32(plan["group"])), defs=plan["defs"])
+            return
+        # version 1: a row pass for dinp, then column partials added by k_colsum_final (versions 2
+        # and 3 of the one-pass kernel: git history; 3 is dev/cuda/layernorm_v2.cu)
+        self.rt.launch("layernorm.cu", "k_layernorm_bwd_dx", ct, -(-N // 8), THREADS,
+                       (dinp, dout, inp, weight, mean, rstd, i64(N), i32(C)))
+        rpb = -(-N // COLSUM_CHUNKS)
+        n_blocks = -(-N // rpb)
+        pdw = self.workspace.get("colsum_a", n_blocks * C, np.float32)
+        pdb = self.workspace.get("colsum_b", n_blocks * C, np.float32)
+        self.rt.launch("layernorm.cu", "k_layernorm_bwd_partial", ct, (-(-C // 32), n_blocks), (32, 8),
+                       (pdw, pdb, dout, inp, mean, rstd, i64(N), i32(C), i32(rpb)))
         self.rt.launch("linear.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dweight, pdw, i32(n_blocks), i32(C)))
         self.rt.launch("linear.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dbias, pdb, i32(n_blocks), i32(C)))
 
@@ -550,12 +614,13 @@ class CudaOps:
 
     def k_step_check(self, state, dloss, partials, n_micro, n_pos, beta1, beta2, weight_decay, max_norm,
                      fp16, growth_interval, max_scale):
-        """The end-of-step bookkeeping of numpy_ref.k_step_check, by one device thread."""
+        """The end-of-step bookkeeping of numpy_ref.k_step_check, by one device thread (its block
+        loads the partials and computes the bias corrections' powers alongside)."""
         check("k_step_check", "state", state, (STATE_LEN,), np.float64)
         check("k_step_check", "dloss", dloss, (1,), np.float32)
         check("k_step_check", "partials", partials, dtype=np.float32)
         f64 = np.float64
-        self.rt.launch("optim.cu", "k_step_check", np.float32, 1, 32,
+        self.rt.launch("optim.cu", "k_step_check", np.float32, 1, STEP_CHECK_THREADS,
                        (state, dloss, partials, i32(partials.size), i32(n_micro), f64(n_pos), f64(beta1),
                         f64(beta2), f64(weight_decay), f64(max_norm), i32(int(bool(fp16))),
                         f64(growth_interval), f64(max_scale)))
