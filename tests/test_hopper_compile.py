@@ -105,6 +105,9 @@ def test_v7_backward_assembles_for_sm90a_without_spills(ct, hs, tmp_path):
         regs, st, ld = ptxas_figures(log, entry)
         assert (st, ld) == (0, 0), f"{entry} spills (CT={ct}, HS={hs}): {st} bytes stored, {ld} loaded"
         assert regs <= 255
+    # ptxas serialises the wgmma pipeline (C7510-C7515 "Potential Performance Loss") when it cannot
+    # keep the accumulators of products in flight apart: the overlap would be lost silently
+    assert "Potential Performance Loss" not in log, log
 
 
 @pytest.mark.parametrize("arch, wgmma", [("sm_90a", True), ("sm_90", False)])

@@ -130,12 +130,12 @@ class HopperForward(Variant):
         self._sidecar = None
 
     def sidecar(self):
-        """The variant's launcher module, dev/cuda/attention_<name>.py."""
+        """The variant's launcher module: its .cu file's name with .py."""
         if self._sidecar is None:
             import importlib.util
-            name = f"dev_cuda_attention_{self.name}"
+            name = f"dev_cuda_{self.path.stem}"
             if name not in sys.modules:
-                spec = importlib.util.spec_from_file_location(name, DEV / f"attention_{self.name}.py")
+                spec = importlib.util.spec_from_file_location(name, self.path.with_suffix(".py"))
                 mod = importlib.util.module_from_spec(spec)
                 sys.modules[name] = mod
                 spec.loader.exec_module(mod)
@@ -151,12 +151,18 @@ class HopperForward(Variant):
 class HopperBackward(HopperForward):
     """Version 7 candidate: version 6's forward and, on compute capability 9.0, the wgmma backward
     of attention_v7.cu (dQ and dK/dV, 256 threads a block), launched as attention_v7.py launches
-    it; elsewhere version 4's kernels from the same file."""
+    it; elsewhere version 4's kernels from the same file. tune: attention_v7.py's -D settings
+    (e.g. {"bq": 32, "dkv_blocks": 2}), applied to the sm_90a build."""
+
+    def __init__(self, *args, tune=None):
+        super().__init__(*args)
+        self.tune = tune
 
     def bwd_parts(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):
         if not self.sidecar().is_hopper():
             return super().bwd_parts(ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs)
-        return self.sidecar().launch_bwd_parts(self._sm90a, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs)
+        return self.sidecar().launch_bwd_parts(self._sm90a, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs,
+                                               self.tune)
 
 
 def v5_smem(kernel, hs):
@@ -183,6 +189,9 @@ VARIANTS = {
                         v4_smem, True),
     "v7": HopperBackward("v7", DEV / "attention_v7.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
                          v4_smem, True),
+    # v7 with each product group waited for at once (V7_OVERLAP=0): what the overlap inside a warpgroup gains
+    "v7s": HopperBackward("v7s", DEV / "attention_v7.cu", (64,), lambda hs: 128 if hs <= 64 else 64,
+                          v4_smem, True, tune={"overlap": 0}),
 }
 DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
 

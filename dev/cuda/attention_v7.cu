@@ -7,12 +7,13 @@
 // recomputed from Q, K and the lse the forward saved, D from k_attn_flash_D, the softmax scale
 // applied to dQ and dK once at the end, no atomics.
 //
-// Status: compiled (nvcc 13.0, sm_90a, fp16 and bf16, no spills at any head size of
-// FLASH_HEAD_SIZES; figures for HS=64 below); not yet run on a GPU when this header was written:
-// the section "Measured" at the end of this comment says what the GPU said.
-//   ptxas (sm_90a, CT=f16, HS=64):  k_attn_flash_bwd_dkv 168 registers, k_attn_flash_bwd_dq 154
-//   registers, 0 bytes spilled; dynamic shared memory 66,560 and 65,536 bytes (V7_DKV_SMEM,
-//   V7_DQ_SMEM); one block of 256 threads per multiprocessor (registers).
+// Status: compiled (nvcc 13.0, sm_90a, fp16 and bf16, every head size of FLASH_HEAD_SIZES: no
+// spills, no wgmma serialised by ptxas); not yet run on a GPU when this header was written: the
+// section "Measured" at the end of this comment says what the GPU said.
+//   ptxas (sm_90a, CT=f16, HS=64): k_attn_flash_bwd_dkv 183 registers, one block of 256 threads a
+//   multiprocessor; k_attn_flash_bwd_dq 122 registers (__launch_bounds__(256, 2)), two blocks;
+//   0 bytes spilled; dynamic shared memory 66,560 and 65,536 bytes (V7_DKV_SMEM, V7_DQ_SMEM).
+//   HS=128: 202 and 163 registers, one block each.
 //
 // Design (every product is one of version 6's two forms, so wgmma_probe.py's ss and rs probes cover
 // the layouts used here: A and B K-major from shared memory; A from registers, B MN-major):
@@ -25,6 +26,10 @@
 //     dS^T = P^T * (dP^T - D)           (the scale comes at the end, as version 4)
 //     dV (64 x HS) += P^T dO            rs, P^T from registers, dO MN-major (transpose flag)
 //     dK (64 x HS) += dS^T Q            rs, dS^T from registers, Q MN-major (same group as dV)
+//   Inside a warpgroup (V7_OVERLAP, the default): S^T and dP^T are two commit groups, so P^T's
+//   exponentials run while dP^T is still being computed; dV's product is issued as soon as P^T is
+//   in registers and runs while dS^T is formed (wgmma.wait_group 1). Across warpgroups the other
+//   warpgroup's products overlap this one's arithmetic.
 //   A warpgroup skips a query tile entirely before its keys; only tiles that cross its diagonal or
 //   the end of the sequence are masked. The first keys see the most queries: they launch first.
 //   k_attn_flash_bwd_dq: one block per V7_QM = 128 query rows of one head, two warpgroups of 64
@@ -32,15 +37,14 @@
 //     S (64 x BN) = Q K^T, dP (64 x BN) = dO V^T   ss, one group
 //     dS = P * (dP - D)
 //     dQ (64 x HS) += dS K              rs, dS from registers, K MN-major
-//   The longest rows launch first.
+//   P's exponentials run while dP is computed (V7_OVERLAP). The longest rows launch first.
 //   Accumulator fragments are mma.sync's C layout per warp (attention_v6.cu): dK, dV and dQ are
 //   added into dqkv by version 4's add_rows.
 // Deterministic: fixed order everywhere, each output element owned by one thread.
 //
 // Not done: TMA loads and mbarrier producer/consumer warp specialisation (a producer warpgroup with
-// setmaxnreg), keeping the next tile's products in flight while the exponentials of this one run
-// (both warpgroups wait on their own products; the other warpgroup's work is the only overlap),
-// swizzled layouts, one fused kernel for dQ and dK/dV (it needs atomics or an ordered reduction
+// setmaxnreg), keeping the NEXT tile's products in flight across the block barrier (each tile ends
+// with every product waited for), swizzled layouts, one fused kernel for dQ and dK/dV (it needs atomics or an ordered reduction
 // for dQ), and the 12M-shape tuning (T = 256 gives only 2 key blocks a head).
 //
 // Build: attention_v7.py compiles this file with NVRTC, -arch=sm_90a -DV6_SM90A (the wgmma forward
@@ -79,8 +83,11 @@
 #ifndef V7_DKV_BLOCKS
 #define V7_DKV_BLOCKS 1
 #endif
+#ifndef V7_OVERLAP
+#define V7_OVERLAP 1  // 0: each product group waited for at once (no overlap inside a warpgroup)
+#endif
 #ifndef V7_DQ_BLOCKS
-#define V7_DQ_BLOCKS 1
+#define V7_DQ_BLOCKS (HS <= 64 ? 2 : 1)  // fits 128 registers without spilling up to head size 64
 #endif
 // Dynamic shared memory (attention_v7.py asks the same): K, V, then Q and dO two deep, lse and D two deep
 #define V7_DKV_SMEM (2 * V7_BK * HS * 2 + 4 * V7_BQ * HS * 2 + 4 * V7_BQ * 4)
@@ -131,18 +138,25 @@ __device__ __forceinline__ void frags7(unsigned (*f)[4], const float* s) {
   }
 }
 
-// Two score-shaped products in one group: s = A1 B1^T, t = A2 B2^T (64 x N each); returns when done.
+// Waits until at most N of this warpgroup's committed product groups are still running (groups
+// complete in order).
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// Two score-shaped products, s = A1 B1^T then t = A2 B2^T (64 x N each), one commit group each.
+// Returns once s is done; t is done on return only without V7_OVERLAP: else the caller waits
+// (wgmma_wait) and fences t before reading it.
 template <int N>
 __device__ __forceinline__ void two_scores(float* s, float* t, u64 a1, u64 b1, u64 a2, u64 b2) {
   fence_regs<N / 2>(s);
   fence_regs<N / 2>(t);
   wgmma_fence();
   ss7_issue<N>(s, a1, b1);
+  wgmma_commit();
   ss7_issue<N>(t, a2, b2);
   wgmma_commit();
-  wgmma_wait_all();
+  wgmma_wait<V7_OVERLAP ? 1 : 0>();
   fence_regs<N / 2>(s);
-  fence_regs<N / 2>(t);
 }
 
 // ---------------------------------------------------------------- dK, dV
@@ -154,14 +168,12 @@ __device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dv
   int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   float s[V7_BQ / 2], dp[V7_BQ / 2];
   two_scores<V7_BQ>(s, dp, dkey, desc_kmajor(Q), dval, desc_kmajor(dO));
+  // P^T while dP^T may still be running
 #pragma unroll
   for (int j = 0; j < V7_BQ / 8; ++j) {
-    float l2[2], d[2];
+    float l2[2];
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      l2[c] = L[8 * j + 2 * t4 + c] * LOG2E;
-      d[c] = Dt[8 * j + 2 * t4 + c];
-    }
+    for (int c = 0; c < 2; ++c) l2[c] = L[8 * j + 2 * t4 + c] * LOG2E;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float p = fast_exp2(fmaf(s[4 * j + e], sl2, -l2[e & 1]));
@@ -170,16 +182,28 @@ __device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dv
         if (q < key0 + g + 8 * (e >> 1) || q >= T) p = 0.f;
       }
       s[4 * j + e] = p;
-      dp[4 * j + e] = p * (dp[4 * j + e] - d[e & 1]);
     }
   }
   unsigned pf[V7_BQ / 16][4], sf[V7_BQ / 16][4];
   frags7<V7_BQ>(pf, s);
-  frags7<V7_BQ>(sf, dp);
+  // dV += P^T dO, left running (with V7_OVERLAP) while dS^T is formed
   fence_regs<HS / 2>(dv);
-  fence_regs<HS / 2>(dk);
   wgmma_fence();
   rs7_issue<V7_BQ>(dv, pf, desc_mnmajor(dO));
+  wgmma_commit();
+  wgmma_wait<V7_OVERLAP ? 1 : 0>();  // dP^T done (it was committed before dV)
+  fence_regs<V7_BQ / 2>(dp);
+#pragma unroll
+  for (int j = 0; j < V7_BQ / 8; ++j) {
+    float d[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) d[c] = Dt[8 * j + 2 * t4 + c];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - d[e & 1]);
+  }
+  frags7<V7_BQ>(sf, dp);
+  fence_regs<HS / 2>(dk);
+  wgmma_fence();
   rs7_issue<V7_BQ>(dk, sf, desc_mnmajor(Q));
   wgmma_commit();
   wgmma_wait_all();
@@ -258,6 +282,7 @@ __device__ __forceinline__ void dq7_tile(float* dq, u64 dqry, u64 ddo, const u16
   int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   float s[V7_BN / 2], dp[V7_BN / 2];
   two_scores<V7_BN>(s, dp, dqry, desc_kmajor(K), ddo, desc_kmajor(V));
+  // P while dP may still be running
 #pragma unroll
   for (int j = 0; j < V7_BN / 8; ++j)
 #pragma unroll
@@ -268,8 +293,14 @@ __device__ __forceinline__ void dq7_tile(float* dq, u64 dqry, u64 ddo, const u16
         int key = k0 + 8 * j + 2 * t4 + (e & 1);
         if (key > row0 + g + 8 * r || key >= T) p = 0.f;
       }
-      s[4 * j + e] = p * (dp[4 * j + e] - D[r]);
+      s[4 * j + e] = p;
     }
+  wgmma_wait<0>();
+  fence_regs<V7_BN / 2>(dp);
+#pragma unroll
+  for (int j = 0; j < V7_BN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[4 * j + e] *= dp[4 * j + e] - D[e >> 1];
   unsigned sf[V7_BN / 16][4];
   frags7<V7_BN>(sf, s);
   fence_regs<HS / 2>(dq);

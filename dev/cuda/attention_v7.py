@@ -38,20 +38,39 @@ v6 = _load_v6()
 is_hopper = v6.is_hopper
 
 
-def geometry(hs: int) -> dict:
+# -D settings of attention_v7.cu a launch may change (tune={name: value}): queries per dK/dV tile,
+# keys per dQ tile, blocks per multiprocessor each kernel is compiled to fit, overlap (0: every
+# product group waited for at once)
+TUNABLE = {"bq": "V7_BQ", "bn": "V7_BN", "dkv_blocks": "V7_DKV_BLOCKS", "dq_blocks": "V7_DQ_BLOCKS",
+           "overlap": "V7_OVERLAP"}
+
+
+def geometry(hs: int, tune=None) -> dict:
     """Version 7's backward launch for head size hs, as attention_v7.cu defines it (V7_THREADS,
     V7_BK, V7_QM, V7_DKV_SMEM, V7_DQ_SMEM; the kernels trap on another block size or less shared
-    memory)."""
+    memory); tune as module's."""
+    tune = tune or {}
     keys, rows = 64 * V7_WG, 64 * V7_WG
-    bq, bn = (64 if hs <= 64 else 32), 64
+    bq, bn = tune.get("bq", 64 if hs <= 64 else 32), tune.get("bn", 64)
     return {"threads": 128 * V7_WG, "keys": keys, "rows": rows,
             "dkv_smem": 2 * keys * hs * 2 + 4 * bq * hs * 2 + 4 * bq * 4,
             "dq_smem": 2 * rows * hs * 2 + 4 * bn * hs * 2}
 
 
-def module(cache: dict, ct: str, hs: int):
-    """attention_v7.cu built for sm_90a (forward and backward), once per cache."""
-    return v6.module(cache, ct, hs, SOURCE)
+def module(cache: dict, ct: str, hs: int, tune=None):
+    """attention_v7.cu built for sm_90a (forward and backward), once per cache and settings; tune
+    ({TUNABLE key: int}) overrides the file's defaults."""
+    tune = tune or {}
+    unknown = set(tune) - set(TUNABLE)
+    if unknown:
+        raise ValueError(f"attention_v7 tune: unknown {sorted(unknown)}; expected some of {sorted(TUNABLE)}")
+    key = (str(SOURCE), ct, hs, tuple(sorted(tune.items())))
+    if key not in cache:
+        defs = (f"-DHS={hs}",) + tuple(f"-D{TUNABLE[k]}={v}" for k, v in sorted(tune.items()))
+        cache[key] = v6.Sm90aModule(v6.compile_sm90a(v6.source(SOURCE), SOURCE.name, ct, defs))
+        print(f"{SOURCE.name}: compiled for sm_90a (wgmma forward and backward), CT={ct} {' '.join(defs)}",
+              file=sys.stderr)
+    return cache[key]
 
 
 def launch_fwd(cache: dict, ct: str, out, lse, qkv, B: int, T: int, NH: int, hs: int):
@@ -62,10 +81,11 @@ def launch_fwd(cache: dict, ct: str, out, lse, qkv, B: int, T: int, NH: int, hs:
                                  shared_mem=geo["smem"])
 
 
-def launch_bwd_parts(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: int, NH: int, hs: int) -> dict:
+def launch_bwd_parts(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: int, NH: int, hs: int,
+                     tune=None) -> dict:
     """{kernel: a function that launches it} for the three kernels of the backward, in order:
     k_attn_flash_D (D (B*NH*T,) float32), then version 7's dQ and dK/dV, which add into dqkv."""
-    mod, geo, BH = module(cache, ct, hs), geometry(hs), B * NH
+    mod, geo, BH = module(cache, ct, hs, tune), geometry(hs, tune), B * NH
     args = (dqkv, qkv, dout, lse, D, i32(B), i32(T), i32(NH), np.float32(1.0 / math.sqrt(hs)))
     return {
         "k_attn_flash_D": lambda: mod.launch("k_attn_flash_D", -(-(BH * T) // THREADS), THREADS,
@@ -77,10 +97,10 @@ def launch_bwd_parts(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int,
     }
 
 
-def launch_bwd(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: int, NH: int, hs: int):
+def launch_bwd(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: int, NH: int, hs: int, tune=None):
     """Version 7's backward: dqkv (B,T,3C) += [dQ | dK | dV]; the arrays as version 4's launcher
     gives them (16-bit, 16-byte aligned), D a float32 scratch of B*NH*T."""
-    for launch in launch_bwd_parts(cache, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs).values():
+    for launch in launch_bwd_parts(cache, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs, tune).values():
         launch()
 
 
