@@ -123,12 +123,15 @@ def test_v7_backward_has_wgmma_only_for_sm90a(arch, wgmma, tmp_path):
     assert ("k_attn_flash_bwd_dkv_v4" in ptx) == wgmma
 
 
-@pytest.mark.parametrize("hs", [16, 64, 80, 128])
-def test_v7_sidecar_geometry_is_the_kernels(hs, tmp_path):
-    geo = load_dev("attention_v7").geometry(hs)
+@pytest.mark.parametrize("hs, tune", [(16, {}), (64, {}), (80, {}), (128, {}), (64, {"kwg": 3, "bq": 32, "bn": 128})])
+def test_v7_sidecar_geometry_is_the_kernels(hs, tune, tmp_path):
+    v7 = load_dev("attention_v7")
+    geo = v7.geometry(hs, tune)
     src = tmp_path / "geometry7.cu"
-    src.write_text(f'#include "{DEV / "attention_v7.cu"}"\n'
-                   f'static_assert(V7_THREADS == {geo["threads"]}, "threads");\n'
+    src.write_text("".join(f"#define {v7.TUNABLE[k]} {v}\n" for k, v in tune.items()) +
+                   f'#include "{DEV / "attention_v7.cu"}"\n'
+                   f'static_assert(V7_DKV_THREADS == {geo["dkv_threads"]}, "dkv threads");\n'
+                   f'static_assert(V7_DQ_THREADS == {geo["dq_threads"]}, "dq threads");\n'
                    f'static_assert(V7_BK == {geo["keys"]}, "keys");\n'
                    f'static_assert(V7_QM == {geo["rows"]}, "rows");\n'
                    f'static_assert(V7_DKV_SMEM == {geo["dkv_smem"]}, "dkv smem");\n'

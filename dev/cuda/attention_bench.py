@@ -189,9 +189,14 @@ VARIANTS = {
                         v4_smem, True),
     "v7": HopperBackward("v7", DEV / "attention_v7.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
                          v4_smem, True),
-    # v7 with each product group waited for at once (V7_OVERLAP=0): what the overlap inside a warpgroup gains
-    "v7s": HopperBackward("v7s", DEV / "attention_v7.cu", (64,), lambda hs: 128 if hs <= 64 else 64,
-                          v4_smem, True, tune={"overlap": 0}),
+    # v7 with other -D settings (attention_v7.py's TUNABLE), checked and timed at head size 64 only:
+    # each product group waited for at once (what the overlap inside a warpgroup gains); 32 queries
+    # a dK/dV tile (138 registers); three warpgroups (192 keys) a dK/dV block with 32 queries a tile;
+    # 128 keys a dQ tile (210 registers, one block a multiprocessor)
+    **{name: HopperBackward(name, DEV / "attention_v7.cu", (64,), lambda hs: 128 if hs <= 64 else 64, v4_smem, True,
+                            tune=tune)
+       for name, tune in (("v7s", {"overlap": 0}), ("v7q32", {"bq": 32}), ("v7k3", {"kwg": 3, "bq": 32}),
+                          ("v7n128", {"bn": 128, "dq_blocks": 1}))},
 }
 DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
 

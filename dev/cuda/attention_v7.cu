@@ -17,7 +17,7 @@
 //
 // Design (every product is one of version 6's two forms, so wgmma_probe.py's ss and rs probes cover
 // the layouts used here: A and B K-major from shared memory; A from registers, B MN-major):
-//   k_attn_flash_bwd_dkv: one block per V7_BK = 128 keys of one head, two warpgroups of 64 keys.
+//   k_attn_flash_bwd_dkv: one block per V7_BK = 128 keys of one head, V7_KWG = 2 warpgroups of 64 keys.
 //   K and V stay in shared memory; query tiles of V7_BQ rows (64 up to head size 64, else 32) and
 //   their lse and D are streamed two deep with cp.async. Per warpgroup and query tile:
 //     S^T  (64 x BQ) = K Q^T            ss, A = K, B = Q      (HS/16 k-steps)
@@ -67,13 +67,18 @@
 #else
 #define V7_WGMMA 0
 #endif
-#define V7_WG 2                        // warpgroups per block (both kernels)
-#define V7_THREADS (128 * V7_WG)
-#define V7_BK (64 * V7_WG)             // keys per dK/dV block
+#define V7_WG 2                        // warpgroups per dQ block
+#define V7_DQ_THREADS (128 * V7_WG)
 #define V7_QM (64 * V7_WG)             // query rows per dQ block
-// Tunable with -D (attention_v7.py passes the same to the launch): queries per streamed tile in
-// dK/dV, keys per streamed tile in dQ, and the blocks per multiprocessor each kernel asks the
-// compiler to fit (the second argument of __launch_bounds__: 2 caps registers at 128).
+// Tunable with -D (attention_v7.py passes the same to the launch): warpgroups per dK/dV block
+// (64 keys each), queries per streamed tile in dK/dV, keys per streamed tile in dQ, and the blocks
+// per multiprocessor each kernel asks the compiler to fit (the second argument of
+// __launch_bounds__: 2 caps registers at 128 for 256 threads).
+#ifndef V7_KWG
+#define V7_KWG 2
+#endif
+#define V7_DKV_THREADS (128 * V7_KWG)
+#define V7_BK (64 * V7_KWG)            // keys per dK/dV block
 #ifndef V7_BQ
 #define V7_BQ (HS <= 64 ? 64 : 32)
 #endif
@@ -211,14 +216,14 @@ __device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dv
   fence_regs<HS / 2>(dk);
 }
 
-// dK and dV parts of dqkv += ...: version 7, grid (B*NH, ceil(T/V7_BK)), block V7_THREADS,
+// dK and dV parts of dqkv += ...: version 7, grid (B*NH, ceil(T/V7_BK)), block V7_DKV_THREADS,
 // V7_DKV_SMEM bytes of dynamic shared memory (traps on anything else).
-extern "C" __global__ void __launch_bounds__(V7_THREADS, V7_DKV_BLOCKS) k_attn_flash_bwd_dkv(HT* dqkv, const HT* qkv, const HT* dout,
+extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_attn_flash_bwd_dkv(HT* dqkv, const HT* qkv, const HT* dout,
                                                                              const float* lse, const float* Dv,
                                                                              int B, int T, int NH, float scale) {
   extern __shared__ __align__(16) u16 smem[];
   require_smem(V7_DKV_SMEM);
-  if (blockDim.x != V7_THREADS) __trap();
+  if (blockDim.x != V7_DKV_THREADS) __trap();
   u16* k_tile = smem;                           // [V7_BK x HS]
   u16* v_tile = k_tile + V7_BK * HS;            // [V7_BK x HS]
   u16* q_tiles = v_tile + V7_BK * HS;           // [2][V7_BQ x HS]
@@ -311,14 +316,14 @@ __device__ __forceinline__ void dq7_tile(float* dq, u64 dqry, u64 ddo, const u16
   fence_regs<HS / 2>(dq);
 }
 
-// dQ part of dqkv += ...: version 7, grid (B*NH, ceil(T/V7_QM)), block V7_THREADS, V7_DQ_SMEM bytes
+// dQ part of dqkv += ...: version 7, grid (B*NH, ceil(T/V7_QM)), block V7_DQ_THREADS, V7_DQ_SMEM bytes
 // of dynamic shared memory (traps on anything else).
-extern "C" __global__ void __launch_bounds__(V7_THREADS, V7_DQ_BLOCKS) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
+extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
                                                                             const float* lse, const float* Dv,
                                                                             int B, int T, int NH, float scale) {
   extern __shared__ __align__(16) u16 smem[];
   require_smem(V7_DQ_SMEM);
-  if (blockDim.x != V7_THREADS) __trap();
+  if (blockDim.x != V7_DQ_THREADS) __trap();
   u16* q_tile = smem;                       // [V7_QM x HS], stays for the whole block
   u16* do_tile = q_tile + V7_QM * HS;       // [V7_QM x HS], likewise
   u16* k_tiles = do_tile + V7_QM * HS;      // [2][V7_BN x HS]

@@ -21,7 +21,7 @@ from andrea.backends.cuda.runtime import THREADS, check, ct_name, i32
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "attention_v7.cu"
-V7_WG = 2  # warpgroups per block of both backward kernels (V7_WG in attention_v7.cu)
+V7_WG = 2  # warpgroups per dQ block (V7_WG in attention_v7.cu); dK/dV: tune "kwg", default 2
 
 
 def _load_v6():
@@ -38,21 +38,23 @@ v6 = _load_v6()
 is_hopper = v6.is_hopper
 
 
-# -D settings of attention_v7.cu a launch may change (tune={name: value}): queries per dK/dV tile,
+# -D settings of attention_v7.cu a launch may change (tune={name: value}): warpgroups (64 keys each)
+# per dK/dV block, queries per dK/dV tile,
 # keys per dQ tile, blocks per multiprocessor each kernel is compiled to fit, overlap (0: every
 # product group waited for at once)
-TUNABLE = {"bq": "V7_BQ", "bn": "V7_BN", "dkv_blocks": "V7_DKV_BLOCKS", "dq_blocks": "V7_DQ_BLOCKS",
-           "overlap": "V7_OVERLAP"}
+TUNABLE = {"kwg": "V7_KWG", "bq": "V7_BQ", "bn": "V7_BN", "dkv_blocks": "V7_DKV_BLOCKS",
+           "dq_blocks": "V7_DQ_BLOCKS", "overlap": "V7_OVERLAP"}
 
 
 def geometry(hs: int, tune=None) -> dict:
-    """Version 7's backward launch for head size hs, as attention_v7.cu defines it (V7_THREADS,
-    V7_BK, V7_QM, V7_DKV_SMEM, V7_DQ_SMEM; the kernels trap on another block size or less shared
-    memory); tune as module's."""
+    """Version 7's backward launch for head size hs, as attention_v7.cu defines it (V7_DKV_THREADS,
+    V7_DQ_THREADS, V7_BK, V7_QM, V7_DKV_SMEM, V7_DQ_SMEM; the kernels trap on another block size or
+    less shared memory); tune as module's."""
     tune = tune or {}
-    keys, rows = 64 * V7_WG, 64 * V7_WG
+    kwg = tune.get("kwg", 2)
+    keys, rows = 64 * kwg, 64 * V7_WG
     bq, bn = tune.get("bq", 64 if hs <= 64 else 32), tune.get("bn", 64)
-    return {"threads": 128 * V7_WG, "keys": keys, "rows": rows,
+    return {"dkv_threads": 128 * kwg, "dq_threads": 128 * V7_WG, "keys": keys, "rows": rows,
             "dkv_smem": 2 * keys * hs * 2 + 4 * bq * hs * 2 + 4 * bq * 4,
             "dq_smem": 2 * rows * hs * 2 + 4 * bn * hs * 2}
 
@@ -90,10 +92,10 @@ def launch_bwd_parts(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int,
     return {
         "k_attn_flash_D": lambda: mod.launch("k_attn_flash_D", -(-(BH * T) // THREADS), THREADS,
                                              (D, dout, out, i32(B), i32(T), i32(NH))),
-        "k_attn_flash_bwd_dq": lambda: mod.launch("k_attn_flash_bwd_dq", (BH, -(-T // geo["rows"])), geo["threads"],
+        "k_attn_flash_bwd_dq": lambda: mod.launch("k_attn_flash_bwd_dq", (BH, -(-T // geo["rows"])), geo["dq_threads"],
                                                   args, shared_mem=geo["dq_smem"]),
         "k_attn_flash_bwd_dkv": lambda: mod.launch("k_attn_flash_bwd_dkv", (BH, -(-T // geo["keys"])),
-                                                   geo["threads"], args, shared_mem=geo["dkv_smem"]),
+                                                   geo["dkv_threads"], args, shared_mem=geo["dkv_smem"]),
     }
 
 
