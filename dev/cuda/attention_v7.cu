@@ -42,6 +42,8 @@
 //   added into dqkv by version 4's add_rows.
 // Deterministic: fixed order everywhere, each output element owned by one thread.
 //
+// Shared-memory tiles: version 6's core-matrix layout (no swizzle) by default; -DV7_SWIZZLE=1 (head
+// size 64) stages 128-byte swizzled rows instead (load_tile7), the layout TMA and CUTLASS use.
 // Not done: TMA loads and mbarrier producer/consumer warp specialisation (a producer warpgroup with
 // setmaxnreg), keeping the NEXT tile's products in flight across the block barrier (each tile ends
 // with every product waited for), swizzled layouts, one fused kernel for dQ and dK/dV (it needs atomics or an ordered reduction
@@ -91,6 +93,10 @@
 #ifndef V7_OVERLAP
 #define V7_OVERLAP 1  // 0: each product group waited for at once (no overlap inside a warpgroup)
 #endif
+#ifndef V7_SWIZZLE
+#define V7_SWIZZLE 0  // 1: 128-byte swizzled tiles (head size 64 only, elsewhere ignored)
+#endif
+#define V7_SW (V7_SWIZZLE && HS == 64)
 #ifndef V7_DQ_BLOCKS
 #define V7_DQ_BLOCKS (HS <= 64 ? 2 : 1)  // fits 128 registers without spilling up to head size 64
 #endif
@@ -111,6 +117,41 @@
 #endif
 
 #if V7_WGMMA
+// ---------------------------------------------------------------- version 7 tiles
+// Every tile of version 7 is ROWS x HS, staged by load_tile7. Default: version 6's core-matrix
+// layout (load_tile6). With V7_SW (head size 64, so a row is 128 bytes): row-major rows of 128
+// bytes, 16-byte chunk c of row r stored at chunk c ^ (r % 8) -- the 128-byte swizzle wgmma applies
+// to shared-memory addresses (bits 4-6 XOR bits 7-9), so every tile starts 1024-byte aligned. The
+// cp.async stores of a warp then cover 4 whole rows (512 contiguous bytes).
+template <int ROWS>
+__device__ __forceinline__ void load_tile7(u16* dst, const HT* base, int r0, int T, int ld) {
+#if V7_SW
+  for (int idx = threadIdx.x; idx < ROWS * 8; idx += blockDim.x) {
+    int r = idx >> 3, c = idx & 7;
+    bool ok = r0 + r < T;
+    cp_async16(dst + r * 64 + ((c ^ (r & 7)) << 3), base + (ok ? (i64)(r0 + r) * ld + c * 8 : 0), ok);
+  }
+#else
+  load_tile6<ROWS>(dst, base, r0, T, ld);
+#endif
+}
+#if V7_WGMMA
+// Descriptors of a load_tile7 tile. Swizzled (mode 1, bits 62-63): K-major, 8-row groups SBO = 1024
+// bytes apart (LBO unused); MN-major (the K dimension along the rows), 8-row groups along K SBO =
+// 1024 apart (LBO, between 64-column groups, unused at 64 columns).
+__device__ __forceinline__ u64 desc7_k(const u16* tile) {
+  return V7_SW ? make_desc(tile, 16, 1024) | (1ull << 62) : desc_kmajor(tile);
+}
+__device__ __forceinline__ u64 desc7_mn(const u16* tile) {
+  return V7_SW ? make_desc(tile, 16, 1024) | (1ull << 62) : desc_mnmajor(tile);
+}
+// Descriptor steps (16-byte units): a k16 step of a K-major operand (two chunks of a swizzled row:
+// 32 bytes; two core matrices: 256 bytes), and 16 rows of an MN-major one (2048 bytes both ways at
+// HS = 64).
+#define V7_KSTEP (V7_SW ? 2 : 16)
+#define V7_MNSTEP (V7_SW ? 128 : 2 * CM_ROW_BYTES / 16)
+#endif
+
 // ---------------------------------------------------------------- version 7 products (sm_90a)
 // acc (64 x N, fp32, accumulator layout) = A B^T over HS: da describes this warpgroup's 64 rows of
 // A, db the N rows of B, both K-major tiles of load_tile6. Issues only: the caller fences, commits
@@ -118,8 +159,8 @@
 template <int N>
 __device__ __forceinline__ void ss7_issue(float* acc, u64 da, u64 db) {
 #pragma unroll
-  for (int kk = 0; kk < HS / 16; ++kk)  // 256 bytes (two core matrices along HS) a step
-    Wg<N, is_bf16<HT>::v, 0>::ss(acc, da + (u64)(kk * 16), db + (u64)(kk * 16), kk);
+  for (int kk = 0; kk < HS / 16; ++kk)  // 16 columns of HS a step
+    Wg<N, is_bf16<HT>::v, 0>::ss(acc, da + (u64)(kk * V7_KSTEP), db + (u64)(kk * V7_KSTEP), kk);
 }
 
 // acc (64 x HS) += A B: A (64 x NK) as NK/16 register fragments (frags7), db an NK x HS tile of
@@ -128,7 +169,7 @@ template <int NK>
 __device__ __forceinline__ void rs7_issue(float* acc, const unsigned (*a)[4], u64 db) {
 #pragma unroll
   for (int kc = 0; kc < NK / 16; ++kc)  // two row groups (16 rows) a step
-    Wg<HS, is_bf16<HT>::v, 1>::rs(acc, a[kc], db + (u64)(kc * 2 * CM_ROW_BYTES / 16), 1);
+    Wg<HS, is_bf16<HT>::v, 1>::rs(acc, a[kc], db + (u64)(kc * V7_MNSTEP), 1);
 }
 
 // A fragments (16-bit, rounded here) of a 64 x N accumulator: k16 block kc is entries 8kc..8kc+7.
@@ -172,7 +213,7 @@ __device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dv
                                           const float* L, const float* Dt, int key0, int q0, int T, float sl2) {
   int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   float s[V7_BQ / 2], dp[V7_BQ / 2];
-  two_scores<V7_BQ>(s, dp, dkey, desc_kmajor(Q), dval, desc_kmajor(dO));
+  two_scores<V7_BQ>(s, dp, dkey, desc7_k(Q), dval, desc7_k(dO));
   // P^T while dP^T may still be running
 #pragma unroll
   for (int j = 0; j < V7_BQ / 8; ++j) {
@@ -194,7 +235,7 @@ __device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dv
   // dV += P^T dO, left running (with V7_OVERLAP) while dS^T is formed
   fence_regs<HS / 2>(dv);
   wgmma_fence();
-  rs7_issue<V7_BQ>(dv, pf, desc_mnmajor(dO));
+  rs7_issue<V7_BQ>(dv, pf, desc7_mn(dO));
   wgmma_commit();
   wgmma_wait<V7_OVERLAP ? 1 : 0>();  // dP^T done (it was committed before dV)
   fence_regs<V7_BQ / 2>(dp);
@@ -209,7 +250,7 @@ __device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dv
   frags7<V7_BQ>(sf, dp);
   fence_regs<HS / 2>(dk);
   wgmma_fence();
-  rs7_issue<V7_BQ>(dk, sf, desc_mnmajor(Q));
+  rs7_issue<V7_BQ>(dk, sf, desc7_mn(Q));
   wgmma_commit();
   wgmma_wait_all();
   fence_regs<HS / 2>(dv);
@@ -221,8 +262,10 @@ __device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dv
 extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_attn_flash_bwd_dkv(HT* dqkv, const HT* qkv, const HT* dout,
                                                                              const float* lse, const float* Dv,
                                                                              int B, int T, int NH, float scale) {
-  extern __shared__ __align__(16) u16 smem[];
+  extern __shared__ __align__(1024) u16 smem7[];
+  u16* smem = smem7;
   require_smem(V7_DKV_SMEM);
+  if (V7_SW && (smem_u32(smem) & 1023)) __trap();  // the swizzle is on address bits
   if (blockDim.x != V7_DKV_THREADS) __trap();
   u16* k_tile = smem;                           // [V7_BK x HS]
   u16* v_tile = k_tile + V7_BK * HS;            // [V7_BK x HS]
@@ -243,22 +286,22 @@ extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_at
   const float* db = Dv + (i64)bh * T;
   float sl2 = scale * LOG2E;
   int first = k0 / V7_BQ, n_tiles = (T - 1) / V7_BQ + 1;
-  load_tile6<V7_BK>(k_tile, kb, k0, T, ld);
-  load_tile6<V7_BK>(v_tile, vb, k0, T, ld);
-  load_tile6<V7_BQ>(q_tiles, qb, first * V7_BQ, T, ld);
-  load_tile6<V7_BQ>(do_tiles, ob, first * V7_BQ, T, C);
+  load_tile7<V7_BK>(k_tile, kb, k0, T, ld);
+  load_tile7<V7_BK>(v_tile, vb, k0, T, ld);
+  load_tile7<V7_BQ>(q_tiles, qb, first * V7_BQ, T, ld);
+  load_tile7<V7_BQ>(do_tiles, ob, first * V7_BQ, T, C);
   load_row_values<V7_BQ>(lse_tiles, lb, first * V7_BQ, T);
   load_row_values<V7_BQ>(d_tiles, db, first * V7_BQ, T);
   cp_commit();
-  u64 dkey = desc_kmajor(k_tile + 64 * wg * HS), dval = desc_kmajor(v_tile + 64 * wg * HS);
+  u64 dkey = desc7_k(k_tile + 64 * wg * HS), dval = desc7_k(v_tile + 64 * wg * HS);
   float dk[HS / 2], dv[HS / 2];
 #pragma unroll
   for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
   for (int qt = first; qt < n_tiles; ++qt) {
     int q0 = qt * V7_BQ, cur = (qt - first) & 1, nb = cur ^ 1;
     pipeline_wait_async(qt + 1 < n_tiles, [&] {
-      load_tile6<V7_BQ>(q_tiles + nb * V7_BQ * HS, qb, q0 + V7_BQ, T, ld);
-      load_tile6<V7_BQ>(do_tiles + nb * V7_BQ * HS, ob, q0 + V7_BQ, T, C);
+      load_tile7<V7_BQ>(q_tiles + nb * V7_BQ * HS, qb, q0 + V7_BQ, T, ld);
+      load_tile7<V7_BQ>(do_tiles + nb * V7_BQ * HS, ob, q0 + V7_BQ, T, C);
       load_row_values<V7_BQ>(lse_tiles + nb * V7_BQ, lb, q0 + V7_BQ, T);
       load_row_values<V7_BQ>(d_tiles + nb * V7_BQ, db, q0 + V7_BQ, T);
     });
@@ -286,7 +329,7 @@ __device__ __forceinline__ void dq7_tile(float* dq, u64 dqry, u64 ddo, const u16
                                          const float* D, int row0, int k0, int T, float sl2) {
   int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   float s[V7_BN / 2], dp[V7_BN / 2];
-  two_scores<V7_BN>(s, dp, dqry, desc_kmajor(K), ddo, desc_kmajor(V));
+  two_scores<V7_BN>(s, dp, dqry, desc7_k(K), ddo, desc7_k(V));
   // P while dP may still be running
 #pragma unroll
   for (int j = 0; j < V7_BN / 8; ++j)
@@ -310,7 +353,7 @@ __device__ __forceinline__ void dq7_tile(float* dq, u64 dqry, u64 ddo, const u16
   frags7<V7_BN>(sf, s);
   fence_regs<HS / 2>(dq);
   wgmma_fence();
-  rs7_issue<V7_BN>(dq, sf, desc_mnmajor(K));
+  rs7_issue<V7_BN>(dq, sf, desc7_mn(K));
   wgmma_commit();
   wgmma_wait_all();
   fence_regs<HS / 2>(dq);
@@ -321,8 +364,10 @@ __device__ __forceinline__ void dq7_tile(float* dq, u64 dqry, u64 ddo, const u16
 extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
                                                                             const float* lse, const float* Dv,
                                                                             int B, int T, int NH, float scale) {
-  extern __shared__ __align__(16) u16 smem[];
+  extern __shared__ __align__(1024) u16 smem7[];
+  u16* smem = smem7;
   require_smem(V7_DQ_SMEM);
+  if (V7_SW && (smem_u32(smem) & 1023)) __trap();  // the swizzle is on address bits
   if (blockDim.x != V7_DQ_THREADS) __trap();
   u16* q_tile = smem;                       // [V7_QM x HS], stays for the whole block
   u16* do_tile = q_tile + V7_QM * HS;       // [V7_QM x HS], likewise
@@ -345,20 +390,20 @@ extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn
     D[r] = row < T ? Dv[(i64)bh * T + row] : 0.f;
   }
   int n_tiles = (min(q0 + V7_QM, T) - 1) / V7_BN + 1;  // causal: keys up to the block's last query
-  load_tile6<V7_QM>(q_tile, qb, q0, T, ld);
-  load_tile6<V7_QM>(do_tile, ob, q0, T, C);
-  load_tile6<V7_BN>(k_tiles, kb, 0, T, ld);
-  load_tile6<V7_BN>(v_tiles, vb, 0, T, ld);
+  load_tile7<V7_QM>(q_tile, qb, q0, T, ld);
+  load_tile7<V7_QM>(do_tile, ob, q0, T, C);
+  load_tile7<V7_BN>(k_tiles, kb, 0, T, ld);
+  load_tile7<V7_BN>(v_tiles, vb, 0, T, ld);
   cp_commit();
-  u64 dqry = desc_kmajor(q_tile + 64 * wg * HS), ddo = desc_kmajor(do_tile + 64 * wg * HS);
+  u64 dqry = desc7_k(q_tile + 64 * wg * HS), ddo = desc7_k(do_tile + 64 * wg * HS);
   float dq[HS / 2];
 #pragma unroll
   for (int i = 0; i < HS / 2; ++i) dq[i] = 0.f;
   for (int kt = 0; kt < n_tiles; ++kt) {
     int k0 = kt * V7_BN, nb = (kt + 1) & 1;
     pipeline_wait_async(kt + 1 < n_tiles, [&] {
-      load_tile6<V7_BN>(k_tiles + nb * V7_BN * HS, kb, k0 + V7_BN, T, ld);
-      load_tile6<V7_BN>(v_tiles + nb * V7_BN * HS, vb, k0 + V7_BN, T, ld);
+      load_tile7<V7_BN>(k_tiles + nb * V7_BN * HS, kb, k0 + V7_BN, T, ld);
+      load_tile7<V7_BN>(v_tiles + nb * V7_BN * HS, vb, k0 + V7_BN, T, ld);
     });
     const u16* K = k_tiles + (kt & 1) * V7_BN * HS;
     const u16* V = v_tiles + (kt & 1) * V7_BN * HS;
