@@ -161,6 +161,21 @@ __device__ __forceinline__ float ld_cg(const float* p) {
   return v;
 }
 
+// sum of p[k * C] for k = k0 .. k1-1 added in k order (through L2), the loads issued 8 at a time
+// before their additions: the sum waits on about (k1 - k0) / 8 memory round trips, not k1 - k0.
+__device__ __forceinline__ float ln_sum_rows(const float* p, int k0, int k1, int C) {
+  float s = 0.f;
+  for (int k = k0; k < k1; k += 8) {
+    float v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = k + u < k1 ? ld_cg(p + (i64)(k + u) * C) : 0.f;
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (k + u < k1) s += v[u];
+  }
+  return s;
+}
+
 // Whether this block is the last of n to pass (counter incremented once per block); the last
 // sets the counter back to zero. Every block's writes before the call are visible to the last.
 __device__ __forceinline__ bool last_block_of(unsigned* counter, unsigned n, int* flag) {
@@ -283,17 +298,13 @@ extern "C" __global__ void __launch_bounds__(256, LN_SLOTS * LN_VEC <= 24 && LN_
   int b0 = g * group, b1 = b0 + group < nb ? b0 + group : nb;
   if (!last_block_of(counters + g, b1 - b0, &flag)) return;
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    float w = 0.f, b = 0.f;
-    for (int k = b0; k < b1; ++k) { w += ld_cg(pdw + (i64)k * C + c); b += ld_cg(pdb + (i64)k * C + c); }
-    pdw[(i64)(nb + g) * C + c] = w;
-    pdb[(i64)(nb + g) * C + c] = b;
+    pdw[(i64)(nb + g) * C + c] = ln_sum_rows(pdw + c, b0, b1, C);
+    pdb[(i64)(nb + g) * C + c] = ln_sum_rows(pdb + c, b0, b1, C);
   }
   if (!last_block_of(counters + ng, ng, &flag)) return;
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    float w = 0.f, b = 0.f;
-    for (int k = 0; k < ng; ++k) { w += ld_cg(pdw + (i64)(nb + k) * C + c); b += ld_cg(pdb + (i64)(nb + k) * C + c); }
-    dweight[c] += w;
-    dbias[c] += b;
+    dweight[c] += ln_sum_rows(pdw + c, nb, nb + ng, C);
+    dbias[c] += ln_sum_rows(pdb + c, nb, nb + ng, C);
   }
 }
 

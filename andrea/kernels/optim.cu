@@ -66,6 +66,7 @@ extern "C" __global__ void __launch_bounds__(SC_THREADS) k_step_check(
     double beta2, double weight_decay, double max_norm, int fp16, double growth_interval, double max_scale) {
   __shared__ float sp[SC_SHARED];
   __shared__ double pw[2];
+  if (blockDim.x < 65) __trap();  // threads 32 and 64 compute the powers
   if (blockIdx.x != 0) return;
   int ps = P < SC_SHARED ? P : SC_SHARED;
   for (int i = threadIdx.x; i < ps; i += blockDim.x) sp[i] = partials[i];
