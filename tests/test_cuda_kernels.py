@@ -139,7 +139,7 @@ def test_embed_bwd_deterministic_large(be):
 
 # B*T: a single key, sizes that are no power of two or end mid-block/mid-tile (77, 2049, 8191,
 # 12289), the ANDREA-12M step (8192), and two beyond the one-block sort's shared memory (20000,
-# 70001: the latter past embed_rank_max, so the rank path is forced there)
+# 70001, with several 2048-key tiles); each size through both paths (embed_rank_max forced)
 @pytest.mark.parametrize("N,V", [(1, 7), (77, 5), (2049, 50304), (8191, 3), (8192, 8192), (12289, 50), (20000, 1000),
                                  (70001, 30)])
 def test_embed_sort_rank(be, rng, N, V, monkeypatch):
