@@ -268,9 +268,10 @@ class CudaOps:
         for early in (1, 0):  # dinp's row loaded with the others where that compiles without spilling
             defs = (f"-DLN_ROWS={rows}", f"-DLN_SLOTS={slots(rows)}", f"-DLN_DINP_EARLY={early}")
             f = self.rt.function("layernorm.cu", "k_layernorm_bwd_fused", ct, defs)
-            if drv.funcGetAttribute(3, f.ptr) == 0:  # 3: CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
+            fptr = f.kernel.ptr if hasattr(f, "kernel") else f.ptr  # RawKernel, or an arch_module Function
+            if drv.funcGetAttribute(3, fptr) == 0:  # 3: CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
                 break
-        per_sm = max(1, drv.occupancyMaxActiveBlocksPerMultiprocessor(f.ptr, THREADS, 0))
+        per_sm = max(1, drv.occupancyMaxActiveBlocksPerMultiprocessor(fptr, THREADS, 0))
         target = self.ln_blocks or per_sm * cp.cuda.Device().attributes["MultiProcessorCount"]
         rpb = -(-(-(-N // target)) // rows) * rows  # whole slabs per block
         n_blocks = -(-N // rpb)
