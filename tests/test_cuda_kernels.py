@@ -6,7 +6,8 @@ Method (per kernel, per precision): fresh random inputs at odd sizes (T=77, C=20
 sizes 40 and 25, which do not divide 64); the reference runs in float64 on the same inputs rounded
 to the compute dtype; forward outputs are filled with NaN before the launch so an unwritten element
 fails; gradient buffers are pre-filled with random values and the test compares what the kernel
-ADDED. The error is norm(got - ref) / norm(ref); NaN or Inf anywhere fails.
+ADDED, except an activation gradient in the write mode (accumulate=False, parametrised "write"),
+which is filled with NaN and compared as it is. The error is norm(got - ref) / norm(ref); NaN or Inf anywhere fails.
 Tolerances: fp32 1e-5 (float32 arithmetic with TF32 off sits near 1e-7..1e-6 on these sizes);
 fp16 1e-2 (inputs, activations and intermediates rounded to 11 significant bits, ~5e-4 each).
 """
@@ -80,13 +81,14 @@ def assert_close(name, got, want, tol):
 
 class Grad:
     """A gradient buffer pre-filled with random values (scaled like the expected increment), so
-    the test checks that the kernel adds rather than writes."""
+    the test checks that the kernel adds rather than writes; accumulate=False (a kernel that
+    writes the buffer): filled with NaN instead, so an element it reads or leaves fails."""
 
-    def __init__(self, rng, want_inc, dt):
+    def __init__(self, rng, want_inc, dt, accumulate=True):
         scale = float(np.sqrt(np.mean(want_inc ** 2))) or 1.0
-        self.pre = rnd(rng, want_inc.shape, dt, scale)
+        self.pre = rnd(rng, want_inc.shape, dt, scale) if accumulate else np.zeros(want_inc.shape)
         self.want = want_inc
-        self.d = dev(self.pre, dt)
+        self.d = dev(self.pre, dt) if accumulate else nan_buf(want_inc.shape, dt)
 
     def check(self, name, tol):
         assert_close(name, host(self.d) - self.pre, self.want, tol)
@@ -94,6 +96,13 @@ class Grad:
 
 def zeros_like64(*arrays):
     return [np.zeros(a.shape) for a in arrays]
+
+
+@pytest.fixture(params=[True, False], ids=["add", "write"])
+def accumulate(request):
+    """The backward kernels' two modes for the activation gradient: add into it (the default), or
+    write it (accumulate=False, the first writer in model.backward)."""
+    return request.param
 
 
 # ---------------------------------------------------------------- embedding
@@ -174,7 +183,7 @@ def test_embed_sort_rank(be, rng, N, V, monkeypatch):
 
 # ---------------------------------------------------------------- layer norm
 @pytest.mark.parametrize("C", [200, 1100])  # one-pass backward (C <= 1024), and the two-pass one
-def test_layernorm(be, prec, rng, C):
+def test_layernorm(be, prec, rng, C, accumulate):
     dt, tol = prec
     inp = rnd(rng, (B, T, C), dt, 2.0, 0.5)
     w, b = rnd(rng, (C,), dt, 0.5, 1.0), rnd(rng, (C,), dt, 0.1)
@@ -189,9 +198,9 @@ def test_layernorm(be, prec, rng, C):
     dout = rnd(rng, (B, T, C), dt)
     dinp, dw, db = zeros_like64(inp, w, b)
     ref.k_layernorm_bwd(dinp, dw, db, dout, inp, w, mean, rstd)
-    gi, gw, gb = Grad(rng, dinp, dt), Grad(rng, dw, np.float32), Grad(rng, db, np.float32)
+    gi, gw, gb = Grad(rng, dinp, dt, accumulate), Grad(rng, dw, np.float32), Grad(rng, db, np.float32)
     be.k_layernorm_bwd(gi.d, gw.d, gb.d, dev(dout, dt), dev(inp, dt), dev(w, dt),
-                       dev(mean, np.float32), dev(rstd, np.float32))
+                       dev(mean, np.float32), dev(rstd, np.float32), accumulate=accumulate)
     gi.check("k_layernorm_bwd dinp", tol)
     gw.check("k_layernorm_bwd dweight", tol)
     gb.check("k_layernorm_bwd dbias", tol)
@@ -208,17 +217,17 @@ LN_BWD_SHAPES = [(8192, 384, "float16", 0, 0), (8191, 384, "bfloat16", 0, 0), (7
 
 
 @pytest.mark.parametrize("N,Cq,dt_name,blocks,group", LN_BWD_SHAPES)
-def test_layernorm_bwd_one_pass(be, rng, N, Cq, dt_name, blocks, group, monkeypatch):
+def test_layernorm_bwd_one_pass(be, rng, N, Cq, dt_name, blocks, group, monkeypatch, accumulate):
     """k_layernorm_bwd through the one-pass kernel and its reduction tree: against the reference,
     the same bits on a second launch and on a graph replay (the counters are back to zero after
-    each launch), and no k_colsum_final launched."""
+    each launch), and no k_colsum_final launched; in both modes (dinp added into, or written)."""
     import cupy as cp
     import ml_dtypes  # noqa: F401  (registers bfloat16)
     dt = np.dtype(dt_name)
     tol = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 3e-2}[dt_name]
     monkeypatch.setattr(be, "ln_blocks", blocks)
     monkeypatch.setattr(be, "ln_group", group)
-    plan = be._ln_bwd_plan(N, Cq, dt)
+    plan = be._ln_bwd_plan(N, Cq, dt, accumulate)
     assert plan is not None and plan["grid"] * plan["rows_per_block"] >= N
     if blocks:
         assert plan["grid"] <= blocks and plan["n_groups"] == -(-plan["grid"] // group)
@@ -231,12 +240,12 @@ def test_layernorm_bwd_one_pass(be, rng, N, Cq, dt_name, blocks, group, monkeypa
     dinp, dw, db = zeros_like64(inp, w, b)
     ref.k_layernorm_bwd(dinp, dw, db, dout, inp, w, mean, rstd)
     args = [dev(x, y) for x, y in ((dout, dt), (inp, dt), (w, dt), (mean, np.float32), (rstd, np.float32))]
-    gi, gw, gb = Grad(rng, dinp, dt), Grad(rng, dw, np.float32), Grad(rng, db, np.float32)
+    gi, gw, gb = Grad(rng, dinp, dt, accumulate), Grad(rng, dw, np.float32), Grad(rng, db, np.float32)
     pre = [g.d.copy() for g in (gi, gw, gb)]
     launched = []
     launch = be.rt.launch
     monkeypatch.setattr(be.rt, "launch", lambda f, k, *a, **kw: (launched.append(k), launch(f, k, *a, **kw))[1])
-    be.k_layernorm_bwd(gi.d, gw.d, gb.d, *args)
+    be.k_layernorm_bwd(gi.d, gw.d, gb.d, *args, accumulate=accumulate)
     assert launched == ["k_layernorm_bwd_fused"]
     gi.check("k_layernorm_bwd dinp", tol)
     gw.check("k_layernorm_bwd dweight", tol)
@@ -246,10 +255,10 @@ def test_layernorm_bwd_one_pass(be, rng, N, Cq, dt_name, blocks, group, monkeypa
     assert not cnt.any(), "the reduction tree's counters are not back to zero"
     reset = lambda: [g.d.data.copy_from_device(p.data, p.nbytes) for g, p in zip((gi, gw, gb), pre)]  # noqa: E731
     reset()
-    be.k_layernorm_bwd(gi.d, gw.d, gb.d, *args)
+    be.k_layernorm_bwd(gi.d, gw.d, gb.d, *args, accumulate=accumulate)
     for name, g, f in zip(("dinp", "dweight", "dbias"), (gi, gw, gb), first):
         assert np.array_equal(cp.asnumpy(g.d).view(np.uint8), f), f"{name} differs on a second launch"
-    graph = be.capture(lambda: be.k_layernorm_bwd(gi.d, gw.d, gb.d, *args))
+    graph = be.capture(lambda: be.k_layernorm_bwd(gi.d, gw.d, gb.d, *args, accumulate=accumulate))
     for _ in range(2):
         reset()
         graph.launch()
@@ -295,7 +304,7 @@ def lt_used(be, epilogue):
 
 # oc = C + 1: bias-gradient rows that are not whole 16-byte vectors
 @pytest.mark.parametrize("op,oc", [("attn_qkv", 3 * C), ("attn_out", C), ("attn_out", C + 1)])
-def test_linear(be, prec, rng, op, oc, lt):
+def test_linear(be, prec, rng, op, oc, lt, accumulate):
     dt, tol = prec
     fwd, bwd = f"k_{op}_fwd", f"k_{op}_bwd"
     inp, w, b = rnd(rng, (B, T, C), dt), rnd(rng, (oc, C), dt, 0.05), rnd(rng, (oc,), dt, 0.1)
@@ -309,20 +318,22 @@ def test_linear(be, prec, rng, op, oc, lt):
     dout = rnd(rng, (B, T, oc), dt)
     dinp, dw, db = zeros_like64(inp, w, b)
     getattr(ref, bwd)(dinp, dw, db, dout, inp, w)
-    gi, gw, gb = Grad(rng, dinp, dt), Grad(rng, dw, np.float32), Grad(rng, db, np.float32)
-    getattr(be, bwd)(gi.d, gw.d, gb.d, dev(dout, dt), dev(inp, dt), dev(w, dt))
+    gi, gw, gb = Grad(rng, dinp, dt, accumulate), Grad(rng, dw, np.float32), Grad(rng, db, np.float32)
+    getattr(be, bwd)(gi.d, gw.d, gb.d, dev(dout, dt), dev(inp, dt), dev(w, dt), accumulate=accumulate)
     gi.check(f"{bwd} dinp", tol)
     gw.check(f"{bwd} dw", tol)
     gb.check(f"{bwd} db", tol)
-    # again on the same buffers: db adds once more (no state left behind by the first launch)
-    getattr(be, bwd)(gi.d, gw.d, gb.d, dev(dout, dt), dev(inp, dt), dev(w, dt))
+    # again on the same buffers: db adds once more (no state left behind by the first launch);
+    # dinp adds once more, or is written again to the same values
+    getattr(be, bwd)(gi.d, gw.d, gb.d, dev(dout, dt), dev(inp, dt), dev(w, dt), accumulate=accumulate)
     assert_close(f"{bwd} db, second launch", host(gb.d) - gb.pre, 2 * db, tol)
+    assert_close(f"{bwd} dinp, second launch", host(gi.d) - gi.pre, (2 if accumulate else 1) * dinp, tol)
 
 
 # ---------------------------------------------------------------- attention
 @pytest.mark.parametrize("n_head", [5, 8])  # head sizes 40 and 25: version 1 (scores materialised)
-def test_attention(be, prec, rng, n_head):
-    check_attention(be, prec, rng, n_head, B, T, C)
+def test_attention(be, prec, rng, n_head, accumulate):
+    check_attention(be, prec, rng, n_head, B, T, C, accumulate)
 
 
 # 16-bit dtypes take version 4 (fused) at head sizes that are multiples of 16 up to 128: 64, 32,
@@ -331,19 +342,19 @@ FUSED_CASES = [(2, 77, 128), (4, 130, 128), (3, 77, 48), (2, 1000, 160), (2, 77,
 
 
 @pytest.mark.parametrize("n_head,Tq,Cq", FUSED_CASES)
-def test_attention_fused(be, prec, rng, n_head, Tq, Cq):
+def test_attention_fused(be, prec, rng, n_head, Tq, Cq, accumulate):
     if prec[0] == np.float16:
         assert be.attention_variant(np.float16, Cq // n_head) == "fused", "this case must exercise the fused kernels"
-    check_attention(be, prec, rng, n_head, 2, Tq, Cq)
+    check_attention(be, prec, rng, n_head, 2, Tq, Cq, accumulate)
 
 
 @pytest.mark.parametrize("n_head,Tq,Cq", FUSED_CASES)
-def test_attention_fused_bf16(be, rng, n_head, Tq, Cq):
+def test_attention_fused_bf16(be, rng, n_head, Tq, Cq, accumulate):
     """bfloat16 through the same kernels (the mma instruction's bf16 form). Tolerance 3e-2: 8
     significant bits, ~4e-3 per rounding, over the chain S -> P -> dS -> dQ, dK."""
     import ml_dtypes
     assert be.attention_variant(ml_dtypes.bfloat16, Cq // n_head) == "fused"
-    check_attention(be, (ml_dtypes.bfloat16, 3e-2), rng, n_head, 2, Tq, Cq)
+    check_attention(be, (ml_dtypes.bfloat16, 3e-2), rng, n_head, 2, Tq, Cq, accumulate)
 
 
 @pytest.mark.parametrize("dt_name", ["float16", "bfloat16"])
@@ -365,9 +376,15 @@ def test_attention_fused_bitwise_rerun(be, rng, dt_name, n_head, Tq, Cq):
         runs.append([cp.asnumpy(a).view(np.uint8) for a in (out, lse, dqkv)])
     for name, a, b in zip(("out", "lse", "dqkv"), *runs):
         assert np.array_equal(a, b), f"{name} differs between two runs on the same inputs"
+    # the write mode into NaN: the bits of adding into zeros (a zero result may differ in sign)
+    added, written = cp.zeros_like(pre), nan_buf(pre.shape, dt)
+    be.k_attn_bwd(added, dout, qkv, out, lse, n_head)
+    be.k_attn_bwd(written, dout, qkv, out, lse, n_head, accumulate=False)
+    a, w = cp.asnumpy(added).astype(np.float64), cp.asnumpy(written).astype(np.float64)
+    assert np.array_equal(a, w), "dqkv written differs from dqkv added into zeros"
 
 
-def check_attention(be, prec, rng, n_head, B, T, C):
+def check_attention(be, prec, rng, n_head, B, T, C, accumulate=True):
     dt, tol = prec
     qkv = rnd(rng, (B, T, 3 * C), dt)
     out, lse = np.zeros((B, T, C)), np.zeros((B, n_head, T))
@@ -382,8 +399,8 @@ def check_attention(be, prec, rng, n_head, B, T, C):
     dout = rnd(rng, (B, T, C), dt)
     dqkv = np.zeros_like(qkv)
     ref.k_attn_bwd(dqkv, dout, qkv, out, lse, n_head)
-    g = Grad(rng, dqkv, dt)
-    be.k_attn_bwd(g.d, dev(dout, dt), dev(qkv, dt), dev(out, dt), dev(lse, np.float32), n_head)
+    g = Grad(rng, dqkv, dt, accumulate)
+    be.k_attn_bwd(g.d, dev(dout, dt), dev(qkv, dt), dev(out, dt), dev(lse, np.float32), n_head, accumulate=accumulate)
     g.check("k_attn_bwd dqkv", tol)
 
 
@@ -391,7 +408,7 @@ def check_attention(be, prec, rng, n_head, B, T, C):
 # (2, 77, 200): B*T*4C in whole 16-byte vectors, k_mlp_bwd_gelu's vector path; (1, 77, 201): not
 @pytest.mark.parametrize("shape", [(B, T, C), (1, T, 201)])
 @pytest.mark.parametrize("dgelu_epilogue", [False, True])
-def test_mlp(be, prec, rng, lt, shape, dgelu_epilogue, monkeypatch):
+def test_mlp(be, prec, rng, lt, shape, dgelu_epilogue, monkeypatch, accumulate):
     dt, tol = prec
     monkeypatch.setattr(be, "dgelu_epilogue", dgelu_epilogue)
     b, t, c = shape
@@ -412,9 +429,9 @@ def test_mlp(be, prec, rng, lt, shape, dgelu_epilogue, monkeypatch):
     dout = rnd(rng, (b, t, c), dt)
     dinp, dw1, db1, dw2, db2 = zeros_like64(inp, w1, b1, w2, b2)
     ref.k_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, np.zeros_like(pre), np.zeros_like(pre))
-    gs = [Grad(rng, dinp, dt)] + [Grad(rng, x, np.float32) for x in (dw1, db1, dw2, db2)]
+    gs = [Grad(rng, dinp, dt, accumulate)] + [Grad(rng, x, np.float32) for x in (dw1, db1, dw2, db2)]
     be.k_mlp_bwd(*(g.d for g in gs), dev(dout, dt), dev(inp, dt), dev(pre, dt), dev(w1, dt),
-                 dev(w2, dt), nan_buf((b, t, H), dt), nan_buf((b, t, H), dt))
+                 dev(w2, dt), nan_buf((b, t, H), dt), nan_buf((b, t, H), dt), accumulate=accumulate)
     for g, n in zip(gs, ("dinp", "dw1", "db1", "dw2", "db2")):
         g.check(f"k_mlp_bwd {n}", tol)
     assert lt_used(be, "dgelu") or not (lt and dgelu_epilogue)
@@ -461,7 +478,7 @@ def test_residual(be, prec, rng):
 # ---------------------------------------------------------------- loss
 @pytest.mark.parametrize("rows", [B * T, 64])  # one chunk; chunks of 64 rows, the last short
 @pytest.mark.parametrize("V", [V, 1000])  # rows of 1000 are whole 16-byte vectors: the kernels' vector path
-def test_loss(be, prec, rng, rows, V):
+def test_loss(be, prec, rng, rows, V, accumulate):
     dt, tol = prec
     inp, wte = rnd(rng, (B, T, C), dt), rnd(rng, (V, C), dt, 0.1)
     targets = rng.integers(0, V, (B, T)).astype(np.int32)
@@ -478,17 +495,18 @@ def test_loss(be, prec, rng, rows, V):
     dinp, dwte = zeros_like64(inp, wte)
     r_losses, r_lse = np.zeros((B, T)), np.zeros((B, T))
     ref.k_loss_bwd(r_losses, r_lse, dinp, dwte, logits, inp, wte, targets, dloss)
-    gi, gw = Grad(rng, dinp, dt), Grad(rng, dwte, np.float32)
+    gi, gw = Grad(rng, dinp, dt, accumulate), Grad(rng, dwte, np.float32)
     b_losses, b_lse = nan_buf((B, T), np.float32), nan_buf((B, T), np.float32)
     args = (dev(inp, dt), dev(wte, dt), dev(targets, np.int32))
-    be.k_loss_bwd(b_losses, b_lse, gi.d, gw.d, nan_buf((rows, V), dt), *args, dloss)
+    be.k_loss_bwd(b_losses, b_lse, gi.d, gw.d, nan_buf((rows, V), dt), *args, dloss, accumulate=accumulate)
     assert_close("k_loss_bwd losses", host(b_losses), r_losses, tol)
     assert np.array_equal(host(b_lse), host(g_lse))  # the same row reduction as k_loss_fwd
     gi.check("k_loss_bwd dinp", tol)
     gw.check("k_loss_bwd dwte", tol)
     # dloss read from the device (the engine's, written by k_step_check): the same bits
-    d2, w2 = dev(gi.pre, dt), dev(gw.pre, np.float32)
-    be.k_loss_bwd(b_losses, b_lse, d2, w2, nan_buf((rows, V), dt), *args, dev([dloss], np.float32))
+    d2, w2 = dev(gi.pre, dt) if accumulate else nan_buf((B, T, C), dt), dev(gw.pre, np.float32)
+    be.k_loss_bwd(b_losses, b_lse, d2, w2, nan_buf((rows, V), dt), *args, dev([dloss], np.float32),
+                  accumulate=accumulate)
     assert np.array_equal(host(d2), host(gi.d)) and np.array_equal(host(w2), host(gw.d))
 
 

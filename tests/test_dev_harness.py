@@ -79,3 +79,21 @@ def test_bad_exp_or_batch_is_named(harness):
         harness.main(["layernorm", "--exp", "ANDREA-7B"])
     with pytest.raises(SystemExit, match="--batch 4: expected a positive B together with --exp"):
         harness.main(["layernorm", "--batch", "4"])
+
+
+class AlwaysAdds(NumpyBackend):
+    """Ignores accumulate=False: adds into the activation gradient it should write."""
+
+    @staticmethod
+    def k_attn_out_bwd(dinp, dw, db, dout, inp, w, accumulate=True):
+        ref.k_attn_out_bwd(dinp, dw, db, dout, inp, w)
+
+
+def test_write_mode_is_checked(harness):
+    """Each backward kernel with an activation gradient has a case with accumulate=False, whose
+    output starts as NaN: a kernel that adds there fails, in that case only."""
+    modes = {(c.kernel, c.label) for cs in harness.cases.CASES.values() for c in cs if c.kwargs}
+    assert {k for k, _ in modes} == {"k_layernorm_bwd", "k_attn_qkv_bwd", "k_attn_out_bwd", "k_attn_bwd",
+                                     "k_mlp_bwd", "k_loss_bwd"}
+    df = harness.run("linear", ["main"], ["fp32"], reps=1, timing=False, backend=lambda *a: AlwaysAdds())
+    assert list(df[~df.ok].kernel) == ["k_attn_out_bwd accumulate=False"], df.to_string()

@@ -171,3 +171,22 @@ def test_plan_names_the_attention_path():
     head = out.getvalue().splitlines()[0]
     assert head.startswith("memory plan:") and head.endswith("attention=materialised")
     assert "total (aligned)" in out.getvalue()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_backward_needs_no_zeroed_workspace(dtype):
+    """model.backward zeroes nothing: the first kernel to write each activation gradient (dres,
+    dln, datty, dqkv) overwrites it, so a workspace full of NaN gives the same gradient bits as
+    one full of zeros."""
+    from andrea import model
+    x, y = batch(np.random.default_rng(16), 2)
+    eng = Engine(make_cfg(), dtype=dtype)
+    grads = []
+    for fill in (0.0, np.nan):
+        for k in model.WORKSPACE:
+            eng.g[k][...] = fill
+        eng.zero_grads()
+        eng.forward_backward(x, y)
+        grads.append(eng.grads.copy())
+    assert np.isfinite(grads[1]).all() and grads[1].any()
+    np.testing.assert_array_equal(grads[1], grads[0])

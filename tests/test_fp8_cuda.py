@@ -86,9 +86,10 @@ def test_cast_refuses_sizes_cublaslt_cannot_take(be):
                                     on_dev(np.ones((40, 24))), "e4m3")
 
 
+@pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
 @pytest.mark.parametrize("grad_fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("IC,OC", [(80, 240), (80, 80), (320, 80)])
-def test_linear_layer_matches_the_fp8_reference(be, grad_fmt, IC, OC):
+def test_linear_layer_matches_the_fp8_reference(be, grad_fmt, IC, OC, accumulate):
     import cupy as cp
     rng = np.random.default_rng(IC + OC)
     Bn, T = 4, 48
@@ -98,11 +99,14 @@ def test_linear_layer_matches_the_fp8_reference(be, grad_fmt, IC, OC):
     X, W, Bv, DY = (host(a) for a in (x, w, b, dy))
     out = cp.full((Bn, T, OC), np.nan, bf16())
     be.fp8.k_fp8_linear_fwd(out, x, w, b)
-    # backward ADDS: pre-filled, dinp small enough that its bf16 rounding stays below TOL
+    # backward ADDS: pre-filled, dinp small enough that its bf16 rounding stays below TOL; in the
+    # write mode dinp starts as NaN and is compared as it is
     pre = [0.1 * rng.standard_normal(s) for s in ((Bn, T, IC), (OC, IC), (OC,))]
     dx, dw, db = on_dev(pre[0]), cp.asarray(pre[1], cp.float32), cp.asarray(pre[2], cp.float32)
     pre[0] = host(dx)
-    be.fp8.k_fp8_linear_bwd(dx, dw, db, dy, x, w, grad_fmt=grad_fmt)
+    if not accumulate:
+        dx, pre[0] = cp.full(dx.shape, np.nan, bf16()), np.zeros_like(pre[0])
+    be.fp8.k_fp8_linear_bwd(dx, dw, db, dy, x, w, grad_fmt=grad_fmt, accumulate=accumulate)
     o_ref = np.zeros((Bn, T, OC))
     ref.k_fp8_linear_fwd(o_ref, X, W, Bv)
     g_ref = [np.zeros_like(p) for p in pre]
@@ -116,7 +120,8 @@ def test_linear_layer_matches_the_fp8_reference(be, grad_fmt, IC, OC):
     assert 1e-3 < rel(host(out), f64) < 0.1
 
 
-def test_mlp_matches_the_fp8_reference(be):
+@pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
+def test_mlp_matches_the_fp8_reference(be, accumulate):
     """Stage by stage, each reference stage fed the GPU's bf16 intermediates (pre, act, dact), as
     every kernel test feeds the reference the inputs rounded to the compute dtype: an intermediate
     rounded to bf16 and then to FP8 lands on the other side of an FP8 rounding boundary now and
@@ -142,7 +147,9 @@ def test_mlp_matches_the_fp8_reference(be):
     assert rel(host(out), o_ref) < TOL
     g = [cp.zeros((Bn, T, C), bf16()), cp.zeros((H, C), cp.float32), cp.zeros(H, cp.float32),
          cp.zeros((C, H), cp.float32), cp.zeros(C, cp.float32)]
-    be.fp8.k_fp8_mlp_bwd(*g, dy, x, pre, w1, w2, act, dact)
+    if not accumulate:  # dinp written: NaN before
+        g[0] = cp.full((Bn, T, C), np.nan, bf16())
+    be.fp8.k_fp8_mlp_bwd(*g, dy, x, pre, w1, w2, act, dact, accumulate=accumulate)
     A, D = host(act), host(dact)  # the backward pass's own act (recomputed) and dact
     d2 = [np.zeros((Bn, T, H)), np.zeros((C, H)), np.zeros(C)]
     ref.k_fp8_linear_bwd(*d2, DY, A, W2, be.fp8.grad_fmt)

@@ -316,3 +316,59 @@ def test_cast_params_rounds_to_nearest_like_torch(rng=np.random.default_rng(12))
     dst = np.full(1001, np.nan, dtype=np.float16)
     K.k_cast_params(dst, src)
     assert np.array_equal(dst, torch.tensor(src).to(torch.float16).numpy())
+
+
+def _written_cases(rng):
+    """(kernel, arguments, index of the activation gradient) of every backward kernel with an
+    accumulate keyword; gradient buffers are zeros, everything else random."""
+    x, w3, w1 = rnd(rng, B, T, C), rnd(rng, 3 * C, C), rnd(rng, C, C)
+    mean, rstd, out, lse = np.zeros((B, T)), np.zeros((B, T)), np.zeros((B, T, C)), np.zeros((B, NH, T))
+    weight = 1 + rnd(rng, C, scale=0.1)
+    K.k_layernorm_fwd(np.zeros((B, T, C)), mean, rstd, x, weight, rnd(rng, C))
+    qkv = rnd(rng, B, T, 3 * C)
+    K.k_attn_fwd(out, lse, qkv, NH)
+    H4 = 4 * C
+    w_up, w_down, pre = rnd(rng, H4, C, scale=0.5), rnd(rng, C, H4, scale=0.5), rnd(rng, B, T, H4)
+    z = np.zeros
+    return [
+        ("k_layernorm_bwd", [z((B, T, C)), z(C), z(C), rnd(rng, B, T, C), x, weight, mean, rstd], 0),
+        ("k_attn_qkv_bwd", [z((B, T, C)), z((3 * C, C)), z(3 * C), rnd(rng, B, T, 3 * C), x, w3], 0),
+        ("k_attn_out_bwd", [z((B, T, C)), z((C, C)), z(C), rnd(rng, B, T, C), x, w1], 0),
+        ("k_attn_bwd", [z((B, T, 3 * C)), rnd(rng, B, T, C), qkv, out, lse, NH], 0),
+        ("k_mlp_bwd", [z((B, T, C)), z((H4, C)), z(H4), z((C, H4)), z(C), rnd(rng, B, T, C), x, pre, w_up,
+                       w_down, z((B, T, H4)), z((B, T, H4))], 0),
+        ("k_loss_bwd", [z((B, T)), z((B, T)), z((B, T, C)), z((V, C)), z((5, V)), x, rnd(rng, V, C),
+                        rng.integers(0, V, (B, T)).astype(np.int32), 0.37], 2),
+        ("k_fp8_linear_bwd", [z((B, T, C)), z((C, C)), z(C), rnd(rng, B, T, C), x, w1, "e4m3"], 0),
+        ("k_fp8_mlp_bwd", [z((B, T, C)), z((H4, C)), z(H4), z((C, H4)), z(C), rnd(rng, B, T, C), x, pre,
+                           w_up, w_down, z((B, T, H4)), z((B, T, H4)), "e5m2"], 0),
+    ]
+
+
+WRITTEN = [c[0] for c in _written_cases(np.random.default_rng(0))]
+
+
+@pytest.mark.parametrize("kernel", WRITTEN)
+def test_accumulate_false_writes_the_activation_gradient(kernel):
+    """accumulate=False: the activation gradient (dinp, dqkv) is written, its old contents (NaN
+    here) never read, and every output has the bits of the default mode adding into zeros; the
+    parameter gradients (pre-filled at random in both runs) still add. The default mode's
+    increments are checked against finite differences above."""
+    name, args, i = next(c for c in _written_cases(np.random.default_rng(14)) if c[0] == kernel)
+    prng = np.random.default_rng(15)
+    pre = {j: prng.normal(size=a.shape) for j, a in enumerate(args)
+           if isinstance(a, np.ndarray) and a.dtype == np.float64 and not a.any() and j != i}
+    runs = []
+    for accumulate, start in ((True, 0.0), (False, np.nan)):
+        a = [x.copy() if isinstance(x, np.ndarray) else x for x in args]
+        for j, p in pre.items():
+            a[j][...] = p
+        a[i][...] = start
+        getattr(K, kernel)(*a, accumulate=accumulate)
+        runs.append(a)
+    added, written = runs
+    assert np.isfinite(written[i]).all() and np.abs(written[i]).sum() > 0
+    for j, (x, y) in enumerate(zip(added, written)):
+        if isinstance(x, np.ndarray):
+            np.testing.assert_array_equal(y, x, err_msg=f"{kernel} argument {j}")
+    assert kernel == "k_attn_bwd" or any(not np.array_equal(written[j], p) for j, p in pre.items())  # grads moved

@@ -7,7 +7,10 @@ __init__.py) returns a new object per call: one per engine.
 
 Kernel conventions (numpy_ref's docstring has them in full): shapes B batch, T sequence, C
 d_model, NH heads, hs = C // NH, V vocab; linear weights are (out, in) and compute inp @ w.T + b.
-Forward kernels WRITE their outputs; backward kernels ADD into every gradient buffer. Arrays are
+Forward kernels WRITE their outputs; backward kernels ADD into every gradient buffer, except the
+activation gradient (dinp, dqkv: the first gradient argument) of a backward kernel called with
+accumulate=False, which is WRITTEN without being read (model.backward: the first writer of each
+buffer, so nothing is zeroed before it); parameter gradients always add. Arrays are
 the backend's own (NumPy or CuPy), C-contiguous, in the compute dtype unless a kernel says
 float32 (statistics, gradients, master weights, optimizer state).
 """
@@ -114,22 +117,22 @@ class Backend(Protocol):
         """res = a + b (the residual stream, saved), then out = layer norm of res, with mean and
         rstd, in one pass."""
 
-    def k_layernorm_bwd(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
-        """Adds into dinp (B,T,C), dweight (C,), dbias (C,)."""
+    def k_layernorm_bwd(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True) -> None:
+        """Adds into dinp (B,T,C), dweight (C,), dbias (C,); accumulate=False writes dinp."""
 
     # ------------------------------------------------------------ linear layers
     def k_attn_qkv_fwd(self, qkv, inp, w, b) -> None:
         """qkv (B,T,3C) = inp (B,T,C) @ w (3C,C).T + b (3C,)."""
 
-    def k_attn_qkv_bwd(self, dinp, dw, db, dqkv, inp, w) -> None:
-        """Adds into dinp (B,T,C), dw (3C,C), db (3C,)."""
+    def k_attn_qkv_bwd(self, dinp, dw, db, dqkv, inp, w, accumulate=True) -> None:
+        """Adds into dinp (B,T,C), dw (3C,C), db (3C,); accumulate=False writes dinp."""
 
     # ------------------------------------------------------------ attention
     def k_attn_fwd(self, out, lse, qkv, n_head) -> None:
         """out (B,T,C) = causal softmax(q k^T / sqrt(hs)) v; lse (B,NH,T) float32."""
 
-    def k_attn_bwd(self, dqkv, dout, qkv, out, lse, n_head) -> None:
-        """Adds into dqkv (B,T,3C)."""
+    def k_attn_bwd(self, dqkv, dout, qkv, out, lse, n_head, accumulate=True) -> None:
+        """Adds into dqkv (B,T,3C); accumulate=False writes it."""
 
     def k_attn_decode_fwd(self, out, kcache, vcache, qkv, pos, n_head) -> None:
         """Inference: write the new position's k, v (qkv (B,1,3C)) into row pos of kcache,
@@ -138,16 +141,17 @@ class Backend(Protocol):
     def k_attn_out_fwd(self, out, inp, w, b) -> None:
         """out (B,T,C) = inp (B,T,C) @ w (C,C).T + b."""
 
-    def k_attn_out_bwd(self, dinp, dw, db, dout, inp, w) -> None:
-        """Adds into dinp (B,T,C), dw (C,C), db (C,)."""
+    def k_attn_out_bwd(self, dinp, dw, db, dout, inp, w, accumulate=True) -> None:
+        """Adds into dinp (B,T,C), dw (C,C), db (C,); accumulate=False writes dinp."""
 
     # ------------------------------------------------------------ MLP
     def k_mlp_fwd(self, out, pre, act, inp, w1, b1, w2, b2) -> None:
         """out (B,T,C) = gelu_tanh(inp @ w1.T + b1) @ w2.T + b2; saves pre (B,T,4C); act is
         workspace."""
 
-    def k_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact) -> None:
-        """Adds into dinp, dw1 (4C,C), db1, dw2 (C,4C), db2; act, dact (B,T,4C) are workspace."""
+    def k_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, accumulate=True) -> None:
+        """Adds into dinp, dw1 (4C,C), db1, dw2 (C,4C), db2 (accumulate=False writes dinp); act,
+        dact (B,T,4C) are workspace."""
 
     # ------------------------------------------------------------ residual
     def k_residual_add(self, out, a, b) -> None:
@@ -161,10 +165,10 @@ class Backend(Protocol):
         """Writes losses, lse (B,T); logits (R,V) is workspace: the rows of inp @ wte.T, R at a
         time."""
 
-    def k_loss_bwd(self, losses, lse, dinp, dwte, logits, inp, wte, targets, dloss) -> None:
+    def k_loss_bwd(self, losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, accumulate=True) -> None:
         """The fused classifier: per chunk of R rows the logits, losses, lse and dlogits, then
-        dinp (B,T,C) += dlogits @ wte and dwte (V,C) += dlogits.T @ inp. dloss: a float, or a (1,)
-        float32 array read when the kernel runs."""
+        dinp (B,T,C) += dlogits @ wte (accumulate=False: =) and dwte (V,C) += dlogits.T @ inp.
+        dloss: a float, or a (1,) float32 array read when the kernel runs."""
 
     # ------------------------------------------------------------ clipping, optimizer, cast
     def k_grad_norm_partial(self, partials, grads) -> None:

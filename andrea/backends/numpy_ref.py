@@ -6,7 +6,12 @@ serves them through the backend interface (interface.py). Conventions shared by 
 - Shapes: B batch, T sequence, C d_model, NH heads, hs = C // NH, V vocab. Linear weights are
   (out_features, in_features) and a linear layer computes `inp @ w.T + b`, as torch.nn.Linear does.
 - Forward kernels WRITE their outputs. Backward kernels ADD (`+=`) into every gradient buffer they
-  are given, parameter and activation gradients alike; the engine zeroes what must start at zero.
+  are given, parameter and activation gradients alike, except that a backward kernel with an
+  `accumulate` keyword (k_layernorm_bwd, k_attn_qkv_bwd, k_attn_bwd, k_attn_out_bwd, k_mlp_bwd,
+  k_loss_bwd and their FP8 forms) WRITES its activation gradient, the first gradient argument
+  (dinp or dqkv), when called with accumulate=False: whatever the buffer held (NaN included) is
+  not read. model.backward passes it to the first writer of each activation-gradient buffer, so
+  no buffer is zeroed in the backward pass; parameter gradients always add (microbatches).
 - Dtype follows the arrays: float32 in training, float64 in the gradient checks.
 NumPy creates temporaries inside these functions; the engine's own buffers are all preallocated
 (see engine.Arena). Every reduction runs in a fixed order, so results are bit-reproducible.
@@ -45,15 +50,24 @@ def k_layernorm_fwd(out, mean, rstd, inp, weight, bias):
     out += bias
 
 
-def k_layernorm_bwd(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
-    """Adds the layer-norm gradients into dinp (B,T,C), dweight (C,), dbias (C,)."""
+def _put(dst, x, accumulate):
+    """dst += x, or dst = x (accumulate False: dst is not read)."""
+    if accumulate:
+        dst += x
+    else:
+        dst[...] = x
+
+
+def k_layernorm_bwd(dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
+    """Adds the layer-norm gradients into dinp (B,T,C), dweight (C,), dbias (C,); accumulate=False
+    writes dinp instead."""
     C = inp.shape[-1]
     xhat = (inp - mean[..., None]) * rstd[..., None]
     dbias += dout.reshape(-1, C).sum(axis=0)
     dweight += (dout * xhat).reshape(-1, C).sum(axis=0)
     dxhat = dout * weight
-    dinp += rstd[..., None] * (dxhat - dxhat.mean(axis=-1, keepdims=True)
-                               - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    _put(dinp, rstd[..., None] * (dxhat - dxhat.mean(axis=-1, keepdims=True)
+                                  - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)), accumulate)
 
 
 def k_residual_layernorm_fwd(res, out, mean, rstd, a, b, weight, bias):
@@ -72,10 +86,10 @@ def _linear_fwd(out, inp, w, b):
     out += b
 
 
-def _linear_bwd(dinp, dw, db, dout, inp, w):
+def _linear_bwd(dinp, dw, db, dout, inp, w, accumulate=True):
     OC, IC = w.shape
     d2 = dout.reshape(-1, OC)
-    dinp += dout @ w
+    _put(dinp, dout @ w, accumulate)
     dw += d2.T @ inp.reshape(-1, IC)
     db += d2.sum(axis=0)
 
@@ -85,9 +99,9 @@ def k_attn_qkv_fwd(qkv, inp, w, b):
     _linear_fwd(qkv, inp, w, b)
 
 
-def k_attn_qkv_bwd(dinp, dw, db, dqkv, inp, w):
-    """Adds into dinp (B,T,C), dw (3C,C), db (3C,)."""
-    _linear_bwd(dinp, dw, db, dqkv, inp, w)
+def k_attn_qkv_bwd(dinp, dw, db, dqkv, inp, w, accumulate=True):
+    """Adds into dinp (B,T,C), dw (3C,C), db (3C,); accumulate=False writes dinp instead."""
+    _linear_bwd(dinp, dw, db, dqkv, inp, w, accumulate)
 
 
 # ---------------------------------------------------------------- attention
@@ -120,8 +134,9 @@ def k_attn_fwd(out, lse, qkv, n_head):
     out[...] = y.transpose(0, 2, 1, 3).reshape(B, T, C)
 
 
-def k_attn_bwd(dqkv, dout, qkv, out, lse, n_head):
-    """Adds into dqkv (B,T,3C). Uses D = rowsum(dout * out) = rowsum(p * dp), as flash attention."""
+def k_attn_bwd(dqkv, dout, qkv, out, lse, n_head, accumulate=True):
+    """Adds into dqkv (B,T,3C) (accumulate=False: writes it). Uses D = rowsum(dout * out) =
+    rowsum(p * dp), as flash attention."""
     q, k, v = _heads(qkv, n_head)
     B, T, C = out.shape
     hs = C // n_head
@@ -136,7 +151,7 @@ def k_attn_bwd(dqkv, dout, qkv, out, lse, n_head):
     dk = ds.transpose(0, 1, 3, 2) @ q
     g = dqkv.reshape(B, T, 3, n_head, hs)
     for i, d in enumerate((dq, dk, dv)):
-        g[:, :, i] += d.transpose(0, 2, 1, 3)
+        _put(g[:, :, i], d.transpose(0, 2, 1, 3), accumulate)
 
 
 def k_attn_decode_fwd(out, kcache, vcache, qkv, pos, n_head):
@@ -165,9 +180,9 @@ def k_attn_out_fwd(out, inp, w, b):
     _linear_fwd(out, inp, w, b)
 
 
-def k_attn_out_bwd(dinp, dw, db, dout, inp, w):
-    """Adds into dinp (B,T,C), dw (C,C), db (C,)."""
-    _linear_bwd(dinp, dw, db, dout, inp, w)
+def k_attn_out_bwd(dinp, dw, db, dout, inp, w, accumulate=True):
+    """Adds into dinp (B,T,C), dw (C,C), db (C,); accumulate=False writes dinp instead."""
+    _linear_bwd(dinp, dw, db, dout, inp, w, accumulate)
 
 
 # ---------------------------------------------------------------- MLP
@@ -189,13 +204,13 @@ def k_mlp_fwd(out, pre, act, inp, w1, b1, w2, b2):
     _linear_fwd(out, act, w2, b2)
 
 
-def k_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact):
-    """Adds into dinp, dw1 (4C,C), db1, dw2 (C,4C), db2. act, dact (B,T,4C) are workspace."""
+def k_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, accumulate=True):
+    """Adds into dinp, dw1 (4C,C), db1, dw2 (C,4C), db2 (accumulate=False: writes dinp). act,
+    dact (B,T,4C) are workspace."""
     _gelu(pre, act)
-    dact[...] = 0
-    _linear_bwd(dact, dw2, db2, dout, act, w2)
+    _linear_bwd(dact, dw2, db2, dout, act, w2, accumulate=False)
     dact *= _gelu_grad(pre)
-    _linear_bwd(dinp, dw1, db1, dact, inp, w1)
+    _linear_bwd(dinp, dw1, db1, dact, inp, w1, accumulate)
 
 
 # ---------------------------------------------------------------- residual
@@ -241,13 +256,14 @@ def k_loss_fwd(losses, lse, logits, inp, wte, targets):
         _loss_chunk(z, lsef[r0:r1], lf[r0:r1], tg[r0:r1])
 
 
-def k_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss):
+def k_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, accumulate=True):
     """The fused classifier: forward and backward of the loss in one pass over chunks of R rows
     (logits (R, V) is workspace, as in k_loss_fwd). Per chunk: logits = inp @ wte.T; their
     log-sum-exp and loss, written to lse and losses as k_loss_fwd does; in place
     dlogits = (softmax - onehot(target)) * dloss; then ADDS dinp += dlogits @ wte and
-    dwte += dlogits.T @ inp: the gradient of dloss * sum(losses). dloss: a float, or a (1,) array
-    read when the kernel runs (the engine's, which k_step_check writes from the loss scale)."""
+    dwte += dlogits.T @ inp: the gradient of dloss * sum(losses); accumulate=False writes dinp
+    instead (each chunk its own rows). dloss: a float, or a (1,) array read when the kernel runs
+    (the engine's, which k_step_check writes from the loss scale)."""
     x, tg, z_all, N = _loss_rows("k_loss_bwd", logits, inp, wte, targets)
     lf, lsef, dx = losses.reshape(N), lse.reshape(N), dinp.reshape(N, -1)
     R = z_all.shape[0]
@@ -259,7 +275,7 @@ def k_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss):
         np.exp(z - lsef[r0:r1, None], out=z)
         z[np.arange(r1 - r0), tg[r0:r1]] -= 1.0
         z *= dloss
-        dx[r0:r1] += z @ wte
+        _put(dx[r0:r1], z @ wte, accumulate)
         dwte += z.T @ x[r0:r1]
 
 
@@ -507,13 +523,14 @@ def k_fp8_linear_fwd(out, inp, w, b):
     out[...] = y.reshape(out.shape)
 
 
-def k_fp8_linear_bwd(dinp, dw, db, dout, inp, w, grad_fmt):
+def k_fp8_linear_bwd(dinp, dw, db, dout, inp, w, grad_fmt, accumulate=True):
     """Adds into dinp += fp8g(dout) @ fp8(w), dw += fp8g(dout).T @ fp8(inp) and db += column sums
-    of dout (not quantised); fp8g is the gradient format grad_fmt ("e4m3" or "e5m2"). The
-    quantisation's own derivative is taken as 1 (straight-through), as every FP8 recipe does."""
+    of dout (not quantised); fp8g is the gradient format grad_fmt ("e4m3" or "e5m2"); accumulate=
+    False writes dinp instead. The quantisation's own derivative is taken as 1 (straight-through),
+    as every FP8 recipe does."""
     OC, IC = w.shape
     g = fp8_fake(dout, grad_fmt).reshape(-1, OC)
-    dinp += (g @ fp8_fake(w, FP8_FWD)).reshape(dinp.shape)
+    _put(dinp, (g @ fp8_fake(w, FP8_FWD)).reshape(dinp.shape), accumulate)
     dw += g.T @ fp8_fake(inp, FP8_FWD).reshape(-1, IC)
     db += np.asarray(dout, np.float64).reshape(-1, OC).sum(axis=0)
 
@@ -526,10 +543,9 @@ def k_fp8_mlp_fwd(out, pre, act, inp, w1, b1, w2, b2):
     k_fp8_linear_fwd(out, act, w2, b2)
 
 
-def k_fp8_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, grad_fmt):
+def k_fp8_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, grad_fmt, accumulate=True):
     """k_mlp_bwd with the four products in FP8 (k_fp8_linear_bwd's rules)."""
     _gelu(np.asarray(pre, np.float64), act)
-    dact[...] = 0
-    k_fp8_linear_bwd(dact, dw2, db2, dout, act, w2, grad_fmt)
+    k_fp8_linear_bwd(dact, dw2, db2, dout, act, w2, grad_fmt, accumulate=False)
     dact *= _gelu_grad(np.asarray(pre, np.float64))
-    k_fp8_linear_bwd(dinp, dw1, db1, dact, inp, w1, grad_fmt)
+    k_fp8_linear_bwd(dinp, dw1, db1, dact, inp, w1, grad_fmt, accumulate)

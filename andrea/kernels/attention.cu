@@ -50,9 +50,9 @@ extern "C" __global__ void k_attn_split_dout(CT* dy, const CT* dout, int B, int 
   }
 }
 
-// dqkv (B, T, 3C) += [dq | dk | dv], each float32 (B*NH, T, hs).
+// dqkv (B, T, 3C) += [dq | dk | dv], each float32 (B*NH, T, hs); accumulate = 0: dqkv = (not read).
 extern "C" __global__ void k_attn_merge_grads(CT* dqkv, const float* dq, const float* dk, const float* dv,
-                                              int B, int T, int NH, int hs) {
+                                              int B, int T, int NH, int hs, int accumulate) {
   int C = NH * hs;
   for (int bt = blockIdx.x; bt < B * T; bt += gridDim.x) {
     int b = bt / T, t = bt % T;
@@ -60,7 +60,7 @@ extern "C" __global__ void k_attn_merge_grads(CT* dqkv, const float* dq, const f
     for (int col = threadIdx.x; col < 3 * C; col += blockDim.x) {
       int which = col / C, h = (col % C) / hs, d = col % hs;
       const float* src = which == 0 ? dq : (which == 1 ? dk : dv);
-      dst[col] = from_f<CT>(to_f(dst[col]) + src[HEAD_IDX(b, h, t, d)]);
+      dst[col] = from_f<CT>((accumulate ? to_f(dst[col]) : 0.f) + src[HEAD_IDX(b, h, t, d)]);
     }
   }
 }
@@ -312,7 +312,9 @@ __device__ __forceinline__ void zero_acc(float (*acc)[HS / 8][4]) {
 }
 
 // dst (16-bit, row stride ld) += scale * acc for this warp's 16 rows from row0 (rows >= T skipped),
-// two elements per 32-bit access.
+// two elements per 32-bit access; ACC false: dst = scale * acc, dst not read (the same bits as
+// adding into zeros, but for the sign of a zero). store_rows picks the instance once per launch.
+template <bool ACC>
 __device__ __forceinline__ void add_rows(HT* dst, i64 ld, const float (*acc)[4], int row0, int T, float scale) {
   int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
 #pragma unroll
@@ -322,13 +324,19 @@ __device__ __forceinline__ void add_rows(HT* dst, i64 ld, const float (*acc)[4],
     unsigned* p = (unsigned*)(dst + row * ld + 2 * t4);
 #pragma unroll
     for (int n8 = 0; n8 < HS / 8; ++n8) {
-      unsigned old = p[n8 * 4];
+      unsigned old = ACC ? p[n8 * 4] : 0u;
       HT lo, hi;
       lo.x = (u16)(old & 0xffffu);
       hi.x = (u16)(old >> 16);
       p[n8 * 4] = pack2(to_f(lo) + scale * acc[n8][2 * r], to_f(hi) + scale * acc[n8][2 * r + 1]);
     }
   }
+}
+
+__device__ __forceinline__ void store_rows(HT* dst, i64 ld, const float (*acc)[4], int row0, int T, float scale,
+                                           int accumulate) {
+  if (accumulate) add_rows<true>(dst, ld, acc, row0, T, scale);
+  else add_rows<false>(dst, ld, acc, row0, T, scale);
 }
 
 // ---------------------------------------------------------------- forward
@@ -495,10 +503,11 @@ __device__ __forceinline__ void dq_tile(float (*dq)[HS / 8][4], const unsigned (
 }
 
 // dQ part of dqkv += ...: one block per DQ_BM query rows of one head. grid (B*NH, ceil(T/DQ_BM)),
-// block 128, DQ_SMEM bytes of dynamic shared memory.
+// block 128, DQ_SMEM bytes of dynamic shared memory. accumulate = 0: dQ written (store_rows).
 extern "C" __global__ void __launch_bounds__(128) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
                                                                       const float* lse, const float* Dv,
-                                                                      int B, int T, int NH, float scale) {
+                                                                      int B, int T, int NH, float scale,
+                                                                      int accumulate) {
   extern __shared__ __align__(16) u16 smem[];
   require_smem(DQ_SMEM);
   u16* q_tile = smem;                      // [DQ_BM][LDS], read once into registers
@@ -547,7 +556,7 @@ extern "C" __global__ void __launch_bounds__(128) k_attn_flash_bwd_dq(HT* dqkv, 
     }
     __syncthreads();
   }
-  add_rows(dqkv + (i64)b * T * ld + h * HS, ld, dq[0], row0, T, scale);
+  store_rows(dqkv + (i64)b * T * ld + h * HS, ld, dq[0], row0, T, scale, accumulate);
 }
 
 // One dK/dV tile: S^T = K Q^T, dP^T = V dO^T for this warp's 16 keys and queries [q0, q0 + DKV_BQ);
@@ -580,9 +589,11 @@ __device__ __forceinline__ void dkv_tile(float (*dk)[HS / 8][4], float (*dv)[HS 
 
 // dK and dV parts of dqkv += ...: one block per BN keys of one head, streaming the query tiles at
 // or after them. grid (B*NH, ceil(T/BN)), block 128, DKV_SMEM bytes of dynamic shared memory.
+// accumulate = 0: dK and dV written (store_rows).
 extern "C" __global__ void __launch_bounds__(128) k_attn_flash_bwd_dkv(HT* dqkv, const HT* qkv, const HT* dout,
                                                                        const float* lse, const float* Dv,
-                                                                       int B, int T, int NH, float scale) {
+                                                                       int B, int T, int NH, float scale,
+                                                                       int accumulate) {
   extern __shared__ __align__(16) u16 smem[];
   require_smem(DKV_SMEM);
   u16* k_tile = smem;                      // [BN][LDS]
@@ -637,6 +648,6 @@ extern "C" __global__ void __launch_bounds__(128) k_attn_flash_bwd_dkv(HT* dqkv,
     __syncthreads();
   }
   HT* base = dqkv + (i64)b * T * ld + h * HS;
-  add_rows(base + C, ld, dk[0], key0, T, scale);
-  add_rows(base + 2 * C, ld, dv[0], key0, T, 1.f);
+  store_rows(base + C, ld, dk[0], key0, T, scale, accumulate);
+  store_rows(base + 2 * C, ld, dv[0], key0, T, 1.f, accumulate);
 }

@@ -2,6 +2,10 @@
 // the row-wise parts; the weight and bias gradients are column sums over all rows, done in fixed
 // row chunks then added in chunk order (in k_layernorm_bwd_fused itself; after
 // k_layernorm_bwd_partial by k_colsum_final, linear.cu), so no floating-point atomics. Statistics (mean, rstd) are float32 whatever CT is.
+// The backward kernels add into dinp, or write it without reading it (the first writer of the
+// buffer in model.backward): k_layernorm_bwd_dx with accumulate = 0, k_layernorm_bwd_fused built
+// with LN_ACCUMULATE 0. The same expression on a zero in place of the old value: the bits of
+// adding into zeros (but for the sign of a zero result).
 #include "common.cuh"
 
 #define LN_EPS 1e-5f  // torch.nn.LayerNorm's default, as numpy_ref.LN_EPS
@@ -51,9 +55,11 @@ extern "C" __global__ void k_residual_layernorm_fwd(CT* res, CT* out, float* mea
   ln_row(out + row * C, mean + row, rstd + row, x, weight, bias, C, lane, s);
 }
 
-// dinp += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dout * weight.
+// dinp += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dout * weight
+// (accumulate = 0: dinp =).
 extern "C" __global__ void k_layernorm_bwd_dx(CT* dinp, const CT* dout, const CT* inp, const CT* weight,
-                                              const float* mean, const float* rstd, i64 N, int C) {
+                                              const float* mean, const float* rstd, i64 N, int C,
+                                              int accumulate) {
   i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
   if (row >= N) return;
@@ -73,7 +79,7 @@ extern "C" __global__ void k_layernorm_bwd_dx(CT* dinp, const CT* dout, const CT
   for (int c = lane; c < C; c += 32) {
     float xh = (to_f(x[c]) - mu) * rs;
     float dxh = to_f(d[c]) * to_f(weight[c]);
-    g[c] = from_f<CT>(to_f(g[c]) + rs * (dxh - a - xh * b));
+    g[c] = from_f<CT>((accumulate ? to_f(g[c]) : 0.f) + rs * (dxh - a - xh * b));
   }
 }
 
@@ -138,6 +144,9 @@ extern "C" __global__ void k_layernorm_bwd_partial(float* pdw, float* pdb, const
 #endif
 #ifndef LN_DINP_EARLY
 #define LN_DINP_EARLY 1
+#endif
+#ifndef LN_ACCUMULATE
+#define LN_ACCUMULATE 1  // 0: dinp written, never loaded (its register slots stay zero)
 #endif
 
 // Element j of a 16-byte vector of CT as a float, taken from its 32-bit word (fewer registers
@@ -222,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(256, LN_SLOTS * LN_VEC <= 24 && LN_
         i64 o = r * C + (i64)(v - ro * nq) * LN_VEC;
         rx[k] = *(const vec16*)(inp + o);
         rd[k] = *(const vec16*)(dout + o);
-#if LN_DINP_EARLY
+#if LN_DINP_EARLY && LN_ACCUMULATE
         rg[k] = *(const vec16*)(dinp + o);
 #endif
         mu[k] = mean[r];
@@ -254,7 +263,7 @@ extern "C" __global__ void __launch_bounds__(256, LN_SLOTS * LN_VEC <= 24 && LN_
       i64 r = s + ro;
       if (v < nv && r < r1) {
         vec16 rw = *(const vec16*)(weight + (v - ro * nq) * LN_VEC);
-#if !LN_DINP_EARLY
+#if !LN_DINP_EARLY && LN_ACCUMULATE
         rg[k] = *(const vec16*)(dinp + r * C + (i64)(v - ro * nq) * LN_VEC);
 #endif
         float a = pa[0], b = pb[0];

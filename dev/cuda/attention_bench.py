@@ -80,9 +80,12 @@ class Variant:
                                               (D, dout, out, np.int32(B), np.int32(T), np.int32(NH)))}
         for k in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
             f, smem = self.fn(ct, hs, k)
+            # the last argument, accumulate = 1 (add into dqkv), is read by the kernels of v4, v6, v7
+            # (attention.cu's); v3 and v5 copy versions from before it and take one argument fewer
             parts[k] = (lambda f=f, smem=smem, k=k: f(
                 self.grid(k, B * NH, T, hs), (128,), (dqkv, qkv, dout, lse, D, np.int32(B), np.int32(T),
-                                                      np.int32(NH), np.float32(1 / math.sqrt(hs))), shared_mem=smem))
+                                                      np.int32(NH), np.float32(1 / math.sqrt(hs)), np.int32(1)),
+                shared_mem=smem))
         return parts
 
     def bwd(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):

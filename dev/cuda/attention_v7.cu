@@ -3,7 +3,8 @@
 // k_attn_flash_bwd_dq take every product through wgmma.mma_async (built for sm_90a by
 // attention_v7.py, the launch that goes with it); everywhere else, and for every other kernel
 // (k_attn_flash_D, version 1), this is version 6's and the package's code itself. Same arguments,
-// outputs and semantics as version 4's two backward kernels: dqkv (B,T,3C) += [dQ | dK | dV], P
+// outputs and semantics as version 4's two backward kernels: dqkv (B,T,3C) += [dQ | dK | dV] (or =,
+// accumulate = 0), P
 // recomputed from Q, K and the lse the forward saved, D from k_attn_flash_D, the softmax scale
 // applied to dQ and dK once at the end, no atomics.
 //
@@ -41,7 +42,7 @@
 //     dQ (64 x HS) += dS K              rs, dS from registers, K MN-major
 //   P's exponentials run while dP is computed (V7_OVERLAP). The longest rows launch first.
 //   Accumulator fragments are mma.sync's C layout per warp (attention_v6.cu): dK, dV and dQ are
-//   added into dqkv by version 4's add_rows.
+//   added into (or written to) dqkv by version 4's store_rows.
 // Deterministic: fixed order everywhere, each output element owned by one thread.
 //
 // Shared-memory tiles: at head size 64, 128-byte swizzled rows (load_tile7, V7_SWIZZLE = 1, the
@@ -291,7 +292,8 @@ __device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dv
 // V7_DKV_SMEM bytes of dynamic shared memory (traps on anything else).
 extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_attn_flash_bwd_dkv(HT* dqkv, const HT* qkv, const HT* dout,
                                                                              const float* lse, const float* Dv,
-                                                                             int B, int T, int NH, float scale) {
+                                                                             int B, int T, int NH, float scale,
+                                                                             int accumulate) {
   extern __shared__ __align__(1024) u16 smem7[];
   u16* smem = smem7;
   require_smem(V7_DKV_SMEM);
@@ -347,8 +349,8 @@ extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_at
     __syncthreads();
   }
   HT* base = dqkv + (i64)b * T * ld + h * HS;
-  add_rows(base + C, ld, (const float(*)[4])dk, key0, T, scale);
-  add_rows(base + 2 * C, ld, (const float(*)[4])dv, key0, T, 1.f);
+  store_rows(base + C, ld, (const float(*)[4])dk, key0, T, scale, accumulate);
+  store_rows(base + 2 * C, ld, (const float(*)[4])dv, key0, T, 1.f, accumulate);
 }
 
 // ---------------------------------------------------------------- dQ
@@ -393,7 +395,8 @@ __device__ __forceinline__ void dq7_tile(float* dq, u64 dqry, u64 ddo, const u16
 // of dynamic shared memory (traps on anything else).
 extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
                                                                             const float* lse, const float* Dv,
-                                                                            int B, int T, int NH, float scale) {
+                                                                            int B, int T, int NH, float scale,
+                                                                            int accumulate) {
   extern __shared__ __align__(1024) u16 smem7[];
   u16* smem = smem7;
   require_smem(V7_DQ_SMEM);
@@ -444,6 +447,6 @@ extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn
     }
     __syncthreads();
   }
-  add_rows(dqkv + (i64)b * T * ld + h * HS, ld, (const float(*)[4])dq, row0, T, scale);
+  store_rows(dqkv + (i64)b * T * ld + h * HS, ld, (const float(*)[4])dq, row0, T, scale, accumulate);
 }
 #endif  // V7_WGMMA

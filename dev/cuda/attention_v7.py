@@ -86,11 +86,12 @@ def launch_fwd(cache: dict, ct: str, out, lse, qkv, B: int, T: int, NH: int, hs:
 
 
 def launch_bwd_parts(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: int, NH: int, hs: int,
-                     tune=None) -> dict:
+                     tune=None, accumulate=True) -> dict:
     """{kernel: a function that launches it} for the three kernels of the backward, in order:
-    k_attn_flash_D (D (B*NH*T,) float32), then version 7's dQ and dK/dV, which add into dqkv."""
+    k_attn_flash_D (D (B*NH*T,) float32), then version 7's dQ and dK/dV, which add into dqkv
+    (accumulate=False: write it)."""
     mod, geo, BH = module(cache, ct, hs, tune), geometry(hs, tune), B * NH
-    args = (dqkv, qkv, dout, lse, D, i32(B), i32(T), i32(NH), np.float32(1.0 / math.sqrt(hs)))
+    args = (dqkv, qkv, dout, lse, D, i32(B), i32(T), i32(NH), np.float32(1.0 / math.sqrt(hs)), i32(int(accumulate)))
     return {
         "k_attn_flash_D": lambda: mod.launch("k_attn_flash_D", -(-(BH * T) // THREADS), THREADS,
                                              (D, dout, out, i32(B), i32(T), i32(NH))),
@@ -101,10 +102,11 @@ def launch_bwd_parts(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int,
     }
 
 
-def launch_bwd(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: int, NH: int, hs: int, tune=None):
-    """Version 7's backward: dqkv (B,T,3C) += [dQ | dK | dV]; the arrays as version 4's launcher
-    gives them (16-bit, 16-byte aligned), D a float32 scratch of B*NH*T."""
-    for launch in launch_bwd_parts(cache, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs, tune).values():
+def launch_bwd(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: int, NH: int, hs: int, tune=None,
+               accumulate=True):
+    """Version 7's backward: dqkv (B,T,3C) += [dQ | dK | dV] (accumulate=False: =); the arrays as
+    version 4's launcher gives them (16-bit, 16-byte aligned), D a float32 scratch of B*NH*T."""
+    for launch in launch_bwd_parts(cache, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs, tune, accumulate).values():
         launch()
 
 
@@ -127,7 +129,7 @@ def k_attn_fwd(be, out, lse, qkv, n_head):
     launch_fwd(be.__dict__.setdefault("_sm90a_modules", {}), ct_name(ct), out, lse, qkv, B, T, n_head, hs)
 
 
-def k_attn_bwd(be, dqkv, dout, qkv, out, lse, n_head):
+def k_attn_bwd(be, dqkv, dout, qkv, out, lse, n_head, accumulate=True):
     """The backend's k_attn_bwd with version 7's backward on compute capability 9.0."""
     check("k_attn_bwd", "qkv", qkv)
     B, T, C3 = qkv.shape
@@ -136,11 +138,11 @@ def k_attn_bwd(be, dqkv, dout, qkv, out, lse, n_head):
         raise ValueError(f"k_attn_bwd: qkv last axis {C3} must be 3*C with C divisible by n_head={n_head}")
     hs, ct = C // n_head, qkv.dtype
     if not _applies(be, ct, hs, dqkv, qkv, dout, out):
-        return type(be).k_attn_bwd(be, dqkv, dout, qkv, out, lse, n_head)
+        return type(be).k_attn_bwd(be, dqkv, dout, qkv, out, lse, n_head, accumulate)
     check("k_attn_bwd", "dqkv", dqkv, qkv.shape, ct)
     check("k_attn_bwd", "dout", dout, (B, T, C), ct)
     check("k_attn_bwd", "out", out, (B, T, C), ct)
     check("k_attn_bwd", "lse", lse, (B, n_head, T), np.float32)
     D = be.workspace.get("attn_D", B * n_head * T, np.float32)
     launch_bwd(be.__dict__.setdefault("_sm90a_modules", {}), ct_name(ct), dqkv, dout, qkv, out, lse, D,
-               B, T, n_head, hs)
+               B, T, n_head, hs, accumulate=accumulate)

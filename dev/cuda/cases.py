@@ -10,11 +10,13 @@ A case is a kernel name and a function (rng, dt, size) -> list of arguments, eac
   a plain number    passed as is (n_head, dloss, lr, ...)
 kind is "ct" (the compute dtype), "f32", "f64" (the optimizer state) or "i32". Saved forward values that a backward kernel
 reads (mean/rstd, out/lse, pre, logits/lse) come from the float64 reference forward.
+A case's kwargs go to both the reference and the backend: the backward kernels are checked once
+more with accumulate=False (`written`), their activation gradient then an Out (NaN-filled).
 `tol` on Out/Acc/InOut overrides the dtype's tolerance where the tests use another one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -60,6 +62,23 @@ class Case:
     kernel: str
     make: Callable  # (rng, dt, size) -> list of arguments
     size: Optional[dict] = None  # the check size, if not CHECK_SIZE
+    kwargs: dict = field(default_factory=dict)  # keyword arguments of both calls (accumulate=False)
+
+    @property
+    def label(self) -> str:
+        """The kernel name, with the keyword arguments where there are any."""
+        return " ".join([self.kernel] + [f"{k}={v}" for k, v in self.kwargs.items()])
+
+
+def written(kernel: str, make, size=None) -> Case:
+    """The case of a backward kernel in its write mode: accumulate=False, and the activation
+    gradient (its compute-dtype Acc) an Out, NaN-filled, compared with what the reference writes."""
+    def make_written(rng, dt, s):
+        args = make(rng, dt, s)
+        i = next(i for i, a in enumerate(args) if isinstance(a, Acc) and a.kind == "ct")
+        args[i] = Out(args[i].want_shape, "ct", args[i].tol)
+        return args
+    return Case(kernel, make_written, size, {"accumulate": False})
 
 
 # sizes that divide nothing: T=77 ends mid-tile, C=200 and V=1001 are no multiples of 32 or 64,
@@ -281,16 +300,19 @@ def cast_params(rng, dt, s):
 CASES: Dict[str, List[Case]] = {
     "embed": [Case("k_embed_fwd", embed_fwd), Case("k_embed_bwd", embed_bwd)],
     "layernorm": [Case("k_layernorm_fwd", layernorm_fwd), Case("k_residual_layernorm_fwd", residual_layernorm_fwd),
-                  Case("k_layernorm_bwd", layernorm_bwd)],
+                  Case("k_layernorm_bwd", layernorm_bwd), written("k_layernorm_bwd", layernorm_bwd)],
     "linear": [Case("k_attn_qkv_fwd", linear_fwd(3)), Case("k_attn_qkv_bwd", linear_bwd(3)),
-               Case("k_attn_out_fwd", linear_fwd(1)), Case("k_attn_out_bwd", linear_bwd(1))],
-    "attention": [Case("k_attn_fwd", attn_fwd), Case("k_attn_bwd", attn_bwd),
+               written("k_attn_qkv_bwd", linear_bwd(3)),
+               Case("k_attn_out_fwd", linear_fwd(1)), Case("k_attn_out_bwd", linear_bwd(1)),
+               written("k_attn_out_bwd", linear_bwd(1))],
+    "attention": [Case("k_attn_fwd", attn_fwd), Case("k_attn_bwd", attn_bwd), written("k_attn_bwd", attn_bwd),
                   Case("k_attn_fwd", attn_fwd, FUSED_SIZE), Case("k_attn_bwd", attn_bwd, FUSED_SIZE),
-                  Case("k_attn_decode_fwd", attn_decode_fwd)],
-    "mlp": [Case("k_mlp_fwd", mlp_fwd), Case("k_mlp_bwd", mlp_bwd)],
+                  written("k_attn_bwd", attn_bwd, FUSED_SIZE), Case("k_attn_decode_fwd", attn_decode_fwd)],
+    "mlp": [Case("k_mlp_fwd", mlp_fwd), Case("k_mlp_bwd", mlp_bwd), written("k_mlp_bwd", mlp_bwd)],
     "residual": [Case("k_residual_add", residual_fwd), Case("k_residual_add_bwd", residual_bwd)],
-    "loss": [Case("k_loss_fwd", loss_fwd), Case("k_loss_bwd", loss_bwd),
-             Case("k_loss_fwd", loss_fwd, VEC_SIZE), Case("k_loss_bwd", loss_bwd, VEC_SIZE)],
+    "loss": [Case("k_loss_fwd", loss_fwd), Case("k_loss_bwd", loss_bwd), written("k_loss_bwd", loss_bwd),
+             Case("k_loss_fwd", loss_fwd, VEC_SIZE), Case("k_loss_bwd", loss_bwd, VEC_SIZE),
+             written("k_loss_bwd", loss_bwd, VEC_SIZE)],
     "optim": [Case("k_grad_norm_partial", grad_norm_partial), Case("k_loss_accum", loss_accum),
               Case("k_step_check", step_check), Case("k_adamw_step", adamw_step),
               Case("k_cast_params", cast_params)],

@@ -86,7 +86,7 @@ def check_case(be, case, precision: str, rng):
             host.append(a.x.copy())
         else:
             host.append(a)
-    getattr(ref, case.kernel)(*host)
+    getattr(ref, case.kernel)(*host, **case.kwargs)
     dev, pre = [], {}
     for i, a in enumerate(args):
         if isinstance(a, (cases.In, cases.InOut)):
@@ -104,7 +104,7 @@ def check_case(be, case, precision: str, rng):
             dev.append(device_array(be, pre[i], adt))
         else:
             dev.append(a)
-    getattr(be, case.kernel)(*dev)
+    getattr(be, case.kernel)(*dev, **case.kwargs)
     be.synchronize()
     worst = (0.0, TOL[precision], "")
     for i, a in enumerate(args):
@@ -134,9 +134,9 @@ def time_case(be, case, precision: str, reps: int, rng, size=None) -> float:
         else:
             args.append(a)
     fn = getattr(be, case.kernel)
-    fn(*args)  # compiles, allocates workspace, creates the cuBLAS handle: not allowed in a capture
+    fn(*args, **case.kwargs)  # compiles, allocates workspace, creates the cuBLAS handle: not allowed in a capture
     be.synchronize()
-    graph = be.capture(lambda: fn(*args))
+    graph = be.capture(lambda: fn(*args, **case.kwargs))
     try:
         import cupy as cp
         if not isinstance(args[0], cp.ndarray):
@@ -208,7 +208,7 @@ def run(op, names, precisions, reps, timing, attention="fused", seed=0, backend=
                 rng = np.random.default_rng([seed, i])
                 err, tol, where = check_case(be, case, prec, rng)
                 size = case.size or cases.CHECK_SIZE
-                row = {"variant": label, "dtype": prec, "kernel": case.kernel,
+                row = {"variant": label, "dtype": prec, "kernel": case.label,
                        "check size": "B{B} T{T} C{C} NH{NH} V{V}".format(**size),
                        "rel err": err, "tol": tol, "ok": bool(err < tol), "worst": where}
                 if timing:

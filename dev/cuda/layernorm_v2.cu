@@ -35,7 +35,9 @@ extern "C" __global__ void __launch_bounds__(256, LN_MAXC <= 768 ? 2 : 1) k_laye
         rx = *(const vec16*)(x + q * LN_VEC);
         rd = *(const vec16*)(d + q * LN_VEC);
         rw = *(const vec16*)(weight + q * LN_VEC);
+#if LN_ACCUMULATE  // 0: dinp written, not loaded (as the package's version)
         rg[k] = *(const vec16*)(g + q * LN_VEC);
+#endif
       }
       const CT* ex = (const CT*)&rx;
       const CT* ed = (const CT*)&rd;

@@ -7,7 +7,7 @@ from andrea.backends.cuda.ops import THREADS, i32, i64
 BLOCKS = 264
 
 
-def k_layernorm_bwd(be, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+def k_layernorm_bwd(be, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
     C = inp.shape[-1]
     N = inp.size // C
     ct = inp.dtype
@@ -20,6 +20,6 @@ def k_layernorm_bwd(be, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
     pdb = be.workspace.get("colsum_b", n_blocks * C, np.float32)
     be.rt.launch("layernorm.cu", "k_layernorm_bwd_fused", ct, n_blocks, THREADS,
                  (dinp, pdw, pdb, dout, inp, weight, mean, rstd, i64(N), i32(C), i32(rpb)),
-                 defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}",))
+                 defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}", f"-DLN_ACCUMULATE={int(bool(accumulate))}"))
     be.rt.launch("linear.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dweight, pdw, i32(n_blocks), i32(C)))
     be.rt.launch("linear.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dbias, pdb, i32(n_blocks), i32(C)))

@@ -38,7 +38,7 @@ extern "C" __global__ void __launch_bounds__(256, LN_SLOTS * LN_VEC <= 24 && LN_
         i64 o = r * C + (i64)(v - ro * nq) * LN_VEC;
         rx[k] = *(const vec16*)(inp + o);
         rd[k] = *(const vec16*)(dout + o);
-#if LN_DINP_EARLY
+#if LN_DINP_EARLY && LN_ACCUMULATE
         rg[k] = *(const vec16*)(dinp + o);
 #endif
         mu[k] = mean[r];
@@ -70,7 +70,7 @@ extern "C" __global__ void __launch_bounds__(256, LN_SLOTS * LN_VEC <= 24 && LN_
       i64 r = s + ro;
       if (v < nv && r < r1) {
         vec16 rw = *(const vec16*)(weight + (v - ro * nq) * LN_VEC);
-#if !LN_DINP_EARLY
+#if !LN_DINP_EARLY && LN_ACCUMULATE
         rg[k] = *(const vec16*)(dinp + r * C + (i64)(v - ro * nq) * LN_VEC);
 #endif
         float a = pa[0], b = pb[0];

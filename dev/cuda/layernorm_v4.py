@@ -10,7 +10,7 @@ from andrea.backends.cuda.ops import LN_FUSED_MAXC, LN_MAX_SLOTS, LN_ROWS_CHOICE
 THREADS_V4 = 128
 
 
-def k_layernorm_bwd(be, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+def k_layernorm_bwd(be, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
     C = inp.shape[-1]
     N = inp.size // C
     ct = inp.dtype
@@ -25,7 +25,8 @@ def k_layernorm_bwd(be, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
     rows = min(fits, key=lambda r: (slots(r) * 32 / (r * nq), r))
     drv = cp.cuda.driver
     for early in (1, 0):
-        defs = (f"-DLN_ROWS={rows}", f"-DLN_SLOTS={slots(rows)}", f"-DLN_DINP_EARLY={early}")
+        defs = (f"-DLN_ROWS={rows}", f"-DLN_SLOTS={slots(rows)}", f"-DLN_DINP_EARLY={early}",
+                f"-DLN_ACCUMULATE={int(bool(accumulate))}")
         f = be.rt.function("layernorm.cu", "k_layernorm_bwd_fused", ct, defs)
         if drv.funcGetAttribute(3, f.ptr) == 0:  # 3: CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
             break

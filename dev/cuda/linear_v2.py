@@ -26,9 +26,9 @@ def _colsum_add(be, out, x, N, Cc, slot="colsum_a"):
 
 
 def _with_v2(name):
-    def launcher(be, *args):
+    def launcher(be, *args, **kw):
         be._colsum_add = types.MethodType(_colsum_add, be)  # this variant's backend only
-        return getattr(type(be), name)(be, *args)
+        return getattr(type(be), name)(be, *args, **kw)
     return launcher
 
 

@@ -175,15 +175,15 @@ class Fp8Ops:
                           fast_accum=True)
             fallback()
 
-    def _dgrad_wgrad(self, dinp2, dw, dy2, x2, w, dx_epilogue=None):
+    def _dgrad_wgrad(self, dinp2, dw, dy2, x2, w, dx_epilogue=None, accumulate=True):
         """The two backward products of one linear layer, dY already in the workspace's dy slot
-        (dy2 the 16-bit one): dinp2 += fp8(dY) @ fp8(w) (or, with dx_epilogue, written through it)
-        and dw += fp8(dY).T @ fp8(x2)."""
+        (dy2 the 16-bit one): dinp2 += fp8(dY) @ fp8(w) (accumulate=False: =; or, with
+        dx_epilogue, written through it) and dw += fp8(dY).T @ fp8(x2)."""
         g = self.grad_fmt
         dq, dq_t, d_inv = self._quantise("dy", dy2, g, transpose=True, both=True)
         wq_t, w_inv = self._quantise("w", w, FP8_FWD, transpose=True)[1:]
         if dx_epilogue is None:
-            self._product(dinp2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, beta=1.0)
+            self._product(dinp2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, beta=1.0 if accumulate else 0.0)
         else:
             dx_epilogue(dq, g, d_inv, wq_t, w_inv)
         xq_t, x_inv = self._quantise("x", x2, FP8_FWD, transpose=True)[1:]
@@ -199,18 +199,18 @@ class Fp8Ops:
         self._fwd_product(out2, x2, w, b, fallback=lambda: ops.rt.launch(
             "linear.cu", "k_bias_add", out.dtype, min(N, MAX_BLOCKS), THREADS, (out, b, i64(N), i32(OC))))
 
-    def k_fp8_linear_bwd(self, dinp, dw, db, dout, inp, w, grad_fmt=None):
-        """Adds into dinp (B,T,IC), dw (OC,IC) float32, db (OC,) float32 (numpy_ref.k_fp8_linear_bwd);
-        grad_fmt: this call's gradient format (default the backend's)."""
+    def k_fp8_linear_bwd(self, dinp, dw, db, dout, inp, w, grad_fmt=None, accumulate=True):
+        """Adds into dinp (B,T,IC), dw (OC,IC) float32, db (OC,) float32 (numpy_ref.k_fp8_linear_bwd;
+        accumulate=False writes dinp); grad_fmt: this call's gradient format (default the backend's)."""
         if grad_fmt is not None and grad_fmt != self.grad_fmt:
             saved, self.grad_fmt = self.grad_fmt, grad_fmt
             try:
-                return self.k_fp8_linear_bwd(dinp, dw, db, dout, inp, w)
+                return self.k_fp8_linear_bwd(dinp, dw, db, dout, inp, w, accumulate=accumulate)
             finally:
                 self.grad_fmt = saved
         OC, IC = w.shape
         dy2 = dout.reshape(-1, OC)
-        self._dgrad_wgrad(dinp.reshape(-1, IC), dw, dy2, inp.reshape(-1, IC), w)
+        self._dgrad_wgrad(dinp.reshape(-1, IC), dw, dy2, inp.reshape(-1, IC), w, accumulate=accumulate)
         self.ops._colsum_add(db, dy2, dy2.shape[0], OC)
 
     def k_fp8_mlp_fwd(self, out, pre, act, inp, w1, b1, w2, b2):
@@ -224,12 +224,15 @@ class Fp8Ops:
             "mlp.cu", "k_mlp_fwd_bias_gelu", pre.dtype, min(N, MAX_BLOCKS), THREADS, (pre, act, b1, i64(N), i32(H))))
         self.k_fp8_linear_fwd(out, act, w2, b2)
 
-    def k_fp8_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, grad_fmt=None):
-        """numpy_ref.k_fp8_mlp_bwd: adds into dinp, dw1, db1, dw2, db2; act, dact workspace."""
+    def k_fp8_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, grad_fmt=None,
+                      accumulate=True):
+        """numpy_ref.k_fp8_mlp_bwd: adds into dinp (accumulate=False: writes it), dw1, db1, dw2,
+        db2; act, dact workspace."""
         if grad_fmt is not None and grad_fmt != self.grad_fmt:
             saved, self.grad_fmt = self.grad_fmt, grad_fmt
             try:
-                return self.k_fp8_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact)
+                return self.k_fp8_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact,
+                                          accumulate=accumulate)
             finally:
                 self.grad_fmt = saved
         from .cublaslt import NoAlgorithm
@@ -249,4 +252,4 @@ class Fp8Ops:
 
         self._dgrad_wgrad(None, dw2, dy2, act2, w2, dx_epilogue=dact_product)
         ops._colsum_add(db2, dy2, dy2.shape[0], C)
-        self.k_fp8_linear_bwd(dinp, dw1, db1, dact, inp, w1)
+        self.k_fp8_linear_bwd(dinp, dw1, db1, dact, inp, w1, accumulate=accumulate)

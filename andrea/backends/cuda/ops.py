@@ -1,7 +1,9 @@
 """The launchers: every k_* operation of the backend interface on the GPU, in numpy_ref's order.
 
 Same names, arguments and meaning as numpy_ref (read its docstring): forward kernels write,
-backward kernels ADD into every gradient buffer. Each launcher checks shapes, dtypes and
+backward kernels ADD into every gradient buffer, except an activation gradient given with
+accumulate=False, which they write (the matrix products with beta = 0, the custom kernels with an
+int flag, or a -D option, that skips the read of the old value). Each launcher checks shapes, dtypes and
 contiguity first and raises naming the argument, then launches kernels of kernels/<op>.cu
 (self.rt, a Runtime) and matrix products on cuBLAS (self.blas). Scratch beyond the arguments
 comes from self.workspace. CudaOps is the half of CudaBackend (backend.py) that launches kernels.
@@ -245,16 +247,17 @@ class CudaOps:
                         i64(N), i32(C)), defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}",))
         return True
 
-    def _ln_bwd_plan(self, N: int, C: int, dtype):
+    def _ln_bwd_plan(self, N: int, C: int, dtype, accumulate=True):
         """The launch of version 4 of the layer-norm backward (k_layernorm_bwd_fused) for N rows of
         C elements of dtype, or None where it does not apply (C > LN_FUSED_MAXC or rows not in
-        whole 16-byte vectors): its -D options, grid, rows per block and reduction groups."""
+        whole 16-byte vectors): its -D options, grid, rows per block and reduction groups.
+        accumulate=False: the build that writes dinp without loading it (-DLN_ACCUMULATE=0)."""
         ct = np.dtype(dtype)
         vec = 16 // ct.itemsize
         if C > LN_FUSED_MAXC or C % vec or N < 1:
             return None
         plans = self.__dict__.setdefault("_ln_plans", {})
-        key = (N, C, ct.name, self.ln_blocks, self.ln_group)
+        key = (N, C, ct.name, self.ln_blocks, self.ln_group, bool(accumulate))
         if key in plans:
             return plans[key]
         nq = C // vec  # vectors per row
@@ -266,7 +269,8 @@ class CudaOps:
         rows = min(fits, key=lambda r: (slots(r) * 32 / (r * nq), r))
         drv = cp.cuda.driver
         for early in (1, 0):  # dinp's row loaded with the others where that compiles without spilling
-            defs = (f"-DLN_ROWS={rows}", f"-DLN_SLOTS={slots(rows)}", f"-DLN_DINP_EARLY={early}")
+            defs = (f"-DLN_ROWS={rows}", f"-DLN_SLOTS={slots(rows)}", f"-DLN_DINP_EARLY={early}",
+                    f"-DLN_ACCUMULATE={int(bool(accumulate))}")
             f = self.rt.function("layernorm.cu", "k_layernorm_bwd_fused", ct, defs)
             fptr = f.kernel.ptr if hasattr(f, "kernel") else f.ptr  # RawKernel, or an arch_module Function
             if drv.funcGetAttribute(3, fptr) == 0:  # 3: CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
@@ -291,8 +295,9 @@ class CudaOps:
             self._ln_zeroed = base  # held, so its address is not reused by another buffer meanwhile
         return cnt
 
-    def k_layernorm_bwd(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
-        """Adds into dinp (B,T,C) (compute dtype), dweight, dbias (C,) float32."""
+    def k_layernorm_bwd(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
+        """Adds into dinp (B,T,C) (compute dtype; accumulate=False writes it), dweight, dbias (C,)
+        float32."""
         C = inp.shape[-1]
         ct = inp.dtype
         for n, a in (("dinp", dinp), ("dout", dout), ("inp", inp)):
@@ -303,7 +308,7 @@ class CudaOps:
         for n, a in (("mean", mean), ("rstd", rstd)):
             check("k_layernorm_bwd", n, a, inp.shape[:-1], np.float32)
         N = inp.size // C
-        plan = self._ln_bwd_plan(N, C, ct)
+        plan = self._ln_bwd_plan(N, C, ct, accumulate)
         if plan and all(a.data.ptr % 16 == 0 for a in (dinp, dout, inp, weight)):
             # version 4: one pass, dweight/dbias added by its own reduction tree
             pdw = self.workspace.get("colsum_a", plan["partial_rows"] * C, np.float32)
@@ -316,7 +321,7 @@ class CudaOps:
         # version 1: a row pass for dinp, then column partials added by k_colsum_final (versions 2
         # and 3 of the one-pass kernel: git history; 3 is dev/cuda/layernorm_v2.cu)
         self.rt.launch("layernorm.cu", "k_layernorm_bwd_dx", ct, -(-N // 8), THREADS,
-                       (dinp, dout, inp, weight, mean, rstd, i64(N), i32(C)))
+                       (dinp, dout, inp, weight, mean, rstd, i64(N), i32(C), i32(int(accumulate))))
         rpb = -(-N // COLSUM_CHUNKS)
         n_blocks = -(-N // rpb)
         pdw = self.workspace.get("colsum_a", n_blocks * C, np.float32)
@@ -348,12 +353,12 @@ class CudaOps:
         if bias:
             self.rt.launch("linear.cu", "k_bias_add", ct, min(N, MAX_BLOCKS), THREADS, (out, b, i64(N), i32(OC)))
 
-    def _linear_bwd(self, kernel, dinp, dw, db, dout, inp, w, db_partials=None):
-        """dinp (N, IC) += dout @ w; dw (OC, IC) += dout.T @ inp; db (OC,) += column sums of dout,
-        or, with db_partials = (partials, chunks), of those column partials (k_colsum_partial's form)
-        that the kernel which wrote dout also wrote."""
+    def _linear_bwd(self, kernel, dinp, dw, db, dout, inp, w, accumulate=True, db_partials=None):
+        """dinp (N, IC) += dout @ w (accumulate=False: =, beta 0); dw (OC, IC) += dout.T @ inp;
+        db (OC,) += column sums of dout, or, with db_partials = (partials, chunks), of those column
+        partials (k_colsum_partial's form) that the kernel which wrote dout also wrote."""
         if self.fp8 is not None:
-            return self.fp8.k_fp8_linear_bwd(dinp, dw, db, dout, inp, w)
+            return self.fp8.k_fp8_linear_bwd(dinp, dw, db, dout, inp, w, accumulate=accumulate)
         OC, IC = w.shape
         ct = w.dtype
         N = inp.size // IC
@@ -363,7 +368,7 @@ class CudaOps:
         check(kernel, "dw", dw, (OC, IC), np.float32)
         check(kernel, "db", db, (OC,), np.float32)
         blas = self.blas
-        blas.gemm(dinp, dout, w, False, False, N, IC, OC, OC, IC, IC, beta=1.0)
+        blas.gemm(dinp, dout, w, False, False, N, IC, OC, OC, IC, IC, beta=1.0 if accumulate else 0.0)
         blas.gemm(dw, dout, inp, True, False, OC, IC, N, OC, IC, IC, beta=1.0)
         if db_partials is None:
             self._colsum_add(db, dout, N, OC)
@@ -375,9 +380,9 @@ class CudaOps:
         """qkv (B,T,3C) = inp (B,T,C) @ w (3C,C).T + b (3C,)."""
         self._linear_fwd("k_attn_qkv_fwd", qkv, inp, w, b)
 
-    def k_attn_qkv_bwd(self, dinp, dw, db, dqkv, inp, w):
-        """Adds into dinp (B,T,C), dw (3C,C), db (3C,)."""
-        self._linear_bwd("k_attn_qkv_bwd", dinp, dw, db, dqkv, inp, w)
+    def k_attn_qkv_bwd(self, dinp, dw, db, dqkv, inp, w, accumulate=True):
+        """Adds into dinp (B,T,C), dw (3C,C), db (3C,); accumulate=False writes dinp."""
+        self._linear_bwd("k_attn_qkv_bwd", dinp, dw, db, dqkv, inp, w, accumulate)
 
     # ------------------------------------------------------------ attention
     def attention_variant(self, dtype, head_size: int) -> str:
@@ -430,8 +435,9 @@ class CudaOps:
         self.rt.launch("attention.cu", "k_attn_merge_heads", ct, min(B * T, MAX_BLOCKS), THREADS,
                        (out, y, i32(B), i32(T), i32(NH), i32(hs)))
 
-    def k_attn_bwd(self, dqkv, dout, qkv, out, lse, n_head):
-        """Adds into dqkv (B,T,3C); recomputes P from S and the saved lse."""
+    def k_attn_bwd(self, dqkv, dout, qkv, out, lse, n_head, accumulate=True):
+        """Adds into dqkv (B,T,3C) (accumulate=False: writes it); recomputes P from S and the
+        saved lse."""
         B, T, C, NH, hs = _attn_shapes("k_attn_bwd", qkv, n_head)
         ct = qkv.dtype
         check("k_attn_bwd", "dqkv", dqkv, qkv.shape, ct)
@@ -447,7 +453,7 @@ class CudaOps:
             geo = flash_geometry(hs)
             for kernel in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):  # 64 query / key rows a block
                 self.rt.launch("attention.cu", kernel, ct, (BH, -(-T // 64)), 128,
-                               (dqkv, qkv, dout, lse, D, i32(B), i32(T), i32(NH), scale),
+                               (dqkv, qkv, dout, lse, D, i32(B), i32(T), i32(NH), scale, i32(int(accumulate))),
                                shared_mem=geo[kernel], hs=hs)
             return
         q, k, v, S = self._attn_scores(qkv, B, T, C, NH, hs)
@@ -467,7 +473,7 @@ class CudaOps:
         blas.gemm(dq, P, k, False, False, T, hs, T, T, hs, hs, batch=BH, stride_a=tt, stride_b=th, stride_c=th)
         blas.gemm(dk, P, q, True, False, T, hs, T, T, hs, hs, batch=BH, stride_a=tt, stride_b=th, stride_c=th)
         self.rt.launch("attention.cu", "k_attn_merge_grads", ct, min(B * T, MAX_BLOCKS), THREADS,
-                       (dqkv, dq, dk, dv, i32(B), i32(T), i32(NH), i32(hs)))
+                       (dqkv, dq, dk, dv, i32(B), i32(T), i32(NH), i32(hs), i32(int(accumulate))))
 
     def k_attn_decode_fwd(self, out, kcache, vcache, qkv, pos, n_head):
         """One new position against the KV cache (inference only): writes its k, v into row pos of
@@ -491,9 +497,9 @@ class CudaOps:
         """out (B,T,C) = inp (B,T,C) @ w (C,C).T + b: the output projection W_O."""
         self._linear_fwd("k_attn_out_fwd", out, inp, w, b)
 
-    def k_attn_out_bwd(self, dinp, dw, db, dout, inp, w):
-        """Adds into dinp (B,T,C), dw (C,C), db (C,)."""
-        self._linear_bwd("k_attn_out_bwd", dinp, dw, db, dout, inp, w)
+    def k_attn_out_bwd(self, dinp, dw, db, dout, inp, w, accumulate=True):
+        """Adds into dinp (B,T,C), dw (C,C), db (C,); accumulate=False writes dinp."""
+        self._linear_bwd("k_attn_out_bwd", dinp, dw, db, dout, inp, w, accumulate)
 
     # ------------------------------------------------------------ MLP
     def k_mlp_fwd(self, out, pre, act, inp, w1, b1, w2, b2):
@@ -515,10 +521,12 @@ class CudaOps:
             self.rt.launch("mlp.cu", "k_mlp_fwd_bias_gelu", ct, min(N, MAX_BLOCKS), THREADS, (pre, act, b1, i64(N), i32(H)))
         self._linear_fwd("k_mlp_fwd", out, act, w2, b2)
 
-    def k_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact):
-        """Adds into dinp, dw1 (4C,C), db1, dw2 (C,4C), db2. act, dact (B,T,4C) are workspace."""
+    def k_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, accumulate=True):
+        """Adds into dinp, dw1 (4C,C), db1, dw2 (C,4C), db2 (accumulate=False writes dinp). act,
+        dact (B,T,4C) are workspace."""
         if self.fp8 is not None:
-            return self.fp8.k_fp8_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact)
+            return self.fp8.k_fp8_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact,
+                                          accumulate=accumulate)
         H, C = w1.shape
         ct = w1.dtype
         for n, a in (("pre", pre), ("act", act), ("dact", dact)):
@@ -550,7 +558,7 @@ class CudaOps:
                 self.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, gelu_grid, THREADS, (act, dact, pre, i64(N * H)))
         blas.gemm(dw2, dout, act, True, False, C, H, N, C, H, H, beta=1.0)
         self._colsum_add(db2, dout, N, C)
-        self._linear_bwd("k_mlp_bwd", dinp, dw1, db1, dact, inp, w1, db_partials=db1_done)
+        self._linear_bwd("k_mlp_bwd", dinp, dw1, db1, dact, inp, w1, accumulate, db_partials=db1_done)
 
     # ------------------------------------------------------------ residual
     def k_residual_add(self, out, a, b):
@@ -578,10 +586,11 @@ class CudaOps:
             self.rt.launch("loss.cu", "k_loss_fwd", ct, n, 512,
                            (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)))
 
-    def k_loss_bwd(self, losses, lse, dinp, dwte, logits, inp, wte, targets, dloss):
+    def k_loss_bwd(self, losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, accumulate=True):
         """The fused classifier (numpy_ref.k_loss_bwd): per chunk of R rows the logits product, loss,
-        lse and dlogits in place, then dinp (B,T,C) += dlogits @ wte and dwte (V,C) += dlogits.T @ inp.
-        dloss: a float, or a (1,) float32 device array read when the kernel runs."""
+        lse and dlogits in place, then dinp (B,T,C) += dlogits @ wte (accumulate=False: =, beta 0;
+        each chunk writes its own rows) and dwte (V,C) += dlogits.T @ inp. dloss: a float, or a (1,)
+        float32 device array read when the kernel runs."""
         x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_loss_bwd", losses, lse, logits, inp, wte, targets)
         check("k_loss_bwd", "dinp", dinp, inp.shape, ct)
         check("k_loss_bwd", "dwte", dwte, (V, C), np.float32)
@@ -591,13 +600,14 @@ class CudaOps:
         else:
             dl = (np.uint64(0), np.float32(dloss))
         blas, dx, R = self.blas, dinp.reshape(N, C), z_all.shape[0]
+        beta = 1.0 if accumulate else 0.0
         for r0 in range(0, N, R):
             n = min(R, N - r0)
             z = z_all[:n]
             blas.gemm(z, x[r0:r0 + n], wte, False, True, n, V, C, C, C, V)
             self.rt.launch("loss.cu", "k_loss_bwd", ct, n, 512,
                            (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)) + dl)
-            blas.gemm(dx[r0:r0 + n], z, wte, False, False, n, C, V, V, C, C, beta=1.0)
+            blas.gemm(dx[r0:r0 + n], z, wte, False, False, n, C, V, V, C, C, beta=beta)
             blas.gemm(dwte, z, x[r0:r0 + n], True, False, V, C, n, V, C, C, beta=1.0)
 
     # ------------------------------------------------------------ clipping and the optimizer
