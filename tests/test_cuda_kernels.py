@@ -341,30 +341,49 @@ def test_attention(be, prec, rng, n_head, accumulate):
 FUSED_CASES = [(2, 77, 128), (4, 130, 128), (3, 77, 48), (2, 1000, 160), (2, 77, 256), (1, 1000, 128)]
 
 
+def backward_path(be, monkeypatch, hopper: bool, hs: int):
+    """Select the fused backward's kernels: version 7 (wgmma, attention_hopper.cu; compute
+    capability 9.0 only, else the case is skipped) or version 4 (mma.sync)."""
+    monkeypatch.setattr(be, "hopper_attention", hopper)
+    if hopper:
+        import cupy as cp
+        if int(cp.cuda.Device().compute_capability) != 90:
+            pytest.skip("the wgmma backward needs compute capability 9.0")
+        assert be._hopper_bwd(hs), "this case must exercise attention_hopper.cu's kernels"
+
+
+@pytest.mark.parametrize("hopper", [True, False], ids=["wgmma", "mma"])
 @pytest.mark.parametrize("n_head,Tq,Cq", FUSED_CASES)
-def test_attention_fused(be, prec, rng, n_head, Tq, Cq, accumulate):
+def test_attention_fused(be, prec, rng, n_head, Tq, Cq, accumulate, hopper, monkeypatch):
     if prec[0] == np.float16:
         assert be.attention_variant(np.float16, Cq // n_head) == "fused", "this case must exercise the fused kernels"
+        backward_path(be, monkeypatch, hopper, Cq // n_head)
+    elif not hopper:
+        pytest.skip("float32 takes version 1 either way")
     check_attention(be, prec, rng, n_head, 2, Tq, Cq, accumulate)
 
 
+@pytest.mark.parametrize("hopper", [True, False], ids=["wgmma", "mma"])
 @pytest.mark.parametrize("n_head,Tq,Cq", FUSED_CASES)
-def test_attention_fused_bf16(be, rng, n_head, Tq, Cq, accumulate):
+def test_attention_fused_bf16(be, rng, n_head, Tq, Cq, accumulate, hopper, monkeypatch):
     """bfloat16 through the same kernels (the mma instruction's bf16 form). Tolerance 3e-2: 8
     significant bits, ~4e-3 per rounding, over the chain S -> P -> dS -> dQ, dK."""
     import ml_dtypes
     assert be.attention_variant(ml_dtypes.bfloat16, Cq // n_head) == "fused"
+    backward_path(be, monkeypatch, hopper, Cq // n_head)
     check_attention(be, (ml_dtypes.bfloat16, 3e-2), rng, n_head, 2, Tq, Cq, accumulate)
 
 
+@pytest.mark.parametrize("hopper", [True, False], ids=["wgmma", "mma"])
 @pytest.mark.parametrize("dt_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("n_head,Tq,Cq", [(2, 1000, 128), (1, 333, 128)])
-def test_attention_fused_bitwise_rerun(be, rng, dt_name, n_head, Tq, Cq):
+def test_attention_fused_bitwise_rerun(be, rng, dt_name, n_head, Tq, Cq, hopper, monkeypatch):
     """The same inputs give the same bits, forward and backward (no atomics, fixed orders)."""
     import cupy as cp
     import ml_dtypes  # noqa: F401  (registers bfloat16)
     dt = np.dtype(dt_name)
     assert be.attention_variant(dt, Cq // n_head) == "fused"
+    backward_path(be, monkeypatch, hopper, Cq // n_head)
     qkv, dout = dev(rnd(rng, (2, Tq, 3 * Cq), dt), dt), dev(rnd(rng, (2, Tq, Cq), dt), dt)
     pre = dev(rnd(rng, (2, Tq, 3 * Cq), dt), dt)
     runs = []

@@ -1,5 +1,6 @@
-"""dev/cuda's Hopper forward (attention_v6.cu), backward (attention_v7.cu) and probes (wgmma_probe.cu)
-compile to sm_90a machine code, with the wgmma path in, and build without it for plain sm_90 (CPU only).
+"""The Hopper kernels compile to sm_90a machine code, with the wgmma path in, and build without it for
+plain sm_90 (CPU only): the package's attention backward (andrea/kernels/attention_hopper.cu, version
+7), and dev/cuda's forward variant (attention_v6.cu) and probes (wgmma_probe.cu).
 
     python -m pytest tests/test_hopper_compile.py -q
 
@@ -8,7 +9,8 @@ wgmma code is compiled out; here ptxas assembles the sm_90a build (cubin), so an
 descriptor or fence operand fails on a machine without a GPU, and k_attn_flash_fwd must not spill
 at the two tile shapes (128 keys a tile up to head size 64, 64 keys above), nor may version 7's
 k_attn_flash_bwd_dq and k_attn_flash_bwd_dkv at any head size; the launch geometry of
-attention_v6.py and attention_v7.py is checked against the kernels' macros at compile time. -DV6_SM90A is what
+attention_v6.py, dev/cuda/attention_v7.py and the backend (ops.hopper_geometry) is checked against
+the kernels' macros at compile time. -DV6_SM90A is what
 dev/cuda/attention_v6.py passes to NVRTC with -arch=sm_90a. Skipped where nvcc is absent.
 """
 import re
@@ -100,9 +102,9 @@ def ptxas_figures(log, entry):
                                       (64, ("-DV7_KWG=3", "-DV7_BQ=32")), (64, ("-DV7_KWG=3", "-DV7_BQ=48"))])
 @pytest.mark.parametrize("ct", ["f16", "bf16"])
 def test_v7_backward_assembles_for_sm90a_without_spills(ct, hs, defs, tmp_path):
-    log = nvcc(DEV / "attention_v7.cu", "sm_90a", ct, hs, tmp_path / "v7.cubin", "--cubin", "-Xptxas", "-v",
-               "-DV6_SM90A", *defs)
-    for entry in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv", "k_attn_flash_fwd"):
+    log = nvcc(KERNELS / "attention_hopper.cu", "sm_90a", ct, hs, tmp_path / "v7.cubin", "--cubin", "-Xptxas",
+               "-v", *defs)
+    for entry in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
         regs, st, ld = ptxas_figures(log, entry)
         assert (st, ld) == (0, 0), f"{entry} spills (CT={ct}, HS={hs}): {st} bytes stored, {ld} loaded"
         assert regs <= 255
@@ -113,10 +115,10 @@ def test_v7_backward_assembles_for_sm90a_without_spills(ct, hs, defs, tmp_path):
 
 @pytest.mark.parametrize("arch, wgmma", [("sm_90a", True), ("sm_90", False)])
 def test_v7_backward_has_wgmma_only_for_sm90a(arch, wgmma, tmp_path):
-    # sm_90a: versions 6 and 7 take the names; sm_90 (the backend's own build) keeps version 4's kernels
-    nvcc(DEV / "attention_v7.cu", arch, "f16", 64, tmp_path / "v7.ptx", "--ptx")
+    # sm_90a: version 7 takes the backward's names; sm_90 (CuPy's build) keeps version 4's kernels
+    nvcc(KERNELS / "attention_hopper.cu", arch, "f16", 64, tmp_path / "v7.ptx", "--ptx")
     ptx = (tmp_path / "v7.ptx").read_text()
-    for entry in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv", "k_attn_flash_fwd"):
+    for entry in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
         body = ptx[ptx.index(f".entry {entry}("):]  # not the _v4 names, version 4 renamed
         body = body[:body.index("\n}\n")]
         assert ("wgmma.mma_async" in body) == wgmma, entry
@@ -130,7 +132,7 @@ def test_v7_sidecar_geometry_is_the_kernels(hs, tune, tmp_path):
     geo = v7.geometry(hs, tune)
     src = tmp_path / "geometry7.cu"
     src.write_text("".join(f"#define {v7.TUNABLE[k]} {v}\n" for k, v in tune.items()) +
-                   f'#include "{DEV / "attention_v7.cu"}"\n'
+                   f'#include "{KERNELS / "attention_hopper.cu"}"\n'
                    f'static_assert(V7_DKV_THREADS == {geo["dkv_threads"]}, "dkv threads");\n'
                    f'static_assert(V7_DQ_THREADS == {geo["dq_threads"]}, "dq threads");\n'
                    f'static_assert(V7_BK == {geo["keys"]}, "keys");\n'
@@ -138,3 +140,18 @@ def test_v7_sidecar_geometry_is_the_kernels(hs, tune, tmp_path):
                    f'static_assert(V7_DKV_SMEM == {geo["dkv_smem"]}, "dkv smem");\n'
                    f'static_assert(V7_DQ_SMEM == {geo["dq_smem"]}, "dq smem");\n')
     nvcc(src, "sm_90a", "f16", hs, tmp_path / "geometry7.ptx", "--ptx", "-DV6_SM90A")
+
+
+@pytest.mark.parametrize("hs", [16, 32, 64, 80, 128])
+def test_backend_hopper_geometry_is_the_kernels(hs, tmp_path):
+    # what CudaOps launches on compute capability 9.0 (ops.hopper_geometry) is what the package's
+    # attention_hopper.cu defines with its default settings (the kernels trap otherwise)
+    from andrea.backends.cuda.ops import hopper_geometry
+    geo = hopper_geometry(hs)
+    src = tmp_path / "geometry_ops.cu"
+    src.write_text(f'#include "{KERNELS / "attention_hopper.cu"}"\n'
+                   f'static_assert(V7_DKV_THREADS == {geo["threads"]} && V7_DQ_THREADS == {geo["threads"]}, "threads");\n'
+                   f'static_assert(V7_BK == {geo["keys"]} && V7_QM == {geo["rows"]}, "rows a block");\n'
+                   f'static_assert(V7_DKV_SMEM == {geo["k_attn_flash_bwd_dkv"]}, "dkv smem");\n'
+                   f'static_assert(V7_DQ_SMEM == {geo["k_attn_flash_bwd_dq"]}, "dq smem");\n')
+    nvcc(src, "sm_90a", "f16", hs, tmp_path / "geometry_ops.ptx", "--ptx")

@@ -4,9 +4,10 @@
 
 Each variant is a kernel source compiled by NVRTC (CuPy RawModule) per compute dtype and head
 size: v3 is dev/cuda/attention_v3.cu (the fused path before version 4), v4 is the promoted
-andrea/kernels/attention.cu, v5, v6 and v7 are candidates (v6: the wgmma forward of
-dev/cuda/attention_v6.cu on compute capability 9.0, built for sm_90a by attention_v6.py; v7: that
-forward and the wgmma backward of attention_v7.cu, built and launched by attention_v7.py); a later
+andrea/kernels/attention.cu, v5 and v6 are candidates (v6: the wgmma forward of
+dev/cuda/attention_v6.cu on compute capability 9.0, built for sm_90a by attention_v6.py), v7 is
+version 4's forward with the wgmma backward of the package's andrea/kernels/attention_hopper.cu,
+built and launched by attention_v7.py (its v7* entries: other -D settings of that file); a later
 candidate dev/cuda/attention_vN.cu is added to VARIANTS below.
 Check (before any timing): every variant against the float64 NumPy reference
 (andrea.backends.numpy_ref k_attn_fwd / k_attn_bwd) at T = 77 and 1000, head sizes 32/64/80/128
@@ -132,13 +133,16 @@ class HopperForward(Variant):
         self._sm90a = {}
         self._sidecar = None
 
+    sidecar_path = None  # the launcher module; None: the .cu file's name with .py
+
     def sidecar(self):
-        """The variant's launcher module: its .cu file's name with .py."""
+        """The variant's launcher module (sidecar_path, or its .cu file's name with .py)."""
         if self._sidecar is None:
             import importlib.util
-            name = f"dev_cuda_{self.path.stem}"
+            path = self.sidecar_path or self.path.with_suffix(".py")
+            name = f"dev_cuda_{path.stem}"
             if name not in sys.modules:
-                spec = importlib.util.spec_from_file_location(name, self.path.with_suffix(".py"))
+                spec = importlib.util.spec_from_file_location(name, path)
                 mod = importlib.util.module_from_spec(spec)
                 sys.modules[name] = mod
                 spec.loader.exec_module(mod)
@@ -152,19 +156,18 @@ class HopperForward(Variant):
 
 
 class HopperBackward(HopperForward):
-    """Version 7 candidate: version 6's forward and, on compute capability 9.0, the wgmma backward
-    of attention_v7.cu (dQ and dK/dV, 256 threads a block), launched as attention_v7.py launches
-    it; elsewhere version 4's kernels from the same file. tune: attention_v7.py's -D settings
-    (e.g. {"bq": 32, "dkv_blocks": 2}), applied to the sm_90a build."""
+    """Version 7: version 4's forward and, on compute capability 9.0, the wgmma backward of the
+    package's attention_hopper.cu (dQ and dK/dV, 256 threads a block), built and launched by
+    attention_v7.py; elsewhere version 4's kernels. tune: attention_v7.py's -D settings (e.g.
+    {"bq": 32, "dkv_blocks": 2}), applied to the sm_90a build."""
+    sidecar_path = ROOT / "dev" / "cuda" / "attention_v7.py"
 
     def __init__(self, *args, tune=None):
         super().__init__(*args)
         self.tune = tune
 
     def fwd(self, ct, out, lse, qkv, B, T, NH, hs):
-        if not self.sidecar().is_hopper():
-            return Variant.fwd(self, ct, out, lse, qkv, B, T, NH, hs)
-        self.sidecar().launch_fwd(self._sm90a, ct, out, lse, qkv, B, T, NH, hs, self.tune)
+        return Variant.fwd(self, ct, out, lse, qkv, B, T, NH, hs)
 
     def bwd_parts(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):
         if not self.sidecar().is_hopper():
@@ -195,7 +198,7 @@ VARIANTS = {
                         v5_smem, True),
     "v6": HopperForward("v6", DEV / "attention_v6.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
                         v4_smem, True),
-    "v7": HopperBackward("v7", DEV / "attention_v7.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
+    "v7": HopperBackward("v7", lambda: kernel_dir() / "attention_hopper.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
                          v4_smem, True),
     # v7 with other -D settings (attention_v7.py's TUNABLE), checked and timed at head size 64 only:
     # version 6's core-matrix tiles instead of 128-byte swizzled ones; each product group waited for
@@ -203,7 +206,7 @@ VARIANTS = {
     # three warpgroups (192 keys) a dK/dV block with 32 queries a tile; 128 keys a dQ tile (210
     # registers, one block a multiprocessor); 48 queries a dK/dV tile, with two or three warpgroups
     # (160 registers: three fit one multiprocessor)
-    **{name: HopperBackward(name, DEV / "attention_v7.cu", (64,), lambda hs: 128 if hs <= 64 else 64, v4_smem, True,
+    **{name: HopperBackward(name, lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128 if hs <= 64 else 64, v4_smem, True,
                             tune=tune)
        for name, tune in (("v7cm", {"swizzle": 0}), ("v7s", {"overlap": 0}), ("v7q32", {"bq": 32}),
                           ("v7k3", {"kwg": 3, "bq": 32}), ("v7n128", {"bn": 128, "dq_blocks": 1}),

@@ -1,12 +1,9 @@
-"""attention_v7.cu's launches: version 6's wgmma forward and version 7's wgmma backward
-(k_attn_flash_bwd_dq, k_attn_flash_bwd_dkv), both from one sm_90a build of attention_v7.cu.
-
-Compiling and loading are attention_v6.py's (NVRTC, -arch=sm_90a -DV6_SM90A, a cubin loaded with
-the driver); this file adds the backward's geometry and launch. k_attn_flash_D, which the
-backward reads, is launched from the same module (it is the package's kernel, unchanged). Where
-the device is not compute capability 9.0, or version 4's fused path does not apply (dtype, head
-size, alignment), the backend's own launchers run, from the Runtime's build of attention_v7.cu, in
-which the wgmma code is compiled out and version 4's kernels remain.
+"""Version 7's backward (k_attn_flash_bwd_dq, k_attn_flash_bwd_dkv on wgmma), now the package's
+andrea/kernels/attention_hopper.cu, built for sm_90a with other -D settings than the package's
+defaults, so that dev/cuda/attention_bench.py times the settings against each other (tune). The
+package launches the default settings itself (ops.hopper_geometry); this file's geometry() must
+give the same figures for them (tests/test_hopper_compile.py checks both against the macros).
+Compiling and loading are attention_v6.py's (NVRTC, -arch=sm_90a, a cubin loaded with the driver).
 """
 from __future__ import annotations
 
@@ -17,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.backends.cuda.runtime import THREADS, check, ct_name, i32
+from andrea.backends.cuda.runtime import THREADS, i32
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "attention_v7.cu"
-V7_WG = 2  # warpgroups per dQ block (V7_WG in attention_v7.cu); dK/dV: tune "kwg", default 2
+SOURCE = HERE.parent.parent / "andrea" / "kernels" / "attention_hopper.cu"
+V7_WG = 2  # warpgroups per dQ block (V7_WG in attention_hopper.cu); dK/dV: tune "kwg", default 2
 
 
 def _load_v6():
@@ -38,7 +35,7 @@ v6 = _load_v6()
 is_hopper = v6.is_hopper
 
 
-# -D settings of attention_v7.cu a launch may change (tune={name: value}): warpgroups (64 keys each)
+# -D settings of attention_hopper.cu a launch may change (tune={name: value}): warpgroups (64 keys each)
 # per dK/dV block, queries per dK/dV tile,
 # keys per dQ tile, blocks per multiprocessor each kernel is compiled to fit, overlap (0: every
 # product group waited for at once), swizzle (0: version 6's core-matrix tiles instead of 128-byte
@@ -48,7 +45,7 @@ TUNABLE = {"kwg": "V7_KWG", "bq": "V7_BQ", "bn": "V7_BN", "dkv_blocks": "V7_DKV_
 
 
 def geometry(hs: int, tune=None) -> dict:
-    """Version 7's backward launch for head size hs, as attention_v7.cu defines it (V7_DKV_THREADS,
+    """Version 7's backward launch for head size hs, as attention_hopper.cu defines it (V7_DKV_THREADS,
     V7_DQ_THREADS, V7_BK, V7_QM, V7_DKV_SMEM, V7_DQ_SMEM; the kernels trap on another block size or
     less shared memory); tune as module's."""
     tune = tune or {}
@@ -61,7 +58,7 @@ def geometry(hs: int, tune=None) -> dict:
 
 
 def module(cache: dict, ct: str, hs: int, tune=None):
-    """attention_v7.cu built for sm_90a (forward and backward), once per cache and settings; tune
+    """attention_hopper.cu built for sm_90a, once per cache and settings; tune
     ({TUNABLE key: int}) overrides the file's defaults."""
     tune = tune or {}
     unknown = set(tune) - set(TUNABLE)
@@ -71,18 +68,9 @@ def module(cache: dict, ct: str, hs: int, tune=None):
     if key not in cache:
         defs = (f"-DHS={hs}",) + tuple(f"-D{TUNABLE[k]}={v}" for k, v in sorted(tune.items()))
         cache[key] = v6.Sm90aModule(v6.compile_sm90a(v6.source(SOURCE), SOURCE.name, ct, defs))
-        print(f"{SOURCE.name}: compiled for sm_90a (wgmma forward and backward), CT={ct} {' '.join(defs)}",
+        print(f"{SOURCE.name}: compiled for sm_90a (wgmma backward), CT={ct} {' '.join(defs)}",
               file=sys.stderr)
     return cache[key]
-
-
-def launch_fwd(cache: dict, ct: str, out, lse, qkv, B: int, T: int, NH: int, hs: int, tune=None):
-    """Version 6's k_attn_flash_fwd, from this file's build (with tune's settings: the forward is the
-    same kernel, one module serves both directions)."""
-    geo = v6.geometry(hs)
-    module(cache, ct, hs, tune).launch("k_attn_flash_fwd", (B * NH, -(-T // geo["rows"])), geo["threads"],
-                                 (out, lse, qkv, i32(B), i32(T), i32(NH), np.float32(1.0 / math.sqrt(hs))),
-                                 shared_mem=geo["smem"])
 
 
 def launch_bwd_parts(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: int, NH: int, hs: int,
@@ -108,41 +96,3 @@ def launch_bwd(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: in
     version 4's launcher gives them (16-bit, 16-byte aligned), D a float32 scratch of B*NH*T."""
     for launch in launch_bwd_parts(cache, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs, tune, accumulate).values():
         launch()
-
-
-def _applies(be, ct, hs, *arrays) -> bool:
-    return is_hopper() and be._fused(ct, hs, *arrays)
-
-
-def k_attn_fwd(be, out, lse, qkv, n_head):
-    """The backend's k_attn_fwd with version 6's forward on compute capability 9.0."""
-    check("k_attn_fwd", "qkv", qkv)
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    if C3 % 3 or C % n_head:
-        raise ValueError(f"k_attn_fwd: qkv last axis {C3} must be 3*C with C divisible by n_head={n_head}")
-    hs, ct = C // n_head, qkv.dtype
-    if not _applies(be, ct, hs, qkv, out):
-        return type(be).k_attn_fwd(be, out, lse, qkv, n_head)
-    check("k_attn_fwd", "out", out, (B, T, C), ct)
-    check("k_attn_fwd", "lse", lse, (B, n_head, T), np.float32)
-    launch_fwd(be.__dict__.setdefault("_sm90a_modules", {}), ct_name(ct), out, lse, qkv, B, T, n_head, hs)
-
-
-def k_attn_bwd(be, dqkv, dout, qkv, out, lse, n_head, accumulate=True):
-    """The backend's k_attn_bwd with version 7's backward on compute capability 9.0."""
-    check("k_attn_bwd", "qkv", qkv)
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    if C3 % 3 or C % n_head:
-        raise ValueError(f"k_attn_bwd: qkv last axis {C3} must be 3*C with C divisible by n_head={n_head}")
-    hs, ct = C // n_head, qkv.dtype
-    if not _applies(be, ct, hs, dqkv, qkv, dout, out):
-        return type(be).k_attn_bwd(be, dqkv, dout, qkv, out, lse, n_head, accumulate)
-    check("k_attn_bwd", "dqkv", dqkv, qkv.shape, ct)
-    check("k_attn_bwd", "dout", dout, (B, T, C), ct)
-    check("k_attn_bwd", "out", out, (B, T, C), ct)
-    check("k_attn_bwd", "lse", lse, (B, n_head, T), np.float32)
-    D = be.workspace.get("attn_D", B * n_head * T, np.float32)
-    launch_bwd(be.__dict__.setdefault("_sm90a_modules", {}), ct_name(ct), dqkv, dout, qkv, out, lse, D,
-               B, T, n_head, hs, accumulate=accumulate)

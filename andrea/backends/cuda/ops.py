@@ -48,6 +48,22 @@ def flash_geometry(hs: int) -> dict:
             "k_attn_flash_bwd_dkv": (2 * bn + 4 * bq) * lds * 2 + 4 * bq * 4}
 
 
+def hopper_geometry(hs: int) -> dict:
+    """The launch of attention_hopper.cu's wgmma backward (version 7) for head size hs, as its macros
+    define it by default (each kernel traps on another block size or less shared memory): two
+    warpgroups of 64 keys (dK/dV) or 64 query rows (dQ) a block; query tiles of 64 (32 above head
+    size 64) streamed by dK/dV, key tiles of 64 by dQ."""
+    keys, rows, bq, bn = 128, 128, (64 if hs <= 64 else 32), 64
+    return {"keys": keys, "rows": rows, "threads": 256,
+            "k_attn_flash_bwd_dkv": 2 * keys * hs * 2 + 4 * bq * hs * 2 + 4 * bq * 4,
+            "k_attn_flash_bwd_dq": 2 * rows * hs * 2 + 4 * bn * hs * 2}
+
+
+def _device_is_hopper() -> bool:
+    """Compute capability 9.0: wgmma.mma_async exists (through the sm_90a build)."""
+    return int(cp.cuda.Device().compute_capability) == 90
+
+
 def _device_fits_flash(hs: int) -> bool:
     dev = cp.cuda.Device()
     cc, smem = int(dev.compute_capability), int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
@@ -90,6 +106,10 @@ class CudaOps:
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # after a plain product (False); docs/BENCHMARKS.md has the timings behind the default
     dgelu_epilogue = False
+    # the attention backward's dQ and dK/dV on wgmma (attention_hopper.cu, version 7) on compute
+    # capability 9.0; False: version 4's mma.sync kernels everywhere (dev/cuda/harness.py --set
+    # hopper_attention=0 times one against the other)
+    hopper_attention = True
     # the GELU pass of the MLP backward also writes the first bias's column partials
     # (k_mlp_bwd_gelu_colsum; False: k_mlp_bwd_gelu, then k_colsum_partial reads dact again)
     gelu_colsum = True
@@ -392,6 +412,22 @@ class CudaOps:
                  and head_size in FLASH_HEAD_SIZES and _device_fits_flash(head_size))
         return "fused" if fused else "materialised"
 
+    def attention_kernels(self, dtype, head_size: int) -> str:
+        """Which kernels k_attn_fwd/_bwd run for this dtype and head size, for the memory plan's line."""
+        if self.attention_variant(dtype, head_size) != "fused":
+            return "materialised (version 1: cuBLAS products, T x T scores)"
+        bwd = ("wgmma, sm_90a (version 7, attention_hopper.cu)" if self._hopper_bwd(head_size)
+               else "mma.sync (version 4)")
+        return f"fused: forward mma.sync (version 4), backward {bwd}"
+
+    def _hopper_bwd(self, hs: int) -> bool:
+        """The backward's dQ and dK/dV kernels come from attention_hopper.cu (wgmma): compute
+        capability 9.0, CudaOps.hopper_attention set, and the tiles fit the device."""
+        if not (self.hopper_attention and _device_is_hopper() and hs in FLASH_HEAD_SIZES):
+            return False
+        smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+        return max(v for k, v in hopper_geometry(hs).items() if k.startswith("k_")) <= smem
+
     def _fused(self, dtype, hs, *arrays) -> bool:
         """Version 4 applies: attention_variant says so, and every array is 16-byte aligned (its
         tiles are copied 16 bytes at a time)."""
@@ -450,10 +486,16 @@ class CudaOps:
             D = self.workspace.get("attn_D", BH * T, np.float32)
             self.rt.launch("attention.cu", "k_attn_flash_D", ct, -(-(BH * T) // THREADS), THREADS,
                            (D, dout, out, i32(B), i32(T), i32(NH)), hs=hs)
+            args = (dqkv, qkv, dout, lse, D, i32(B), i32(T), i32(NH), scale, i32(int(accumulate)))
+            if self._hopper_bwd(hs):  # version 7: wgmma, 256 threads, 128 query rows / keys a block
+                geo = hopper_geometry(hs)
+                for kernel, rows in (("k_attn_flash_bwd_dq", geo["rows"]), ("k_attn_flash_bwd_dkv", geo["keys"])):
+                    self.rt.launch("attention_hopper.cu", kernel, ct, (BH, -(-T // rows)), geo["threads"], args,
+                                   shared_mem=geo[kernel], hs=hs, arch="sm_90a")
+                return
             geo = flash_geometry(hs)
             for kernel in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):  # 64 query / key rows a block
-                self.rt.launch("attention.cu", kernel, ct, (BH, -(-T // 64)), 128,
-                               (dqkv, qkv, dout, lse, D, i32(B), i32(T), i32(NH), scale, i32(int(accumulate))),
+                self.rt.launch("attention.cu", kernel, ct, (BH, -(-T // 64)), 128, args,
                                shared_mem=geo[kernel], hs=hs)
             return
         q, k, v, S = self._attn_scores(qkv, B, T, C, NH, hs)

@@ -1,22 +1,21 @@
-// attention_v7.cu: attention_v6.cu (version 6's wgmma forward over the package's attention.cu, both
-// included below) with a Hopper BACKWARD. On compute capability 9.0, k_attn_flash_bwd_dkv and
-// k_attn_flash_bwd_dq take every product through wgmma.mma_async (built for sm_90a by
-// attention_v7.py, the launch that goes with it); everywhere else, and for every other kernel
-// (k_attn_flash_D, version 1), this is version 6's and the package's code itself. Same arguments,
-// outputs and semantics as version 4's two backward kernels: dqkv (B,T,3C) += [dQ | dK | dV] (or =,
-// accumulate = 0), P
-// recomputed from Q, K and the lse the forward saved, D from k_attn_flash_D, the softmax scale
-// applied to dQ and dK once at the end, no atomics.
-//
-// Status: passes dev/cuda/harness.py (main v7, fp16 and bf16) and dev/cuda/attention_bench.py's
-// checks on an H200 (T = 77 and 1000, head sizes 32/64/80/128, fp16 and bf16, reruns
-// bit-identical), and is FASTER than version 4's backward at both model shapes and than SDPA's
-// cuDNN backward at 120M (figures in "Measured" at the end of this comment); not yet in the package.
+// attention_hopper.cu: the attention backward on Hopper's wgmma (version 7). Built for sm_90a
+// (CudaOps launches it on compute capability 9.0 through the Runtime's arch="sm_90a" build, since
+// CuPy's own build targets plain sm_90, where wgmma does not exist), k_attn_flash_bwd_dq and
+// k_attn_flash_bwd_dkv take every product through wgmma.mma_async. The file includes attention.cu:
+// there, version 4's two backward kernels are renamed out of the way, and everything else
+// (k_attn_flash_D, which the backward reads, the forward, version 1) is attention.cu's code. Built
+// for any other target (nvcc's sm_80/sm_90 in the tests, the float build) it is attention.cu
+// itself. Same arguments, outputs and semantics as version 4's backward kernels: dqkv (B,T,3C)
+// += [dQ | dK | dV] (accumulate = 0: written, not read), P recomputed from Q, K and the lse the
+// forward saved, D from k_attn_flash_D, the softmax scale applied to dQ and dK once at the end,
+// no atomics: the same inputs give the same bits.
+// Head sizes: every multiple of 16 up to 128 (ops.FLASH_HEAD_SIZES); 128-byte swizzled tiles at
+// head size 64, the core-matrix layout of wgmma.cuh elsewhere.
 //   ptxas (nvcc 13.0, sm_90a, CT=f16, HS=64): k_attn_flash_bwd_dkv 187 registers, one block of 256
 //   threads a multiprocessor; k_attn_flash_bwd_dq 122 registers (__launch_bounds__(256, 2)), two
-//   blocks; 0 bytes spilled, no wgmma serialised by ptxas (tests/test_hopper_compile.py checks
-//   both at every head size); dynamic shared memory 66,560 and 65,536 bytes (V7_DKV_SMEM,
-//   V7_DQ_SMEM). HS=128: 202 and 163 registers, one block each.
+//   blocks; no spills, no wgmma serialised by ptxas (tests/test_hopper_compile.py checks both at
+//   every head size). nvcc -std=c++17 -arch=sm_90a --cubin -Xptxas -v -Iandrea/kernels -DCT=f16
+//   -DHS=64 andrea/kernels/attention_hopper.cu
 //
 // Design (every product is one of version 6's two forms, so wgmma_probe.py's ss and rs probes cover
 // the layouts used here: A and B K-major from shared memory; A from registers, B MN-major):
@@ -41,7 +40,7 @@
 //     dS = P * (dP - D)
 //     dQ (64 x HS) += dS K              rs, dS from registers, K MN-major
 //   P's exponentials run while dP is computed (V7_OVERLAP). The longest rows launch first.
-//   Accumulator fragments are mma.sync's C layout per warp (attention_v6.cu): dK, dV and dQ are
+//   Accumulator fragments are mma.sync's C layout per warp (wgmma.cuh): dK, dV and dQ are
 //   added into (or written to) dqkv by version 4's store_rows.
 // Deterministic: fixed order everywhere, each output element owned by one thread.
 //
@@ -53,16 +52,6 @@
 // with every product waited for), swizzled tiles at head sizes other than 64 (64- or 32-byte
 // swizzle, or two 128-byte atoms), one fused kernel for dQ and dK/dV (it needs atomics or an
 // ordered reduction for dQ), and the 12M-shape tuning (T = 256 gives only 2 key blocks a head).
-//
-// Build: attention_v7.py compiles this file with NVRTC, -arch=sm_90a -DV6_SM90A (the wgmma forward
-// and this backward); the backend's Runtime builds it for the device's own architecture (sm_90 on
-// an H200), where V7_WGMMA is 0 and version 4's backward kernels remain, as the harness's fallback.
-//   ptxas figures: nvcc -std=c++17 -arch=sm_90a --cubin -Xptxas -v -Iandrea/kernels -DCT=f16
-//      -DV6_SM90A -DHS=64 dev/cuda/attention_v7.cu -o /tmp/v7.cubin
-// How to run it (an H200; repository root, PYTHONPATH=.):
-//   python dev/cuda/wgmma_probe.py                             the building blocks (layouts, ss, rs)
-//   python dev/cuda/harness.py attention main v7 --dtype fp16,bf16
-//   python dev/cuda/attention_bench.py --variants v4,v6,v7 --out DIR
 //
 // Measured (H200, nvcc 13.0 / NVRTC, attention_bench.py: each call between CUDA events, times the
 // model's layers, all variants and SDPA in one process; ms for 12 / 6 layers). This version:
@@ -103,7 +92,8 @@
 #define V7_WG 2                        // warpgroups per dQ block
 #define V7_DQ_THREADS (128 * V7_WG)
 #define V7_QM (64 * V7_WG)             // query rows per dQ block
-// Tunable with -D (attention_v7.py passes the same to the launch): warpgroups per dK/dV block
+// Tunable with -D (dev/cuda/attention_bench.py times other settings; the launcher in ops.py
+// reads hopper_geometry, which must agree): warpgroups per dK/dV block
 // (64 keys each), queries per streamed tile in dK/dV, keys per streamed tile in dQ, and the blocks
 // per multiprocessor each kernel asks the compiler to fit (the second argument of
 // __launch_bounds__: 2 caps registers at 128 for 256 threads).
@@ -131,7 +121,7 @@
 #ifndef V7_DQ_BLOCKS
 #define V7_DQ_BLOCKS (HS <= 64 ? 2 : 1)  // fits 128 registers without spilling up to head size 64
 #endif
-// Dynamic shared memory (attention_v7.py asks the same): K, V, then Q and dO two deep, lse and D two deep
+// Dynamic shared memory (hopper_geometry in ops.py asks the same): K, V, then Q and dO two deep, lse and D two deep
 #define V7_DKV_SMEM (2 * V7_BK * HS * 2 + 4 * V7_BQ * HS * 2 + 4 * V7_BQ * 4)
 // Q and dO, then K and V two deep
 #define V7_DQ_SMEM (2 * V7_QM * HS * 2 + 4 * V7_BN * HS * 2)
@@ -141,7 +131,8 @@
 #define k_attn_flash_bwd_dq k_attn_flash_bwd_dq_v4
 #define k_attn_flash_bwd_dkv k_attn_flash_bwd_dkv_v4
 #endif
-#include "attention_v6.cu"
+#include "attention.cu"
+#include "wgmma.cuh"
 #if V7_WGMMA
 #undef k_attn_flash_bwd_dq
 #undef k_attn_flash_bwd_dkv
