@@ -176,6 +176,14 @@ def test_embed_sort_rank(be, rng, N, V, monkeypatch):
         assert np.array_equal(keys, want), f"{name}: keys not sorted as NumPy sorts them"
         got[name] = cp.asnumpy(dwte)
     assert np.array_equal(got["rank"].view(np.uint32), got["bitonic"].view(np.uint32))
+    # the bits: each token's rows added in float32 from zero in position order (a sequential cumsum)
+    flat, rows32 = tokens.reshape(-1), dout.reshape(N, C2).astype(np.float32)
+    order = np.argsort(flat, kind="stable")
+    starts = np.flatnonzero(np.r_[True, flat[order][1:] != flat[order][:-1]])
+    want32 = np.zeros((V, C2), np.float32)
+    for a, b in zip(starts, np.r_[starts[1:], N]):
+        want32[flat[order[a]]] = np.cumsum(rows32[order[a:b]], axis=0, dtype=np.float32)[-1]
+    assert np.array_equal(got["rank"].view(np.uint32), want32.view(np.uint32)), "dwte: not the position-order sums"
     want_dwte = np.zeros((V, C2))
     np.add.at(want_dwte, tokens.reshape(-1), dout.reshape(N, C2))
     assert_close(f"k_embed_bwd dwte N={N}", got["rank"].astype(np.float64), want_dwte, 1e-5)

@@ -1,7 +1,7 @@
 // embed.cu: token + position embedding. k_embed_fwd gathers; k_embed_bwd scatters back without
 // floating-point atomics: the positions are sorted by (token, position) as packed keys (each
 // key's rank counted directly, k_embed_sort_rank, or a one-block bitonic sort, k_embed_sort),
-// then one block per distinct token sums its rows in position order.
+// then one warp per distinct token sums its rows in position order.
 // Launchers: andrea/backends/cuda.py (k_embed_fwd, k_embed_bwd).
 #include "common.cuh"
 
@@ -106,19 +106,44 @@ extern "C" __global__ void __launch_bounds__(ER_THREADS) k_embed_sort_rank(unsig
   for (int i = N + blockIdx.x * ER_THREADS + t; i < P; i += gridDim.x * ER_THREADS) keys[i] = 0xffffffffu;
 }
 
-// dwte[tok] += sum of dout rows whose token is tok, in position order. grid.x = N sorted slots:
-// a slot that does not start a run of equal tokens exits; grid.y * blockDim.x covers C.
-extern "C" __global__ void k_embed_bwd_wte(float* dwte, const unsigned int* keys, const CT* dout,
-                                           int N, int C, int shift) {
-  int i = blockIdx.x;
-  int c = blockIdx.y * blockDim.x + threadIdx.x;
+// dwte[tok] += sum of dout rows whose token is tok, in position order. One warp per sorted slot
+// (EW_WARPS slots a block): a slot that does not start a run of equal tokens exits; the warp walks
+// the run, lane l adding columns l, l + 32, ... of each row into registers (a row's loads issued
+// together, the next key loaded before the row is added), EW_COLS columns a pass. Each column is
+// summed from 0 in position order, then added to dwte: the bits of one thread per column.
+#define EW_WARPS 8
+#define EW_PER_LANE 24  // 768 columns a pass: ANDREA-120M's rows in one
+#define EW_COLS (32 * EW_PER_LANE)
+extern "C" __global__ void __launch_bounds__(32 * EW_WARPS) k_embed_bwd_wte(float* dwte, const unsigned int* keys,
+                                                                         const CT* dout, int N, int C, int shift) {
+  int i = blockIdx.x * EW_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (i >= N) return;
   unsigned int tok = keys[i] >> shift;
-  if (c >= C || (i > 0 && (keys[i - 1] >> shift) == tok)) return;
+  if (i > 0 && (keys[i - 1] >> shift) == tok) return;
   unsigned int mask = (1u << shift) - 1u;
-  float acc = 0.f;
-  for (int j = i; j < N && (keys[j] >> shift) == tok; ++j)
-    acc += to_f(dout[(i64)(keys[j] & mask) * C + c]);
-  dwte[(i64)tok * C + c] += acc;
+  for (int c0 = 0; c0 < C; c0 += EW_COLS) {
+    float acc[EW_PER_LANE];
+#pragma unroll
+    for (int m = 0; m < EW_PER_LANE; ++m) acc[m] = 0.f;
+    unsigned int k = keys[i];
+    for (int j = i; j < N;) {
+      const CT* row = dout + (i64)(k & mask) * C + c0;
+      ++j;
+      unsigned int next = j < N ? keys[j] : 0xffffffffu;  // in flight while this row is added
+#pragma unroll
+      for (int m = 0; m < EW_PER_LANE; ++m) {
+        int c = lane + 32 * m;
+        if (c0 + c < C) acc[m] += to_f(row[c]);
+      }
+      if (j >= N || (next >> shift) != tok) break;
+      k = next;
+    }
+#pragma unroll
+    for (int m = 0; m < EW_PER_LANE; ++m) {
+      int c = c0 + lane + 32 * m;
+      if (c < C) dwte[(i64)tok * C + c] += acc[m];
+    }
+  }
 }
 
 // dwpe[t] += sum over the batch of dout[b, t], b in order. One thread per (t, c).

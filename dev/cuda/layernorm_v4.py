@@ -28,9 +28,9 @@ def k_layernorm_bwd(be, dinp, dweight, dbias, dout, inp, weight, mean, rstd, acc
         defs = (f"-DLN_ROWS={rows}", f"-DLN_SLOTS={slots(rows)}", f"-DLN_DINP_EARLY={early}",
                 f"-DLN_ACCUMULATE={int(bool(accumulate))}")
         f = be.rt.function("layernorm.cu", "k_layernorm_bwd_fused", ct, defs)
-        if drv.funcGetAttribute(3, f.ptr) == 0:  # 3: CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
+        if drv.funcGetAttribute(3, f.kernel.ptr) == 0:  # 3: CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
             break
-    per_sm = max(1, drv.occupancyMaxActiveBlocksPerMultiprocessor(f.ptr, THREADS_V4, 0))
+    per_sm = max(1, drv.occupancyMaxActiveBlocksPerMultiprocessor(f.kernel.ptr, THREADS_V4, 0))
     target = be.ln_blocks or per_sm * cp.cuda.Device().attributes["MultiProcessorCount"]
     rpb = -(-(-(-N // target)) // rows) * rows
     n_blocks = -(-N // rpb)

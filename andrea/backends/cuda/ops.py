@@ -23,6 +23,7 @@ LN_FUSED_MAXC = 1024  # widest row the one-pass layer-norm backward holds in reg
 STEP_CHECK_THREADS = 96  # SC_THREADS in optim.cu: the summing warp and the two that compute the powers
 EMBED_RANK_MAX = 1 << 18  # see CudaOps.embed_rank_max
 EMBED_RANK_KEYS = 32  # keys a block of k_embed_sort_rank ranks (ER_KEYS in embed.cu)
+EMBED_WTE_WARPS = 8  # sorted slots (one warp each) a block of k_embed_bwd_wte takes (EW_WARPS in embed.cu)
 LN_ROWS_CHOICES = (1, 2, 4)  # rows a warp of the one-pass layer-norm backward takes at a time (LN_ROWS)
 LN_MAX_SLOTS = 4  # 16-byte vectors per lane beyond which one row at a time (the running sums live in registers)
 # Attention version 4 (fused, andrea/kernels/attention.cu) runs for 16-bit compute dtypes, head
@@ -215,7 +216,7 @@ class CudaOps:
             self.rt.launch("embed.cu", "k_embed_sort", ct, 1, 1024,
                            (keys, tokens, i32(N), i32(P), i32(shift), i32(int(use_shared))),
                            shared_mem=P * 4 if use_shared else 0)
-        self.rt.launch("embed.cu", "k_embed_bwd_wte", ct, (N, -(-C // 128)), 128,
+        self.rt.launch("embed.cu", "k_embed_bwd_wte", ct, -(-N // EMBED_WTE_WARPS), 32 * EMBED_WTE_WARPS,
                        (dwte, keys, dout, i32(N), i32(C), i32(shift)))
         self.rt.launch("embed.cu", "k_embed_bwd_wpe", ct, -(-(T * C) // THREADS), THREADS,
                        (dwpe, dout, i32(B), i32(T), i32(C)))
