@@ -76,6 +76,21 @@ def arch_module(text: str, name: str, options, arch: str):
     return mod
 
 
+def _allow_shared(f, nbytes: int, granted: dict):
+    """Let kernel f take nbytes of dynamic shared memory: a RawKernel has the attribute as a
+    property; an arch_module Function (cupy.cuda.function) goes through the driver, once per
+    size (granted: id(f) -> bytes, kept by the Runtime with the kernels)."""
+    if hasattr(f, "max_dynamic_shared_size_bytes"):
+        if f.max_dynamic_shared_size_bytes < nbytes:
+            f.max_dynamic_shared_size_bytes = nbytes
+        return
+    if granted.get(id(f), 0) < nbytes:
+        from cupy_backends.cuda.api import driver
+        attr = getattr(driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
+        driver.funcSetAttribute(f.ptr, attr, nbytes)
+        granted[id(f)] = nbytes
+
+
 THREADS = 256
 MAX_BLOCKS = 8192  # grid-stride kernels: enough blocks to fill 132 SMs, few enough to stay cheap
 
@@ -107,6 +122,7 @@ class Runtime:
         self.sources = {name: Path(p) for name, p in (sources or {}).items()}
         self.modules: dict = {}
         self.funcs: dict = {}
+        self.smem_granted: dict = {}  # id(kernel) -> dynamic shared memory allowed (arch_module kernels)
 
     def source(self, fname: str) -> str:
         path = self.sources.get(fname, self.dir / fname)
@@ -136,8 +152,8 @@ class Runtime:
         current stream."""
         defs = tuple(defs) + ((f"-DHS={hs}",) if hs else ())
         f = self.function(fname, kernel, dtype, defs, arch)
-        if shared_mem > 48 * 1024 and f.max_dynamic_shared_size_bytes < shared_mem:
-            f.max_dynamic_shared_size_bytes = shared_mem  # the opt-in above the default 48 KB, once per kernel
+        if shared_mem > 48 * 1024:
+            _allow_shared(f, shared_mem, self.smem_granted)  # the opt-in above the default 48 KB, once per kernel and size
         f(grid if isinstance(grid, tuple) else (grid,), block if isinstance(block, tuple) else (block,), args,
           shared_mem=shared_mem)
 
