@@ -1,7 +1,8 @@
 // layernorm.cu: layer norm over the last axis (C), forward and backward. One warp per row for
 // the row-wise parts; the weight and bias gradients are column sums over all rows, done in fixed
-// row chunks then added in chunk order (in k_layernorm_bwd_fused itself; after
-// k_layernorm_bwd_partial by k_colsum_final, linear.cu), so no floating-point atomics. Statistics (mean, rstd) are float32 whatever CT is.
+// row chunks (k_layernorm_bwd_fused's blocks, or k_layernorm_bwd_partial) then added in chunk
+// order (k_colsum_final, linear.cu), so no floating-point atomics. Statistics (mean, rstd) are
+// float32 whatever CT is.
 // The backward kernels add into dinp, or write it without reading it (the first writer of the
 // buffer in model.backward): k_layernorm_bwd_dx with accumulate = 0, k_layernorm_bwd_fused built
 // with LN_ACCUMULATE 0. The same expression on a zero in place of the old value: the bits of
@@ -110,212 +111,108 @@ extern "C" __global__ void k_layernorm_bwd_partial(float* pdw, float* pdb, const
   }
 }
 
+// Version 3 of the backward pass (version 2, in git history, loaded one element per lane; version
+// 4, a grid sized to the SMs with its own reduction tree, was slower on an H200 and is in git
+// history too, docs/BENCHMARKS.md):
+// for C <= LN_MAXC with rows in whole 16-byte vectors (C a multiple of 16 / sizeof(CT)); the
+// launcher compiles it with LN_MAXC = C rounded up to 32 vectors, so the per-lane arrays are no
+// longer than the row. One kernel reads each row once, 16 bytes per load. A block of 8 warps owns
+// a contiguous chunk of rows (one warp per row at a time); each lane keeps the row's values and its
+// running dweight/dbias sums for its vectors (lane, lane+32, ...) in registers. The warps then add
+// their sums into shared memory one warp after another (a fixed order) and the block writes its
+// partial row pdw/pdb[blockIdx.x][C]; k_colsum_final adds the blocks in order. dinp's row is
+// loaded with the row's other inputs (one memory round trip per row; an earlier form,
+// in git history, loaded it after the reductions), with two blocks per SM up to C = 768.
 #ifndef LN_MAXC
 #define LN_MAXC 1024
 #endif
 #define LN_VEC CT_VEC  // elements per 16-byte vector (common.cuh)
-#define LN_CHUNKS ((LN_MAXC + 32 * LN_VEC - 1) / (32 * LN_VEC))  // vectors per lane of one row
-
-// Version 4 of the backward pass (version 3 is dev/cuda/layernorm_v2.cu; 2 and 1 are in git
-// history), for C <= 1024 with rows in whole 16-byte vectors (C a multiple of 16 / sizeof(CT)).
-// The grid is sized to the SMs; each block of 8 warps owns a contiguous chunk of rows.
-//
-// Rows: a warp takes LN_ROWS rows at a time (a slab), read once, 16 bytes per load: vector v of
-// the slab (row v / nq, column vector v % nq, nq = C / LN_VEC) belongs to lane v % 32, slot v / 32,
-// LN_SLOTS slots per lane. LN_ROWS is chosen by the launcher so that the slab fills the slots
-// (C = 384 in 16 bits: 48 vectors a row, 2 rows = 3 full slots, where one row left 16 lanes idle
-// in its second slot), which also puts LN_ROWS rows' loads in flight at once. Each slot maps to
-// the same (row in slab, column) in every slab, so the lane keeps the running dweight/dbias sums
-// of its slots in registers.
-//
-// Columns: the warps add their sums into shared memory one after another (a fixed order), the
-// block folds the slab rows and writes its partial row pdw/pdb[blockIdx.x]. Then a two-level
-// tree, no floating-point atomics: the blocks come in groups of `group`; the last block of a group
-// to finish (an integer counter elects it) adds its group's partial rows in block order into a
-// group row, and the last group to finish adds the group rows in group order into dweight/dbias.
-// The sums' order depends on the grid only, never on which block finished last: the same bits
-// every run. The counters (one per group and one for the groups, zero before the launch) are set
-// back to zero by the blocks that used them, so the next launch (or graph replay) finds them zero.
-#ifndef LN_ROWS
-#define LN_ROWS 1
-#endif
-#ifndef LN_SLOTS
-#define LN_SLOTS (LN_ROWS * LN_CHUNKS)
-#endif
-#ifndef LN_DINP_EARLY
-#define LN_DINP_EARLY 1
-#endif
+#define LN_CHUNKS ((LN_MAXC + 32 * LN_VEC - 1) / (32 * LN_VEC))  // vectors per lane
 #ifndef LN_ACCUMULATE
-#define LN_ACCUMULATE 1  // 0: dinp written, never loaded (its register slots stay zero)
+#define LN_ACCUMULATE 1  // 0 (accumulate=False): dinp written, never loaded
 #endif
-
-// Element j of a 16-byte vector of CT as a float, taken from its 32-bit word (fewer registers
-// than vget's 16-bit view of the vector: it keeps the backward below free of spills).
-template <typename T> __device__ __forceinline__ float ln_elem(const vec16& r, int j);
-template <> __device__ __forceinline__ float ln_elem<float>(const vec16& r, int j) { return __uint_as_float(r.w[j]); }
-template <> __device__ __forceinline__ float ln_elem<bf16>(const vec16& r, int j) {
-  unsigned w = r.w[j >> 1];
-  return __uint_as_float(j & 1 ? w & 0xffff0000u : w << 16);
-}
-template <> __device__ __forceinline__ float ln_elem<f16>(const vec16& r, int j) {
-  unsigned w = r.w[j >> 1];
-  f16 h = {(unsigned short)(j & 1 ? w >> 16 : w & 0xffffu)};
-  return to_f(h);
-}
-
-// A float another block wrote in this launch: through L2 (ld.global.cg), never a stale L1 line.
-__device__ __forceinline__ float ld_cg(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-
-// sum of p[k * C] for k = k0 .. k1-1 added in k order (through L2), the loads issued 8 at a time
-// before their additions: the sum waits on about (k1 - k0) / 8 memory round trips, not k1 - k0.
-__device__ __forceinline__ float ln_sum_rows(const float* p, int k0, int k1, int C) {
-  float s = 0.f;
-  for (int k = k0; k < k1; k += 8) {
-    float v[8];
-#pragma unroll
-    for (int u = 0; u < 8; ++u) v[u] = k + u < k1 ? ld_cg(p + (i64)(k + u) * C) : 0.f;
-#pragma unroll
-    for (int u = 0; u < 8; ++u)
-      if (k + u < k1) s += v[u];
-  }
-  return s;
-}
-
-// Whether this block is the last of n to pass (counter incremented once per block); the last
-// sets the counter back to zero. Every block's writes before the call are visible to the last.
-__device__ __forceinline__ bool last_block_of(unsigned* counter, unsigned n, int* flag) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned t = atomicAdd(counter, 1u);
-    *flag = t == n - 1;
-    if (t == n - 1) *counter = 0u;
-  }
-  __syncthreads();
-  bool last = *flag;
-  if (last) __threadfence();
-  return last;
-}
-
-extern "C" __global__ void __launch_bounds__(256, LN_SLOTS * LN_VEC <= 24 && LN_SLOTS <= 4 ? 2 : 1) k_layernorm_bwd_fused(
-    CT* dinp, float* dweight, float* dbias, float* pdw, float* pdb, unsigned* counters, const CT* dout,
-    const CT* inp, const CT* weight, const float* mean, const float* rstd, i64 N, int C, int rows_per_block,
-    int group) {
-  __shared__ float sw[LN_SLOTS * 32 * LN_VEC], sb[LN_SLOTS * 32 * LN_VEC];
-  __shared__ int flag;
+extern "C" __global__ void __launch_bounds__(256, LN_MAXC <= 768 ? 2 : 1) k_layernorm_bwd_fused(
+    CT* dinp, float* pdw, float* pdb, const CT* dout, const CT* inp, const CT* weight,
+    const float* mean, const float* rstd, i64 N, int C, int rows_per_block) {
+  __shared__ float sw[LN_CHUNKS * 32 * LN_VEC], sb[LN_CHUNKS * 32 * LN_VEC];
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5, nq = C / LN_VEC;
-  int nv = LN_ROWS * nq;  // vectors of a slab
-  float aw[LN_SLOTS][LN_VEC], ab[LN_SLOTS][LN_VEC];
+  float aw[LN_CHUNKS][LN_VEC], ab[LN_CHUNKS][LN_VEC];
 #pragma unroll
-  for (int k = 0; k < LN_SLOTS; ++k)
+  for (int k = 0; k < LN_CHUNKS; ++k)
 #pragma unroll
     for (int j = 0; j < LN_VEC; ++j) aw[k][j] = ab[k][j] = 0.f;
   i64 r0 = (i64)blockIdx.x * rows_per_block;
   i64 r1 = r0 + rows_per_block < N ? r0 + rows_per_block : N;
-  for (i64 s = r0 + (i64)warp * LN_ROWS; s < r1; s += (i64)nw * LN_ROWS) {
-    vec16 rx[LN_SLOTS], rd[LN_SLOTS], rg[LN_SLOTS];
-    float mu[LN_SLOTS], rs[LN_SLOTS], pa[LN_ROWS], pb[LN_ROWS];
+  for (i64 r = r0 + warp; r < r1; r += nw) {
+    const CT* x = inp + r * C;
+    const CT* d = dout + r * C;
+    CT* g = dinp + r * C;
+    float mu = mean[r], rs = rstd[r], xh[LN_CHUNKS][LN_VEC], dy[LN_CHUNKS][LN_VEC], a = 0.f, b = 0.f;
+    vec16 rg[LN_CHUNKS];  // dinp's row, loaded with the others: one memory round trip per row, not two
 #pragma unroll
-    for (int i = 0; i < LN_ROWS; ++i) pa[i] = pb[i] = 0.f;
-#pragma unroll
-    for (int k = 0; k < LN_SLOTS; ++k) {  // every load of the slab first: LN_ROWS rows in flight
-      int v = lane + 32 * k, ro = v / nq;
-      i64 r = s + ro;
-      rx[k] = rd[k] = rg[k] = vec16{{0u, 0u, 0u, 0u}};
-      mu[k] = rs[k] = 0.f;  // a slot past the slab or past the chunk: xhat = dout = 0, adds nothing
-      if (v < nv && r < r1) {
-        i64 o = r * C + (i64)(v - ro * nq) * LN_VEC;
-        rx[k] = *(const vec16*)(inp + o);
-        rd[k] = *(const vec16*)(dout + o);
-#if LN_DINP_EARLY && LN_ACCUMULATE
-        rg[k] = *(const vec16*)(dinp + o);
+    for (int k = 0; k < LN_CHUNKS; ++k) {
+      int q = lane + 32 * k;
+      vec16 rx = {{0u, 0u, 0u, 0u}}, rd = rx, rw = rx;
+      rg[k] = rx;
+      if (q < nq) {
+        rx = *(const vec16*)(x + q * LN_VEC);
+        rd = *(const vec16*)(d + q * LN_VEC);
+        rw = *(const vec16*)(weight + q * LN_VEC);
+#if LN_ACCUMULATE  // 0: dinp written, not loaded
+        rg[k] = *(const vec16*)(g + q * LN_VEC);
 #endif
-        mu[k] = mean[r];
-        rs[k] = rstd[r];
       }
-    }
-#pragma unroll
-    for (int k = 0; k < LN_SLOTS; ++k) {
-      int v = lane + 32 * k, ro = v / nq;
-      vec16 rw = *(const vec16*)(weight + (v - ro * nq) * LN_VEC);  // a column < nq even past the slab
-      float sa = 0.f, sx = 0.f;
+      const CT* ex = (const CT*)&rx;
+      const CT* ed = (const CT*)&rd;
+      const CT* ew = (const CT*)&rw;
 #pragma unroll
       for (int j = 0; j < LN_VEC; ++j) {
-        float xh = (ln_elem<CT>(rx[k], j) - mu[k]) * rs[k], dy = ln_elem<CT>(rd[k], j), dxh = dy * ln_elem<CT>(rw, j);
-        sa += dxh;
-        sx += dxh * xh;
-        aw[k][j] += dy * xh;
-        ab[k][j] += dy;
+        xh[k][j] = q < nq ? (to_f(ex[j]) - mu) * rs : 0.f;
+        dy[k][j] = to_f(ed[j]);
+        float dxh = dy[k][j] * to_f(ew[j]);
+        a += dxh;
+        b += dxh * xh[k][j];
+        aw[k][j] += dy[k][j] * xh[k][j];
+        ab[k][j] += dy[k][j];
       }
-#pragma unroll
-      for (int i = 0; i < LN_ROWS; ++i)
-        if (ro == i) { pa[i] += sa; pb[i] += sx; }
     }
+    a = warp_sum(a) / C;
+    b = warp_sum(b) / C;
 #pragma unroll
-    for (int i = 0; i < LN_ROWS; ++i) { pa[i] = warp_sum(pa[i]) / C; pb[i] = warp_sum(pb[i]) / C; }
+    for (int k = 0; k < LN_CHUNKS; ++k) {
+      int q = lane + 32 * k;
+      if (q < nq) {
+        vec16 rw = *(const vec16*)(weight + q * LN_VEC);
+        CT* eg = (CT*)&rg[k];
+        const CT* ew = (const CT*)&rw;
 #pragma unroll
-    for (int k = 0; k < LN_SLOTS; ++k) {
-      int v = lane + 32 * k, ro = v / nq;
-      i64 r = s + ro;
-      if (v < nv && r < r1) {
-        vec16 rw = *(const vec16*)(weight + (v - ro * nq) * LN_VEC);
-#if !LN_DINP_EARLY && LN_ACCUMULATE
-        rg[k] = *(const vec16*)(dinp + r * C + (i64)(v - ro * nq) * LN_VEC);
-#endif
-        float a = pa[0], b = pb[0];
-#pragma unroll
-        for (int i = 1; i < LN_ROWS; ++i)
-          if (ro == i) { a = pa[i]; b = pb[i]; }
-#pragma unroll
-        for (int j = 0; j < LN_VEC; ++j) {
-          float xh = (ln_elem<CT>(rx[k], j) - mu[k]) * rs[k];
-          vset(rg[k], j, ln_elem<CT>(rg[k], j) + rs[k] * (ln_elem<CT>(rd[k], j) * ln_elem<CT>(rw, j) - a - xh * b));
-        }
-        *(vec16*)(dinp + r * C + (i64)(v - ro * nq) * LN_VEC) = rg[k];
+        for (int j = 0; j < LN_VEC; ++j)
+          eg[j] = from_f<CT>(to_f(eg[j]) + rs * (dy[k][j] * to_f(ew[j]) - a - xh[k][j] * b));
+        *(vec16*)(g + q * LN_VEC) = rg[k];
       }
     }
   }
-  // slot (lane, k) is element v * LN_VEC + j of the slab, i.e. row ro, column c: sw[ro * C + c]
   for (int w = 0; w < nw; ++w) {  // warps add into shared memory in order: reproducible sums
     if (warp == w)
 #pragma unroll
-      for (int k = 0; k < LN_SLOTS; ++k) {
-        int v = lane + 32 * k;
-        if (v < nv)
+      for (int k = 0; k < LN_CHUNKS; ++k) {
+        int q = lane + 32 * k;
+        if (q < nq)
 #pragma unroll
           for (int j = 0; j < LN_VEC; ++j) {
-            int e = v * LN_VEC + j;
-            sw[e] = (w == 0 ? 0.f : sw[e]) + aw[k][j];
-            sb[e] = (w == 0 ? 0.f : sb[e]) + ab[k][j];
+            int c = q * LN_VEC + j;
+            sw[c] = (w == 0 ? 0.f : sw[c]) + aw[k][j];
+            sb[c] = (w == 0 ? 0.f : sb[c]) + ab[k][j];
           }
       }
     __syncthreads();
   }
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    float w = sw[c], b = sb[c];
-#pragma unroll
-    for (int i = 1; i < LN_ROWS; ++i) { w += sw[i * C + c]; b += sb[i * C + c]; }
-    pdw[(i64)blockIdx.x * C + c] = w;
-    pdb[(i64)blockIdx.x * C + c] = b;
-  }
-  // the tree: group rows after the gridDim.x block rows of pdw/pdb
-  int nb = gridDim.x, g = blockIdx.x / group, ng = (nb + group - 1) / group;
-  int b0 = g * group, b1 = b0 + group < nb ? b0 + group : nb;
-  if (!last_block_of(counters + g, b1 - b0, &flag)) return;
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    pdw[(i64)(nb + g) * C + c] = ln_sum_rows(pdw + c, b0, b1, C);
-    pdb[(i64)(nb + g) * C + c] = ln_sum_rows(pdb + c, b0, b1, C);
-  }
-  if (!last_block_of(counters + ng, ng, &flag)) return;
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    dweight[c] += ln_sum_rows(pdw + c, nb, nb + ng, C);
-    dbias[c] += ln_sum_rows(pdb + c, nb, nb + ng, C);
+    pdw[(i64)blockIdx.x * C + c] = sw[c];
+    pdb[(i64)blockIdx.x * C + c] = sb[c];
   }
 }
+
 
 // Version 2 of the layer-norm forward, for rows in whole 16-byte vectors with C <= LN_MAXC
 // (compiled per width as k_layernorm_bwd_fused): k_layernorm_fwd (b null: the row is a) and

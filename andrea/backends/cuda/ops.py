@@ -20,12 +20,11 @@ from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
 
 COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-norm gradients)
 LN_FUSED_MAXC = 1024  # widest row the one-pass layer-norm backward holds in registers
+LN_BLOCKS = 264  # blocks (and partial rows) of the one-pass layer-norm backward: 2 per SM of an H200
 STEP_CHECK_THREADS = 96  # SC_THREADS in optim.cu: the summing warp and the two that compute the powers
 EMBED_RANK_MAX = 1 << 18  # see CudaOps.embed_rank_max
 EMBED_RANK_KEYS = 32  # keys a block of k_embed_sort_rank ranks (ER_KEYS in embed.cu)
 EMBED_WTE_WARPS = 8  # sorted slots (one warp each) a block of k_embed_bwd_wte takes (EW_WARPS in embed.cu)
-LN_ROWS_CHOICES = (1, 2, 4)  # rows a warp of the one-pass layer-norm backward takes at a time (LN_ROWS)
-LN_MAX_SLOTS = 4  # 16-byte vectors per lane beyond which one row at a time (the running sums live in registers)
 # Attention version 4 (fused, andrea/kernels/attention.cu) runs for 16-bit compute dtypes, head
 # sizes that are multiples of 16 up to 128, on GPUs of compute capability 8.0 or later (cp.async,
 # ldmatrix, bf16 mma.sync) whose per-block shared-memory limit holds its tiles; float32, other
@@ -114,11 +113,7 @@ class CudaOps:
     # the GELU pass of the MLP backward also writes the first bias's column partials
     # (k_mlp_bwd_gelu_colsum; False: k_mlp_bwd_gelu, then k_colsum_partial reads dact again)
     gelu_colsum = True
-    # the one-pass layer-norm backward's grid: 0 = as many blocks as fit on the SMs at once, and
-    # groups of about sqrt(blocks) blocks in its reduction tree (dev/cuda/harness.py --set ln_blocks=N)
-    ln_blocks = 0
-    ln_group = 0
-    _ln_zeroed = None  # the counters buffer _ln_counters last zeroed
+    ln_blocks = LN_BLOCKS  # blocks of the one-pass layer-norm backward (dev/cuda/harness.py --set ln_blocks=N)
     # B*T up to which k_embed_bwd sorts its keys by rank (k_embed_sort_rank, O(N^2) comparisons over
     # the whole GPU); above it the one-block bitonic sort (k_embed_sort, O(N log^2 N) steps on one
     # SM) is estimated to cost less: ~5 us against 84 us at N = 8192 meet near N = 2^18
@@ -138,10 +133,8 @@ class CudaOps:
             rows = [("attn_scores", (BH * T * T,), "float32"), ("attn_probs", (BH * T * T,), act),
                     ("attn_heads", (3 * N * C,), act), ("attn_y", (N * C,), act),
                     ("attn_dheads", (3 * N * C,), "float32")]
-        ln = self._ln_bwd_plan(N, C, act_dtype)
-        partial_rows = max(COLSUM_CHUNKS * 4, ln["partial_rows"] if ln else 0)
+        partial_rows = max(COLSUM_CHUNKS * 4, self.ln_blocks)
         rows += [("colsum_a", (partial_rows * C,), "float32"), ("colsum_b", (partial_rows * C,), "float32"),
-                 ("ln_counters", (ln["n_groups"] + 1 if ln else 1,), "uint32"),
                  ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
         if self.cublaslt:
             from .cublaslt import WORKSPACE_BYTES
@@ -268,54 +261,6 @@ class CudaOps:
                         i64(N), i32(C)), defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}",))
         return True
 
-    def _ln_bwd_plan(self, N: int, C: int, dtype, accumulate=True):
-        """The launch of version 4 of the layer-norm backward (k_layernorm_bwd_fused) for N rows of
-        C elements of dtype, or None where it does not apply (C > LN_FUSED_MAXC or rows not in
-        whole 16-byte vectors): its -D options, grid, rows per block and reduction groups.
-        accumulate=False: the build that writes dinp without loading it (-DLN_ACCUMULATE=0)."""
-        ct = np.dtype(dtype)
-        vec = 16 // ct.itemsize
-        if C > LN_FUSED_MAXC or C % vec or N < 1:
-            return None
-        plans = self.__dict__.setdefault("_ln_plans", {})
-        key = (N, C, ct.name, self.ln_blocks, self.ln_group, bool(accumulate))
-        if key in plans:
-            return plans[key]
-        nq = C // vec  # vectors per row
-
-        def slots(r):
-            return -(-r * nq // 32)
-        # rows per warp-step: the fewest idle lanes (slots * 32 against r * nq vectors), then the fewest rows
-        fits = [r for r in LN_ROWS_CHOICES if r == 1 or slots(r) <= LN_MAX_SLOTS]
-        rows = min(fits, key=lambda r: (slots(r) * 32 / (r * nq), r))
-        drv = cp.cuda.driver
-        for early in (1, 0):  # dinp's row loaded with the others where that compiles without spilling
-            defs = (f"-DLN_ROWS={rows}", f"-DLN_SLOTS={slots(rows)}", f"-DLN_DINP_EARLY={early}",
-                    f"-DLN_ACCUMULATE={int(bool(accumulate))}")
-            f = self.rt.function("layernorm.cu", "k_layernorm_bwd_fused", ct, defs)
-            fptr = f.kernel.ptr if hasattr(f, "kernel") else f.ptr  # RawKernel, or an arch_module Function
-            if drv.funcGetAttribute(3, fptr) == 0:  # 3: CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
-                break
-        per_sm = max(1, drv.occupancyMaxActiveBlocksPerMultiprocessor(fptr, THREADS, 0))
-        target = self.ln_blocks or per_sm * cp.cuda.Device().attributes["MultiProcessorCount"]
-        rpb = -(-(-(-N // target)) // rows) * rows  # whole slabs per block
-        n_blocks = -(-N // rpb)
-        group = self.ln_group or max(1, math.isqrt(n_blocks))
-        n_groups = -(-n_blocks // group)
-        plan = plans[key] = {"defs": defs, "grid": n_blocks, "rows_per_block": rpb, "group": group,
-                             "n_groups": n_groups, "partial_rows": n_blocks + n_groups}
-        return plan
-
-    def _ln_counters(self, n: int):
-        """n uint32 counters of the layer-norm backward's reduction tree, zero: zeroed here once per
-        buffer (the kernel sets them back to zero after using them)."""
-        cnt = self.workspace.get("ln_counters", n, np.uint32)
-        base = cnt.base if cnt.base is not None else cnt
-        if self._ln_zeroed is not base:
-            base.fill(0)
-            self._ln_zeroed = base  # held, so its address is not reused by another buffer meanwhile
-        return cnt
-
     def k_layernorm_bwd(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
         """Adds into dinp (B,T,C) (compute dtype; accumulate=False writes it), dweight, dbias (C,)
         float32."""
@@ -329,18 +274,22 @@ class CudaOps:
         for n, a in (("mean", mean), ("rstd", rstd)):
             check("k_layernorm_bwd", n, a, inp.shape[:-1], np.float32)
         N = inp.size // C
-        plan = self._ln_bwd_plan(N, C, ct, accumulate)
-        if plan and all(a.data.ptr % 16 == 0 for a in (dinp, dout, inp, weight)):
-            # version 4: one pass, dweight/dbias added by its own reduction tree
-            pdw = self.workspace.get("colsum_a", plan["partial_rows"] * C, np.float32)
-            pdb = self.workspace.get("colsum_b", plan["partial_rows"] * C, np.float32)
-            cnt = self._ln_counters(plan["n_groups"] + 1)
-            self.rt.launch("layernorm.cu", "k_layernorm_bwd_fused", ct, plan["grid"], THREADS,
-                           (dinp, dweight, dbias, pdw, pdb, cnt, dout, inp, weight, mean, rstd, i64(N), i32(C),
-                            i32(plan["rows_per_block"]), i32(plan["group"])), defs=plan["defs"])
+        vec = 16 // inp.dtype.itemsize  # version 3 loads rows as whole 16-byte vectors
+        if C <= LN_FUSED_MAXC and C % vec == 0 and all(a.data.ptr % 16 == 0 for a in (dinp, dout, inp, weight)):
+            # version 3: one pass, block partials of dweight/dbias added in block order below
+            rpb = -(-N // self.ln_blocks)
+            n_blocks = -(-N // rpb)
+            pdw = self.workspace.get("colsum_a", n_blocks * C, np.float32)
+            pdb = self.workspace.get("colsum_b", n_blocks * C, np.float32)
+            self.rt.launch("layernorm.cu", "k_layernorm_bwd_fused", ct, n_blocks, THREADS,
+                           (dinp, pdw, pdb, dout, inp, weight, mean, rstd, i64(N), i32(C), i32(rpb)),
+                           defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}", f"-DLN_ACCUMULATE={int(bool(accumulate))}"))
+            self.rt.launch("linear.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dweight, pdw, i32(n_blocks), i32(C)))
+            self.rt.launch("linear.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dbias, pdb, i32(n_blocks), i32(C)))
             return
-        # version 1: a row pass for dinp, then column partials added by k_colsum_final (versions 2
-        # and 3 of the one-pass kernel: git history; 3 is dev/cuda/layernorm_v2.cu)
+        # version 1: a row pass for dinp, then column partials added by k_colsum_final (version 2 of
+        # the one-pass kernel is in git history; version 4, a grid sized to the SMs with its own
+        # reduction tree, measured slower: docs/BENCHMARKS.md)
         self.rt.launch("layernorm.cu", "k_layernorm_bwd_dx", ct, -(-N // 8), THREADS,
                        (dinp, dout, inp, weight, mean, rstd, i64(N), i32(C), i32(int(accumulate))))
         rpb = -(-N // COLSUM_CHUNKS)
