@@ -192,11 +192,13 @@ VARIANTS = {
     # v7 with other -D settings (attention_v7.py's TUNABLE), checked and timed at head size 64 only:
     # each product group waited for at once (what the overlap inside a warpgroup gains); 32 queries
     # a dK/dV tile (138 registers); three warpgroups (192 keys) a dK/dV block with 32 queries a tile;
-    # 128 keys a dQ tile (210 registers, one block a multiprocessor); 128-byte swizzled tiles
+    # 128 keys a dQ tile (210 registers, one block a multiprocessor); 128-byte swizzled tiles, alone and
+    # with three warpgroups a dK/dV block
     **{name: HopperBackward(name, DEV / "attention_v7.cu", (64,), lambda hs: 128 if hs <= 64 else 64, v4_smem, True,
                             tune=tune)
        for name, tune in (("v7s", {"overlap": 0}), ("v7q32", {"bq": 32}), ("v7k3", {"kwg": 3, "bq": 32}),
-                          ("v7n128", {"bn": 128, "dq_blocks": 1}), ("v7sw", {"swizzle": 1}))},
+                          ("v7n128", {"bn": 128, "dq_blocks": 1}), ("v7sw", {"swizzle": 1}),
+                          ("v7swk3", {"swizzle": 1, "kwg": 3, "bq": 32}))},
 }
 DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
 
