@@ -158,6 +158,11 @@ class HopperBackward(HopperForward):
         super().__init__(*args)
         self.tune = tune
 
+    def fwd(self, ct, out, lse, qkv, B, T, NH, hs):
+        if not self.sidecar().is_hopper():
+            return Variant.fwd(self, ct, out, lse, qkv, B, T, NH, hs)
+        self.sidecar().launch_fwd(self._sm90a, ct, out, lse, qkv, B, T, NH, hs, self.tune)
+
     def bwd_parts(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):
         if not self.sidecar().is_hopper():
             return super().bwd_parts(ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs)

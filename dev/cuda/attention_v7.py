@@ -75,10 +75,11 @@ def module(cache: dict, ct: str, hs: int, tune=None):
     return cache[key]
 
 
-def launch_fwd(cache: dict, ct: str, out, lse, qkv, B: int, T: int, NH: int, hs: int):
-    """Version 6's k_attn_flash_fwd, from this file's build."""
+def launch_fwd(cache: dict, ct: str, out, lse, qkv, B: int, T: int, NH: int, hs: int, tune=None):
+    """Version 6's k_attn_flash_fwd, from this file's build (with tune's settings: the forward is the
+    same kernel, one module serves both directions)."""
     geo = v6.geometry(hs)
-    module(cache, ct, hs).launch("k_attn_flash_fwd", (B * NH, -(-T // geo["rows"])), geo["threads"],
+    module(cache, ct, hs, tune).launch("k_attn_flash_fwd", (B * NH, -(-T // geo["rows"])), geo["threads"],
                                  (out, lse, qkv, i32(B), i32(T), i32(NH), np.float32(1.0 / math.sqrt(hs))),
                                  shared_mem=geo["smem"])
 
