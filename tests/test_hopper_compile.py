@@ -96,8 +96,8 @@ def ptxas_figures(log, entry):
     return int(m.group(3)), int(m.group(1)), int(m.group(2))
 
 
-@pytest.mark.parametrize("hs, defs", [(32, ()), (64, ()), (80, ()), (128, ()), (64, ("-DV7_SWIZZLE=1",)),
-                                      (64, ("-DV7_KWG=3", "-DV7_BQ=32"))])
+@pytest.mark.parametrize("hs, defs", [(32, ()), (64, ()), (80, ()), (128, ()), (64, ("-DV7_SWIZZLE=0",)),
+                                      (64, ("-DV7_KWG=3", "-DV7_BQ=32")), (64, ("-DV7_KWG=3", "-DV7_BQ=48"))])
 @pytest.mark.parametrize("ct", ["f16", "bf16"])
 def test_v7_backward_assembles_for_sm90a_without_spills(ct, hs, defs, tmp_path):
     log = nvcc(DEV / "attention_v7.cu", "sm_90a", ct, hs, tmp_path / "v7.cubin", "--cubin", "-Xptxas", "-v",

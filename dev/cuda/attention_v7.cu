@@ -7,13 +7,14 @@
 // recomputed from Q, K and the lse the forward saved, D from k_attn_flash_D, the softmax scale
 // applied to dQ and dK once at the end, no atomics.
 //
-// Status: compiled (nvcc 13.0, sm_90a, fp16 and bf16, every head size of FLASH_HEAD_SIZES: no
-// spills, no wgmma serialised by ptxas); not yet run on a GPU when this header was written: the
-// section "Measured" at the end of this comment says what the GPU said.
-//   ptxas (sm_90a, CT=f16, HS=64): k_attn_flash_bwd_dkv 183 registers, one block of 256 threads a
-//   multiprocessor; k_attn_flash_bwd_dq 122 registers (__launch_bounds__(256, 2)), two blocks;
-//   0 bytes spilled; dynamic shared memory 66,560 and 65,536 bytes (V7_DKV_SMEM, V7_DQ_SMEM).
-//   HS=128: 202 and 163 registers, one block each.
+// Status: passes dev/cuda/attention_bench.py's checks on an H200 (T = 77 and 1000, head sizes
+// 32/64/80/128, fp16 and bf16, reruns bit-identical) and is FASTER than version 4's backward at
+// both model shapes (figures in "Measured" at the end of this comment); not yet in the package.
+//   ptxas (nvcc 13.0, sm_90a, CT=f16, HS=64): k_attn_flash_bwd_dkv 187 registers, one block of 256
+//   threads a multiprocessor; k_attn_flash_bwd_dq 122 registers (__launch_bounds__(256, 2)), two
+//   blocks; 0 bytes spilled, no wgmma serialised by ptxas (tests/test_hopper_compile.py checks
+//   both at every head size); dynamic shared memory 66,560 and 65,536 bytes (V7_DKV_SMEM,
+//   V7_DQ_SMEM). HS=128: 202 and 163 registers, one block each.
 //
 // Design (every product is one of version 6's two forms, so wgmma_probe.py's ss and rs probes cover
 // the layouts used here: A and B K-major from shared memory; A from registers, B MN-major):
@@ -42,8 +43,9 @@
 //   added into dqkv by version 4's add_rows.
 // Deterministic: fixed order everywhere, each output element owned by one thread.
 //
-// Shared-memory tiles: version 6's core-matrix layout (no swizzle) by default; -DV7_SWIZZLE=1 (head
-// size 64) stages 128-byte swizzled rows instead (load_tile7), the layout TMA and CUTLASS use.
+// Shared-memory tiles: at head size 64, 128-byte swizzled rows (load_tile7, V7_SWIZZLE = 1, the
+// layout TMA and CUTLASS use); other head sizes, or -DV7_SWIZZLE=0, version 6's core-matrix layout
+// (no swizzle). The swizzle alone took the backward from 2.75 to 2.30 ms (below).
 // Not done: TMA loads and mbarrier producer/consumer warp specialisation (a producer warpgroup with
 // setmaxnreg), keeping the NEXT tile's products in flight across the block barrier (each tile ends
 // with every product waited for), swizzled layouts, one fused kernel for dQ and dK/dV (it needs atomics or an ordered reduction
@@ -59,7 +61,26 @@
 //   python dev/cuda/harness.py attention main v7 --dtype fp16,bf16
 //   python dev/cuda/attention_bench.py --variants v4,v6,v7 --out DIR
 //
-// Measured: (none yet)
+// Measured (H200, nvcc 13.0 / NVRTC, attention_bench.py: each call between CUDA events, times the
+// model's layers, fp16; all variants and SDPA in one process, commit 8a67a4f; ms for 12 / 6 layers):
+//   120M (B=8, NH=12, T=1024)      bwd     D      dQ     dK/dV   fwd
+//     version 4                    2.937   0.140  1.107  1.661   0.843
+//     version 7, swizzled (now)    2.304   0.118  0.758  1.400   0.855 (version 6's forward)
+//     version 7, core matrices     2.754   0.119  0.968  1.612
+//       same, no overlap (V7_OVERLAP=0)   2.776: the overlap inside a warpgroup gains about 1%
+//       32 queries a dK/dV tile    3.086 (dK/dV 1.951); three warpgroups a dK/dV block (32 queries
+//       a tile) 2.825, swizzled 2.435; 128 keys a dQ tile 3.036 (dQ 1.259): all slower
+//     SDPA cuDNN                   2.447 (fwd 0.593); SDPA flash 3.381
+//   12M (B=32, NH=6, T=256): version 4 0.396 (dQ 0.127, dK/dV 0.190); version 7 swizzled 0.359
+//     (0.109, 0.179); core matrices 0.434; SDPA cuDNN 1.326, flash 1.047.
+//   ncu (--clock-control none, 120M, fp16): dQ 83 -> 65 us and dK/dV 135 -> 117 us per layer with
+//   the swizzle; tensor pipe active 28 -> 36 % (dQ) and 22 -> 26 % (dK/dV) of the active cycles;
+//   warps active 24 % (dQ, two blocks) and 12 % (dK/dV, one block); the largest stall went from
+//   long scoreboard (2.7 / 2.2 per issued instruction) to about 1.2, wgmma waits ("wait") 1.2-1.4.
+//   So dK/dV, one block of 8 warps a multiprocessor with every product waited for each tile, is
+//   where the time is: the next step is keeping the next tile's products in flight across the
+//   barrier (three buffers) or a producer warpgroup (TMA + mbarriers) so that fewer registers
+//   per consumer allow a third consumer warpgroup.
 
 #ifndef HS
 #define HS 64
@@ -94,7 +115,7 @@
 #define V7_OVERLAP 1  // 0: each product group waited for at once (no overlap inside a warpgroup)
 #endif
 #ifndef V7_SWIZZLE
-#define V7_SWIZZLE 0  // 1: 128-byte swizzled tiles (head size 64 only, elsewhere ignored)
+#define V7_SWIZZLE 1  // 128-byte swizzled tiles (head size 64 only, elsewhere ignored); 0: core matrices
 #endif
 #define V7_SW (V7_SWIZZLE && HS == 64)
 #ifndef V7_DQ_BLOCKS

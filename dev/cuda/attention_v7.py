@@ -41,7 +41,8 @@ is_hopper = v6.is_hopper
 # -D settings of attention_v7.cu a launch may change (tune={name: value}): warpgroups (64 keys each)
 # per dK/dV block, queries per dK/dV tile,
 # keys per dQ tile, blocks per multiprocessor each kernel is compiled to fit, overlap (0: every
-# product group waited for at once), swizzle (1: 128-byte swizzled tiles, head size 64)
+# product group waited for at once), swizzle (0: version 6's core-matrix tiles instead of 128-byte
+# swizzled ones at head size 64)
 TUNABLE = {"kwg": "V7_KWG", "bq": "V7_BQ", "bn": "V7_BN", "dkv_blocks": "V7_DKV_BLOCKS",
            "dq_blocks": "V7_DQ_BLOCKS", "overlap": "V7_OVERLAP", "swizzle": "V7_SWIZZLE"}
 
