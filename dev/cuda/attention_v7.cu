@@ -7,9 +7,10 @@
 // recomputed from Q, K and the lse the forward saved, D from k_attn_flash_D, the softmax scale
 // applied to dQ and dK once at the end, no atomics.
 //
-// Status: passes dev/cuda/attention_bench.py's checks on an H200 (T = 77 and 1000, head sizes
-// 32/64/80/128, fp16 and bf16, reruns bit-identical) and is FASTER than version 4's backward at
-// both model shapes (figures in "Measured" at the end of this comment); not yet in the package.
+// Status: passes dev/cuda/harness.py (main v7, fp16 and bf16) and dev/cuda/attention_bench.py's
+// checks on an H200 (T = 77 and 1000, head sizes 32/64/80/128, fp16 and bf16, reruns
+// bit-identical), and is FASTER than version 4's backward at both model shapes and than SDPA's
+// cuDNN backward at 120M (figures in "Measured" at the end of this comment); not yet in the package.
 //   ptxas (nvcc 13.0, sm_90a, CT=f16, HS=64): k_attn_flash_bwd_dkv 187 registers, one block of 256
 //   threads a multiprocessor; k_attn_flash_bwd_dq 122 registers (__launch_bounds__(256, 2)), two
 //   blocks; 0 bytes spilled, no wgmma serialised by ptxas (tests/test_hopper_compile.py checks
@@ -62,17 +63,24 @@
 //   python dev/cuda/attention_bench.py --variants v4,v6,v7 --out DIR
 //
 // Measured (H200, nvcc 13.0 / NVRTC, attention_bench.py: each call between CUDA events, times the
-// model's layers, fp16; all variants and SDPA in one process, commit 8a67a4f; ms for 12 / 6 layers):
-//   120M (B=8, NH=12, T=1024)      bwd     D      dQ     dK/dV   fwd
-//     version 4                    2.937   0.140  1.107  1.661   0.843
-//     version 7, swizzled (now)    2.304   0.118  0.758  1.400   0.855 (version 6's forward)
-//     version 7, core matrices     2.754   0.119  0.968  1.612
-//       same, no overlap (V7_OVERLAP=0)   2.776: the overlap inside a warpgroup gains about 1%
-//       32 queries a dK/dV tile    3.086 (dK/dV 1.951); three warpgroups a dK/dV block (32 queries
-//       a tile) 2.825, swizzled 2.435; 128 keys a dQ tile 3.036 (dQ 1.259): all slower
-//     SDPA cuDNN                   2.447 (fwd 0.593); SDPA flash 3.381
-//   12M (B=32, NH=6, T=256): version 4 0.396 (dQ 0.127, dK/dV 0.190); version 7 swizzled 0.359
-//     (0.109, 0.179); core matrices 0.434; SDPA cuDNN 1.326, flash 1.047.
+// model's layers, all variants and SDPA in one process; ms for 12 / 6 layers). This version:
+//   120M (B=8, NH=12, T=1024)      fp16: bwd   D      dQ     dK/dV   fwd  | bf16: bwd   dQ     dK/dV
+//     version 4                          2.938 0.144  1.101  1.659   0.840 |       2.925 1.104  1.652
+//     version 7 (swizzled tiles)         2.301 0.117  0.758  1.396   0.850 |       2.314 0.764  1.410
+//     SDPA cuDNN                         2.791                       0.608 |       2.949
+//     SDPA flash                         3.440                       0.938 |       3.357
+//   12M (B=32, NH=6, T=256)        fp16: version 4 0.395 (dQ 0.127, dK/dV 0.192); version 7 0.357
+//     (0.109, 0.179); SDPA cuDNN 0.866, flash 1.170. bf16: 0.395 against 0.357.
+//   harness.py attention main v7, one layer at 120M: k_attn_bwd 0.2398 -> 0.1888 ms (fp16, x1.27),
+//   0.2378 -> 0.1891 (bf16); the forward (version 6's) 0.0697 -> 0.0707.
+//   Settings tried (fp16, 120M backward; an earlier run, where cuDNN read 2.447 and version 4 2.937):
+//     version 6's core-matrix tiles      2.754 (dQ 0.968, dK/dV 1.612): the swizzle gains 16 %
+//     no overlap (V7_OVERLAP=0)          2.776 against 2.754 with it: about 1 %
+//     32 queries a dK/dV tile            3.086 (dK/dV 1.951)
+//     three warpgroups a dK/dV block, 32 queries a tile: 2.825; swizzled 2.435 (dK/dV 1.533)
+//     128 keys a dQ tile                 3.036 (dQ 1.259)
+//   and in the run above: 48 queries a dK/dV tile 2.536 (dK/dV 1.629); three warpgroups with 48 queries
+//     2.314 (1.407): no gain over two warpgroups with 64.
 //   ncu (--clock-control none, 120M, fp16): dQ 83 -> 65 us and dK/dV 135 -> 117 us per layer with
 //   the swizzle; tensor pipe active 28 -> 36 % (dQ) and 22 -> 26 % (dK/dV) of the active cycles;
 //   warps active 24 % (dQ, two blocks) and 12 % (dK/dV, one block); the largest stall went from
