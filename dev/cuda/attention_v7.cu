@@ -49,8 +49,9 @@
 // (no swizzle). The swizzle alone took the backward from 2.75 to 2.30 ms (below).
 // Not done: TMA loads and mbarrier producer/consumer warp specialisation (a producer warpgroup with
 // setmaxnreg), keeping the NEXT tile's products in flight across the block barrier (each tile ends
-// with every product waited for), swizzled layouts, one fused kernel for dQ and dK/dV (it needs atomics or an ordered reduction
-// for dQ), and the 12M-shape tuning (T = 256 gives only 2 key blocks a head).
+// with every product waited for), swizzled tiles at head sizes other than 64 (64- or 32-byte
+// swizzle, or two 128-byte atoms), one fused kernel for dQ and dK/dV (it needs atomics or an
+// ordered reduction for dQ), and the 12M-shape tuning (T = 256 gives only 2 key blocks a head).
 //
 // Build: attention_v7.py compiles this file with NVRTC, -arch=sm_90a -DV6_SM90A (the wgmma forward
 // and this backward); the backend's Runtime builds it for the device's own architecture (sm_90 on
