@@ -98,9 +98,11 @@ def ptxas_figures(log, entry):
     return int(m.group(3)), int(m.group(1)), int(m.group(2))
 
 
-@pytest.mark.parametrize("hs, defs", [(32, ()), (64, ()), (80, ()), (128, ()), (64, ("-DV7_SWIZZLE=0",)),
-                                      (64, ("-DV7_KWG=3", "-DV7_BQ=32")), (64, ("-DV7_KWG=3", "-DV7_BQ=48"))])
-@pytest.mark.parametrize("ct", ["f16", "bf16"])
+# every head size in fp16, the two tile shapes in bf16, and the settings attention_bench.py times
+@pytest.mark.parametrize("ct, hs, defs", [("f16", 32, ()), ("f16", 64, ()), ("f16", 80, ()), ("f16", 128, ()),
+                                          ("bf16", 64, ()), ("bf16", 128, ()), ("f16", 64, ("-DV7_SWIZZLE=0",)),
+                                          ("f16", 64, ("-DV7_KWG=3", "-DV7_BQ=32")),
+                                          ("f16", 64, ("-DV7_KWG=3", "-DV7_BQ=48"))])
 def test_v7_backward_assembles_for_sm90a_without_spills(ct, hs, defs, tmp_path):
     log = nvcc(KERNELS / "attention_hopper.cu", "sm_90a", ct, hs, tmp_path / "v7.cubin", "--cubin", "-Xptxas",
                "-v", *defs)
