@@ -296,8 +296,7 @@ class Engine:
     def print_plan(self, file=sys.stderr):
         t = self.cfg.train
         mc = self.cfg.model
-        describe = getattr(self.be, "attention_kernels", self.be.attention_variant)  # the CUDA backend's names the kernels
-        attn = describe(self.params_c.dtype, mc.d_model // mc.n_head)
+        attn = self.be.attention_kernels(self.params_c.dtype, mc.d_model // mc.n_head)
         print(f"memory plan: {mc.name} B={t.batch_size} T={t.seq_len} "
               f"precision={t.precision} backend={self.be.name} params={self.layout.n_params:,} "
               f"attention={attn}", file=file)

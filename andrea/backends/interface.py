@@ -55,6 +55,10 @@ class Backend(Protocol):
         """The path k_attn_fwd/_bwd take for this compute dtype and head size: "fused" or
         "materialised"."""
 
+    def attention_kernels(self, dtype, head_size: int) -> str:
+        """Which kernels k_attn_fwd/_bwd run for this compute dtype and head size, in words (the
+        memory plan's line)."""
+
     def used_cublaslt(self) -> bool:
         """Whether any matrix product so far ran through cuBLASLt with a fused epilogue (CUDA,
         constructed with cublaslt=True, where cuBLASLt had an algorithm for the problem)."""

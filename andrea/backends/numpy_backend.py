@@ -61,6 +61,9 @@ class NumpyBackend:
     def attention_variant(self, dtype, head_size: int) -> str:
         return "materialised"
 
+    def attention_kernels(self, dtype, head_size: int) -> str:
+        return "materialised"
+
     def used_cublaslt(self) -> bool:
         return False
 
