@@ -50,7 +50,7 @@ def ours_ms(precision: str, shape, reps: int) -> tuple[float, float, str]:
     cp.cuda.Stream.null.synchronize()
     s = cp.cuda.Stream(non_blocking=True)
     times = [replay_ms(be.capture(fn, s), s, reps) for fn in (fwd, bwd)]
-    return times[0], times[1], f"attention {be.attention_variant(dt, hs)} (version 4 when fused)"
+    return times[0], times[1], f"attention {be.attention_kernels(dt, hs)}"
 
 
 def sdpa_ms(precision: str, shape, reps: int) -> dict:
