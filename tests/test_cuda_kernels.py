@@ -217,13 +217,15 @@ LN_BWD_SHAPES = [(8192, 384, "float16", 0, 0), (8191, 384, "bfloat16", 0, 0), (7
 
 @pytest.mark.parametrize("N,Cq,dt_name,blocks,group", LN_BWD_SHAPES)
 def test_layernorm_bwd_one_pass(be, rng, N, Cq, dt_name, blocks, group, monkeypatch):
-    """k_layernorm_bwd through the one-pass kernel and its reduction tree: against the reference,
+    """k_layernorm_bwd through version 4 (ln_bwd_version = 4), the one-pass kernel with its own
+    reduction tree: against the reference,
     the same bits on a second launch and on a graph replay (the counters are back to zero after
     each launch), and no k_colsum_final launched."""
     import cupy as cp
     import ml_dtypes  # noqa: F401  (registers bfloat16)
     dt = np.dtype(dt_name)
     tol = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 3e-2}[dt_name]
+    monkeypatch.setattr(be, "ln_bwd_version", 4)
     monkeypatch.setattr(be, "ln_blocks", blocks)
     monkeypatch.setattr(be, "ln_group", group)
     plan = be._ln_bwd_plan(N, Cq, dt)
@@ -245,7 +247,7 @@ def test_layernorm_bwd_one_pass(be, rng, N, Cq, dt_name, blocks, group, monkeypa
     launch = be.rt.launch
     monkeypatch.setattr(be.rt, "launch", lambda f, k, *a, **kw: (launched.append(k), launch(f, k, *a, **kw))[1])
     be.k_layernorm_bwd(gi.d, gw.d, gb.d, *args)
-    assert launched == ["k_layernorm_bwd_fused"]
+    assert launched == ["k_layernorm_bwd_tree"]
     gi.check("k_layernorm_bwd dinp", tol)
     gw.check("k_layernorm_bwd dweight", tol)
     gb.check("k_layernorm_bwd dbias", tol)

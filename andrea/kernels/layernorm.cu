@@ -110,8 +110,97 @@ extern "C" __global__ void k_layernorm_bwd_partial(float* pdw, float* pdb, const
 #define LN_VEC CT_VEC  // elements per 16-byte vector (common.cuh)
 #define LN_CHUNKS ((LN_MAXC + 32 * LN_VEC - 1) / (32 * LN_VEC))  // vectors per lane of one row
 
-// Version 4 of the backward pass (version 3 is dev/cuda/layernorm_v2.cu; 2 and 1 are in git
-// history), for C <= 1024 with rows in whole 16-byte vectors (C a multiple of 16 / sizeof(CT)).
+// Version 3 of the backward pass (version 2, in git history, loaded one element per lane):
+// for C <= LN_MAXC with rows in whole 16-byte vectors (C a multiple of 16 / sizeof(CT)); the
+// launcher compiles it with LN_MAXC = C rounded up to 32 vectors, so the per-lane arrays are no
+// longer than the row. One kernel reads each row once, 16 bytes per load. A block of 8 warps owns
+// a contiguous chunk of rows (one warp per row at a time); each lane keeps the row's values and its
+// running dweight/dbias sums for its vectors (lane, lane+32, ...) in registers. The warps then add
+// their sums into shared memory one warp after another (a fixed order) and the block writes its
+// partial row pdw/pdb[blockIdx.x][C]; k_colsum_final adds the blocks in order. dinp's row is
+// loaded with the row's other inputs, with two blocks per SM up to C = 768.
+extern "C" __global__ void __launch_bounds__(256, LN_MAXC <= 768 ? 2 : 1) k_layernorm_bwd_fused(
+    CT* dinp, float* pdw, float* pdb, const CT* dout, const CT* inp, const CT* weight,
+    const float* mean, const float* rstd, i64 N, int C, int rows_per_block) {
+  __shared__ float sw[LN_CHUNKS * 32 * LN_VEC], sb[LN_CHUNKS * 32 * LN_VEC];
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5, nq = C / LN_VEC;
+  float aw[LN_CHUNKS][LN_VEC], ab[LN_CHUNKS][LN_VEC];
+#pragma unroll
+  for (int k = 0; k < LN_CHUNKS; ++k)
+#pragma unroll
+    for (int j = 0; j < LN_VEC; ++j) aw[k][j] = ab[k][j] = 0.f;
+  i64 r0 = (i64)blockIdx.x * rows_per_block;
+  i64 r1 = r0 + rows_per_block < N ? r0 + rows_per_block : N;
+  for (i64 r = r0 + warp; r < r1; r += nw) {
+    const CT* x = inp + r * C;
+    const CT* d = dout + r * C;
+    CT* g = dinp + r * C;
+    float mu = mean[r], rs = rstd[r], xh[LN_CHUNKS][LN_VEC], dy[LN_CHUNKS][LN_VEC], a = 0.f, b = 0.f;
+    vec16 rg[LN_CHUNKS];  // dinp's row, loaded with the others: one memory round trip per row, not two
+#pragma unroll
+    for (int k = 0; k < LN_CHUNKS; ++k) {
+      int q = lane + 32 * k;
+      vec16 rx = {{0u, 0u, 0u, 0u}}, rd = rx, rw = rx;
+      rg[k] = rx;
+      if (q < nq) {
+        rx = *(const vec16*)(x + q * LN_VEC);
+        rd = *(const vec16*)(d + q * LN_VEC);
+        rw = *(const vec16*)(weight + q * LN_VEC);
+        rg[k] = *(const vec16*)(g + q * LN_VEC);
+      }
+      const CT* ex = (const CT*)&rx;
+      const CT* ed = (const CT*)&rd;
+      const CT* ew = (const CT*)&rw;
+#pragma unroll
+      for (int j = 0; j < LN_VEC; ++j) {
+        xh[k][j] = q < nq ? (to_f(ex[j]) - mu) * rs : 0.f;
+        dy[k][j] = to_f(ed[j]);
+        float dxh = dy[k][j] * to_f(ew[j]);
+        a += dxh;
+        b += dxh * xh[k][j];
+        aw[k][j] += dy[k][j] * xh[k][j];
+        ab[k][j] += dy[k][j];
+      }
+    }
+    a = warp_sum(a) / C;
+    b = warp_sum(b) / C;
+#pragma unroll
+    for (int k = 0; k < LN_CHUNKS; ++k) {
+      int q = lane + 32 * k;
+      if (q < nq) {
+        vec16 rw = *(const vec16*)(weight + q * LN_VEC);
+        CT* eg = (CT*)&rg[k];
+        const CT* ew = (const CT*)&rw;
+#pragma unroll
+        for (int j = 0; j < LN_VEC; ++j)
+          eg[j] = from_f<CT>(to_f(eg[j]) + rs * (dy[k][j] * to_f(ew[j]) - a - xh[k][j] * b));
+        *(vec16*)(g + q * LN_VEC) = rg[k];
+      }
+    }
+  }
+  for (int w = 0; w < nw; ++w) {  // warps add into shared memory in order: reproducible sums
+    if (warp == w)
+#pragma unroll
+      for (int k = 0; k < LN_CHUNKS; ++k) {
+        int q = lane + 32 * k;
+        if (q < nq)
+#pragma unroll
+          for (int j = 0; j < LN_VEC; ++j) {
+            int c = q * LN_VEC + j;
+            sw[c] = (w == 0 ? 0.f : sw[c]) + aw[k][j];
+            sb[c] = (w == 0 ? 0.f : sb[c]) + ab[k][j];
+          }
+      }
+    __syncthreads();
+  }
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    pdw[(i64)blockIdx.x * C + c] = sw[c];
+    pdb[(i64)blockIdx.x * C + c] = sb[c];
+  }
+}
+
+// Version 4 of the backward pass, k_layernorm_bwd_tree (CudaOps.ln_bwd_version = 4), for
+// C <= 1024 with rows in whole 16-byte vectors (C a multiple of 16 / sizeof(CT)).
 // The grid is sized to the SMs; each block of 8 warps owns a contiguous chunk of rows.
 //
 // Rows: a warp takes LN_ROWS rows at a time (a slab), read once, 16 bytes per load: vector v of
@@ -122,8 +211,8 @@ extern "C" __global__ void k_layernorm_bwd_partial(float* pdw, float* pdb, const
 // the same (row in slab, column) in every slab, so the lane keeps the running dweight/dbias sums
 // of its slots in registers.
 //
-// Columns: the warps add their sums into shared memory one after another (a fixed order), the
-// block folds the slab rows and writes its partial row pdw/pdb[blockIdx.x]. Then a two-level
+// Columns: the warps' sums are added in a fixed pairwise tree through shared memory, the block
+// folds the slab rows and writes its partial row pdw/pdb[blockIdx.x]. Then a two-level
 // tree, no floating-point atomics: the blocks come in groups of `group`; the last block of a group
 // to finish (an integer counter elects it) adds its group's partial rows in block order into a
 // group row, and the last group to finish adds the group rows in group order into dweight/dbias.
@@ -161,21 +250,6 @@ __device__ __forceinline__ float ld_cg(const float* p) {
   return v;
 }
 
-// sum of p[k * C] for k = k0 .. k1-1 added in k order (through L2), the loads issued 8 at a time
-// before their additions: the sum waits on about (k1 - k0) / 8 memory round trips, not k1 - k0.
-__device__ __forceinline__ float ln_sum_rows(const float* p, int k0, int k1, int C) {
-  float s = 0.f;
-  for (int k = k0; k < k1; k += 8) {
-    float v[8];
-#pragma unroll
-    for (int u = 0; u < 8; ++u) v[u] = k + u < k1 ? ld_cg(p + (i64)(k + u) * C) : 0.f;
-#pragma unroll
-    for (int u = 0; u < 8; ++u)
-      if (k + u < k1) s += v[u];
-  }
-  return s;
-}
-
 // Whether this block is the last of n to pass (counter incremented once per block); the last
 // sets the counter back to zero. Every block's writes before the call are visible to the last.
 __device__ __forceinline__ bool last_block_of(unsigned* counter, unsigned n, int* flag) {
@@ -192,12 +266,59 @@ __device__ __forceinline__ bool last_block_of(unsigned* counter, unsigned n, int
   return last;
 }
 
-extern "C" __global__ void __launch_bounds__(256, LN_SLOTS * LN_VEC <= 24 && LN_SLOTS <= 4 ? 2 : 1) k_layernorm_bwd_fused(
+// For every column c: the sums over rows k0 .. k1-1 of pw[k * C + c] and pb[k * C + c], each
+// added in k order from zero, written to (add: added to) dw[c], db[c]. A thread takes two
+// columns at a time and issues the loads of up to 16 rows of both (64 loads) before adding any:
+// one memory round trip per 16 rows, not one per row and column.
+__device__ __forceinline__ void ln_sum_block(float* dw, float* db, bool add, const float* pw, const float* pb,
+                                             int k0, int k1, int C) {
+  for (int c = threadIdx.x; c < C; c += 2 * blockDim.x) {
+    int c2 = c + blockDim.x;
+    bool two = c2 < C;
+    float w1 = 0.f, b1 = 0.f, w2 = 0.f, b2 = 0.f;
+    for (int k = k0; k < k1; k += 16) {
+      float vw1[16], vb1[16], vw2[16], vb2[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u) {
+        bool ok = k + u < k1;
+        i64 o = (i64)(k + u) * C;
+        vw1[u] = ok ? ld_cg(pw + o + c) : 0.f;
+        vb1[u] = ok ? ld_cg(pb + o + c) : 0.f;
+        vw2[u] = ok && two ? ld_cg(pw + o + c2) : 0.f;
+        vb2[u] = ok && two ? ld_cg(pb + o + c2) : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < 16; ++u)
+        if (k + u < k1) { w1 += vw1[u]; b1 += vb1[u]; w2 += vw2[u]; b2 += vb2[u]; }
+    }
+    dw[c] = add ? dw[c] + w1 : w1;
+    db[c] = add ? db[c] + b1 : b1;
+    if (two) {
+      dw[c2] = add ? dw[c2] + w2 : w2;
+      db[c2] = add ? db[c2] + b2 : b2;
+    }
+  }
+}
+
+// The two-level tree after every block wrote its partial row pdw/pdb[blockIdx.x]: group rows
+// after the gridDim.x block rows, then dweight/dbias += the group rows in order.
+__device__ __forceinline__ void ln_tree(float* dweight, float* dbias, float* pdw, float* pdb, unsigned* counters,
+                                        int C, int group, int* flag) {
+  int nb = gridDim.x, g = blockIdx.x / group, ng = (nb + group - 1) / group;
+  int b0 = g * group, b1 = b0 + group < nb ? b0 + group : nb;
+  if (!last_block_of(counters + g, b1 - b0, flag)) return;
+  ln_sum_block(pdw + (i64)(nb + g) * C, pdb + (i64)(nb + g) * C, false, pdw, pdb, b0, b1, C);
+  if (!last_block_of(counters + ng, ng, flag)) return;
+  ln_sum_block(dweight, dbias, true, pdw, pdb, nb, nb + ng, C);
+}
+
+extern "C" __global__ void __launch_bounds__(256, LN_SLOTS * LN_VEC <= 24 && LN_SLOTS <= 4 ? 2 : 1) k_layernorm_bwd_tree(
     CT* dinp, float* dweight, float* dbias, float* pdw, float* pdb, unsigned* counters, const CT* dout,
     const CT* inp, const CT* weight, const float* mean, const float* rstd, i64 N, int C, int rows_per_block,
     int group) {
-  __shared__ float sw[LN_SLOTS * 32 * LN_VEC], sb[LN_SLOTS * 32 * LN_VEC];
+  __shared__ float tw[4][LN_SLOTS * 32 * LN_VEC], tb[4][LN_SLOTS * 32 * LN_VEC];  // the warp tree's halves
   __shared__ int flag;
+  if (blockDim.x != 256) __trap();  // 8 warps: the tree's 4 halves
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5, nq = C / LN_VEC;
   int nv = LN_ROWS * nq;  // vectors of a slab
   float aw[LN_SLOTS][LN_VEC], ab[LN_SLOTS][LN_VEC];
@@ -270,42 +391,49 @@ extern "C" __global__ void __launch_bounds__(256, LN_SLOTS * LN_VEC <= 24 && LN_
       }
     }
   }
-  // slot (lane, k) is element v * LN_VEC + j of the slab, i.e. row ro, column c: sw[ro * C + c]
-  for (int w = 0; w < nw; ++w) {  // warps add into shared memory in order: reproducible sums
-    if (warp == w)
+  // slot (lane, k) is element v * LN_VEC + j of the slab, i.e. row ro, column c: element ro * C + c.
+  // The warps' sums are added pairwise in a fixed tree (warp w + half into warp w, half = nw / 2,
+  // ..., 1): log2(nw) rounds of shared memory traffic and barriers, then warp 0 holds the block's.
+  for (int half = nw >> 1; half >= 1; half >>= 1) {
+    if (warp >= half && warp < 2 * half)
 #pragma unroll
-      for (int k = 0; k < LN_SLOTS; ++k) {
-        int v = lane + 32 * k;
-        if (v < nv)
+      for (int k = 0; k < LN_SLOTS; ++k)
 #pragma unroll
-          for (int j = 0; j < LN_VEC; ++j) {
-            int e = v * LN_VEC + j;
-            sw[e] = (w == 0 ? 0.f : sw[e]) + aw[k][j];
-            sb[e] = (w == 0 ? 0.f : sb[e]) + ab[k][j];
-          }
-      }
+        for (int j = 0; j < LN_VEC; ++j) {
+          int e = (lane + 32 * k) * LN_VEC + j;
+          tw[warp - half][e] = aw[k][j];
+          tb[warp - half][e] = ab[k][j];
+        }
+    __syncthreads();
+    if (warp < half)
+#pragma unroll
+      for (int k = 0; k < LN_SLOTS; ++k)
+#pragma unroll
+        for (int j = 0; j < LN_VEC; ++j) {
+          int e = (lane + 32 * k) * LN_VEC + j;
+          aw[k][j] += tw[warp][e];
+          ab[k][j] += tb[warp][e];
+        }
     __syncthreads();
   }
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    float w = sw[c], b = sb[c];
+  if (warp == 0)
 #pragma unroll
-    for (int i = 1; i < LN_ROWS; ++i) { w += sw[i * C + c]; b += sb[i * C + c]; }
+    for (int k = 0; k < LN_SLOTS; ++k)
+#pragma unroll
+      for (int j = 0; j < LN_VEC; ++j) {
+        int e = (lane + 32 * k) * LN_VEC + j;
+        tw[0][e] = aw[k][j];
+        tb[0][e] = ab[k][j];
+      }
+  __syncthreads();
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {  // the slab's rows added in order
+    float w = tw[0][c], b = tb[0][c];
+#pragma unroll
+    for (int i = 1; i < LN_ROWS; ++i) { w += tw[0][i * C + c]; b += tb[0][i * C + c]; }
     pdw[(i64)blockIdx.x * C + c] = w;
     pdb[(i64)blockIdx.x * C + c] = b;
   }
-  // the tree: group rows after the gridDim.x block rows of pdw/pdb
-  int nb = gridDim.x, g = blockIdx.x / group, ng = (nb + group - 1) / group;
-  int b0 = g * group, b1 = b0 + group < nb ? b0 + group : nb;
-  if (!last_block_of(counters + g, b1 - b0, &flag)) return;
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    pdw[(i64)(nb + g) * C + c] = ln_sum_rows(pdw + c, b0, b1, C);
-    pdb[(i64)(nb + g) * C + c] = ln_sum_rows(pdb + c, b0, b1, C);
-  }
-  if (!last_block_of(counters + ng, ng, &flag)) return;
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    dweight[c] += ln_sum_rows(pdw + c, nb, nb + ng, C);
-    dbias[c] += ln_sum_rows(pdb + c, nb, nb + ng, C);
-  }
+  ln_tree(dweight, dbias, pdw, pdb, counters, C, group, &flag);
 }
 
 // Version 2 of the layer-norm forward, for rows in whole 16-byte vectors with C <= LN_MAXC

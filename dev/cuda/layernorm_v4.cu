@@ -1,13 +1,14 @@
-// layernorm_v4.cu: version 4 of the layer-norm backward (andrea/kernels/layernorm.cu) with each
+// layernorm_v4.cu: version 4 of the layer-norm backward (andrea/kernels/layernorm.cu,
+// k_layernorm_bwd_tree, CudaOps.ln_bwd_version = 4) with each
 // warp's running dweight/dbias sums in its own region of shared memory instead of registers
 // (16-byte read-modify-writes, laid out so a warp's accesses are contiguous): about 48 fewer
 // registers a thread at C = 384 in 16 bits, so more warps (blocks of 4 warps, V4_MIN_BLOCKS per
 // SM) have rows in flight. The block's sums are then added over the slab rows and the warps in
 // a fixed order, and the two-level tree is the package's. layernorm_v4.py launches it (blocks of
 // 128 threads, its own grid). The package file is included, its kernel renamed out of the way.
-#define k_layernorm_bwd_fused k_layernorm_bwd_fused_current  // the package's version, out of the way
+#define k_layernorm_bwd_tree k_layernorm_bwd_tree_current  // the package's version, out of the way
 #include "layernorm.cu"
-#undef k_layernorm_bwd_fused
+#undef k_layernorm_bwd_tree
 
 #define V4_WARPS 4
 #ifndef V4_MIN_BLOCKS
@@ -15,7 +16,7 @@
 #endif
 struct __align__(16) V4F { float x, y, z, w; };
 
-extern "C" __global__ void __launch_bounds__(V4_WARPS * 32, V4_MIN_BLOCKS) k_layernorm_bwd_fused(
+extern "C" __global__ void __launch_bounds__(V4_WARPS * 32, V4_MIN_BLOCKS) k_layernorm_bwd_tree(
     CT* dinp, float* dweight, float* dbias, float* pdw, float* pdb, unsigned* counters, const CT* dout,
     const CT* inp, const CT* weight, const float* mean, const float* rstd, i64 N, int C, int rows_per_block,
     int group) {
@@ -120,17 +121,5 @@ extern "C" __global__ void __launch_bounds__(V4_WARPS * 32, V4_MIN_BLOCKS) k_lay
     pdw[(i64)blockIdx.x * C + c] = w;
     pdb[(i64)blockIdx.x * C + c] = b;
   }
-  // the tree: group rows after the gridDim.x block rows of pdw/pdb
-  int nb = gridDim.x, g = blockIdx.x / group, ng = (nb + group - 1) / group;
-  int b0 = g * group, b1 = b0 + group < nb ? b0 + group : nb;
-  if (!last_block_of(counters + g, b1 - b0, &flag)) return;
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    pdw[(i64)(nb + g) * C + c] = ln_sum_rows(pdw + c, b0, b1, C);
-    pdb[(i64)(nb + g) * C + c] = ln_sum_rows(pdb + c, b0, b1, C);
-  }
-  if (!last_block_of(counters + ng, ng, &flag)) return;
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    dweight[c] += ln_sum_rows(pdw + c, nb, nb + ng, C);
-    dbias[c] += ln_sum_rows(pdb + c, nb, nb + ng, C);
-  }
+  ln_tree(dweight, dbias, pdw, pdb, counters, C, group, &flag);
 }

@@ -26,7 +26,7 @@ def k_layernorm_bwd(be, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
     drv = cp.cuda.driver
     for early in (1, 0):
         defs = (f"-DLN_ROWS={rows}", f"-DLN_SLOTS={slots(rows)}", f"-DLN_DINP_EARLY={early}")
-        f = be.rt.function("layernorm.cu", "k_layernorm_bwd_fused", ct, defs)
+        f = be.rt.function("layernorm.cu", "k_layernorm_bwd_tree", ct, defs)
         if drv.funcGetAttribute(3, f.kernel.ptr) == 0:  # 3: CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
             break
     per_sm = max(1, drv.occupancyMaxActiveBlocksPerMultiprocessor(f.kernel.ptr, THREADS_V4, 0))
@@ -38,6 +38,6 @@ def k_layernorm_bwd(be, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
     pdw = be.workspace.get("colsum_a", (n_blocks + n_groups) * C, np.float32)
     pdb = be.workspace.get("colsum_b", (n_blocks + n_groups) * C, np.float32)
     cnt = be._ln_counters(n_groups + 1)
-    be.rt.launch("layernorm.cu", "k_layernorm_bwd_fused", ct, n_blocks, THREADS_V4,
+    be.rt.launch("layernorm.cu", "k_layernorm_bwd_tree", ct, n_blocks, THREADS_V4,
                  (dinp, dweight, dbias, pdw, pdb, cnt, dout, inp, weight, mean, rstd, i64(N), i32(C), i32(rpb),
                   i32(group)), defs=defs)

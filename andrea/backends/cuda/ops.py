@@ -22,6 +22,7 @@ STEP_CHECK_THREADS = 96  # SC_THREADS in optim.cu: the summing warp and the two 
 EMBED_RANK_MAX = 1 << 18  # see CudaOps.embed_rank_max
 EMBED_RANK_KEYS = 32  # keys a block of k_embed_sort_rank ranks (ER_KEYS in embed.cu)
 EMBED_WTE_WARPS = 8  # sorted slots (one warp each) a block of k_embed_bwd_wte takes (EW_WARPS in embed.cu)
+LN_BLOCKS = 264  # blocks (and partial rows) of version 3 of the layer-norm backward: 2 per SM of an H200
 LN_ROWS_CHOICES = (1, 2, 4)  # rows a warp of the one-pass layer-norm backward takes at a time (LN_ROWS)
 LN_MAX_SLOTS = 4  # 16-byte vectors per lane beyond which one row at a time (the running sums live in registers)
 # Attention version 4 (fused, andrea/kernels/attention.cu) runs for 16-bit compute dtypes, head
@@ -92,8 +93,12 @@ class CudaOps:
     # the GELU pass of the MLP backward also writes the first bias's column partials
     # (k_mlp_bwd_gelu_colsum; False: k_mlp_bwd_gelu, then k_colsum_partial reads dact again)
     gelu_colsum = True
-    # the one-pass layer-norm backward's grid: 0 = as many blocks as fit on the SMs at once, and
-    # groups of about sqrt(blocks) blocks in its reduction tree (dev/cuda/harness.py --set ln_blocks=N)
+    # the one-pass layer-norm backward: version 3 (k_layernorm_bwd_fused, LN_BLOCKS blocks, then two
+    # k_colsum_final) or 4 (k_layernorm_bwd_tree: its grid, 0 = as many blocks as fit on the SMs at
+    # once, and groups of about sqrt(blocks) blocks in its reduction tree); dev/cuda/harness.py
+    # --set ln_bwd_version=4 --set ln_blocks=N. Version 4 measured slower than 3 in its first form
+    # (docs/BENCHMARKS.md), so 3 stays the default until it wins.
+    ln_bwd_version = 3
     ln_blocks = 0
     ln_group = 0
     _ln_zeroed = None  # the counters buffer _ln_counters last zeroed
@@ -116,8 +121,8 @@ class CudaOps:
             rows = [("attn_scores", (BH * T * T,), "float32"), ("attn_probs", (BH * T * T,), act),
                     ("attn_heads", (3 * N * C,), act), ("attn_y", (N * C,), act),
                     ("attn_dheads", (3 * N * C,), "float32")]
-        ln = self._ln_bwd_plan(N, C, act_dtype)
-        partial_rows = max(COLSUM_CHUNKS * 4, ln["partial_rows"] if ln else 0)
+        ln = self._ln_bwd_plan(N, C, act_dtype) if self.ln_bwd_version == 4 else None
+        partial_rows = max(COLSUM_CHUNKS * 4, LN_BLOCKS, ln["partial_rows"] if ln else 0)
         rows += [("colsum_a", (partial_rows * C,), "float32"), ("colsum_b", (partial_rows * C,), "float32"),
                  ("ln_counters", (ln["n_groups"] + 1 if ln else 1,), "uint32"),
                  ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
@@ -247,7 +252,7 @@ class CudaOps:
         return True
 
     def _ln_bwd_plan(self, N: int, C: int, dtype):
-        """The launch of version 4 of the layer-norm backward (k_layernorm_bwd_fused) for N rows of
+        """The launch of version 4 of the layer-norm backward (k_layernorm_bwd_tree) for N rows of
         C elements of dtype, or None where it does not apply (C > LN_FUSED_MAXC or rows not in
         whole 16-byte vectors): its -D options, grid, rows per block and reduction groups."""
         ct = np.dtype(dtype)
@@ -268,7 +273,7 @@ class CudaOps:
         drv = cp.cuda.driver
         for early in (1, 0):  # dinp's row loaded with the others where that compiles without spilling
             defs = (f"-DLN_ROWS={rows}", f"-DLN_SLOTS={slots(rows)}", f"-DLN_DINP_EARLY={early}")
-            f = self.rt.function("layernorm.cu", "k_layernorm_bwd_fused", ct, defs)
+            f = self.rt.function("layernorm.cu", "k_layernorm_bwd_tree", ct, defs)
             fptr = f.kernel.ptr if hasattr(f, "kernel") else f.ptr  # RawKernel, or an arch_module Function
             if drv.funcGetAttribute(3, fptr) == 0:  # 3: CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
                 break
@@ -304,26 +309,35 @@ class CudaOps:
         for n, a in (("mean", mean), ("rstd", rstd)):
             check("k_layernorm_bwd", n, a, inp.shape[:-1], np.float32)
         N = inp.size // C
-        plan = self._ln_bwd_plan(N, C, ct)
-        if plan and all(a.data.ptr % 16 == 0 for a in (dinp, dout, inp, weight)):
+        vec = 16 // inp.dtype.itemsize  # versions 3 and 4 load rows as whole 16-byte vectors
+        one_pass = C <= LN_FUSED_MAXC and C % vec == 0 and all(a.data.ptr % 16 == 0 for a in (dinp, dout, inp, weight))
+        if one_pass and self.ln_bwd_version == 4:
             # version 4: one pass, dweight/dbias added by its own reduction tree
+            plan = self._ln_bwd_plan(N, C, ct)
             pdw = self.workspace.get("colsum_a", plan["partial_rows"] * C, np.float32)
             pdb = self.workspace.get("colsum_b", plan["partial_rows"] * C, np.float32)
             cnt = self._ln_counters(plan["n_groups"] + 1)
-            self.rt.launch("layernorm.cu", "k_layernorm_bwd_fused", ct, plan["grid"], THREADS,
+            self.rt.launch("layernorm.cu", "k_layernorm_bwd_tree", ct, plan["grid"], THREADS,
                            (dinp, dweight, dbias, pdw, pdb, cnt, dout, inp, weight, mean, rstd, i64(N), i32(C),
                             i32(plan["rows_per_block"]), i32(plan["group"])), defs=plan["defs"])
             return
-        # version 1: a row pass for dinp, then column partials added by k_colsum_final (versions 2
-        # and 3 of the one-pass kernel: git history; 3 is dev/cuda/layernorm_v2.cu)
-        self.rt.launch("layernorm.cu", "k_layernorm_bwd_dx", ct, -(-N // 8), THREADS,
-                       (dinp, dout, inp, weight, mean, rstd, i64(N), i32(C)))
-        rpb = -(-N // COLSUM_CHUNKS)
-        n_blocks = -(-N // rpb)
-        pdw = self.workspace.get("colsum_a", n_blocks * C, np.float32)
-        pdb = self.workspace.get("colsum_b", n_blocks * C, np.float32)
-        self.rt.launch("layernorm.cu", "k_layernorm_bwd_partial", ct, (-(-C // 32), n_blocks), (32, 8),
-                       (pdw, pdb, dout, inp, mean, rstd, i64(N), i32(C), i32(rpb)))
+        if one_pass:  # version 3: one pass, block partials of dweight/dbias
+            rpb = -(-N // LN_BLOCKS)
+            n_blocks = -(-N // rpb)
+            pdw = self.workspace.get("colsum_a", n_blocks * C, np.float32)
+            pdb = self.workspace.get("colsum_b", n_blocks * C, np.float32)
+            self.rt.launch("layernorm.cu", "k_layernorm_bwd_fused", ct, n_blocks, THREADS,
+                           (dinp, pdw, pdb, dout, inp, weight, mean, rstd, i64(N), i32(C), i32(rpb)),
+                           defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}",))
+        else:  # version 1: a row pass for dinp, then column partials (version 2 is in git history)
+            self.rt.launch("layernorm.cu", "k_layernorm_bwd_dx", ct, -(-N // 8), THREADS,
+                           (dinp, dout, inp, weight, mean, rstd, i64(N), i32(C)))
+            rpb = -(-N // COLSUM_CHUNKS)
+            n_blocks = -(-N // rpb)
+            pdw = self.workspace.get("colsum_a", n_blocks * C, np.float32)
+            pdb = self.workspace.get("colsum_b", n_blocks * C, np.float32)
+            self.rt.launch("layernorm.cu", "k_layernorm_bwd_partial", ct, (-(-C // 32), n_blocks), (32, 8),
+                           (pdw, pdb, dout, inp, mean, rstd, i64(N), i32(C), i32(rpb)))
         self.rt.launch("linear.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dweight, pdw, i32(n_blocks), i32(C)))
         self.rt.launch("linear.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dbias, pdb, i32(n_blocks), i32(C)))
 
