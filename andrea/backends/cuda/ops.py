@@ -22,7 +22,7 @@ COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-nor
 LN_FUSED_MAXC = 1024  # widest row the one-pass layer-norm backward holds in registers
 LN_BLOCKS = 264  # blocks (and partial rows) of the one-pass layer-norm backward: 2 per SM of an H200
 STEP_CHECK_THREADS = 96  # SC_THREADS in optim.cu: the summing warp and the two that compute the powers
-EMBED_RANK_MAX = 1 << 18  # see CudaOps.embed_rank_max
+EMBED_RANK_MAX = 1 << 16  # see CudaOps.embed_rank_max
 EMBED_RANK_KEYS = 32  # keys a block of k_embed_sort_rank ranks (ER_KEYS in embed.cu)
 EMBED_WTE_WARPS = 8  # sorted slots (one warp each) a block of k_embed_bwd_wte takes (EW_WARPS in embed.cu)
 # Attention version 4 (fused, andrea/kernels/attention.cu) runs for 16-bit compute dtypes, head
@@ -116,8 +116,8 @@ class CudaOps:
     ln_blocks = LN_BLOCKS  # blocks of the one-pass layer-norm backward (dev/cuda/harness.py --set ln_blocks=N)
     # B*T up to which k_embed_bwd sorts its keys by rank (k_embed_sort_rank, O(N^2) comparisons over
     # the whole GPU); above it the one-block bitonic sort (k_embed_sort, O(N log^2 N) steps on one
-    # SM) is estimated to cost less: ~5 us against 84 us at N = 8192 meet near N = 2^18
-    # (docs/BENCHMARKS.md; measured with dev/cuda/harness.py embed main v1 at growing B*T)
+    # SM) is estimated to cost less: ~14 us against 84 us measured at N = 8192, scaled, meet near
+    # N = 2^16 (docs/BENCHMARKS.md; dev/cuda/harness.py embed main v1 at growing B*T measures it)
     embed_rank_max = EMBED_RANK_MAX
 
     def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False):
