@@ -233,7 +233,7 @@ __device__ __forceinline__ void load_row_values(float* dst, const float* v, int 
 // this waits for step i's copies and for every thread's. Each step ends with __syncthreads() so
 // that the next step's copies never overwrite a buffer still being read.
 template <typename Issue>
-__device__ __forceinline__ void pipeline_wait(bool has_next, Issue issue) {
+__device__ __forceinline__ void pipeline_copies(bool has_next, Issue issue) {  // this thread's part
   if (has_next) {
     issue();
     cp_commit();
@@ -241,6 +241,10 @@ __device__ __forceinline__ void pipeline_wait(bool has_next, Issue issue) {
   } else {
     cp_wait_all();
   }
+}
+template <typename Issue>
+__device__ __forceinline__ void pipeline_wait(bool has_next, Issue issue) {
+  pipeline_copies(has_next, issue);
   __syncthreads();
 }
 

@@ -292,16 +292,11 @@ template <int TB> struct Wg<128, true, TB> {
   }
 };
 
+// attention.cu's two-deep pipeline step with the proxy fence wgmma needs: issue step i + 1's copies
 // (when there is one), wait for step i's, make them visible to the async proxy, then the barrier.
 template <typename Issue>
 __device__ __forceinline__ void pipeline_wait_async(bool has_next, Issue issue) {
-  if (has_next) {
-    issue();
-    cp_commit();
-    cp_wait_all_but_one();
-  } else {
-    cp_wait_all();
-  }
+  pipeline_copies(has_next, issue);  // attention.cu's step, with the fence between it and the barrier
   fence_proxy_async();
   __syncthreads();
 }

@@ -10,6 +10,7 @@ comes from self.workspace. CudaOps is the half of CudaBackend (backend.py) that 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -59,9 +60,15 @@ def hopper_geometry(hs: int) -> dict:
             "k_attn_flash_bwd_dq": 2 * rows * hs * 2 + 4 * bn * hs * 2}
 
 
-def _device_is_hopper() -> bool:
-    """Compute capability 9.0: wgmma.mma_async exists (through the sm_90a build)."""
-    return int(cp.cuda.Device().compute_capability) == 90
+@functools.lru_cache(maxsize=None)
+def _device_takes_hopper_bwd(device_id: int, hs: int) -> bool:
+    """Compute capability 9.0 (wgmma.mma_async, through the sm_90a build) and room for version 7's
+    tiles at head size hs; asked once per device and head size, not at every launch."""
+    dev = cp.cuda.Device(device_id)
+    if int(dev.compute_capability) != 90:
+        return False
+    smem = int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
+    return max(v for k, v in hopper_geometry(hs).items() if k.startswith("k_")) <= smem
 
 
 def _device_fits_flash(hs: int) -> bool:
@@ -373,10 +380,8 @@ class CudaOps:
     def _hopper_bwd(self, hs: int) -> bool:
         """The backward's dQ and dK/dV kernels come from attention_hopper.cu (wgmma): compute
         capability 9.0, CudaOps.hopper_attention set, and the tiles fit the device."""
-        if not (self.hopper_attention and _device_is_hopper() and hs in FLASH_HEAD_SIZES):
-            return False
-        smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
-        return max(v for k, v in hopper_geometry(hs).items() if k.startswith("k_")) <= smem
+        return (self.hopper_attention and hs in FLASH_HEAD_SIZES
+                and _device_takes_hopper_bwd(cp.cuda.Device().id, hs))
 
     def _fused(self, dtype, hs, *arrays) -> bool:
         """Version 4 applies: attention_variant says so, and every array is 16-byte aligned (its
