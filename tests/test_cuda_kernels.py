@@ -594,6 +594,44 @@ def test_step_check_partials(be, rng, P):
     assert host(g_dloss)[0] == dloss[0]
 
 
+def _adamw_inputs(rng, n):
+    p, g = rnd(rng, (n,), np.float32), rnd(rng, (n,), np.float32, 0.01)
+    m, v = rnd(rng, (n,), np.float32, 0.001), np.abs(rnd(rng, (n,), np.float32, 1e-5))
+    st = np.zeros(ref.STATE_LEN)
+    st[ref.S_CLIP], st[ref.S_DECAY] = np.float32(0.37), np.float32(1 - 3e-3 * 0.1)
+    st[ref.S_STEP_SIZE], st[ref.S_VHAT] = np.float32(3e-3 / (1 - 0.9 ** 7)), np.float32(1 / (1 - 0.95 ** 7))
+    return [x.astype(np.float32) for x in (p, g, m, v)], st
+
+
+@pytest.mark.parametrize("cdt", [np.float32, np.float16, "bfloat16"])
+def test_adamw_step_vector_bits(be, rng, cdt):
+    """k_adamw_step moves float4 vectors when every buffer is 16-byte aligned and one element at a
+    time otherwise (and for the last n % 4): both paths give the same bits. The same update runs on
+    aligned buffers and on views that start one element in (every vector misaligned), with the
+    decay boundary inside a vector (n_decay % 4 == 1)."""
+    import cupy as cp
+    import ml_dtypes
+    cdt = ml_dtypes.bfloat16 if cdt == "bfloat16" else cdt
+    n, n_decay = 40_007, 20_001
+    host32, st = _adamw_inputs(rng, n)
+    runs = []
+    for off in (0, 1):
+        bufs = [cp.zeros(n + 1, np.float32) for _ in host32]
+        for b, x in zip(bufs, host32):
+            b[off:off + n] = cp.asarray(x)
+        views = [b[off:off + n] for b in bufs]
+        pcb = dev(np.zeros(n + 1), cdt) if cdt != np.float32 else None
+        pc = pcb[off:off + n] if pcb is not None else None
+        be.k_adamw_step(views[0], pc, views[1], views[2], views[3], dev(st, np.float64), 0.9, 0.95, 1e-8,
+                        n_decay)
+        runs.append([host(x).view(np.uint32) for x in views] + ([host(pc).view(np.uint16)] if pc is not None else []))
+    for name, a, b in zip(("params", "grads", "m", "v", "params_c"), *runs):
+        assert np.array_equal(a, b), f"k_adamw_step {name}: aligned and misaligned paths differ"
+    want = [x.copy() for x in host32]
+    ref.k_adamw_step(want[0], None, want[1], want[2], want[3], st, 0.9, 0.95, 1e-8, n_decay)
+    assert_close("k_adamw_step params", runs[0][0].view(np.float32), want[0].astype(np.float64), 1e-6)
+
+
 @pytest.mark.parametrize("skip", [False, True])
 @pytest.mark.parametrize("cdt", [np.float32, np.float16])
 def test_adamw_step(be, rng, skip, cdt):

@@ -18,14 +18,28 @@ enum {
   STATE_LEN
 };
 
-// partials[blockIdx.x] = sum of squares of chunk blockIdx.x; chunk = ceil(n / gridDim.x).
+// partials[blockIdx.x] = sum of squares of chunk blockIdx.x; chunk = ceil(n / gridDim.x). Version 2:
+// when every chunk starts on a 16-byte boundary (chunk % 4 == 0, grads aligned) each thread reads
+// two float4 per iteration (version 1, one float per load, is dev/cuda/optim_v1.cu).
 extern "C" __global__ void k_grad_norm_partial(float* partials, const float* grads, i64 n) {
   __shared__ float scratch[32];
   i64 chunk = (n + gridDim.x - 1) / gridDim.x;
   i64 start = blockIdx.x * chunk;
   i64 end = start + chunk < n ? start + chunk : n;
   float s = 0.f;
-  for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) { float g = grads[i]; s += g * g; }
+  if (chunk % 4 == 0 && aligned16(grads) && start < end) {
+    const float4* g4 = (const float4*)(grads + start);
+    i64 nv = (end - start) / 4, j = threadIdx.x;
+    for (; j + (i64)blockDim.x < nv; j += 2 * (i64)blockDim.x) {
+      float4 a = g4[j], b = g4[j + blockDim.x];
+      s += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+      s += b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+    }
+    if (j < nv) { float4 a = g4[j]; s += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w; }
+    for (i64 i = start + nv * 4 + threadIdx.x; i < end; i += blockDim.x) { float g = grads[i]; s += g * g; }
+  } else {
+    for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) { float g = grads[i]; s += g * g; }
+  }
   s = block_sum(s, scratch);
   if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
@@ -123,24 +137,69 @@ extern "C" __global__ void __launch_bounds__(SC_THREADS) k_step_check(
   *dloss = (float)__ddiv_rn(scale, n_pos);
 }
 
-// The update of numpy_ref.k_adamw_step, one pass: g = grads * clip; m = m*b1 + (1-b1)*g;
-// v = v*b2 + ((1-b2)*g)*g; p[:n_decay] *= decay; p -= (step_size * m) / (sqrt(v * vhat) + eps);
-// pc = p rounded to the compute dtype (when cast); grads = 0. A skipped step only zeroes grads.
+// The update of numpy_ref.k_adamw_step for one element: g = grads * clip; m = m*b1 + (1-b1)*g;
+// v = v*b2 + ((1-b2)*g)*g; p *= decay (decay = 1 beyond n_decay is not used: the multiply is
+// skipped there, as NumPy's slice skips it); p -= (step_size * m) / (sqrt(v * vhat) + eps).
+struct AdamW {
+  float clip, decay, step_size, vhat_scale, beta1, omb1, beta2, omb2, eps;
+  __device__ __forceinline__ float step(float pi, float& mi, float& vi, float g, bool decayed) const {
+    float gi = __fmul_rn(g, clip);
+    mi = __fadd_rn(__fmul_rn(mi, beta1), __fmul_rn(omb1, gi));
+    vi = __fadd_rn(__fmul_rn(vi, beta2), __fmul_rn(__fmul_rn(omb2, gi), gi));
+    if (decayed) pi = __fmul_rn(pi, decay);
+    float den = __fadd_rn(__fsqrt_rn(__fmul_rn(vi, vhat_scale)), eps);
+    return __fsub_rn(pi, __fdiv_rn(__fmul_rn(step_size, mi), den));
+  }
+};
+
+// Four compute-dtype values as one 8-byte (fp16/bf16) or 16-byte (float) store.
+template <typename T> struct alignas(4 * sizeof(T)) Vec4 { T v[4]; };
+
+// The whole update of numpy_ref.k_adamw_step in one pass: AdamW (above) on every element, the
+// cast to the compute copy pc (when cast), and grads = 0. A skipped step only zeroes grads.
+// Version 2: with every buffer 16-byte aligned (pc: 4 elements aligned) each thread moves float4
+// vectors (one 16-byte load or store per buffer and 4 elements), the last n % 4 elements one at a
+// time; the arithmetic per element is the same, so are the bits (version 1, one element per
+// thread and iteration, is dev/cuda/optim_v1.cu).
 extern "C" __global__ void k_adamw_step(float* p, CT* pc, float* g, float* m, float* v,
                                         const double* state, i64 n, i64 n_decay, float beta1,
                                         float omb1, float beta2, float omb2, float eps, int cast) {
   bool skip = state[S_SKIP] != 0.0;
-  float clip = (float)state[S_CLIP], decay = (float)state[S_DECAY];
-  float step_size = (float)state[S_STEP_SIZE], vhat_scale = (float)state[S_VHAT];
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+  AdamW a{(float)state[S_CLIP], (float)state[S_DECAY], (float)state[S_STEP_SIZE], (float)state[S_VHAT],
+          beta1, omb1, beta2, omb2, eps};
+  i64 stride = (i64)gridDim.x * blockDim.x, t0 = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+  i64 done = 0;
+  bool vec = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) &&
+             (!cast || ((unsigned long long)pc % (4 * sizeof(CT))) == 0);
+  if (vec) {
+    i64 nv = n / 4;
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (i64 j = t0; j < nv; j += stride) {
+      if (!skip) {
+        float4 gv = ((const float4*)g)[j], mv = ((float4*)m)[j], vv = ((float4*)v)[j], pv = ((float4*)p)[j];
+        i64 i = 4 * j;
+        pv.x = a.step(pv.x, mv.x, vv.x, gv.x, i < n_decay);
+        pv.y = a.step(pv.y, mv.y, vv.y, gv.y, i + 1 < n_decay);
+        pv.z = a.step(pv.z, mv.z, vv.z, gv.z, i + 2 < n_decay);
+        pv.w = a.step(pv.w, mv.w, vv.w, gv.w, i + 3 < n_decay);
+        ((float4*)p)[j] = pv;
+        ((float4*)m)[j] = mv;
+        ((float4*)v)[j] = vv;
+        if (cast) {
+          Vec4<CT> c;
+          c.v[0] = from_f<CT>(pv.x); c.v[1] = from_f<CT>(pv.y);
+          c.v[2] = from_f<CT>(pv.z); c.v[3] = from_f<CT>(pv.w);
+          ((Vec4<CT>*)pc)[j] = c;
+        }
+      }
+      ((float4*)g)[j] = zero;
+    }
+    done = nv * 4;
+  }
+  for (i64 i = done + t0; i < n; i += stride) {
     if (!skip) {
-      float gi = __fmul_rn(g[i], clip);
-      float mi = __fadd_rn(__fmul_rn(m[i], beta1), __fmul_rn(omb1, gi));
-      float vi = __fadd_rn(__fmul_rn(v[i], beta2), __fmul_rn(__fmul_rn(omb2, gi), gi));
-      float pi = p[i];
-      if (i < n_decay) pi = __fmul_rn(pi, decay);
-      float den = __fadd_rn(__fsqrt_rn(__fmul_rn(vi, vhat_scale)), eps);
-      pi = __fsub_rn(pi, __fdiv_rn(__fmul_rn(step_size, mi), den));
+      float mi = m[i], vi = v[i];
+      float pi = a.step(p[i], mi, vi, g[i], i < n_decay);
       p[i] = pi;
       m[i] = mi;
       v[i] = vi;
