@@ -624,7 +624,8 @@ def test_adamw_step_vector_bits(be, rng, cdt):
         pc = pcb[off:off + n] if pcb is not None else None
         be.k_adamw_step(views[0], pc, views[1], views[2], views[3], dev(st, np.float64), 0.9, 0.95, 1e-8,
                         n_decay)
-        runs.append([host(x).view(np.uint32) for x in views] + ([host(pc).view(np.uint16)] if pc is not None else []))
+        runs.append([cp.asnumpy(x).view(np.uint32) for x in views]
+                    + ([cp.asnumpy(pc).view(np.uint16)] if pc is not None else []))
     for name, a, b in zip(("params", "grads", "m", "v", "params_c"), *runs):
         assert np.array_equal(a, b), f"k_adamw_step {name}: aligned and misaligned paths differ"
     want = [x.copy() for x in host32]

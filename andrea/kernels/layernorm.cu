@@ -111,105 +111,117 @@ extern "C" __global__ void k_layernorm_bwd_partial(float* pdw, float* pdb, const
   }
 }
 
-// Version 3 of the backward pass (version 2, in git history, loaded one element per lane; version
-// 4, a grid sized to the SMs with its own reduction tree, was slower on an H200 and is in git
-// history too, docs/BENCHMARKS.md):
-// for C <= LN_MAXC with rows in whole 16-byte vectors (C a multiple of 16 / sizeof(CT)); the
-// launcher compiles it with LN_MAXC = C rounded up to 32 vectors, so the per-lane arrays are no
-// longer than the row. One kernel reads each row once, 16 bytes per load. A block of 8 warps owns
-// a contiguous chunk of rows (one warp per row at a time); each lane keeps the row's values and its
-// running dweight/dbias sums for its vectors (lane, lane+32, ...) in registers. The warps then add
-// their sums into shared memory one warp after another (a fixed order) and the block writes its
-// partial row pdw/pdb[blockIdx.x][C]; k_colsum_final adds the blocks in order. dinp's row is
-// loaded with the row's other inputs (one memory round trip per row; an earlier form,
-// in git history, loaded it after the reductions), with two blocks per SM up to C = 768.
+// Version 5 of the backward pass, for C <= LN_MAXC with rows in whole 16-byte vectors (C a
+// multiple of 16 / sizeof(CT)); the launcher compiles it with LN_MAXC = C rounded up to 32 vectors.
+// A block owns a contiguous chunk of rows and does two phases over them (LN5_ROWS rows at a time):
+//  1. rows: warp w takes rows r0 + w, r0 + w + 8, ...; its lanes (16-byte loads, vectors lane,
+//     lane + 32, ...) reduce a = mean(dy * w) and b = mean(dy * w * xhat) and put the row's
+//     (mean, rstd, a, b) in shared memory;
+//  2. columns: thread t owns the 16-byte vector q = t % nq of every row of its row group t / nq
+//     (G = blockDim / nq groups; rows r0 + g, r0 + g + G, ...): it writes dinp's vector and adds
+//     dy * xhat and dy into 2 x LN_VEC registers. The groups' sums go through shared memory and are
+//     added in group order into the block's partial rows pdw/pdb[blockIdx.x]; k_colsum_final adds
+//     the blocks in order.
+// Phase 2 reads x and dy again, from L1/L2 (the block read those rows moments before). Version 3
+// (in git history) did both in one pass, each lane keeping its columns' xhat, dy and running sums
+// in registers: 128 registers a thread, two blocks an SM, and an ordered warp-by-warp end phase
+// at the block barrier (ncu on an H200: 30.9 us at 8192 x 768, an issue slot used one cycle in
+// four). Version 5 uses 64 registers and was 1.2-1.3x faster on an H200 (docs/BENCHMARKS.md).
+// Version 4, a grid sized to the SMs with its own reduction tree, was slower than version 3.
 #ifndef LN_MAXC
 #define LN_MAXC 1024
 #endif
 #define LN_VEC CT_VEC  // elements per 16-byte vector (common.cuh)
-#define LN_CHUNKS ((LN_MAXC + 32 * LN_VEC - 1) / (32 * LN_VEC))  // vectors per lane
+#define LN_CHUNKS ((LN_MAXC + 32 * LN_VEC - 1) / (32 * LN_VEC))  // vectors per lane in phase 1
 #ifndef LN_ACCUMULATE
 #define LN_ACCUMULATE 1  // 0 (accumulate=False): dinp written, never loaded
 #endif
-extern "C" __global__ void __launch_bounds__(256, LN_MAXC <= 768 ? 2 : 1) k_layernorm_bwd_fused(
+#define LN5_ROWS 256  // rows of one pass of the two phases (a block with more rows loops)
+
+extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
     CT* dinp, float* pdw, float* pdb, const CT* dout, const CT* inp, const CT* weight,
     const float* mean, const float* rstd, i64 N, int C, int rows_per_block) {
-  __shared__ float sw[LN_CHUNKS * 32 * LN_VEC], sb[LN_CHUNKS * 32 * LN_VEC];
+  __shared__ float s_mu[LN5_ROWS], s_rs[LN5_ROWS], s_a[LN5_ROWS], s_b[LN5_ROWS];
+  __shared__ float s_w[256 * LN_VEC], s_b2[256 * LN_VEC];  // G groups' sums, G * nq <= 256 vectors
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5, nq = C / LN_VEC;
-  float aw[LN_CHUNKS][LN_VEC], ab[LN_CHUNKS][LN_VEC];
+  int G = blockDim.x / nq, grp = threadIdx.x / nq, q = threadIdx.x % nq;
+  bool owner = grp < G;  // threads beyond G * nq only help in the row phase
+  float aw[LN_VEC], ab[LN_VEC];
 #pragma unroll
-  for (int k = 0; k < LN_CHUNKS; ++k)
-#pragma unroll
-    for (int j = 0; j < LN_VEC; ++j) aw[k][j] = ab[k][j] = 0.f;
-  i64 r0 = (i64)blockIdx.x * rows_per_block;
-  i64 r1 = r0 + rows_per_block < N ? r0 + rows_per_block : N;
-  for (i64 r = r0 + warp; r < r1; r += nw) {
-    const CT* x = inp + r * C;
-    const CT* d = dout + r * C;
-    CT* g = dinp + r * C;
-    float mu = mean[r], rs = rstd[r], xh[LN_CHUNKS][LN_VEC], dy[LN_CHUNKS][LN_VEC], a = 0.f, b = 0.f;
-    vec16 rg[LN_CHUNKS];  // dinp's row, loaded with the others: one memory round trip per row, not two
-#pragma unroll
-    for (int k = 0; k < LN_CHUNKS; ++k) {
-      int q = lane + 32 * k;
-      vec16 rx = {{0u, 0u, 0u, 0u}}, rd = rx, rw = rx;
-      rg[k] = rx;
-      if (q < nq) {
-        rx = *(const vec16*)(x + q * LN_VEC);
-        rd = *(const vec16*)(d + q * LN_VEC);
-        rw = *(const vec16*)(weight + q * LN_VEC);
-#if LN_ACCUMULATE  // 0: dinp written, not loaded
-        rg[k] = *(const vec16*)(g + q * LN_VEC);
-#endif
-      }
-      const CT* ex = (const CT*)&rx;
-      const CT* ed = (const CT*)&rd;
-      const CT* ew = (const CT*)&rw;
-#pragma unroll
-      for (int j = 0; j < LN_VEC; ++j) {
-        xh[k][j] = q < nq ? (to_f(ex[j]) - mu) * rs : 0.f;
-        dy[k][j] = to_f(ed[j]);
-        float dxh = dy[k][j] * to_f(ew[j]);
-        a += dxh;
-        b += dxh * xh[k][j];
-        aw[k][j] += dy[k][j] * xh[k][j];
-        ab[k][j] += dy[k][j];
-      }
-    }
-    a = warp_sum(a) / C;
-    b = warp_sum(b) / C;
-#pragma unroll
-    for (int k = 0; k < LN_CHUNKS; ++k) {
-      int q = lane + 32 * k;
-      if (q < nq) {
-        vec16 rw = *(const vec16*)(weight + q * LN_VEC);
-        CT* eg = (CT*)&rg[k];
-        const CT* ew = (const CT*)&rw;
-#pragma unroll
-        for (int j = 0; j < LN_VEC; ++j)
-          eg[j] = from_f<CT>(to_f(eg[j]) + rs * (dy[k][j] * to_f(ew[j]) - a - xh[k][j] * b));
-        *(vec16*)(g + q * LN_VEC) = rg[k];
-      }
-    }
-  }
-  for (int w = 0; w < nw; ++w) {  // warps add into shared memory in order: reproducible sums
-    if (warp == w)
+  for (int j = 0; j < LN_VEC; ++j) aw[j] = ab[j] = 0.f;
+  vec16 rw = {{0u, 0u, 0u, 0u}};
+  if (owner) rw = ((const vec16*)weight)[q];
+  i64 b0 = (i64)blockIdx.x * rows_per_block;
+  i64 b1 = b0 + rows_per_block < N ? b0 + rows_per_block : N;
+  for (i64 r0 = b0; r0 < b1; r0 += LN5_ROWS) {
+    int nr = (int)(b1 - r0 < LN5_ROWS ? b1 - r0 : LN5_ROWS);
+    // phase 1: the row reductions, as version 3
+    for (int i = warp; i < nr; i += nw) {
+      i64 r = r0 + i;
+      const CT* x = inp + r * C;
+      const CT* d = dout + r * C;
+      float mu = mean[r], rs = rstd[r], a = 0.f, b = 0.f;
 #pragma unroll
       for (int k = 0; k < LN_CHUNKS; ++k) {
-        int q = lane + 32 * k;
-        if (q < nq)
+        int qq = lane + 32 * k;
+        vec16 rx = {{0u, 0u, 0u, 0u}}, rd = rx, rv = rx;
+        if (qq < nq) {
+          rx = *(const vec16*)(x + qq * LN_VEC);
+          rd = *(const vec16*)(d + qq * LN_VEC);
+          rv = *(const vec16*)(weight + qq * LN_VEC);
+        }
 #pragma unroll
-          for (int j = 0; j < LN_VEC; ++j) {
-            int c = q * LN_VEC + j;
-            sw[c] = (w == 0 ? 0.f : sw[c]) + aw[k][j];
-            sb[c] = (w == 0 ? 0.f : sb[c]) + ab[k][j];
-          }
+        for (int j = 0; j < LN_VEC; ++j) {
+          float xh = qq < nq ? (vget(rx, j) - mu) * rs : 0.f;
+          float dxh = vget(rd, j) * vget(rv, j);
+          a += dxh;
+          b += dxh * xh;
+        }
       }
+      a = warp_sum(a) / C;
+      b = warp_sum(b) / C;
+      if (lane == 0) { s_mu[i] = mu; s_rs[i] = rs; s_a[i] = a; s_b[i] = b; }
+    }
     __syncthreads();
+    // phase 2: dinp and the column sums, one vector of every G-th row per thread
+    if (owner) {
+#pragma unroll 4
+      for (int i = grp; i < nr; i += G) {
+        i64 r = r0 + i;
+        float mu = s_mu[i], rs = s_rs[i], a = s_a[i], b = s_b[i];
+        vec16 rx = ((const vec16*)(inp + r * C))[q];
+        vec16 rd = ((const vec16*)(dout + r * C))[q];
+        vec16* gp = (vec16*)(dinp + r * C) + q;
+#if LN_ACCUMULATE
+        vec16 rg = *gp;
+#else
+        vec16 rg = {{0u, 0u, 0u, 0u}};
+#endif
+#pragma unroll
+        for (int j = 0; j < LN_VEC; ++j) {
+          float xh = (vget(rx, j) - mu) * rs;
+          float dy = vget(rd, j);
+          vset(rg, j, vget(rg, j) + rs * (dy * vget(rw, j) - a - xh * b));
+          aw[j] += dy * xh;
+          ab[j] += dy;
+        }
+        *gp = rg;
+      }
+    }
+    __syncthreads();  // s_* are rewritten by the next pass's phase 1
   }
+  if (owner)
+#pragma unroll
+    for (int j = 0; j < LN_VEC; ++j) {
+      s_w[grp * nq * LN_VEC + q * LN_VEC + j] = aw[j];
+      s_b2[grp * nq * LN_VEC + q * LN_VEC + j] = ab[j];
+    }
+  __syncthreads();
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    pdw[(i64)blockIdx.x * C + c] = sw[c];
-    pdb[(i64)blockIdx.x * C + c] = sb[c];
+    float w = s_w[c], bb = s_b2[c];
+    for (int g = 1; g < G; ++g) { w += s_w[g * C + c]; bb += s_b2[g * C + c]; }
+    pdw[(i64)blockIdx.x * C + c] = w;
+    pdb[(i64)blockIdx.x * C + c] = bb;
   }
 }
 
