@@ -15,6 +15,7 @@ checkout unless a path is given. It needs a CUDA GPU and CuPy; elsewhere it says
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -44,7 +45,9 @@ class GraphTimed:
     """The backend, with every k_* call captured into its own CUDA graph: launched once (so the
     step goes on), then replayed REPS times between CUDA events. That is the device time of the
     call alone, without Python's launch overhead. The replays repeat each call's effect (the
-    backward kernels add again), so the numbers of a profiled step are garbage: profile last."""
+    backward kernels add again), so the numbers of a profiled step are garbage: profile last.
+    The close of the backward's param_grad_pass (the column sums it held back) is timed the same
+    way, as "param_grad_pass"."""
 
     REPS = 5
 
@@ -58,6 +61,17 @@ class GraphTimed:
         if not name.startswith("k_"):
             return attr
         return lambda *args, **kw: self._timed(name, attr, args, kw)
+
+    @contextlib.contextmanager
+    def param_grad_pass(self):
+        ctx = self._be.param_grad_pass()
+        ctx.__enter__()
+        try:
+            yield
+        except BaseException:
+            ctx.__exit__(*sys.exc_info())
+            raise
+        self._timed("param_grad_pass", lambda: ctx.__exit__(None, None, None), (), {})
 
     def _timed(self, name, fn, args, kw):
         import cupy as cp
@@ -157,7 +171,8 @@ def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=Tru
     free1, _ = cp.cuda.runtime.memGetInfo()
     planned = eng.plan.total()
     extra = sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in
-                be.workspace_rows(B, T, m.d_model, m.n_head, eng.params_c.dtype, precision == "fp8"))
+                be.workspace_rows(B, T, m.d_model, m.n_head, eng.params_c.dtype, precision == "fp8",
+                                  m.n_layer))
     graph_ms = graph_step_ms(eng, *batches[0])
     per_kernel = profile_step(eng, *batches[1])
     n = eng.layout.n_params

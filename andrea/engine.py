@@ -224,12 +224,14 @@ class Engine:
         shapes = model.activation_shapes(self.cfg.model, 1, 1)
         self.layers = [{k: bufs[f"h{l}.{k}"] for k in shapes} for l in range(self.cfg.model.n_layer)]
         self.g = {k: bufs[k] for k in model.global_shapes(self.cfg.model, 1, 1)}
-        # the kernels' own scratch (CUDA: attention statistics, column partials, sort keys, the
-        # cuBLAS and cuBLASLt workspaces) is allocated here too, not during step 1; the graph
-        # runner replays whole passes (CUDA graphs; the CPU runs them as they are)
+        # the kernels' own scratch (CUDA: attention statistics, column partials, those a backward
+        # pass of n_layer layers defers to its end, sort keys, the cuBLAS and cuBLASLt workspaces)
+        # is allocated here too, not during step 1; the graph runner replays whole passes (CUDA
+        # graphs; the CPU runs them as they are)
         m, t = self.cfg.model, self.cfg.train
         self.workspace = self.be.reserve_workspace(t.batch_size, t.seq_len, m.d_model, m.n_head,
-                                                   self.params_c.dtype, fp8=t.precision == "fp8")
+                                                   self.params_c.dtype, fp8=t.precision == "fp8",
+                                                   n_layer=m.n_layer)
         self.graphs = self.be.graph_runner()
 
     def init_params(self, seed: int):

@@ -154,28 +154,31 @@ def backward(be, p, dp, layers, g, n_head, dloss):
     to its branch (which reads dres as its output gradient) and to its input, and the layer
     norm's backward at the start of the branch adds its part into dres in place, so no copies.
     No buffer is zeroed: the first kernel to write each activation gradient (dres, dln, datty,
-    dqkv) in a pass runs with accumulate=False and overwrites whatever the workspace held."""
+    dqkv) in a pass runs with accumulate=False and overwrites whatever the workspace held.
+    The kernels run inside be.param_grad_pass(): the backend may finish part of the parameter
+    gradients (CUDA: the bias and layer-norm weight column sums) when it closes, in one launch."""
     dres, dln = g["dres"], g["dln"]
     x_last = layers[-1]["res_out"] if layers else g["x0"]
-    be.k_loss_bwd(g["losses"], g["loss_lse"], dln, dp["wte"], g["logits"], g["lnf"], p["wte"],
-                  g["targets"], dloss, accumulate=False)
-    be.k_layernorm_bwd(dres, dp["lnf_w"], dp["lnf_b"], dln, x_last, p["lnf_w"], g["lnf_mean"], g["lnf_rstd"],
-                       accumulate=False)
-    for l in reversed(range(len(layers))):
-        a, w, dw = layers[l], _layer(p, l), _layer(dp, l)
-        x_in = layers[l - 1]["res_out"] if l > 0 else g["x0"]
-        # res_out = xmid + mlp(ln2(xmid)): dres becomes the gradient of xmid
-        be.k_mlp_bwd(dln, dw["mlp_w1"], dw["mlp_b1"], dw["mlp_w2"], dw["mlp_b2"], dres, a["ln2"],
-                     a["pre"], w["mlp_w1"], w["mlp_w2"], g["act"], g["dact"], accumulate=False)
-        be.k_layernorm_bwd(dres, dw["ln2_w"], dw["ln2_b"], dln, a["xmid"], w["ln2_w"],
-                           a["ln2_mean"], a["ln2_rstd"])
-        # xmid = x_in + attn_out(attn(qkv(ln1(x_in)))): dres becomes the gradient of x_in
-        be.k_attn_out_bwd(g["datty"], dw["attn_out_w"], dw["attn_out_b"], dres, a["atty"], w["attn_out_w"],
-                          accumulate=False)
-        be.k_attn_bwd(g["dqkv"], g["datty"], a["qkv"], a["atty"], a["att_lse"], n_head, accumulate=False)
-        be.k_attn_qkv_bwd(dln, dw["qkv_w"], dw["qkv_b"], g["dqkv"], a["ln1"], w["qkv_w"], accumulate=False)
-        be.k_layernorm_bwd(dres, dw["ln1_w"], dw["ln1_b"], dln, x_in, w["ln1_w"], a["ln1_mean"], a["ln1_rstd"])
-    be.k_embed_bwd(dp["wte"], dp["wpe"], dres, g["tokens"])
+    with be.param_grad_pass():  # the parameter gradients are complete when it closes
+        be.k_loss_bwd(g["losses"], g["loss_lse"], dln, dp["wte"], g["logits"], g["lnf"], p["wte"],
+                      g["targets"], dloss, accumulate=False)
+        be.k_layernorm_bwd(dres, dp["lnf_w"], dp["lnf_b"], dln, x_last, p["lnf_w"], g["lnf_mean"], g["lnf_rstd"],
+                           accumulate=False)
+        for l in reversed(range(len(layers))):
+            a, w, dw = layers[l], _layer(p, l), _layer(dp, l)
+            x_in = layers[l - 1]["res_out"] if l > 0 else g["x0"]
+            # res_out = xmid + mlp(ln2(xmid)): dres becomes the gradient of xmid
+            be.k_mlp_bwd(dln, dw["mlp_w1"], dw["mlp_b1"], dw["mlp_w2"], dw["mlp_b2"], dres, a["ln2"],
+                         a["pre"], w["mlp_w1"], w["mlp_w2"], g["act"], g["dact"], accumulate=False)
+            be.k_layernorm_bwd(dres, dw["ln2_w"], dw["ln2_b"], dln, a["xmid"], w["ln2_w"],
+                               a["ln2_mean"], a["ln2_rstd"])
+            # xmid = x_in + attn_out(attn(qkv(ln1(x_in)))): dres becomes the gradient of x_in
+            be.k_attn_out_bwd(g["datty"], dw["attn_out_w"], dw["attn_out_b"], dres, a["atty"], w["attn_out_w"],
+                              accumulate=False)
+            be.k_attn_bwd(g["dqkv"], g["datty"], a["qkv"], a["atty"], a["att_lse"], n_head, accumulate=False)
+            be.k_attn_qkv_bwd(dln, dw["qkv_w"], dw["qkv_b"], g["dqkv"], a["ln1"], w["qkv_w"], accumulate=False)
+            be.k_layernorm_bwd(dres, dw["ln1_w"], dw["ln1_b"], dln, x_in, w["ln1_w"], a["ln1_mean"], a["ln1_rstd"])
+        be.k_embed_bwd(dp["wte"], dp["wpe"], dres, g["tokens"])
 
 
 def _layer(views, l):

@@ -2,18 +2,22 @@
 kernels one `k_*` call launches, how long each runs, and at what rate the matrix products go.
 
     python dev/profile_kernels.py --exp ANDREA-120M --precision fp16 --batch 8 [--torch bf16] [--csv out.csv]
+        [--set defer_colsums=0]
 
 andrea.bench gives one figure per backend call; this splits a call into the kernels it launches
 (CUPTI, through torch.profiler, which records every kernel of the process, CuPy's included). The
 engine runs its steps eagerly here (no CUDA graphs) and waits after every backend call, so each
 kernel is attributed to the call that launched it by time; device durations are those the kernels
-have inside the graphs. With --torch DTYPE the repository's PyTorch anchor (benchmarks/torch_gpt.py,
+have inside the graphs; the kernels that close the backward's param_grad_pass (the column sums it
+held back) count as the call "param_grad_pass". --set ATTR=INT sets an attribute of the backend
+first, as dev/cuda/harness.py's does. With --torch DTYPE the repository's PyTorch anchor (benchmarks/torch_gpt.py,
 eager, autocast DTYPE) is profiled in the same process for comparison, by kernel name.
 Needs a CUDA GPU, CuPy and torch.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import sys
@@ -50,10 +54,26 @@ def attribute(ann, dev):
 
 
 class Annotated:
-    """The backend with every k_* call inside a profiler range, followed by a device sync."""
+    """The backend with every k_* call inside a profiler range, followed by a device sync; the
+    close of a param_grad_pass too."""
 
     def __init__(self, be):
         self._be = be
+
+    @contextlib.contextmanager
+    def param_grad_pass(self):
+        import cupy as cp
+        from torch.profiler import record_function
+        ctx = self._be.param_grad_pass()
+        ctx.__enter__()
+        try:
+            yield
+        except BaseException:
+            ctx.__exit__(*sys.exc_info())
+            raise
+        with record_function("param_grad_pass"):
+            ctx.__exit__(None, None, None)
+            cp.cuda.get_current_stream().synchronize()
 
     def __getattr__(self, name):
         attr = getattr(self._be, name)
@@ -70,7 +90,7 @@ class Annotated:
         return call
 
 
-def profile_andrea(exp, precision, B, steps):
+def profile_andrea(exp, precision, B, steps, settings=None):
     import cupy as cp
     from torch.profiler import ProfilerActivity, profile
 
@@ -80,7 +100,12 @@ def profile_andrea(exp, precision, B, steps):
 
     cfg = bench_config(exp, precision, B, 2 + steps)
     m, T = cfg.model, cfg.model.context
-    eng = Engine(cfg, backend=get_backend("cuda"))
+    be = get_backend("cuda")
+    for name, value in (settings or {}).items():
+        if not hasattr(be, name):
+            raise SystemExit(f"--set {name}: the CUDA backend has no attribute {name}")
+        setattr(be, name, type(getattr(be, name))(value))
+    eng = Engine(cfg, backend=be)
     eng._run = lambda key, fn: fn()  # eager: the kernels are those the graphs hold
     rng = np.random.default_rng(0)
     xy = rng.integers(0, m.vocab_size, (B, T + 1)).astype(np.int32)
@@ -150,6 +175,11 @@ def report(df, steps, title):
           [["n", "ms", "us_each"]].sort_values("ms", ascending=False))
     print(f"\n-- {title}: kernels by call (the 45 largest)")
     print(by.head(45).to_string(formatters={"n": "{:.0f}".format, "ms": "{:.3f}".format, "us_each": "{:.1f}".format}))
+    names = (df.groupby("kernel").dur.agg(["count", "sum"])
+             .assign(n=lambda t: t["count"] / steps, ms=lambda t: t["sum"] / steps / 1e3)[["n", "ms"]]
+             .sort_values("n", ascending=False))
+    print(f"\n-- {title}: kernels by name over all calls (the 20 launched most)")
+    print(names.head(20).to_string(formatters={"n": "{:.0f}".format, "ms": "{:.3f}".format}))
     return by
 
 
@@ -161,9 +191,18 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--torch", choices=["bf16", "fp16"], help="also profile the PyTorch anchor (eager)")
     ap.add_argument("--csv", help="write every kernel event (ours, and the anchor's) here")
+    ap.add_argument("--set", action="append", default=[], metavar="ATTR=INT",
+                    help="set an attribute of the backend first, e.g. --set defer_colsums=0 (repeatable)")
     a = ap.parse_args(argv)
-    ours, n_params = profile_andrea(a.exp, a.precision, a.batch, a.steps)
-    tables = [report(ours, a.steps, f"andrea {a.exp} {a.precision} B={a.batch}").assign(system="andrea")]
+    settings = {}
+    for item in a.set:
+        name, _, value = item.partition("=")
+        if not name or not value.lstrip("-").isdigit():
+            raise SystemExit(f"--set {item}: expected ATTR=INT, e.g. defer_colsums=0")
+        settings[name] = int(value)
+    ours, n_params = profile_andrea(a.exp, a.precision, a.batch, a.steps, settings)
+    title = f"andrea {a.exp} {a.precision} B={a.batch}" + "".join(f" {s}" for s in a.set)
+    tables = [report(ours, a.steps, title).assign(system="andrea")]
     if a.torch:
         theirs = profile_torch(a.exp, a.torch, a.batch, a.steps)
         tables.append(report(theirs, a.steps, f"pytorch eager {a.torch} B={a.batch}").assign(system="pytorch"))

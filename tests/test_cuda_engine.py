@@ -58,7 +58,9 @@ def test_full_step_matches_reference(tmp_path, precision, tol):
     ref, gpu = Engine(c64, dtype="float64"), Engine(cg)
     ref.set_state(gpu.host_state()[0].astype(np.float64))  # both start from the same fp32 weights
     x, y = batch(1)
+    launched = _recording(gpu.be)
     l_ref, l_gpu = ref.forward_backward(x, y), gpu.forward_backward(x, y)
+    assert "k_colsum_final_many" in launched, "the backward's column sums were not deferred"
     assert abs(l_gpu - l_ref) / abs(l_ref) < tol, (l_gpu, l_ref)
     g_ref, g_gpu = host(ref, "grads"), host(gpu, "grads") / gpu.loss_scale
     for name, off, shape in ref.layout.entries:
@@ -179,3 +181,40 @@ def test_backend_cuda_selected(tmp_path):
     from andrea.backends.cuda import CudaBackend
     eng = Engine(cfg_for(tmp_path, "auto"))
     assert isinstance(eng.be, CudaBackend) and eng.be.name == "cuda"
+
+
+def _recording(be):
+    """Kernel names launched by be from now on, in order."""
+    launched, launch = [], be.rt.launch
+    be.rt.launch = lambda f, k, *a, **kw: (launched.append(k), launch(f, k, *a, **kw))[1]
+    return launched
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16",
+                                       pytest.param("fp8", marks=pytest.mark.skipif(not fp8_gpu(), reason="FP8"))])
+def test_deferred_column_sums_same_bits(tmp_path, precision):
+    """The backward pass's column sums (bias and layer-norm weight gradients) deferred to the end of
+    its param_grad_pass, one k_colsum_final_many, against each run at once (defer_colsums=False):
+    the same gradient bits after one forward + backward, then the same losses, weights and Adam
+    state after 4 steps (an eager one, the captured one, replays)."""
+    from andrea.backends import get_backend
+    B, T = (4, 32) if precision == "fp8" else (3, 37)  # FP8 products: multiples of 16
+    runs = {}
+    for defer in (True, False):
+        be = get_backend("cuda")
+        be.defer_colsums = defer
+        eng = Engine(cfg_for(tmp_path, "cuda", batch_size=B, seq_len=T, precision=precision), backend=be)
+        launched = _recording(be)
+        eng.forward_backward(*batch(1, B, T))
+        grads = be.to_numpy(eng.grads).view(np.uint8)
+        finals = (launched.count("k_colsum_final"), launched.count("k_colsum_final_many"))
+        eng.zero_grads()
+        losses = [eng.train_step(s, [batch(s, B, T)])["loss"] for s in range(1, 5)]
+        runs[defer] = grads, finals, losses, eng.host_state()
+    n_layer = MODEL["n_layer"]
+    assert runs[True][1] == (0, 1), "deferred: one k_colsum_final_many and no k_colsum_final"
+    assert runs[False][1] == (8 * n_layer + 2, 0), "at once: eight sums a layer and the final layer norm's two"
+    assert np.array_equal(runs[True][0], runs[False][0]), "deferring the column sums changed the gradients"
+    assert runs[True][2] == runs[False][2], "losses differ"
+    for a, b in zip(runs[True][3], runs[False][3]):
+        assert np.array_equal(a, b), "weights or Adam state differ"

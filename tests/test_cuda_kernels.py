@@ -11,6 +11,7 @@ which is filled with NaN and compared as it is. The error is norm(got - ref) / n
 Tolerances: fp32 1e-5 (float32 arithmetic with TF32 off sits near 1e-7..1e-6 on these sizes);
 fp16 1e-2 (inputs, activations and intermediates rounded to 11 significant bits, ~5e-4 each).
 """
+import contextlib
 import zlib
 
 import numpy as np
@@ -474,6 +475,159 @@ def test_mlp_bwd_gelu_colsum_bits(be, prec, rng, monkeypatch):
         outs[fused] = [host(x) for x in gs + [act, dact]]
     for n, x, y in zip(("dinp", "dw1", "db1", "dw2", "db2", "act", "dact"), outs[True], outs[False]):
         assert np.array_equal(x, y, equal_nan=True), f"k_mlp_bwd {n}: the fused GELU pass changed the bits"
+
+
+# ---------------------------------------------------------------- the parameter-gradient pass
+class PassCase:
+    """One layer's backward calls that end in column sums (k_mlp_bwd, two k_layernorm_bwd,
+    k_attn_out_bwd, k_attn_qkv_bwd, chained as model.backward chains them) at width c, on a
+    backend of its own with room reserved for n_layer layers; every gradient pre-filled with the
+    same random values in each run."""
+
+    def __init__(self, rng, dt, c, n_layer=2):
+        import cupy as cp
+        from andrea.backends import get_backend
+        self.be = get_backend("cuda")
+        self.be.reserve_workspace(B, T, c, 5, dt, n_layer=n_layer)
+        self.dt, self.c, H = dt, c, 4 * c
+        f32 = np.float32
+        self.h = {"dout": dev(rnd(rng, (B, T, c), dt), dt), "x": dev(rnd(rng, (B, T, c), dt, 2.0, 0.5), dt),
+                  "pre": dev(rnd(rng, (B, T, H), dt), dt), "w1": dev(rnd(rng, (H, c), dt, 0.07), dt),
+                  "w2": dev(rnd(rng, (c, H), dt, 0.035), dt), "wo": dev(rnd(rng, (c, c), dt, 0.05), dt),
+                  "wqkv": dev(rnd(rng, (3 * c, c), dt, 0.05), dt), "lnw": dev(rnd(rng, (c,), dt, 0.5, 1.0), dt),
+                  "mean": dev(rnd(rng, (B, T), f32, 0.1), f32), "rstd": dev(rnd(rng, (B, T), f32, 0.1, 1.0), f32),
+                  "dqkv": dev(rnd(rng, (B, T, 3 * c), dt), dt),
+                  "act": cp.empty((B, T, H), dt), "dact": cp.empty((B, T, H), dt)}
+        shapes = {"dln": (B, T, c), "dres": (B, T, c), "datty": (B, T, c), "dw1": (H, c), "db1": (H,),
+                  "dw2": (c, H), "db2": (c,), "dwo": (c, c), "dbo": (c,), "dwqkv": (3 * c, c), "dbqkv": (3 * c,),
+                  "ln1_w": (c,), "ln1_b": (c,), "ln2_w": (c,), "ln2_b": (c,)}
+        self.pre = {k: rnd(rng, s, dt if len(s) == 3 else f32).astype(dt if len(s) == 3 else f32)
+                    for k, s in shapes.items()}
+
+    def grads(self):
+        import cupy as cp
+        return {k: cp.asarray(v) for k, v in self.pre.items()}
+
+    def calls(self, g, reps=1):
+        be, h = self.be, self.h
+        for _ in range(reps):
+            be.k_mlp_bwd(g["dln"], g["dw1"], g["db1"], g["dw2"], g["db2"], h["dout"], h["x"], h["pre"], h["w1"],
+                         h["w2"], h["act"], h["dact"], accumulate=False)
+            be.k_layernorm_bwd(g["dres"], g["ln2_w"], g["ln2_b"], g["dln"], h["x"], h["lnw"], h["mean"], h["rstd"])
+            be.k_attn_out_bwd(g["datty"], g["dwo"], g["dbo"], g["dres"], h["x"], h["wo"], accumulate=False)
+            be.k_attn_qkv_bwd(g["dln"], g["dwqkv"], g["dbqkv"], h["dqkv"], h["x"], h["wqkv"], accumulate=False)
+            be.k_layernorm_bwd(g["dres"], g["ln1_w"], g["ln1_b"], g["dln"], h["x"], h["lnw"], h["mean"], h["rstd"])
+
+    @contextlib.contextmanager
+    def recording(self):
+        """The names of the kernels launched inside the block, in order."""
+        launched, launch = [], self.be.rt.launch
+        self.be.rt.launch = lambda f, k, *a, **kw: (launched.append(k), launch(f, k, *a, **kw))[1]
+        try:
+            yield launched
+        finally:
+            self.be.rt.launch = launch
+
+    def passes(self, g, deferred=True, reps=1):
+        with self.be.param_grad_pass() if deferred else contextlib.nullcontext():
+            self.calls(g, reps)
+
+    def run(self, deferred, reps=1):
+        """The gradients' bytes after the calls on fresh gradients, inside a param_grad_pass or
+        not, and the kernels launched."""
+        g = self.grads()
+        with self.recording() as launched:
+            self.passes(g, deferred, reps)
+        return as_bytes(g), launched
+
+
+def as_bytes(g):
+    import cupy as cp
+    return {k: cp.asnumpy(v).view(np.uint8) for k, v in g.items()}
+
+
+PASS_CASES = [(dt, c) for dt in ("float32", "float16", "bfloat16") for c in (200, 201)]  # 201: rows not
+# in whole 16-byte vectors (the two-kernel layer norm, the GELU pass without db1's partials)
+
+
+def assert_same_bits(got, want, what):
+    for k in want:
+        assert np.array_equal(got[k], want[k]), f"{k}: {what} changed the bits"
+
+
+@pytest.mark.parametrize("dt_name,c", PASS_CASES)
+def test_param_grad_pass_same_bits(rng, dt_name, c):
+    """Inside a param_grad_pass the column sums wait and run as ONE k_colsum_final_many at its end:
+    every gradient (and activation gradient) has the bits of the sums run at once; a second sum into
+    a gradient still waiting flushes the waiting ones first (same bits again); defer_colsums=False
+    runs each at once inside the pass."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16)
+    case = PassCase(rng, np.dtype(dt_name), c)
+    now, launched_now = case.run(False)
+    assert launched_now.count("k_colsum_final") == 8 and "k_colsum_final_many" not in launched_now
+    later, launched = case.run(True)
+    assert_same_bits(later, now, "deferring the column sums")
+    assert launched.count("k_colsum_final_many") == 1 and "k_colsum_final" not in launched, launched
+    assert launched[-1] == "k_colsum_final_many"  # at the close of the pass, after every other kernel
+    assert case.be.colsums.depth == 0 and not case.be.colsums.waiting
+    twice_now, _ = case.run(False, reps=2)
+    twice, launched = case.run(True, reps=2)
+    assert_same_bits(twice, twice_now, "deferring two sums into each gradient")
+    assert launched.count("k_colsum_final_many") == 2 and "k_colsum_final" not in launched
+    case.be.defer_colsums = False
+    off, launched = case.run(True)
+    assert_same_bits(off, now, "a pass with deferral off")
+    assert launched.count("k_colsum_final") == 8 and "k_colsum_final_many" not in launched
+
+
+@pytest.mark.parametrize("dt_name,c", [("float16", 200), ("float32", 201)])
+def test_param_grad_pass_graphs(rng, dt_name, c):
+    """The pass captured in a CUDA graph: after an eager run (its table of sums uploaded) the graph
+    holds the one launch; captured first (no upload inside a capture) one k_colsum_final per sum.
+    Both replay the bits of the sums run at once, twice in a row."""
+    import cupy as cp
+    case = PassCase(rng, np.dtype(dt_name), c)
+    now, _ = case.run(False)
+    for eager_first in (True, False):
+        g = case.grads()
+        if eager_first:
+            case.passes(g)
+        with case.recording() as launched:
+            graph = case.be.capture(lambda: case.passes(g))
+        if eager_first:
+            assert launched.count("k_colsum_final_many") == 1 and "k_colsum_final" not in launched
+        else:
+            assert launched.count("k_colsum_final") == 8 and "k_colsum_final_many" not in launched
+        for _ in range(2):
+            for k, v in case.pre.items():
+                g[k].set(v)
+            graph.launch()
+            case.be.synchronize()
+            assert_same_bits(as_bytes(g), now,
+                             f"a graph replay (captured {'after' if eager_first else 'before'} an eager run)")
+
+
+def test_param_grad_pass_runs_out_of_room(rng):
+    """Room reserved for one layer and three layers' calls in the pass: the sets of partials that no
+    longer fit run at once in the workspace slots; the bits are those of every sum run at once."""
+    case = PassCase(rng, np.dtype(np.float16), 200, n_layer=1)
+    now, _ = case.run(False, reps=3)
+    later, launched = case.run(True, reps=3)
+    assert_same_bits(later, now, "running out of deferred room")
+    assert "k_colsum_final_many" in launched and "k_colsum_final" in launched
+
+
+def test_param_grad_pass_drops_sums_on_error(rng):
+    """An exception inside the pass leaves nothing waiting, and the next pass starts clean."""
+    case = PassCase(rng, np.dtype(np.float16), 200)
+    now, _ = case.run(False)
+    with pytest.raises(RuntimeError, match="boom"):
+        with case.be.param_grad_pass():
+            case.calls(case.grads())
+            raise RuntimeError("boom")
+    assert case.be.colsums.depth == 0 and not case.be.colsums.waiting and case.be.colsums.buf is None
+    later, _ = case.run(True)
+    assert_same_bits(later, now, "a pass after a failed one")
 
 
 # ---------------------------------------------------------------- residual

@@ -10,13 +10,14 @@ d_model, NH heads, hs = C // NH, V vocab; linear weights are (out, in) and compu
 Forward kernels WRITE their outputs; backward kernels ADD into every gradient buffer, except the
 activation gradient (dinp, dqkv: the first gradient argument) of a backward kernel called with
 accumulate=False, which is WRITTEN without being read (model.backward: the first writer of each
-buffer, so nothing is zeroed before it); parameter gradients always add. Arrays are
+buffer, so nothing is zeroed before it); parameter gradients always add, and inside a
+param_grad_pass() some of those additions may wait for the end of the pass. Arrays are
 the backend's own (NumPy or CuPy), C-contiguous, in the compute dtype unless a kernel says
 float32 (statistics, gradients, master weights, optimizer state).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, List, Protocol, Tuple, runtime_checkable
+from typing import Any, Callable, ContextManager, Hashable, List, Protocol, Tuple, runtime_checkable
 
 WorkspaceRow = Tuple[str, tuple, str]  # (name, shape, dtype name)
 
@@ -89,15 +90,19 @@ class Backend(Protocol):
         """Wait for all queued work."""
 
     # ------------------------------------------------------------ workspace and graphs
-    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False) -> List[WorkspaceRow]:
+    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False,
+                       n_layer: int = 0) -> List[WorkspaceRow]:
         """The scratch buffers the kernels take for this model shape (fp8: with the FP8 operands
-        and scales of train.precision=fp8)."""
+        and scales of train.precision=fp8; n_layer: with what a param_grad_pass over a backward
+        pass of that many layers holds until its end, 0: nothing)."""
 
-    def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False) -> Workspace:
+    def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False,
+                          n_layer: int = 0) -> Workspace:
         """Allocate that scratch now, so the step loop allocates nothing; the kernels of this
         backend draw from the returned Workspace, which the engine keeps and prints. fp8: from
         now on the linear layers (k_attn_qkv_*, k_attn_out_*, k_mlp_*) run their products in FP8
-        (CUDA on compute capability 8.9 or later; elsewhere a clear error)."""
+        (CUDA on compute capability 8.9 or later; elsewhere a clear error). n_layer: as in
+        workspace_rows (without it a param_grad_pass defers nothing)."""
 
     def graph_runner(self) -> GraphRunner:
         """A new GraphRunner; the engine keeps one for its forward + backward passes."""
@@ -105,6 +110,18 @@ class Backend(Protocol):
     def capture(self, fn: Callable[[], None], stream=None) -> Any:
         """fn() recorded as a graph on stream (CUDA; default a new stream), not run; the
         result's launch(stream=...) replays it. The benchmark times kernels this way."""
+
+    def param_grad_pass(self) -> ContextManager[None]:
+        """A context for one backward pass (model.backward wraps its kernels in it). Inside it a
+        backend may hold back part of the parameter-gradient additions of k_layernorm_bwd,
+        k_attn_qkv_bwd, k_attn_out_bwd and k_mlp_bwd (CUDA: the final column sums of the bias and
+        layer-norm weight gradients) and do them when the pass closes, so the parameter gradients
+        are complete only after the with block; activation gradients are written at once as
+        always. The result is the same to the last bit as without the pass, and outside one
+        every kernel finishes its own gradients. CUDA defers up to what reserve_workspace's
+        n_layer made room for (the rest runs at once); the NumPy backend defers nothing. Passes
+        nest (the outermost one finishes); inside a captured graph the pass must close inside
+        the capture too. An exception leaving the block drops what was held back."""
 
     # ------------------------------------------------------------ embedding
     def k_embed_fwd(self, out, tokens, wte, wpe) -> None:

@@ -5,6 +5,8 @@ kernels need no scratch beyond their arguments, and a "graph" is the function ru
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from . import numpy_ref as ref
@@ -90,10 +92,11 @@ class NumpyBackend:
         """Nothing is queued on the CPU."""
 
     # ------------------------------------------------------------ workspace and graphs
-    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False):
+    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False, n_layer: int = 0):
         return []
 
-    def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False):
+    def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False,
+                          n_layer: int = 0):
         if fp8:
             raise ValueError("train.precision=fp8 needs backend=cuda on a GPU with FP8 tensor cores; the NumPy "
                              "backend runs fp32 (numpy_ref's k_fp8_* functions are the FP8 reference, for tests)")
@@ -104,6 +107,11 @@ class NumpyBackend:
 
     def capture(self, fn, stream=None):
         return EagerGraph(fn)
+
+    @contextlib.contextmanager
+    def param_grad_pass(self):
+        """Nothing is deferred on the CPU: every kernel finishes its gradients itself."""
+        yield
 
     # ------------------------------------------------------------ kernels, in numpy_ref's order
     k_embed_fwd = staticmethod(ref.k_embed_fwd)

@@ -1,7 +1,8 @@
 // linear.cu: the kernels of the linear layers besides cuBLAS's products (andrea/backends/cuda/ops.py
 // _linear_fwd / _linear_bwd, used by k_attn_qkv_fwd/_bwd, k_attn_out_fwd/_bwd and k_mlp_fwd/_bwd when
 // cuBLASLt's epilogues do not apply): the bias add after the forward product, and the column sums of
-// every bias gradient (and of the layer norms' weight gradients), in two fixed-order passes.
+// every bias gradient (and of the layer norms' weight gradients), in two fixed-order passes; the
+// second pass per sum (k_colsum_final) or for all the sums of a backward pass (k_colsum_final_many).
 #include "common.cuh"
 
 // x (N, OC) += b (OC,), in place: the bias of a cuBLAS product. Blocks stride over rows and
@@ -33,13 +34,42 @@ extern "C" __global__ void k_colsum_partial(float* partial, const CT* x, i64 N, 
   }
 }
 
-// out[c] += sum over chunks of partial[chunk][c]: one warp per column, lane j adding chunks
-// j, j+32, ... in order, then the fixed shuffle tree. out is float32 (a grad).
-extern "C" __global__ void k_colsum_final(float* out, const float* partial, int n_chunks, int C) {
-  int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (c >= C) return;
+// out[c] += sum over chunks of partial[chunk][c], by one warp: lane j adds chunks j, j+32, ... in
+// order, then the fixed shuffle tree. The one code of both final kernels below, so they give the
+// same bits.
+__device__ __forceinline__ void colsum_column(float* out, const float* partial, int n_chunks, int C, int c,
+                                              int lane) {
   float s = 0.f;
   for (int k = lane; k < n_chunks; k += 32) s += partial[(i64)k * C + c];
   s = warp_sum(s);
   if (lane == 0) out[c] += s;
+}
+
+// One warp per column (8 columns a block of 256). out is float32 (a grad).
+extern "C" __global__ void k_colsum_final(float* out, const float* partial, int n_chunks, int C) {
+  int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (c < C) colsum_column(out, partial, n_chunks, C, c, threadIdx.x & 31);
+}
+
+// One column sum of k_colsum_final_many: what one k_colsum_final launch would do, given the first
+// block of the launch that is its own (its blocks cover ceil(C / 8) columns of 8, as there).
+struct ColsumSegment {
+  float* out;
+  const float* partial;
+  int n_chunks, C, first_block, pad;
+};
+
+// Every column sum a backward pass deferred to its end (andrea/backends/cuda/colsum.py), in one
+// launch: block b takes the segment with the last first_block <= b (segments in block order) and
+// sums 8 of its columns as k_colsum_final does. Each segment adds into a gradient no other segment
+// of the launch touches (the launcher flushes before a second sum into the same one).
+extern "C" __global__ void k_colsum_final_many(const ColsumSegment* __restrict__ segs, int n_segs) {
+  int lo = 0, hi = n_segs - 1, b = blockIdx.x;
+  while (lo < hi) {  // binary search: the last segment starting at or before this block
+    int mid = (lo + hi + 1) >> 1;
+    if (segs[mid].first_block <= b) lo = mid; else hi = mid - 1;
+  }
+  const ColsumSegment& s = segs[lo];
+  int c = (b - s.first_block) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (c < s.C) colsum_column(s.out, s.partial, s.n_chunks, s.C, c, threadIdx.x & 31);
 }

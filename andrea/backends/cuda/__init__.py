@@ -7,6 +7,8 @@ Modules, one job each:
     runtime.py    NVRTC compile cache and kernel launching (Runtime), argument checks
     cublas.py     the cuBLAS ctypes binding (Cublas) and library loading shared with siblings
     workspace.py  the kernels' scratch buffers (Workspace), an object the engine holds
+    colsum.py     the final column sums of bias / layer-norm weight gradients, at once or at the
+                  close of a param_grad_pass in one launch (DeferredColsums)
     graphs.py     capturing passes as CUDA graphs, and the per-engine GraphRunner
     ops.py        the k_* launchers, in numpy_ref's order (CudaOps)
     backend.py    CudaBackend: the interface of andrea/backends/interface.py, built from the above

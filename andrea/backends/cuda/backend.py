@@ -12,6 +12,7 @@ import ctypes
 import numpy as np
 
 from . import graphs
+from .colsum import DeferredColsums
 from .cublas import CUBLAS_WORKSPACE, Cublas
 from .ops import ATTENTION_PATHS, CudaOps
 from .runtime import Runtime, check, cp, require_cupy
@@ -46,6 +47,7 @@ class CudaBackend(CudaOps):
         self.fp8_grad = fp8_grad
         self.rt = Runtime(sources)
         self.workspace = Workspace()
+        self.colsums = DeferredColsums(self.rt)  # the column sums a param_grad_pass defers
         self._blas = None
         self._lt = None  # the cuBLASLt binding once tried; False where it cannot be loaded
         self._rings: dict = {}  # pinned host buffers of upload / download_async, by shape
@@ -117,17 +119,19 @@ class CudaBackend(CudaOps):
         self.cp.cuda.get_current_stream().synchronize()
 
     # ------------------------------------------------------------ workspace and graphs
-    def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False) -> Workspace:
+    def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False,
+                          n_layer: int = 0) -> Workspace:
         """Allocate the kernels' scratch for this shape now (start-up), so the step loop
         allocates nothing, and create the cuBLAS handle. Returns the Workspace the kernels of
         this backend draw from. fp8: the linear layers' products run in FP8 from now on (a GPU
-        without FP8 tensor cores is refused here, with a clear error)."""
+        without FP8 tensor cores is refused here, with a clear error). n_layer: room for the
+        column partials that a backward pass of that many layers defers (param_grad_pass)."""
         if fp8:
             from .fp8 import check_fp8_device
             check_fp8_device(B, T, C)
         self.workspace.outside["cublas"] = CUBLAS_WORKSPACE
         self.workspace.outside["cublaslt"] = 0  # counted once the binding exists (below)
-        self.workspace.reserve(self.workspace_rows(B, T, C, n_head, act_dtype, fp8))
+        self.workspace.reserve(self.workspace_rows(B, T, C, n_head, act_dtype, fp8, n_layer))
         if self._blas is None:  # the handle and its 32 MiB workspace, now rather than in step 1
             self._blas = Cublas()
         lt = self.lt

@@ -10,12 +10,14 @@ comes from self.workspace. CudaOps is the half of CudaBackend (backend.py) that 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
 import numpy as np
 
 from ..numpy_ref import STATE_LEN
+from .colsum import DEFERRED, deferred_floats
 from .cublas import CUBLAS_WORKSPACE, cuda_type
 from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
 
@@ -121,16 +123,21 @@ class CudaOps:
     # (k_mlp_bwd_gelu_colsum; False: k_mlp_bwd_gelu, then k_colsum_partial reads dact again)
     gelu_colsum = True
     ln_blocks = LN_BLOCKS  # blocks of the one-pass layer-norm backward (dev/cuda/harness.py --set ln_blocks=N)
+    # inside param_grad_pass, the final column sums of the bias and layer-norm weight gradients wait
+    # for the end of the pass and run as one k_colsum_final_many (cuda/colsum.py); False: each runs
+    # at once, as outside a pass (the same bits; dev/profile_kernels.py --set defer_colsums=0)
+    defer_colsums = True
     # B*T up to which k_embed_bwd sorts its keys by rank (k_embed_sort_rank, O(N^2) comparisons over
     # the whole GPU); above it the one-block bitonic sort (k_embed_sort, O(N log^2 N) steps on one
     # SM) is estimated to cost less: ~14 us against 84 us measured at N = 8192, scaled, meet near
     # N = 2^16 (docs/BENCHMARKS.md; dev/cuda/harness.py embed main v1 at growing B*T measures it)
     embed_rank_max = EMBED_RANK_MAX
 
-    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False):
+    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False, n_layer: int = 0):
         """[(name, shape, dtype)] of the scratch the kernels take for one model shape: what
         reserve_workspace allocates, for the engine's memory plan. fp8: with the FP8 operands
-        and scales of train.precision=fp8 (cuda/fp8.py)."""
+        and scales of train.precision=fp8 (cuda/fp8.py). n_layer: with the deferred column
+        partials of a backward pass of that many layers (cuda/colsum.py; 0: none)."""
         act = np.dtype(act_dtype).name
         N, BH = B * T, B * n_head
         P = 1 << max(1, (N - 1).bit_length())
@@ -143,6 +150,9 @@ class CudaOps:
         partial_rows = max(COLSUM_CHUNKS * 4, self.ln_blocks)
         rows += [("colsum_a", (partial_rows * C,), "float32"), ("colsum_b", (partial_rows * C,), "float32"),
                  ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
+        deferred = deferred_floats(n_layer, C, partial_rows, COLSUM_CHUNKS)
+        if deferred:
+            rows.append((DEFERRED, (deferred,), "float32"))
         if self.cublaslt:
             from .cublaslt import WORKSPACE_BYTES
             rows.append(("cublaslt", (WORKSPACE_BYTES,), "uint8"))
@@ -167,15 +177,41 @@ class CudaOps:
             return False
         return True
 
+    @contextlib.contextmanager
+    def param_grad_pass(self):
+        """A backward pass's parameter gradients (model.backward opens it): inside it the final
+        column sums of the bias and layer-norm weight gradients wait, each set of partials in its
+        own slice of the reserved buffer, and run as one launch when the outermost pass closes
+        (cuda/colsum.py); the same bits as when each runs at once. Closing with an exception
+        drops the waiting sums."""
+        buf = self.workspace.reserved(DEFERRED, np.float32) if self.defer_colsums else None
+        self.colsums.open(buf)
+        try:
+            yield
+        except BaseException:
+            self.colsums.close(flush=False)
+            raise
+        self.colsums.close()
+
+    def _colsum_partials(self, slot: str, chunks: int, Cc: int):
+        """Where a kernel writes chunks x Cc float32 column partials: the next slice of the
+        deferred buffer inside a parameter-gradient pass (while it has room), else workspace slot."""
+        part = self.colsums.take(chunks * Cc)
+        return part if part is not None else self.workspace.get(slot, chunks * Cc, np.float32)
+
+    def _colsum_final(self, out, part, chunks: int, Cc: int):
+        """out (Cc,) float32 += the in-order sum of part's chunks (k_colsum_final): now, or at the
+        end of the pass where part is a slice of the deferred buffer."""
+        self.colsums.finish(out, part, chunks, Cc)
+
     def _colsum_add(self, out, x, N: int, Cc: int, slot="colsum_a"):
         """out (Cc,) float32 += column sums of x (N, Cc), in two fixed-order passes."""
         rpc = -(-N // COLSUM_CHUNKS)
         chunks = -(-N // rpc)
-        part = self.workspace.get(slot, chunks * Cc, np.float32)
+        part = self._colsum_partials(slot, chunks, Cc)
         self.rt.launch("linear.cu", "k_colsum_partial", x.dtype, (-(-Cc // 32), chunks), (32, 8),
                        (part, x, i64(N), i32(Cc), i32(rpc)))
-        self.rt.launch("linear.cu", "k_colsum_final", x.dtype, -(-Cc // 8), THREADS,
-                       (out, part, i32(chunks), i32(Cc)))
+        self._colsum_final(out, part, chunks, Cc)
 
     # ------------------------------------------------------------ embedding
     def k_embed_fwd(self, out, tokens, wte, wpe):
@@ -286,13 +322,13 @@ class CudaOps:
             # version 3: one pass, block partials of dweight/dbias added in block order below
             rpb = -(-N // self.ln_blocks)
             n_blocks = -(-N // rpb)
-            pdw = self.workspace.get("colsum_a", n_blocks * C, np.float32)
-            pdb = self.workspace.get("colsum_b", n_blocks * C, np.float32)
+            pdw = self._colsum_partials("colsum_a", n_blocks, C)
+            pdb = self._colsum_partials("colsum_b", n_blocks, C)
             self.rt.launch("layernorm.cu", "k_layernorm_bwd_fused", ct, n_blocks, THREADS,
                            (dinp, pdw, pdb, dout, inp, weight, mean, rstd, i64(N), i32(C), i32(rpb)),
                            defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}", f"-DLN_ACCUMULATE={int(bool(accumulate))}"))
-            self.rt.launch("linear.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dweight, pdw, i32(n_blocks), i32(C)))
-            self.rt.launch("linear.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dbias, pdb, i32(n_blocks), i32(C)))
+            self._colsum_final(dweight, pdw, n_blocks, C)
+            self._colsum_final(dbias, pdb, n_blocks, C)
             return
         # version 1: a row pass for dinp, then column partials added by k_colsum_final (version 2 of
         # the one-pass kernel is in git history; version 4, a grid sized to the SMs with its own
@@ -301,12 +337,12 @@ class CudaOps:
                        (dinp, dout, inp, weight, mean, rstd, i64(N), i32(C), i32(int(accumulate))))
         rpb = -(-N // COLSUM_CHUNKS)
         n_blocks = -(-N // rpb)
-        pdw = self.workspace.get("colsum_a", n_blocks * C, np.float32)
-        pdb = self.workspace.get("colsum_b", n_blocks * C, np.float32)
+        pdw = self._colsum_partials("colsum_a", n_blocks, C)
+        pdb = self._colsum_partials("colsum_b", n_blocks, C)
         self.rt.launch("layernorm.cu", "k_layernorm_bwd_partial", ct, (-(-C // 32), n_blocks), (32, 8),
                        (pdw, pdb, dout, inp, mean, rstd, i64(N), i32(C), i32(rpb)))
-        self.rt.launch("linear.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dweight, pdw, i32(n_blocks), i32(C)))
-        self.rt.launch("linear.cu", "k_colsum_final", ct, -(-C // 8), THREADS, (dbias, pdb, i32(n_blocks), i32(C)))
+        self._colsum_final(dweight, pdw, n_blocks, C)
+        self._colsum_final(dbias, pdb, n_blocks, C)
 
     # ------------------------------------------------------------ linear layers (shared)
     def _linear_fwd(self, kernel, out, inp, w, b, bias=True):
@@ -351,7 +387,7 @@ class CudaOps:
             self._colsum_add(db, dout, N, OC)
         else:
             part, chunks = db_partials
-            self.rt.launch("linear.cu", "k_colsum_final", ct, -(-OC // 8), THREADS, (db, part, i32(chunks), i32(OC)))
+            self._colsum_final(db, part, chunks, OC)
 
     def k_attn_qkv_fwd(self, qkv, inp, w, b):
         """qkv (B,T,3C) = inp (B,T,C) @ w (3C,C).T + b (3C,)."""
@@ -547,7 +583,7 @@ class CudaOps:
                 # the pass also writes db1's column partials, so the sums do not read dact again
                 rpc = -(-N // COLSUM_CHUNKS)
                 chunks = -(-N // rpc)
-                part = self.workspace.get("colsum_b", chunks * H, np.float32)  # colsum_a: db2's below
+                part = self._colsum_partials("colsum_b", chunks, H)  # colsum_a: db2's below
                 self.rt.launch("mlp.cu", "k_mlp_bwd_gelu_colsum", ct, (-(-H // (32 * vec)), chunks), (32, 8),
                                (part, act, dact, pre, i64(N), i32(H), i32(rpc)))
                 db1_done = (part, chunks)

@@ -30,6 +30,10 @@ class Workspace:
             self.generation += 1
         return buf[:n]
 
+    def reserved(self, name: str, dtype):
+        """Buffer `name` (dtype) as reserved, or None where nothing reserved it (never grown)."""
+        return self.bufs.get((name, np.dtype(dtype).name))
+
     def reserve(self, rows):
         """Allocate every (name, shape, dtype) row now; rows named in `outside` are counted only."""
         for name, shape, dtype in rows:
