@@ -870,3 +870,28 @@ def test_runtime_arch_sm90a(tmp_path):
     assert int(out.get()[0]) == 7
     rt.launch("arch.cu", "k_arch", np.float32, 1, 1, (out, np.int32(7)))
     assert int(out.get()[0]) == -7
+
+
+@pytest.mark.parametrize("dt", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("N,Cc,rpc", [(1000, 776, 16), (77, 2304, 13), (8192, 3072, 128)])
+def test_colsum_partial_vec_bits(be, rng, dt, N, Cc, rpc):
+    """k_colsum_partial_vec (a vector of CT_VEC columns a thread) adds the same rows in the same
+    order as k_colsum_partial (a column a thread): the partials agree to the bit, and with the
+    float64 column sums of the reference."""
+    import cupy as cp
+    import ml_dtypes
+    from andrea.backends.cuda.runtime import i32, i64
+    cdt = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}[dt]
+    vec = 16 // np.dtype(cdt).itemsize
+    Cc -= Cc % vec
+    x = rnd(rng, (N, Cc), cdt)
+    gx = dev(x, cdt)
+    chunks = -(-N // rpc)
+    outs = []
+    for kernel, cols_per_block in (("k_colsum_partial", 32), ("k_colsum_partial_vec", 32 * vec)):
+        part = nan_buf((chunks, Cc), np.float32)
+        be.rt.launch("linear.cu", kernel, gx.dtype, (-(-Cc // cols_per_block), chunks), (32, 8),
+                     (part, gx, i64(N), i32(Cc), i32(rpc)))
+        outs.append(cp.asnumpy(part))
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+    assert_close("k_colsum_partial_vec", outs[1].astype(np.float64).sum(0), x.astype(np.float64).sum(0), 1e-5)

@@ -34,6 +34,38 @@ extern "C" __global__ void k_colsum_partial(float* partial, const CT* x, i64 N, 
   }
 }
 
+// k_colsum_partial for rows in whole 16-byte vectors (C a multiple of CT_VEC, x 16-byte aligned):
+// block (32, 8), each thread CT_VEC adjacent columns loaded as one vector (a warp reads 512
+// contiguous bytes of a row instead of 64), the same rows per thread (r0 + threadIdx.y, + 8, ...)
+// and the same order of additions as k_colsum_partial, so the same bits.
+extern "C" __global__ void k_colsum_partial_vec(float* partial, const CT* x, i64 N, int C, int rows_per_chunk) {
+  __shared__ float acc[8][32 * CT_VEC];
+  int c0 = (blockIdx.x * 32 + threadIdx.x) * CT_VEC;
+  i64 r0 = (i64)blockIdx.y * rows_per_chunk;
+  i64 r1 = r0 + rows_per_chunk < N ? r0 + rows_per_chunk : N;
+  float a[CT_VEC];
+#pragma unroll
+  for (int j = 0; j < CT_VEC; ++j) a[j] = 0.f;
+  if (c0 < C) {
+#pragma unroll 4
+    for (i64 r = r0 + threadIdx.y; r < r1; r += 8) {
+      vec16 v = *(const vec16*)(x + r * C + c0);
+#pragma unroll
+      for (int j = 0; j < CT_VEC; ++j) a[j] += vget(v, j);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < CT_VEC; ++j) acc[threadIdx.y][threadIdx.x * CT_VEC + j] = a[j];
+  __syncthreads();
+  int t = threadIdx.y * 32 + threadIdx.x, c = blockIdx.x * 32 * CT_VEC + t;
+  for (; t < 32 * CT_VEC; t += 256, c += 256)
+    if (c < C) {
+      float s = 0.f;
+      for (int k = 0; k < 8; ++k) s += acc[k][t];
+      partial[(i64)blockIdx.y * C + c] = s;
+    }
+}
+
 // out[c] += sum over chunks of partial[chunk][c], by one warp: lane j adds chunks j, j+32, ... in
 // order, then the fixed shuffle tree. The one code of both final kernels below, so they give the
 // same bits.
