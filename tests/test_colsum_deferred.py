@@ -53,7 +53,7 @@ def test_outside_a_pass_each_sum_runs_at_once(q):
 def test_a_pass_waits_and_flushes_once_in_order(q):
     buf = Arr(1 << 30, 10_000)
     q.open(buf)
-    outs = [Arr((1 << 20) + 4096 * i, c) for i, c in enumerate((8, 17, 3))]
+    outs = [Arr((1 << 20) + 4096 * i, c) for i, c in enumerate((300, 17, 513))]
     parts = [q.take(n * o.size) for n, o in zip((5, 2, 7), outs)]
     assert [p.data.ptr % 128 for p in parts] == [0, 0, 0]  # each set on a 128-byte boundary
     for o, p, n in zip(outs, parts, (5, 2, 7)):
@@ -62,11 +62,11 @@ def test_a_pass_waits_and_flushes_once_in_order(q):
     q.close()
     assert kernels(q) == ["k_colsum_final_many"]
     _, grid, (table, n_segs) = q.rt.calls[0]
-    assert n_segs == 3 and grid == 1 + 3 + 1  # ceil(8/8), ceil(17/8), ceil(3/8) blocks
+    assert n_segs == 3 and grid == 2 + 1 + 3  # ceil(C / 256): a thread per column
     assert table[:, 0].tolist() == [o.data.ptr for o in outs]
     assert table[:, 1].tolist() == [p.data.ptr for p in parts]
-    assert (table[:, 2] & 0xFFFFFFFF).tolist() == [5, 2, 7] and (table[:, 2] >> 32).tolist() == [8, 17, 3]
-    assert table[:, 3].tolist() == [0, 1, 4]  # first blocks
+    assert (table[:, 2] & 0xFFFFFFFF).tolist() == [5, 2, 7] and (table[:, 2] >> 32).tolist() == [300, 17, 513]
+    assert table[:, 3].tolist() == [0, 2, 3]  # first blocks
     assert q.buf is None and q.waiting == [] and q.depth == 0
 
 

@@ -895,3 +895,28 @@ def test_colsum_partial_vec_bits(be, rng, dt, N, Cc, rpc):
         outs.append(cp.asnumpy(part))
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
     assert_close("k_colsum_partial_vec", outs[1].astype(np.float64).sum(0), x.astype(np.float64).sum(0), 1e-5)
+
+
+def test_colsum_final_many_bits(be, rng):
+    """k_colsum_final_many (a thread per column, the warp's shuffle tree replayed in registers) gives
+    k_colsum_final's bits (a warp per column) for chunk counts below, at and past 32 and not
+    multiples of it, and for widths that leave a block part-filled."""
+    import cupy as cp
+    from andrea.backends.cuda.colsum import DeferredColsums
+    sizes = [(5, 300), (32, 17), (33, 513), (77, 256), (256, 768), (64, 2304)]
+    parts = [dev(rnd(rng, (n, c), np.float32, 10.0 ** rng.integers(-3, 3)), np.float32) for n, c in sizes]
+    base = [rnd(rng, (c,), np.float32) for _, c in sizes]
+    now = [dev(b, np.float32) for b in base]
+    for out, part, (n, c) in zip(now, parts, sizes):
+        DeferredColsums(be.rt)._final(out, part, n, c)
+    q = DeferredColsums(be.rt)
+    buf = cp.zeros(sum(-(-n * c // 32) * 32 for n, c in sizes), np.float32)
+    q.open(buf)
+    later = [dev(b, np.float32) for b in base]
+    for out, part, (n, c) in zip(later, parts, sizes):
+        p = q.take(n * c)
+        p[...] = part.reshape(-1)
+        q.finish(out, p, n, c)
+    q.close()
+    for (n, c), a, b in zip(sizes, now, later):
+        assert np.array_equal(cp.asnumpy(a).view(np.uint32), cp.asnumpy(b).view(np.uint32)), (n, c)

@@ -83,18 +83,42 @@ extern "C" __global__ void k_colsum_final(float* out, const float* partial, int 
   if (c < C) colsum_column(out, partial, n_chunks, C, c, threadIdx.x & 31);
 }
 
-// One column sum of k_colsum_final_many: what one k_colsum_final launch would do, given the first
-// block of the launch that is its own (its blocks cover ceil(C / 8) columns of 8, as there).
+// One column sum of k_colsum_final_many, and the first block of the launch that is its own.
 struct ColsumSegment {
   float* out;
   const float* partial;
   int n_chunks, C, first_block, pad;
 };
 
+// colsum_column's sum by one thread: lane j's running sum (chunks j, j + 32, ... in order) is
+// s[j], then the shuffle tree of warp_sum as lane 0 sees it (at step o, s[j] += s[j + o] for
+// j < o; a + b == b + a exactly), so the bits are colsum_column's. The thread's loads are the
+// column's chunks; a warp's 32 threads take 32 adjacent columns, so each load of the warp is 128
+// contiguous bytes (colsum_column's lanes read 32 different rows).
+__device__ __forceinline__ void colsum_column_thread(float* out, const float* partial, int n_chunks, int C,
+                                                     int c) {
+  float s[32];
+#pragma unroll
+  for (int j = 0; j < 32; ++j) s[j] = 0.f;
+  for (int k0 = 0; k0 < n_chunks; k0 += 32) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      if (k0 + j < n_chunks) s[j] += partial[(i64)(k0 + j) * C + c];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+    for (int j = 0; j < o; ++j) s[j] += s[j + o];
+  out[c] += s[0];
+}
+
 // Every column sum a backward pass deferred to its end (andrea/backends/cuda/colsum.py), in one
-// launch: block b takes the segment with the last first_block <= b (segments in block order) and
-// sums 8 of its columns as k_colsum_final does. Each segment adds into a gradient no other segment
-// of the launch touches (the launcher flushes before a second sum into the same one).
+// launch: block b takes the segment with the last first_block <= b (segments in block order),
+// and each of its threads one column (blockDim.x columns a block), summed in k_colsum_final's
+// order (colsum_column_thread). Each segment adds into a gradient no other segment of the
+// launch touches (the launcher flushes before a second sum into the same one). Version 1 (in
+// git history) took a warp per column as k_colsum_final does: 89 us for the 120M pass's sums
+// on an H200, its lanes' loads 32 rows apart.
 extern "C" __global__ void k_colsum_final_many(const ColsumSegment* __restrict__ segs, int n_segs) {
   int lo = 0, hi = n_segs - 1, b = blockIdx.x;
   while (lo < hi) {  // binary search: the last segment starting at or before this block
@@ -102,6 +126,6 @@ extern "C" __global__ void k_colsum_final_many(const ColsumSegment* __restrict__
     if (segs[mid].first_block <= b) lo = mid; else hi = mid - 1;
   }
   const ColsumSegment& s = segs[lo];
-  int c = (b - s.first_block) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (c < s.C) colsum_column(s.out, s.partial, s.n_chunks, s.C, c, threadIdx.x & 31);
+  int c = (b - s.first_block) * blockDim.x + threadIdx.x;
+  if (c < s.C) colsum_column_thread(s.out, s.partial, s.n_chunks, s.C, c);
 }

@@ -7,8 +7,8 @@ chunks in order into the float32 gradient. Outside a parameter-gradient pass
 next call reuses, so each final sum runs at once. Inside one, each set of partials gets its own
 slice of the workspace buffer DEFERRED (reserved at start-up for the model's layers,
 `deferred_floats`) and the final sums wait for the end of the pass, where k_colsum_final_many does
-all of them in one launch, each column in k_colsum_final's order (the same device function): the
-same bits, one launch instead of about eight per layer. A set that does not fit in what is left of
+all of them in one launch, each column by one thread in k_colsum_final's order (the same sums and
+the same shuffle tree, done in registers; a GPU test checks the bits): the same bits, one launch instead of about eight per layer. A set that does not fit in what is left of
 the buffer runs at once, in the workspace slot, as outside a pass; a second sum into a gradient
 that still waits for one flushes the waiting ones first, so the order of the additions into each
 gradient is always that of the calls.
@@ -26,7 +26,7 @@ from .runtime import THREADS, cp, i32
 
 DEFERRED = "colsum_deferred"  # the workspace buffer of the deferred partials
 ALIGN = 32  # floats: each set of partials starts on a 128-byte boundary
-COLS_PER_BLOCK = THREADS // 32  # columns a block of k_colsum_final(_many) sums: one warp each
+COLS_PER_BLOCK = THREADS // 32  # columns a block of k_colsum_final sums: one warp each
 
 
 def deferred_floats(n_layer: int, C: int, partial_rows: int, colsum_chunks: int) -> int:
@@ -107,7 +107,7 @@ class DeferredColsums:
         rows, blocks = [], 0
         for out, part, n_chunks, C in self.waiting:
             rows.append((out.data.ptr, part.data.ptr, n_chunks | (C << 32), blocks))
-            blocks += -(-C // COLS_PER_BLOCK)
+            blocks += -(-C // THREADS)  # k_colsum_final_many: a thread per column
         return np.array(rows, dtype=np.int64).reshape(-1, 4), blocks
 
     def flush(self) -> None:

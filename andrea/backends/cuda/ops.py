@@ -209,7 +209,10 @@ class CudaOps:
         rpc = -(-N // COLSUM_CHUNKS)
         chunks = -(-N // rpc)
         part = self._colsum_partials(slot, chunks, Cc)
-        self.rt.launch("linear.cu", "k_colsum_partial", x.dtype, (-(-Cc // 32), chunks), (32, 8),
+        vec = 16 // x.dtype.itemsize  # k_colsum_partial_vec: a 16-byte vector of columns a thread, same bits
+        kernel, cols = ("k_colsum_partial_vec", 32 * vec) if Cc % vec == 0 and x.data.ptr % 16 == 0 \
+            else ("k_colsum_partial", 32)
+        self.rt.launch("linear.cu", kernel, x.dtype, (-(-Cc // cols), chunks), (32, 8),
                        (part, x, i64(N), i32(Cc), i32(rpc)))
         self._colsum_final(out, part, chunks, Cc)
 
