@@ -5,7 +5,9 @@
 Each variant is a kernel source compiled by NVRTC (CuPy RawModule) per compute dtype and head
 size: v3 is dev/cuda/attention_v3.cu (the fused path before version 4), v4 is the promoted
 andrea/kernels/attention.cu, v5 and v6 are candidates (v6: the wgmma forward of
-dev/cuda/attention_v6.cu on compute capability 9.0, built for sm_90a by attention_v6.py), v7 is
+dev/cuda/attention_v6.cu on compute capability 9.0, built for sm_90a by attention_v6.py), v8 is the
+wgmma forward of dev/cuda/attention_v8.cu (attention_v8.py; its v8* entries: other -D settings)
+with version 7's backward, v7 is
 version 4's forward with the wgmma backward of the package's andrea/kernels/attention_hopper.cu,
 built and launched by attention_v7.py (its v7* entries: other -D settings of that file); a later
 candidate dev/cuda/attention_vN.cu is added to VARIANTS below.
@@ -176,6 +178,81 @@ class HopperBackward(HopperForward):
                                                self.tune)
 
 
+class HopperForward8(HopperBackward):
+    """Version 8: on compute capability 9.0 the wgmma forward of attention_v8.cu (built and launched
+    by attention_v8.py, fwd_tune: its -D settings, e.g. {"wg": 2}) with version 7's backward (the
+    package's attention_hopper.cu); elsewhere version 4's kernels."""
+
+    SHARED = {}  # the sm_90a modules of every v8 entry (keys name the settings): each built once
+
+    def __init__(self, *args, fwd_tune=None):
+        super().__init__(*args)
+        self.fwd_tune = fwd_tune
+        self._sm90a = self.SHARED
+
+    def v8(self):
+        import importlib.util
+        name = "dev_cuda_attention_v8"
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, ROOT / "dev" / "cuda" / "attention_v8.py")
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+        return sys.modules[name]
+
+    def fwd(self, ct, out, lse, qkv, B, T, NH, hs):
+        if not self.sidecar().is_hopper():
+            return Variant.fwd(self, ct, out, lse, qkv, B, T, NH, hs)
+        self.v8().launch_fwd(self._sm90a, ct, out, lse, qkv, B, T, NH, hs, self.fwd_tune)
+
+    def builds(self, ct, hs):
+        """(cache key, source path, -D settings) of the sm_90a modules this entry launches."""
+        out = []
+        for mod, tune in ((self.v8(), self.fwd_tune or {}), (self.sidecar(), self.tune or {})):
+            key = (str(mod.SOURCE), ct, hs, tuple(sorted(tune.items())))
+            out.append((key, mod.SOURCE, (f"-DHS={hs}",) + tuple(f"-D{mod.TUNABLE[k]}={v}" for k, v in sorted(tune.items()))))
+        return out
+
+
+def _compile_job(job):
+    """One sm_90a build in a worker process: (key, cubin bytes)."""
+    key, path, ct, defs = job
+    sys.path.insert(0, str(ROOT))
+    from andrea.backends.cuda.runtime import kernel_source
+    from cupy_backends.cuda.libs import nvrtc
+    opts = ("-std=c++17", "-arch=sm_90a", "-ftz=true", "-DV6_SM90A", f"-DCT={ct}") + tuple(defs)
+    prog = nvrtc.createProgram(kernel_source(Path(path)), Path(path).name, (), ())
+    try:
+        nvrtc.compileProgram(prog, opts)
+        return key, nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def prebuild(names, dtypes):
+    """Build every sm_90a module the v8 entries in names need, in parallel worker processes (NVRTC
+    takes seconds a build), into HopperForward8.SHARED; the same options as attention_v6.py's."""
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing as mp
+    jobs = {}
+    for n in names:
+        v = VARIANTS[n]
+        if not isinstance(v, HopperForward8) or not v.sidecar().is_hopper():
+            continue
+        for dt in dtypes:
+            for hs in v.head_sizes:
+                for key, path, defs in v.builds(DTYPES[dt][0], hs):
+                    if key not in HopperForward8.SHARED:
+                        jobs[key] = (key, str(path), DTYPES[dt][0], defs)
+    if not jobs:
+        return
+    v6 = VARIANTS["v6"].sidecar()
+    with ProcessPoolExecutor(max_workers=min(16, len(jobs)), mp_context=mp.get_context("spawn")) as ex:
+        for key, cubin in ex.map(_compile_job, jobs.values()):
+            HopperForward8.SHARED[key] = v6.Sm90aModule(cubin)
+    print(f"prebuilt {len(jobs)} sm_90a modules", flush=True)
+
+
 def v5_smem(kernel, hs):
     if kernel == "k_attn_flash_bwd":
         return (2 * 64 + 4 * 64) * (hs + 8) * 2 + 64 * 72 * 2 + 4 * 64 * 4
@@ -211,6 +288,15 @@ VARIANTS = {
        for name, tune in (("v7cm", {"swizzle": 0}), ("v7s", {"overlap": 0}), ("v7q32", {"bq": 32}),
                           ("v7k3", {"kwg": 3, "bq": 32}), ("v7n128", {"bn": 128, "dq_blocks": 1}),
                           ("v7q48", {"bq": 48}), ("v7k3q48", {"kwg": 3, "bq": 48}))},
+    "v8": HopperForward8("v8", lambda: kernel_dir() / "attention_hopper.cu", (16, 32, 64, 80, 128),
+                         lambda hs: 128 if hs <= 64 else 64, v4_smem, True),
+    # v8 with other -D settings (attention_v8.py's TUNABLE), checked and timed at head size 64 only:
+    # two warpgroups (128 rows) a block; two with 64 keys a tile and two blocks a multiprocessor;
+    # 64 keys a tile; no overlap of the softmax with the previous P V; core-matrix tiles
+    **{name: HopperForward8(name, lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128, v4_smem, True,
+                            fwd_tune=tune)
+       for name, tune in (("v8w2", {"wg": 2}), ("v8w2n64", {"wg": 2, "bn": 64, "blocks": 2}),
+                          ("v8n64", {"bn": 64}), ("v8s", {"overlap": 0}), ("v8cm", {"swizzle": 0}))},
 }
 DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
 
@@ -358,6 +444,7 @@ def main(argv=None):
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--dtypes", default="fp16,bf16", help="dtypes timed (all are checked)")
+    ap.add_argument("--check-t", default="77,1000", help="sequence lengths checked")
     ap.add_argument("--out", default=None, help="folder for checks.csv and times.csv")
     a = ap.parse_args(argv)
     names = a.variants.split(",")
@@ -365,13 +452,14 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; known {list(VARIANTS)}")
     passed = set(names)
+    prebuild(names, list(DTYPES))
     if not a.no_check:
         rng = np.random.default_rng(0)
         rows = []
         for n in names:
             for dt in DTYPES:
                 for hs in VARIANTS[n].head_sizes:
-                    for T in (77, 1000):
+                    for T in (int(x) for x in a.check_t.split(",")):
                         try:
                             rows.append(check(VARIANTS[n], dt, hs, T, rng))
                         except Exception as ex:

@@ -1,0 +1,71 @@
+"""attention_v8.cu's forward launch: k_attn_flash_fwd through wgmma (version 8), built for sm_90a with
+-D settings (tune) so that dev/cuda/attention_bench.py times them against each other. Compiling and
+loading are attention_v6.py's (NVRTC, -arch=sm_90a, a cubin loaded with the driver); the backward
+the bench pairs with it is the package's version 7 (attention_v7.py).
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from andrea.backends.cuda.runtime import i32
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "attention_v8.cu"
+
+
+def _load(stem):
+    name = f"dev_cuda_{stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE / f"{stem}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+v6 = _load("attention_v6")
+is_hopper = v6.is_hopper
+
+# -D settings of attention_v8.cu a launch may change (tune={name: value}): consumer warpgroups (64
+# query rows each) a block, keys a tile, overlap (0: S, softmax, P V of a tile one after the other),
+# blocks a multiprocessor the registers are fitted to, swizzle (0: core-matrix tiles at head size 64)
+TUNABLE = {"wg": "V8_WG", "bn": "V8_BN", "overlap": "V8_OVERLAP", "blocks": "V8_BLOCKS", "swizzle": "V7_SWIZZLE"}
+
+
+def geometry(hs: int, tune=None) -> dict:
+    """Version 8's forward launch for head size hs, as attention_v8.cu's macros define it (V8_BM,
+    V8_BN, V8_THREADS, V8_SMEM; the kernel traps on another block size or less shared memory)."""
+    tune = tune or {}
+    wg = tune.get("wg", 3)
+    bn = tune.get("bn", 128 if hs <= 64 else 64)
+    rows = 64 * wg
+    return {"rows": rows, "keys": bn, "threads": 128 * wg, "smem": rows * hs * 2 + 6 * bn * hs * 2}
+
+
+def module(cache: dict, ct: str, hs: int, tune=None):
+    """attention_v8.cu built for sm_90a, once per cache and settings; tune ({TUNABLE key: int})
+    overrides the file's defaults."""
+    tune = tune or {}
+    unknown = set(tune) - set(TUNABLE)
+    if unknown:
+        raise ValueError(f"attention_v8 tune: unknown {sorted(unknown)}; expected some of {sorted(TUNABLE)}")
+    key = (str(SOURCE), ct, hs, tuple(sorted(tune.items())))
+    if key not in cache:
+        defs = (f"-DHS={hs}",) + tuple(f"-D{TUNABLE[k]}={v}" for k, v in sorted(tune.items()))
+        cache[key] = v6.Sm90aModule(v6.compile_sm90a(v6.source(SOURCE), SOURCE.name, ct, defs))
+        print(f"{SOURCE.name}: compiled for sm_90a (wgmma forward), CT={ct} {' '.join(defs)}", file=sys.stderr)
+    return cache[key]
+
+
+def launch_fwd(cache: dict, ct: str, out, lse, qkv, B: int, T: int, NH: int, hs: int, tune=None):
+    """Version 8's k_attn_flash_fwd: out (B,T,C), lse (B*NH, T) from qkv (B,T,3C); the arrays as
+    version 4's launcher gives them (16-bit, 16-byte aligned)."""
+    geo = geometry(hs, tune)
+    module(cache, ct, hs, tune).launch("k_attn_flash_fwd", (B * NH, -(-T // geo["rows"])), geo["threads"],
+                                       (out, lse, qkv, i32(B), i32(T), i32(NH), np.float32(1.0 / math.sqrt(hs))),
+                                       shared_mem=geo["smem"])
