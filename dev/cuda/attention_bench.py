@@ -291,12 +291,20 @@ VARIANTS = {
     "v8": HopperForward8("v8", lambda: kernel_dir() / "attention_hopper.cu", (16, 32, 64, 80, 128),
                          lambda hs: 128 if hs <= 64 else 64, v4_smem, True),
     # v8 with other -D settings (attention_v8.py's TUNABLE), checked and timed at head size 64 only:
-    # two warpgroups (128 rows) a block; two with 64 keys a tile and two blocks a multiprocessor;
-    # 64 keys a tile; no overlap of the softmax with the previous P V; core-matrix tiles
+    # w: warpgroups (64 rows each) a block (default 3), n64: 64 keys a tile (default 128), b: blocks
+    # a multiprocessor the registers are fitted to, s: no overlap of the softmax with the previous
+    # P V, t4: four stages of K and V (default three; tiles copied ahead: stages - 1 - overlap), cm:
+    # core-matrix tiles instead of swizzled ones
     **{name: HopperForward8(name, lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128, v4_smem, True,
                             fwd_tune=tune)
-       for name, tune in (("v8w2", {"wg": 2}), ("v8w2n64", {"wg": 2, "bn": 64, "blocks": 2}),
-                          ("v8n64", {"bn": 64}), ("v8s", {"overlap": 0}), ("v8cm", {"swizzle": 0}))},
+       for name, tune in (("v8w2", {"wg": 2}), ("v8s", {"overlap": 0}), ("v8cm", {"swizzle": 0}),
+                          ("v8t4", {"stages": 4}), ("v8n64", {"bn": 64}),
+                          ("v8w2n64b2", {"wg": 2, "bn": 64, "blocks": 2}),
+                          ("v8w2n64b2s", {"wg": 2, "bn": 64, "blocks": 2, "overlap": 0}),
+                          ("v8w2n64b2t4", {"wg": 2, "bn": 64, "blocks": 2, "stages": 4}),
+                          ("v8w1b2", {"wg": 1, "blocks": 2}),
+                          ("v8w1n64b4", {"wg": 1, "bn": 64, "blocks": 4}),
+                          ("v8w1n64b4s", {"wg": 1, "bn": 64, "blocks": 4, "overlap": 0}))},
 }
 DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
 

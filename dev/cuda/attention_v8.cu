@@ -42,8 +42,17 @@
 #ifndef V8_BLOCKS
 #define V8_BLOCKS 1  // blocks a multiprocessor the compiler fits the registers to (__launch_bounds__)
 #endif
-// Dynamic shared memory (attention_v8.py asks the same): Q, then K and V three deep.
-#define V8_SMEM (V8_BM * HS * 2 + 6 * V8_BN * HS * 2)
+#ifndef V8_STAGES
+#define V8_STAGES 3  // K and V tiles staged at once
+#endif
+// Key tiles being copied while a step computes: the stages not read by it (K_j and V_j, or with the
+// overlap K_j and V_{j-1})
+#define V8_AHEAD (V8_STAGES - 1 - (V8_OVERLAP ? 1 : 0))
+#if V8_AHEAD < 1 || V8_AHEAD > 3
+#error "V8_STAGES: 2 to 4 without V8_OVERLAP, 3 to 5 with it"
+#endif
+// Dynamic shared memory (attention_v8.py asks the same): Q, then K and V V8_STAGES deep.
+#define V8_SMEM (V8_BM * HS * 2 + 2 * V8_STAGES * V8_BN * HS * 2)
 
 #if V8_WGMMA
 #define k_attn_flash_fwd k_attn_flash_fwd_v4
@@ -54,6 +63,9 @@
 #endif
 
 #if V8_WGMMA
+template <int N>
+__device__ __forceinline__ void cp_wait_group() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
 // The softmax of one tile of scores s (this warpgroup's 64 rows x V8_BN keys, accumulator layout;
 // this thread: rows row0 + g, row0 + g + 8): masks keys after the row or at or past T (MASK),
 // updates the row maxima m and sums l, leaves P = exp2(s * sl2 - m * sl2) in s and the factor
@@ -152,8 +164,8 @@ extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash
   if (V7_SW && (smem_u32(smem) & 1023)) __trap();  // the swizzle is on address bits
   if (blockDim.x != V8_THREADS) __trap();
   u16* q_tile = smem;                   // [V8_BM x HS], stays for the whole block
-  u16* k_tiles = q_tile + V8_BM * HS;   // [3][V8_BN x HS]
-  u16* v_tiles = k_tiles + 3 * V8_BN * HS;  // [3][V8_BN x HS]
+  u16* k_tiles = q_tile + V8_BM * HS;                 // [V8_STAGES][V8_BN x HS]
+  u16* v_tiles = k_tiles + V8_STAGES * V8_BN * HS;    // [V8_STAGES][V8_BN x HS]
   int C = NH * HS, ld = 3 * C, bh = blockIdx.x, b = bh / NH, h = bh % NH;
   int q0 = (gridDim.y - 1 - blockIdx.y) * V8_BM;  // the longest rows first
   int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -166,10 +178,16 @@ extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash
   int n_tiles = (min(q0 + V8_BM, T) - 1) / V8_BN + 1;  // causal: keys up to the block's last query
   // this warpgroup's key tiles: up to its last row (none when its rows start at or past T)
   int my_tiles = wrow0 < T ? (min(wrow0 + 63, T - 1)) / V8_BN + 1 : 0;
+  // tile i in stage i % V8_STAGES, one commit group a tile (Q with tile 0), V8_AHEAD in flight
   load_tile7<V8_BM>(q_tile, qb, q0, T, ld);
-  load_tile7<V8_BN>(k_tiles, kb, 0, T, ld);
-  load_tile7<V8_BN>(v_tiles, vb, 0, T, ld);
-  cp_commit();
+#pragma unroll
+  for (int i = 0; i < V8_AHEAD; ++i) {
+    if (i < n_tiles) {
+      load_tile7<V8_BN>(k_tiles + i * V8_BN * HS, kb, i * V8_BN, T, ld);
+      load_tile7<V8_BN>(v_tiles + i * V8_BN * HS, vb, i * V8_BN, T, ld);
+    }
+    cp_commit();  // empty past the last tile: every step then waits for the same count
+  }
   u64 dq = desc7_k(q_tile + 64 * wg * HS);
   float o[HS / 2], s[V8_BN / 2], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
   unsigned pf[V8_BN / 16][4];
@@ -179,21 +197,21 @@ extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash
   for (int kt = 0; kt <= n_tiles; ++kt) {
     int k0 = kt * V8_BN;
     if (kt < n_tiles) {
-      cp_wait_all();
+      cp_wait_group<V8_AHEAD - 1>();  // tile kt is in (the groups after it are tiles kt+1 ..)
       fence_proxy_async();
-      __syncthreads();  // tile kt is in; every warpgroup is done with step kt - 1, so with tile kt - 2
-      if (kt + 1 < n_tiles) {
-        int nb = (kt + 1) % 3;
-        load_tile7<V8_BN>(k_tiles + nb * V8_BN * HS, kb, k0 + V8_BN, T, ld);
-        load_tile7<V8_BN>(v_tiles + nb * V8_BN * HS, vb, k0 + V8_BN, T, ld);
-        cp_commit();
+      __syncthreads();  // every tile up to kt is in; every warpgroup is done with step kt - 1
+      if (kt + V8_AHEAD < n_tiles) {
+        int nb = (kt + V8_AHEAD) % V8_STAGES;  // last read at step kt - 1 at the latest
+        load_tile7<V8_BN>(k_tiles + nb * V8_BN * HS, kb, k0 + V8_AHEAD * V8_BN, T, ld);
+        load_tile7<V8_BN>(v_tiles + nb * V8_BN * HS, vb, k0 + V8_AHEAD * V8_BN, T, ld);
       }
+      cp_commit();
     }
     bool do_s = kt < my_tiles, mask = k0 + V8_BN - 1 > wrow0 || k0 + V8_BN > T;
-    u64 dk = desc7_k(k_tiles + (kt % 3) * V8_BN * HS);
+    u64 dk = desc7_k(k_tiles + (kt % V8_STAGES) * V8_BN * HS);
     if (V8_OVERLAP) {
       bool do_pv = kt >= 1 && kt <= my_tiles;
-      u64 dvp = desc7_mn(v_tiles + ((kt + 2) % 3) * V8_BN * HS);  // V_{kt-1}
+      u64 dvp = desc7_mn(v_tiles + ((kt + V8_STAGES - 1) % V8_STAGES) * V8_BN * HS);  // V_{kt-1}
       if (do_s && do_pv) {
         if (mask) fwd8_step<true, true, true>(o, s, pf, m, l, dq, dk, dvp, row0, k0, T, sl2);
         else fwd8_step<true, true, false>(o, s, pf, m, l, dq, dk, dvp, row0, k0, T, sl2);
@@ -204,7 +222,7 @@ extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash
         fwd8_step<false, true, false>(o, s, pf, m, l, dq, dk, dvp, row0, k0, T, sl2);
       }
     } else if (do_s) {
-      u64 dv = desc7_mn(v_tiles + (kt % 3) * V8_BN * HS);
+      u64 dv = desc7_mn(v_tiles + (kt % V8_STAGES) * V8_BN * HS);
       if (mask) fwd8_step<true, false, true>(o, s, pf, m, l, dq, dk, dv, row0, k0, T, sl2);
       else fwd8_step<true, false, false>(o, s, pf, m, l, dq, dk, dv, row0, k0, T, sl2);
     }

@@ -33,8 +33,9 @@ is_hopper = v6.is_hopper
 
 # -D settings of attention_v8.cu a launch may change (tune={name: value}): consumer warpgroups (64
 # query rows each) a block, keys a tile, overlap (0: S, softmax, P V of a tile one after the other),
-# blocks a multiprocessor the registers are fitted to, swizzle (0: core-matrix tiles at head size 64)
-TUNABLE = {"wg": "V8_WG", "bn": "V8_BN", "overlap": "V8_OVERLAP", "blocks": "V8_BLOCKS", "swizzle": "V7_SWIZZLE"}
+# blocks a multiprocessor the registers are fitted to, K and V tiles staged at once, swizzle (0: core-matrix tiles at head size 64)
+TUNABLE = {"wg": "V8_WG", "bn": "V8_BN", "overlap": "V8_OVERLAP", "blocks": "V8_BLOCKS", "stages": "V8_STAGES",
+           "swizzle": "V7_SWIZZLE"}
 
 
 def geometry(hs: int, tune=None) -> dict:
@@ -43,8 +44,8 @@ def geometry(hs: int, tune=None) -> dict:
     tune = tune or {}
     wg = tune.get("wg", 3)
     bn = tune.get("bn", 128 if hs <= 64 else 64)
-    rows = 64 * wg
-    return {"rows": rows, "keys": bn, "threads": 128 * wg, "smem": rows * hs * 2 + 6 * bn * hs * 2}
+    rows, stages = 64 * wg, tune.get("stages", 3)
+    return {"rows": rows, "keys": bn, "threads": 128 * wg, "smem": rows * hs * 2 + 2 * stages * bn * hs * 2}
 
 
 def module(cache: dict, ct: str, hs: int, tune=None):
