@@ -337,31 +337,54 @@ def test_attention(be, prec, rng, n_head, accumulate):
     check_attention(be, prec, rng, n_head, B, T, C, accumulate)
 
 
-# 16-bit dtypes take version 4 (fused) at head sizes that are multiples of 16 up to 128: 64, 32,
-# 16, 80 and 128 here; T = 77, 130 and 1000 end mid-tile (tiles of 64 and 128 rows)
-FUSED_CASES = [(2, 77, 128), (4, 130, 128), (3, 77, 48), (2, 1000, 160), (2, 77, 256), (1, 1000, 128)]
+# 16-bit dtypes take the fused path (version 4, or versions 8 and 7 on wgmma) at head sizes that are
+# multiples of 16 up to 128: 64, 32, 16, 80 and 128 here; T = 77, 130 and 1000 end mid-tile (tiles
+# of 64 and 128 rows)
+FUSED_CASES = [(2, 77, 128), (4, 130, 128), (3, 77, 48), (2, 1000, 160), (2, 77, 256), (1, 1000, 128),
+               (1, 130, 64)]
 
 
-def backward_path(be, monkeypatch, hopper: bool, hs: int):
-    """Select the fused backward's kernels: version 7 (wgmma, attention_hopper.cu; compute
-    capability 9.0 only, else the case is skipped) or version 4 (mma.sync)."""
+def fused_path(be, monkeypatch, hopper: bool, hs: int) -> list:
+    """Select the fused kernels: the forward (version 8) and the backward's dQ and dK/dV (version 7)
+    on wgmma from attention_hopper.cu (compute capability 9.0 only, else the case is skipped), or
+    version 4's (mma.sync). Returns the list the Runtime's launches are recorded in from here on,
+    as (file, kernel, arch)."""
     monkeypatch.setattr(be, "hopper_attention", hopper)
     if hopper:
         import cupy as cp
         if int(cp.cuda.Device().compute_capability) != 90:
-            pytest.skip("the wgmma backward needs compute capability 9.0")
-        assert be._hopper_bwd(hs), "this case must exercise attention_hopper.cu's kernels"
+            pytest.skip("the wgmma kernels need compute capability 9.0")
+        assert be._hopper(hs), "this case must exercise attention_hopper.cu's kernels"
+    launched, launch = [], be.rt.launch
+
+    def record(fname, kernel, *args, **kw):
+        launched.append((fname, kernel, kw.get("arch")))
+        return launch(fname, kernel, *args, **kw)
+
+    monkeypatch.setattr(be.rt, "launch", record)
+    return launched
+
+
+def assert_fused_kernels(launched: list, hopper: bool):
+    """The fused kernels that ran are those of the path asked for: no silent fall-back."""
+    want = ("attention_hopper.cu", "sm_90a") if hopper else ("attention.cu", None)
+    for kernel in ("k_attn_flash_fwd", "k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
+        got = {(f, a) for f, k, a in launched if k == kernel}
+        assert got == {want}, f"{kernel} ran from {got}; expected {want}"
 
 
 @pytest.mark.parametrize("hopper", [True, False], ids=["wgmma", "mma"])
 @pytest.mark.parametrize("n_head,Tq,Cq", FUSED_CASES)
 def test_attention_fused(be, prec, rng, n_head, Tq, Cq, accumulate, hopper, monkeypatch):
+    launched = None
     if prec[0] == np.float16:
         assert be.attention_variant(np.float16, Cq // n_head) == "fused", "this case must exercise the fused kernels"
-        backward_path(be, monkeypatch, hopper, Cq // n_head)
+        launched = fused_path(be, monkeypatch, hopper, Cq // n_head)
     elif not hopper:
         pytest.skip("float32 takes version 1 either way")
     check_attention(be, prec, rng, n_head, 2, Tq, Cq, accumulate)
+    if launched is not None:
+        assert_fused_kernels(launched, hopper)
 
 
 @pytest.mark.parametrize("hopper", [True, False], ids=["wgmma", "mma"])
@@ -371,8 +394,9 @@ def test_attention_fused_bf16(be, rng, n_head, Tq, Cq, accumulate, hopper, monke
     significant bits, ~4e-3 per rounding, over the chain S -> P -> dS -> dQ, dK."""
     import ml_dtypes
     assert be.attention_variant(ml_dtypes.bfloat16, Cq // n_head) == "fused"
-    backward_path(be, monkeypatch, hopper, Cq // n_head)
+    launched = fused_path(be, monkeypatch, hopper, Cq // n_head)
     check_attention(be, (ml_dtypes.bfloat16, 3e-2), rng, n_head, 2, Tq, Cq, accumulate)
+    assert_fused_kernels(launched, hopper)
 
 
 @pytest.mark.parametrize("hopper", [True, False], ids=["wgmma", "mma"])
@@ -384,7 +408,7 @@ def test_attention_fused_bitwise_rerun(be, rng, dt_name, n_head, Tq, Cq, hopper,
     import ml_dtypes  # noqa: F401  (registers bfloat16)
     dt = np.dtype(dt_name)
     assert be.attention_variant(dt, Cq // n_head) == "fused"
-    backward_path(be, monkeypatch, hopper, Cq // n_head)
+    launched = fused_path(be, monkeypatch, hopper, Cq // n_head)
     qkv, dout = dev(rnd(rng, (2, Tq, 3 * Cq), dt), dt), dev(rnd(rng, (2, Tq, Cq), dt), dt)
     pre = dev(rnd(rng, (2, Tq, 3 * Cq), dt), dt)
     runs = []
@@ -402,6 +426,7 @@ def test_attention_fused_bitwise_rerun(be, rng, dt_name, n_head, Tq, Cq, hopper,
     be.k_attn_bwd(written, dout, qkv, out, lse, n_head, accumulate=False)
     a, w = cp.asnumpy(added).astype(np.float64), cp.asnumpy(written).astype(np.float64)
     assert np.array_equal(a, w), "dqkv written differs from dqkv added into zeros"
+    assert_fused_kernels(launched, hopper)
 
 
 def check_attention(be, prec, rng, n_head, B, T, C, accumulate=True):

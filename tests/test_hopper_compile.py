@@ -1,17 +1,17 @@
 """The Hopper kernels compile to sm_90a machine code, with the wgmma path in, and build without it for
-plain sm_90 (CPU only): the package's attention backward (andrea/kernels/attention_hopper.cu, version
-7), and dev/cuda's forward variant (attention_v6.cu) and probes (wgmma_probe.cu).
+plain sm_90 (CPU only): the package's attention_hopper.cu (forward version 8, backward version 7),
+and dev/cuda's first forward variant (attention_v6.cu) and probes (wgmma_probe.cu).
 
     python -m pytest tests/test_hopper_compile.py -q
 
 tests/test_kernels_compile.py compiles every dev/cuda file to PTX for sm_80 and sm_90, where the
 wgmma code is compiled out; here ptxas assembles the sm_90a build (cubin), so an invalid wgmma,
-descriptor or fence operand fails on a machine without a GPU, and k_attn_flash_fwd must not spill
-at the two tile shapes (128 keys a tile up to head size 64, 64 keys above), nor may version 7's
-k_attn_flash_bwd_dq and k_attn_flash_bwd_dkv at any head size; the launch geometry of
-attention_v6.py, dev/cuda/attention_v7.py and the backend (ops.hopper_geometry) is checked against
-the kernels' macros at compile time. -DV6_SM90A is what
-dev/cuda/attention_v6.py passes to NVRTC with -arch=sm_90a. Skipped where nvcc is absent.
+descriptor or fence operand fails on a machine without a GPU, and no kernel of attention_hopper.cu
+may spill at any head size (nor attention_v6.cu's forward at its two tile shapes), nor may ptxas
+serialise their wgmma; the launch geometry of attention_v6.py, dev/cuda/attention_v7.py and
+attention_v8.py and the backend's (ops.hopper_geometry) is checked against the kernels' macros at
+compile time. -DV6_SM90A is what dev/cuda/attention_v6.py passes to NVRTC with -arch=sm_90a.
+Skipped where nvcc is absent.
 """
 import re
 import shutil
@@ -99,33 +99,56 @@ def ptxas_figures(log, entry):
 
 
 # every head size in fp16, the two tile shapes in bf16, and the settings attention_bench.py times
-@pytest.mark.parametrize("ct, hs, defs", [("f16", 32, ()), ("f16", 64, ()), ("f16", 80, ()), ("f16", 128, ()),
+@pytest.mark.parametrize("ct, hs, defs", [("f16", 16, ()), ("f16", 32, ()), ("f16", 48, ()), ("f16", 64, ()),
+                                          ("f16", 80, ()), ("f16", 96, ()), ("f16", 112, ()), ("f16", 128, ()),
                                           ("bf16", 64, ()), ("bf16", 128, ()), ("f16", 64, ("-DV7_SWIZZLE=0",)),
                                           ("f16", 64, ("-DV7_KWG=3", "-DV7_BQ=32")),
-                                          ("f16", 64, ("-DV7_KWG=3", "-DV7_BQ=48"))])
-def test_v7_backward_assembles_for_sm90a_without_spills(ct, hs, defs, tmp_path):
+                                          ("f16", 64, ("-DV7_KWG=3", "-DV7_BQ=48")),
+                                          ("f16", 64, ("-DV8_OVERLAP=1", "-DV8_STAGES=4")),
+                                          ("f16", 64, ("-DV8_WG=3", "-DV8_BN=128", "-DV8_BLOCKS=1", "-DV8_OVERLAP=1")),
+                                          ("f16", 64, ("-DV8_WG=1", "-DV8_BLOCKS=4"))])
+def test_hopper_kernels_assemble_for_sm90a_without_spills(ct, hs, defs, tmp_path):
     log = nvcc(KERNELS / "attention_hopper.cu", "sm_90a", ct, hs, tmp_path / "v7.cubin", "--cubin", "-Xptxas",
                "-v", *defs)
-    for entry in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
+    for entry in ("k_attn_flash_fwd", "k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
         regs, st, ld = ptxas_figures(log, entry)
         assert (st, ld) == (0, 0), f"{entry} spills (CT={ct}, HS={hs}): {st} bytes stored, {ld} loaded"
         assert regs <= 255
-    # ptxas serialises the wgmma pipeline (C7510-C7515 "Potential Performance Loss") when it cannot
+    # the forward's default: 128 registers, so that two blocks of 256 threads share a multiprocessor
+    if not any(d.startswith("-DV8_") for d in defs):
+        assert ptxas_figures(log, "k_attn_flash_fwd")[0] <= 128
+    # ptxas serialises the wgmma pipeline (C7510-C7520 "Potential Performance Loss") when it cannot
     # keep the accumulators of products in flight apart: the overlap would be lost silently
     assert "Potential Performance Loss" not in log, log
 
 
 @pytest.mark.parametrize("arch, wgmma", [("sm_90a", True), ("sm_90", False)])
-def test_v7_backward_has_wgmma_only_for_sm90a(arch, wgmma, tmp_path):
-    # sm_90a: version 7 takes the backward's names; sm_90 (CuPy's build) keeps version 4's kernels
+def test_hopper_kernels_have_wgmma_only_for_sm90a(arch, wgmma, tmp_path):
+    # sm_90a: versions 8 and 7 take version 4's names; sm_90 (CuPy's build) keeps version 4's kernels
     nvcc(KERNELS / "attention_hopper.cu", arch, "f16", 64, tmp_path / "v7.ptx", "--ptx")
     ptx = (tmp_path / "v7.ptx").read_text()
-    for entry in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
+    for entry in ("k_attn_flash_fwd", "k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
         body = ptx[ptx.index(f".entry {entry}("):]  # not the _v4 names, version 4 renamed
         body = body[:body.index("\n}\n")]
         assert ("wgmma.mma_async" in body) == wgmma, entry
         assert ("mma.sync" in body) != wgmma, entry
     assert ("k_attn_flash_bwd_dkv_v4" in ptx) == wgmma
+    assert ("k_attn_flash_fwd_v4" in ptx) == wgmma
+
+
+@pytest.mark.parametrize("hs, tune", [(16, {}), (64, {}), (80, {}), (128, {}), (64, {"wg": 3, "bn": 128, "stages": 4}),
+                                      (64, {"wg": 1, "overlap": 1})])
+def test_v8_sidecar_geometry_is_the_kernels(hs, tune, tmp_path):
+    v8 = load_dev("attention_v8")
+    geo = v8.geometry(hs, tune)
+    src = tmp_path / "geometry8.cu"
+    src.write_text("".join(f"#define {v8.TUNABLE[k]} {v}\n" for k, v in tune.items()) +
+                   f'#include "{KERNELS / "attention_hopper.cu"}"\n'
+                   f'static_assert(V8_BM == {geo["rows"]}, "rows");\n'
+                   f'static_assert(V8_BN == {geo["keys"]}, "keys");\n'
+                   f'static_assert(V8_THREADS == {geo["threads"]}, "threads");\n'
+                   f'static_assert(V8_SMEM == {geo["smem"]}, "smem");\n')
+    nvcc(src, "sm_90a", "f16", hs, tmp_path / "geometry8.ptx", "--ptx", "-DV6_SM90A")
 
 
 @pytest.mark.parametrize("hs, tune", [(16, {}), (64, {}), (80, {}), (128, {}), (64, {"kwg": 3, "bq": 32, "bn": 128})])
@@ -155,5 +178,7 @@ def test_backend_hopper_geometry_is_the_kernels(hs, tmp_path):
                    f'static_assert(V7_DKV_THREADS == {geo["threads"]} && V7_DQ_THREADS == {geo["threads"]}, "threads");\n'
                    f'static_assert(V7_BK == {geo["keys"]} && V7_QM == {geo["rows"]}, "rows a block");\n'
                    f'static_assert(V7_DKV_SMEM == {geo["k_attn_flash_bwd_dkv"]}, "dkv smem");\n'
-                   f'static_assert(V7_DQ_SMEM == {geo["k_attn_flash_bwd_dq"]}, "dq smem");\n')
+                   f'static_assert(V7_DQ_SMEM == {geo["k_attn_flash_bwd_dq"]}, "dq smem");\n'
+                   f'static_assert(V8_THREADS == {geo["threads"]} && V8_BM == {geo["fwd_rows"]}, "forward block");\n'
+                   f'static_assert(V8_SMEM == {geo["k_attn_flash_fwd"]}, "forward smem");\n')
     nvcc(src, "sm_90a", "f16", hs, tmp_path / "geometry_ops.ptx", "--ptx")

@@ -1,17 +1,34 @@
-// attention_hopper.cu: the attention backward on Hopper's wgmma (version 7). Built for sm_90a
-// (CudaOps launches it on compute capability 9.0 through the Runtime's arch="sm_90a" build, since
-// CuPy's own build targets plain sm_90, where wgmma does not exist), k_attn_flash_bwd_dq and
-// k_attn_flash_bwd_dkv take every product through wgmma.mma_async. The file includes attention.cu:
-// there, version 4's two backward kernels are renamed out of the way, and everything else
-// (k_attn_flash_D, which the backward reads, the forward, version 1) is attention.cu's code. Built
-// for any other target (nvcc's sm_80/sm_90 in the tests, the float build) it is attention.cu
-// itself. Same arguments, outputs and semantics as version 4's backward kernels: dqkv (B,T,3C)
+// attention_hopper.cu: attention on Hopper's wgmma, the forward (version 8) and the backward (version
+// 7). Built for sm_90a (CudaOps launches it on compute capability 9.0 through the Runtime's
+// arch="sm_90a" build, since CuPy's own build targets plain sm_90, where wgmma does not exist),
+// k_attn_flash_fwd, k_attn_flash_bwd_dq and k_attn_flash_bwd_dkv take every product through
+// wgmma.mma_async. The file includes attention.cu: there, version 4's three kernels are renamed out
+// of the way, and everything else (k_attn_flash_D, which the backward reads, version 1) is
+// attention.cu's code. Built for any other target (nvcc's sm_80/sm_90 in the tests, the float
+// build) it is attention.cu itself. Same arguments, outputs and semantics as version 4's kernels:
+// the forward writes out (B,T,C) and lse (B*NH, T) from qkv (B,T,3C); the backward dqkv (B,T,3C)
 // += [dQ | dK | dV] (accumulate = 0: written, not read), P recomputed from Q, K and the lse the
-// forward saved, D from k_attn_flash_D, the softmax scale applied to dQ and dK once at the end,
-// no atomics: the same inputs give the same bits.
-// Head sizes: every multiple of 16 up to 128 (ops.FLASH_HEAD_SIZES); 128-byte swizzled tiles at
+// forward saved, D from k_attn_flash_D, the softmax scale applied to dQ and dK once at the end; no
+// atomics: the same inputs give the same bits.
+//
+// Forward (version 8; section "forward" at the end of the file): one block of V8_WG = 2 warpgroups
+// of 64 query rows (128 rows) per head and query tile, the longest rows launched first; keys in
+// tiles of V8_BN = 64, K and V staged V8_STAGES = 3 deep by cp.async, tiles copied two steps ahead
+// of the one computed (one barrier a step). Per warpgroup and key tile:
+//     S (64 x 64) = Q K^T            ss, A = Q, B = K (K-major both)
+//     online softmax on S's registers in fp32 (exp2, log2 e folded into the scale, as version 4)
+//     O (64 x HS) += P V              rs, P from registers (S's accumulator layout rounded to 16
+//                                     bits is the A layout), V MN-major (the transpose flag)
+//   Only tiles that cross a warpgroup's diagonal or the end of the sequence are masked; a
+//   warpgroup skips the tiles after its last row. 128 registers a thread: two blocks (16 warps)
+//   a multiprocessor up to head size 64, which is what made it faster than version 4 (one block
+//   of three warpgroups and 128-key tiles, 154 registers, was not: below).
+//   ptxas (nvcc 13.0, sm_90a): k_attn_flash_fwd 127 registers at head size 64 (96-128 at the
+//   others), no spills; 64 KB of shared memory at head size 64.
+//
+// Backward (version 7). Head sizes: every multiple of 16 up to 128 (ops.FLASH_HEAD_SIZES); 128-byte swizzled tiles at
 // head size 64, the core-matrix layout of wgmma.cuh elsewhere.
-//   ptxas (nvcc 13.0, sm_90a, CT=f16, HS=64): k_attn_flash_bwd_dkv 187 registers, one block of 256
+//   ptxas (nvcc 13.0, sm_90a, CT=f16, HS=64): k_attn_flash_bwd_dkv 192 registers, one block of 256
 //   threads a multiprocessor; k_attn_flash_bwd_dq 122 registers (__launch_bounds__(256, 2)), two
 //   blocks; no spills, no wgmma serialised by ptxas (tests/test_hopper_compile.py checks both at
 //   every head size). nvcc -std=c++17 -arch=sm_90a --cubin -Xptxas -v -Iandrea/kernels -DCT=f16
@@ -53,7 +70,7 @@
 // swizzle, or two 128-byte atoms), one fused kernel for dQ and dK/dV (it needs atomics or an
 // ordered reduction for dQ), and the 12M-shape tuning (T = 256 gives only 2 key blocks a head).
 //
-// Measured (H200, nvcc 13.0 / NVRTC, attention_bench.py: each call between CUDA events, times the
+// Measured, the backward (H200, nvcc 13.0 / NVRTC, attention_bench.py: each call between CUDA events, times the
 // model's layers, all variants and SDPA in one process; ms for 12 / 6 layers). This version:
 //   120M (B=8, NH=12, T=1024)      fp16: bwd   D      dQ     dK/dV   fwd  | bf16: bwd   dQ     dK/dV
 //     version 4                          2.938 0.144  1.101  1.659   0.840 |       2.925 1.104  1.652
@@ -126,14 +143,46 @@
 // Q and dO, then K and V two deep
 #define V7_DQ_SMEM (2 * V7_QM * HS * 2 + 4 * V7_BN * HS * 2)
 
-// Where the wgmma backward is compiled in, version 4's kernels are renamed out of the way.
+// The forward (version 8), tunable with -D as the backward (dev/cuda/attention_v8.py; the launcher
+// in ops.py reads hopper_geometry, which must agree): warpgroups of 64 query rows a block, keys a
+// tile, the previous tile's P V left running while the softmax is computed (1) or not (0), blocks
+// a multiprocessor the registers are fitted to, and K/V tiles staged at once.
+#ifndef V8_WG
+#define V8_WG 2
+#endif
+#define V8_BM (64 * V8_WG)  // query rows a forward block
+#define V8_THREADS (128 * V8_WG)
+#ifndef V8_BN
+#define V8_BN 64
+#endif
+#ifndef V8_OVERLAP
+#define V8_OVERLAP 0
+#endif
+#ifndef V8_BLOCKS
+#define V8_BLOCKS 2  // 128 registers: no spills at any head size (tests/test_hopper_compile.py)
+#endif
+#ifndef V8_STAGES
+#define V8_STAGES 3
+#endif
+// Key tiles being copied while a step computes: the stages not read by it (K_j and V_j, or with the
+// overlap K_j and V_{j-1})
+#define V8_AHEAD (V8_STAGES - 1 - (V8_OVERLAP ? 1 : 0))
+#if V8_AHEAD < 1 || V8_AHEAD > 3
+#error "V8_STAGES: 2 to 4 without V8_OVERLAP, 3 to 5 with it"
+#endif
+// Q, then K and V V8_STAGES deep (hopper_geometry in ops.py asks the same)
+#define V8_SMEM (V8_BM * HS * 2 + 2 * V8_STAGES * V8_BN * HS * 2)
+
+// Where the wgmma kernels are compiled in, version 4's are renamed out of the way.
 #if V7_WGMMA
+#define k_attn_flash_fwd k_attn_flash_fwd_v4
 #define k_attn_flash_bwd_dq k_attn_flash_bwd_dq_v4
 #define k_attn_flash_bwd_dkv k_attn_flash_bwd_dkv_v4
 #endif
 #include "attention.cu"
 #include "wgmma.cuh"
 #if V7_WGMMA
+#undef k_attn_flash_fwd
 #undef k_attn_flash_bwd_dq
 #undef k_attn_flash_bwd_dkv
 #endif
@@ -439,5 +488,203 @@ extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn
     __syncthreads();
   }
   store_rows(dqkv + (i64)b * T * ld + h * HS, ld, (const float(*)[4])dq, row0, T, scale, accumulate);
+}
+
+// ---------------------------------------------------------------- forward (version 8)
+// Settings measured (H200, attention_bench.py, one process: the forward of 12 layers at 120M, ms,
+// fp16; bf16 within 1 %; version 4 0.839, SDPA cuDNN 0.589, SDPA flash 0.930):
+//   2 warpgroups, 64-key tiles, 2 blocks a multiprocessor, no overlap (the defaults)   0.690
+//     the same with the overlap of the previous P V 0.719, and with 4 stages 0.701
+//   3 warpgroups (192 rows), 128-key tiles, one block (154-167 registers): overlap 0.868,
+//     no overlap 0.816, overlap with 4 stages 0.855, 64-key tiles 0.906; core-matrix tiles
+//     instead of swizzled ones 1.087 (an earlier run)
+//   2 warpgroups, 128-key tiles, one block 0.958; 1 warpgroup, 128 keys, 2 blocks 0.953;
+//   1 warpgroup, 64 keys, 4 blocks 0.796, without the overlap 0.755
+// 12M (6 layers, B=32, T=256): 0.094 against version 4's 0.118, cuDNN 0.135, flash 0.120.
+// Occupancy decides: a block's first tiles (Q, K and V copied, nothing to overlap them with) are
+// hidden only by another block on the multiprocessor; ncu on the 3-warpgroup setting: 18.75 %
+// theoretical occupancy, an instruction issued on 45 % of the cycles. The overlap inside a
+// warpgroup (FlashAttention-3's) costs registers and, at one tile of 64 keys, gains nothing here.
+template <int N>
+__device__ __forceinline__ void cp_wait_group() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// The softmax of one tile of scores s (this warpgroup's 64 rows x V8_BN keys, accumulator layout;
+// this thread: rows row0 + g, row0 + g + 8): masks keys after the row or at or past T (MASK),
+// updates the row maxima m and sums l, leaves P = exp2(s * sl2 - m * sl2) in s and the factor
+// the output accumulated so far is to be rescaled by in alpha.
+template <bool MASK>
+__device__ __forceinline__ void fwd8_softmax(float* s, float* m, float* l, float* alpha, int row0, int k0, int T,
+                                             float sl2) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float tmax[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+  for (int j = 0; j < V8_BN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (MASK) {
+        int key = k0 + 8 * j + 2 * t4 + (e & 1), row = row0 + g + 8 * (e >> 1);
+        if (key > row || key >= T) s[4 * j + e] = NEG_INF;
+      }
+      tmax[e >> 1] = fmaxf(tmax[e >> 1], s[4 * j + e]);
+    }
+  float ms[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {  // the 4 lanes of a group hold one row between them
+    tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
+    tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
+    float mn = fmaxf(m[r], tmax[r]);
+    ms[r] = mn == NEG_INF ? 0.f : mn * sl2;  // a row with no key yet keeps exp2(-inf) = 0
+    alpha[r] = fast_exp2(m[r] * sl2 - ms[r]);
+    m[r] = mn;
+    l[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int j = 0; j < V8_BN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float p = fast_exp2(fmaf(s[4 * j + e], sl2, -ms[e >> 1]));
+      s[4 * j + e] = p;
+      l[e >> 1] += p;
+    }
+}
+
+// One step of one warpgroup: with DO_S, S = Q K^T for key tile k0 and its softmax (MASK: the
+// tile crosses the diagonal or the end of the sequence); with DO_PV, O += P V for the previous
+// tile (P in pf, dvp its V), running while the softmax is computed. Without V8_OVERLAP, DO_PV is
+// never set and this tile's own P V follows its softmax. On return o holds every product issued,
+// rescaled to the new maxima, and pf this tile's P (with DO_S). The flags are template arguments:
+// a wgmma issued and waited for in different run-time branches makes ptxas serialise them all.
+template <bool DO_S, bool DO_PV, bool MASK>
+__device__ __forceinline__ void fwd8_step(float* o, float* s, unsigned (*pf)[4], float* m, float* l, u64 dq, u64 dk,
+                                          u64 dv, int row0, int k0, int T, float sl2) {
+  float alpha[2] = {1.f, 1.f};
+  fence_regs<V8_BN / 2>(s);
+  fence_regs<HS / 2>(o);
+  wgmma_fence();
+  if (DO_S) {
+    ss7_issue<V8_BN>(s, dq, dk);
+    wgmma_commit();
+  }
+  if (DO_PV) {
+    rs7_issue<V8_BN>(o, pf, dv);
+    wgmma_commit();
+  }
+  if (DO_S) {
+    if (DO_PV) wgmma_wait<1>();
+    else wgmma_wait<0>();
+    fence_regs<V8_BN / 2>(s);
+    fwd8_softmax<MASK>(s, m, l, alpha, row0, k0, T, sl2);
+  }
+  if (DO_PV) {
+    wgmma_wait<0>();
+    fence_regs<HS / 2>(o);
+  }
+  if (DO_S) {
+#pragma unroll
+    for (int j = 0; j < HS / 8; ++j) {
+      o[4 * j] *= alpha[0]; o[4 * j + 1] *= alpha[0]; o[4 * j + 2] *= alpha[1]; o[4 * j + 3] *= alpha[1];
+    }
+    frags7<V8_BN>(pf, s);
+    if (!V8_OVERLAP) {  // this tile's P V now
+      fence_regs<HS / 2>(o);
+      wgmma_fence();
+      rs7_issue<V8_BN>(o, pf, dv);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs<HS / 2>(o);
+    }
+  }
+}
+
+// out (B,T,C) and lse (B*NH, T) from qkv (B,T,3C): version 8, grid (B*NH, ceil(T/V8_BM)), block
+// V8_THREADS, V8_SMEM bytes of dynamic shared memory (traps on anything else).
+extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash_fwd(HT* out, float* lse, const HT* qkv,
+                                                                                   int B, int T, int NH, float scale) {
+  extern __shared__ __align__(1024) u16 smem8[];
+  u16* smem = smem8;
+  require_smem(V8_SMEM);
+  if (V7_SW && (smem_u32(smem) & 1023)) __trap();  // the swizzle is on address bits
+  if (blockDim.x != V8_THREADS) __trap();
+  u16* q_tile = smem;                   // [V8_BM x HS], stays for the whole block
+  u16* k_tiles = q_tile + V8_BM * HS;                 // [V8_STAGES][V8_BN x HS]
+  u16* v_tiles = k_tiles + V8_STAGES * V8_BN * HS;    // [V8_STAGES][V8_BN x HS]
+  int C = NH * HS, ld = 3 * C, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+  int q0 = (gridDim.y - 1 - blockIdx.y) * V8_BM;  // the longest rows first
+  int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  int wrow0 = q0 + 64 * wg;      // this warpgroup's first row
+  int row0 = wrow0 + 16 * warp;  // this warp's first row
+  const HT* qb = qkv + (i64)b * T * ld + h * HS;
+  const HT* kb = qb + C;
+  const HT* vb = qb + 2 * C;
+  float sl2 = scale * LOG2E;
+  int n_tiles = (min(q0 + V8_BM, T) - 1) / V8_BN + 1;  // causal: keys up to the block's last query
+  // this warpgroup's key tiles: up to its last row (none when its rows start at or past T)
+  int my_tiles = wrow0 < T ? (min(wrow0 + 63, T - 1)) / V8_BN + 1 : 0;
+  // tile i in stage i % V8_STAGES, one commit group a tile (Q with tile 0), V8_AHEAD in flight
+  load_tile7<V8_BM>(q_tile, qb, q0, T, ld);
+#pragma unroll
+  for (int i = 0; i < V8_AHEAD; ++i) {
+    if (i < n_tiles) {
+      load_tile7<V8_BN>(k_tiles + i * V8_BN * HS, kb, i * V8_BN, T, ld);
+      load_tile7<V8_BN>(v_tiles + i * V8_BN * HS, vb, i * V8_BN, T, ld);
+    }
+    cp_commit();  // empty past the last tile: every step then waits for the same count
+  }
+  u64 dq = desc7_k(q_tile + 64 * wg * HS);
+  float o[HS / 2], s[V8_BN / 2], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  unsigned pf[V8_BN / 16][4];
+#pragma unroll
+  for (int i = 0; i < HS / 2; ++i) o[i] = 0.f;
+  // step kt reads K_kt and (overlap) V_{kt-1}; one step more than there are tiles for the last P V
+  for (int kt = 0; kt <= n_tiles; ++kt) {
+    int k0 = kt * V8_BN;
+    if (kt < n_tiles) {
+      cp_wait_group<V8_AHEAD - 1>();  // tile kt is in (the groups after it are tiles kt+1 ..)
+      fence_proxy_async();
+      __syncthreads();  // every tile up to kt is in; every warpgroup is done with step kt - 1
+      if (kt + V8_AHEAD < n_tiles) {
+        int nb = (kt + V8_AHEAD) % V8_STAGES;  // last read at step kt - 1 at the latest
+        load_tile7<V8_BN>(k_tiles + nb * V8_BN * HS, kb, k0 + V8_AHEAD * V8_BN, T, ld);
+        load_tile7<V8_BN>(v_tiles + nb * V8_BN * HS, vb, k0 + V8_AHEAD * V8_BN, T, ld);
+      }
+      cp_commit();
+    }
+    bool do_s = kt < my_tiles, mask = k0 + V8_BN - 1 > wrow0 || k0 + V8_BN > T;
+    u64 dk = desc7_k(k_tiles + (kt % V8_STAGES) * V8_BN * HS);
+    if (V8_OVERLAP) {
+      bool do_pv = kt >= 1 && kt <= my_tiles;
+      u64 dvp = desc7_mn(v_tiles + ((kt + V8_STAGES - 1) % V8_STAGES) * V8_BN * HS);  // V_{kt-1}
+      if (do_s && do_pv) {
+        if (mask) fwd8_step<true, true, true>(o, s, pf, m, l, dq, dk, dvp, row0, k0, T, sl2);
+        else fwd8_step<true, true, false>(o, s, pf, m, l, dq, dk, dvp, row0, k0, T, sl2);
+      } else if (do_s) {  // the first tile
+        if (mask) fwd8_step<true, false, true>(o, s, pf, m, l, dq, dk, dvp, row0, k0, T, sl2);
+        else fwd8_step<true, false, false>(o, s, pf, m, l, dq, dk, dvp, row0, k0, T, sl2);
+      } else if (do_pv) {  // after the last tile: its P V
+        fwd8_step<false, true, false>(o, s, pf, m, l, dq, dk, dvp, row0, k0, T, sl2);
+      }
+    } else if (do_s) {
+      u64 dv = desc7_mn(v_tiles + (kt % V8_STAGES) * V8_BN * HS);
+      if (mask) fwd8_step<true, false, true>(o, s, pf, m, l, dq, dk, dv, row0, k0, T, sl2);
+      else fwd8_step<true, false, false>(o, s, pf, m, l, dq, dk, dv, row0, k0, T, sl2);
+    }
+  }
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    inv[r] = 1.f / l[r];
+    int row = row0 + g + 8 * r;
+    if (t4 == 0 && row < T) lse[(i64)bh * T + row] = m[r] * scale + logf(l[r]);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    int row = row0 + g + 8 * r;
+    if (row >= T) continue;
+    unsigned* p = (unsigned*)(out + ((i64)b * T + row) * C + h * HS + 2 * t4);
+#pragma unroll
+    for (int j = 0; j < HS / 8; ++j) p[j * 4] = pack2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+  }
 }
 #endif  // V7_WGMMA

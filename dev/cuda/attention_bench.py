@@ -6,8 +6,8 @@ Each variant is a kernel source compiled by NVRTC (CuPy RawModule) per compute d
 size: v3 is dev/cuda/attention_v3.cu (the fused path before version 4), v4 is the promoted
 andrea/kernels/attention.cu, v5 and v6 are candidates (v6: the wgmma forward of
 dev/cuda/attention_v6.cu on compute capability 9.0, built for sm_90a by attention_v6.py), v8 is the
-wgmma forward of dev/cuda/attention_v8.cu (attention_v8.py; its v8* entries: other -D settings)
-with version 7's backward, v7 is
+package's wgmma forward (attention_hopper.cu through attention_v8.py; its v8* entries: other -D
+settings) with version 7's backward, v7 is
 version 4's forward with the wgmma backward of the package's andrea/kernels/attention_hopper.cu,
 built and launched by attention_v7.py (its v7* entries: other -D settings of that file); a later
 candidate dev/cuda/attention_vN.cu is added to VARIANTS below.
@@ -179,9 +179,9 @@ class HopperBackward(HopperForward):
 
 
 class HopperForward8(HopperBackward):
-    """Version 8: on compute capability 9.0 the wgmma forward of attention_v8.cu (built and launched
-    by attention_v8.py, fwd_tune: its -D settings, e.g. {"wg": 2}) with version 7's backward (the
-    package's attention_hopper.cu); elsewhere version 4's kernels."""
+    """Version 8: on compute capability 9.0 the wgmma forward of the package's attention_hopper.cu
+    (built and launched by attention_v8.py, fwd_tune: its -D settings, e.g. {"wg": 3}) with version
+    7's backward from the same file; elsewhere version 4's kernels."""
 
     SHARED = {}  # the sm_90a modules of every v8 entry (keys name the settings): each built once
 
@@ -206,11 +206,11 @@ class HopperForward8(HopperBackward):
         self.v8().launch_fwd(self._sm90a, ct, out, lse, qkv, B, T, NH, hs, self.fwd_tune)
 
     def builds(self, ct, hs):
-        """(cache key, source path, -D settings) of the sm_90a modules this entry launches."""
+        """(cache key, source path, -D options) of the sm_90a modules this entry launches."""
         out = []
-        for mod, tune in ((self.v8(), self.fwd_tune or {}), (self.sidecar(), self.tune or {})):
-            key = (str(mod.SOURCE), ct, hs, tuple(sorted(tune.items())))
-            out.append((key, mod.SOURCE, (f"-DHS={hs}",) + tuple(f"-D{mod.TUNABLE[k]}={v}" for k, v in sorted(tune.items()))))
+        for mod, tune in ((self.v8(), self.fwd_tune), (self.sidecar(), self.tune)):
+            key, defs = mod.build(ct, hs, tune)
+            out.append((key, mod.SOURCE, defs))
         return out
 
 
@@ -291,20 +291,16 @@ VARIANTS = {
     "v8": HopperForward8("v8", lambda: kernel_dir() / "attention_hopper.cu", (16, 32, 64, 80, 128),
                          lambda hs: 128 if hs <= 64 else 64, v4_smem, True),
     # v8 with other -D settings (attention_v8.py's TUNABLE), checked and timed at head size 64 only:
-    # w: warpgroups (64 rows each) a block (default 3), n64: 64 keys a tile (default 128), b: blocks
-    # a multiprocessor the registers are fitted to, s: no overlap of the softmax with the previous
-    # P V, t4: four stages of K and V (default three; tiles copied ahead: stages - 1 - overlap), cm:
-    # core-matrix tiles instead of swizzled ones
+    # o: the previous tile's P V overlapping the softmax (with t4: four stages of K and V); w3n128: three
+    # warpgroups (192 rows) and 128-key tiles, one block a multiprocessor, with the overlap, and without
+    # it (s); w1b4: one warpgroup, four blocks a multiprocessor; cm: core-matrix tiles instead of
+    # swizzled ones (the backward's too, in the same build)
     **{name: HopperForward8(name, lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128, v4_smem, True,
                             fwd_tune=tune)
-       for name, tune in (("v8w2", {"wg": 2}), ("v8s", {"overlap": 0}), ("v8cm", {"swizzle": 0}),
-                          ("v8t4", {"stages": 4}), ("v8n64", {"bn": 64}),
-                          ("v8w2n64b2", {"wg": 2, "bn": 64, "blocks": 2}),
-                          ("v8w2n64b2s", {"wg": 2, "bn": 64, "blocks": 2, "overlap": 0}),
-                          ("v8w2n64b2t4", {"wg": 2, "bn": 64, "blocks": 2, "stages": 4}),
-                          ("v8w1b2", {"wg": 1, "blocks": 2}),
-                          ("v8w1n64b4", {"wg": 1, "bn": 64, "blocks": 4}),
-                          ("v8w1n64b4s", {"wg": 1, "bn": 64, "blocks": 4, "overlap": 0}))},
+       for name, tune in (("v8o", {"overlap": 1}), ("v8o4", {"overlap": 1, "stages": 4}),
+                          ("v8w3n128", {"wg": 3, "bn": 128, "blocks": 1, "overlap": 1}),
+                          ("v8w3n128s", {"wg": 3, "bn": 128, "blocks": 1}),
+                          ("v8w1b4", {"wg": 1, "blocks": 4}), ("v8cm", {"swizzle": 0}))},
 }
 DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
 

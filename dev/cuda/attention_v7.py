@@ -57,16 +57,23 @@ def geometry(hs: int, tune=None) -> dict:
             "dq_smem": 2 * rows * hs * 2 + 4 * bn * hs * 2}
 
 
-def module(cache: dict, ct: str, hs: int, tune=None):
-    """attention_hopper.cu built for sm_90a, once per cache and settings; tune
-    ({TUNABLE key: int}) overrides the file's defaults."""
+def build(ct: str, hs: int, tune=None):
+    """(cache key, -D options) of attention_hopper.cu's sm_90a build for compute dtype name ct, head
+    size hs and tune ({TUNABLE key: int}, overriding the file's defaults): the key names the options,
+    so that one build serves every sidecar that asks for the same."""
     tune = tune or {}
     unknown = set(tune) - set(TUNABLE)
     if unknown:
         raise ValueError(f"attention_v7 tune: unknown {sorted(unknown)}; expected some of {sorted(TUNABLE)}")
-    key = (str(SOURCE), ct, hs, tuple(sorted(tune.items())))
+    defs = (f"-DHS={hs}",) + tuple(f"-D{TUNABLE[k]}={v}" for k, v in sorted(tune.items()))
+    return (str(SOURCE), ct) + defs, defs
+
+
+def module(cache: dict, ct: str, hs: int, tune=None):
+    """attention_hopper.cu built for sm_90a, once per cache and settings; tune
+    ({TUNABLE key: int}) overrides the file's defaults."""
+    key, defs = build(ct, hs, tune)
     if key not in cache:
-        defs = (f"-DHS={hs}",) + tuple(f"-D{TUNABLE[k]}={v}" for k, v in sorted(tune.items()))
         cache[key] = v6.Sm90aModule(v6.compile_sm90a(v6.source(SOURCE), SOURCE.name, ct, defs))
         print(f"{SOURCE.name}: compiled for sm_90a (wgmma backward), CT={ct} {' '.join(defs)}",
               file=sys.stderr)

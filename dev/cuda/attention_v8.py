@@ -1,7 +1,10 @@
-"""attention_v8.cu's forward launch: k_attn_flash_fwd through wgmma (version 8), built for sm_90a with
--D settings (tune) so that dev/cuda/attention_bench.py times them against each other. Compiling and
-loading are attention_v6.py's (NVRTC, -arch=sm_90a, a cubin loaded with the driver); the backward
-the bench pairs with it is the package's version 7 (attention_v7.py).
+"""Version 8's forward (k_attn_flash_fwd on wgmma), now the package's andrea/kernels/attention_hopper.cu,
+built for sm_90a with other -D settings than the package's defaults, so that
+dev/cuda/attention_bench.py times the settings against each other (tune). The package launches the
+default settings itself (ops.hopper_geometry); this file's geometry() must give the same figures
+for them (tests/test_hopper_compile.py checks both against the macros). Compiling and loading are
+attention_v6.py's (NVRTC, -arch=sm_90a, a cubin loaded with the driver); the module holds version
+7's backward too.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import numpy as np
 from andrea.backends.cuda.runtime import i32
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "attention_v8.cu"
+SOURCE = HERE.parent.parent / "andrea" / "kernels" / "attention_hopper.cu"
 
 
 def _load(stem):
@@ -31,33 +34,39 @@ def _load(stem):
 v6 = _load("attention_v6")
 is_hopper = v6.is_hopper
 
-# -D settings of attention_v8.cu a launch may change (tune={name: value}): consumer warpgroups (64
-# query rows each) a block, keys a tile, overlap (0: S, softmax, P V of a tile one after the other),
+# -D settings of attention_hopper.cu's forward a launch may change (tune={name: value}): warpgroups
+# (64 query rows each) a block, keys a tile, overlap (0: S, softmax, P V of a tile one after the other),
 # blocks a multiprocessor the registers are fitted to, K and V tiles staged at once, swizzle (0: core-matrix tiles at head size 64)
 TUNABLE = {"wg": "V8_WG", "bn": "V8_BN", "overlap": "V8_OVERLAP", "blocks": "V8_BLOCKS", "stages": "V8_STAGES",
            "swizzle": "V7_SWIZZLE"}
 
 
 def geometry(hs: int, tune=None) -> dict:
-    """Version 8's forward launch for head size hs, as attention_v8.cu's macros define it (V8_BM,
+    """Version 8's forward launch for head size hs, as attention_hopper.cu's macros define it (V8_BM,
     V8_BN, V8_THREADS, V8_SMEM; the kernel traps on another block size or less shared memory)."""
     tune = tune or {}
-    wg = tune.get("wg", 3)
-    bn = tune.get("bn", 128 if hs <= 64 else 64)
+    wg, bn = tune.get("wg", 2), tune.get("bn", 64)
     rows, stages = 64 * wg, tune.get("stages", 3)
     return {"rows": rows, "keys": bn, "threads": 128 * wg, "smem": rows * hs * 2 + 2 * stages * bn * hs * 2}
 
 
-def module(cache: dict, ct: str, hs: int, tune=None):
-    """attention_v8.cu built for sm_90a, once per cache and settings; tune ({TUNABLE key: int})
-    overrides the file's defaults."""
+def build(ct: str, hs: int, tune=None):
+    """(cache key, -D options) of attention_hopper.cu's sm_90a build for compute dtype name ct, head
+    size hs and tune ({TUNABLE key: int}, overriding the file's defaults): the key names the options,
+    so that one build serves every sidecar that asks for the same."""
     tune = tune or {}
     unknown = set(tune) - set(TUNABLE)
     if unknown:
         raise ValueError(f"attention_v8 tune: unknown {sorted(unknown)}; expected some of {sorted(TUNABLE)}")
-    key = (str(SOURCE), ct, hs, tuple(sorted(tune.items())))
+    defs = (f"-DHS={hs}",) + tuple(f"-D{TUNABLE[k]}={v}" for k, v in sorted(tune.items()))
+    return (str(SOURCE), ct) + defs, defs
+
+
+def module(cache: dict, ct: str, hs: int, tune=None):
+    """attention_hopper.cu built for sm_90a, once per cache and settings; tune ({TUNABLE key: int})
+    overrides the file's defaults."""
+    key, defs = build(ct, hs, tune)
     if key not in cache:
-        defs = (f"-DHS={hs}",) + tuple(f"-D{TUNABLE[k]}={v}" for k, v in sorted(tune.items()))
         cache[key] = v6.Sm90aModule(v6.compile_sm90a(v6.source(SOURCE), SOURCE.name, ct, defs))
         print(f"{SOURCE.name}: compiled for sm_90a (wgmma forward), CT={ct} {' '.join(defs)}", file=sys.stderr)
     return cache[key]

@@ -52,20 +52,23 @@ def flash_geometry(hs: int) -> dict:
 
 
 def hopper_geometry(hs: int) -> dict:
-    """The launch of attention_hopper.cu's wgmma backward (version 7) for head size hs, as its macros
-    define it by default (each kernel traps on another block size or less shared memory): two
-    warpgroups of 64 keys (dK/dV) or 64 query rows (dQ) a block; query tiles of 64 (32 above head
-    size 64) streamed by dK/dV, key tiles of 64 by dQ."""
+    """The launch of attention_hopper.cu's wgmma kernels for head size hs, as its macros define them
+    by default (each kernel traps on another block size or less shared memory). Forward (version
+    8): two warpgroups of 64 query rows a block ("fwd_rows"), key tiles of 64 staged three deep.
+    Backward (version 7): two warpgroups of 64 keys (dK/dV) or 64 query rows (dQ) a block; query
+    tiles of 64 (32 above head size 64) streamed by dK/dV, key tiles of 64 by dQ."""
     keys, rows, bq, bn = 128, 128, (64 if hs <= 64 else 32), 64
-    return {"keys": keys, "rows": rows, "threads": 256,
+    fwd_rows, fwd_bn, stages = 128, 64, 3
+    return {"keys": keys, "rows": rows, "threads": 256, "fwd_rows": fwd_rows,
+            "k_attn_flash_fwd": fwd_rows * hs * 2 + 2 * stages * fwd_bn * hs * 2,
             "k_attn_flash_bwd_dkv": 2 * keys * hs * 2 + 4 * bq * hs * 2 + 4 * bq * 4,
             "k_attn_flash_bwd_dq": 2 * rows * hs * 2 + 4 * bn * hs * 2}
 
 
 @functools.lru_cache(maxsize=None)
-def _device_takes_hopper_bwd(device_id: int, hs: int) -> bool:
-    """Compute capability 9.0 (wgmma.mma_async, through the sm_90a build) and room for version 7's
-    tiles at head size hs; asked once per device and head size, not at every launch."""
+def _device_takes_hopper(device_id: int, hs: int) -> bool:
+    """Compute capability 9.0 (wgmma.mma_async, through the sm_90a build) and room for the tiles of
+    versions 8 and 7 at head size hs; asked once per device and head size, not at every launch."""
     dev = cp.cuda.Device(device_id)
     if int(dev.compute_capability) != 90:
         return False
@@ -115,9 +118,9 @@ class CudaOps:
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # after a plain product (False); docs/BENCHMARKS.md has the timings behind the default
     dgelu_epilogue = False
-    # the attention backward's dQ and dK/dV on wgmma (attention_hopper.cu, version 7) on compute
-    # capability 9.0; False: version 4's mma.sync kernels everywhere (dev/cuda/harness.py --set
-    # hopper_attention=0 times one against the other)
+    # the fused attention on wgmma (attention_hopper.cu: the forward, version 8, and the backward's
+    # dQ and dK/dV, version 7) on compute capability 9.0; False: version 4's mma.sync kernels
+    # everywhere (dev/cuda/harness.py --set hopper_attention=0 times one against the other)
     hopper_attention = True
     # the GELU pass of the MLP backward also writes the first bias's column partials
     # (k_mlp_bwd_gelu_colsum; False: k_mlp_bwd_gelu, then k_colsum_partial reads dact again)
@@ -412,15 +415,15 @@ class CudaOps:
         """Which kernels k_attn_fwd/_bwd run for this dtype and head size, for the memory plan's line."""
         if self.attention_variant(dtype, head_size) != "fused":
             return "materialised (version 1: cuBLAS products, T x T scores)"
-        bwd = ("wgmma, sm_90a (version 7, attention_hopper.cu)" if self._hopper_bwd(head_size)
-               else "mma.sync (version 4)")
-        return f"fused: forward mma.sync (version 4), backward {bwd}"
+        if self._hopper(head_size):
+            return "fused: wgmma, sm_90a (attention_hopper.cu: forward version 8, backward version 7)"
+        return "fused: mma.sync (version 4)"
 
-    def _hopper_bwd(self, hs: int) -> bool:
-        """The backward's dQ and dK/dV kernels come from attention_hopper.cu (wgmma): compute
-        capability 9.0, CudaOps.hopper_attention set, and the tiles fit the device."""
+    def _hopper(self, hs: int) -> bool:
+        """The fused path's forward and the backward's dQ and dK/dV come from attention_hopper.cu
+        (wgmma): compute capability 9.0, CudaOps.hopper_attention set, and the tiles fit the device."""
         return (self.hopper_attention and hs in FLASH_HEAD_SIZES
-                and _device_takes_hopper_bwd(cp.cuda.Device().id, hs))
+                and _device_takes_hopper(cp.cuda.Device().id, hs))
 
     def _fused(self, dtype, hs, *arrays) -> bool:
         """Version 4 applies: attention_variant says so, and every array is 16-byte aligned (its
@@ -449,10 +452,15 @@ class CudaOps:
         check("k_attn_fwd", "lse", lse, (B, NH, T), np.float32)
         scale = np.float32(1.0 / math.sqrt(hs))
         if self._fused(ct, hs, qkv, out):
+            args = (out, lse, qkv, i32(B), i32(T), i32(NH), scale)
+            if self._hopper(hs):  # version 8: wgmma, 256 threads, 128 query rows a block
+                geo = hopper_geometry(hs)
+                self.rt.launch("attention_hopper.cu", "k_attn_flash_fwd", ct, (B * NH, -(-T // geo["fwd_rows"])),
+                               geo["threads"], args, shared_mem=geo["k_attn_flash_fwd"], hs=hs, arch="sm_90a")
+                return
             geo = flash_geometry(hs)
             self.rt.launch("attention.cu", "k_attn_flash_fwd", ct, (B * NH, -(-T // geo["fwd_rows"])), 128,
-                           (out, lse, qkv, i32(B), i32(T), i32(NH), scale), shared_mem=geo["k_attn_flash_fwd"],
-                           hs=hs)
+                           args, shared_mem=geo["k_attn_flash_fwd"], hs=hs)
             return
         q, k, v, S = self._attn_scores(qkv, B, T, C, NH, hs)
         BH = B * NH
@@ -481,7 +489,7 @@ class CudaOps:
             self.rt.launch("attention.cu", "k_attn_flash_D", ct, -(-(BH * T) // THREADS), THREADS,
                            (D, dout, out, i32(B), i32(T), i32(NH)), hs=hs)
             args = (dqkv, qkv, dout, lse, D, i32(B), i32(T), i32(NH), scale, i32(int(accumulate)))
-            if self._hopper_bwd(hs):  # version 7: wgmma, 256 threads, 128 query rows / keys a block
+            if self._hopper(hs):  # version 7: wgmma, 256 threads, 128 query rows / keys a block
                 geo = hopper_geometry(hs)
                 for kernel, rows in (("k_attn_flash_bwd_dq", geo["rows"]), ("k_attn_flash_bwd_dkv", geo["keys"])):
                     self.rt.launch("attention_hopper.cu", kernel, ct, (BH, -(-T // rows)), geo["threads"], args,
