@@ -1,12 +1,25 @@
 // loss.cu: cross-entropy over the tied projection, the fused classifier. The launchers
-// (andrea/backends/cuda.py) go over the N = B*T rows in chunks the size of the logits workspace:
-// per chunk cuBLAS makes logits (R, V) = inp @ wte^T, then one block per row reduces it to its
-// log-sum-exp (online max/sum merged in a fixed order) and loss. k_loss_fwd stops there
-// (evaluation); k_loss_bwd goes on in the same pass over the row, turning it in place into
-// dlogits = (softmax - onehot(target)) * dloss for the two backward products of the chunk. So no
-// (B, T, V) buffer exists, and training reads each row of logits twice and writes it once.
+// (andrea/backends/cuda/ops.py) go over the N = B*T rows in chunks the size of the logits
+// workspace: per chunk cuBLAS makes logits (R, V) = inp @ wte^T, then the row pass reduces each row
+// to its log-sum-exp and loss. k_loss_fwd stops there (evaluation); k_loss_bwd goes on in the same
+// pass, turning the row in place into dlogits = (softmax - onehot(target)) * dloss for the two
+// backward products of the chunk. So no (B, T, V) buffer exists.
+//
+// Two row passes, the same arithmetic contract (lse = max + log(sum exp), merged in a fixed order,
+// so reruns give the same bits; fwd and bwd of one path give the same lse bits):
+// - loss_fwd_regs / loss_bwd_regs (version 2): each row read from memory ONCE. A row of whole
+//   16-byte vectors is held in registers, LOSS_NV vectors per thread (LOSS_THREADS threads, both
+//   -D options chosen by the launcher from V); lse, loss and dlogits are made from the registers.
+//   A block walks rows blockIdx.x, + gridDim.x, ... (the grid is what fits on the GPU at once) and
+//   with LOSS_PREFETCH stages its next row in shared memory by cp.async while it computes this
+//   one, in two buffers taken in turn, each thread copying and later reading only its own vectors.
+//   exp is ex2.approx of (x - m) * log2(e) (one MUFU op per element and pass).
+// - loss_fwd / loss_bwd (version 1, dev/cuda/loss_v1.cu): one block of 512 threads per row, the
+//   row read twice (lse, then dlogits), with expf. Every row that is no whole 16-byte vectors or
+//   too long for the registers (float32 at V = 50304) takes it.
 #include "common.cuh"
 
+// ---------------------------------------------------------------- version 1 (any row)
 // Merge CT_VEC values of one 16-byte vector into a thread's online softmax state (m, z): one
 // rescale per vector instead of one per element.
 __device__ __forceinline__ void merge_vec(const vec16& r, float& m, float& z) {
@@ -21,12 +34,28 @@ __device__ __forceinline__ void merge_vec(const vec16& r, float& m, float& z) {
   m = mx;
 }
 
-// Log-sum-exp of row x (V values) by one block (blockDim.x a multiple of 32, at most 1024),
-// returned to every thread. A row in whole aligned 16-byte vectors is read 16 bytes per load, two
-// loads in flight per thread (version 1, in git history, loaded one element per thread and
-// waited on memory latency); any other row one element at a time.
-__device__ __forceinline__ float row_lse(const CT* x, int V) {
+// The block's (m, z) states merged in the fixed shuffle-tree order; lse = m + log(z) returned to
+// every thread (blockDim.x a multiple of 32, at most 1024). Two barriers: the scratch can be
+// reused by the next call.
+__device__ __forceinline__ float block_lse(float m, float z) {
   __shared__ float sm[32], ss[32], out;
+  warp_softmax_state(m, z);
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  if (lane == 0) { sm[warp] = m; ss[warp] = z; }
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < nw ? sm[lane] : NEG_INF;
+    z = lane < nw ? ss[lane] : 0.f;
+    warp_softmax_state(m, z);
+    if (lane == 0) out = m + logf(z);
+  }
+  __syncthreads();
+  return out;
+}
+
+// Log-sum-exp of row x (V values) by one block. A row in whole aligned 16-byte vectors is read 16
+// bytes per load, two loads in flight per thread; any other row one element at a time.
+__device__ __forceinline__ float row_lse(const CT* x, int V) {
   float m = NEG_INF, z = 0.f;
   if (V % CT_VEC == 0 && aligned16(x)) {
     const vec16* xv = (const vec16*)x;
@@ -43,18 +72,7 @@ __device__ __forceinline__ float row_lse(const CT* x, int V) {
       if (v > m) { z = z * expf(m - v) + 1.f; m = v; } else { z += expf(v - m); }
     }
   }
-  warp_softmax_state(m, z);
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  if (lane == 0) { sm[warp] = m; ss[warp] = z; }
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < nw ? sm[lane] : NEG_INF;
-    z = lane < nw ? ss[lane] : 0.f;
-    warp_softmax_state(m, z);
-    if (lane == 0) out = m + logf(z);
-  }
-  __syncthreads();
-  return out;
+  return block_lse(m, z);
 }
 
 // Thread 0 of the block writes the row's lse and loss. A target outside [0, V) gives a NaN loss
@@ -66,19 +84,19 @@ __device__ __forceinline__ void row_loss(float* losses, float* lse, const CT* x,
   }
 }
 
-// Rows of one chunk: losses, lse, targets and logits all start at the chunk's first row.
-extern "C" __global__ void k_loss_fwd(float* losses, float* lse, const CT* logits, const int* targets,
-                                      i64 N, int V) {
+// Rows of one chunk, a block each: losses, lse, targets and logits all start at the chunk's first row.
+extern "C" __global__ void loss_fwd(float* losses, float* lse, const CT* logits, const int* targets,
+                                    i64 N, int V) {
   i64 row = blockIdx.x;
   const CT* x = logits + row * V;
   float L = row_lse(x, V);
   row_loss(losses + row, lse + row, x, targets[row], V, L);
 }
 
-// As k_loss_fwd, then logits[row] = (exp(logits - lse) - [j == target]) * dloss in place; dloss
+// As loss_fwd, then logits[row] = (exp(logits - lse) - [j == target]) * dloss in place; dloss
 // is read from the device (the engine's, written by k_step_check) when dloss_ptr is not null.
-extern "C" __global__ void k_loss_bwd(float* losses, float* lse, CT* logits, const int* targets,
-                                      i64 N, int V, const float* dloss_ptr, float dloss) {
+extern "C" __global__ void loss_bwd(float* losses, float* lse, CT* logits, const int* targets,
+                                    i64 N, int V, const float* dloss_ptr, float dloss) {
   if (dloss_ptr) dloss = *dloss_ptr;
   i64 row = blockIdx.x;
   CT* x = logits + row * V;
@@ -103,4 +121,160 @@ extern "C" __global__ void k_loss_bwd(float* losses, float* lse, CT* logits, con
       x[j] = from_f<CT>(p * dloss);
     }
   }
+}
+
+// ---------------------------------------------------------------- version 2 (row in registers)
+#ifndef LOSS_NV
+#define LOSS_NV 8  // 16-byte vectors of the row per thread: thread i holds vectors i + k * blockDim.x
+#endif
+#ifndef LOSS_THREADS
+#define LOSS_THREADS 1024  // the block size the launcher uses (launch bounds: the register budget)
+#endif
+#ifndef LOSS_PREFETCH
+#define LOSS_PREFETCH 1  // stage the next row in shared memory (2 * LOSS_NV * LOSS_THREADS vectors)
+#endif
+#define LOSS_LOG2E 1.4426950408889634f
+
+__device__ __forceinline__ float ex2(float x) {  // 2^x, MUFU.EX2 (relative error ~2^-22)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Element i of a 16-byte vector as float, from its 32-bit words (vget goes through memory, which
+// for bf16 left the row in a local-memory array at LOSS_NV = 8).
+__device__ __forceinline__ float vword(const vec16& r, int i, float*) { return __uint_as_float(r.w[i]); }
+__device__ __forceinline__ float vword(const vec16& r, int i, f16*) {
+  float f;
+  unsigned short h = (unsigned short)(i & 1 ? r.w[i >> 1] >> 16 : r.w[i >> 1] & 0xffffu);
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ float vword(const vec16& r, int i, bf16*) {
+  return __uint_as_float(i & 1 ? r.w[i >> 1] & 0xffff0000u : r.w[i >> 1] << 16);
+}
+#define VGET(r, i) vword(r, i, (CT*)0)
+
+// CT_VEC floats into one 16-byte vector, two 16-bit values per conversion instruction.
+__device__ __forceinline__ void vpack(vec16& r, const float* p, float*) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r.w[i] = __float_as_uint(p[i]);
+}
+__device__ __forceinline__ void vpack(vec16& r, const float* p, f16*) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r.w[i]) : "f"(p[2 * i + 1]), "f"(p[2 * i]));
+}
+__device__ __forceinline__ void vpack(vec16& r, const float* p, bf16*) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r.w[i]) : "f"(p[2 * i + 1]), "f"(p[2 * i]));
+}
+
+__device__ __forceinline__ void loss_cp16(vec16* smem, const vec16* gmem) {
+  unsigned s;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+
+// Start copying this thread's vectors of row xv into its slots of buffer buf.
+__device__ __forceinline__ void loss_stage(vec16* buf, const vec16* xv, int nv) {
+#pragma unroll
+  for (int k = 0; k < LOSS_NV; ++k) {
+    int q = threadIdx.x + k * LOSS_THREADS;
+    if (q < nv) loss_cp16(buf + q, xv + q);
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// The row pass of version 2 over rows blockIdx.x, + gridDim.x, ... < N of the chunk (blockDim.x
+// must be LOSS_THREADS, and LOSS_NV * LOSS_THREADS vectors must cover the row: the launcher's
+// plan). BWD: dlogits in place, dloss_ptr as in loss_bwd.
+template <bool BWD>
+__device__ __forceinline__ void loss_rows(float* losses, float* lse, CT* logits, const int* targets, i64 N,
+                                          int V, const float* dloss_ptr, float dloss) {
+  if (BWD && dloss_ptr) dloss = *dloss_ptr;
+  const int nv = V / CT_VEC, tid = threadIdx.x;
+  vec16 r[LOSS_NV];
+#if LOSS_PREFETCH
+  extern __shared__ vec16 loss_buf[];  // two buffers of LOSS_NV * LOSS_THREADS vectors
+  int b = 0;
+  if ((i64)blockIdx.x < N) loss_stage(loss_buf, (const vec16*)(logits + (i64)blockIdx.x * V), nv);
+#endif
+  for (i64 row = blockIdx.x; row < N; row += gridDim.x) {
+    vec16* xv = (vec16*)(logits + row * V);
+#if LOSS_PREFETCH
+    // this thread's copies of the row have landed (it reads no other thread's slots); the other
+    // buffer was last read two rows ago, before the barriers of the last row's block_lse
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    const vec16* cur = loss_buf + b * (LOSS_NV * LOSS_THREADS);
+#pragma unroll
+    for (int k = 0; k < LOSS_NV; ++k) {
+      int q = tid + k * LOSS_THREADS;
+      if (q < nv) r[k] = cur[q];
+    }
+    b ^= 1;
+    if (row + gridDim.x < N)
+      loss_stage(loss_buf + b * (LOSS_NV * LOSS_THREADS), (const vec16*)(logits + (row + gridDim.x) * V), nv);
+#else
+#pragma unroll
+    for (int k = 0; k < LOSS_NV; ++k) {
+      int q = tid + k * LOSS_THREADS;
+      if (q < nv) r[k] = xv[q];
+    }
+#endif
+    // this thread's max, then its sum of exp(x - max): no rescaling inside the thread
+    float m = NEG_INF, z = 0.f;
+#pragma unroll
+    for (int k = 0; k < LOSS_NV; ++k)
+      if (tid + k * LOSS_THREADS < nv) {
+#pragma unroll
+        for (int i = 0; i < CT_VEC; ++i) m = fmaxf(m, VGET(r[k], i));
+      }
+    if (m != NEG_INF) {
+#pragma unroll
+      for (int k = 0; k < LOSS_NV; ++k)
+        if (tid + k * LOSS_THREADS < nv) {
+#pragma unroll
+          for (int i = 0; i < CT_VEC; ++i) z += ex2((VGET(r[k], i) - m) * LOSS_LOG2E);
+        }
+    }
+    float L = block_lse(m, z);
+    int t = targets[row], qt = t / CT_VEC;
+    if (tid == 0) {
+      lse[row] = L;
+      if (t < 0 || t >= V) losses[row] = __int_as_float(0x7fc00000);  // NaN, as version 1
+    }
+    // x[t] read again (one element, from L2) by the thread that holds it, before it overwrites
+    // it: picking it out of the registers by a run-time index put the row in local memory
+    bool owner = t >= 0 && t < V && tid == qt % LOSS_THREADS;
+    float xt = owner ? to_f(logits[row * V + t]) : 0.f;
+    if (owner) losses[row] = L - xt;
+    if (BWD) {
+#pragma unroll
+      for (int k = 0; k < LOSS_NV; ++k) {
+        int q = tid + k * LOSS_THREADS;
+        if (q < nv) {
+          float p[CT_VEC];
+#pragma unroll
+          for (int i = 0; i < CT_VEC; ++i) p[i] = ex2((VGET(r[k], i) - L) * LOSS_LOG2E) * dloss;
+          vec16 o;
+          vpack(o, p, (CT*)0);
+          xv[q] = o;
+        }
+      }
+      // the target's element written once more, with the one-hot: same thread, same address,
+      // later in program order (a run-time index into p[] put it in local memory)
+      if (owner) logits[row * V + t] = from_f<CT>((ex2((xt - L) * LOSS_LOG2E) - 1.f) * dloss);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
+    loss_fwd_regs(float* losses, float* lse, CT* logits, const int* targets, i64 N, int V) {
+  loss_rows<false>(losses, lse, logits, targets, N, V, nullptr, 0.f);
+}
+
+extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
+    loss_bwd_regs(float* losses, float* lse, CT* logits, const int* targets, i64 N, int V,
+                  const float* dloss_ptr, float dloss) {
+  loss_rows<true>(losses, lse, logits, targets, N, V, dloss_ptr, dloss);
 }

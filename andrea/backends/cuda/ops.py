@@ -93,6 +93,52 @@ def _attn_shapes(kernel, qkv, n_head):
     return B, T, C, n_head, C // n_head
 
 
+LOSS_THREADS_V1 = 512  # block of loss.cu's version 1 row pass (one row a block)
+LOSS_ROW_REGS = 28  # registers of loss.cu's version 2 beyond its 4 a vector (ptxas: 60-64 at 8 vectors)
+
+
+def loss_row_plan(V: int, itemsize: int, vectors: int = 8, prefetch: bool = True, smem_max: int = 232448):
+    """The launch of loss.cu's version 2 row pass (the row held in registers) for rows of V
+    elements of itemsize bytes: (vectors a thread, threads a block, bytes of dynamic shared
+    memory), or None where version 1 runs instead: rows that are no whole 16-byte vectors, or
+    too long for one block's registers (float32 at V = 50304). About `vectors` 16-byte vectors a
+    thread, the block a multiple of 32 threads (at most 1024) that covers the row, then the
+    fewest vectors a thread that still do; the next row staged in shared memory (two buffers)
+    where prefetch is set and they fit in smem_max."""
+    vec = 16 // itemsize
+    if V % vec or V <= 0:
+        return None
+    n = V // vec
+    nv = max(1, min(vectors, -(-n // 32)))
+    threads = 32 * -(-n // (32 * nv))
+    if threads > 1024:
+        threads = 1024
+    nv = -(-n // threads)
+    if 4 * nv + LOSS_ROW_REGS > (65536 // threads) // 8 * 8:
+        return None
+    smem = 2 * nv * threads * 16 if prefetch else 0
+    return nv, threads, (smem if smem <= smem_max else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_limits(device_id: int) -> dict:
+    a = cp.cuda.Device(device_id).attributes
+    return {"sms": int(a["MultiProcessorCount"]), "smem_optin": int(a["MaxSharedMemoryPerBlockOptin"]),
+            "regs": int(a.get("MaxRegistersPerMultiprocessor", 65536)),
+            "smem": int(a.get("MaxSharedMemoryPerMultiprocessor", 233472)),
+            "threads": int(a.get("MaxThreadsPerMultiProcessor", 2048)),
+            "blocks": int(a.get("MaxBlocksPerMultiprocessor", 32))}
+
+
+def resident_blocks(num_regs: int, threads: int, smem: int, lim: dict) -> int:
+    """Blocks of a kernel that fit on one SM at once (registers allocated 256 a warp, 1 KB of
+    shared memory reserved a block): the grid of a kernel whose blocks walk the rows."""
+    warps = -(-threads // 32)
+    by_regs = lim["regs"] // (warps * (-(-num_regs * 32 // 256) * 256))
+    by_smem = lim["smem"] // (smem + 1024)
+    return max(1, min(by_regs, by_smem, lim["threads"] // threads, lim["blocks"]))
+
+
 def _loss_checks(kernel, losses, lse, logits, inp, wte, targets):
     """Checks, and flat row views: x (N, C), targets, losses, lse (N,), logits as (R, V)."""
     V, C = wte.shape
@@ -135,6 +181,13 @@ class CudaOps:
     # SM) is estimated to cost less: ~14 us against 84 us measured at N = 8192, scaled, meet near
     # N = 2^16 (docs/BENCHMARKS.md; dev/cuda/harness.py embed main v1 at growing B*T measures it)
     embed_rank_max = EMBED_RANK_MAX
+    # the classifier's row pass (loss.cu version 2): about this many 16-byte vectors of a row per
+    # thread, the next row staged in shared memory while this one is computed, and (0: as many as
+    # fit on the GPU) the blocks that walk the rows (dev/cuda/harness.py --set loss_vectors=16,
+    # --set loss_prefetch=0; tests cap the blocks so that each walks many rows)
+    loss_vectors = 8
+    loss_prefetch = 1
+    loss_blocks = 0
 
     def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False, n_layer: int = 0):
         """[(name, shape, dtype)] of the scratch the kernels take for one model shape: what
@@ -619,6 +672,28 @@ class CudaOps:
                        (da, db, dout, i64(dout.size)))
 
     # ------------------------------------------------------------ loss
+    def _loss_rows(self, bwd: bool, n: int, z, ct, args):
+        """The row pass over the n rows of chunk z (n, V): version 2 where loss_row_plan has one,
+        else version 1 (the same lse bits in k_loss_fwd and k_loss_bwd either way: both take the
+        same path for the same V, dtype and alignment)."""
+        lim = _sm_limits(z.device.id)
+        plan = None if z.data.ptr % 16 else loss_row_plan(z.shape[1], np.dtype(ct).itemsize, self.loss_vectors,
+                                                          bool(self.loss_prefetch), lim["smem_optin"])
+        if plan is None:
+            if bwd:
+                self.rt.launch("loss.cu", "loss_bwd", ct, n, LOSS_THREADS_V1, args)
+            else:
+                self.rt.launch("loss.cu", "loss_fwd", ct, n, LOSS_THREADS_V1, args)
+            return
+        nv, threads, smem = plan
+        defs = (f"-DLOSS_NV={nv}", f"-DLOSS_THREADS={threads}", f"-DLOSS_PREFETCH={int(smem > 0)}")
+        f = self.rt.function("loss.cu", "loss_bwd_regs" if bwd else "loss_fwd_regs", ct, defs)
+        grid = min(n, self.loss_blocks or lim["sms"] * resident_blocks(f.num_regs, threads, smem, lim))
+        if bwd:
+            self.rt.launch("loss.cu", "loss_bwd_regs", ct, grid, threads, args, shared_mem=smem, defs=defs)
+        else:
+            self.rt.launch("loss.cu", "loss_fwd_regs", ct, grid, threads, args, shared_mem=smem, defs=defs)
+
     def k_loss_fwd(self, losses, lse, logits, inp, wte, targets):
         """Writes losses, lse (B,T); logits (R, V) is workspace: chunks of R rows of inp @ wte.T."""
         x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_loss_fwd", losses, lse, logits, inp, wte, targets)
@@ -627,8 +702,7 @@ class CudaOps:
             n = min(R, N - r0)
             z = z_all[:n]
             self.blas.gemm(z, x[r0:r0 + n], wte, False, True, n, V, C, C, C, V)
-            self.rt.launch("loss.cu", "k_loss_fwd", ct, n, 512,
-                           (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)))
+            self._loss_rows(False, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)))
 
     def k_loss_bwd(self, losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, accumulate=True):
         """The fused classifier (numpy_ref.k_loss_bwd): per chunk of R rows the logits product, loss,
@@ -649,8 +723,7 @@ class CudaOps:
             n = min(R, N - r0)
             z = z_all[:n]
             blas.gemm(z, x[r0:r0 + n], wte, False, True, n, V, C, C, C, V)
-            self.rt.launch("loss.cu", "k_loss_bwd", ct, n, 512,
-                           (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)) + dl)
+            self._loss_rows(True, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)) + dl)
             blas.gemm(dx[r0:r0 + n], z, wte, False, False, n, C, V, V, C, C, beta=beta)
             blas.gemm(dwte, z, x[r0:r0 + n], True, False, V, C, n, V, C, C, beta=1.0)
 
