@@ -34,22 +34,15 @@ __device__ __forceinline__ void merge_vec(const vec16& r, float& m, float& z) {
   m = mx;
 }
 
-struct no_stage {
-  __device__ void operator()() const {}
-};
-
 // The block's (m, z) states merged in the fixed shuffle-tree order; lse = m + log(z) returned to
 // every thread (blockDim.x a multiple of 32, at most 1024). Two barriers: the scratch can be
-// reused by the next call. after_barrier() runs in every thread once the first barrier is passed
-// (version 2's prefetch distance 2 refills the buffer the row was read from there).
-template <typename F = no_stage>
-__device__ __forceinline__ float block_lse(float m, float z, F after_barrier = F()) {
+// reused by the next call.
+__device__ __forceinline__ float block_lse(float m, float z) {
   __shared__ float sm[32], ss[32], out;
   warp_softmax_state(m, z);
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   if (lane == 0) { sm[warp] = m; ss[warp] = z; }
   __syncthreads();
-  after_barrier();
   if (warp == 0) {
     m = lane < nw ? sm[lane] : NEG_INF;
     z = lane < nw ? ss[lane] : 0.f;
@@ -138,10 +131,7 @@ extern "C" __global__ void loss_bwd(float* losses, float* lse, CT* logits, const
 #define LOSS_THREADS 1024  // the block size the launcher uses (launch bounds: the register budget)
 #endif
 #ifndef LOSS_PREFETCH
-// 0: none; 1: stage the next row in shared memory (two buffers of LOSS_NV * LOSS_THREADS vectors)
-// as soon as this one is in registers; 2: two rows ahead, each buffer refilled (with the row after
-// the next) once the barrier after pass 1 has passed, so up to two rows are in flight
-#define LOSS_PREFETCH 1
+#define LOSS_PREFETCH 1  // stage the next row in shared memory (2 * LOSS_NV * LOSS_THREADS vectors)
 #endif
 #define LOSS_LOG2E 1.4426950408889634f
 
@@ -206,36 +196,24 @@ __device__ __forceinline__ void loss_rows(float* losses, float* lse, CT* logits,
   vec16 r[LOSS_NV];
 #if LOSS_PREFETCH
   extern __shared__ vec16 loss_buf[];  // two buffers of LOSS_NV * LOSS_THREADS vectors
-  const int SLOTS = LOSS_NV * LOSS_THREADS;
   int b = 0;
   if ((i64)blockIdx.x < N) loss_stage(loss_buf, (const vec16*)(logits + (i64)blockIdx.x * V), nv);
-#if LOSS_PREFETCH == 2
-  if ((i64)blockIdx.x + gridDim.x < N)
-    loss_stage(loss_buf + SLOTS, (const vec16*)(logits + ((i64)blockIdx.x + gridDim.x) * V), nv);
-  else
-    asm volatile("cp.async.commit_group;" ::: "memory");  // an empty group: one group a row, always
-#endif
 #endif
   for (i64 row = blockIdx.x; row < N; row += gridDim.x) {
     vec16* xv = (vec16*)(logits + row * V);
 #if LOSS_PREFETCH
-    // this thread's copies of the row have landed (it reads no other thread's slots)
-#if LOSS_PREFETCH == 2
-    asm volatile("cp.async.wait_group 1;" ::: "memory");  // the next row's group may still be pending
-#else
+    // this thread's copies of the row have landed (it reads no other thread's slots); the other
+    // buffer was last read two rows ago, before the barriers of the last row's block_lse
     asm volatile("cp.async.wait_group 0;" ::: "memory");
-#endif
-    vec16* cur = loss_buf + b * SLOTS;
+    const vec16* cur = loss_buf + b * (LOSS_NV * LOSS_THREADS);
 #pragma unroll
     for (int k = 0; k < LOSS_NV; ++k) {
       int q = tid + k * LOSS_THREADS;
       if (q < nv) r[k] = cur[q];
     }
-#if LOSS_PREFETCH == 1
-    // the other buffer was last read two rows ago, before the barriers of that row's block_lse
     b ^= 1;
-    if (row + gridDim.x < N) loss_stage(loss_buf + b * SLOTS, (const vec16*)(logits + (row + gridDim.x) * V), nv);
-#endif
+    if (row + gridDim.x < N)
+      loss_stage(loss_buf + b * (LOSS_NV * LOSS_THREADS), (const vec16*)(logits + (row + gridDim.x) * V), nv);
 #else
 #pragma unroll
     for (int k = 0; k < LOSS_NV; ++k) {
@@ -259,19 +237,7 @@ __device__ __forceinline__ void loss_rows(float* losses, float* lse, CT* logits,
           for (int i = 0; i < CT_VEC; ++i) z += ex2((VGET(r[k], i) - m) * LOSS_LOG2E);
         }
     }
-#if LOSS_PREFETCH == 2
-    // cur was read before block_lse's first barrier: refill it with the row after the next
-    const i64 ahead = row + 2 * (i64)gridDim.x;
-    float L = block_lse(m, z, [&]() {
-      if (ahead < N)
-        loss_stage(cur, (const vec16*)(logits + ahead * V), nv);
-      else
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    });
-    b ^= 1;
-#else
     float L = block_lse(m, z);
-#endif
     int t = targets[row], qt = t / CT_VEC;
     if (tid == 0) {
       lse[row] = L;

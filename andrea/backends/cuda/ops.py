@@ -182,10 +182,10 @@ class CudaOps:
     # N = 2^16 (docs/BENCHMARKS.md; dev/cuda/harness.py embed main v1 at growing B*T measures it)
     embed_rank_max = EMBED_RANK_MAX
     # the classifier's row pass (loss.cu version 2): about this many 16-byte vectors of a row per
-    # thread, the next rows staged in shared memory while this one is computed (LOSS_PREFETCH: 0
-    # none, 1 the next row, 2 two rows ahead), and (0: as many as fit on the GPU) the blocks that
-    # walk the rows (dev/cuda/harness.py --set loss_vectors=16, --set loss_prefetch=0; tests cap
-    # the blocks so that each walks many rows)
+    # thread, the next row staged in shared memory while this one is computed, and (0: as many as
+    # fit on the GPU) the blocks that walk the rows (dev/cuda/loss_rows.py --setting vectors=16,
+    # --setting prefetch=0; tests cap the blocks so that each walks many rows). docs/BENCHMARKS.md
+    # has the timings behind the defaults
     loss_vectors = 8
     loss_prefetch = 1
     loss_blocks = 0
@@ -687,7 +687,7 @@ class CudaOps:
                 self.rt.launch("loss.cu", "loss_fwd", ct, n, LOSS_THREADS_V1, args)
             return
         nv, threads, smem = plan
-        defs = (f"-DLOSS_NV={nv}", f"-DLOSS_THREADS={threads}", f"-DLOSS_PREFETCH={int(self.loss_prefetch) if smem else 0}")
+        defs = (f"-DLOSS_NV={nv}", f"-DLOSS_THREADS={threads}", f"-DLOSS_PREFETCH={int(smem > 0)}")
         f = self.rt.function("loss.cu", "loss_bwd_regs" if bwd else "loss_fwd_regs", ct, defs)
         grid = min(n, self.loss_blocks or lim["sms"] * resident_blocks(f.num_regs, threads, smem, lim))
         if bwd:
