@@ -507,6 +507,24 @@ def k_fp8_cast_transpose(out, out_t, meta, x, fmt):
         out_t[...] = q.T
 
 
+def k_fp8_amax_many(meta, xs):
+    """Many tensors at once (the FP8 copies of the weights, cuda/fp8.py): meta (n, 2m) float32 =
+    0, then meta[t, 0] = max |xs[t]| (k_fp8_amax of each)."""
+    meta[...] = 0
+    for t, x in enumerate(xs):
+        k_fp8_amax(meta[t], x)
+
+
+def k_fp8_cast_transpose_many(outs, outs_t, meta, xs, fmt):
+    """k_fp8_cast_transpose of each xs[t] (R, K) into outs[t] and/or outs_t[t] (an entry None
+    skips it), scale from meta[t, 0], 1/scale into meta[t, m] (meta (n, 2m))."""
+    m = meta.shape[1] // 2
+    for t, x in enumerate(xs):
+        pair = np.array([meta[t, 0], 0.0], dtype=np.float32)
+        k_fp8_cast_transpose(outs[t], outs_t[t], pair, x, fmt)
+        meta[t, m] = pair[1]
+
+
 def fp8_fake(x, fmt):
     """x as the FP8 product sees it: fp8(x * scale) / scale with x's own scale, in float64."""
     meta = np.zeros(2, dtype=np.float32)

@@ -73,14 +73,15 @@ __device__ __forceinline__ Bytes8 fp8x8(const Pack8& p, float s) {
   return r;
 }
 
-// meta[0] = max(meta[0], max |x|) over x (n values, n % 8 == 0). The maximum is taken on the
-// float bits as unsigned integers, which order non-negative floats as their values and put NaN
-// above infinity, so a NaN anywhere makes amax NaN. One atomicMax per block.
-extern "C" __global__ void k_fp8_amax(float* meta, const CT* x, i64 n) {
+// meta[0] = max(meta[0], max |x|) over the Pack8 vectors [first, n / 8) of x, stepping by step,
+// one block's share. The maximum is taken on the float bits as unsigned integers, which order
+// non-negative floats as their values and put NaN above infinity, so a NaN anywhere makes amax
+// NaN. One atomicMax per block.
+__device__ __forceinline__ void fp8_amax_block(float* meta, const CT* x, i64 n, i64 first, i64 step) {
   __shared__ unsigned int warp_max_bits[32];
   unsigned int m = 0u;
   const Pack8* xp = reinterpret_cast<const Pack8*>(x);
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n / 8; i += (i64)gridDim.x * blockDim.x) {
+  for (i64 i = first; i < n / 8; i += step) {
     Pack8 p = xp[i];
 #pragma unroll
     for (int j = 0; j < 8; ++j) m = umax(m, __float_as_uint(to_f(p.v[j])) & 0x7fffffffu);
@@ -96,6 +97,11 @@ extern "C" __global__ void k_fp8_amax(float* meta, const CT* x, i64 n) {
   }
 }
 
+// meta[0] = max(meta[0], max |x|) over x (n values, n % 8 == 0), a grid-stride pass.
+extern "C" __global__ void k_fp8_amax(float* meta, const CT* x, i64 n) {
+  fp8_amax_block(meta, x, n, blockIdx.x * (i64)blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
+}
+
 // out (n bytes) = fp8(x * scale), scale from meta[0]; meta[inv_at] = 1/scale (n % 8 == 0).
 extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_at, const CT* x, i64 n) {
   float inv, s = fp8_scale(meta[0], &inv);
@@ -106,16 +112,14 @@ extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_a
     op[i] = fp8x8(xp[i], s);
 }
 
-// x (R, K) to out (R, K) and/or out_t (K, R) (a null pointer skips it), as k_fp8_cast. Tiles of
-// 64 x 64: 256 threads read 8 consecutive values each (twice), write them to out and to a shared
-// byte tile, then write 8 consecutive bytes of a row of out_t each (twice). R % 8 == K % 8 == 0.
+// One 64 x 64 tile at (r0, c0) of x (R, K) to out (R, K) and/or out_t (K, R) (a null pointer
+// skips it) with scale s: 256 threads read 8 consecutive values each (twice), write them to out
+// and to a shared byte tile, then write 8 consecutive bytes of a row of out_t each (twice).
+// R % 8 == K % 8 == 0. The caller syncs before reusing tile.
 #define FP8_TILE 64
-extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
-                                                int inv_at, const CT* x, int R, int K) {
-  __shared__ unsigned char tile[FP8_TILE][FP8_TILE + 8];
-  float inv, s = fp8_scale(meta[0], &inv);
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[inv_at] = inv;
-  int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
+__device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char* out_t, const CT* x, int R,
+                                              int K, int r0, int c0, float s,
+                                              unsigned char (*tile)[FP8_TILE + 8]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
@@ -140,5 +144,48 @@ extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned cha
       }
       *reinterpret_cast<Bytes8*>(out_t + (i64)(c0 + col) * R + r0 + r8) = Bytes8{lo, hi};
     }
+  }
+}
+
+// x (R, K) to out (R, K) and/or out_t (K, R) (a null pointer skips it), as k_fp8_cast: one
+// block a tile.
+extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
+                                                int inv_at, const CT* x, int R, int K) {
+  __shared__ unsigned char tile[FP8_TILE][FP8_TILE + 8];
+  float inv, s = fp8_scale(meta[0], &inv);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[inv_at] = inv;
+  fp8_cast_tile(out, out_t, x, R, K, blockIdx.y * FP8_TILE, blockIdx.x * FP8_TILE, s, tile);
+}
+
+// ---- many tensors in one launch (the FP8 copies of the weights, made once per optimizer step)
+// table: FP8_TABLE_COLS int64 per tensor: the address of x, of out, of out_t (0 skips it), R, K.
+// Tensor t is blockIdx.y; its meta row is meta + t * meta_stride (amax at 0, 1/scale at inv_at).
+// Each tensor's bytes and meta are exactly those of k_fp8_amax + k_fp8_cast_transpose on it alone.
+#define FP8_TABLE_COLS 5
+
+// meta[t * meta_stride] = max(that, max |x_t|) for every tensor t of the table (the launcher
+// zeroes meta first). A tensor's blocks stride over it; the maximum does not depend on the split.
+extern "C" __global__ void k_fp8_amax_many(float* meta, int meta_stride, const i64* table) {
+  const i64* e = table + (i64)blockIdx.y * FP8_TABLE_COLS;
+  fp8_amax_block(meta + (i64)blockIdx.y * meta_stride, reinterpret_cast<const CT*>(e[0]), e[3] * e[4],
+                 blockIdx.x * (i64)blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
+}
+
+// Every tensor t of the table cast as k_fp8_cast_transpose casts it, scale from its meta row's
+// amax, 1/scale into meta[t * meta_stride + inv_at]; a tensor's blocks take its tiles in turn.
+extern "C" __global__ void k_fp8_cast_transpose_many(float* meta, int meta_stride, int inv_at, const i64* table) {
+  __shared__ unsigned char tile[FP8_TILE][FP8_TILE + 8];
+  const i64* e = table + (i64)blockIdx.y * FP8_TABLE_COLS;
+  const CT* x = reinterpret_cast<const CT*>(e[0]);
+  unsigned char* out = reinterpret_cast<unsigned char*>(e[1]);
+  unsigned char* out_t = reinterpret_cast<unsigned char*>(e[2]);
+  int R = (int)e[3], K = (int)e[4];
+  float* m = meta + (i64)blockIdx.y * meta_stride;
+  float inv, s = fp8_scale(m[0], &inv);
+  if (blockIdx.x == 0 && threadIdx.x == 0) m[inv_at] = inv;
+  int tiles_k = (K + FP8_TILE - 1) / FP8_TILE, tiles = tiles_k * ((R + FP8_TILE - 1) / FP8_TILE);
+  for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
+    __syncthreads();  // the previous tile's bytes are read out of the shared tile
+    fp8_cast_tile(out, out_t, x, R, K, (i / tiles_k) * FP8_TILE, (i % tiles_k) * FP8_TILE, s, tile);
   }
 }

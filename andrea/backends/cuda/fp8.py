@@ -15,6 +15,15 @@ epilogue, the first MLP product on its GELU epilogue, where cuBLASLt has an FP8 
 them; otherwise a plain product and the 16-bit path's bias / GELU kernels. Bias gradients are
 column sums of the 16-bit dY, as in the 16-bit path. The operands live in the backend's
 workspace ("fp8_*" rows), reused by every layer; the scales live in "fp8_meta".
+
+The weights change once per optimizer step, not once per product: with the FP8 weight cache
+(CudaOps.fp8_weight_cache, on by default) the engine keeps an FP8 copy of every linear weight W and
+of its transpose W^T with their (amax, 1/scale) in its arena (weight_cache_rows), hands them over
+with use_weight_cache, and refresh_weight_cache rewrites them after each update (inside the
+optimizer's CUDA graph) and whenever the weights are loaded: one memset, k_fp8_amax_many and
+k_fp8_cast_transpose_many for all of them. The products then read the copies instead of
+quantising W themselves; the bytes and scales are the ones the per-product quantisation writes
+for the same weights, so a step is bit-identical with the cache on or off.
 """
 from __future__ import annotations
 
@@ -30,6 +39,23 @@ FP8_MULTIPLE = 16  # cuBLASLt's FP8 products want every dimension a multiple of 
 META_STRIDE = 64  # floats per tensor: amax at 0, 1/scale at 32 (128-byte aligned, for cuBLASLt)
 META_SLOTS = {"x": 0, "w": 1, "dy": 2}  # the input, the weight, the output gradient of a product
 TILE = 64  # k_fp8_cast_transpose's tile
+TABLE_COLS = 5  # int64 per tensor of a *_many launch: address of x, of out, of out_t, R, K (fp8.cu)
+CACHE_ALIGN = 256  # bytes: each cached copy starts aligned as cuBLASLt's heuristics assume
+MANY_BLOCKS = 128  # blocks per tensor of the *_many kernels (grid-stride over the tensor)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // CACHE_ALIGN) * CACHE_ALIGN
+
+
+def weight_cache_rows(shapes):
+    """The arena rows of the FP8 weight cache for weights of these (R, K) shapes: the copies (W
+    and W^T of each, CACHE_ALIGN-aligned, in one uint8 row), their (amax, 1/scale) rows and the
+    table the *_many kernels read. Pure arithmetic: the memory plan calls it without a GPU."""
+    n = len(shapes)
+    data = sum(2 * _aligned(int(R) * int(K)) for R, K in shapes)
+    return [("fp8_wcache", (data,), "uint8"), ("fp8_wmeta", (n * META_STRIDE,), "float32"),
+            ("fp8_wtable", (n, TABLE_COLS), "int64")]
 
 
 def fp8_rows(B: int, T: int, C: int):
@@ -67,6 +93,8 @@ class Fp8Ops:
             raise RuntimeError("train.precision=fp8 needs cuBLASLt (the backend was made with cublaslt=False, "
                                "or libcublasLt could not be loaded)")
         self.ops, self.grad_fmt = ops, grad_fmt
+        self.cache = {}  # (address, shape, dtype) of a weight -> (W fp8, W^T fp8, its meta row (META_STRIDE,))
+        self._cache_args = None  # (meta (n, META_STRIDE), table, dtype, shapes) of refresh_weight_cache
 
     # ------------------------------------------------------------ the quantisation kernels
     @staticmethod
@@ -127,6 +155,115 @@ class Fp8Ops:
                            (out if out is not None else null, out_t if out_t is not None else null, meta,
                             inv_at, x, i32(R), i32(K)), defs=self._defs(fmt))
 
+    @staticmethod
+    def _check_many(kernel, meta, table):
+        check(kernel, "meta", meta, dtype=np.float32)
+        check(kernel, "table", table, dtype=np.int64)
+        if table.ndim != 2 or table.shape[1] != TABLE_COLS or meta.ndim != 2 or meta.shape[0] != table.shape[0] \
+                or meta.shape[1] % 2 or meta.shape[1] * 4 % 16:
+            raise ValueError(f"{kernel}: meta {meta.shape} and table {table.shape}; expected (n, 2m) float32 with "
+                             f"m * 8 bytes a multiple of 16, and (n, {TABLE_COLS}) int64")
+
+    def make_table(self, xs, outs, outs_t, table=None):
+        """The (n, TABLE_COLS) int64 device table of a *_many launch for tensors xs (each (R, K),
+        the compute dtype) and their uint8 outputs outs (R, K) / outs_t (K, R) (an entry None
+        skips that output): written now (a synchronous copy: at start-up, never inside a graph),
+        into table where given. Every size and address is checked here, once."""
+        rows = []
+        for i, (x, o, ot) in enumerate(zip(xs, outs, outs_t, strict=True)):
+            what = f"make_table: tensor {i}"
+            self._check_x(what, x)
+            if x.ndim != 2 or x.shape[0] % FP8_MULTIPLE or x.shape[1] % FP8_MULTIPLE:
+                raise ValueError(f"{what}: shape {x.shape}; expected (R, K), both multiples of {FP8_MULTIPLE}")
+            if x.dtype != xs[0].dtype:
+                raise ValueError(f"{what}: dtype {x.dtype}, the first tensor's is {xs[0].dtype}")
+            R, K = x.shape
+            for name, a, shape in (("out", o, (R, K)), ("out_t", ot, (K, R))):
+                if a is not None:
+                    check(what, name, a, shape, np.uint8)
+                    if a.data.ptr % 16:
+                        raise ValueError(f"{what}: {name} at {a.data.ptr:#x}; expected 16-byte alignment")
+            rows.append([x.data.ptr, 0 if o is None else o.data.ptr, 0 if ot is None else ot.data.ptr, R, K])
+        host = np.array(rows, dtype=np.int64).reshape(-1, TABLE_COLS)
+        if table is None:
+            table = cp.empty(host.shape, dtype=np.int64)
+        check("make_table", "table", table, host.shape, np.int64)
+        table.set(host)
+        return table
+
+    def _many_grid(self, table_host, per_block):
+        """(blocks per tensor, tensors): enough blocks for the largest tensor, at most MANY_BLOCKS."""
+        most = max(int(np.prod(r)) for r in table_host)
+        return (max(1, min(MANY_BLOCKS, -(-most // per_block))), len(table_host))
+
+    def k_fp8_amax_many(self, meta, table, dtype, sizes):
+        """meta (n, 2m) = 0, then meta[t, 0] = max |x_t| for every tensor t of table (make_table);
+        dtype: the tensors' dtype, sizes: their (R, K) (the launch reads neither: the table holds
+        them on the device; the grid comes from sizes)."""
+        self._check_many("k_fp8_amax_many", meta, table)
+        cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, meta.nbytes, cp.cuda.get_current_stream().ptr)
+        self.ops.rt.launch("fp8.cu", "k_fp8_amax_many", dtype, self._many_grid(sizes, 8 * THREADS), THREADS,
+                           (meta, i32(meta.shape[1]), table))
+
+    def k_fp8_cast_transpose_many(self, meta, table, fmt, dtype, sizes):
+        """For every tensor t of table: its out and/or out_t as k_fp8_cast_transpose writes them,
+        scale from meta[t, 0], 1/scale into meta[t, m] (meta (n, 2m))."""
+        self._check_many("k_fp8_cast_transpose_many", meta, table)
+        tiles = [(-(-R // TILE) * -(-K // TILE), 1) for R, K in sizes]
+        self.ops.rt.launch("fp8.cu", "k_fp8_cast_transpose_many", dtype, self._many_grid(tiles, 1), THREADS,
+                           (meta, i32(meta.shape[1]), i32(meta.shape[1] // 2), table), defs=self._defs(fmt))
+
+    # ------------------------------------------------------------ the FP8 weight cache
+    def use_weight_cache(self, weights, data, meta, table):
+        """Keep FP8 copies of weights (a list of (R, K) compute-dtype arrays that the products will
+        be given, the same views) in data (uint8), their (amax, 1/scale) in meta (float32, META_STRIDE
+        a weight) and the kernels' table in table: the rows weight_cache_rows planned. Fills them
+        now (refresh_weight_cache); from then on the products read the copies of these weights."""
+        shapes = [tuple(w.shape) for w in weights]
+        need = {name: (shape, dtype) for name, shape, dtype in weight_cache_rows(shapes)}
+        for name, a in (("fp8_wcache", data), ("fp8_wmeta", meta), ("fp8_wtable", table)):
+            check("use_weight_cache", name, a, need[name][0], need[name][1])
+        if data.data.ptr % CACHE_ALIGN or meta.data.ptr % 128:
+            raise ValueError(f"use_weight_cache: fp8_wcache at {data.data.ptr:#x} and fp8_wmeta at "
+                             f"{meta.data.ptr:#x}: expected {CACHE_ALIGN}- and 128-byte alignment")
+        meta2 = meta.reshape(len(weights), META_STRIDE)
+        outs, outs_t, off = [], [], 0
+        for R, K in shapes:
+            n = R * K
+            outs.append(data[off:off + n].reshape(R, K))
+            outs_t.append(data[off + _aligned(n):off + _aligned(n) + n].reshape(K, R))
+            off += 2 * _aligned(n)
+        self.make_table(weights, outs, outs_t, table)
+        self._cache_args = (meta2, table, weights[0].dtype, shapes)
+        self.cache = {(w.data.ptr, tuple(w.shape), w.dtype.name): (q, qt, meta2[i])
+                      for i, (w, q, qt) in enumerate(zip(weights, outs, outs_t))}
+        self.refresh_weight_cache()
+
+    def refresh_weight_cache(self):
+        """Rewrite every cached copy and its scale from the weights as they are now: after each
+        optimizer update and after the weights are loaded (Engine). Three launches (a memset,
+        k_fp8_amax_many, k_fp8_cast_transpose_many); nothing where no cache is in use."""
+        if self._cache_args is None:
+            return
+        meta, table, dtype, shapes = self._cache_args
+        self.k_fp8_amax_many(meta, table, dtype, shapes)
+        self.k_fp8_cast_transpose_many(meta, table, FP8_FWD, dtype, shapes)
+
+    def cached(self, w):
+        """(fp8(w) (R, K), fp8(w)^T (K, R), meta row: amax at 0, 1/scale at META_STRIDE // 2) of a
+        weight the cache keeps, or None."""
+        return self.cache.get((w.data.ptr, tuple(w.shape), w.dtype.name)) if self.cache else None
+
+    def _weight(self, w, transpose=False):
+        """fp8(w) (R, K), or with transpose fp8(w)^T (K, R), and its 1/scale (a (1,) view): the
+        cached copy where w is a cached weight, else quantised now into the workspace."""
+        hit = self.cached(w)
+        if hit is None:
+            q, q_t, inv = self._quantise("w", w, FP8_FWD, transpose=transpose)
+            return (q_t if transpose else q), inv
+        q, q_t, row = hit
+        return (q_t if transpose else q), row[META_STRIDE // 2:META_STRIDE // 2 + 1]
+
     # ------------------------------------------------------------ operands and products
     def _meta(self, role):
         m = self.ops.workspace.get("fp8_meta", len(META_SLOTS) * META_STRIDE, np.float32)
@@ -167,7 +304,7 @@ class Fp8Ops:
         plain product and fallback() (the 16-bit path's bias / GELU kernels)."""
         from .cublaslt import NoAlgorithm
         xq, _, x_inv = self._quantise("x", x2, FP8_FWD)
-        wq, _, w_inv = self._quantise("w", w, FP8_FWD)
+        wq, w_inv = self._weight(w)
         try:
             self._product(out2, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, epilogue, bias=b, aux=aux, fast_accum=True)
         except NoAlgorithm:
@@ -181,7 +318,7 @@ class Fp8Ops:
         dx_epilogue, written through it) and dw += fp8(dY).T @ fp8(x2)."""
         g = self.grad_fmt
         dq, dq_t, d_inv = self._quantise("dy", dy2, g, transpose=True, both=True)
-        wq_t, w_inv = self._quantise("w", w, FP8_FWD, transpose=True)[1:]
+        wq_t, w_inv = self._weight(w, transpose=True)
         if dx_epilogue is None:
             self._product(dinp2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, beta=1.0 if accumulate else 0.0)
         else:
