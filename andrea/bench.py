@@ -122,6 +122,8 @@ def profile_step(eng, x, y):
         eng._set(slot, value)
     gt.k_adamw_step(eng.params, eng.params_c, eng.grads, eng.m, eng.v, eng.optim_state, t.beta1,
                     t.beta2, t.eps, eng.layout.n_decay)
+    if eng.fp8_cache:  # the FP8 copies of the weights, rewritten after the update
+        gt._timed("fp8_weight_cache", eng.be.refresh_fp8_weight_cache, (), {})
     be.synchronize()
     return dict(gt.ms)
 
@@ -136,7 +138,7 @@ def bench_config(exp, precision, B, steps):
                                       "steps": steps, "warmup_steps": 0}})
 
 
-def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=True):
+def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=True, fp8_weight_cache=True):
     import cupy as cp
 
     from .backends import get_backend
@@ -144,7 +146,7 @@ def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=Tru
 
     cfg = bench_config(exp, precision, B, warmup + 2 * steps)
     m, T = cfg.model, cfg.model.context
-    be = get_backend("cuda", attention=attention, cublaslt=cublaslt)
+    be = get_backend("cuda", attention=attention, cublaslt=cublaslt, fp8_weight_cache=fp8_weight_cache)
     free0, total = cp.cuda.runtime.memGetInfo()
     eng = Engine(cfg, backend=be)
     rng = np.random.default_rng(0)
@@ -180,7 +182,8 @@ def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=Tru
     flops_tok = 6 * n + 6 * m.n_layer * T * m.d_model
     return {"system": "andrea", "exp": exp, "precision": precision, "batch": B, "context": T,
             "attention": be.attention_variant(eng.params_c.dtype, m.d_model // m.n_head),
-            "cublaslt": be.used_cublaslt(), "params": n, "ms_step": round(ms, 2), "tok_s": round(tok_s),
+            "cublaslt": be.used_cublaslt(), "fp8_weight_cache": eng.fp8_cache, "params": n,
+            "ms_step": round(ms, 2), "tok_s": round(tok_s),
             "tflops": round(flops_tok * tok_s / 1e12, 1), "host_ms_step": round(wall / steps * 1e3, 2),
             "loss": rec["loss"], "skipped": eng.skipped,
             "planned_gb": round((planned + extra) / 2**30, 3), "plan_arena_gb": round(planned / 2**30, 3),
@@ -239,6 +242,8 @@ def main(argv=None) -> int:
                          "fp16, per product (andrea/bench_fp8.py), and exit")
     ap.add_argument("--cublaslt", choices=["on", "off"], default="on",
                     help="matrix-product epilogues through cuBLASLt, or cuBLAS + separate kernels")
+    ap.add_argument("--fp8-weight-cache", choices=["on", "off"], default="on",
+                    help="fp8: FP8 copies of the weights made once per step (on), or cast by each product (off)")
     ap.add_argument("--anchor", nargs="?", const=str(DEFAULT_ANCHOR),
                     help="run the PyTorch anchor in this job and print the ratio (default benchmarks/torch_gpt.py)")
     ap.add_argument("--anchor-modes", default="eager,reduce-overhead",
@@ -266,7 +271,8 @@ def main(argv=None) -> int:
         from .bench_fp8 import report as fp8_report
         print(fp8_report(a.exp, a.batch, a.steps))
         return 0
-    ours = run_engine(a.exp, a.precision, a.batch, a.steps, a.warmup, a.attention, a.cublaslt == "on")
+    ours = run_engine(a.exp, a.precision, a.batch, a.steps, a.warmup, a.attention, a.cublaslt == "on",
+                      a.fp8_weight_cache == "on")
     print("per-kernel device time (ms/step; each call captured as a CUDA graph and replayed):")
     total = sum(ours["per_kernel_ms"].values())
     for k, v in ours["per_kernel_ms"].items():

@@ -113,10 +113,19 @@ def compute_dtype(precision: str, base: str) -> str:
     return {"fp32": base, "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}[precision]
 
 
-def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, shards: int = 0) -> MemoryPlan:
+def fp8_cached_weights(m) -> List[str]:
+    """The parameters the FP8 weight cache keeps copies of: every linear layer's weight, in the
+    order of the flat buffer (model.LAYER_MATRICES of each layer)."""
+    return [f"h{l}.{n}" for l in range(m.n_layer) for n in model.LAYER_MATRICES]
+
+
+def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, shards: int = 0,
+              fp8_weight_cache: bool = True) -> MemoryPlan:
     """Every buffer the engine will ever use, from the config alone. shards = N > 0: ZeRO-1 over N
     ranks (Engine): the flat buffers padded to a multiple of N, the Adam moments one rank's shard
-    of padded/N, and the norm's partials one block per rank."""
+    of padded/N, and the norm's partials one block per rank. fp8_weight_cache: with
+    train.precision=fp8, the FP8 copies of the linear weights and their scales (the backend's
+    fp8_weight_cache switch; cuda/fp8.weight_cache_rows)."""
     m, t = cfg.model, cfg.train
     B, T = t.batch_size, t.seq_len
     act = compute_dtype(t.precision, dtype)
@@ -143,6 +152,11 @@ def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, s
     plan.add("norm_partials", (n_partials,), f32, "workspace")
     plan.add("optim_state", (STATE_LEN,), "float64", "workspace")
     plan.add("dloss", (1,), f32, "workspace")
+    if t.precision == "fp8" and fp8_weight_cache:
+        from .backends.cuda.fp8 import weight_cache_rows
+        shapes = dict(model.param_shapes(m)[0])
+        for name, shape, dt in weight_cache_rows([shapes[w] for w in fp8_cached_weights(m)]):
+            plan.add(name, shape, dt, "fp8 weight cache")
     return plan
 
 
@@ -191,7 +205,11 @@ class Engine:
                              f"runs {', '.join(self.be.precisions)} (the NumPy reference: fp32, or "
                              "float64 in checks)")
         self.layout = model.ParamLayout.from_config(cfg.model)
-        self.plan = make_plan(cfg, dtype, self.be.grad_norm_partials, self.comm.size if self.zero1 else 0)
+        # fp8: FP8 copies of the linear weights, refreshed whenever the weights change (the
+        # backend's switch, read once here)
+        self.fp8_cache = t.precision == "fp8" and bool(self.be.fp8_weight_cache)
+        self.plan = make_plan(cfg, dtype, self.be.grad_norm_partials, self.comm.size if self.zero1 else 0,
+                              fp8_weight_cache=self.fp8_cache)
         self.dtype = dtype
         self.mixed = t.precision != "fp32"
         self._allocate()
@@ -232,6 +250,9 @@ class Engine:
         self.workspace = self.be.reserve_workspace(t.batch_size, t.seq_len, m.d_model, m.n_head,
                                                    self.params_c.dtype, fp8=t.precision == "fp8",
                                                    n_layer=m.n_layer)
+        if self.fp8_cache:  # the products of the listed weights read these copies from now on
+            self.be.use_fp8_weight_cache([self.p[w] for w in fp8_cached_weights(m)], bufs["fp8_wcache"],
+                                         bufs["fp8_wmeta"], bufs["fp8_wtable"])
         self.graphs = self.be.graph_runner()
 
     def init_params(self, seed: int):
@@ -264,6 +285,14 @@ class Engine:
         self.grads.fill(0)
         if self.mixed:
             self.be.k_cast_params(self.params_c, self.params)
+        self._refresh_fp8()
+
+    def _refresh_fp8(self):
+        """The FP8 copies of the weights rewritten from the compute copy, wherever it changed: after
+        a load and after every optimizer update (in its CUDA graph; a skipped step rewrites the
+        same bytes)."""
+        if self.fp8_cache:
+            self.be.refresh_fp8_weight_cache()
 
     def host_state(self):
         """(params, m, v) as host float32 arrays of n_params, the checkpoint's three blocks. Under
@@ -315,7 +344,8 @@ class Engine:
                     b = int(np.prod(shape)) * np.dtype(dtype).itemsize
                     print(f"  {name:<20}{b:>16,}{b / 2**20:>12.1f}  {dtype} {shape}", file=file, flush=True)
         if self.comm.size > 1 and self.zero1:
-            saved = make_plan(self.cfg, self.dtype, self.be.grad_norm_partials).total() - self.plan.total()
+            saved = make_plan(self.cfg, self.dtype, self.be.grad_norm_partials,
+                              fp8_weight_cache=self.fp8_cache).total() - self.plan.total()
             print(f"data parallel: {self.comm.describe()}, ZeRO-1; the bytes above are per rank (each rank "
                   f"holds the whole model and its gradients, padded to {self.params.size:,} elements, and the "
                   f"Adam moments of its shard of {self.hi - self.lo:,}: {saved:,} bytes fewer than without "
@@ -404,6 +434,7 @@ class Engine:
             check()
             be.k_adamw_step(self.params, self.params_c, self.grads, self.m, self.v, self.optim_state,
                             t.beta1, t.beta2, t.eps, self.layout.n_decay)
+            self._refresh_fp8()
 
         def sharded():  # ZeRO-1: this rank updates its shard, then every rank gets every shard
             sh = self.shard
@@ -419,6 +450,7 @@ class Engine:
             comm.allgather(self.params)  # the fp32 master weights, whole on every rank
             if self.mixed:
                 be.k_cast_params(self.params_c, self.params)
+            self._refresh_fp8()
             for g in sh["rest"]:  # the rest of grads (reduce-scatter scratch) for the next step
                 g.fill(0)
         self._run(("optimizer", n_micro), sharded if self.zero1 else optimizer)

@@ -51,6 +51,9 @@ class Backend(Protocol):
     grad_norm_partials: int  # length of the partials buffer k_grad_norm_partial fills
     xp: Any  # the array module (numpy or cupy), for small array arithmetic outside the kernels
     attention: str  # attention path chosen at construction: "fused" or "materialised"
+    # train.precision=fp8: whether an engine keeps FP8 copies of its linear weights, made once per
+    # optimizer step (use_fp8_weight_cache); False where the backend runs no fp8
+    fp8_weight_cache: bool
 
     def attention_variant(self, dtype, head_size: int) -> str:
         """The path k_attn_fwd/_bwd take for this compute dtype and head size: "fused" or
@@ -103,6 +106,18 @@ class Backend(Protocol):
         now on the linear layers (k_attn_qkv_*, k_attn_out_*, k_mlp_*) run their products in FP8
         (CUDA on compute capability 8.9 or later; elsewhere a clear error). n_layer: as in
         workspace_rows (without it a param_grad_pass defers nothing)."""
+
+    def use_fp8_weight_cache(self, weights: List[Any], data, meta, table) -> None:
+        """After reserve_workspace(fp8=True), with fp8_weight_cache: keep FP8 copies of the
+        linear weights `weights` (the (out, in) compute-dtype arrays the layers will be given) in
+        the engine's buffers data (uint8), meta (float32) and table (int64), the rows the memory
+        plan took for them; fill them now. From then on the products of those weights read the
+        copies, so they must be rewritten by refresh_fp8_weight_cache whenever the weights change."""
+
+    def refresh_fp8_weight_cache(self) -> None:
+        """Rewrite the FP8 copies of the weights (use_fp8_weight_cache) from the weights as they
+        are now, exactly as each product would quantise them; nothing where none are kept. Inside
+        a captured graph it is captured too."""
 
     def graph_runner(self) -> GraphRunner:
         """A new GraphRunner; the engine keeps one for its forward + backward passes."""

@@ -58,6 +58,7 @@ class NumpyBackend:
     precisions = ("fp32",)
     grad_norm_partials = ref.GRAD_NORM_PARTIALS
     attention = "materialised"  # the reference has one attention path
+    fp8_weight_cache = False  # no fp8 here
     xp = np
 
     def attention_variant(self, dtype, head_size: int) -> str:
@@ -101,6 +102,12 @@ class NumpyBackend:
             raise ValueError("train.precision=fp8 needs backend=cuda on a GPU with FP8 tensor cores; the NumPy "
                              "backend runs fp32 (numpy_ref's k_fp8_* functions are the FP8 reference, for tests)")
         return NoWorkspace()
+
+    def use_fp8_weight_cache(self, weights, data, meta, table):
+        raise ValueError("use_fp8_weight_cache: the NumPy backend runs no fp8 (backend=cuda does)")
+
+    def refresh_fp8_weight_cache(self):
+        """Nothing: the NumPy backend keeps no FP8 copies."""
 
     def graph_runner(self):
         return EagerRunner()

@@ -30,7 +30,8 @@ class CudaBackend(CudaOps):
     (cublaslt.py: bias, bias + GELU saving the pre-activation, the GELU gradient); False (or no
     algorithm for a problem) takes cuBLAS and the separate bias / GELU kernels. sources: {file
     name: path} compiled instead of kernels/<file name>, e.g. a dev/cuda variant under test.
-    fp8_grad: the format of the output gradients in train.precision=fp8 ("e4m3" or "e5m2")."""
+    fp8_grad: the format of the output gradients in train.precision=fp8 ("e4m3" or "e5m2").
+    fp8_weight_cache: True / False sets CudaOps.fp8_weight_cache for this object (None: the default)."""
 
     name = "cuda"
     precisions = ("fp32", "fp16", "bf16", "fp8")  # fp8: bf16 with FP8 linear products (cc >= 8.9)
@@ -38,13 +39,16 @@ class CudaBackend(CudaOps):
     attention = "fused"  # the default; the constructor's argument sets it per object
     xp = cp  # CuPy (None where it is not installed: then the constructor refuses)
 
-    def __init__(self, attention: str = "fused", cublaslt: bool = True, sources=None, fp8_grad: str = FP8_GRAD):
+    def __init__(self, attention: str = "fused", cublaslt: bool = True, sources=None, fp8_grad: str = FP8_GRAD,
+                 fp8_weight_cache=None):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r}: expected one of {', '.join(ATTENTION_PATHS)}")
         self.cp = require_cupy()
         self.attention = attention
         self.cublaslt = bool(cublaslt)
         self.fp8_grad = fp8_grad
+        if fp8_weight_cache is not None:
+            self.fp8_weight_cache = bool(fp8_weight_cache)
         self.rt = Runtime(sources)
         self.workspace = Workspace()
         self.colsums = DeferredColsums(self.rt)  # the column sums a param_grad_pass defers
@@ -143,6 +147,18 @@ class CudaBackend(CudaOps):
         else:
             self.fp8 = None
         return self.workspace
+
+    def use_fp8_weight_cache(self, weights, data, meta, table):
+        """FP8 copies of weights in the engine's buffers, made now and read by their products
+        (cuda/fp8.Fp8Ops.use_weight_cache); needs reserve_workspace(fp8=True) first."""
+        if self.fp8 is None:
+            raise RuntimeError("use_fp8_weight_cache: call reserve_workspace(..., fp8=True) first")
+        self.fp8.use_weight_cache(weights, data, meta, table)
+
+    def refresh_fp8_weight_cache(self):
+        """The FP8 copies rewritten from the weights (three launches); nothing without them."""
+        if self.fp8 is not None:
+            self.fp8.refresh_weight_cache()
 
     def graph_runner(self) -> graphs.GraphRunner:
         """A new runner replaying whole passes as CUDA graphs (see graphs.GraphRunner)."""

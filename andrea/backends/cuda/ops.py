@@ -161,6 +161,11 @@ class CudaOps:
     """The k_* launchers; CudaBackend sets rt, blas, lt, cublaslt, workspace and attention."""
 
     fp8 = None  # the FP8 launchers (cuda/fp8.Fp8Ops) once reserve_workspace(fp8=True) made them
+    # train.precision=fp8: the engine keeps FP8 copies of the linear weights (W and W^T), written
+    # once per optimizer step and read by every product (cuda/fp8.py, the plan's "fp8 weight cache");
+    # False: each product quantises its weight itself (the same bytes, more launches). Read when an
+    # Engine is made (CudaBackend(fp8_weight_cache=False), or set the attribute before)
+    fp8_weight_cache = True
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # after a plain product (False); docs/BENCHMARKS.md has the timings behind the default
     dgelu_epilogue = False
