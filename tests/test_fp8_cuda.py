@@ -1,6 +1,8 @@
 """The FP8 path on the GPU (train.precision=fp8): the quantisation kernels byte for byte and the
-FP8 linear layers against numpy_ref's FP8 section, and two fp8 runs bit-identical (skipped without a
-GPU of compute capability 8.9 or later). SIGTERM + resume of an fp8 run is
+FP8 linear layers against numpy_ref's FP8 section, two fp8 runs bit-identical, and the FP8 weight
+cache (copies of the weights made once per optimizer step) byte for byte what each product's own
+quantisation writes, with the same steps bit for bit on and off (skipped without a GPU of compute
+capability 8.9 or later). SIGTERM + resume of an fp8 run is
 tests/test_cuda_engine.py::test_sigterm_resume_bit_exact_on_gpu[fp8].
 
     python -m pytest -m gpu tests/test_fp8_cuda.py -q
@@ -77,6 +79,61 @@ def test_cast_kernels_match_the_reference_bytes(be, fmt, R, K):
     x[R // 2, K // 3] = np.nan  # a NaN anywhere makes the scale NaN: the step becomes non-finite
     be.fp8.k_fp8_amax(meta, cp.asarray(x))
     assert np.isnan(meta.get()[0])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_many_kernels_are_each_tensor_alone(be, fmt):
+    """k_fp8_amax_many + k_fp8_cast_transpose_many over tensors of several shapes (partial tiles,
+    one with more tiles and more values than its blocks take at once, so the blocks stride; a zero
+    tensor, a NaN; an output skipped) against k_fp8_amax + k_fp8_cast_transpose on each tensor
+    alone and against numpy_ref's *_many: the same bytes and meta, the rest of meta zeroed."""
+    import cupy as cp
+    from andrea.backends.cuda.fp8 import MANY_BLOCKS, META_STRIDE, TILE
+    rng = np.random.default_rng(11)
+    shapes = [(48, 80), (112, 208), (16, 16), (1040, 592), (240, 80), (80, 320)]
+    assert (1040 // TILE + 1) * (592 // TILE + 1) > MANY_BLOCKS and 1040 * 592 > 8 * 256 * MANY_BLOCKS
+    xs = [(rng.standard_normal(s) * np.exp2(rng.integers(-12, 6, s))).astype(bf16()) for s in shapes]
+    xs[2][...] = 0
+    xs[5][7, 9] = np.nan
+    xd = [cp.asarray(x) for x in xs]
+    outs = [cp.full(s, 0xAA, cp.uint8) for s in shapes]
+    outs_t = [cp.full(s[::-1], 0xAA, cp.uint8) for s in shapes]
+    outs[4] = None
+    table = be.fp8.make_table(xd, outs, outs_t)
+    meta = cp.full((len(xs), META_STRIDE), -7, cp.float32)
+    be.fp8.k_fp8_amax_many(meta, table, bf16(), shapes)
+    be.fp8.k_fp8_cast_transpose_many(meta, table, fmt, bf16(), shapes)
+    inv = META_STRIDE // 2
+    m_ref = np.zeros((len(xs), META_STRIDE), np.float32)
+    o_ref = [np.zeros(s, np.uint8) for s in shapes]
+    t_ref = [np.zeros(s[::-1], np.uint8) for s in shapes]
+    ref.k_fp8_amax_many(m_ref, [x.astype(np.float32) for x in xs])
+    ref.k_fp8_cast_transpose_many(o_ref, t_ref, m_ref, [x.astype(np.float32) for x in xs], fmt)
+    got = meta.get()
+    np.testing.assert_array_equal(got, m_ref)  # amax at 0, 1/scale at inv, zeros elsewhere
+    for t, x in enumerate(xd):
+        pair = cp.zeros(2, cp.float32)
+        be.fp8.k_fp8_amax(pair, x)
+        o, ot = cp.zeros(shapes[t], cp.uint8), cp.zeros(shapes[t][::-1], cp.uint8)
+        be.fp8.k_fp8_cast_transpose(o, ot, pair, x, fmt)
+        np.testing.assert_array_equal(got[t, [0, inv]], pair.get(), err_msg=f"tensor {t}: meta")
+        if outs[t] is not None:
+            np.testing.assert_array_equal(outs[t].get(), o.get(), err_msg=f"tensor {t}: out")
+            np.testing.assert_array_equal(outs[t].get(), o_ref[t], err_msg=f"tensor {t}: out (reference)")
+        np.testing.assert_array_equal(outs_t[t].get(), ot.get(), err_msg=f"tensor {t}: out_t")
+        np.testing.assert_array_equal(outs_t[t].get(), t_ref[t], err_msg=f"tensor {t}: out_t (reference)")
+    assert got[2, inv] == 1.0 and np.isnan(got[5, 0]) and np.isnan(got[5, inv])
+
+
+def test_make_table_refuses_what_the_kernels_cannot_take(be):
+    import cupy as cp
+    x = on_dev(np.ones((32, 48)))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        be.fp8.make_table([on_dev(np.ones((40, 24)))], [None], [cp.zeros((24, 40), cp.uint8)])
+    with pytest.raises(ValueError, match="out_t has shape"):
+        be.fp8.make_table([x], [None], [cp.zeros((32, 48), cp.uint8)])
+    with pytest.raises(TypeError, match="dtype"):
+        be.fp8.make_table([x], [cp.zeros((32, 48), cp.int8)], [None])
 
 
 def test_cast_refuses_sizes_cublaslt_cannot_take(be):
@@ -200,3 +257,123 @@ def test_fp8_refuses_sizes_it_cannot_run(tmp_path):
     from andrea.engine import Engine
     with pytest.raises(ValueError, match="multiple of 16"):
         Engine(cfg_for(tmp_path, batch_size=3, seq_len=37, precision="fp8"))
+
+
+# ---------------------------------------------------------------- the FP8 weight cache
+def fp8_engine(tmp_path, cache, **train):
+    from andrea.backends import get_backend
+    from andrea.engine import Engine
+    be = get_backend("cuda", fp8_weight_cache=cache)
+    eng = Engine(cfg_for(tmp_path, batch_size=4, seq_len=32, precision="fp8", **train), backend=be)
+    assert eng.fp8_cache is cache and be.fp8 is not None
+    return eng
+
+
+def check_cache(eng, when):
+    """Every cached copy (W, W^T) and its (amax, 1/scale) byte-equal to what k_fp8_amax +
+    k_fp8_cast_transpose make of the weight as it is now (the per-product path), and to numpy_ref."""
+    import cupy as cp
+    from andrea.backends.cuda.fp8 import META_STRIDE
+    from andrea.engine import fp8_cached_weights
+    be = eng.be
+    names = fp8_cached_weights(eng.cfg.model)
+    assert len(be.fp8.cache) == len(names)
+    for name in names:
+        w = eng.p[name]
+        q, q_t, row = be.fp8.cached(w)
+        pair = cp.zeros(2, cp.float32)
+        be.fp8.k_fp8_amax(pair, w)
+        o, ot = cp.zeros(w.shape, cp.uint8), cp.zeros(w.shape[::-1], cp.uint8)
+        be.fp8.k_fp8_cast_transpose(o, ot, pair, w, "e4m3")
+        r = row.get()
+        np.testing.assert_array_equal(r[[0, META_STRIDE // 2]], pair.get(), err_msg=f"{when}: {name} meta")
+        np.testing.assert_array_equal(q.get(), o.get(), err_msg=f"{when}: {name} W")
+        np.testing.assert_array_equal(q_t.get(), ot.get(), err_msg=f"{when}: {name} W^T")
+        m_ref, o_ref = np.zeros(2, np.float32), np.zeros(w.shape, np.uint8)
+        w32 = w.get().astype(np.float32)
+        ref.k_fp8_amax(m_ref, w32)
+        ref.k_fp8_cast(o_ref, m_ref, w32, "e4m3")
+        np.testing.assert_array_equal(q.get(), o_ref, err_msg=f"{when}: {name} W (reference)")
+        np.testing.assert_array_equal(r[[0, META_STRIDE // 2]], m_ref, err_msg=f"{when}: {name} meta (reference)")
+
+
+def launches(be):
+    """Kernel names be launches from now on, in order."""
+    got, launch = [], be.rt.launch
+    be.rt.launch = lambda f, k, *a, **kw: (got.append(k), launch(f, k, *a, **kw))[1]
+    return got
+
+
+def test_weight_cache_same_bits_as_per_product_casts(tmp_path):
+    """Steps of two microbatches with the FP8 weight cache on and off: the same losses, records,
+    weights and Adam state bits, a skipped (non-finite) step among them, and a resume from a
+    state. With the cache on the copies match the weights after start-up, after updates, after the
+    skipped step and after load_state; a step's products quantise no weight themselves (8 amax
+    passes fewer per layer and microbatch) and the optimizer's graph rewrites every copy with one
+    k_fp8_amax_many and one k_fp8_cast_transpose_many."""
+    n_layer, n_micro = MODEL["n_layer"], 2
+    runs, mid = {}, {}
+    for cache in (True, False):
+        eng = fp8_engine(tmp_path, cache)
+        if cache:
+            check_cache(eng, "start-up")
+        recs, log = [], None
+        for s in range(1, 8):
+            if s == 1:
+                log = launches(eng.be)
+            if s == 5:  # a non-finite loss gradient: the step is skipped, the weights stay
+                eng.loss_scale = float("inf")
+            rec = dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)]))
+            if s == 1:
+                eng.be.synchronize()
+                counts = {k: log.count(k) for k in ("k_fp8_amax", "k_fp8_amax_many", "k_fp8_cast_transpose_many")}
+                del eng.be.rt.launch  # the recording off again
+            if s == 5:
+                eng.loss_scale = 1.0
+                if cache:
+                    check_cache(eng, "skipped step")
+            if s == 3:
+                mid[cache] = eng.state()
+            recs.append(rec)
+        if cache:
+            check_cache(eng, "after 7 steps")
+        runs[cache] = recs, counts, eng.host_state()
+    on, off = runs[True], runs[False]
+    assert [r["skipped"] for r in on[0]] == [False] * 4 + [True] + [False] * 2, on[0]
+    assert all(np.isfinite(r["loss"]) for r in on[0] if not r["skipped"])
+    # repr: every float to the bit, and a NaN (the skipped step's norm) equal to a NaN
+    assert repr(on[0]) == repr(off[0]), "losses or records differ with the FP8 weight cache on and off"
+    for what, a, b in zip(("weights", "adam m", "adam v"), on[2], off[2]):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{what} differ with the cache on and off"
+    assert off[1] == {"k_fp8_amax": 20 * n_layer * n_micro, "k_fp8_amax_many": 0, "k_fp8_cast_transpose_many": 0}
+    assert on[1] == {"k_fp8_amax": 12 * n_layer * n_micro, "k_fp8_amax_many": 1, "k_fp8_cast_transpose_many": 1}
+    # resume: a fresh engine (its copies made from its own initial weights) loads the state after
+    # step 3 and runs steps 4..7: the same bits as the straight run
+    eng = fp8_engine(tmp_path, True, seed=99)
+    eng.load_state(mid[True])
+    check_cache(eng, "load_state")
+    recs = []
+    for s in range(4, 8):
+        if s == 5:
+            eng.loss_scale = float("inf")
+        recs.append(dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)])))
+        if s == 5:
+            eng.loss_scale = 1.0
+    assert repr(recs) == repr(on[0][3:]), "resumed run's records differ"
+    for a, b in zip(eng.host_state(), on[2]):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), "resumed run differs from the straight run"
+
+
+def test_weight_cache_plan_and_switch(tmp_path):
+    """The engine's memory plan holds the cache (fp8 weight cache rows) with the switch on, none
+    off; the products read the arena's copies, not the workspace's weight slot."""
+    from andrea.engine import fp8_cached_weights
+    on, off = fp8_engine(tmp_path, True), fp8_engine(tmp_path, False)
+    assert "fp8 weight cache" in on.plan.by_group() and "fp8 weight cache" not in off.plan.by_group()
+    assert off.be.fp8.cache == {} and off.be.fp8.cached(off.p["h0.qkv_w"]) is None
+    data = on.bufs["fp8_wcache"]
+    lo, hi = data.data.ptr, data.data.ptr + data.nbytes
+    for name in fp8_cached_weights(on.cfg.model):
+        q, q_t, row = on.be.fp8.cached(on.p[name])
+        for a in (q, q_t):
+            assert lo <= a.data.ptr and a.data.ptr + a.nbytes <= hi and a.data.ptr % 256 == 0, name

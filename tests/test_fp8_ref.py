@@ -158,3 +158,67 @@ def test_numpy_backend_refuses_fp8_clearly(tmp_path):
     from conftest import small_config
     with pytest.raises(ValueError, match="precision=fp8 needs backend=cuda"):
         Engine(load_run_config(small_config(tmp_path, precision="fp8")))
+
+
+def test_many_forms_are_each_tensor_alone():
+    """k_fp8_amax_many and k_fp8_cast_transpose_many (the FP8 weight cache's two launches) give
+    every tensor the bytes and meta of k_fp8_amax + k_fp8_cast_transpose on it alone: whatever meta
+    held before, a zero tensor (scale 1), a NaN (scale NaN), an output skipped."""
+    rng = np.random.default_rng(6)
+    shapes = [(48, 16), (16, 80), (7, 5), (32, 32), (16, 16)]
+    xs = [(rng.normal(0, 1, s) * np.exp2(rng.integers(-14, 8, s))).astype(np.float32) for s in shapes]
+    xs[3][...] = 0.0
+    xs[4][3, 7] = np.nan
+    meta = rng.normal(0, 1e3, (len(xs), 4)).astype(np.float32)  # amax at 0, 1/scale at 2
+    K.k_fp8_amax_many(meta, xs)
+    outs = [np.full(s, 0xAA, np.uint8) for s in shapes]
+    outs_t = [np.full(s[::-1], 0xAA, np.uint8) for s in shapes]
+    outs[1] = None
+    K.k_fp8_cast_transpose_many(outs, outs_t, meta, xs, "e4m3")
+    for t, x in enumerate(xs):
+        pair = np.zeros(2, np.float32)
+        K.k_fp8_amax(pair, x)
+        o, ot = np.zeros(x.shape, np.uint8), np.zeros(x.shape[::-1], np.uint8)
+        K.k_fp8_cast_transpose(o, ot, pair, x, "e4m3")
+        np.testing.assert_array_equal(meta[t, [0, 2]], pair)  # NaN where both are NaN
+        assert meta[t, 1] == 0 and meta[t, 3] == 0, "the rest of a meta row is zeroed"
+        if outs[t] is not None:
+            np.testing.assert_array_equal(outs[t], o)
+        np.testing.assert_array_equal(outs_t[t], ot)
+    assert meta[3, 2] == 1.0 and np.isnan(meta[4, 0]) and np.isnan(meta[4, 2])
+    s = 1.0 / float(meta[0, 2])  # and the bytes are PyTorch's saturating cast of x * scale
+    np.testing.assert_array_equal(K.fp8_decode(outs[0], "e4m3"), torch_round(xs[0] * s, "e4m3"))
+
+
+def test_memory_plan_lists_the_fp8_weight_cache(monkeypatch):
+    """fp8 plans an FP8 copy of every linear weight and of its transpose (one byte an element each,
+    each copy 256-byte aligned), a 64-float (amax, 1/scale) row and a table row per weight; the
+    switch off plans none; at ANDREA-120M with B=8 the cache adds less than 10% to the plan."""
+    from andrea import engine, model
+    from andrea.compose import compose_config
+    from andrea.engine import fp8_cached_weights, make_plan
+    try:
+        import ml_dtypes  # noqa: F401  (registers bfloat16, the compute dtype of fp8)
+    except ImportError:  # CPU CI has no ml_dtypes: plan the 16-bit buffers as float16, as many bytes
+        monkeypatch.setattr(engine, "compute_dtype", lambda precision, base: "float16" if precision != "fp32" else base)
+    for exp, B in (("ANDREA-tiny", 4), ("ANDREA-120M", 8)):
+        cfgs = {p: compose_config(exp, [f"train.precision={p}", f"train.batch_size={B}"]) for p in ("bf16", "fp8")}
+        m = cfgs["fp8"].model
+        shapes = dict(model.param_shapes(m)[0])
+        names = fp8_cached_weights(m)
+        assert len(names) == 4 * m.n_layer and all(shapes[n] for n in names)
+        assert {shapes[n] for n in names[:4]} == {(3 * m.d_model, m.d_model), (m.d_model, m.d_model),
+                                                  (4 * m.d_model, m.d_model), (m.d_model, 4 * m.d_model)}
+        on, off = make_plan(cfgs["fp8"]), make_plan(cfgs["fp8"], fp8_weight_cache=False)
+        rows = {r.name: r for r in on.rows if r.group == "fp8 weight cache"}
+        assert set(rows) == {"fp8_wcache", "fp8_wmeta", "fp8_wtable"}
+        copies = sum(2 * -(-int(np.prod(shapes[n])) // 256) * 256 for n in names)
+        assert copies >= 2 * sum(int(np.prod(shapes[n])) for n in names)
+        assert rows["fp8_wcache"].nbytes == copies
+        assert rows["fp8_wmeta"].nbytes == len(names) * 64 * 4
+        assert rows["fp8_wtable"].shape == (len(names), 5) and rows["fp8_wtable"].dtype == "int64"
+        assert on.by_group()["fp8 weight cache"] == copies + len(names) * (256 + 40)
+        assert "fp8 weight cache" not in off.by_group() and "fp8 weight cache" not in make_plan(cfgs["bf16"]).by_group()
+        assert [r for r in on.rows if r.group != "fp8 weight cache"] == off.rows
+        if exp == "ANDREA-120M":
+            assert on.total() - off.total() < 0.10 * off.total(), (on.total(), off.total())
