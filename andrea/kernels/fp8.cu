@@ -6,6 +6,8 @@
 // reference's (2,) pair, or wider where cuBLASLt reads 1/scale (the FP8 path's slots put it 128
 // bytes in, aligned as cuBLASLt's scale pointers want). The product itself is
 // cuBLASLt's (andrea/backends/cuda/fp8.py). Reference: numpy_ref's FP8 section, same names.
+// k_fp8_amax_many and k_fp8_cast_transpose_many do the same for many tensors in one launch each
+// (the FP8 copies of the weights, rewritten once per optimizer step), with the same code per tile.
 //
 // Compiled per compute dtype (-DCT) and per format: -DFP8_E5M2=1 for E5M2, else E4M3. The
 // conversion is the sm_89+ instruction cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (round to nearest even,
