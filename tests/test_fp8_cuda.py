@@ -117,11 +117,14 @@ def test_many_kernels_are_each_tensor_alone(be, fmt):
         o, ot = cp.zeros(shapes[t], cp.uint8), cp.zeros(shapes[t][::-1], cp.uint8)
         be.fp8.k_fp8_cast_transpose(o, ot, pair, x, fmt)
         np.testing.assert_array_equal(got[t, [0, inv]], pair.get(), err_msg=f"tensor {t}: meta")
+        finite = t != 5  # the NaN tensor's bytes are NaN encodings: compared GPU to GPU only
         if outs[t] is not None:
             np.testing.assert_array_equal(outs[t].get(), o.get(), err_msg=f"tensor {t}: out")
-            np.testing.assert_array_equal(outs[t].get(), o_ref[t], err_msg=f"tensor {t}: out (reference)")
+            if finite:
+                np.testing.assert_array_equal(outs[t].get(), o_ref[t], err_msg=f"tensor {t}: out (reference)")
         np.testing.assert_array_equal(outs_t[t].get(), ot.get(), err_msg=f"tensor {t}: out_t")
-        np.testing.assert_array_equal(outs_t[t].get(), t_ref[t], err_msg=f"tensor {t}: out_t (reference)")
+        if finite:
+            np.testing.assert_array_equal(outs_t[t].get(), t_ref[t], err_msg=f"tensor {t}: out_t (reference)")
     assert got[2, inv] == 1.0 and np.isnan(got[5, 0]) and np.isnan(got[5, inv])
 
 
