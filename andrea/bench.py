@@ -138,7 +138,31 @@ def bench_config(exp, precision, B, steps):
                                       "steps": steps, "warmup_steps": 0}})
 
 
-def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=True, fp8_weight_cache=True):
+def apply_settings(be, settings) -> None:
+    """Set attributes of the CUDA backend (its tuning knobs, e.g. ln_blocks) before the engine is
+    built; an unknown name is an error."""
+    for name, value in (settings or {}).items():
+        if not hasattr(be, name):
+            raise SystemExit(f"--set {name}: the CUDA backend has no attribute {name}")
+        setattr(be, name, type(getattr(be, name))(value))
+
+
+def parse_settings(items) -> dict:
+    """["ATTR=INT", ...] -> {ATTR: INT}, with an error naming the item that is not of that form."""
+    out = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        try:
+            out[name.strip()] = int(value)
+        except ValueError:
+            raise SystemExit(f"--set {item}: expected ATTR=INT, e.g. ln_blocks=528") from None
+        if not eq or not name.strip():
+            raise SystemExit(f"--set {item}: expected ATTR=INT, e.g. ln_blocks=528")
+    return out
+
+
+def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=True, fp8_weight_cache=True,
+               settings=None):
     import cupy as cp
 
     from .backends import get_backend
@@ -147,6 +171,7 @@ def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=Tru
     cfg = bench_config(exp, precision, B, warmup + 2 * steps)
     m, T = cfg.model, cfg.model.context
     be = get_backend("cuda", attention=attention, cublaslt=cublaslt, fp8_weight_cache=fp8_weight_cache)
+    apply_settings(be, settings)
     free0, total = cp.cuda.runtime.memGetInfo()
     eng = Engine(cfg, backend=be)
     rng = np.random.default_rng(0)
@@ -250,8 +275,11 @@ def main(argv=None) -> int:
                     help="comma list of eager, default (torch.compile), reduce-overhead")
     ap.add_argument("--anchor-precision", choices=["fp32", "fp16", "bf16"],
                     help="the anchor's precision (default: --precision), e.g. bf16, its best 16-bit")
+    ap.add_argument("--set", action="append", default=[], metavar="ATTR=INT",
+                    help="set a tuning attribute of the CUDA backend first, e.g. --set ln_blocks=528 (repeatable)")
     ap.add_argument("--json", help="also write all figures here")
     a = ap.parse_args(argv)
+    settings = parse_settings(a.set)
     from .backends import cuda_available
 
     if not cuda_available():
@@ -272,7 +300,9 @@ def main(argv=None) -> int:
         print(fp8_report(a.exp, a.batch, a.steps))
         return 0
     ours = run_engine(a.exp, a.precision, a.batch, a.steps, a.warmup, a.attention, a.cublaslt == "on",
-                      a.fp8_weight_cache == "on")
+                      a.fp8_weight_cache == "on", settings)
+    if settings:
+        ours["settings"] = settings
     print("per-kernel device time (ms/step; each call captured as a CUDA graph and replayed):")
     total = sum(ours["per_kernel_ms"].values())
     for k, v in ours["per_kernel_ms"].items():

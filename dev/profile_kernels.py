@@ -95,16 +95,13 @@ def profile_andrea(exp, precision, B, steps, settings=None):
     from torch.profiler import ProfilerActivity, profile
 
     from andrea.backends import get_backend
-    from andrea.bench import bench_config
+    from andrea.bench import apply_settings, bench_config
     from andrea.engine import Engine
 
     cfg = bench_config(exp, precision, B, 2 + steps)
     m, T = cfg.model, cfg.model.context
     be = get_backend("cuda")
-    for name, value in (settings or {}).items():
-        if not hasattr(be, name):
-            raise SystemExit(f"--set {name}: the CUDA backend has no attribute {name}")
-        setattr(be, name, type(getattr(be, name))(value))
+    apply_settings(be, settings)
     eng = Engine(cfg, backend=be)
     eng._run = lambda key, fn: fn()  # eager: the kernels are those the graphs hold
     rng = np.random.default_rng(0)
@@ -194,12 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="ATTR=INT",
                     help="set an attribute of the backend first, e.g. --set defer_colsums=0 (repeatable)")
     a = ap.parse_args(argv)
-    settings = {}
-    for item in a.set:
-        name, _, value = item.partition("=")
-        if not name or not value.lstrip("-").isdigit():
-            raise SystemExit(f"--set {item}: expected ATTR=INT, e.g. defer_colsums=0")
-        settings[name] = int(value)
+    from andrea.bench import parse_settings
+    settings = parse_settings(a.set)
     ours, n_params = profile_andrea(a.exp, a.precision, a.batch, a.steps, settings)
     title = f"andrea {a.exp} {a.precision} B={a.batch}" + "".join(f" {s}" for s in a.set)
     tables = [report(ours, a.steps, title).assign(system="andrea")]

@@ -90,3 +90,23 @@ def test_bench_table_ratio_is_ours_over_theirs():
     assert lines[1].split()[-4:] == ["300,000", "20.00", "100.0", "1.00"]
     assert lines[2].startswith("pytorch bf16 eager") and lines[2].split()[-1] == "0.50"
     assert lines[3].split()[-1] == "1.50" and lines[4].startswith("memory: planned 1.0 GB")
+
+
+def test_bench_settings_parse_and_refuse():
+    """--set ATTR=INT: parsed to a dict; anything else, or an attribute the backend lacks, is an
+    error naming it."""
+    import pytest
+
+    from andrea.bench import apply_settings, parse_settings
+    assert parse_settings(["ln_blocks=528", " loss_vectors = 16"]) == {"ln_blocks": 528, "loss_vectors": 16}
+    for bad in ("ln_blocks", "ln_blocks=x", "=3"):
+        with pytest.raises(SystemExit, match="expected ATTR=INT"):
+            parse_settings([bad])
+
+    class Be:
+        ln_blocks = 264
+    be = Be()
+    apply_settings(be, {"ln_blocks": 528})
+    assert be.ln_blocks == 528 and isinstance(be.ln_blocks, int)
+    with pytest.raises(SystemExit, match="no attribute nope"):
+        apply_settings(be, {"nope": 1})
