@@ -382,9 +382,9 @@ class CudaOps:
         for n, a in (("mean", mean), ("rstd", rstd)):
             check("k_layernorm_bwd", n, a, inp.shape[:-1], np.float32)
         N = inp.size // C
-        vec = 16 // inp.dtype.itemsize  # version 3 loads rows as whole 16-byte vectors
+        vec = 16 // inp.dtype.itemsize  # version 5 loads rows as whole 16-byte vectors
         if C <= LN_FUSED_MAXC and C % vec == 0 and all(a.data.ptr % 16 == 0 for a in (dinp, dout, inp, weight)):
-            # version 3: one pass, block partials of dweight/dbias added in block order below
+            # version 5: rows, then columns, in each block; its partials of dweight/dbias added in block order
             rpb = -(-N // self.ln_blocks)
             n_blocks = -(-N // rpb)
             pdw = self._colsum_partials("colsum_a", n_blocks, C)
