@@ -6,12 +6,14 @@
     st = eng.state()                  # what a checkpoint keeps (EngineState); eng.load_state(st)
     c = eng.load_checkpoint(path, config_hash(cfg))   # training's resume and evaluation
 
-The step: for each microbatch forward + backward ADD into the same fp32 gradient buffer (and
-k_loss_accum adds its loss to the optimizer state); then, on the device with no host round trip,
+The step: the first microbatch's forward + backward WRITES the fp32 gradient buffer (its pass
+starts it: model.backward(start=grads)), the others ADD into it (and k_loss_accum adds each loss
+to the optimizer state); then, on the device with no host round trip,
 k_grad_norm_partial and k_step_check find the global norm of the averaged, unscaled gradient and
 apply the non-finite policy (a non-finite norm or loss skips the update, counted; fp16 also halves
-the loss scale) and the loss-scale growth, and k_adamw_step unscales, clips, updates, casts the
-compute copy and zeroes the grads in one pass. On CUDA each microbatch and the optimizer part run
+the loss scale) and the loss-scale growth, and k_adamw_step unscales, clips, updates and casts the
+compute copy in one pass (it leaves the grads: the next step's first pass writes them; under
+ZeRO-1 they are zeroed as before). On CUDA each microbatch and the optimizer part run
 as CUDA graphs. The optimizer state (loss scale, streaks, skipped count, the last step's record)
 lives on the device (numpy_ref.STATE_SLOTS); train_step returns a StepRecord that reads the step's
 copy of it when first used, so the host need not wait for the step to finish.
@@ -399,21 +401,24 @@ class Engine:
         self._passes(x, y, accumulate=False)
         return float(np.mean(self.be.to_numpy(self.g["losses"]), dtype=np.float64))
 
-    def _passes(self, x, y, accumulate=True):
+    def _passes(self, x, y, accumulate=True, first=False):
         """Queue forward + backward of one microbatch (and, with accumulate, add its loss sum to
-        the optimizer state). The loss gradient is read from the device (self.dloss)."""
+        the optimizer state). The loss gradient is read from the device (self.dloss). first: the
+        step's first microbatch, whose backward pass writes the gradients instead of adding into
+        them (param_grad_pass(start=grads)), so nothing zeroes them between steps."""
         be, nh = self.be, self.cfg.model.n_head
         be.upload(self.g["tokens"], x)
         be.upload(self.g["targets"], y)
 
         def passes():
             model.forward(be, self.p, self.layers, self.g, nh, loss=False)
-            model.backward(be, self.p, self.dp, self.layers, self.g, nh, self.dloss)
+            model.backward(be, self.p, self.dp, self.layers, self.g, nh, self.dloss,
+                           start=self.grads if first else None)
             if accumulate:
                 be.k_loss_accum(self.optim_state, self.g["losses"])
         # CUDA: both passes replay as one graph (hundreds of launches cost milliseconds of Python
         # otherwise); the key holds what the graph bakes in (this engine's buffers)
-        self._run(("passes", accumulate), passes)
+        self._run(("passes", accumulate, first), passes)
 
     def _optimizer(self, n_micro):
         """Queue the end of the step: the sum over the ranks, norm, non-finite policy, loss scale,
@@ -432,8 +437,9 @@ class Engine:
             comm.allreduce_sum(self.grads, loss_sum)  # nothing with one rank
             be.k_grad_norm_partial(partials, self.grads)
             check()
+            # the grads are left as they are: the next step's first pass writes them
             be.k_adamw_step(self.params, self.params_c, self.grads, self.m, self.v, self.optim_state,
-                            t.beta1, t.beta2, t.eps, self.layout.n_decay)
+                            t.beta1, t.beta2, t.eps, self.layout.n_decay, zero_grads=False)
             self._refresh_fp8()
 
         def sharded():  # ZeRO-1: this rank updates its shard, then every rank gets every shard
@@ -464,8 +470,8 @@ class Engine:
         returned record waits for the step's results when first read."""
         lr = lr_at(self.cfg, step)
         self.be.upload(self.optim_state[S_LR:S_STEP + 1], [lr, step])
-        for x, y in batches:
-            self._passes(x, y)
+        for i, (x, y) in enumerate(batches):
+            self._passes(x, y, first=i == 0)  # the first microbatch's pass starts the gradients
         self._optimizer(len(batches))
         return StepRecord(step, lr, self.be.download_async(self.optim_state))
 

@@ -145,7 +145,7 @@ def forward(be, p, layers, g, n_head, loss=True):
         be.k_loss_fwd(g["losses"], g["loss_lse"], g["logits"], g["lnf"], p["wte"], g["targets"])
 
 
-def backward(be, p, dp, layers, g, n_head, dloss):
+def backward(be, p, dp, layers, g, n_head, dloss, start=None):
     """Backward pass after forward() (with or without its loss): writes g["losses"] (the fused
     classifier) and ADDS every parameter gradient into dp (views of the grads buffer). dloss is
     d(objective)/d(loss of each position), e.g. loss_scale / (B*T): a float, or a (1,) array on
@@ -156,10 +156,12 @@ def backward(be, p, dp, layers, g, n_head, dloss):
     No buffer is zeroed: the first kernel to write each activation gradient (dres, dln, datty,
     dqkv) in a pass runs with accumulate=False and overwrites whatever the workspace held.
     The kernels run inside be.param_grad_pass(): the backend may finish part of the parameter
-    gradients (CUDA: the bias and layer-norm weight column sums) when it closes, in one launch."""
+    gradients (CUDA: the bias and layer-norm weight column sums) when it closes, in one launch.
+    start: the flat gradient buffer behind dp when this pass starts the step's gradients (its old
+    contents count as zero: the first microbatch's pass writes the gradients, nothing zeroes them)."""
     dres, dln = g["dres"], g["dln"]
     x_last = layers[-1]["res_out"] if layers else g["x0"]
-    with be.param_grad_pass():  # the parameter gradients are complete when it closes
+    with be.param_grad_pass(start=start):  # the parameter gradients are complete when it closes
         be.k_loss_bwd(g["losses"], g["loss_lse"], dln, dp["wte"], g["logits"], g["lnf"], p["wte"],
                       g["targets"], dloss, accumulate=False)
         be.k_layernorm_bwd(dres, dp["lnf_w"], dp["lnf_b"], dln, x_last, p["lnf_w"], g["lnf_mean"], g["lnf_rstd"],

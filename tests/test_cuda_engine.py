@@ -218,3 +218,32 @@ def test_deferred_column_sums_same_bits(tmp_path, precision):
     assert runs[True][2] == runs[False][2], "losses differ"
     for a, b in zip(runs[True][3], runs[False][3]):
         assert np.array_equal(a, b), "weights or Adam state differ"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16",
+                                       pytest.param("fp8", marks=pytest.mark.skipif(not fp8_gpu(), reason="FP8"))])
+def test_first_pass_writes_the_gradients(tmp_path, precision):
+    """The step's first microbatch starts the gradients (param_grad_pass(start=grads)): every
+    parameter gradient is written, not added, whatever the buffer held (here NaN), and what no
+    kernel writes (wpe's rows past T = 37 of a 40-position model) is zeroed. The result equals
+    zeroing then adding, the old way; a second microbatch then adds as before. The optimizer no
+    longer zeroes the gradients."""
+    B, T = (4, 32) if precision == "fp8" else (3, 37)
+    eng = Engine(cfg_for(tmp_path, "cuda", batch_size=B, seq_len=T, precision=precision))
+    (x1, y1), (x2, y2) = batch(1, B, T), batch(2, B, T)
+    eng.zero_grads()
+    eng.forward_backward(x1, y1)
+    want1 = eng.be.to_numpy(eng.grads)
+    eng.forward_backward(x2, y2)
+    want2 = eng.be.to_numpy(eng.grads)
+    for _ in range(3):  # eager, captured, replayed: the same
+        eng.grads.fill(np.nan)
+        eng._passes(x1, y1, accumulate=False, first=True)
+        got1 = eng.be.to_numpy(eng.grads)
+        assert np.isfinite(got1).all(), "a gradient was added into the NaN the buffer held"
+        assert np.array_equal(got1, want1)  # == (a written -0.0 equals an added +0.0)
+        eng._passes(x2, y2, accumulate=False)
+        assert np.array_equal(eng.be.to_numpy(eng.grads), want2)
+    rec = eng.train_step(1, [(x1, y1), (x2, y2)])
+    assert not rec["skipped"] and np.isfinite(eng.be.to_numpy(eng.grads)).all()
+    assert np.array_equal(eng.be.to_numpy(eng.grads), want2), "k_adamw_step left the gradients"

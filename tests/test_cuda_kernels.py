@@ -1006,3 +1006,21 @@ def test_colsum_final_many_bits(be, rng):
     q.close()
     for (n, c), a, b in zip(sizes, now, later):
         assert np.array_equal(cp.asnumpy(a).view(np.uint32), cp.asnumpy(b).view(np.uint32)), (n, c)
+
+
+def test_adamw_step_keeps_grads(be, rng):
+    """zero_grads=False: the same update (bits) as zeroing, and the gradient left as it was."""
+    import cupy as cp
+    n, n_decay = 10_003, 5_001
+    host32, st = _adamw_inputs(rng, n)
+    out = {}
+    for zero in (True, False):
+        devs = [dev(x, np.float32) for x in host32]
+        be.k_adamw_step(devs[0], None, devs[1], devs[2], devs[3], dev(st, np.float64), 0.9, 0.95, 1e-8, n_decay,
+                        zero_grads=zero)
+        out[zero] = [cp.asnumpy(d).view(np.uint32) for d in devs]
+    for name, a, b in zip(("params", "m", "v"), (out[True][0], out[True][2], out[True][3]),
+                          (out[False][0], out[False][2], out[False][3])):
+        assert np.array_equal(a, b), name
+    assert not out[True][1].any()
+    assert np.array_equal(out[False][1], host32[1].view(np.uint32))

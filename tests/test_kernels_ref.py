@@ -372,3 +372,23 @@ def test_accumulate_false_writes_the_activation_gradient(kernel):
         if isinstance(x, np.ndarray):
             np.testing.assert_array_equal(y, x, err_msg=f"{kernel} argument {j}")
     assert kernel == "k_attn_bwd" or any(not np.array_equal(written[j], p) for j, p in pre.items())  # grads moved
+
+
+def test_adamw_step_can_keep_grads(rng=np.random.default_rng(13)):
+    """zero_grads=False: the same update, the gradient untouched (the engine's next first pass
+    writes it)."""
+    n = 50
+    st = np.zeros(K.STATE_LEN)
+    st[K.S_CLIP] = st[K.S_DECAY] = st[K.S_VHAT] = 1.0
+    st[K.S_STEP_SIZE] = 1e-3
+    runs = []
+    for zero in (True, False):
+        p, g, m, v = (rng.standard_normal(n).astype(np.float32) for _ in range(4)) if not runs else \
+            [a.copy() for a in start]
+        if not runs:
+            v = np.abs(v)
+            start = [p.copy(), g.copy(), m.copy(), v.copy()]
+        K.k_adamw_step(p, None, g, m, v, st, 0.9, 0.95, 1e-8, 20, zero_grads=zero)
+        runs.append((p, g, m, v))
+    assert all(np.array_equal(a, b) for a, b in zip(runs[0][::2], runs[1][::2]))
+    assert not runs[0][1].any() and np.array_equal(runs[1][1], start[1])

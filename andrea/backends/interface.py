@@ -126,7 +126,7 @@ class Backend(Protocol):
         """fn() recorded as a graph on stream (CUDA; default a new stream), not run; the
         result's launch(stream=...) replays it. The benchmark times kernels this way."""
 
-    def param_grad_pass(self) -> ContextManager[None]:
+    def param_grad_pass(self, start=None) -> ContextManager[None]:
         """A context for one backward pass (model.backward wraps its kernels in it). Inside it a
         backend may hold back part of the parameter-gradient additions of k_layernorm_bwd,
         k_attn_qkv_bwd, k_attn_out_bwd and k_mlp_bwd (CUDA: the final column sums of the bias and
@@ -136,7 +136,11 @@ class Backend(Protocol):
         every kernel finishes its own gradients. CUDA defers up to what reserve_workspace's
         n_layer made room for (the rest runs at once); the NumPy backend defers nothing. Passes
         nest (the outermost one finishes); inside a captured graph the pass must close inside
-        the capture too. An exception leaving the block drops what was held back."""
+        the capture too. An exception leaving the block drops what was held back.
+        start: the flat float32 parameter-gradient buffer this pass starts (the first microbatch of
+        a step): its contents before the pass count as zero, so after the pass it holds exactly
+        this pass's gradients. CUDA writes each part's first contribution instead of adding it
+        (and zeroes what no kernel wrote); the NumPy backend zeroes the buffer when the pass opens."""
 
     # ------------------------------------------------------------ embedding
     def k_embed_fwd(self, out, tokens, wte, wpe) -> None:
@@ -218,9 +222,10 @@ class Backend(Protocol):
         """The end of a step in float64 on the device: the gradient norm, the non-finite policy,
         the loss scale and the clip factor, into state and dloss."""
 
-    def k_adamw_step(self, params, params_c, grads, m, v, state, beta1, beta2, eps, n_decay) -> None:
+    def k_adamw_step(self, params, params_c, grads, m, v, state, beta1, beta2, eps, n_decay,
+                     zero_grads: bool = True) -> None:
         """Unless the step is skipped: clip + AdamW in place (decoupled decay on
-        params[:n_decay]) + the cast into params_c; grads zeroed."""
+        params[:n_decay]) + the cast into params_c; grads zeroed (unless zero_grads is False)."""
 
     def k_cast_params(self, dst, src) -> None:
         """dst (compute dtype) = src (float32 master weights), rounded to nearest."""

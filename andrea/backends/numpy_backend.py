@@ -115,10 +115,12 @@ class NumpyBackend:
     def capture(self, fn, stream=None):
         return EagerGraph(fn)
 
-    @contextlib.contextmanager
-    def param_grad_pass(self):
-        """Nothing is deferred on the CPU: every kernel finishes its gradients itself."""
-        yield
+    def param_grad_pass(self, start=None):
+        """Nothing is deferred on the CPU: every kernel finishes its gradients itself. start (a
+        gradient buffer the pass starts) is zeroed here, so the pass's kernels add into zeros."""
+        if start is not None:
+            start.fill(0)
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------ kernels, in numpy_ref's order
     k_embed_fwd = staticmethod(ref.k_embed_fwd)

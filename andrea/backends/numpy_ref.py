@@ -360,11 +360,12 @@ def k_step_check(state, dloss, partials, n_micro, n_pos, beta1, beta2, weight_de
     dloss[0] = scale / n_pos
 
 
-def k_adamw_step(params, params_c, grads, m, v, state, beta1, beta2, eps, n_decay):
+def k_adamw_step(params, params_c, grads, m, v, state, beta1, beta2, eps, n_decay, zero_grads=True):
     """One pass over the flat buffers after k_step_check: unless the step is skipped,
     g = grads * clip, then AdamW in place (m, v; decoupled decay on params[:n_decay], the matrices;
     bias-corrected step), then params_c = params in the compute dtype (params_c is params, or None,
-    in float32 training). grads is zeroed either way."""
+    in float32 training). grads is zeroed either way, unless zero_grads is False (the engine's
+    next backward pass starts the gradients itself: param_grad_pass(start=grads))."""
     if not state[S_SKIP]:
         dt = params.dtype.type
         g = grads * dt(state[S_CLIP])
@@ -376,7 +377,8 @@ def k_adamw_step(params, params_c, grads, m, v, state, beta1, beta2, eps, n_deca
         params -= dt(state[S_STEP_SIZE]) * m / (np.sqrt(v * dt(state[S_VHAT])) + eps)
         if params_c is not None and params_c is not params:
             params_c[...] = params
-    grads[...] = 0
+    if zero_grads:
+        grads[...] = 0
 
 
 def k_cast_params(dst, src):

@@ -66,28 +66,29 @@ extern "C" __global__ void k_colsum_partial_vec(float* partial, const CT* x, i64
     }
 }
 
-// out[c] += sum over chunks of partial[chunk][c], by one warp: lane j adds chunks j, j+32, ... in
-// order, then the fixed shuffle tree. The one code of both final kernels below, so they give the
-// same bits.
+// out[c] += sum over chunks of partial[chunk][c] (write != 0: out[c] = the sum, out not read: the
+// first contribution to a gradient in a pass that starts it), by one warp: lane j adds chunks j,
+// j+32, ... in order, then the fixed shuffle tree. The one code of both final kernels below, so
+// they give the same bits.
 __device__ __forceinline__ void colsum_column(float* out, const float* partial, int n_chunks, int C, int c,
-                                              int lane) {
+                                              int lane, int write) {
   float s = 0.f;
   for (int k = lane; k < n_chunks; k += 32) s += partial[(i64)k * C + c];
   s = warp_sum(s);
-  if (lane == 0) out[c] += s;
+  if (lane == 0) out[c] = write ? s : out[c] + s;
 }
 
 // One warp per column (8 columns a block of 256). out is float32 (a grad).
-extern "C" __global__ void k_colsum_final(float* out, const float* partial, int n_chunks, int C) {
+extern "C" __global__ void k_colsum_final(float* out, const float* partial, int n_chunks, int C, int write) {
   int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (c < C) colsum_column(out, partial, n_chunks, C, c, threadIdx.x & 31);
+  if (c < C) colsum_column(out, partial, n_chunks, C, c, threadIdx.x & 31, write);
 }
 
 // One column sum of k_colsum_final_many, and the first block of the launch that is its own.
 struct ColsumSegment {
   float* out;
   const float* partial;
-  int n_chunks, C, first_block, pad;
+  int n_chunks, C, first_block, write;  // write: as colsum_column's
 };
 
 // colsum_column's sum by one thread: lane j's running sum (chunks j, j + 32, ... in order) is
@@ -96,7 +97,7 @@ struct ColsumSegment {
 // column's chunks; a warp's 32 threads take 32 adjacent columns, so each load of the warp is 128
 // contiguous bytes (colsum_column's lanes read 32 different rows).
 __device__ __forceinline__ void colsum_column_thread(float* out, const float* partial, int n_chunks, int C,
-                                                     int c) {
+                                                     int c, int write) {
   float s[32];
 #pragma unroll
   for (int j = 0; j < 32; ++j) s[j] = 0.f;
@@ -109,7 +110,7 @@ __device__ __forceinline__ void colsum_column_thread(float* out, const float* pa
   for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
     for (int j = 0; j < o; ++j) s[j] += s[j + o];
-  out[c] += s[0];
+  out[c] = write ? s[0] : out[c] + s[0];
 }
 
 // Every column sum a backward pass deferred to its end (andrea/backends/cuda/colsum.py), in one
@@ -127,5 +128,5 @@ extern "C" __global__ void k_colsum_final_many(const ColsumSegment* __restrict__
   }
   const ColsumSegment& s = segs[lo];
   int c = (b - s.first_block) * blockDim.x + threadIdx.x;
-  if (c < s.C) colsum_column_thread(s.out, s.partial, s.n_chunks, s.C, c);
+  if (c < s.C) colsum_column_thread(s.out, s.partial, s.n_chunks, s.C, c, s.write);
 }

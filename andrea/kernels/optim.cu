@@ -4,7 +4,7 @@
 // and the dynamic loss scale to the optimizer state (a small float64 array, slots below) and
 // writes the step's scalars;
 // k_adamw_step then makes one pass over params, grads, m and v: unscale and clip the gradient,
-// AdamW, the cast to the compute copy, and zero the gradient for the next step. Every float32
+// AdamW, the cast to the compute copy, and (if asked) zero the gradient for the next step. Every float32
 // operation is rounded as NumPy's expression in numpy_ref (the _rn intrinsics forbid fused
 // multiply-adds), and every float64 one as Python's, so both backends agree to the bit.
 #include "common.cuh"
@@ -143,14 +143,16 @@ struct AdamW {
 template <typename T> struct alignas(4 * sizeof(T)) Vec4 { T v[4]; };
 
 // The whole update of numpy_ref.k_adamw_step in one pass: AdamW (above) on every element, the
-// cast to the compute copy pc (when cast), and grads = 0. A skipped step only zeroes grads.
+// cast to the compute copy pc (when cast), and grads = 0 (when zero; the engine leaves them: the
+// next step's first backward pass writes every gradient). A skipped step does nothing else.
 // Version 2: with every buffer 16-byte aligned (pc: 4 elements aligned) each thread moves float4
 // vectors (one 16-byte load or store per buffer and 4 elements), the last n % 4 elements one at a
 // time; the arithmetic per element is the same, so are the bits (version 1, one element per
 // thread and iteration, is dev/cuda/optim_v1.cu).
 extern "C" __global__ void k_adamw_step(float* p, CT* pc, float* g, float* m, float* v,
                                         const double* state, i64 n, i64 n_decay, float beta1,
-                                        float omb1, float beta2, float omb2, float eps, int cast) {
+                                        float omb1, float beta2, float omb2, float eps, int cast,
+                                        int zero) {
   bool skip = state[S_SKIP] != 0.0;
   AdamW a{(float)state[S_CLIP], (float)state[S_DECAY], (float)state[S_STEP_SIZE], (float)state[S_VHAT],
           beta1, omb1, beta2, omb2, eps};
@@ -160,7 +162,7 @@ extern "C" __global__ void k_adamw_step(float* p, CT* pc, float* g, float* m, fl
              (!cast || ((unsigned long long)pc % (4 * sizeof(CT))) == 0);
   if (vec) {
     i64 nv = n / 4;
-    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
     for (i64 j = t0; j < nv; j += stride) {
       if (!skip) {
         float4 gv = ((const float4*)g)[j], mv = ((float4*)m)[j], vv = ((float4*)v)[j], pv = ((float4*)p)[j];
@@ -179,7 +181,7 @@ extern "C" __global__ void k_adamw_step(float* p, CT* pc, float* g, float* m, fl
           ((Vec4<CT>*)pc)[j] = c;
         }
       }
-      ((float4*)g)[j] = zero;
+      if (zero) ((float4*)g)[j] = zero4;
     }
     done = nv * 4;
   }
@@ -192,7 +194,7 @@ extern "C" __global__ void k_adamw_step(float* p, CT* pc, float* g, float* m, fl
       v[i] = vi;
       if (cast) pc[i] = from_f<CT>(pi);
     }
-    g[i] = 0.f;
+    if (zero) g[i] = 0.f;
   }
 }
 

@@ -8,10 +8,12 @@ next call reuses, so each final sum runs at once. Inside one, each set of partia
 slice of the workspace buffer DEFERRED (reserved at start-up for the model's layers,
 `deferred_floats`) and the final sums wait for the end of the pass, where k_colsum_final_many does
 all of them in one launch, each column by one thread in k_colsum_final's order (the same sums and
-the same shuffle tree, done in registers; a GPU test checks the bits): the same bits, one launch instead of about eight per layer. A set that does not fit in what is left of
-the buffer runs at once, in the workspace slot, as outside a pass; a second sum into a gradient
-that still waits for one flushes the waiting ones first, so the order of the additions into each
-gradient is always that of the calls.
+the same shuffle tree, done in registers; a GPU test checks the bits): the same bits, one launch
+instead of about eight per layer. A set that does not fit in what is left of the buffer runs at
+once, in the workspace slot, as outside a pass; a second sum into a gradient that still waits for
+one flushes the waiting ones first, so the order of the additions into each gradient is always
+that of the calls. A sum may write its gradient instead of adding into it (`write`: the first
+contribution in a pass that starts the gradients, CudaOps.param_grad_pass(start=...)).
 
 The launch reads a table of segments (gradient, partials, chunks, columns, first block) in device
 memory. Each distinct table is uploaded once, outside graph capture, and kept for the life of the
@@ -81,32 +83,33 @@ class DeferredColsums:
         self.used += -(-n // ALIGN) * ALIGN
         return part
 
-    def finish(self, out, part, n_chunks: int, C: int) -> None:
-        """out (C,) float32 += the in-order sum of part's n_chunks rows: at the end of the pass
-        where part came from take(), else now."""
+    def finish(self, out, part, n_chunks: int, C: int, write: bool = False) -> None:
+        """out (C,) float32 += the in-order sum of part's n_chunks rows (write: out = the sum, out
+        not read): at the end of the pass where part came from take(), else now."""
         lo, hi = out.data.ptr, out.data.ptr + out.nbytes
-        if any(o.data.ptr < hi and lo < o.data.ptr + o.nbytes for o, _, _, _ in self.waiting):
+        if any(o.data.ptr < hi and lo < o.data.ptr + o.nbytes for o, *_ in self.waiting):
             self.flush()  # a second sum into a waiting gradient: the first goes first
         if self._deferred(part):
-            self.waiting.append((out, part, n_chunks, C))
+            self.waiting.append((out, part, n_chunks, C, write))
         else:
-            self._final(out, part, n_chunks, C)
+            self._final(out, part, n_chunks, C, write)
 
     def _deferred(self, part) -> bool:
         b = self.buf
         return b is not None and b.data.ptr <= part.data.ptr < b.data.ptr + b.nbytes
 
-    def _final(self, out, part, n_chunks, C):
+    def _final(self, out, part, n_chunks, C, write=False):
         self.rt.launch("linear.cu", "k_colsum_final", np.float32, -(-C // COLS_PER_BLOCK), THREADS,
-                       (out, part, i32(n_chunks), i32(C)))
+                       (out, part, i32(n_chunks), i32(C), i32(int(write))))
 
     # ------------------------------------------------------------ the end of the pass
     def table(self):
         """The waiting sums as k_colsum_final_many's segments (int64 rows: gradient address,
-        partials address, n_chunks | C << 32, first block | 0), and the launch's block count."""
+        partials address, n_chunks | C << 32, first block | write << 32), and the launch's block
+        count."""
         rows, blocks = [], 0
-        for out, part, n_chunks, C in self.waiting:
-            rows.append((out.data.ptr, part.data.ptr, n_chunks | (C << 32), blocks))
+        for out, part, n_chunks, C, write in self.waiting:
+            rows.append((out.data.ptr, part.data.ptr, n_chunks | (C << 32), blocks | (int(write) << 32)))
             blocks += -(-C // THREADS)  # k_colsum_final_many: a thread per column
         return np.array(rows, dtype=np.int64).reshape(-1, 4), blocks
 
@@ -120,8 +123,8 @@ class DeferredColsums:
         if segs is None and not cp.cuda.get_current_stream().is_capturing():
             segs = self.tables[key] = cp.asarray(table)
         if segs is None:  # first seen inside a capture: no upload there, one launch per sum
-            for out, part, n_chunks, C in self.waiting:
-                self._final(out, part, n_chunks, C)
+            for out, part, n_chunks, C, write in self.waiting:
+                self._final(out, part, n_chunks, C, write)
         else:
             self.rt.launch("linear.cu", "k_colsum_final_many", np.float32, blocks, THREADS,
                            (segs, i32(len(table))))

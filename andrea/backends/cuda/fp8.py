@@ -324,7 +324,7 @@ class Fp8Ops:
         else:
             dx_epilogue(dq, g, d_inv, wq_t, w_inv)
         xq_t, x_inv = self._quantise("x", x2, FP8_FWD, transpose=True)[1:]
-        self._product(dw, dq_t, g, d_inv, xq_t, FP8_FWD, x_inv, beta=1.0)
+        self._product(dw, dq_t, g, d_inv, xq_t, FP8_FWD, x_inv, beta=0.0 if self.ops._param_write(dw) else 1.0)
 
     # ------------------------------------------------------------ the layers (numpy_ref's names)
     def k_fp8_linear_fwd(self, out, inp, w, b):

@@ -240,20 +240,66 @@ class CudaOps:
         return True
 
     @contextlib.contextmanager
-    def param_grad_pass(self):
+    def param_grad_pass(self, start=None):
         """A backward pass's parameter gradients (model.backward opens it): inside it the final
         column sums of the bias and layer-norm weight gradients wait, each set of partials in its
         own slice of the reserved buffer, and run as one launch when the outermost pass closes
         (cuda/colsum.py); the same bits as when each runs at once. Closing with an exception
-        drops the waiting sums."""
+        drops the waiting sums.
+        start: the float32 buffer of parameter gradients this pass starts (the first microbatch
+        of a step): its old contents count as zero, so the first contribution to each part of it
+        is written, not added (products with beta 0, column sums that do not read the gradient,
+        the embedding's gradients set to zero first), and what no kernel wrote is zeroed when the
+        pass closes. So the optimizer need not zero the gradients after each step."""
         buf = self.workspace.reserved(DEFERRED, np.float32) if self.defer_colsums else None
+        outer = self.colsums.depth == 0
+        if outer:
+            self._pg_start, self._pg_written = start, []
         self.colsums.open(buf)
         try:
             yield
         except BaseException:
             self.colsums.close(flush=False)
+            if outer:
+                self._pg_start = None
             raise
         self.colsums.close()
+        if outer:
+            self._zero_unwritten()
+
+    _pg_start = None  # the gradient buffer an open pass starts (param_grad_pass(start=...)), or None
+    _pg_written: list = []
+
+    def _param_write(self, out) -> bool:
+        """True if out (a parameter gradient) lies in the buffer the open pass starts and no kernel
+        of the pass has written it yet: its first contribution is then written, not added. Marks
+        it written either way."""
+        st = self._pg_start
+        if st is None:
+            return False
+        lo, hi = out.data.ptr, out.data.ptr + out.nbytes
+        if not (st.data.ptr <= lo and hi <= st.data.ptr + st.nbytes):
+            return False
+        if any(a < hi and lo < b for a, b in self._pg_written):
+            if not any(a <= lo and hi <= b for a, b in self._pg_written):
+                raise RuntimeError("param_grad_pass: a gradient written in part by an earlier kernel of the pass")
+            return False
+        self._pg_written.append((lo, hi))
+        return True
+
+    def _zero_unwritten(self) -> None:
+        """The end of a pass that started a gradient buffer: zero whatever no kernel wrote (e.g. a
+        parameter the model did not use, the alignment gaps between parameters)."""
+        st, written = self._pg_start, sorted(self._pg_written)
+        self._pg_start, self._pg_written = None, []
+        if st is None:
+            return
+        stream = cp.cuda.get_current_stream().ptr
+        pos, end = st.data.ptr, st.data.ptr + st.nbytes
+        for a, b in written + [(end, end)]:
+            if a > pos:
+                cp.cuda.runtime.memsetAsync(pos, 0, a - pos, stream)
+            pos = max(pos, b)
 
     def _colsum_partials(self, slot: str, chunks: int, Cc: int):
         """Where a kernel writes chunks x Cc float32 column partials: the next slice of the
@@ -262,9 +308,10 @@ class CudaOps:
         return part if part is not None else self.workspace.get(slot, chunks * Cc, np.float32)
 
     def _colsum_final(self, out, part, chunks: int, Cc: int):
-        """out (Cc,) float32 += the in-order sum of part's chunks (k_colsum_final): now, or at the
-        end of the pass where part is a slice of the deferred buffer."""
-        self.colsums.finish(out, part, chunks, Cc)
+        """out (Cc,) float32 += the in-order sum of part's chunks (k_colsum_final; written instead
+        where the pass starts out: _param_write): now, or at the end of the pass where part is a
+        slice of the deferred buffer."""
+        self.colsums.finish(out, part, chunks, Cc, self._param_write(out))
 
     def _colsum_add(self, out, x, N: int, Cc: int, slot="colsum_a"):
         """out (Cc,) float32 += column sums of x (N, Cc), in two fixed-order passes."""
@@ -317,6 +364,10 @@ class CudaOps:
             self.rt.launch("embed.cu", "k_embed_sort", ct, 1, 1024,
                            (keys, tokens, i32(N), i32(P), i32(shift), i32(int(use_shared))),
                            shared_mem=P * 4 if use_shared else 0)
+        stream = cp.cuda.get_current_stream().ptr
+        for grad in (dwte, dwpe):  # a starting pass: the kernels below add, so zero first (the
+            if self._param_write(grad):  # model's classifier has written the tied dwte before)
+                cp.cuda.runtime.memsetAsync(grad.data.ptr, 0, grad.nbytes, stream)
         self.rt.launch("embed.cu", "k_embed_bwd_wte", ct, -(-N // EMBED_WTE_WARPS), 32 * EMBED_WTE_WARPS,
                        (dwte, keys, dout, i32(N), i32(C), i32(shift)))
         self.rt.launch("embed.cu", "k_embed_bwd_wpe", ct, -(-(T * C) // THREADS), THREADS,
@@ -447,7 +498,8 @@ class CudaOps:
         check(kernel, "db", db, (OC,), np.float32)
         blas = self.blas
         blas.gemm(dinp, dout, w, False, False, N, IC, OC, OC, IC, IC, beta=1.0 if accumulate else 0.0)
-        blas.gemm(dw, dout, inp, True, False, OC, IC, N, OC, IC, IC, beta=1.0)
+        beta_w = 0.0 if self._param_write(dw) else 1.0  # written by the first kernel of a starting pass
+        blas.gemm(dw, dout, inp, True, False, OC, IC, N, OC, IC, IC, beta=beta_w)
         if db_partials is None:
             self._colsum_add(db, dout, N, OC)
         else:
@@ -659,7 +711,7 @@ class CudaOps:
                 db1_done = (part, chunks)
             else:
                 self.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, gelu_grid, THREADS, (act, dact, pre, i64(N * H)))
-        blas.gemm(dw2, dout, act, True, False, C, H, N, C, H, H, beta=1.0)
+        blas.gemm(dw2, dout, act, True, False, C, H, N, C, H, H, beta=0.0 if self._param_write(dw2) else 1.0)
         self._colsum_add(db2, dout, N, C)
         self._linear_bwd("k_mlp_bwd", dinp, dw1, db1, dact, inp, w1, accumulate, db_partials=db1_done)
 
@@ -725,13 +777,14 @@ class CudaOps:
             dl = (np.uint64(0), np.float32(dloss))
         blas, dx, R = self.blas, dinp.reshape(N, C), z_all.shape[0]
         beta = 1.0 if accumulate else 0.0
+        beta_w = 0.0 if self._param_write(dwte) else 1.0  # the first chunk starts dwte in a starting pass
         for r0 in range(0, N, R):
             n = min(R, N - r0)
             z = z_all[:n]
             blas.gemm(z, x[r0:r0 + n], wte, False, True, n, V, C, C, C, V)
             self._loss_rows(True, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)) + dl)
             blas.gemm(dx[r0:r0 + n], z, wte, False, False, n, C, V, V, C, C, beta=beta)
-            blas.gemm(dwte, z, x[r0:r0 + n], True, False, V, C, n, V, C, C, beta=1.0)
+            blas.gemm(dwte, z, x[r0:r0 + n], True, False, V, C, n, V, C, C, beta=beta_w if r0 == 0 else 1.0)
 
     # ------------------------------------------------------------ clipping and the optimizer
     def k_grad_norm_partial(self, partials, grads):
@@ -760,8 +813,8 @@ class CudaOps:
                         f64(beta2), f64(weight_decay), f64(max_norm), i32(int(bool(fp16))),
                         f64(growth_interval), f64(max_scale)))
 
-    def k_adamw_step(self, params, params_c, grads, m, v, state, beta1, beta2, eps, n_decay):
-        """Clip + AdamW + cast + zeroing of grads in one pass, as numpy_ref.k_adamw_step."""
+    def k_adamw_step(self, params, params_c, grads, m, v, state, beta1, beta2, eps, n_decay, zero_grads=True):
+        """Clip + AdamW + cast (+ zeroing of grads) in one pass, as numpy_ref.k_adamw_step."""
         for n, a in (("params", params), ("grads", grads), ("m", m), ("v", v)):
             check("k_adamw_step", n, a, params.shape, np.float32)
         check("k_adamw_step", "state", state, (STATE_LEN,), np.float64)
@@ -772,7 +825,8 @@ class CudaOps:
         f32 = np.float32
         self.rt.launch("optim.cu", "k_adamw_step", pc.dtype, blocks(params.size), THREADS,
                        (params, pc, grads, m, v, state, i64(params.size), i64(n_decay), f32(beta1),
-                        f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(eps), i32(int(cast))))
+                        f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(eps), i32(int(cast)),
+                        i32(int(bool(zero_grads)))))
 
     def k_cast_params(self, dst, src):
         """dst (compute dtype) = src (float32 master weights), a flat copy."""
