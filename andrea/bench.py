@@ -63,8 +63,8 @@ class GraphTimed:
         return lambda *args, **kw: self._timed(name, attr, args, kw)
 
     @contextlib.contextmanager
-    def param_grad_pass(self):
-        ctx = self._be.param_grad_pass()
+    def param_grad_pass(self, start=None):
+        ctx = self._be.param_grad_pass(start=start)
         ctx.__enter__()
         try:
             yield
@@ -96,7 +96,7 @@ def graph_step_ms(eng, x, y, reps=5):
 
     def passes():
         model.forward(eng.be, eng.p, eng.layers, eng.g, n_head, loss=False)
-        model.backward(eng.be, eng.p, eng.dp, eng.layers, eng.g, n_head, eng.dloss)
+        model.backward(eng.be, eng.p, eng.dp, eng.layers, eng.g, n_head, eng.dloss, start=eng.grads)
     from .backends.cuda.graphs import replay_ms
     return replay_ms(eng.be.capture(passes, s), s, reps)
 
@@ -110,7 +110,7 @@ def profile_step(eng, x, y):
     be.write(eng.g["targets"], y)
     n_head = eng.cfg.model.n_head
     model.forward(gt, eng.p, eng.layers, eng.g, n_head, loss=False)
-    model.backward(gt, eng.p, eng.dp, eng.layers, eng.g, n_head, eng.dloss)
+    model.backward(gt, eng.p, eng.dp, eng.layers, eng.g, n_head, eng.dloss, start=eng.grads)  # a first pass
     gt.k_loss_accum(eng.optim_state, eng.g["losses"])
     t, parts = eng.cfg.train, eng.bufs["norm_partials"]
     gt.k_grad_norm_partial(parts, eng.grads)
@@ -121,7 +121,7 @@ def profile_step(eng, x, y):
     for slot, value in ((S_SKIP, 0.0), (S_CLIP, 1e-3), (S_DECAY, 1.0), (S_STEP_SIZE, 1e-8), (S_VHAT, 1.0)):
         eng._set(slot, value)
     gt.k_adamw_step(eng.params, eng.params_c, eng.grads, eng.m, eng.v, eng.optim_state, t.beta1,
-                    t.beta2, t.eps, eng.layout.n_decay)
+                    t.beta2, t.eps, eng.layout.n_decay, zero_grads=False)
     if eng.fp8_cache:  # the FP8 copies of the weights, rewritten after the update
         gt._timed("fp8_weight_cache", eng.be.refresh_fp8_weight_cache, (), {})
     be.synchronize()
