@@ -41,6 +41,21 @@ def model_dict(exp: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(path))
 
 
+@contextlib.contextmanager
+def pass_closed_by(be, start, closer):
+    """be.param_grad_pass(start=start), whose close (a function of no arguments) is handed to
+    closer, which runs it: how GraphTimed times the close, and dev/profile_kernels.py annotates it.
+    An exception in the block closes it at once."""
+    ctx = be.param_grad_pass(start=start)
+    ctx.__enter__()
+    try:
+        yield
+    except BaseException:
+        ctx.__exit__(*sys.exc_info())
+        raise
+    closer(lambda: ctx.__exit__(None, None, None))
+
+
 class GraphTimed:
     """The backend, with every k_* call captured into its own CUDA graph: launched once (so the
     step goes on), then replayed REPS times between CUDA events. That is the device time of the
@@ -62,16 +77,8 @@ class GraphTimed:
             return attr
         return lambda *args, **kw: self._timed(name, attr, args, kw)
 
-    @contextlib.contextmanager
     def param_grad_pass(self, start=None):
-        ctx = self._be.param_grad_pass(start=start)
-        ctx.__enter__()
-        try:
-            yield
-        except BaseException:
-            ctx.__exit__(*sys.exc_info())
-            raise
-        self._timed("param_grad_pass", lambda: ctx.__exit__(None, None, None), (), {})
+        return pass_closed_by(self._be, start, lambda close: self._timed("param_grad_pass", close, (), {}))
 
     def _timed(self, name, fn, args, kw):
         import cupy as cp

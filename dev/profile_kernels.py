@@ -17,7 +17,6 @@ Needs a CUDA GPU, CuPy and torch.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import sys
@@ -60,20 +59,17 @@ class Annotated:
     def __init__(self, be):
         self._be = be
 
-    @contextlib.contextmanager
-    def param_grad_pass(self):
+    def param_grad_pass(self, start=None):
         import cupy as cp
         from torch.profiler import record_function
-        ctx = self._be.param_grad_pass()
-        ctx.__enter__()
-        try:
-            yield
-        except BaseException:
-            ctx.__exit__(*sys.exc_info())
-            raise
-        with record_function("param_grad_pass"):
-            ctx.__exit__(None, None, None)
-            cp.cuda.get_current_stream().synchronize()
+
+        from andrea.bench import pass_closed_by
+
+        def closer(close):
+            with record_function("param_grad_pass"):
+                close()
+                cp.cuda.get_current_stream().synchronize()
+        return pass_closed_by(self._be, start, closer)
 
     def __getattr__(self, name):
         attr = getattr(self._be, name)

@@ -110,3 +110,35 @@ def test_bench_settings_parse_and_refuse():
     assert be.ln_blocks == 528 and isinstance(be.ln_blocks, int)
     with pytest.raises(SystemExit, match="no attribute nope"):
         apply_settings(be, {"nope": 1})
+
+
+def test_pass_closed_by_hands_the_close_over():
+    """The bench's and the profiler's wrappers of param_grad_pass: start reaches the backend, the
+    close runs inside the closer (where it is timed or annotated), an exception closes it at once."""
+    import contextlib
+
+    import pytest
+
+    from andrea.bench import pass_closed_by
+    log = []
+
+    class Be:
+        @contextlib.contextmanager
+        def param_grad_pass(self, start=None):
+            log.append(("open", start))
+            try:
+                yield
+            finally:
+                log.append("close")
+
+    def closer(close):
+        log.append("closer")
+        close()
+    with pass_closed_by(Be(), "grads", closer):
+        log.append("body")
+    assert log == [("open", "grads"), "body", "closer", "close"]
+    log.clear()
+    with pytest.raises(ValueError):
+        with pass_closed_by(Be(), None, closer):
+            raise ValueError("in the pass")
+    assert log == [("open", None), "close"]
