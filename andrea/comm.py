@@ -192,7 +192,7 @@ class MpiComm:
     def reduce_scatter_sum(self, a) -> None:
         """ZeRO-1: a (flat, size x S elements) is cut into one shard of S per rank; rank r's shard
         becomes the sum over the ranks of that shard, in place, with the bits allreduce_sum would
-        give it. The rest of a is left undefined (the engine zeroes it)."""
+        give it. The rest of a is left undefined (the engine's next first pass writes it)."""
         S = self._shard_len(a, "reduce_scatter_sum")
         if isinstance(a, np.ndarray):
             self._reduce_scatter_in_rank_order(a.reshape(-1), S)

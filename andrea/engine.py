@@ -12,8 +12,8 @@ to the optimizer state); then, on the device with no host round trip,
 k_grad_norm_partial and k_step_check find the global norm of the averaged, unscaled gradient and
 apply the non-finite policy (a non-finite norm or loss skips the update, counted; fp16 also halves
 the loss scale) and the loss-scale growth, and k_adamw_step unscales, clips, updates and casts the
-compute copy in one pass (it leaves the grads: the next step's first pass writes them; under
-ZeRO-1 they are zeroed as before). On CUDA each microbatch and the optimizer part run
+compute copy in one pass (it leaves the grads, with or without ZeRO-1: the next step's first pass
+writes them). On CUDA each microbatch and the optimizer part run
 as CUDA graphs. The optimizer state (loss scale, streaks, skipped count, the last step's record)
 lives on the device (numpy_ref.STATE_SLOTS); train_step returns a StepRecord that reads the step's
 copy of it when first used, so the host need not wait for the step to finish.
@@ -236,9 +236,7 @@ class Engine:
         if self.zero1:
             P = self.be.grad_norm_partials
             self.shard = {"params": self.params[self.lo:self.hi], "grads": self.grads[self.lo:self.hi],
-                          "partials": bufs["norm_partials"][self.comm.rank * P:(self.comm.rank + 1) * P],
-                          # the rest of grads, zeroed after each step (the shard's part by k_adamw_step)
-                          "rest": [g for g in (self.grads[:self.lo], self.grads[self.hi:]) if g.size]}
+                          "partials": bufs["norm_partials"][self.comm.rank * P:(self.comm.rank + 1) * P]}
         self.p = self.layout.views(self.params_c)  # what the kernels read
         self.dp = self.layout.views(self.grads)
         shapes = model.activation_shapes(self.cfg.model, 1, 1)
@@ -452,13 +450,11 @@ class Engine:
             # the decayed parameters are the first n_decay of the flat buffer: those in the shard
             n_decay = min(max(self.layout.n_decay - self.lo, 0), self.hi - self.lo)
             be.k_adamw_step(sh["params"], sh["params"], sh["grads"], self.m, self.v, self.optim_state,
-                            t.beta1, t.beta2, t.eps, n_decay)
+                            t.beta1, t.beta2, t.eps, n_decay, zero_grads=False)
             comm.allgather(self.params)  # the fp32 master weights, whole on every rank
             if self.mixed:
                 be.k_cast_params(self.params_c, self.params)
             self._refresh_fp8()
-            for g in sh["rest"]:  # the rest of grads (reduce-scatter scratch) for the next step
-                g.fill(0)
         self._run(("optimizer", n_micro), sharded if self.zero1 else optimizer)
 
     def _run(self, key, fn):

@@ -373,15 +373,14 @@ def assert_fused_kernels(launched: list, hopper: bool):
         assert got == {want}, f"{kernel} ran from {got}; expected {want}"
 
 
-@pytest.mark.parametrize("hopper", [True, False], ids=["wgmma", "mma"])
+@pytest.mark.parametrize("prec_name,hopper", [("fp16", True), ("fp16", False), ("fp32", None)],
+                         ids=["fp16-wgmma", "fp16-mma", "fp32"])  # float32 takes version 1 either way
 @pytest.mark.parametrize("n_head,Tq,Cq", FUSED_CASES)
-def test_attention_fused(be, prec, rng, n_head, Tq, Cq, accumulate, hopper, monkeypatch):
-    launched = None
+def test_attention_fused(be, prec_name, rng, n_head, Tq, Cq, accumulate, hopper, monkeypatch):
+    prec, launched = PREC[prec_name], None
     if prec[0] == np.float16:
         assert be.attention_variant(np.float16, Cq // n_head) == "fused", "this case must exercise the fused kernels"
         launched = fused_path(be, monkeypatch, hopper, Cq // n_head)
-    elif not hopper:
-        pytest.skip("float32 takes version 1 either way")
     check_attention(be, prec, rng, n_head, 2, Tq, Cq, accumulate)
     if launched is not None:
         assert_fused_kernels(launched, hopper)

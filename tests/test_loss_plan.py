@@ -69,3 +69,9 @@ def test_planned_kernels_do_not_spill(V, ct, vectors, tmp_path):
     report = dict(re.findall(r"Function properties for (loss_\w+_regs)\n\s*(\d+) bytes stack frame", r.stderr))
     assert set(report) == {"loss_fwd_regs", "loss_bwd_regs"}, r.stderr
     assert all(v == "0" for v in report.values()), f"V={V} CT={ct} NV={nv} threads={threads}:\n{r.stderr}"
+
+
+def test_no_vectors_means_version_1():
+    """loss_vectors = 0 sends every row to version 1 (how version 1 is timed against version 2)."""
+    assert loss_row_plan(50304, 2, vectors=0) is None and loss_row_plan(8192, 2, vectors=0) is None
+    assert loss_row_plan(50304, 2, vectors=8) is not None

@@ -14,9 +14,9 @@
 //   with LOSS_PREFETCH stages its next row in shared memory by cp.async while it computes this
 //   one, in two buffers taken in turn, each thread copying and later reading only its own vectors.
 //   exp is ex2.approx of (x - m) * log2(e) (one MUFU op per element and pass).
-// - loss_fwd / loss_bwd (version 1, dev/cuda/loss_v1.cu): one block of 512 threads per row, the
-//   row read twice (lse, then dlogits), with expf. Every row that is no whole 16-byte vectors or
-//   too long for the registers (float32 at V = 50304) takes it.
+// - loss_fwd / loss_bwd (version 1): one block of 512 threads per row, the row read twice (lse,
+//   then dlogits), with expf. Every row that is no whole 16-byte vectors or too long for the
+//   registers (float32 at V = 50304) takes it; CudaOps.loss_vectors = 0 sends every row to it.
 #include "common.cuh"
 
 // ---------------------------------------------------------------- version 1 (any row)

@@ -254,19 +254,12 @@ def main(argv=None) -> int:
         except ValueError:
             raise SystemExit(f"--time-size {a.time_size}: expected five integers B,T,C,NH,V")
         time_size = {"B": B, "T": T, "C": C, "NH": NH, "V": V}
-    settings = {}
-    for item in a.set:
-        name, _, value = item.partition("=")
-        if not name or not value.lstrip("-").isdigit():
-            raise SystemExit(f"--set {item}: expected ATTR=INT, e.g. dgelu_epilogue=1")
-        settings[name] = int(value)
+    from andrea.bench import apply_settings, parse_settings
+    settings = parse_settings(a.set)
 
     def backend(label, path, side):
         be = make_backend(a.op, path, side, a.attention)
-        for name, value in settings.items():
-            if not hasattr(be, name):
-                raise SystemExit(f"--set {name}: the CUDA backend has no attribute {name}")
-            setattr(be, name, type(getattr(be, name))(value))
+        apply_settings(be, settings)
         return be
     df = run(a.op, a.variants, precisions, a.reps, not a.no_time, a.attention,
              backend=backend, time_size=time_size)

@@ -1,6 +1,7 @@
 """The classifier's row pass alone (andrea/kernels/loss.cu without the three matrix products of
-k_loss_bwd): version 1 (dev/cuda/loss_v1.cu, one block of 512 threads per row, the row read twice)
-against the package's version 2 (the row held in registers, read once) under launch settings.
+k_loss_bwd): version 1 (the package's loss_fwd / loss_bwd, one block of 512 threads per row, the
+row read twice; forced for every row by loss_vectors=0) against the package's version 2 (the row
+held in registers, read once) under launch settings.
 
     python dev/cuda/loss_rows.py --shape 4096,50304 --shape 8192,8192 --dtype fp16,bf16 \\
         --setting v1 --setting vectors=8 --setting vectors=16 --setting prefetch=0
@@ -26,10 +27,8 @@ HERE = Path(__file__).resolve().parent
 
 def backend(setting: str):
     from andrea.backends.cuda import CudaBackend
-    if setting == "v1":
-        return CudaBackend(sources={"loss.cu": HERE / "loss_v1.cu"})
     be = CudaBackend()
-    for item in setting.split(","):
+    for item in ("vectors=0" if setting == "v1" else setting).split(","):
         name, _, value = item.partition("=")
         if not hasattr(be, "loss_" + name) or not value.isdigit():
             raise SystemExit(f"--setting {setting}: expected v1 or NAME=INT with loss_NAME an attribute of the backend")
@@ -42,9 +41,6 @@ def row_pass(be, setting, bwd, z, losses, lse, targets, dloss):
     from andrea.backends.cuda.runtime import i32, i64
     n, V = z.shape
     args = (losses, lse, z, targets, i64(n), i32(V)) + ((np.uint64(0), np.float32(dloss)) if bwd else ())
-    if setting == "v1":
-        name = "k_loss_bwd" if bwd else "k_loss_fwd"
-        return lambda: be.rt.launch("loss.cu", name, z.dtype, n, 512, args)
     return lambda: be._loss_rows(bwd, n, z, z.dtype, args)
 
 

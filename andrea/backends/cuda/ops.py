@@ -106,7 +106,7 @@ def loss_row_plan(V: int, itemsize: int, vectors: int = 8, prefetch: bool = True
     fewest vectors a thread that still do; the next row staged in shared memory (two buffers)
     where prefetch is set and they fit in smem_max."""
     vec = 16 // itemsize
-    if V % vec or V <= 0:
+    if V % vec or V <= 0 or vectors <= 0:  # vectors 0: version 1 for every row (timing it)
         return None
     n = V // vec
     nv = max(1, min(vectors, -(-n // 32)))
@@ -189,8 +189,8 @@ class CudaOps:
     # the classifier's row pass (loss.cu version 2): about this many 16-byte vectors of a row per
     # thread, the next row staged in shared memory while this one is computed, and (0: as many as
     # fit on the GPU) the blocks that walk the rows (dev/cuda/loss_rows.py --setting vectors=16,
-    # --setting prefetch=0; tests cap the blocks so that each walks many rows). docs/BENCHMARKS.md
-    # has the timings behind the defaults
+    # --setting prefetch=0; tests cap the blocks so that each walks many rows; vectors 0: version 1
+    # for every row). docs/BENCHMARKS.md has the timings behind the defaults
     loss_vectors = 8
     loss_prefetch = 1
     loss_blocks = 0
@@ -289,7 +289,7 @@ class CudaOps:
 
     def _zero_unwritten(self) -> None:
         """The end of a pass that started a gradient buffer: zero whatever no kernel wrote (e.g. a
-        parameter the model did not use, the alignment gaps between parameters)."""
+        parameter the model did not use, the padding ZeRO-1 adds to the flat buffer)."""
         st, written = self._pg_start, sorted(self._pg_written)
         self._pg_start, self._pg_written = None, []
         if st is None:
@@ -737,20 +737,15 @@ class CudaOps:
         lim = _sm_limits(z.device.id)
         plan = None if z.data.ptr % 16 else loss_row_plan(z.shape[1], np.dtype(ct).itemsize, self.loss_vectors,
                                                           bool(self.loss_prefetch), lim["smem_optin"])
+        kernel = "loss_bwd" if bwd else "loss_fwd"
         if plan is None:
-            if bwd:
-                self.rt.launch("loss.cu", "loss_bwd", ct, n, LOSS_THREADS_V1, args)
-            else:
-                self.rt.launch("loss.cu", "loss_fwd", ct, n, LOSS_THREADS_V1, args)
+            self.rt.launch("loss.cu", kernel, ct, n, LOSS_THREADS_V1, args)
             return
         nv, threads, smem = plan
         defs = (f"-DLOSS_NV={nv}", f"-DLOSS_THREADS={threads}", f"-DLOSS_PREFETCH={int(smem > 0)}")
-        f = self.rt.function("loss.cu", "loss_bwd_regs" if bwd else "loss_fwd_regs", ct, defs)
+        f = self.rt.function("loss.cu", kernel + "_regs", ct, defs)
         grid = min(n, self.loss_blocks or lim["sms"] * resident_blocks(f.num_regs, threads, smem, lim))
-        if bwd:
-            self.rt.launch("loss.cu", "loss_bwd_regs", ct, grid, threads, args, shared_mem=smem, defs=defs)
-        else:
-            self.rt.launch("loss.cu", "loss_fwd_regs", ct, grid, threads, args, shared_mem=smem, defs=defs)
+        self.rt.launch("loss.cu", kernel + "_regs", ct, grid, threads, args, shared_mem=smem, defs=defs)
 
     def k_loss_fwd(self, losses, lse, logits, inp, wte, targets):
         """Writes losses, lse (B,T); logits (R, V) is workspace: chunks of R rows of inp @ wte.T."""
