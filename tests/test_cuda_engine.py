@@ -220,6 +220,40 @@ def test_deferred_column_sums_same_bits(tmp_path, precision):
         assert np.array_equal(a, b), "weights or Adam state differ"
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_side_stream_same_bits(tmp_path, precision):
+    """The weight-gradient products on a second stream beside the rest of their layer's backward
+    (side_stream_max: every product of this small model) against one stream (0): the side handle
+    ran every layer's four weight-gradient products, and the gradient bits after one forward +
+    backward, then the losses, weights and Adam state after 4 steps (an eager one, the captured
+    one, replays) are the same."""
+    from andrea.backends import get_backend
+    B, T = 3, 37
+    runs = {}
+    for side in (1 << 30, 0):
+        be = get_backend("cuda")
+        be.side_stream_max = side
+        eng = Engine(cfg_for(tmp_path, "cuda", batch_size=B, seq_len=T, precision=precision), backend=be)
+        calls = []
+        if side:
+            blas = be.side[1]
+            gemm = blas.gemm
+            blas.gemm = lambda *a, **kw: (calls.append(a[0].shape), gemm(*a, **kw))[1]
+        eng.forward_backward(*batch(1, B, T))
+        grads = be.to_numpy(eng.grads).view(np.uint8)
+        eng.zero_grads()
+        losses = [eng.train_step(s, [batch(s, B, T)])["loss"] for s in range(1, 5)]
+        runs[side] = grads, losses, eng.host_state(), calls
+    C = MODEL["d_model"]
+    assert runs[1 << 30][3][:4 * MODEL["n_layer"]] == [(C, 4 * C), (4 * C, C), (C, C), (3 * C, C)] * MODEL["n_layer"], \
+        "the side stream did not run the weight-gradient products (dw2, dw1, W_O, W_QKV of each layer)"
+    assert runs[0][3] == []
+    assert np.array_equal(runs[1 << 30][0], runs[0][0]), "the side stream changed the gradients"
+    assert runs[1 << 30][1] == runs[0][1], "losses differ"
+    for a, b in zip(runs[1 << 30][2], runs[0][2]):
+        assert np.array_equal(a, b), "weights or Adam state differ"
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16",
                                        pytest.param("fp8", marks=pytest.mark.skipif(not fp8_gpu(), reason="FP8"))])
 def test_first_pass_writes_the_gradients(tmp_path, precision):

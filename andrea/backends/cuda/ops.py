@@ -23,7 +23,10 @@ from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
 
 COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-norm gradients)
 LN_FUSED_MAXC = 1024  # widest row the one-pass layer-norm backward holds in registers
-LN_BLOCKS = 264  # blocks (and partial rows) of the one-pass layer-norm backward: 2 per SM of an H200
+# blocks (and partial rows) of the one-pass layer-norm backward: 2 per SM of an H200 below
+# LN_WIDE columns, 4 from there (measured in the step: 528 blocks 0.391 ms against 264's 0.453 at
+# ANDREA-120M's 768 columns, slower at ANDREA-12M's 384: docs/BENCHMARKS.md)
+LN_BLOCKS, LN_BLOCKS_WIDE, LN_WIDE = 264, 528, 768
 STEP_CHECK_THREADS = 96  # SC_THREADS in optim.cu: the summing warp and the two that compute the powers
 EMBED_RANK_MAX = 1 << 16  # see CudaOps.embed_rank_max
 EMBED_RANK_KEYS = 32  # keys a block of k_embed_sort_rank ranks (ER_KEYS in embed.cu)
@@ -176,7 +179,17 @@ class CudaOps:
     # the GELU pass of the MLP backward also writes the first bias's column partials
     # (k_mlp_bwd_gelu_colsum; False: k_mlp_bwd_gelu, then k_colsum_partial reads dact again)
     gelu_colsum = True
-    ln_blocks = LN_BLOCKS  # blocks of the one-pass layer-norm backward (dev/cuda/harness.py --set ln_blocks=N)
+    # blocks of the one-pass layer-norm backward (0: LN_BLOCKS or LN_BLOCKS_WIDE by the row width;
+    # dev/cuda/harness.py --set ln_blocks=N)
+    ln_blocks = 0
+    # weight-gradient products of at most this many elements run on a second stream beside the
+    # rest of their layer's backward (the input-gradient product, the bias sums): forked from the
+    # current stream and joined back by events within the launcher, so a captured pass gets two
+    # branches there. Small products leave most of the GPU idle: at ANDREA-12M a layer's input- and
+    # weight-gradient pairs took 0.131 ms one after the other and 0.118 side by side, at ANDREA-120M
+    # the MLP's pairs were slower side by side and the attention output's faster
+    # (dev/cuda/gemm_shapes.py; docs/BENCHMARKS.md). 0: one stream. The same bits either way.
+    side_stream_max = 1 << 20
     # inside param_grad_pass, the final column sums of the bias and layer-norm weight gradients wait
     # for the end of the pass and run as one k_colsum_final_many (cuda/colsum.py); False: each runs
     # at once, as outside a pass (the same bits; dev/profile_kernels.py --set defer_colsums=0)
@@ -209,9 +222,11 @@ class CudaOps:
             rows = [("attn_scores", (BH * T * T,), "float32"), ("attn_probs", (BH * T * T,), act),
                     ("attn_heads", (3 * N * C,), act), ("attn_y", (N * C,), act),
                     ("attn_dheads", (3 * N * C,), "float32")]
-        partial_rows = max(COLSUM_CHUNKS * 4, self.ln_blocks)
+        partial_rows = max(COLSUM_CHUNKS * 4, self._ln_grid(C))
         rows += [("colsum_a", (partial_rows * C,), "float32"), ("colsum_b", (partial_rows * C,), "float32"),
                  ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
+        if self.side_stream_max:
+            rows.append(("cublas_side", (CUBLAS_WORKSPACE,), "uint8"))
         deferred = deferred_floats(n_layer, C, partial_rows, COLSUM_CHUNKS)
         if deferred:
             rows.append((DEFERRED, (deferred,), "float32"))
@@ -238,6 +253,30 @@ class CudaOps:
         except NoAlgorithm:
             return False
         return True
+
+    @contextlib.contextmanager
+    def _beside(self, n: int):
+        """Yields run(fn): fn(blas) launches a weight-gradient product of n elements with the
+        cuBLAS handle given. Where n <= side_stream_max it runs on the side stream, which waits
+        here for the work queued so far on the current stream; the current stream waits for the
+        side stream when the block ends. Elsewhere fn runs at once on the current stream."""
+        if not 0 < n <= self.side_stream_max:
+            yield lambda fn: fn(self.blas)
+            return
+        stream, blas, fork, join = self.side
+        main = cp.cuda.get_current_stream()
+        fork.record(main)
+        stream.wait_event(fork)
+
+        def run(fn):
+            with stream:
+                fn(blas)
+
+        try:
+            yield run
+        finally:
+            join.record(stream)
+            main.wait_event(join)
 
     @contextlib.contextmanager
     def param_grad_pass(self, start=None):
@@ -420,6 +459,10 @@ class CudaOps:
                         i64(N), i32(C)), defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}",))
         return True
 
+    def _ln_grid(self, C: int) -> int:
+        """Blocks of the one-pass layer-norm backward over rows of C columns."""
+        return self.ln_blocks or (LN_BLOCKS_WIDE if C >= LN_WIDE else LN_BLOCKS)
+
     def k_layernorm_bwd(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
         """Adds into dinp (B,T,C) (compute dtype; accumulate=False writes it), dweight, dbias (C,)
         float32."""
@@ -436,7 +479,7 @@ class CudaOps:
         vec = 16 // inp.dtype.itemsize  # version 5 loads rows as whole 16-byte vectors
         if C <= LN_FUSED_MAXC and C % vec == 0 and all(a.data.ptr % 16 == 0 for a in (dinp, dout, inp, weight)):
             # version 5: rows, then columns, in each block; its partials of dweight/dbias added in block order
-            rpb = -(-N // self.ln_blocks)
+            rpb = -(-N // self._ln_grid(C))
             n_blocks = -(-N // rpb)
             pdw = self._colsum_partials("colsum_a", n_blocks, C)
             pdb = self._colsum_partials("colsum_b", n_blocks, C)
@@ -496,15 +539,15 @@ class CudaOps:
         check(kernel, "dout", dout, inp.shape[:-1] + (OC,), ct)
         check(kernel, "dw", dw, (OC, IC), np.float32)
         check(kernel, "db", db, (OC,), np.float32)
-        blas = self.blas
-        blas.gemm(dinp, dout, w, False, False, N, IC, OC, OC, IC, IC, beta=1.0 if accumulate else 0.0)
         beta_w = 0.0 if self._param_write(dw) else 1.0  # written by the first kernel of a starting pass
-        blas.gemm(dw, dout, inp, True, False, OC, IC, N, OC, IC, IC, beta=beta_w)
-        if db_partials is None:
-            self._colsum_add(db, dout, N, OC)
-        else:
-            part, chunks = db_partials
-            self._colsum_final(db, part, chunks, OC)
+        with self._beside(OC * IC) as beside:
+            beside(lambda blas: blas.gemm(dw, dout, inp, True, False, OC, IC, N, OC, IC, IC, beta=beta_w))
+            self.blas.gemm(dinp, dout, w, False, False, N, IC, OC, OC, IC, IC, beta=1.0 if accumulate else 0.0)
+            if db_partials is None:
+                self._colsum_add(db, dout, N, OC)
+            else:
+                part, chunks = db_partials
+                self._colsum_final(db, part, chunks, OC)
 
     def k_attn_qkv_fwd(self, qkv, inp, w, b):
         """qkv (B,T,3C) = inp (B,T,C) @ w (3C,C).T + b (3C,)."""
@@ -711,9 +754,11 @@ class CudaOps:
                 db1_done = (part, chunks)
             else:
                 self.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, gelu_grid, THREADS, (act, dact, pre, i64(N * H)))
-        blas.gemm(dw2, dout, act, True, False, C, H, N, C, H, H, beta=0.0 if self._param_write(dw2) else 1.0)
-        self._colsum_add(db2, dout, N, C)
-        self._linear_bwd("k_mlp_bwd", dinp, dw1, db1, dact, inp, w1, accumulate, db_partials=db1_done)
+        beta_w = 0.0 if self._param_write(dw2) else 1.0
+        with self._beside(C * H) as beside:
+            beside(lambda blas: blas.gemm(dw2, dout, act, True, False, C, H, N, C, H, H, beta=beta_w))
+            self._colsum_add(db2, dout, N, C)
+            self._linear_bwd("k_mlp_bwd", dinp, dw1, db1, dact, inp, w1, accumulate, db_partials=db1_done)
 
     # ------------------------------------------------------------ residual
     def k_residual_add(self, out, a, b):
