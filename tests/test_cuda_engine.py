@@ -220,38 +220,56 @@ def test_deferred_column_sums_same_bits(tmp_path, precision):
         assert np.array_equal(a, b), "weights or Adam state differ"
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
-def test_side_stream_same_bits(tmp_path, precision):
-    """The weight-gradient products on a second stream beside the rest of their layer's backward
-    (side_stream_max: every product of this small model) against one stream (0): the side handle
-    ran every layer's four weight-gradient products, and the gradient bits after one forward +
-    backward, then the losses, weights and Adam state after 4 steps (an eager one, the captured
-    one, replays) are the same."""
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16",
+                                       pytest.param("fp8", marks=pytest.mark.skipif(not fp8_gpu(), reason="FP8"))])
+def test_transposed_weight_copies(tmp_path, precision):
+    """W^T copies for every weight (thresholds lowered to 1; fp8: the embedding only, its linear
+    products keep FP8 copies): the memory plan holds them, they equal the weights transposed after
+    start-up and after steps (the optimizer graph rewrites them, replays included), the input-
+    gradient products read them (cuBLAS's B operand), the gradients match an engine without copies
+    to the dtype's tolerance, and two runs give the same bits."""
     from andrea.backends import get_backend
-    B, T = 3, 37
+    from andrea.engine import transposed_weights
+    B, T = (4, 32) if precision == "fp8" else (3, 37)
+    tol = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 3e-2, "fp8": 3e-2}[precision]
     runs = {}
-    for side in (1 << 30, 0):
+    for key in ("copies", "copies again", "none"):
         be = get_backend("cuda")
-        be.side_stream_max = side
+        be.transposed_min, be.transposed_min_side = (0, 1) if key == "none" else (1, 1)
         eng = Engine(cfg_for(tmp_path, "cuda", batch_size=B, seq_len=T, precision=precision), backend=be)
-        calls = []
-        if side:
-            blas = be.side[1]
-            gemm = blas.gemm
-            blas.gemm = lambda *a, **kw: (calls.append(a[0].shape), gemm(*a, **kw))[1]
+        names = transposed_weights(eng.cfg.model, precision, be.wants_transposed)
+        assert eng.transposed == names
+        if key == "none":
+            assert names == [] and "transposed weights" not in eng.plan.by_group()
+        else:
+            want = ["wte"] + ([] if precision == "fp8" else [f"h{l}.{n}" for l in range(MODEL["n_layer"])
+                                                          for n in ("qkv_w", "attn_out_w", "mlp_w1", "mlp_w2")])
+            assert names == want
+            assert "transposed weights" in eng.plan.by_group()
+        read = []
+        gemm = be.blas.gemm
+        be.blas.gemm = lambda *a, **kw: (read.append(a[2].data.ptr), gemm(*a, **kw))[1]
+
+        def copies_match():
+            for n in names:
+                w = eng.p[n]
+                assert np.array_equal(be.to_numpy(be._transposed.get(w)).view(np.uint8),
+                                      be.to_numpy(w).T.view(np.uint8)), f"W^T copy of {n}"
+
+        copies_match()
         eng.forward_backward(*batch(1, B, T))
-        grads = be.to_numpy(eng.grads).view(np.uint8)
+        assert all(be._transposed.get(eng.p[n]).data.ptr in read for n in names), "a copy was not read"
+        grads = be.to_numpy(eng.grads)
         eng.zero_grads()
         losses = [eng.train_step(s, [batch(s, B, T)])["loss"] for s in range(1, 5)]
-        runs[side] = grads, losses, eng.host_state(), calls
-    C = MODEL["d_model"]
-    assert runs[1 << 30][3][:4 * MODEL["n_layer"]] == [(C, 4 * C), (4 * C, C), (C, C), (3 * C, C)] * MODEL["n_layer"], \
-        "the side stream did not run the weight-gradient products (dw2, dw1, W_O, W_QKV of each layer)"
-    assert runs[0][3] == []
-    assert np.array_equal(runs[1 << 30][0], runs[0][0]), "the side stream changed the gradients"
-    assert runs[1 << 30][1] == runs[0][1], "losses differ"
-    for a, b in zip(runs[1 << 30][2], runs[0][2]):
-        assert np.array_equal(a, b), "weights or Adam state differ"
+        copies_match()
+        runs[key] = grads, losses, eng.host_state()
+    assert rel(runs["copies"][0], runs["none"][0]) < tol, "gradients through the W^T copies"
+    assert np.allclose(runs["copies"][1], runs["none"][1], rtol=tol), "losses through the W^T copies"
+    assert np.array_equal(runs["copies"][0].view(np.uint8), runs["copies again"][0].view(np.uint8))
+    assert runs["copies"][1] == runs["copies again"][1]
+    for a, b in zip(runs["copies"][2], runs["copies again"][2]):
+        assert np.array_equal(a, b), "two runs with W^T copies differ"
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16",

@@ -5,9 +5,10 @@ the other against run side by side on two streams.
 
     python dev/cuda/gemm_shapes.py --exp ANDREA-12M --batch 32 --exp ANDREA-120M --batch 8 --algos 8
 
-Per linear layer (W of shape OC x IC, N = B*T rows):
+Per linear layer (W of shape OC x IC, N = B*T rows; the classifier: W the embedding, N a chunk's rows):
     Y  (N, OC)  = X (N, IC) @ W^T          dX (N, IC) = dY (N, OC) @ W         dW (OC, IC) = dY^T @ X
-in the compute dtype, dW in float32 (as the backend's gradients). Each figure is one product's
+in the compute dtype, dW in float32 (as the backend's gradients); dX also through a transposed
+copy of W (the Y product's operand layout, "cublas W^T copy"). Each figure is one product's
 device time, from a CUDA graph of --reps copies replayed between CUDA events; TFLOP/s counts
 2 N OC IC. "pair" rows: dX then dW in one stream, against dX on the stream and dW on a second
 stream forked and joined by events in every copy (the form a graph with two branches takes).
@@ -24,10 +25,14 @@ sys.path.insert(0, str(HERE.parent.parent))
 
 
 def shapes(exp: str, batch: int):
+    """[(layer, rows, OC, IC)]: the four linear layers over B*T rows and the classifier over one
+    chunk of rows (model.loss_chunk_rows), its weight the embedding (V, C)."""
     from andrea.bench import model_dict
+    from andrea.model import loss_chunk_rows
     m = model_dict(exp)
-    C, N = m["d_model"], batch * m["context"]
-    return N, [("qkv", 3 * C, C), ("attn_out", C, C), ("mlp_up", 4 * C, C), ("mlp_down", C, 4 * C)]
+    C, N, V = m["d_model"], batch * m["context"], m["vocab_size"]
+    return [("qkv", N, 3 * C, C), ("attn_out", N, C, C), ("mlp_up", N, 4 * C, C), ("mlp_down", N, C, 4 * C),
+            ("classifier", loss_chunk_rows(N, V), V, C)]
 
 
 def graph_ms(fn, stream, blases, reps: int, replays: int = 5) -> float:
@@ -93,13 +98,13 @@ def main(argv=None) -> int:
         blas2.bind_stream()
     rows = []
     for exp, B in zip(exps, batches):
-        N, layers = shapes(exp, B)
-        for name, OC, IC in layers:
+        for name, N, OC, IC in shapes(exp, B):
             X = rng.standard_normal((N, IC), dtype=np.float32).astype(ct)
             W = (rng.standard_normal((OC, IC), dtype=np.float32) * 0.02).astype(ct)
             dY = rng.standard_normal((N, OC), dtype=np.float32).astype(ct)
             Y, dX = cp.empty((N, OC), ct), cp.empty((N, IC), ct)
             dW = cp.zeros((OC, IC), np.float32)
+            WT = cp.ascontiguousarray(W.T)  # a transposed copy: dX in the Y product's layout
             fl = 2.0 * N * OC * IC
             prods = {
                 "Y": (lambda: blas.gemm(Y, X, W, False, True, N, OC, IC, IC, IC, OC),
@@ -109,6 +114,8 @@ def main(argv=None) -> int:
                 "dW": (lambda: blas.gemm(dW, dY, X, True, False, OC, IC, N, OC, IC, IC, beta=1.0),
                        (dW, dY, X, True, False, OC, IC, N, OC, IC, IC), 1.0),
             }
+            ms = graph_ms(lambda: blas.gemm(dX, dY, WT, False, True, N, IC, OC, OC, OC, IC), main_s, [blas], a.reps)
+            rows.append(dict(exp=exp, layer=name, product="dX", how="cublas W^T copy", ms=ms, tflops=fl / ms / 1e9))
             for prod, (fn, args, beta) in prods.items():
                 ms = graph_ms(fn, main_s, [blas], a.reps)
                 rows.append(dict(exp=exp, layer=name, product=prod, how="cublas", ms=ms, tflops=fl / ms / 1e9))
@@ -124,6 +131,8 @@ def main(argv=None) -> int:
                     ms = graph_ms(lambda: lt_run(lt, plan, al, D, A_, B_, beta), main_s, [blas], a.reps)
                     rows.append(dict(exp=exp, layer=name, product=prod, how=f"lt#{i} w{al.waves_count:.2f}",
                                      ms=ms, tflops=fl / ms / 1e9))
+            if name == "classifier":
+                continue
             # the backward pair, serial and on two streams
             dx_fn, dw_fn = prods["dX"][0], (lambda: blas2.gemm(dW, dY, X, True, False, OC, IC, N, OC, IC, IC, beta=1.0))
 

@@ -53,7 +53,6 @@ class CudaBackend(CudaOps):
         self.workspace = Workspace()
         self.colsums = DeferredColsums(self.rt)  # the column sums a param_grad_pass defers
         self._blas = None
-        self._side = None
         self._lt = None  # the cuBLASLt binding once tried; False where it cannot be loaded
         self._rings: dict = {}  # pinned host buffers of upload / download_async, by shape
 
@@ -63,20 +62,6 @@ class CudaBackend(CudaOps):
         if self._blas is None:
             self._blas = Cublas()
         return self._blas
-
-    @property
-    def side(self):
-        """(stream, cuBLAS handle, fork event, join event) of the weight-gradient products that run
-        beside the rest of a layer's backward (CudaOps.side_stream_max), created on first use. The
-        handle has its own workspace and is bound to the side stream once, outside any capture."""
-        if self._side is None:
-            stream = self.cp.cuda.Stream(non_blocking=True)
-            blas = Cublas()
-            with stream:
-                blas.bind_stream()
-            self._side = (stream, blas, self.cp.cuda.Event(disable_timing=True),
-                          self.cp.cuda.Event(disable_timing=True))
-        return self._side
 
     @property
     def lt(self):
@@ -149,13 +134,10 @@ class CudaBackend(CudaOps):
             from .fp8 import check_fp8_device
             check_fp8_device(B, T, C)
         self.workspace.outside["cublas"] = CUBLAS_WORKSPACE
-        self.workspace.outside["cublas_side"] = CUBLAS_WORKSPACE if self.side_stream_max else 0
         self.workspace.outside["cublaslt"] = 0  # counted once the binding exists (below)
         self.workspace.reserve(self.workspace_rows(B, T, C, n_head, act_dtype, fp8, n_layer))
         if self._blas is None:  # the handle and its 32 MiB workspace, now rather than in step 1
             self._blas = Cublas()
-        if self.side_stream_max:  # the side stream's handle too
-            self.side
         lt = self.lt
         if lt is not None:
             self.workspace.outside["cublaslt"] = lt.workspace.nbytes

@@ -20,6 +20,7 @@ from ..numpy_ref import STATE_LEN
 from .colsum import DEFERRED, deferred_floats
 from .cublas import CUBLAS_WORKSPACE, cuda_type
 from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
+from .transposed import TRANSPOSED_MIN, TRANSPOSED_MIN_SIDE, TransposedWeights, wants
 
 COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-norm gradients)
 LN_FUSED_MAXC = 1024  # widest row the one-pass layer-norm backward holds in registers
@@ -182,14 +183,13 @@ class CudaOps:
     # blocks of the one-pass layer-norm backward (0: LN_BLOCKS or LN_BLOCKS_WIDE by the row width;
     # dev/cuda/harness.py --set ln_blocks=N)
     ln_blocks = 0
-    # weight-gradient products of at most this many elements run on a second stream beside the
-    # rest of their layer's backward (the input-gradient product, the bias sums): forked from the
-    # current stream and joined back by events within the launcher, so a captured pass gets two
-    # branches there. Small products leave most of the GPU idle: at ANDREA-12M a layer's input- and
-    # weight-gradient pairs took 0.131 ms one after the other and 0.118 side by side, at ANDREA-120M
-    # the MLP's pairs were slower side by side and the attention output's faster
-    # (dev/cuda/gemm_shapes.py; docs/BENCHMARKS.md). 0: one stream. The same bits either way.
-    side_stream_max = 1 << 20
+    # the input-gradient product of a weight of at least transposed_min elements, both sides at
+    # least transposed_min_side long, reads a transposed copy W^T that the engine keeps
+    # (cuda/transposed.py; transposed_min 0: none, `python -m andrea.bench --set transposed_min=0`).
+    # Read when an Engine is made
+    transposed_min = TRANSPOSED_MIN
+    transposed_min_side = TRANSPOSED_MIN_SIDE
+    _transposed = None  # the copies in use (transposed.TransposedWeights), once use_transposed_weights ran
     # inside param_grad_pass, the final column sums of the bias and layer-norm weight gradients wait
     # for the end of the pass and run as one k_colsum_final_many (cuda/colsum.py); False: each runs
     # at once, as outside a pass (the same bits; dev/profile_kernels.py --set defer_colsums=0)
@@ -225,8 +225,6 @@ class CudaOps:
         partial_rows = max(COLSUM_CHUNKS * 4, self._ln_grid(C))
         rows += [("colsum_a", (partial_rows * C,), "float32"), ("colsum_b", (partial_rows * C,), "float32"),
                  ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
-        if self.side_stream_max:
-            rows.append(("cublas_side", (CUBLAS_WORKSPACE,), "uint8"))
         deferred = deferred_floats(n_layer, C, partial_rows, COLSUM_CHUNKS)
         if deferred:
             rows.append((DEFERRED, (deferred,), "float32"))
@@ -237,6 +235,26 @@ class CudaOps:
             from .fp8 import fp8_rows
             rows += fp8_rows(B, T, C)
         return rows
+
+    def wants_transposed(self, shape) -> bool:
+        return wants(shape, self.transposed_min, self.transposed_min_side)
+
+    def use_transposed_weights(self, weights, data, table):
+        self._transposed = TransposedWeights(self.rt)
+        self._transposed.use(weights, data, table)
+
+    def refresh_transposed_weights(self):
+        if self._transposed is not None:
+            self._transposed.refresh()
+
+    def _input_grad(self, dinp, dout, w, N, IC, OC, beta):
+        """dinp (N, IC) = dout (N, OC) @ w (OC, IC) (+ beta dinp): through the kept copy W^T where
+        there is one (the forward product's operand layout), else through W."""
+        wt = self._transposed.get(w) if self._transposed is not None else None
+        if wt is not None:
+            self.blas.gemm(dinp, dout, wt, False, True, N, IC, OC, OC, OC, IC, beta=beta)
+        else:
+            self.blas.gemm(dinp, dout, w, False, False, N, IC, OC, OC, IC, IC, beta=beta)
 
     def _lt_matmul(self, D, A, B, ta, tb, M, N, K, lda, ldb, ldd, epilogue, bias=None, aux=None, aux_ld=0):
         """One cuBLASLt product with its epilogue; False when it does not apply (the caller falls
@@ -253,30 +271,6 @@ class CudaOps:
         except NoAlgorithm:
             return False
         return True
-
-    @contextlib.contextmanager
-    def _beside(self, n: int):
-        """Yields run(fn): fn(blas) launches a weight-gradient product of n elements with the
-        cuBLAS handle given. Where n <= side_stream_max it runs on the side stream, which waits
-        here for the work queued so far on the current stream; the current stream waits for the
-        side stream when the block ends. Elsewhere fn runs at once on the current stream."""
-        if not 0 < n <= self.side_stream_max:
-            yield lambda fn: fn(self.blas)
-            return
-        stream, blas, fork, join = self.side
-        main = cp.cuda.get_current_stream()
-        fork.record(main)
-        stream.wait_event(fork)
-
-        def run(fn):
-            with stream:
-                fn(blas)
-
-        try:
-            yield run
-        finally:
-            join.record(stream)
-            main.wait_event(join)
 
     @contextlib.contextmanager
     def param_grad_pass(self, start=None):
@@ -539,15 +533,15 @@ class CudaOps:
         check(kernel, "dout", dout, inp.shape[:-1] + (OC,), ct)
         check(kernel, "dw", dw, (OC, IC), np.float32)
         check(kernel, "db", db, (OC,), np.float32)
+        blas = self.blas
+        self._input_grad(dinp, dout, w, N, IC, OC, 1.0 if accumulate else 0.0)
         beta_w = 0.0 if self._param_write(dw) else 1.0  # written by the first kernel of a starting pass
-        with self._beside(OC * IC) as beside:
-            beside(lambda blas: blas.gemm(dw, dout, inp, True, False, OC, IC, N, OC, IC, IC, beta=beta_w))
-            self.blas.gemm(dinp, dout, w, False, False, N, IC, OC, OC, IC, IC, beta=1.0 if accumulate else 0.0)
-            if db_partials is None:
-                self._colsum_add(db, dout, N, OC)
-            else:
-                part, chunks = db_partials
-                self._colsum_final(db, part, chunks, OC)
+        blas.gemm(dw, dout, inp, True, False, OC, IC, N, OC, IC, IC, beta=beta_w)
+        if db_partials is None:
+            self._colsum_add(db, dout, N, OC)
+        else:
+            part, chunks = db_partials
+            self._colsum_final(db, part, chunks, OC)
 
     def k_attn_qkv_fwd(self, qkv, inp, w, b):
         """qkv (B,T,3C) = inp (B,T,C) @ w (3C,C).T + b (3C,)."""
@@ -742,7 +736,7 @@ class CudaOps:
                                                    aux=pre, aux_ld=H):
             self.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, gelu_grid, THREADS, (act, np.uint64(0), pre, i64(N * H)))
         else:
-            blas.gemm(dact, dout, w2, False, False, N, H, C, C, H, H)
+            self._input_grad(dact, dout, w2, N, H, C, 0.0)
             vec = 16 // np.dtype(ct).itemsize
             if self.gelu_colsum and H % vec == 0 and all(a.data.ptr % 16 == 0 for a in (act, dact, pre)):
                 # the pass also writes db1's column partials, so the sums do not read dact again
@@ -754,11 +748,9 @@ class CudaOps:
                 db1_done = (part, chunks)
             else:
                 self.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, gelu_grid, THREADS, (act, dact, pre, i64(N * H)))
-        beta_w = 0.0 if self._param_write(dw2) else 1.0
-        with self._beside(C * H) as beside:
-            beside(lambda blas: blas.gemm(dw2, dout, act, True, False, C, H, N, C, H, H, beta=beta_w))
-            self._colsum_add(db2, dout, N, C)
-            self._linear_bwd("k_mlp_bwd", dinp, dw1, db1, dact, inp, w1, accumulate, db_partials=db1_done)
+        blas.gemm(dw2, dout, act, True, False, C, H, N, C, H, H, beta=0.0 if self._param_write(dw2) else 1.0)
+        self._colsum_add(db2, dout, N, C)
+        self._linear_bwd("k_mlp_bwd", dinp, dw1, db1, dact, inp, w1, accumulate, db_partials=db1_done)
 
     # ------------------------------------------------------------ residual
     def k_residual_add(self, out, a, b):
@@ -823,7 +815,7 @@ class CudaOps:
             z = z_all[:n]
             blas.gemm(z, x[r0:r0 + n], wte, False, True, n, V, C, C, C, V)
             self._loss_rows(True, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)) + dl)
-            blas.gemm(dx[r0:r0 + n], z, wte, False, False, n, C, V, V, C, C, beta=beta)
+            self._input_grad(dx[r0:r0 + n], z, wte, n, C, V, beta)
             blas.gemm(dwte, z, x[r0:r0 + n], True, False, V, C, n, V, C, C, beta=beta_w if r0 == 0 else 1.0)
 
     # ------------------------------------------------------------ clipping and the optimizer
