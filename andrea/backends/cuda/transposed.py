@@ -40,16 +40,16 @@ def _aligned(n: int) -> int:
 
 
 def transposed_rows(shapes, dtype):
-    """The arena rows of the copies of weights of these (R, K) shapes: the copies in one row of the
-    compute dtype (each ALIGN_ELEMENTS-aligned) and the launch's table. Pure arithmetic: the memory
+    """The arena rows of the copies of weights of these (R, K) shapes: the copies in one row of
+    dtype, the compute dtype (each ALIGN_ELEMENTS-aligned), and the launch's table. Pure arithmetic: the memory
     plan calls it without a GPU."""
     n = sum(_aligned(int(R) * int(K)) for R, K in shapes)
-    return [("wt_data", (n,), np.dtype(dtype).name), ("wt_table", (len(shapes), TABLE_COLS), "int64")]
+    return [("wt_data", (n,), dtype), ("wt_table", (len(shapes), TABLE_COLS), "int64")]
 
 
 def _grid(shapes):
     """(blocks per matrix, matrices) of a k_transpose_many launch over matrices of these shapes."""
-    tiles = max(-(-R // TILE) * -(-K // TILE) for R, K in shapes)
+    tiles = max(-(-int(R) // TILE) * -(-int(K) // TILE) for R, K in shapes)
     return (max(1, min(MAX_BLOCKS, -(-tiles // 4))), len(shapes))
 
 
