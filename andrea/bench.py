@@ -131,8 +131,6 @@ def profile_step(eng, x, y):
                     t.beta2, t.eps, eng.layout.n_decay, zero_grads=False)
     if eng.fp8_cache:  # the FP8 copies of the weights, rewritten after the update
         gt._timed("fp8_weight_cache", eng.be.refresh_fp8_weight_cache, (), {})
-    if eng.transposed:  # the W^T copies, rewritten after the update (k_transpose_many)
-        gt._timed("k_transpose_many", eng.be.refresh_transposed_weights, (), {})
     be.synchronize()
     return dict(gt.ms)
 

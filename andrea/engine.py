@@ -28,7 +28,7 @@ import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -121,26 +121,13 @@ def fp8_cached_weights(m) -> List[str]:
     return [f"h{l}.{n}" for l in range(m.n_layer) for n in model.LAYER_MATRICES]
 
 
-def transposed_weights(m, precision: str, wants) -> List[str]:
-    """The parameters whose input-gradient products read a transposed copy W^T (the backend's
-    wants_transposed(shape) decides; cuda/transposed.py): among the linear layers' weights (not
-    under fp8, whose products keep their own FP8 copies of W^T) and the tied embedding (the
-    classifier's product), in the order of the flat buffer."""
-    shapes, _ = model.param_shapes(m)
-    names = ["wte"] + ([] if precision == "fp8" else [f"h{l}.{n}" for l in range(m.n_layer)
-                                                      for n in model.LAYER_MATRICES])
-    shape = dict(shapes)
-    return [n for n in names if wants(shape[n])]
-
-
 def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, shards: int = 0,
-              fp8_weight_cache: bool = True, transposed: Sequence[str] = ()) -> MemoryPlan:
+              fp8_weight_cache: bool = True) -> MemoryPlan:
     """Every buffer the engine will ever use, from the config alone. shards = N > 0: ZeRO-1 over N
     ranks (Engine): the flat buffers padded to a multiple of N, the Adam moments one rank's shard
     of padded/N, and the norm's partials one block per rank. fp8_weight_cache: with
     train.precision=fp8, the FP8 copies of the linear weights and their scales (the backend's
-    fp8_weight_cache switch; cuda/fp8.weight_cache_rows). transposed: the parameters whose W^T
-    copies the engine keeps (transposed_weights; cuda/transposed.transposed_rows)."""
+    fp8_weight_cache switch; cuda/fp8.weight_cache_rows)."""
     m, t = cfg.model, cfg.train
     B, T = t.batch_size, t.seq_len
     act = compute_dtype(t.precision, dtype)
@@ -172,11 +159,6 @@ def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, s
         shapes = dict(model.param_shapes(m)[0])
         for name, shape, dt in weight_cache_rows([shapes[w] for w in fp8_cached_weights(m)]):
             plan.add(name, shape, dt, "fp8 weight cache")
-    if transposed:
-        from .backends.cuda.transposed import transposed_rows
-        shapes = dict(model.param_shapes(m)[0])
-        for name, shape, dt in transposed_rows([shapes[w] for w in transposed], act):
-            plan.add(name, shape, dt, "transposed weights")
     return plan
 
 
@@ -228,11 +210,8 @@ class Engine:
         # fp8: FP8 copies of the linear weights, refreshed whenever the weights change (the
         # backend's switch, read once here)
         self.fp8_cache = t.precision == "fp8" and bool(self.be.fp8_weight_cache)
-        # W^T copies of the weights whose input-gradient products read them (the backend decides
-        # which), refreshed like the FP8 copies
-        self.transposed = transposed_weights(cfg.model, t.precision, self.be.wants_transposed)
         self.plan = make_plan(cfg, dtype, self.be.grad_norm_partials, self.comm.size if self.zero1 else 0,
-                              fp8_weight_cache=self.fp8_cache, transposed=self.transposed)
+                              fp8_weight_cache=self.fp8_cache)
         self.dtype = dtype
         self.mixed = t.precision != "fp32"
         self._allocate()
@@ -274,8 +253,6 @@ class Engine:
         if self.fp8_cache:  # the products of the listed weights read these copies from now on
             self.be.use_fp8_weight_cache([self.p[w] for w in fp8_cached_weights(m)], bufs["fp8_wcache"],
                                          bufs["fp8_wmeta"], bufs["fp8_wtable"])
-        if self.transposed:
-            self.be.use_transposed_weights([self.p[w] for w in self.transposed], bufs["wt_data"], bufs["wt_table"])
         self.graphs = self.be.graph_runner()
 
     def init_params(self, seed: int):
@@ -308,16 +285,14 @@ class Engine:
         self.grads.fill(0)
         if self.mixed:
             self.be.k_cast_params(self.params_c, self.params)
-        self._refresh_copies()
+        self._refresh_fp8()
 
-    def _refresh_copies(self):
-        """The FP8 copies and the W^T copies of the weights rewritten from the compute copy,
-        wherever it changed: after a load and after every optimizer update (in its CUDA graph; a
-        skipped step rewrites the same bytes)."""
+    def _refresh_fp8(self):
+        """The FP8 copies of the weights rewritten from the compute copy, wherever it changed: after
+        a load and after every optimizer update (in its CUDA graph; a skipped step rewrites the
+        same bytes)."""
         if self.fp8_cache:
             self.be.refresh_fp8_weight_cache()
-        if self.transposed:
-            self.be.refresh_transposed_weights()
 
     def host_state(self):
         """(params, m, v) as host float32 arrays of n_params, the checkpoint's three blocks. Under
@@ -369,8 +344,8 @@ class Engine:
                     b = int(np.prod(shape)) * np.dtype(dtype).itemsize
                     print(f"  {name:<20}{b:>16,}{b / 2**20:>12.1f}  {dtype} {shape}", file=file, flush=True)
         if self.comm.size > 1 and self.zero1:
-            saved = make_plan(self.cfg, self.dtype, self.be.grad_norm_partials, fp8_weight_cache=self.fp8_cache,
-                              transposed=self.transposed).total() - self.plan.total()
+            saved = make_plan(self.cfg, self.dtype, self.be.grad_norm_partials,
+                              fp8_weight_cache=self.fp8_cache).total() - self.plan.total()
             print(f"data parallel: {self.comm.describe()}, ZeRO-1; the bytes above are per rank (each rank "
                   f"holds the whole model and its gradients, padded to {self.params.size:,} elements, and the "
                   f"Adam moments of its shard of {self.hi - self.lo:,}: {saved:,} bytes fewer than without "
@@ -463,7 +438,7 @@ class Engine:
             # the grads are left as they are: the next step's first pass writes them
             be.k_adamw_step(self.params, self.params_c, self.grads, self.m, self.v, self.optim_state,
                             t.beta1, t.beta2, t.eps, self.layout.n_decay, zero_grads=False)
-            self._refresh_copies()
+            self._refresh_fp8()
 
         def sharded():  # ZeRO-1: this rank updates its shard, then every rank gets every shard
             sh = self.shard
@@ -479,7 +454,7 @@ class Engine:
             comm.allgather(self.params)  # the fp32 master weights, whole on every rank
             if self.mixed:
                 be.k_cast_params(self.params_c, self.params)
-            self._refresh_copies()
+            self._refresh_fp8()
         self._run(("optimizer", n_micro), sharded if self.zero1 else optimizer)
 
     def _run(self, key, fn):

@@ -133,12 +133,12 @@ def test_sigterm_resume_bit_exact_on_gpu(tmp_path, precision, shape):
     resumed, it ends with the same checkpoint bytes as a straight run."""
     from andrea import checkpoint as ck
     make_shards(tmp_path, vocab=97)
-    # enough steps that the SIGTERM sent at step 25 lands before the end: the host queues steps
-    # ahead of the device, and the small fp8 run once finished its 60 steps before the signal came
-    steps = 300
+    # enough steps that the SIGTERM sent at step 25 lands before the end: the small fp8 run once
+    # finished its 60 steps before the signal came, and in a later GPU job its 300
+    steps = 3000
     runs = {}
     for name in ("straight", "stopped"):
-        d = small_config(tmp_path, steps=steps, ckpt_every=100, precision=precision, **shape)
+        d = small_config(tmp_path, steps=steps, ckpt_every=1000, precision=precision, **shape)
         d["model"], d["backend"] = dict(MODEL), {"name": "cuda"}
         runs[name] = tmp_path / name
         runs[name].mkdir()
@@ -218,58 +218,6 @@ def test_deferred_column_sums_same_bits(tmp_path, precision):
     assert runs[True][2] == runs[False][2], "losses differ"
     for a, b in zip(runs[True][3], runs[False][3]):
         assert np.array_equal(a, b), "weights or Adam state differ"
-
-
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16",
-                                       pytest.param("fp8", marks=pytest.mark.skipif(not fp8_gpu(), reason="FP8"))])
-def test_transposed_weight_copies(tmp_path, precision):
-    """W^T copies for every weight (thresholds lowered to 1; fp8: the embedding only, its linear
-    products keep FP8 copies): the memory plan holds them, they equal the weights transposed after
-    start-up and after steps (the optimizer graph rewrites them, replays included), the input-
-    gradient products read them (cuBLAS's B operand), the gradients match an engine without copies
-    to the dtype's tolerance, and two runs give the same bits."""
-    from andrea.backends import get_backend
-    from andrea.engine import transposed_weights
-    B, T = (4, 32) if precision == "fp8" else (3, 37)
-    tol = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 3e-2, "fp8": 3e-2}[precision]
-    runs = {}
-    for key in ("copies", "copies again", "none"):
-        be = get_backend("cuda")
-        be.transposed_min, be.transposed_min_side = (0, 1) if key == "none" else (1, 1)
-        eng = Engine(cfg_for(tmp_path, "cuda", batch_size=B, seq_len=T, precision=precision), backend=be)
-        names = transposed_weights(eng.cfg.model, precision, be.wants_transposed)
-        assert eng.transposed == names
-        if key == "none":
-            assert names == [] and "transposed weights" not in eng.plan.by_group()
-        else:
-            want = ["wte"] + ([] if precision == "fp8" else [f"h{l}.{n}" for l in range(MODEL["n_layer"])
-                                                          for n in ("qkv_w", "attn_out_w", "mlp_w1", "mlp_w2")])
-            assert names == want
-            assert "transposed weights" in eng.plan.by_group()
-        read = []
-        gemm = be.blas.gemm
-        be.blas.gemm = lambda *a, **kw: (read.append(a[2].data.ptr), gemm(*a, **kw))[1]
-
-        def copies_match():
-            for n in names:
-                w = eng.p[n]
-                assert np.array_equal(be.to_numpy(be._transposed.get(w)).view(np.uint8),
-                                      be.to_numpy(w).T.view(np.uint8)), f"W^T copy of {n}"
-
-        copies_match()
-        eng.forward_backward(*batch(1, B, T))
-        assert all(be._transposed.get(eng.p[n]).data.ptr in read for n in names), "a copy was not read"
-        grads = be.to_numpy(eng.grads)
-        eng.zero_grads()
-        losses = [eng.train_step(s, [batch(s, B, T)])["loss"] for s in range(1, 5)]
-        copies_match()
-        runs[key] = grads, losses, eng.host_state()
-    assert rel(runs["copies"][0], runs["none"][0]) < tol, "gradients through the W^T copies"
-    assert np.allclose(runs["copies"][1], runs["none"][1], rtol=tol), "losses through the W^T copies"
-    assert np.array_equal(runs["copies"][0].view(np.uint8), runs["copies again"][0].view(np.uint8))
-    assert runs["copies"][1] == runs["copies again"][1]
-    for a, b in zip(runs["copies"][2], runs["copies again"][2]):
-        assert np.array_equal(a, b), "two runs with W^T copies differ"
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16",

@@ -928,29 +928,6 @@ def test_cast_params(be, rng):
     assert np.array_equal(host(got), src.astype(np.float16).astype(np.float64))
 
 
-@pytest.mark.parametrize("dt_name", ["float32", "float16", "bfloat16"])
-def test_transpose_many(be, rng, dt_name):
-    """k_transpose_many against numpy_ref.k_transpose, bit for bit, several matrices in one launch:
-    whole 8-element vectors (the vector path, tiles cut at 64), odd sizes and a view that is not
-    16-byte aligned (the element path), one row, one column; the outputs are NaN-filled first."""
-    import cupy as cp
-    import ml_dtypes  # noqa: F401  (registers bfloat16)
-    from andrea.backends.cuda.transposed import k_transpose_many
-    dt = np.dtype(dt_name)
-    shapes = [(200, 136), (77, 130), (1, 5), (9, 1), (64, 64), (1000, 24)]
-    xs = [rnd(rng, s, dt) for s in shapes]
-    flat = dev(np.concatenate([np.zeros(1)] + [x.ravel() for x in xs[-1:]]), dt)  # x[-1] one element in
-    gx = [dev(x, dt) for x in xs[:-1]] + [flat[1:].reshape(shapes[-1])]
-    outs = [nan_buf(s[::-1], dt) for s in shapes]
-    k_transpose_many(be.rt, list(zip(gx, outs)), dt)
-    for x, o in zip(xs, outs):
-        want = np.empty(x.shape[::-1])
-        ref.k_transpose(want, x)
-        assert np.array_equal(host(o), want), f"k_transpose_many {x.shape} {dt_name}"
-    with pytest.raises(ValueError, match=r"k_transpose_many: out\[0\] has shape"):
-        k_transpose_many(be.rt, [(gx[0], cp.zeros(shapes[0], dt))], dt)
-
-
 def test_launcher_rejects_bad_arguments(be):
     import cupy as cp
     x = cp.zeros((2, 3, 8), cp.float32)

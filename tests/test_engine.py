@@ -149,28 +149,6 @@ def test_plan_counts_every_buffer():
     assert groups["activations (layers)"] == 2 * per_layer
 
 
-def test_plan_holds_the_transposed_copies():
-    """The W^T copies the backend asks for (transposed_weights; cuda/transposed.py's rule at the
-    ANDREA-120M shapes: the MLP's weights and the embedding, not the attention's) and their bytes
-    in the plan; none on the NumPy backend; the FP8 path keeps only the embedding's."""
-    from andrea import model
-    from andrea.backends.cuda.transposed import wants
-    from andrea.compose import compose_config
-    from andrea.engine import make_plan, transposed_weights
-    cfg = compose_config("ANDREA-120M", ["train.precision=fp16"])
-    m = cfg.model
-    names = transposed_weights(m, "fp16", lambda shape: wants(shape, 1 << 21))
-    assert names == ["wte"] + [f"h{l}.{n}" for l in range(m.n_layer) for n in ("mlp_w1", "mlp_w2")]
-    assert transposed_weights(m, "fp8", lambda shape: wants(shape, 1 << 21)) == ["wte"]
-    assert transposed_weights(m, "fp16", lambda shape: wants(shape, 0)) == []
-    plan = make_plan(cfg, transposed=names)
-    shapes = dict(model.param_shapes(m)[0])
-    elems = sum(-(-shapes[n][0] * shapes[n][1] // 128) * 128 for n in names)
-    assert plan.by_group()["transposed weights"] == 2 * elems + 8 * 4 * len(names)
-    assert plan.total() > make_plan(cfg).total() and "transposed weights" not in make_plan(cfg).by_group()
-    assert Engine(make_cfg()).transposed == []
-
-
 def test_classifier_in_chunks_matches_one_chunk(monkeypatch):
     """The engine's logits workspace holds loss_chunk_rows rows, not B*T: with a budget of 5
     rows (chunks 5, 5, ..., 2 of the 32 positions) three steps give the losses, norms and weights

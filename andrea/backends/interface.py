@@ -119,22 +119,6 @@ class Backend(Protocol):
         are now, exactly as each product would quantise them; nothing where none are kept. Inside
         a captured graph it is captured too."""
 
-    def wants_transposed(self, shape) -> bool:
-        """Whether the input-gradient product dX = dY @ W of a weight of this (out, in) shape
-        should read a transposed copy W^T (use_transposed_weights): where the backend's products
-        run faster that way."""
-
-    def use_transposed_weights(self, weights: List[Any], data, table) -> None:
-        """Keep W^T copies of `weights` (compute-dtype (out, in) arrays, the views the layers
-        will be given) in the engine's buffers data (compute dtype, transposed_rows' layout) and
-        table (int64); fill them now. From then on the input-gradient products of those weights
-        read the copies, so they must be rewritten by refresh_transposed_weights whenever the
-        weights change."""
-
-    def refresh_transposed_weights(self) -> None:
-        """Rewrite the W^T copies (use_transposed_weights) from the weights as they are now;
-        nothing where none are kept. Inside a captured graph it is captured too."""
-
     def graph_runner(self) -> GraphRunner:
         """A new GraphRunner; the engine keeps one for its forward + backward passes."""
 

@@ -106,17 +106,6 @@ class NumpyBackend:
     def use_fp8_weight_cache(self, weights, data, meta, table):
         raise ValueError("use_fp8_weight_cache: the NumPy backend runs no fp8 (backend=cuda does)")
 
-    def wants_transposed(self, shape) -> bool:
-        """Never: NumPy's products read a transposed view at no cost."""
-        return False
-
-    def use_transposed_weights(self, weights, data, table):
-        raise ValueError("use_transposed_weights: the NumPy backend keeps no transposed copies "
-                         "(wants_transposed is False for every weight)")
-
-    def refresh_transposed_weights(self):
-        """Nothing: the NumPy backend keeps no transposed copies."""
-
     def refresh_fp8_weight_cache(self):
         """Nothing: the NumPy backend keeps no FP8 copies."""
 

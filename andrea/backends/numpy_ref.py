@@ -386,12 +386,6 @@ def k_cast_params(dst, src):
     dst[...] = src
 
 
-def k_transpose(out, inp):
-    """out (K, R) = inp (R, K) transposed: the copy W^T of a weight that the CUDA backend's
-    input-gradient products read (k_transpose_many does many matrices in one launch)."""
-    out[...] = inp.T
-
-
 GRAD_NORM_PARTIALS = 64  # length of the partials buffer k_grad_norm_partial fills (NumpyBackend)
 
 

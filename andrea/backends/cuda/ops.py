@@ -20,7 +20,6 @@ from ..numpy_ref import STATE_LEN
 from .colsum import DEFERRED, deferred_floats
 from .cublas import CUBLAS_WORKSPACE, cuda_type
 from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
-from .transposed import TRANSPOSED_MIN, TRANSPOSED_MIN_SIDE, TransposedWeights, wants
 
 COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-norm gradients)
 LN_FUSED_MAXC = 1024  # widest row the one-pass layer-norm backward holds in registers
@@ -183,13 +182,6 @@ class CudaOps:
     # blocks of the one-pass layer-norm backward (0: LN_BLOCKS or LN_BLOCKS_WIDE by the row width;
     # dev/cuda/harness.py --set ln_blocks=N)
     ln_blocks = 0
-    # the input-gradient product of a weight of at least transposed_min elements, both sides at
-    # least transposed_min_side long, reads a transposed copy W^T that the engine keeps
-    # (cuda/transposed.py; transposed_min 0: none, `python -m andrea.bench --set transposed_min=0`).
-    # Read when an Engine is made
-    transposed_min = TRANSPOSED_MIN
-    transposed_min_side = TRANSPOSED_MIN_SIDE
-    _transposed = None  # the copies in use (transposed.TransposedWeights), once use_transposed_weights ran
     # inside param_grad_pass, the final column sums of the bias and layer-norm weight gradients wait
     # for the end of the pass and run as one k_colsum_final_many (cuda/colsum.py); False: each runs
     # at once, as outside a pass (the same bits; dev/profile_kernels.py --set defer_colsums=0)
@@ -235,26 +227,6 @@ class CudaOps:
             from .fp8 import fp8_rows
             rows += fp8_rows(B, T, C)
         return rows
-
-    def wants_transposed(self, shape) -> bool:
-        return wants(shape, self.transposed_min, self.transposed_min_side)
-
-    def use_transposed_weights(self, weights, data, table):
-        self._transposed = TransposedWeights(self.rt)
-        self._transposed.use(weights, data, table)
-
-    def refresh_transposed_weights(self):
-        if self._transposed is not None:
-            self._transposed.refresh()
-
-    def _input_grad(self, dinp, dout, w, N, IC, OC, beta):
-        """dinp (N, IC) = dout (N, OC) @ w (OC, IC) (+ beta dinp): through the kept copy W^T where
-        there is one (the forward product's operand layout), else through W."""
-        wt = self._transposed.get(w) if self._transposed is not None else None
-        if wt is not None:
-            self.blas.gemm(dinp, dout, wt, False, True, N, IC, OC, OC, OC, IC, beta=beta)
-        else:
-            self.blas.gemm(dinp, dout, w, False, False, N, IC, OC, OC, IC, IC, beta=beta)
 
     def _lt_matmul(self, D, A, B, ta, tb, M, N, K, lda, ldb, ldd, epilogue, bias=None, aux=None, aux_ld=0):
         """One cuBLASLt product with its epilogue; False when it does not apply (the caller falls
@@ -534,7 +506,7 @@ class CudaOps:
         check(kernel, "dw", dw, (OC, IC), np.float32)
         check(kernel, "db", db, (OC,), np.float32)
         blas = self.blas
-        self._input_grad(dinp, dout, w, N, IC, OC, 1.0 if accumulate else 0.0)
+        blas.gemm(dinp, dout, w, False, False, N, IC, OC, OC, IC, IC, beta=1.0 if accumulate else 0.0)
         beta_w = 0.0 if self._param_write(dw) else 1.0  # written by the first kernel of a starting pass
         blas.gemm(dw, dout, inp, True, False, OC, IC, N, OC, IC, IC, beta=beta_w)
         if db_partials is None:
@@ -736,7 +708,7 @@ class CudaOps:
                                                    aux=pre, aux_ld=H):
             self.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, gelu_grid, THREADS, (act, np.uint64(0), pre, i64(N * H)))
         else:
-            self._input_grad(dact, dout, w2, N, H, C, 0.0)
+            blas.gemm(dact, dout, w2, False, False, N, H, C, C, H, H)
             vec = 16 // np.dtype(ct).itemsize
             if self.gelu_colsum and H % vec == 0 and all(a.data.ptr % 16 == 0 for a in (act, dact, pre)):
                 # the pass also writes db1's column partials, so the sums do not read dact again
@@ -815,7 +787,7 @@ class CudaOps:
             z = z_all[:n]
             blas.gemm(z, x[r0:r0 + n], wte, False, True, n, V, C, C, C, V)
             self._loss_rows(True, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)) + dl)
-            self._input_grad(dx[r0:r0 + n], z, wte, n, C, V, beta)
+            blas.gemm(dx[r0:r0 + n], z, wte, False, False, n, C, V, V, C, C, beta=beta)
             blas.gemm(dwte, z, x[r0:r0 + n], True, False, V, C, n, V, C, C, beta=beta_w if r0 == 0 else 1.0)
 
     # ------------------------------------------------------------ clipping and the optimizer
