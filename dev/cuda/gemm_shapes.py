@@ -12,6 +12,13 @@ copy of W (the Y product's operand layout, "cublas W^T copy"). Each figure is on
 device time, from a CUDA graph of --reps copies replayed between CUDA events; TFLOP/s counts
 2 N OC IC. "pair" rows: dX then dW in one stream, against dX on the stream and dW on a second
 stream forked and joined by events in every copy (the form a graph with two branches takes).
+
+What these isolated figures predicted did not hold in the step (H200, 2026-11-30,
+docs/BENCHMARKS.md): the pairs on two streams were 0.013 ms a layer faster at ANDREA-12M here, but
+the whole forward + backward graph with the weight-gradient products on a side stream took
+2.55 ms against 2.54 on one stream; the input-gradient products through a transposed copy of W
+were 0.015 (MLP down) and 0.08 (classifier chunk) ms faster here and no faster in the step's
+k_mlp_bwd and k_loss_bwd. Both variants are in git history (d37c70a, 0ce264b).
 """
 from __future__ import annotations
 
