@@ -121,13 +121,27 @@ def fp8_cached_weights(m) -> List[str]:
     return [f"h{l}.{n}" for l in range(m.n_layer) for n in model.LAYER_MATRICES]
 
 
+# train.precision=fp8: the products whose input X the model saves for the backward pass (the
+# same tensor in both passes), by weight: these have input slots (cuda/fp8.Fp8Ops.use_input_slots)
+FP8_SLOT_INPUTS = {"qkv_w": "ln1", "attn_out_w": "atty", "mlp_w1": "ln2"}
+
+
+def fp8_input_slots(m) -> List[tuple]:
+    """(weight name, layer, saved activation name) of every product with an FP8 input slot, in
+    the order of the forward pass (layer 0's ln1 first: its quantisation starts a pass)."""
+    return [(f"h{l}.{w}", l, x) for l in range(m.n_layer) for w, x in FP8_SLOT_INPUTS.items()]
+
+
 def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, shards: int = 0,
-              fp8_weight_cache: bool = True) -> MemoryPlan:
+              fp8_weight_cache: bool = True, fp8_keep_xt: bool = False,
+              fp8_producer_amax: bool = False) -> MemoryPlan:
     """Every buffer the engine will ever use, from the config alone. shards = N > 0: ZeRO-1 over N
     ranks (Engine): the flat buffers padded to a multiple of N, the Adam moments one rank's shard
     of padded/N, and the norm's partials one block per rank. fp8_weight_cache: with
     train.precision=fp8, the FP8 copies of the linear weights and their scales (the backend's
-    fp8_weight_cache switch; cuda/fp8.weight_cache_rows)."""
+    fp8_weight_cache switch; cuda/fp8.weight_cache_rows). fp8_keep_xt, fp8_producer_amax: the
+    backend's switches of those names; with either, the (amax, 1/scale) rows of the FP8 input
+    slots, with fp8_keep_xt also the kept FP8 X^T of each (cuda/fp8.input_slot_rows)."""
     m, t = cfg.model, cfg.train
     B, T = t.batch_size, t.seq_len
     act = compute_dtype(t.precision, dtype)
@@ -159,6 +173,11 @@ def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, s
         shapes = dict(model.param_shapes(m)[0])
         for name, shape, dt in weight_cache_rows([shapes[w] for w in fp8_cached_weights(m)]):
             plan.add(name, shape, dt, "fp8 weight cache")
+    if t.precision == "fp8" and (fp8_keep_xt or fp8_producer_amax):
+        from .backends.cuda.fp8 import input_slot_rows
+        shapes = dict(model.param_shapes(m)[0])
+        for name, shape, dt in input_slot_rows([shapes[w] for w, _, _ in fp8_input_slots(m)], B * T, fp8_keep_xt):
+            plan.add(name, shape, dt, "fp8 input slots")
     return plan
 
 
@@ -210,8 +229,12 @@ class Engine:
         # fp8: FP8 copies of the linear weights, refreshed whenever the weights change (the
         # backend's switch, read once here)
         self.fp8_cache = t.precision == "fp8" and bool(self.be.fp8_weight_cache)
+        # fp8: X^T of the saved inputs kept from the forward for the backward, and the amax of ln1
+        # and ln2 from their layer norms (the backend's switches, read once here)
+        self.fp8_keep_xt = t.precision == "fp8" and bool(self.be.fp8_keep_xt)
+        self.fp8_producer_amax = t.precision == "fp8" and bool(self.be.fp8_producer_amax)
         self.plan = make_plan(cfg, dtype, self.be.grad_norm_partials, self.comm.size if self.zero1 else 0,
-                              fp8_weight_cache=self.fp8_cache)
+                              **self._fp8_switches())
         self.dtype = dtype
         self.mixed = t.precision != "fp32"
         self._allocate()
@@ -253,7 +276,16 @@ class Engine:
         if self.fp8_cache:  # the products of the listed weights read these copies from now on
             self.be.use_fp8_weight_cache([self.p[w] for w in fp8_cached_weights(m)], bufs["fp8_wcache"],
                                          bufs["fp8_wmeta"], bufs["fp8_wtable"])
+        if (self.fp8_keep_xt or self.fp8_producer_amax) and m.n_layer:  # the inputs' amax and X^T live here
+            slots = fp8_input_slots(m)
+            self.be.use_fp8_input_slots([self.p[w] for w, _, _ in slots], [self.layers[l][x] for _, l, x in slots],
+                                        bufs["fp8_xmeta"], bufs.get("fp8_xt"), self.fp8_producer_amax)
         self.graphs = self.be.graph_runner()
+
+    def _fp8_switches(self) -> dict:
+        """make_plan's fp8 arguments: this engine's switches."""
+        return {"fp8_weight_cache": self.fp8_cache, "fp8_keep_xt": self.fp8_keep_xt,
+                "fp8_producer_amax": self.fp8_producer_amax}
 
     def init_params(self, seed: int):
         """Normal(0, init_std) matrices and embeddings, zero biases, unit layer-norm gains."""
@@ -345,7 +377,7 @@ class Engine:
                     print(f"  {name:<20}{b:>16,}{b / 2**20:>12.1f}  {dtype} {shape}", file=file, flush=True)
         if self.comm.size > 1 and self.zero1:
             saved = make_plan(self.cfg, self.dtype, self.be.grad_norm_partials,
-                              fp8_weight_cache=self.fp8_cache).total() - self.plan.total()
+                              **self._fp8_switches()).total() - self.plan.total()
             print(f"data parallel: {self.comm.describe()}, ZeRO-1; the bytes above are per rank (each rank "
                   f"holds the whole model and its gradients, padded to {self.params.size:,} elements, and the "
                   f"Adam moments of its shard of {self.hi - self.lo:,}: {saved:,} bytes fewer than without "

@@ -348,8 +348,14 @@ def test_weight_cache_same_bits_as_per_product_casts(tmp_path):
     assert repr(on[0]) == repr(off[0]), "losses or records differ with the FP8 weight cache on and off"
     for what, a, b in zip(("weights", "adam m", "adam v"), on[2], off[2]):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{what} differ with the cache on and off"
-    assert off[1] == {"k_fp8_amax": 20 * n_layer * n_micro, "k_fp8_amax_many": 0, "k_fp8_cast_transpose_many": 0}
-    assert on[1] == {"k_fp8_amax": 12 * n_layer * n_micro, "k_fp8_amax_many": 1, "k_fp8_cast_transpose_many": 1}
+    # the input slots (at the backend's defaults) take 3 (X^T kept) and 2 (amax in the layer norms)
+    # more amax passes a layer away, with the cache on or off (test_input_slots_same_bits_as_without)
+    from andrea.backends.cuda.ops import CudaOps
+    slots = 3 * CudaOps.fp8_keep_xt + 2 * CudaOps.fp8_producer_amax
+    assert off[1] == {"k_fp8_amax": (20 - slots) * n_layer * n_micro, "k_fp8_amax_many": 0,
+                      "k_fp8_cast_transpose_many": 0}
+    assert on[1] == {"k_fp8_amax": (12 - slots) * n_layer * n_micro, "k_fp8_amax_many": 1,
+                     "k_fp8_cast_transpose_many": 1}
     # resume: a fresh engine (its copies made from its own initial weights) loads the state after
     # step 3 and runs steps 4..7: the same bits as the straight run
     eng = fp8_engine(tmp_path, True, seed=99)
@@ -380,3 +386,147 @@ def test_weight_cache_plan_and_switch(tmp_path):
         q, q_t, row = on.be.fp8.cached(on.p[name])
         for a in (q, q_t):
             assert lo <= a.data.ptr and a.data.ptr + a.nbytes <= hi and a.data.ptr % 256 == 0, name
+
+
+# ---------------------------------------------------------------- amax in the layer norms, X^T kept
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("C", [80, 37], ids=["vec", "rowwise"])  # 37: no whole 16-byte rows, version 1
+@pytest.mark.parametrize("residual", [False, True], ids=["layernorm", "residual_layernorm"])
+def test_layernorm_amax_is_k_fp8_amax_of_its_output(be, dtype, C, residual):
+    """The layer norms' amax (53 rows: a partial block; a NaN) equal to k_fp8_amax of the output
+    they wrote (padded with zeros to a multiple of 16 values, which k_fp8_amax's launcher wants),
+    and to numpy_ref's; the outputs' bits the same as without it."""
+    import cupy as cp
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(C)
+    N = 53
+    a0, b0 = rng.normal(0, 2, (N, C)) * np.exp2(rng.integers(-3, 4, (N, C))), rng.normal(0, 1, (N, C))
+    w, bias = cp.asarray(rng.normal(1, 0.5, C).astype(dt)), cp.asarray(rng.normal(0, 0.1, C).astype(dt))
+    for nan in (False, True):
+        if nan:
+            a0[N - 1, 5] = np.nan  # the last row, in the partial block
+        a, b = cp.asarray(a0.astype(dt)), cp.asarray(b0.astype(dt))
+        outs = []
+        for amax in (None, cp.full(2, -7, cp.float32)):
+            out, res = cp.full((N, C), 3, dt), cp.full((N, C), 3, dt)
+            mean, rstd = cp.zeros(N, cp.float32), cp.zeros(N, cp.float32)
+            if residual:
+                be.k_residual_layernorm_fwd(res, out, mean, rstd, a, b, w, bias, amax=amax)
+            else:
+                be.k_layernorm_fwd(out, mean, rstd, a, w, bias, amax=amax)
+            outs.append((out.get(), res.get(), amax))
+        assert outs[0][0].tobytes() == outs[1][0].tobytes() and outs[0][1].tobytes() == outs[1][1].tobytes()
+        got = outs[1][2].get()
+        assert got[1] == -7, "the kernel wrote beyond amax[0]"
+        flat = np.zeros(-(-N * C // 16) * 16, dt)
+        flat[:N * C] = outs[1][0].reshape(-1)
+        pair = cp.zeros(2, cp.float32)
+        be.fp8.k_fp8_amax(pair, cp.asarray(flat))
+        want = np.zeros(2, np.float32)
+        ref.k_fp8_amax(want, outs[1][0].astype(np.float32))
+        if nan:
+            assert np.isnan(got[0]) and np.isnan(pair.get()[0]) and np.isnan(want[0])
+        else:
+            assert got[0] == pair.get()[0] == want[0] > 0, (got[0], pair.get()[0], want[0])
+
+
+def slot_engine(tmp_path, keep, amax, **train):
+    from andrea.backends import get_backend
+    from andrea.engine import Engine
+    be = get_backend("cuda")
+    be.fp8_keep_xt, be.fp8_producer_amax = keep, amax
+    eng = Engine(cfg_for(tmp_path, batch_size=4, seq_len=32, precision="fp8", **train), backend=be)
+    assert (eng.fp8_keep_xt, eng.fp8_producer_amax) == (keep, amax)
+    return eng
+
+
+def check_slots(eng, when):
+    """After a forward pass: each input slot's amax, 1/scale and kept X^T byte-equal to what
+    k_fp8_amax + k_fp8_cast_transpose make of the saved input as it is now."""
+    import cupy as cp
+    from andrea.backends.cuda.fp8 import META_STRIDE
+    from andrea.engine import fp8_input_slots
+    for w, l, x in fp8_input_slots(eng.cfg.model):
+        slot = eng.be.fp8.slots[eng.p[w].data.ptr]
+        x2 = eng.layers[l][x].reshape(-1, eng.cfg.model.d_model)
+        pair, xt = cp.zeros(2, cp.float32), cp.zeros(x2.shape[::-1], cp.uint8)
+        eng.be.fp8.k_fp8_amax(pair, x2)
+        eng.be.fp8.k_fp8_cast_transpose(None, xt, pair, x2, "e4m3")
+        np.testing.assert_array_equal(slot.meta.get()[[0, META_STRIDE // 2]], pair.get(), err_msg=f"{when}: {w} meta")
+        if slot.xt is not None:
+            assert slot.ready, f"{when}: {w}"
+            np.testing.assert_array_equal(slot.xt.get(), xt.get(), err_msg=f"{when}: {w} X^T")
+
+
+def test_input_slots_same_bits_as_without(tmp_path):
+    """Steps of two microbatches with fp8_keep_xt and fp8_producer_amax on and off (each alone and
+    both): the same losses, records, weights and Adam state bits as with both off, a skipped step
+    among them and a resume from a state (both on). On, the slots hold what the per-product
+    quantisation makes of each saved input, the backward quantises no kept input again and the
+    products of ln1 and ln2 run no k_fp8_amax: per layer and microbatch the 12 amax passes (the 4
+    inputs in the forward, the 4 output gradients and the 4 inputs again in the backward) become 9
+    (X^T kept), 10 (amax in the layer norms) or 7 (both)."""
+    n_layer, n_micro = MODEL["n_layer"], 2
+    runs, mid = {}, None
+    for keep, amax in ((False, False), (True, False), (False, True), (True, True)):
+        eng = slot_engine(tmp_path, keep, amax)
+        recs, counts = [], None
+        for s in range(1, 8):
+            if s == 1:
+                log = launches(eng.be)
+            if s == 5:
+                eng.loss_scale = float("inf")
+            recs.append(dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)])))
+            if s == 1:
+                eng.be.synchronize()
+                counts = {k: log.count(k) for k in ("k_fp8_amax", "k_fp8_cast", "k_fp8_cast_transpose")}
+                del eng.be.rt.launch
+                if keep or amax:
+                    check_slots(eng, f"step 1, keep={keep} amax={amax}")
+            if s == 5:
+                eng.loss_scale = 1.0
+            if s == 3 and keep and amax:
+                mid = eng.state()
+        runs[keep, amax] = recs, counts, eng.host_state()
+    base = runs[False, False]
+    assert [r["skipped"] for r in base[0]] == [False] * 4 + [True] + [False] * 2, base[0]
+    assert all(np.isfinite(r["loss"]) for r in base[0] if not r["skipped"])
+    per = n_layer * n_micro
+    want = {(False, False): (12, 4, 8), (True, False): (9, 1, 8), (False, True): (10, 4, 8), (True, True): (7, 1, 8)}
+    for key, (recs, counts, state) in runs.items():
+        assert repr(recs) == repr(base[0]), f"keep_xt, producer_amax = {key}: records differ from both off"
+        for what, a, b in zip(("weights", "adam m", "adam v"), state, base[2]):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{key}: {what} differ from both off"
+        n_amax, n_cast, n_ct = want[key]  # cast_transpose: 4 dY a layer, and 3 kept X^T instead of 3 in the backward
+        assert counts == {"k_fp8_amax": n_amax * per, "k_fp8_cast": n_cast * per,
+                          "k_fp8_cast_transpose": n_ct * per}, (key, counts)
+    eng = slot_engine(tmp_path, True, True, seed=99)
+    eng.load_state(mid)
+    recs = []
+    for s in range(4, 8):
+        if s == 5:
+            eng.loss_scale = float("inf")
+        recs.append(dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)])))
+        if s == 5:
+            eng.loss_scale = 1.0
+    assert repr(recs) == repr(base[0][3:]), "resumed run's records differ"
+    for a, b in zip(eng.host_state(), base[2]):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), "resumed run differs from the straight run"
+    eng.val_loss([batch(40)])  # a forward pass outside the step's graphs: the slots follow it
+    check_slots(eng, "after val_loss")
+
+
+def test_input_slots_plan_and_views(tmp_path):
+    """The plan's input-slot rows are the arena's, each kept X^T a 256-byte aligned (C, B*T)
+    view inside fp8_xt; amax only: meta rows, no X^T. The layer-norm launchers find a slot by
+    the input they write (ln1, ln2; the attention output's is never asked for)."""
+    from andrea.engine import fp8_input_slots
+    both, amax_only = slot_engine(tmp_path, True, True), slot_engine(tmp_path, False, True)
+    assert "fp8_xt" in both.bufs and "fp8_xt" not in amax_only.bufs and "fp8_xmeta" in amax_only.bufs
+    data = both.bufs["fp8_xt"]
+    lo, hi = data.data.ptr, data.data.ptr + data.nbytes
+    for w, l, x in fp8_input_slots(both.cfg.model):
+        slot = both.be.fp8.slots[both.p[w].data.ptr]
+        assert slot.xt.shape == (48, 4 * 32) and lo <= slot.xt.data.ptr < hi and slot.xt.data.ptr % 256 == 0, w
+        assert both.be.fp8.slot_of_input.get(both.layers[l][x].data.ptr) is slot, w
+        assert amax_only.be.fp8.slots[amax_only.p[w].data.ptr].xt is None

@@ -222,3 +222,64 @@ def test_memory_plan_lists_the_fp8_weight_cache(monkeypatch):
         assert [r for r in on.rows if r.group != "fp8 weight cache"] == off.rows
         if exp == "ANDREA-120M":
             assert on.total() - off.total() < 0.10 * off.total(), (on.total(), off.total())
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["layernorm", "residual_layernorm"])
+def test_layernorm_amax_is_k_fp8_amax_of_its_output(residual):
+    """The layer norms' optional amax: max |out| as k_fp8_amax takes it (NaN where out has one),
+    out itself the same with and without it; odd sizes."""
+    rng = np.random.default_rng(3)
+    B, T, C = 3, 7, 37
+    a, b = rng.normal(0, 2, (B, T, C)), rng.normal(0, 1, (B, T, C))
+    w, bias = rng.normal(1, 0.5, C), rng.normal(0, 0.1, C)
+    for nan in (False, True):
+        if nan:
+            a[1, 4, 9] = np.nan
+        outs = []
+        for amax in (None, np.full(2, -7.0, np.float32)):
+            res, out, mean, rstd = (np.zeros((B, T, C)), np.zeros((B, T, C)), np.zeros((B, T)), np.zeros((B, T)))
+            if residual:
+                K.k_residual_layernorm_fwd(res, out, mean, rstd, a, b, w, bias, amax=amax)
+            else:
+                K.k_layernorm_fwd(out, mean, rstd, a, w, bias, amax=amax)
+            outs.append((out, amax))
+        np.testing.assert_array_equal(outs[0][0], outs[1][0])
+        got, want = outs[1][1], np.zeros(2, np.float32)
+        K.k_fp8_amax(want, outs[1][0])
+        assert got[1] == -7.0, "amax wrote beyond its [0]"
+        if nan:
+            assert np.isnan(got[0]) and np.isnan(want[0])
+        else:
+            assert got[0] == want[0] == np.float32(np.abs(outs[1][0]).max()) > 0
+
+
+def test_memory_plan_lists_the_fp8_input_slots(monkeypatch):
+    """The input slots (fp8_keep_xt, fp8_producer_amax): a 64-float (amax, 1/scale) row for the
+    input of every QKV, attention-output and first MLP product (three a layer) with either switch,
+    and with fp8_keep_xt FP8 X^T of each (C x B*T bytes, 256-byte aligned); none with both off or
+    in 16 bits. At ANDREA-120M with B=8 the kept X^T are 3 x 12 x 768 x 8192 bytes (226.5 MB)."""
+    from andrea import engine
+    from andrea.compose import compose_config
+    from andrea.engine import fp8_input_slots, make_plan
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        monkeypatch.setattr(engine, "compute_dtype", lambda precision, base: "float16" if precision != "fp32" else base)
+    for exp, B in (("ANDREA-tiny", 4), ("ANDREA-120M", 8)):
+        cfg = compose_config(exp, ["train.precision=fp8", f"train.batch_size={B}"])
+        m, N = cfg.model, B * cfg.train.seq_len
+        slots = fp8_input_slots(m)
+        assert [(w, x) for w, l, x in slots[:3]] == [("h0.qkv_w", "ln1"), ("h0.attn_out_w", "atty"),
+                                                     ("h0.mlp_w1", "ln2")] and len(slots) == 3 * m.n_layer
+        plans = {(k, a): make_plan(cfg, fp8_keep_xt=k, fp8_producer_amax=a) for k in (False, True) for a in (False, True)}
+        group = "fp8 input slots"
+        assert group not in plans[False, False].by_group()
+        assert group not in make_plan(compose_config(exp, ["train.precision=bf16"])).by_group()
+        meta = len(slots) * 64 * 4
+        xt = len(slots) * (-(-m.d_model * N // 256) * 256)
+        assert plans[False, True].by_group()[group] == meta
+        assert plans[True, False].by_group()[group] == plans[True, True].by_group()[group] == meta + xt
+        assert {r.name for r in plans[True, True].rows if r.group == group} == {"fp8_xmeta", "fp8_xt"}
+        assert [r for r in plans[True, True].rows if r.group != group] == plans[False, False].rows
+        if exp == "ANDREA-120M":
+            assert xt == 3 * 12 * 768 * 8192 == 226_492_416

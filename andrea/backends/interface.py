@@ -54,6 +54,11 @@ class Backend(Protocol):
     # train.precision=fp8: whether an engine keeps FP8 copies of its linear weights, made once per
     # optimizer step (use_fp8_weight_cache); False where the backend runs no fp8
     fp8_weight_cache: bool
+    # train.precision=fp8: whether the forward products keep FP8 X^T of the saved inputs for the
+    # backward, and whether the layer norms reduce the amax of what they write
+    # (use_fp8_input_slots); False where the backend runs no fp8
+    fp8_keep_xt: bool
+    fp8_producer_amax: bool
 
     def attention_variant(self, dtype, head_size: int) -> str:
         """The path k_attn_fwd/_bwd take for this compute dtype and head size: "fused" or
@@ -114,6 +119,15 @@ class Backend(Protocol):
         plan took for them; fill them now. From then on the products of those weights read the
         copies, so they must be rewritten by refresh_fp8_weight_cache whenever the weights change."""
 
+    def use_fp8_input_slots(self, weights: List[Any], inputs: List[Any], meta, xt=None,
+                            producer_amax: bool = False) -> None:
+        """After reserve_workspace(fp8=True): slots for the inputs of the products of weights,
+        inputs being the saved activations those products read (each alive from the forward
+        product to its backward): their (amax, 1/scale) in meta (float32) and, where xt (uint8)
+        is given, the FP8 X^T each forward product writes and its backward reads instead of
+        quantising X again; producer_amax: the layer-norm forward kernels writing an input reduce
+        its amax. The rows the memory plan took for them; the same bits as without them."""
+
     def refresh_fp8_weight_cache(self) -> None:
         """Rewrite the FP8 copies of the weights (use_fp8_weight_cache) from the weights as they
         are now, exactly as each product would quantise them; nothing where none are kept. Inside
@@ -150,12 +164,13 @@ class Backend(Protocol):
         """dwte[tokens] += dout; dwpe[:T] += dout summed over the batch (float32 grads)."""
 
     # ------------------------------------------------------------ layer norm
-    def k_layernorm_fwd(self, out, mean, rstd, inp, weight, bias) -> None:
-        """out (B,T,C) = (inp - mean) * rstd * weight + bias; saves mean, rstd (B,T) float32."""
+    def k_layernorm_fwd(self, out, mean, rstd, inp, weight, bias, amax=None) -> None:
+        """out (B,T,C) = (inp - mean) * rstd * weight + bias; saves mean, rstd (B,T) float32.
+        amax: None, or a float32 array whose [0] receives max |out| as k_fp8_amax computes it."""
 
-    def k_residual_layernorm_fwd(self, res, out, mean, rstd, a, b, weight, bias) -> None:
+    def k_residual_layernorm_fwd(self, res, out, mean, rstd, a, b, weight, bias, amax=None) -> None:
         """res = a + b (the residual stream, saved), then out = layer norm of res, with mean and
-        rstd, in one pass."""
+        rstd, in one pass; amax as k_layernorm_fwd's (of out)."""
 
     def k_layernorm_bwd(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True) -> None:
         """Adds into dinp (B,T,C), dweight (C,), dbias (C,); accumulate=False writes dinp."""

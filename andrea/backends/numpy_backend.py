@@ -59,6 +59,8 @@ class NumpyBackend:
     grad_norm_partials = ref.GRAD_NORM_PARTIALS
     attention = "materialised"  # the reference has one attention path
     fp8_weight_cache = False  # no fp8 here
+    fp8_keep_xt = False
+    fp8_producer_amax = False
     xp = np
 
     def attention_variant(self, dtype, head_size: int) -> str:
@@ -105,6 +107,9 @@ class NumpyBackend:
 
     def use_fp8_weight_cache(self, weights, data, meta, table):
         raise ValueError("use_fp8_weight_cache: the NumPy backend runs no fp8 (backend=cuda does)")
+
+    def use_fp8_input_slots(self, weights, inputs, meta, xt=None, producer_amax=False):
+        raise ValueError("use_fp8_input_slots: the NumPy backend runs no fp8 (backend=cuda does)")
 
     def refresh_fp8_weight_cache(self):
         """Nothing: the NumPy backend keeps no FP8 copies."""

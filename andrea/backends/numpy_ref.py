@@ -41,13 +41,17 @@ def k_embed_bwd(dwte, dwpe, dout, tokens):
 
 
 # ---------------------------------------------------------------- layer norm
-def k_layernorm_fwd(out, mean, rstd, inp, weight, bias):
-    """out (B,T,C) = (inp - mean) * rstd * weight + bias; saves mean, rstd (B,T)."""
+def k_layernorm_fwd(out, mean, rstd, inp, weight, bias, amax=None):
+    """out (B,T,C) = (inp - mean) * rstd * weight + bias; saves mean, rstd (B,T). amax: None, or
+    a float32 array whose [0] receives max |out| as k_fp8_amax computes it (train.precision=fp8:
+    the amax of the FP8 cast of out, reduced by the kernel that writes out)."""
     mean[...] = inp.mean(axis=-1)
     xc = inp - mean[..., None]
     rstd[...] = 1.0 / np.sqrt((xc * xc).mean(axis=-1) + LN_EPS)
     np.multiply(xc * rstd[..., None], weight, out=out)
     out += bias
+    if amax is not None:
+        k_fp8_amax(amax, out)
 
 
 def _put(dst, x, accumulate):
@@ -70,14 +74,14 @@ def k_layernorm_bwd(dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumul
                                   - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)), accumulate)
 
 
-def k_residual_layernorm_fwd(res, out, mean, rstd, a, b, weight, bias):
+def k_residual_layernorm_fwd(res, out, mean, rstd, a, b, weight, bias, amax=None):
     """The residual add fused into the layer norm that follows it: res = a + b (the residual
     stream, saved), then out = layer norm of res with its mean and rstd, as k_residual_add then
     k_layernorm_fwd. Its backward needs no kernel of its own: the gradient of res passes to a and
     b unchanged, so k_layernorm_bwd adds the layer norm's part in place into the residual
-    gradient (model.backward)."""
+    gradient (model.backward). amax: as k_layernorm_fwd's (of out)."""
     k_residual_add(res, a, b)
-    k_layernorm_fwd(out, mean, rstd, res, weight, bias)
+    k_layernorm_fwd(out, mean, rstd, res, weight, bias, amax)
 
 
 # ---------------------------------------------------------------- linear layers (shared math)

@@ -7,53 +7,91 @@
 // buffer in model.backward): k_layernorm_bwd_dx with accumulate = 0, k_layernorm_bwd_fused built
 // with LN_ACCUMULATE 0. The same expression on a zero in place of the old value: the bits of
 // adding into zeros (but for the sign of a zero result).
+// The forward kernels take an optional amax pointer (null in 16-bit training): with
+// train.precision=fp8 they also reduce max |out| of the values they write into it, for the FP8
+// cast of out that follows (fp8.cu, docs/FP8.md), so no separate pass reads out for it.
 #include "common.cuh"
 
 #define LN_EPS 1e-5f  // torch.nn.LayerNorm's default, as numpy_ref.LN_EPS
 
-// The normalisation of one row x by one warp, given the lane's partial sum s of the row.
-__device__ __forceinline__ void ln_row(CT* o, float* mean, float* rstd, const CT* x, const CT* weight,
-                                       const CT* bias, int C, int lane, float s) {
+// |v| as the float bits the FP8 amax is taken on (fp8.cu's k_fp8_amax): unsigned integers order
+// non-negative floats as their values and put NaN above infinity, so a NaN makes the amax NaN.
+__device__ __forceinline__ unsigned int ln_abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+__device__ __forceinline__ unsigned int ln_umax(unsigned int a, unsigned int b) { return a > b ? a : b; }
+
+// *amax = max(*amax, the largest m of the block's threads): a warp tree, then one atomicMax a
+// block on the float bits, which does not depend on the order the blocks come in. Every thread
+// of the block calls it (no early return before it); the caller zeroes *amax before the launch.
+__device__ __forceinline__ void ln_amax_block(float* amax, unsigned int m) {
+  __shared__ unsigned int warp_max_bits[32];
+  for (int o = 16; o > 0; o >>= 1) m = ln_umax(m, __shfl_xor_sync(0xffffffffu, m, o));
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_max_bits[warp] = m;
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < (int)(blockDim.x >> 5) ? warp_max_bits[lane] : 0u;
+    for (int o = 16; o > 0; o >>= 1) m = ln_umax(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(amax), m);
+  }
+}
+
+// The normalisation of one row x by one warp, given the lane's partial sum s of the row; returns
+// the largest ln_abs_bits of the values the lane wrote.
+__device__ __forceinline__ unsigned int ln_row(CT* o, float* mean, float* rstd, const CT* x, const CT* weight,
+                                               const CT* bias, int C, int lane, float s) {
   float mu = warp_sum(s) / C;
   float v = 0.f;
   for (int c = lane; c < C; c += 32) { float d = to_f(x[c]) - mu; v += d * d; }
   float rs = 1.0f / sqrtf(warp_sum(v) / C + LN_EPS);
-  for (int c = lane; c < C; c += 32)
-    o[c] = from_f<CT>((to_f(x[c]) - mu) * rs * to_f(weight[c]) + to_f(bias[c]));
+  unsigned int m = 0u;
+  for (int c = lane; c < C; c += 32) {
+    CT y = from_f<CT>((to_f(x[c]) - mu) * rs * to_f(weight[c]) + to_f(bias[c]));
+    o[c] = y;
+    m = ln_umax(m, ln_abs_bits(to_f(y)));
+  }
   if (lane == 0) { *mean = mu; *rstd = rs; }
+  return m;
 }
 
-// out = (inp - mean) * rstd * weight + bias; block of 8 warps = 8 rows.
+// out = (inp - mean) * rstd * weight + bias; block of 8 warps = 8 rows. amax: null, or max |out|
+// into *amax (ln_amax_block).
 extern "C" __global__ void k_layernorm_fwd(CT* out, float* mean, float* rstd, const CT* inp,
-                                           const CT* weight, const CT* bias, i64 N, int C) {
+                                           const CT* weight, const CT* bias, i64 N, int C, float* amax) {
   i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
-  if (row >= N) return;
-  const CT* x = inp + row * C;
-  float s = 0.f;
-  for (int c = lane; c < C; c += 32) s += to_f(x[c]);
-  ln_row(out + row * C, mean + row, rstd + row, x, weight, bias, C, lane, s);
+  unsigned int m = 0u;
+  if (row < N) {
+    const CT* x = inp + row * C;
+    float s = 0.f;
+    for (int c = lane; c < C; c += 32) s += to_f(x[c]);
+    m = ln_row(out + row * C, mean + row, rstd + row, x, weight, bias, C, lane, s);
+  }
+  if (amax) ln_amax_block(amax, m);
 }
 
 // The residual add fused into the layer norm that follows it: res = a + b (rounded to CT, as
 // k_residual_add writes it), then out = layer norm of res, as k_layernorm_fwd; one pass over a
-// and b instead of a write and a read of res in between. Block of 8 warps = 8 rows.
+// and b instead of a write and a read of res in between. Block of 8 warps = 8 rows. amax: as
+// k_layernorm_fwd's (of out, not of res).
 extern "C" __global__ void k_residual_layernorm_fwd(CT* res, CT* out, float* mean, float* rstd,
                                                     const CT* a, const CT* b, const CT* weight,
-                                                    const CT* bias, i64 N, int C) {
+                                                    const CT* bias, i64 N, int C, float* amax) {
   i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
-  if (row >= N) return;
-  CT* x = res + row * C;
-  const CT* ar = a + row * C;
-  const CT* br = b + row * C;
-  float s = 0.f;
-  for (int c = lane; c < C; c += 32) {
-    CT r = from_f<CT>(to_f(ar[c]) + to_f(br[c]));
-    x[c] = r;
-    s += to_f(r);
+  unsigned int m = 0u;
+  if (row < N) {
+    CT* x = res + row * C;
+    const CT* ar = a + row * C;
+    const CT* br = b + row * C;
+    float s = 0.f;
+    for (int c = lane; c < C; c += 32) {
+      CT r = from_f<CT>(to_f(ar[c]) + to_f(br[c]));
+      x[c] = r;
+      s += to_f(r);
+    }
+    m = ln_row(out + row * C, mean + row, rstd + row, x, weight, bias, C, lane, s);
   }
-  ln_row(out + row * C, mean + row, rstd + row, x, weight, bias, C, lane, s);
+  if (amax) ln_amax_block(amax, m);
 }
 
 // dinp += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dout * weight
@@ -232,49 +270,56 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
 // loads and stores and the row kept in registers between its three uses. Both launchers take it
 // for such rows, so the fused kernel still gives the bits of k_residual_add + k_layernorm_fwd;
 // k_layernorm_fwd / k_residual_layernorm_fwd above (one element per lane) serve other rows.
-// One warp per row, lane l holding vectors l, l + 32, ...; block of 8 warps = 8 rows.
+// One warp per row, lane l holding vectors l, l + 32, ...; block of 8 warps = 8 rows. amax: as
+// k_layernorm_fwd's.
 extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_vec(
     CT* res, CT* out, float* mean, float* rstd, const CT* a, const CT* b, const CT* weight,
-    const CT* bias, i64 N, int C) {
+    const CT* bias, i64 N, int C, float* amax) {
   i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31, nq = C / LN_VEC;
-  if (row >= N) return;
-  const vec16* av = (const vec16*)(a + row * C);
-  const vec16* bv = (const vec16*)(b + row * C);
-  vec16* rv = (vec16*)(res + row * C);
-  vec16* ov = (vec16*)(out + row * C);
-  float x[LN_CHUNKS][LN_VEC], s = 0.f;
+  unsigned int m = 0u;
+  if (row < N) {
+    const vec16* av = (const vec16*)(a + row * C);
+    const vec16* bv = (const vec16*)(b + row * C);
+    vec16* rv = (vec16*)(res + row * C);
+    vec16* ov = (vec16*)(out + row * C);
+    float x[LN_CHUNKS][LN_VEC], s = 0.f;
 #pragma unroll
-  for (int k = 0; k < LN_CHUNKS; ++k) {
-    int q = lane + 32 * k;
-    if (q < nq) {
-      vec16 rr = av[q];
-      if (b) {
-        vec16 rb = bv[q];
+    for (int k = 0; k < LN_CHUNKS; ++k) {
+      int q = lane + 32 * k;
+      if (q < nq) {
+        vec16 rr = av[q];
+        if (b) {
+          vec16 rb = bv[q];
 #pragma unroll
-        for (int i = 0; i < LN_VEC; ++i) vset(rr, i, vget(rr, i) + vget(rb, i));  // as k_residual_add
-        rv[q] = rr;
+          for (int i = 0; i < LN_VEC; ++i) vset(rr, i, vget(rr, i) + vget(rb, i));  // as k_residual_add
+          rv[q] = rr;
+        }
+#pragma unroll
+        for (int i = 0; i < LN_VEC; ++i) { x[k][i] = vget(rr, i); s += x[k][i]; }
       }
-#pragma unroll
-      for (int i = 0; i < LN_VEC; ++i) { x[k][i] = vget(rr, i); s += x[k][i]; }
     }
-  }
-  float mu = warp_sum(s) / C, v = 0.f;
+    float mu = warp_sum(s) / C, v = 0.f;
 #pragma unroll
-  for (int k = 0; k < LN_CHUNKS; ++k)
-    if (lane + 32 * k < nq)
+    for (int k = 0; k < LN_CHUNKS; ++k)
+      if (lane + 32 * k < nq)
 #pragma unroll
-      for (int i = 0; i < LN_VEC; ++i) { float d = x[k][i] - mu; v += d * d; }
-  float rs = 1.0f / sqrtf(warp_sum(v) / C + LN_EPS);
+        for (int i = 0; i < LN_VEC; ++i) { float d = x[k][i] - mu; v += d * d; }
+    float rs = 1.0f / sqrtf(warp_sum(v) / C + LN_EPS);
 #pragma unroll
-  for (int k = 0; k < LN_CHUNKS; ++k) {
-    int q = lane + 32 * k;
-    if (q < nq) {
-      vec16 rw = ((const vec16*)weight)[q], rb = ((const vec16*)bias)[q], ro;
+    for (int k = 0; k < LN_CHUNKS; ++k) {
+      int q = lane + 32 * k;
+      if (q < nq) {
+        vec16 rw = ((const vec16*)weight)[q], rb = ((const vec16*)bias)[q], ro;
 #pragma unroll
-      for (int i = 0; i < LN_VEC; ++i) vset(ro, i, (x[k][i] - mu) * rs * vget(rw, i) + vget(rb, i));
-      ov[q] = ro;
+        for (int i = 0; i < LN_VEC; ++i) {
+          vset(ro, i, (x[k][i] - mu) * rs * vget(rw, i) + vget(rb, i));
+          m = ln_umax(m, ln_abs_bits(vget(ro, i)));  // the value as written, rounded to CT
+        }
+        ov[q] = ro;
+      }
     }
+    if (lane == 0) { mean[row] = mu; rstd[row] = rs; }
   }
-  if (lane == 0) { mean[row] = mu; rstd[row] = rs; }
+  if (amax) ln_amax_block(amax, m);
 }

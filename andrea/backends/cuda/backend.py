@@ -155,6 +155,13 @@ class CudaBackend(CudaOps):
             raise RuntimeError("use_fp8_weight_cache: call reserve_workspace(..., fp8=True) first")
         self.fp8.use_weight_cache(weights, data, meta, table)
 
+    def use_fp8_input_slots(self, weights, inputs, meta, xt=None, producer_amax=False):
+        """Input slots for the products of weights, whose inputs are the saved activations inputs
+        (cuda/fp8.Fp8Ops.use_input_slots); needs reserve_workspace(fp8=True) first."""
+        if self.fp8 is None:
+            raise RuntimeError("use_fp8_input_slots: call reserve_workspace(..., fp8=True) first")
+        self.fp8.use_input_slots(weights, inputs, meta, xt, producer_amax)
+
     def refresh_fp8_weight_cache(self):
         """The FP8 copies rewritten from the weights (three launches); nothing without them."""
         if self.fp8 is not None:

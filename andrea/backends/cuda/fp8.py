@@ -24,6 +24,18 @@ optimizer's CUDA graph) and whenever the weights are loaded: one memset, k_fp8_a
 k_fp8_cast_transpose_many for all of them. The products then read the copies instead of
 quantising W themselves; the bytes and scales are the ones the per-product quantisation writes
 for the same weights, so a step is bit-identical with the cache on or off.
+
+The inputs X of the layers whose X the model saves for the backward pass (ln1 for QKV, the
+attention output for its projection, ln2 for the first MLP product) have input slots
+(use_input_slots, rows input_slot_rows in the engine's arena): each slot holds the (amax,
+1/scale) of its X for the current microbatch and, with CudaOps.fp8_keep_xt, FP8 X^T. The
+forward product then quantises X once into both X and X^T (k_fp8_cast_transpose) and the
+backward's weight-gradient product reads that X^T instead of quantising X again: the same
+tensor, amax, scale and rounding, so the same bytes. With CudaOps.fp8_producer_amax the layer
+norms that write ln1 and ln2 also reduce their amax into the slot (layernorm.cu), and the
+product skips its k_fp8_amax pass. The amax of every slot is zeroed by one memset when the first
+slot (layer 0's ln1) is quantised, i.e. once per forward pass, not once per product. Both
+switches are off by default (docs/FP8.md says why).
 """
 from __future__ import annotations
 
@@ -58,6 +70,16 @@ def weight_cache_rows(shapes):
             ("fp8_wtable", (n, TABLE_COLS), "int64")]
 
 
+def input_slot_rows(shapes, N: int, keep_xt: bool):
+    """The arena rows of the input slots of weights of these (OC, IC) shapes, for products of N
+    rows: their (amax, 1/scale) rows and, with keep_xt, FP8 X^T (IC, N) of each input (one byte
+    an element, CACHE_ALIGN-aligned, in one uint8 row). Pure arithmetic, as weight_cache_rows."""
+    rows = [("fp8_xmeta", (len(shapes) * META_STRIDE,), "float32")]
+    if keep_xt:
+        rows.append(("fp8_xt", (sum(_aligned(int(K) * int(N)) for _, K in shapes),), "uint8"))
+    return rows
+
+
 def fp8_rows(B: int, T: int, C: int):
     """The workspace rows of the FP8 path for this model shape: the widest operand of each role
     (the MLP's: B*T x 4C activations and gradients, a 4C x C weight) and the scales."""
@@ -82,6 +104,21 @@ def check_fp8_device(B: int, T: int, C: int):
                              "(cuBLASLt's FP8 products)")
 
 
+class InputSlot:
+    """The input slot of one product (Fp8Ops.use_input_slots): x, its input's (address, N, IC);
+    meta, the (META_STRIDE,) row (amax at 0, 1/scale at META_STRIDE // 2); xt, FP8 X^T (IC, N) or
+    None; first, the slot whose quantisation starts a forward pass. state (what the launchers
+    queued last, which a captured graph replays in the same order): "zeroed" (amax zero),
+    "armed" (a kernel reduces into it), "amax" (its producer did), "used" (a product used it);
+    ready: the forward product wrote xt for the backward."""
+
+    __slots__ = ("first", "x", "meta", "xt", "state", "ready")
+
+    def __init__(self, first, x, meta, xt):
+        self.first, self.x, self.meta, self.xt = first, x, meta, xt
+        self.state, self.ready = "used", False
+
+
 class Fp8Ops:
     """The FP8 launchers of one CudaBackend (ops): its Runtime, cuBLASLt binding and workspace.
     grad_fmt: the format of the output gradients ("e4m3" or "e5m2")."""
@@ -95,6 +132,10 @@ class Fp8Ops:
         self.ops, self.grad_fmt = ops, grad_fmt
         self.cache = {}  # (address, shape, dtype) of a weight -> (W fp8, W^T fp8, its meta row (META_STRIDE,))
         self._cache_args = None  # (meta (n, META_STRIDE), table, dtype, shapes) of refresh_weight_cache
+        # input slots (use_input_slots): address of a weight -> InputSlot of its product's input X;
+        # address of an input -> the same slot (the layer-norm launchers ask by their output)
+        self.slots, self.slot_of_input = {}, {}
+        self._slot_block = None  # every slot's meta rows, (n, META_STRIDE): zeroed by one memset
 
     # ------------------------------------------------------------ the quantisation kernels
     @staticmethod
@@ -118,11 +159,13 @@ class Fp8Ops:
             raise ValueError(f"{kernel}: x has {x.size} values (need a multiple of {FP8_MULTIPLE}) "
                              f"at address {x.data.ptr:#x} (need 16-byte alignment)")
 
-    def k_fp8_amax(self, meta, x):
-        """meta[0] = max |x| (NaN if any x is NaN); zeroes meta[0] first (a memset, so it captures)."""
+    def k_fp8_amax(self, meta, x, zeroed=False):
+        """meta[0] = max |x| (NaN if any x is NaN); zeroes meta[0] first (a memset, so it captures)
+        unless zeroed says it is zero already."""
         check("k_fp8_amax", "meta", meta, dtype=np.float32)
         self._check_x("k_fp8_amax", x)
-        cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, 4, cp.cuda.get_current_stream().ptr)
+        if not zeroed:
+            cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, 4, cp.cuda.get_current_stream().ptr)
         n = x.size
         self.ops.rt.launch("fp8.cu", "k_fp8_amax", x.dtype, blocks(n // 8, THREADS), THREADS, (meta, x, i64(n)))
 
@@ -249,6 +292,80 @@ class Fp8Ops:
         self.k_fp8_amax_many(meta, table, dtype, shapes)
         self.k_fp8_cast_transpose_many(meta, table, FP8_FWD, dtype, shapes)
 
+    # ------------------------------------------------------------ input slots (X^T kept, amax from its producer)
+    def use_input_slots(self, weights, inputs, meta, xt=None, producer_amax=False):
+        """Slots for the inputs of the products of weights (a list of (OC, IC) compute-dtype
+        arrays) whose inputs are the saved activations inputs (each (..., IC), the same views the
+        layers will be given, alive from a forward product to its backward): their (amax,
+        1/scale) rows in meta (float32, META_STRIDE a weight) and, where xt (uint8) is given, FP8
+        X^T of each input there, for the backward (input_slot_rows planned both). producer_amax:
+        the layer norms writing an input also reduce its amax (producer_amax below)."""
+        if len(weights) != len(inputs) or not weights:
+            raise ValueError(f"use_input_slots: {len(weights)} weights and {len(inputs)} inputs; expected as many, "
+                             "at least one")
+        N = inputs[0].size // inputs[0].shape[-1]
+        shapes = [tuple(w.shape) for w in weights]
+        need = {name: (shape, dtype) for name, shape, dtype in input_slot_rows(shapes, N, xt is not None)}
+        check("use_input_slots", "fp8_xmeta", meta, *need["fp8_xmeta"])
+        if xt is not None:
+            check("use_input_slots", "fp8_xt", xt, *need["fp8_xt"])
+            if xt.data.ptr % CACHE_ALIGN:
+                raise ValueError(f"use_input_slots: fp8_xt at {xt.data.ptr:#x}; expected {CACHE_ALIGN}-byte alignment")
+        if meta.data.ptr % 128:
+            raise ValueError(f"use_input_slots: fp8_xmeta at {meta.data.ptr:#x}; expected 128-byte alignment")
+        block = meta.reshape(len(weights), META_STRIDE)
+        self.slots, self.slot_of_input, off = {}, {}, 0
+        for i, (w, x) in enumerate(zip(weights, inputs)):
+            OC, IC = w.shape
+            if x.shape[-1] != IC or x.size != N * IC or x.dtype != w.dtype:
+                raise ValueError(f"use_input_slots: input {i} has shape {x.shape} and dtype {x.dtype}; its weight "
+                                 f"{w.shape} {w.dtype} wants (..., {IC}) with {N} rows of that dtype")
+            t = None
+            if xt is not None:
+                t = xt[off:off + IC * N].reshape(IC, N)
+                off += _aligned(IC * N)
+            slot = InputSlot(first=i == 0, x=(x.data.ptr, N, IC), meta=block[i], xt=t)
+            self.slots[w.data.ptr] = slot
+            if producer_amax:
+                self.slot_of_input[x.data.ptr] = slot
+        self._slot_block = block
+
+    def _arm(self, slot):
+        """Make slot's amax zero before a kernel reduces into it: the first slot (layer 0's ln1,
+        quantised first in every forward pass) zeroes every slot's row in one memset; another
+        slot needs a memset of its own only if its amax was used since."""
+        stream = cp.cuda.get_current_stream().ptr
+        if slot.first:
+            cp.cuda.runtime.memsetAsync(self._slot_block.data.ptr, 0, self._slot_block.nbytes, stream)
+            for s in self.slots.values():
+                s.state = "zeroed"
+        elif slot.state != "zeroed":
+            cp.cuda.runtime.memsetAsync(slot.meta.data.ptr, 0, 4, stream)
+        slot.state = "armed"
+
+    def producer_amax(self, out):
+        """Where a layer-norm forward that writes out reduces max |out| (its amax argument): the
+        meta row of out's input slot, zeroed first, or None where out has no slot (or the
+        producers' amax is off). The slot's next product then skips its k_fp8_amax."""
+        slot = self.slot_of_input.get(out.data.ptr) if self.slot_of_input else None
+        if slot is None or out.size != slot.x[1] * slot.x[2]:
+            return None
+        self._arm(slot)
+        slot.state = "amax"
+        return slot.meta
+
+    def _slot(self, w, x2, forward=False):
+        """The input slot of w's product where x2 (N, IC) is its registered input, else None (a
+        forward product of w on another input leaves the slot's X^T stale: ready is cleared)."""
+        slot = self.slots.get(w.data.ptr) if self.slots else None
+        if slot is None:
+            return None
+        if slot.x != (x2.data.ptr, *x2.shape):
+            if forward:
+                slot.ready = False
+            return None
+        return slot
+
     def cached(self, w):
         """(fp8(w) (R, K), fp8(w)^T (K, R), meta row: amax at 0, 1/scale at META_STRIDE // 2) of a
         weight the cache keeps, or None."""
@@ -303,7 +420,22 @@ class Fp8Ops:
         """out2 (N, OC) = fp8(x2) @ fp8(w).T + b with the epilogue where cuBLASLt has it, else a
         plain product and fallback() (the 16-bit path's bias / GELU kernels)."""
         from .cublaslt import NoAlgorithm
-        xq, _, x_inv = self._quantise("x", x2, FP8_FWD)
+        slot = self._slot(w, x2, forward=True)
+        if slot is None:
+            xq, _, x_inv = self._quantise("x", x2, FP8_FWD)
+        else:  # x2's amax from its producer, or taken here; with a kept X^T both forms in one pass
+            if slot.state != "amax":
+                self._arm(slot)
+                self.k_fp8_amax(slot.meta, x2, zeroed=True)
+            slot.state = "used"
+            N, IC = x2.shape
+            xq = self.ops.workspace.get("fp8_x", N * IC, np.uint8).reshape(N, IC)
+            if slot.xt is None:
+                self.k_fp8_cast(xq, slot.meta, x2, FP8_FWD)
+            else:
+                self.k_fp8_cast_transpose(xq, slot.xt, slot.meta, x2, FP8_FWD)
+            slot.ready = slot.xt is not None
+            x_inv = slot.meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
         wq, w_inv = self._weight(w)
         try:
             self._product(out2, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, epilogue, bias=b, aux=aux, fast_accum=True)
@@ -323,7 +455,11 @@ class Fp8Ops:
             self._product(dinp2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, beta=1.0 if accumulate else 0.0)
         else:
             dx_epilogue(dq, g, d_inv, wq_t, w_inv)
-        xq_t, x_inv = self._quantise("x", x2, FP8_FWD, transpose=True)[1:]
+        slot = self._slot(w, x2)
+        if slot is not None and slot.ready:  # X^T as the forward product quantised it
+            xq_t, x_inv = slot.xt, slot.meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
+        else:
+            xq_t, x_inv = self._quantise("x", x2, FP8_FWD, transpose=True)[1:]
         self._product(dw, dq_t, g, d_inv, xq_t, FP8_FWD, x_inv, beta=0.0 if self.ops._param_write(dw) else 1.0)
 
     # ------------------------------------------------------------ the layers (numpy_ref's names)

@@ -169,6 +169,15 @@ class CudaOps:
     # False: each product quantises its weight itself (the same bytes, more launches). Read when an
     # Engine is made (CudaBackend(fp8_weight_cache=False), or set the attribute before)
     fp8_weight_cache = True
+    # train.precision=fp8, read when an Engine is made (dev/profile_kernels.py and andrea.bench
+    # --set NAME=0): fp8_keep_xt, the forward product of each layer whose input the model saves
+    # (ln1, the attention output, ln2) quantises it into X and X^T at once and keeps X^T (the
+    # arena's "fp8 input slots") for the backward's weight-gradient product, which then does not
+    # quantise X again; fp8_producer_amax, the layer norms writing ln1 and ln2 also reduce their
+    # amax, so their products skip the k_fp8_amax pass. Both give the same bits as off (cuda/fp8.py).
+    # Off by default until a GPU job has run their tests and timed them (docs/FP8.md)
+    fp8_keep_xt = False
+    fp8_producer_amax = False
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # after a plain product (False); docs/BENCHMARKS.md has the timings behind the default
     dgelu_epilogue = False
@@ -379,8 +388,9 @@ class CudaOps:
                        (dwpe, dout, i32(B), i32(T), i32(C)))
 
     # ------------------------------------------------------------ layer norm
-    def k_layernorm_fwd(self, out, mean, rstd, inp, weight, bias):
-        """out (B,T,C) = (inp - mean) * rstd * weight + bias; saves mean, rstd (B,T) float32."""
+    def k_layernorm_fwd(self, out, mean, rstd, inp, weight, bias, amax=None):
+        """out (B,T,C) = (inp - mean) * rstd * weight + bias; saves mean, rstd (B,T) float32.
+        amax: None, or float32 whose [0] gets max |out| (as k_fp8_amax; train.precision=fp8)."""
         C = inp.shape[-1]
         ct = inp.dtype
         for n, a in (("out", out), ("inp", inp)):
@@ -390,12 +400,14 @@ class CudaOps:
         for n, a in (("mean", mean), ("rstd", rstd)):
             check("k_layernorm_fwd", n, a, inp.shape[:-1], np.float32)
         N = inp.size // C
-        if not self._layernorm_fwd_vec(None, out, mean, rstd, inp, None, weight, bias):
+        am = self._ln_amax("k_layernorm_fwd", out, amax)
+        if not self._layernorm_fwd_vec(None, out, mean, rstd, inp, None, weight, bias, am):
             self.rt.launch("layernorm.cu", "k_layernorm_fwd", ct, -(-N // 8), THREADS,
-                           (out, mean, rstd, inp, weight, bias, i64(N), i32(C)))
+                           (out, mean, rstd, inp, weight, bias, i64(N), i32(C), am))
 
-    def k_residual_layernorm_fwd(self, res, out, mean, rstd, a, b, weight, bias):
-        """res = a + b (the residual stream), then out = layer norm of res, in one pass."""
+    def k_residual_layernorm_fwd(self, res, out, mean, rstd, a, b, weight, bias, amax=None):
+        """res = a + b (the residual stream), then out = layer norm of res, in one pass. amax: as
+        k_layernorm_fwd's (of out)."""
         C = a.shape[-1]
         ct = a.dtype
         for n, x in (("res", res), ("out", out), ("a", a), ("b", b)):
@@ -405,11 +417,23 @@ class CudaOps:
         for n, x in (("mean", mean), ("rstd", rstd)):
             check("k_residual_layernorm_fwd", n, x, a.shape[:-1], np.float32)
         N = a.size // C
-        if not self._layernorm_fwd_vec(res, out, mean, rstd, a, b, weight, bias):
+        am = self._ln_amax("k_residual_layernorm_fwd", out, amax)
+        if not self._layernorm_fwd_vec(res, out, mean, rstd, a, b, weight, bias, am):
             self.rt.launch("layernorm.cu", "k_residual_layernorm_fwd", ct, -(-N // 8), THREADS,
-                           (res, out, mean, rstd, a, b, weight, bias, i64(N), i32(C)))
+                           (res, out, mean, rstd, a, b, weight, bias, i64(N), i32(C), am))
 
-    def _layernorm_fwd_vec(self, res, out, mean, rstd, a, b, weight, bias) -> bool:
+    def _ln_amax(self, kernel, out, amax):
+        """The layer-norm forward kernels' amax pointer: amax where given (its [0] zeroed here
+        first), else, with train.precision=fp8, the input slot of the FP8 product that reads out
+        (Fp8Ops.producer_amax: with CudaOps.fp8_producer_amax, for ln1 and ln2), else null."""
+        if amax is not None:
+            check(kernel, "amax", amax, dtype=np.float32)
+            cp.cuda.runtime.memsetAsync(amax.data.ptr, 0, 4, cp.cuda.get_current_stream().ptr)
+            return amax
+        meta = self.fp8.producer_amax(out) if self.fp8 is not None else None
+        return np.uint64(0) if meta is None else meta
+
+    def _layernorm_fwd_vec(self, res, out, mean, rstd, a, b, weight, bias, amax) -> bool:
         """Version 2 of the layer-norm forward (16-byte loads, the row in registers, compiled for
         the row width) where the rows are whole aligned vectors; b None: no residual. False where
         it does not apply (the caller launches version 1)."""
@@ -422,7 +446,7 @@ class CudaOps:
         N = a.size // C
         self.rt.launch("layernorm.cu", "k_layernorm_fwd_vec", a.dtype, -(-N // 8), THREADS,
                        (null if res is None else res, out, mean, rstd, a, null if b is None else b, weight, bias,
-                        i64(N), i32(C)), defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}",))
+                        i64(N), i32(C), amax), defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}",))
         return True
 
     def _ln_grid(self, C: int) -> int:
