@@ -214,6 +214,17 @@ class HopperForward8(HopperBackward):
         return out
 
 
+class OnePassBackward(HopperForward8):
+    """Version 9: version 8's forward and, on compute capability 9.0 at head size 64, the one-pass
+    backward k_attn_flash_bwd9 of dev/cuda/attention_v9.cu (built and launched by attention_v9.py,
+    tune: its -D settings, e.g. {"bufs": 3}); version 7's backward at other head sizes."""
+    sidecar_path = ROOT / "dev" / "cuda" / "attention_v9.py"
+
+    def __init__(self, *args, tune=None):
+        super().__init__(*args)
+        self.tune = tune
+
+
 def _compile_job(job):
     """One sm_90a build in a worker process: (key, cubin bytes)."""
     key, path, ct, defs = job
@@ -301,6 +312,11 @@ VARIANTS = {
                           ("v8w3n128", {"wg": 3, "bn": 128, "blocks": 1, "overlap": 1}),
                           ("v8w3n128s", {"wg": 3, "bn": 128, "blocks": 1}),
                           ("v8w1b4", {"wg": 1, "blocks": 4}), ("v8cm", {"swizzle": 0}))},
+    "v9": OnePassBackward("v9", lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128, v4_smem, True),
+    # v9 with other -D settings (attention_v9.py's TUNABLE): three dQ partial buffers; 40 registers for the dQ warpgroup
+    **{name: OnePassBackward(name, lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128, v4_smem, True,
+                             tune=tune)
+       for name, tune in (("v9b3", {"bufs": 3}), ("v9r40", {"reg_dq": 40}))},
 }
 DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
 
@@ -385,7 +401,8 @@ def cuda_ms(fn, reps):
 
 
 SHAPES = {"120M": (8, 12, 1024, 64, 12), "12M": (32, 6, 256, 64, 6)}
-PART_COLUMNS = {"k_attn_flash_D": "D_ms", "k_attn_flash_bwd_dq": "dq_ms", "k_attn_flash_bwd_dkv": "dkv_ms"}
+PART_COLUMNS = {"k_attn_flash_D": "D_ms", "k_attn_flash_bwd_dq": "dq_ms", "k_attn_flash_bwd_dkv": "dkv_ms",
+                "k_attn_flash_bwd9": "onepass_ms"}
 
 
 def time_ours(v: Variant, name, shape, reps):

@@ -1,0 +1,148 @@
+"""Version 9's backward (k_attn_flash_bwd9 of dev/cuda/attention_v9.cu: one pass, dQ added in a fixed
+order of key blocks through a float32 workspace and per-tile counters), built for sm_90a with
+attention_v6.py's NVRTC pieces, launched after k_attn_flash_D as version 7's kernels are
+(attention_v7.py); dev/cuda/attention_bench.py checks and times it (--variants v7,v9). Head size
+64 only; other head sizes launch version 7 (the same module holds it).
+
+    PYTHONPATH=. python dev/cuda/attention_v9.py     # bit-identical reruns at the 12M and 120M shapes, v9 against v7
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from andrea.backends.cuda.runtime import THREADS, i32
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "attention_v9.cu"
+V9_BK, V9_BQ, V9_THREADS = 128, 64, 384  # keys a block, queries a tile, threads (attention_v9.cu)
+
+
+def _load(stem):
+    name = f"dev_cuda_{stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE / f"{stem}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+v6 = _load("attention_v6")
+v7 = _load("attention_v7")
+is_hopper = v6.is_hopper
+
+# -D settings a launch may change (tune={name: value}): dQ partial buffers (tiles the consumers may
+# run ahead of the dQ warpgroup), registers the dQ warpgroup keeps (setmaxnreg; the consumers get the rest)
+TUNABLE = {"bufs": "V9_BUFS", "reg_dq": "V9_REG_DQ"}
+
+
+def geometry(hs: int, tune=None) -> dict:
+    """k_attn_flash_bwd9's launch (V9_THREADS, V9_BK, V9_BQ, V9_SMEM of attention_v9.cu)."""
+    bufs = (tune or {}).get("bufs", 2)
+    smem = 2 * V9_BK * hs * 2 + 4 * V9_BQ * hs * 2 + 2 * 64 * V9_BQ * 2 + bufs * 2 * V9_BQ * hs * 4 + 4 * V9_BQ * 4
+    return {"threads": V9_THREADS, "keys": V9_BK, "rows": V9_BQ, "smem": smem}
+
+
+def build(ct: str, hs: int, tune=None):
+    """(cache key, -D options) of attention_v9.cu's sm_90a build (as attention_v7.build)."""
+    tune = tune or {}
+    unknown = set(tune) - set(TUNABLE)
+    if unknown:
+        raise ValueError(f"attention_v9 tune: unknown {sorted(unknown)}; expected some of {sorted(TUNABLE)}")
+    defs = (f"-DHS={hs}",) + tuple(f"-D{TUNABLE[k]}={v}" for k, v in sorted(tune.items()))
+    return (str(SOURCE), ct) + defs, defs
+
+
+def module(cache: dict, ct: str, hs: int, tune=None):
+    key, defs = build(ct, hs, tune)
+    if key not in cache:
+        cache[key] = v6.Sm90aModule(v6.compile_sm90a(v6.source(SOURCE), SOURCE.name, ct, defs))
+        print(f"{SOURCE.name}: compiled for sm_90a (one-pass backward), CT={ct} {' '.join(defs)}", file=sys.stderr)
+    return cache[key]
+
+
+def workspace(cache: dict, BH: int, T: int, hs: int):
+    """(dq_acc float32 (BH * nq * 64 * hs,), counters int32 (BH * nq,), zeroed once) for this shape;
+    the kernel leaves the counters at 0."""
+    import cupy as cp
+    nq = -(-T // V9_BQ)
+    key = ("v9 workspace", BH, nq, hs)
+    if key not in cache:
+        cache[key] = (cp.empty((BH * nq * V9_BQ * hs,), dtype=cp.float32), cp.zeros((BH * nq,), dtype=cp.int32))
+    return cache[key]
+
+
+def launch_bwd_parts(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: int, NH: int, hs: int,
+                     tune=None, accumulate=True) -> dict:
+    """{kernel: a function that launches it}: k_attn_flash_D, then k_attn_flash_bwd9 (head size 64;
+    elsewhere version 7's two kernels)."""
+    if hs != 64:
+        return v7.launch_bwd_parts(cache, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs, None, accumulate)
+    mod, geo, BH = module(cache, ct, hs, tune), geometry(hs, tune), B * NH
+    acc, counters = workspace(cache, BH, T, hs)
+    args = (dqkv, acc, counters, qkv, dout, lse, D, i32(B), i32(T), i32(NH), np.float32(1.0 / math.sqrt(hs)),
+            i32(int(accumulate)))
+    return {
+        "k_attn_flash_D": lambda: mod.launch("k_attn_flash_D", -(-(BH * T) // THREADS), THREADS,
+                                             (D, dout, out, i32(B), i32(T), i32(NH))),
+        "k_attn_flash_bwd9": lambda: mod.launch("k_attn_flash_bwd9", (BH, -(-T // geo["keys"])), geo["threads"],
+                                                args, shared_mem=geo["smem"]),
+    }
+
+
+def launch_bwd(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: int, NH: int, hs: int, tune=None,
+               accumulate=True):
+    for launch in launch_bwd_parts(cache, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs, tune, accumulate).values():
+        launch()
+
+
+def main() -> int:
+    """Bit-identical reruns of version 9 at the 12M and 120M attention shapes (fp16, bf16), and its
+    difference from version 7 (relative, of each of dQ, dK, dV); prints one table."""
+    import cupy as cp
+    import pandas as pd
+    rows, cache = [], {}
+    for ct in ("f16", "bf16"):
+        for shape, (B, NH, T) in {"12M": (32, 6, 256), "120M": (8, 12, 1024), "odd": (3, 5, 1000)}.items():
+            hs, C = 64, NH * 64
+            rng = np.random.default_rng(3)
+            host = (lambda x: x.astype(np.float16).view(np.uint16)) if ct == "f16" else \
+                (lambda x: (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+            qkv = cp.asarray(host(rng.standard_normal((B, T, 3 * C))))
+            dout = cp.asarray(host(rng.standard_normal((B, T, C))))
+            out = cp.empty((B, T, C), dtype=cp.uint16)
+            lse = cp.empty((B, NH, T), dtype=cp.float32)
+            _load("attention_v8").launch_fwd(cache, ct, out, lse, qkv, B, T, NH, hs)
+            D = cp.empty((B * NH * T,), dtype=cp.float32)
+            runs = []
+            for _ in range(3):
+                g = cp.zeros_like(qkv)
+                launch_bwd(cache, ct, g, dout, qkv, out, lse, D, B, T, NH, hs, accumulate=False)
+                runs.append(g)
+            g7 = cp.zeros_like(qkv)
+            v7.launch_bwd(cache, ct, g7, dout, qkv, out, lse, D, B, T, NH, hs, accumulate=False)
+            cp.cuda.runtime.deviceSynchronize()
+
+            def f32(a):  # 16-bit patterns -> float64 values
+                if ct == "f16":
+                    return a.view(cp.float16).astype(cp.float64)
+                return (a.astype(cp.uint32) << 16).view(cp.float32).astype(cp.float64)
+            x9, x7 = f32(runs[0]), f32(g7)
+            rel = {p: float(cp.linalg.norm(x9[..., i * C:(i + 1) * C] - x7[..., i * C:(i + 1) * C]) /
+                            cp.linalg.norm(x7[..., i * C:(i + 1) * C])) for i, p in enumerate(("dq", "dk", "dv"))}
+            rows.append(dict(ct=ct, shape=shape, bitwise=all(bool((r == runs[0]).all()) for r in runs[1:]),
+                             finite=bool(cp.isfinite(x9).all()), **{f"v9_vs_v7_{k}": f"{v:.2e}" for k, v in rel.items()}))
+            print(rows[-1], flush=True)
+    table = pd.DataFrame(rows)
+    print(table.to_string(index=False))
+    ok = table["bitwise"].all() and table["finite"].all()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
