@@ -313,10 +313,11 @@ VARIANTS = {
                           ("v8w3n128s", {"wg": 3, "bn": 128, "blocks": 1}),
                           ("v8w1b4", {"wg": 1, "blocks": 4}), ("v8cm", {"swizzle": 0}))},
     "v9": OnePassBackward("v9", lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128, v4_smem, True),
-    # v9 with other -D settings (attention_v9.py's TUNABLE): three dQ partial buffers; 40 registers for the dQ warpgroup
+    # v9 with other -D settings (attention_v9.py's TUNABLE): two dQ partial buffers (and dQ warps);
+    # four float4 loads in flight a dQ lane
     **{name: OnePassBackward(name, lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128, v4_smem, True,
                              tune=tune)
-       for name, tune in (("v9b3", {"bufs": 3}), ("v9r40", {"reg_dq": 40}))},
+       for name, tune in (("v9b2", {"bufs": 2}), ("v9u4", {"unroll": 4}))},
 }
 DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
 

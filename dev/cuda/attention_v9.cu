@@ -48,23 +48,33 @@
 #define V9_MMA 256                      // consumer threads
 #define V9_THREADS (V9_MMA + 128)       // + the dQ warpgroup
 #ifndef V9_REG_DQ
-#define V9_REG_DQ 56                    // registers a thread: the dQ warpgroup gives back (setmaxnreg)
+#define V9_REG_DQ 64                    // registers a thread: the dQ warpgroup gives back (setmaxnreg)
 #endif
 #define V9_REG_MMA ((65536 / 256 - V9_REG_DQ / 2) / 8 * 8)  // the consumers take the rest (224)
 #ifndef V9_BUFS
-#define V9_BUFS 2                       // dQ partial buffers (tiles the consumers may run ahead)
+#define V9_BUFS 4                       // dQ partial buffers = working warps of the dQ warpgroup
 #endif
+#if V9_BUFS < 1 || V9_BUFS > 4
+#error "V9_BUFS: 1 to 4 (one warp of the dQ warpgroup a buffer)"
+#endif
+#ifndef V9_UNROLL
+#define V9_UNROLL 8                     // float4 of dq_acc a dQ warp's lane loads at once
+#endif
+#ifndef V9_DIAG
+#define V9_DIAG 0  // timing diagnostics only (dQ then wrong): 1 the dQ warps skip the wait and dq_acc; 2 also no dQ product
+#endif
+constexpr int v9_unroll = V9_UNROLL;  // (#pragma unroll expands no macro)
 #define V9_PART (V9_BQ * HS)            // floats of one warpgroup's dQ partial
 // K, V [V9_BK x HS]; Q, dO two deep [V9_BQ x HS]; dS^T per warpgroup [64 x V9_BQ] (16-bit, every
 // tile 1024-byte aligned); dQ partials [V9_BUFS][2][V9_PART] float; lse, D two deep [V9_BQ] float
 #define V9_SMEM (2 * V9_BK * HS * 2 + 4 * V9_BQ * HS * 2 + 2 * 64 * V9_BQ * 2 + V9_BUFS * 2 * V9_PART * 4 + 4 * V9_BQ * 4)
 // named barriers (0 is __syncthreads, unused here): 1 the consumers, 2-3 one consumer warpgroup
-// each, 4 the dQ warpgroup, 5.. "full" per buffer, 5 + V9_BUFS.. "free" per buffer
+// each, 4.. "full" per buffer, 4 + V9_BUFS.. "free" per buffer
 #define V9_BAR_MMA 1
 #define V9_BAR_WG 2
-#define V9_BAR_DQ 4
-#define V9_BAR_FULL 5
-#define V9_BAR_FREE (5 + V9_BUFS)
+#define V9_BAR_FULL 4
+#define V9_BAR_FREE (4 + V9_BUFS)
+#define V9_PAIR (V9_MMA + 32)           // threads at a full / free barrier: the consumers and one dQ warp
 #if V9_BAR_FREE + V9_BUFS > 16
 #error "V9_BUFS: too many named barriers"
 #endif
@@ -219,24 +229,29 @@ extern "C" __global__ void __launch_bounds__(V9_THREADS, 1) k_attn_flash_bwd9(HT
   if (threadIdx.x >= V9_MMA) {
     // ------------------------------------------------ the dQ warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(V9_REG_DQ));
-    int lane = threadIdx.x - V9_MMA;  // 0..127
-    for (int t = 0; t < n; ++t) {
-      int qt = nq - 1 - t, q0 = qt * V9_BQ, buf = t % V9_BUFS;
+    int lane = threadIdx.x & 31, buf = (threadIdx.x - V9_MMA) >> 5;  // warp buf: tiles t = buf mod V9_BUFS
+    if (buf >= V9_BUFS) return;
+    for (int t = buf; t < n; t += V9_BUFS) {
+      int qt = nq - 1 - t, q0 = qt * V9_BQ;
       bool is_first = j == 0, is_last = j == (q0 + V9_BQ - 1) / V9_BK;
       bool a1 = active9(k0, 1, q0, T);  // warpgroup 0 always takes part
       int* cnt = counters + (i64)bh * nq + qt;
       float4* acc = (float4*)(dq_acc + ((i64)bh * nq + qt) * V9_PART);
       const float4* p0 = (const float4*)(parts + buf * 2 * V9_PART);
       const float4* p1 = p0 + V9_PART / 4;
-      bar_sync9(V9_BAR_FULL + buf, V9_THREADS);
+      bar_sync9(V9_BAR_FULL + buf, V9_PAIR);
+      if (V9_DIAG) {
+        if (t + V9_BUFS < n) bar_arrive9(V9_BAR_FREE + buf, V9_PAIR);
+        continue;
+      }
       if (!is_first) {
         if (lane == 0)
           while (ld_acquire9(cnt) != j) __nanosleep(32);
-        bar_sync9(V9_BAR_DQ, 128);
+        __syncwarp();
       }
       if (!is_last) {
-#pragma unroll 4
-        for (int f = lane; f < V9_PART / 4; f += 128) {
+#pragma unroll v9_unroll
+        for (int f = lane; f < V9_PART / 4; f += 32) {
           float4 v = p0[f];
           if (!is_first) {
             float4 a = __ldcg(acc + f);
@@ -248,13 +263,12 @@ extern "C" __global__ void __launch_bounds__(V9_THREADS, 1) k_attn_flash_bwd9(HT
           }
           __stcg(acc + f, v);
         }
-        __threadfence();
-        bar_sync9(V9_BAR_DQ, 128);
+        __syncwarp();  // the warp's stores before lane 0's release (cumulative)
         if (lane == 0) st_release9(cnt, j + 1);
       } else {
         HT* base = dqkv + (i64)b * T * ld + h * HS;
-#pragma unroll 2
-        for (int f = lane; f < V9_PART / 4; f += 128) {
+#pragma unroll 4
+        for (int f = lane; f < V9_PART / 4; f += 32) {
           float4 v = p0[f];
           if (!is_first) {
             float4 a = __ldcg(acc + f);
@@ -282,7 +296,7 @@ extern "C" __global__ void __launch_bounds__(V9_THREADS, 1) k_attn_flash_bwd9(HT
         }
         if (!is_first && lane == 0) *cnt = 0;  // the last contributor: 0 for the next launch
       }
-      if (t + V9_BUFS < n) bar_arrive9(V9_BAR_FREE + buf, V9_THREADS);
+      if (t + V9_BUFS < n) bar_arrive9(V9_BAR_FREE + buf, V9_PAIR);
     }
     return;
   }
@@ -325,18 +339,18 @@ extern "C" __global__ void __launch_bounds__(V9_THREADS, 1) k_attn_flash_bwd9(HT
     const u16* dO = do_tiles + cur * V9_BQ * HS;
     const float* L = lse_tiles + cur * V9_BQ;
     const float* Dt = d_tiles + cur * V9_BQ;
-    bool act = active9(k0, wg, q0, T);
+    bool act = active9(k0, wg, q0, T) && V9_DIAG < 2;
     if (act) {
       if (q0 < wkey0 + 63 || q0 + V9_BQ > T) dkv9_tile<true>(dk, dv, dq, dkey, dval, dkw, ds, Q, dO, L, Dt, key0, q0, T, sl2);
       else dkv9_tile<false>(dk, dv, dq, dkey, dval, dkw, ds, Q, dO, L, Dt, key0, q0, T, sl2);
     }
-    if (t >= V9_BUFS) bar_sync9(V9_BAR_FREE + buf, V9_THREADS);  // the dQ warp is done with tile t - V9_BUFS
+    if (t >= V9_BUFS) bar_sync9(V9_BAR_FREE + buf, V9_PAIR);  // dQ warp buf is done with tile t - V9_BUFS
     if (act) {
       float4* part = (float4*)(parts + (buf * 2 + wg) * V9_PART) + (threadIdx.x & 127);
 #pragma unroll
       for (int jj = 0; jj < HS / 8; ++jj) part[jj * 128] = make_float4(dq[4 * jj], dq[4 * jj + 1], dq[4 * jj + 2], dq[4 * jj + 3]);
     }
-    bar_arrive9(V9_BAR_FULL + buf, V9_THREADS);
+    bar_arrive9(V9_BAR_FULL + buf, V9_PAIR);
     bar_sync9(V9_BAR_MMA, V9_MMA);  // every consumer is done with this tile's Q, dO buffers
   }
   HT* base = dqkv + (i64)b * T * ld + h * HS;

@@ -36,14 +36,15 @@ v6 = _load("attention_v6")
 v7 = _load("attention_v7")
 is_hopper = v6.is_hopper
 
-# -D settings a launch may change (tune={name: value}): dQ partial buffers (tiles the consumers may
-# run ahead of the dQ warpgroup), registers the dQ warpgroup keeps (setmaxnreg; the consumers get the rest)
-TUNABLE = {"bufs": "V9_BUFS", "reg_dq": "V9_REG_DQ"}
+# -D settings a launch may change (tune={name: value}): dQ partial buffers (= working dQ warps; tiles
+# the consumers may run ahead), registers the dQ warpgroup keeps (setmaxnreg; the consumers get the
+# rest), float4 loads in flight a dQ lane, diag (timing only, dQ wrong: 1 no ordered addition, 2 no dQ at all)
+TUNABLE = {"bufs": "V9_BUFS", "reg_dq": "V9_REG_DQ", "unroll": "V9_UNROLL", "diag": "V9_DIAG"}
 
 
 def geometry(hs: int, tune=None) -> dict:
     """k_attn_flash_bwd9's launch (V9_THREADS, V9_BK, V9_BQ, V9_SMEM of attention_v9.cu)."""
-    bufs = (tune or {}).get("bufs", 2)
+    bufs = (tune or {}).get("bufs", 4)
     smem = 2 * V9_BK * hs * 2 + 4 * V9_BQ * hs * 2 + 2 * 64 * V9_BQ * 2 + bufs * 2 * V9_BQ * hs * 4 + 4 * V9_BQ * 4
     return {"threads": V9_THREADS, "keys": V9_BK, "rows": V9_BQ, "smem": smem}
 
@@ -101,6 +102,38 @@ def launch_bwd(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: in
         launch()
 
 
+def time_diag(reps: int = 20) -> None:
+    """k_attn_flash_bwd9 alone at the 120M shape (fp16, x12 layers) with the diagnostics settings,
+    next to version 7's two kernels: where the time goes (dQ then wrong for diag > 0)."""
+    import cupy as cp
+    import pandas as pd
+    B, NH, T, hs, L, cache, rows = 8, 12, 1024, 64, 12, {}, []
+    C = NH * hs
+    rng = np.random.default_rng(3)
+    qkv = cp.asarray(rng.standard_normal((B, T, 3 * C)).astype(np.float16).view(np.uint16))
+    dout = cp.asarray(rng.standard_normal((B, T, C)).astype(np.float16).view(np.uint16))
+    out, lse = cp.empty((B, T, C), dtype=cp.uint16), cp.empty((B, NH, T), dtype=cp.float32)
+    _load("attention_v8").launch_fwd(cache, "f16", out, lse, qkv, B, T, NH, hs)
+    D, g = cp.empty((B * NH * T,), dtype=cp.float32), cp.zeros_like(qkv)
+
+    def ms(fn):
+        for _ in range(3):
+            fn()
+        s, e = cp.cuda.Event(), cp.cuda.Event()
+        s.record()
+        for _ in range(reps):
+            fn()
+        e.record()
+        e.synchronize()
+        return cp.cuda.get_elapsed_time(s, e) / reps * L
+    p7 = v7.launch_bwd_parts(cache, "f16", g, dout, qkv, out, lse, D, B, T, NH, hs)
+    rows.append(dict(kernel="v7 dq + dkv", ms=ms(lambda: (p7["k_attn_flash_bwd_dq"](), p7["k_attn_flash_bwd_dkv"]()))))
+    for tune in ({}, {"bufs": 2}, {"bufs": 1}, {"diag": 1}, {"diag": 2}, {"bufs": 2, "diag": 1}):
+        p9 = launch_bwd_parts(cache, "f16", g, dout, qkv, out, lse, D, B, T, NH, hs, tune)
+        rows.append(dict(kernel=f"v9 {tune}", ms=ms(p9["k_attn_flash_bwd9"])))
+    print(pd.DataFrame(rows).round(3).to_string(index=False))
+
+
 def main() -> int:
     """Bit-identical reruns of version 9 at the 12M and 120M attention shapes (fp16, bf16), and its
     difference from version 7 (relative, of each of dQ, dK, dV); prints one table."""
@@ -145,4 +178,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if "--time" in sys.argv:
+        time_diag()
+        sys.exit(0)
     sys.exit(main())
