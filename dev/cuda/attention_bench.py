@@ -9,8 +9,10 @@ dev/cuda/attention_v6.cu on compute capability 9.0, built for sm_90a by attentio
 package's wgmma forward (attention_hopper.cu through attention_v8.py; its v8* entries: other -D
 settings) with version 7's backward, v7 is
 version 4's forward with the wgmma backward of the package's andrea/kernels/attention_hopper.cu,
-built and launched by attention_v7.py (its v7* entries: other -D settings of that file); a later
-candidate dev/cuda/attention_vN.cu is added to VARIANTS below.
+built and launched by attention_v7.py (its v7* entries: other -D settings of that file), v9 is
+version 8's forward with the one-pass backward of dev/cuda/attention_v9.cu at head size 64
+(attention_v9.py; its v9* entries: other -D settings); a later candidate dev/cuda/attention_vN.cu
+is added to VARIANTS below.
 Check (before any timing): every variant against the float64 NumPy reference
 (andrea.backends.numpy_ref k_attn_fwd / k_attn_bwd) at T = 77 and 1000, head sizes 32/64/80/128
 where the variant supports them, fp16 and bf16; outputs poisoned with NaN before the launch;

@@ -4,13 +4,18 @@
 // computes dK and dV as version 7's dK/dV kernel does AND each query tile's dQ contribution
 // dS K (5 products per tile pair), and adds the contributions of the key blocks of one query tile
 // in a fixed order, without floating-point atomics: the same inputs give the same bits.
+// A dev variant, not promoted: measured slower than version 7 (below).
 //
 // Built for sm_90a (attention_v9.py: NVRTC, -DV6_SM90A), head size 64 only (the 128-byte
 // swizzled tiles of version 7); elsewhere the file is attention_hopper.cu.
 //   nvcc -std=c++17 -arch=sm_90a --cubin -Xptxas -v -Iandrea/kernels -DCT=f16 -DHS=64 dev/cuda/attention_v9.cu
+//   ptxas (nvcc 13.0): 168 registers at launch (384 threads), no spills, no wgmma serialised;
+//   setmaxnreg then gives the dQ warpgroup V9_REG_DQ = 64 and the consumers 216
+//   (tests/test_hopper_compile.py checks every setting attention_bench.py times).
 //
-// k_attn_flash_bwd9: grid (B*NH, ceil(T/128)), V9_THREADS = 288 threads: two consumer warpgroups
-// (64 keys each; K and V in shared memory for the whole block) and one dQ warp.
+// k_attn_flash_bwd9: grid (B*NH, ceil(T/128)), V9_THREADS = 384 threads: two consumer warpgroups
+// (64 keys each; K and V in shared memory for the whole block) and one dQ warpgroup, of which
+// V9_BUFS warps work.
 //   Query tiles of V9_BQ = 64 rows (Q, dO, lse, D streamed two deep by cp.async) are visited from
 //   the LAST tile down to the block's diagonal. Per consumer warpgroup and tile, as version 7:
 //     S^T, dP^T (ss), P^T, dV += P^T dO (rs), dS^T = P^T (dP^T - D), dK += dS^T Q (rs)
@@ -18,28 +23,56 @@
 //     dS^T (16-bit, as the A fragments of dK's product) stored to a 128-byte swizzled tile
 //     (rows = keys), a warpgroup barrier, dQ_w (64 x HS, fp32) = dS_w K_w  (ss, A = dS^T read
 //     MN-major: the transpose flag of A; B = K MN-major), over the warpgroup's own 64 keys;
-//     dQ_w written to a shared-memory buffer (V9_BUFS deep, the fragment order of the
-//     accumulator: float4 j*128 + thread), a named-barrier arrive ("full").
-//   The dQ warp, per tile in the same order: waits for "full", then, unless this block is the
-//   tile's first contributor (key block 0), spins on counters[bh][tile] (ld.acquire.gpu) until it
-//   equals this block's key index j; then acc = dq_acc[bh][tile] (float32, through L2) + dQ_0 +
-//   dQ_1, in that order; stores it back (if a later key block contributes), then
-//   __threadfence + st.release counters = j + 1; or, as the tile's last contributor
-//   (j = (q0 + 63) / 128), writes scale * acc into dqkv's Q slot (added to it with accumulate)
-//   and resets the counter to 0. Then "free" for the buffer. So dq_acc needs no zeroing (the
-//   first contributor writes it) and the counters are 0 after every launch (they must be 0
-//   before the first: the launcher allocates them zeroed), no second kernel.
+//     dQ_w written to shared-memory buffer t % V9_BUFS (the fragment order of the accumulator:
+//     float4 j*128 + thread), a named-barrier arrive ("full" of that buffer).
+//   dQ warp w takes the tiles t = w, w + V9_BUFS, ...: waits for "full", then, unless this block
+//   is the tile's first contributor (key block 0), lane 0 spins on counters[bh][tile]
+//   (ld.acquire.gpu) until it equals this block's key index j; then acc = dq_acc[bh][tile]
+//   (float32, through L2) + dQ_0 + dQ_1, in that order; stores it back (if a later key block
+//   contributes), then __syncwarp and lane 0's st.release counters = j + 1; or, as the tile's
+//   last contributor (j = (q0 + 63) / 128), writes scale * acc into dqkv's Q slot (added to it
+//   with accumulate) and resets the counter to 0. Then "free" for the buffer. So dq_acc needs no
+//   zeroing (the first contributor writes it) and the counters are 0 after every launch (they
+//   must be 0 before the first: the launcher allocates them zeroed), no second kernel.
 //   The order of additions for query tile i is j = 0, 1, ..., (64 i + 63) / 128: fixed.
 // Why it cannot hang: a block only ever waits on the block of the same head one key block
 // lower, whose linear block index (blockIdx.y * gridDim.x + blockIdx.x) is smaller by gridDim.x;
 // blocks are dispatched in increasing linear index, so when block (h, j) waits, (h, j - 1) is
 // resident or finished; (h, 0) never waits, and inside a block the consumers wait only on the dQ
-// warp ("free") and the dQ warp on the consumers ("full") and on the lower block: by induction on
-// j every wait ends. The tiles are walked last to first so that the key blocks of a head all
-// start on the same tile and the lower block is ahead by about one tile; the consumers run up
-// to V9_BUFS tiles ahead of the dQ warp, so a wait for the lower block is overlapped with this
-// block's products (version 5, a one-pass backward on mma.sync where every tile waited in line,
-// was twice as slow as its two-kernel version).
+// warps ("free") and the dQ warps on the consumers ("full") and on the lower block: by induction
+// on j every wait ends. (One more way to hang, found on the device: setmaxnreg.inc asking for
+// more registers than the block holds; a static_assert below.) The tiles are walked last to
+// first so that the key blocks of a head all start on the same tile and the lower block is ahead
+// by about one tile; the consumers run up to V9_BUFS tiles ahead of the dQ warps.
+//
+// Measured (H200, attention_bench.py --variants v7,v8,v9,..., one process, ms for 12 / 6 layers;
+// the FIRST build of this file, git f0f9fc3: one dQ warpgroup of 128 threads took every tile in
+// turn, each thread fenced (__threadfence) before the release, V9_BUFS = 2, 224 / 56 registers):
+//   checks: every v9 setting against the float64 NumPy reference at T = 77, 130, 1000, fp16 and
+//   bf16 (errors as version 7's: 3.7e-4 fp16, 3e-3 bf16), bit-identical reruns; attention_v9.py:
+//   three runs bit-identical at the 12M, 120M and (B=3, NH=5, T=1000) shapes, 6e-6 to 9e-5 from
+//   version 7 (relative, each of dQ, dK, dV).
+//   120M (B=8, NH=12, T=1024) fp16 backward: version 7 2.298 (D 0.156, dQ 0.755, dK/dV 1.397);
+//     version 9 3.642 (D 0.182, one-pass 3.464); three buffers 3.645; 40 registers for the dQ
+//     warpgroup 3.709. bf16: version 7 2.287, version 9 3.626 (one-pass 3.446).
+//   12M (B=32, NH=6, T=256): fp16 version 7 0.363 (dQ 0.110, dK/dV 0.179), version 9 0.415
+//     (one-pass 0.363); bf16 0.358 against 0.415.
+//   SDPA in the same run read cuDNN 0.627 + 3.126 ms and flash 0.924 + 4.823 at 120M fp16, well
+//   above the 2.15 ms cuDNN backward of earlier runs on this GPU, while version 7 read as before:
+//   not used for any ratio here.
+// What stands in the way: the one-pass kernel took 3.46 ms where version 7's dK/dV kernel alone
+// takes 1.40 and the extra dQ product is a quarter of its products; three buffers instead of two did
+// not help, which points at the dQ warpgroup's throughput rather than at waiting for the lower
+// block (not measured apart: the diagnostics settings, V9_DIAG, never ran): one tile's ordered
+// addition (a 16 KB read of dq_acc through L2, 16 KB written back, every thread's membar.gl,
+// the release) by one group of 128 threads, tile after tile, against the tile's products. The second build (this file:
+// four dQ warps taking the tiles in turn, four buffers, one release per warp after __syncwarp)
+// attacks that; on the device it hung at setmaxnreg.inc (224 + 64 registers asked, more than the
+// 168 x 384 the block holds), fixed by the V9_REG_MMA formula and its static_assert, and was not
+// run again (no device time left): its speed and correctness are not measured. Next, as
+// FlashAttention-3 does: the addition done in L2 by one bulk reduction per tile
+// (cp.reduce.async.bulk .add.f32 from the shared-memory partial, ordered by the same counters),
+// which takes the 16 KB read and the per-thread stores off the dQ warps.
 #include "attention_hopper.cu"
 
 #if V7_WGMMA && HS == 64 && V7_SW
@@ -50,7 +83,13 @@
 #ifndef V9_REG_DQ
 #define V9_REG_DQ 64                    // registers a thread: the dQ warpgroup gives back (setmaxnreg)
 #endif
-#define V9_REG_MMA ((65536 / 256 - V9_REG_DQ / 2) / 8 * 8)  // the consumers take the rest (224)
+// The block starts with 168 registers a thread (65536 / 384, rounded down to 8: 64512 in all);
+// setmaxnreg.inc waits until the pool has the registers asked for, so the consumers may take only
+// what the dQ warpgroup gave back: 256 * V9_REG_MMA + 128 * V9_REG_DQ <= 64512 (asking for more
+// hangs the block: the first build of the four dQ warps did, with 224 and 64).
+#define V9_POOL (168 * V9_THREADS)
+#define V9_REG_MMA ((V9_POOL - 128 * V9_REG_DQ) / 256 / 8 * 8)  // the consumers take the rest
+static_assert(256 * V9_REG_MMA + 128 * V9_REG_DQ <= V9_POOL, "setmaxnreg: more registers than the block holds");
 #ifndef V9_BUFS
 #define V9_BUFS 4                       // dQ partial buffers = working warps of the dQ warpgroup
 #endif
