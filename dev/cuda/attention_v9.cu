@@ -46,7 +46,7 @@
 // by about one tile; the consumers run up to V9_BUFS tiles ahead of the dQ warps.
 //
 // Measured (H200, attention_bench.py --variants v7,v8,v9,..., one process, ms for 12 / 6 layers;
-// the FIRST build of this file, git f0f9fc3: one dQ warpgroup of 128 threads took every tile in
+// the FIRST build of this file, git 5adbee8: one dQ warpgroup of 128 threads took every tile in
 // turn, each thread fenced (__threadfence) before the release, V9_BUFS = 2, 224 / 56 registers):
 //   checks: every v9 setting against the float64 NumPy reference at T = 77, 130, 1000, fp16 and
 //   bf16 (errors as version 7's: 3.7e-4 fp16, 3e-3 bf16), bit-identical reruns; attention_v9.py:
