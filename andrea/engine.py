@@ -133,8 +133,8 @@ def fp8_input_slots(m) -> List[tuple]:
 
 
 def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, shards: int = 0,
-              fp8_weight_cache: bool = True, fp8_keep_xt: bool = False,
-              fp8_producer_amax: bool = False) -> MemoryPlan:
+              fp8_weight_cache: bool = True, fp8_keep_xt: bool = True,
+              fp8_producer_amax: bool = True) -> MemoryPlan:
     """Every buffer the engine will ever use, from the config alone. shards = N > 0: ZeRO-1 over N
     ranks (Engine): the flat buffers padded to a multiple of N, the Adam moments one rank's shard
     of padded/N, and the norm's partials one block per rank. fp8_weight_cache: with
