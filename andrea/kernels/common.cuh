@@ -78,6 +78,27 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
+// The largest |x| of a block's values, taken on the float bits as unsigned integers (they order
+// non-negative floats as their values and put NaN above infinity, so a NaN makes it NaN):
+// abs_bits(x) per value, umax to combine, then block_amax_atomic: *amax = max(*amax, the block's
+// largest m) by a warp tree and one atomicMax a block, which does not depend on the order the
+// blocks come in. Every thread of the block calls it (no early return before it); the caller
+// zeroes *amax before the launch. The FP8 scales' amax (fp8.cu, layernorm.cu).
+__device__ __forceinline__ unsigned int umax(unsigned int a, unsigned int b) { return a > b ? a : b; }
+__device__ __forceinline__ unsigned int abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+__device__ __forceinline__ void block_amax_atomic(float* amax, unsigned int m) {
+  __shared__ unsigned int warp_max_bits[32];
+  for (int o = 16; o > 0; o >>= 1) m = umax(m, __shfl_xor_sync(0xffffffffu, m, o));
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_max_bits[warp] = m;
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < (int)(blockDim.x >> 5) ? warp_max_bits[lane] : 0u;
+    for (int o = 16; o > 0; o >>= 1) m = umax(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(amax), m);
+  }
+}
+
 // ---------------------------------------------------------------- 16-byte vectors
 // Elementwise kernels over long rows load 16 bytes per thread and instruction (CT_VEC elements);
 // with 2-byte scalar loads they wait on memory latency, not bandwidth.

@@ -28,10 +28,9 @@
 #define FP8_MAX_SHIFT 126  // |k| at most this: 2^k and 2^-k stay normal float32 numbers
 
 // Eight compute-dtype values, loaded as whole 16-byte vectors (two for float), and eight fp8
-// bytes, stored as one 8-byte word. (Own types and max: NVRTC compiles without CUDA headers.)
+// bytes, stored as one 8-byte word. (Own types: NVRTC compiles without CUDA headers.)
 struct alignas(16) Pack8 { CT v[8]; };
 struct alignas(8) Bytes8 { unsigned int x, y; };
-__device__ __forceinline__ unsigned int umax(unsigned int a, unsigned int b) { return a > b ? a : b; }
 
 // scale = 2^k from the float32 bits of amax (numpy_ref.fp8_scale); *inv = 2^-k. NaN for a
 // non-finite amax, 1 for zero.
@@ -80,23 +79,14 @@ __device__ __forceinline__ Bytes8 fp8x8(const Pack8& p, float s) {
 // non-negative floats as their values and put NaN above infinity, so a NaN anywhere makes amax
 // NaN. One atomicMax per block.
 __device__ __forceinline__ void fp8_amax_block(float* meta, const CT* x, i64 n, i64 first, i64 step) {
-  __shared__ unsigned int warp_max_bits[32];
   unsigned int m = 0u;
   const Pack8* xp = reinterpret_cast<const Pack8*>(x);
   for (i64 i = first; i < n / 8; i += step) {
     Pack8 p = xp[i];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) m = umax(m, __float_as_uint(to_f(p.v[j])) & 0x7fffffffu);
+    for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(to_f(p.v[j])));
   }
-  for (int o = 16; o > 0; o >>= 1) m = umax(m, __shfl_xor_sync(0xffffffffu, m, o));
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) warp_max_bits[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < (int)(blockDim.x >> 5) ? warp_max_bits[lane] : 0u;
-    for (int o = 16; o > 0; o >>= 1) m = umax(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(meta), m);
-  }
+  block_amax_atomic(meta, m);  // common.cuh
 }
 
 // meta[0] = max(meta[0], max |x|) over x (n values, n % 8 == 0), a grid-stride pass.

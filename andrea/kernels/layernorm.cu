@@ -14,29 +14,8 @@
 
 #define LN_EPS 1e-5f  // torch.nn.LayerNorm's default, as numpy_ref.LN_EPS
 
-// |v| as the float bits the FP8 amax is taken on (fp8.cu's k_fp8_amax): unsigned integers order
-// non-negative floats as their values and put NaN above infinity, so a NaN makes the amax NaN.
-__device__ __forceinline__ unsigned int ln_abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
-__device__ __forceinline__ unsigned int ln_umax(unsigned int a, unsigned int b) { return a > b ? a : b; }
-
-// *amax = max(*amax, the largest m of the block's threads): a warp tree, then one atomicMax a
-// block on the float bits, which does not depend on the order the blocks come in. Every thread
-// of the block calls it (no early return before it); the caller zeroes *amax before the launch.
-__device__ __forceinline__ void ln_amax_block(float* amax, unsigned int m) {
-  __shared__ unsigned int warp_max_bits[32];
-  for (int o = 16; o > 0; o >>= 1) m = ln_umax(m, __shfl_xor_sync(0xffffffffu, m, o));
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) warp_max_bits[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < (int)(blockDim.x >> 5) ? warp_max_bits[lane] : 0u;
-    for (int o = 16; o > 0; o >>= 1) m = ln_umax(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(amax), m);
-  }
-}
-
 // The normalisation of one row x by one warp, given the lane's partial sum s of the row; returns
-// the largest ln_abs_bits of the values the lane wrote.
+// the largest abs_bits (common.cuh) of the values the lane wrote.
 __device__ __forceinline__ unsigned int ln_row(CT* o, float* mean, float* rstd, const CT* x, const CT* weight,
                                                const CT* bias, int C, int lane, float s) {
   float mu = warp_sum(s) / C;
@@ -47,14 +26,14 @@ __device__ __forceinline__ unsigned int ln_row(CT* o, float* mean, float* rstd, 
   for (int c = lane; c < C; c += 32) {
     CT y = from_f<CT>((to_f(x[c]) - mu) * rs * to_f(weight[c]) + to_f(bias[c]));
     o[c] = y;
-    m = ln_umax(m, ln_abs_bits(to_f(y)));
+    m = umax(m, abs_bits(to_f(y)));
   }
   if (lane == 0) { *mean = mu; *rstd = rs; }
   return m;
 }
 
 // out = (inp - mean) * rstd * weight + bias; block of 8 warps = 8 rows. amax: null, or max |out|
-// into *amax (ln_amax_block).
+// into *amax (common.cuh block_amax_atomic).
 extern "C" __global__ void k_layernorm_fwd(CT* out, float* mean, float* rstd, const CT* inp,
                                            const CT* weight, const CT* bias, i64 N, int C, float* amax) {
   i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -66,7 +45,7 @@ extern "C" __global__ void k_layernorm_fwd(CT* out, float* mean, float* rstd, co
     for (int c = lane; c < C; c += 32) s += to_f(x[c]);
     m = ln_row(out + row * C, mean + row, rstd + row, x, weight, bias, C, lane, s);
   }
-  if (amax) ln_amax_block(amax, m);
+  if (amax) block_amax_atomic(amax, m);
 }
 
 // The residual add fused into the layer norm that follows it: res = a + b (rounded to CT, as
@@ -91,7 +70,7 @@ extern "C" __global__ void k_residual_layernorm_fwd(CT* res, CT* out, float* mea
     }
     m = ln_row(out + row * C, mean + row, rstd + row, x, weight, bias, C, lane, s);
   }
-  if (amax) ln_amax_block(amax, m);
+  if (amax) block_amax_atomic(amax, m);
 }
 
 // dinp += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dout * weight
@@ -314,12 +293,12 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_vec(
 #pragma unroll
         for (int i = 0; i < LN_VEC; ++i) {
           vset(ro, i, (x[k][i] - mu) * rs * vget(rw, i) + vget(rb, i));
-          m = ln_umax(m, ln_abs_bits(vget(ro, i)));  // the value as written, rounded to CT
+          m = umax(m, abs_bits(vget(ro, i)));  // the value as written, rounded to CT
         }
         ov[q] = ro;
       }
     }
     if (lane == 0) { mean[row] = mu; rstd[row] = rs; }
   }
-  if (amax) ln_amax_block(amax, m);
+  if (amax) block_amax_atomic(amax, m);
 }
