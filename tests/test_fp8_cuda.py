@@ -300,6 +300,26 @@ def check_cache(eng, when):
         np.testing.assert_array_equal(r[[0, META_STRIDE // 2]], m_ref, err_msg=f"{when}: {name} meta (reference)")
 
 
+def check_resume(eng, state, straight, check=None):
+    """eng (a fresh engine) loads state, the straight run's after step 3, and runs steps 4..7 of
+    two microbatches (step 5 skipped: a non-finite loss gradient); check(eng, "load_state") first
+    where given. Its records and final weights and Adam state are the straight run's (records,
+    counts, host state), bit for bit."""
+    eng.load_state(state)
+    if check is not None:
+        check(eng, "load_state")
+    recs = []
+    for s in range(4, 8):
+        if s == 5:
+            eng.loss_scale = float("inf")
+        recs.append(dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)])))
+        if s == 5:
+            eng.loss_scale = 1.0
+    assert repr(recs) == repr(straight[0][3:]), "resumed run's records differ"
+    for a, b in zip(eng.host_state(), straight[2]):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), "resumed run differs from the straight run"
+
+
 def launches(be):
     """Kernel names be launches from now on, in order."""
     got, launch = [], be.rt.launch
@@ -358,19 +378,7 @@ def test_weight_cache_same_bits_as_per_product_casts(tmp_path):
                      "k_fp8_cast_transpose_many": 1}
     # resume: a fresh engine (its copies made from its own initial weights) loads the state after
     # step 3 and runs steps 4..7: the same bits as the straight run
-    eng = fp8_engine(tmp_path, True, seed=99)
-    eng.load_state(mid[True])
-    check_cache(eng, "load_state")
-    recs = []
-    for s in range(4, 8):
-        if s == 5:
-            eng.loss_scale = float("inf")
-        recs.append(dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)])))
-        if s == 5:
-            eng.loss_scale = 1.0
-    assert repr(recs) == repr(on[0][3:]), "resumed run's records differ"
-    for a, b in zip(eng.host_state(), on[2]):
-        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), "resumed run differs from the straight run"
+    check_resume(fp8_engine(tmp_path, True, seed=99), mid[True], on, check_cache)
 
 
 def test_weight_cache_plan_and_switch(tmp_path):
@@ -501,17 +509,7 @@ def test_input_slots_same_bits_as_without(tmp_path):
         assert counts == {"k_fp8_amax": n_amax * per, "k_fp8_cast": n_cast * per,
                           "k_fp8_cast_transpose": n_ct * per}, (key, counts)
     eng = slot_engine(tmp_path, True, True, seed=99)
-    eng.load_state(mid)
-    recs = []
-    for s in range(4, 8):
-        if s == 5:
-            eng.loss_scale = float("inf")
-        recs.append(dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)])))
-        if s == 5:
-            eng.loss_scale = 1.0
-    assert repr(recs) == repr(base[0][3:]), "resumed run's records differ"
-    for a, b in zip(eng.host_state(), base[2]):
-        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), "resumed run differs from the straight run"
+    check_resume(eng, mid, base)
     eng.val_loss([batch(40)])  # a forward pass outside the step's graphs: the slots follow it
     check_slots(eng, "after val_loss")
 

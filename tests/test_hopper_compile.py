@@ -65,20 +65,10 @@ def test_probes_assemble_for_sm90a(ct, tmp_path):
 
 @pytest.mark.parametrize("hs", [16, 64, 80, 128])
 def test_sidecar_geometry_is_the_kernels(hs, tmp_path):
-    # attention_v6.py launches what attention_v6.cu's macros say (the kernel traps otherwise): the
-    # compiler checks the launcher's figures against the macros
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("dev_cuda_attention_v6", DEV / "attention_v6.py")
-    v6 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(v6)
-    geo = v6.geometry(hs)
-    src = tmp_path / "geometry.cu"
-    src.write_text(f'#include "{DEV / "attention_v6.cu"}"\n'
-                   f'static_assert(V6_BM == {geo["rows"]}, "rows");\n'
-                   f'static_assert(V6_BN == {geo["keys"]}, "keys");\n'
-                   f'static_assert(V6_THREADS == {geo["threads"]}, "threads");\n'
-                   f'static_assert(V6_SMEM == {geo["smem"]}, "smem");\n')
-    nvcc(src, "sm_90a", "f16", hs, tmp_path / "geometry.ptx", "--ptx", "-DV6_SM90A")
+    # attention_v6.py launches what attention_v6.cu's macros say (the kernel traps otherwise)
+    geo = load_dev("attention_v6").geometry(hs)
+    check_geometry(tmp_path, DEV / "attention_v6.cu", hs, {"V6_BM": geo["rows"], "V6_BN": geo["keys"],
+                                                           "V6_THREADS": geo["threads"], "V6_SMEM": geo["smem"]})
 
 
 def load_dev(name):
@@ -89,6 +79,21 @@ def load_dev(name):
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def check_geometry(tmp_path, kernel_file, hs, want, defines=None, device_only=False):
+    """The compiler checks a launcher's figures against a kernel file's macros: kernel_file built
+    for sm_90a at head size hs, after #defines {macro: value} and with a static_assert that each
+    macro of want {macro: value} has its value (device_only: in the device pass, where the kernel's
+    macros exist). Returns the PTX."""
+    src, ptx = tmp_path / "geometry.cu", tmp_path / "geometry.ptx"
+    checks = "".join(f'static_assert({m} == {v}, "{m}");\n' for m, v in want.items())
+    if device_only:
+        checks = f"#ifdef __CUDA_ARCH__\n{checks}#endif\n"
+    src.write_text("".join(f"#define {m} {v}\n" for m, v in (defines or {}).items()) +
+                   f'#include "{kernel_file}"\n' + checks)
+    nvcc(src, "sm_90a", "f16", hs, ptx, "--ptx", "-DV6_SM90A")
+    return ptx.read_text()
 
 
 def ptxas_figures(log, entry):
@@ -142,30 +147,19 @@ def test_hopper_kernels_have_wgmma_only_for_sm90a(arch, wgmma, tmp_path):
 def test_v8_sidecar_geometry_is_the_kernels(hs, tune, tmp_path):
     v8 = load_dev("attention_v8")
     geo = v8.geometry(hs, tune)
-    src = tmp_path / "geometry8.cu"
-    src.write_text("".join(f"#define {v8.TUNABLE[k]} {v}\n" for k, v in tune.items()) +
-                   f'#include "{KERNELS / "attention_hopper.cu"}"\n'
-                   f'static_assert(V8_BM == {geo["rows"]}, "rows");\n'
-                   f'static_assert(V8_BN == {geo["keys"]}, "keys");\n'
-                   f'static_assert(V8_THREADS == {geo["threads"]}, "threads");\n'
-                   f'static_assert(V8_SMEM == {geo["smem"]}, "smem");\n')
-    nvcc(src, "sm_90a", "f16", hs, tmp_path / "geometry8.ptx", "--ptx", "-DV6_SM90A")
+    check_geometry(tmp_path, KERNELS / "attention_hopper.cu", hs,
+                   {"V8_BM": geo["rows"], "V8_BN": geo["keys"], "V8_THREADS": geo["threads"], "V8_SMEM": geo["smem"]},
+                   {v8.TUNABLE[k]: v for k, v in tune.items()})
 
 
 @pytest.mark.parametrize("hs, tune", [(16, {}), (64, {}), (80, {}), (128, {}), (64, {"kwg": 3, "bq": 32, "bn": 128})])
 def test_v7_sidecar_geometry_is_the_kernels(hs, tune, tmp_path):
     v7 = load_dev("attention_v7")
     geo = v7.geometry(hs, tune)
-    src = tmp_path / "geometry7.cu"
-    src.write_text("".join(f"#define {v7.TUNABLE[k]} {v}\n" for k, v in tune.items()) +
-                   f'#include "{KERNELS / "attention_hopper.cu"}"\n'
-                   f'static_assert(V7_DKV_THREADS == {geo["dkv_threads"]}, "dkv threads");\n'
-                   f'static_assert(V7_DQ_THREADS == {geo["dq_threads"]}, "dq threads");\n'
-                   f'static_assert(V7_BK == {geo["keys"]}, "keys");\n'
-                   f'static_assert(V7_QM == {geo["rows"]}, "rows");\n'
-                   f'static_assert(V7_DKV_SMEM == {geo["dkv_smem"]}, "dkv smem");\n'
-                   f'static_assert(V7_DQ_SMEM == {geo["dq_smem"]}, "dq smem");\n')
-    nvcc(src, "sm_90a", "f16", hs, tmp_path / "geometry7.ptx", "--ptx", "-DV6_SM90A")
+    check_geometry(tmp_path, KERNELS / "attention_hopper.cu", hs,
+                   {"V7_DKV_THREADS": geo["dkv_threads"], "V7_DQ_THREADS": geo["dq_threads"], "V7_BK": geo["keys"],
+                    "V7_QM": geo["rows"], "V7_DKV_SMEM": geo["dkv_smem"], "V7_DQ_SMEM": geo["dq_smem"]},
+                   {v7.TUNABLE[k]: v for k, v in tune.items()})
 
 
 @pytest.mark.parametrize("hs", [16, 32, 64, 80, 128])
@@ -174,15 +168,11 @@ def test_backend_hopper_geometry_is_the_kernels(hs, tmp_path):
     # attention_hopper.cu defines with its default settings (the kernels trap otherwise)
     from andrea.backends.cuda.ops import hopper_geometry
     geo = hopper_geometry(hs)
-    src = tmp_path / "geometry_ops.cu"
-    src.write_text(f'#include "{KERNELS / "attention_hopper.cu"}"\n'
-                   f'static_assert(V7_DKV_THREADS == {geo["threads"]} && V7_DQ_THREADS == {geo["threads"]}, "threads");\n'
-                   f'static_assert(V7_BK == {geo["keys"]} && V7_QM == {geo["rows"]}, "rows a block");\n'
-                   f'static_assert(V7_DKV_SMEM == {geo["k_attn_flash_bwd_dkv"]}, "dkv smem");\n'
-                   f'static_assert(V7_DQ_SMEM == {geo["k_attn_flash_bwd_dq"]}, "dq smem");\n'
-                   f'static_assert(V8_THREADS == {geo["threads"]} && V8_BM == {geo["fwd_rows"]}, "forward block");\n'
-                   f'static_assert(V8_SMEM == {geo["k_attn_flash_fwd"]}, "forward smem");\n')
-    nvcc(src, "sm_90a", "f16", hs, tmp_path / "geometry_ops.ptx", "--ptx")
+    check_geometry(tmp_path, KERNELS / "attention_hopper.cu", hs,
+                   {"V7_DKV_THREADS": geo["threads"], "V7_DQ_THREADS": geo["threads"], "V7_BK": geo["keys"],
+                    "V7_QM": geo["rows"], "V7_DKV_SMEM": geo["k_attn_flash_bwd_dkv"],
+                    "V7_DQ_SMEM": geo["k_attn_flash_bwd_dq"], "V8_THREADS": geo["threads"],
+                    "V8_BM": geo["fwd_rows"], "V8_SMEM": geo["k_attn_flash_fwd"]})
 
 
 # dev/cuda/attention_v9.cu (the one-pass backward, head size 64): every setting attention_bench.py
@@ -214,14 +204,7 @@ def test_v9_is_only_built_at_head_size_64_for_sm90a(tmp_path):
 def test_v9_sidecar_geometry_is_the_kernels(tune, tmp_path):
     v9 = load_dev("attention_v9")
     geo = v9.geometry(64, tune)
-    src = tmp_path / "geometry9.cu"
-    src.write_text("".join(f"#define {v9.TUNABLE[k]} {v}\n" for k, v in tune.items()) +
-                   f'#include "{DEV / "attention_v9.cu"}"\n'
-                   "#ifdef __CUDA_ARCH__\n"  # the kernel's macros exist in the device pass only
-                   f'static_assert(V9_THREADS == {geo["threads"]}, "threads");\n'
-                   f'static_assert(V9_BK == {geo["keys"]}, "keys");\n'
-                   f'static_assert(V9_BQ == {geo["rows"]}, "rows");\n'
-                   f'static_assert(V9_SMEM == {geo["smem"]}, "smem");\n'
-                   "#endif\n")
-    nvcc(src, "sm_90a", "f16", 64, tmp_path / "geometry9.ptx", "--ptx", "-DV6_SM90A")
-    assert ".entry k_attn_flash_bwd9(" in (tmp_path / "geometry9.ptx").read_text()
+    ptx = check_geometry(tmp_path, DEV / "attention_v9.cu", 64,
+                         {"V9_THREADS": geo["threads"], "V9_BK": geo["keys"], "V9_BQ": geo["rows"], "V9_SMEM": geo["smem"]},
+                         {v9.TUNABLE[k]: v for k, v in tune.items()}, device_only=True)
+    assert ".entry k_attn_flash_bwd9(" in ptx

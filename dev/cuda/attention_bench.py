@@ -42,6 +42,19 @@ def kernel_dir() -> Path:
     return KERNEL_DIR
 
 
+def load_sidecar(path: Path):
+    """A dev/cuda launcher module (e.g. attention_v7.py), loaded once under the name the sidecars
+    give each other (dev_cuda_<stem>)."""
+    import importlib.util
+    name = f"dev_cuda_{path.stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
 class Variant:
     """One kernel source (a path, or a callable giving it) and its launch geometry."""
 
@@ -142,15 +155,7 @@ class HopperForward(Variant):
     def sidecar(self):
         """The variant's launcher module (sidecar_path, or its .cu file's name with .py)."""
         if self._sidecar is None:
-            import importlib.util
-            path = self.sidecar_path or self.path.with_suffix(".py")
-            name = f"dev_cuda_{path.stem}"
-            if name not in sys.modules:
-                spec = importlib.util.spec_from_file_location(name, path)
-                mod = importlib.util.module_from_spec(spec)
-                sys.modules[name] = mod
-                spec.loader.exec_module(mod)
-            self._sidecar = sys.modules[name]
+            self._sidecar = load_sidecar(self.sidecar_path or self.path.with_suffix(".py"))
         return self._sidecar
 
     def fwd(self, ct, out, lse, qkv, B, T, NH, hs):
@@ -193,14 +198,7 @@ class HopperForward8(HopperBackward):
         self._sm90a = self.SHARED
 
     def v8(self):
-        import importlib.util
-        name = "dev_cuda_attention_v8"
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, ROOT / "dev" / "cuda" / "attention_v8.py")
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
-        return sys.modules[name]
+        return load_sidecar(DEV / "attention_v8.py")
 
     def fwd(self, ct, out, lse, qkv, B, T, NH, hs):
         if not self.sidecar().is_hopper():
@@ -228,18 +226,11 @@ class OnePassBackward(HopperForward8):
 
 
 def _compile_job(job):
-    """One sm_90a build in a worker process: (key, cubin bytes)."""
+    """One sm_90a build in a worker process (attention_v6.compile_sm90a): (key, cubin bytes)."""
     key, path, ct, defs = job
     sys.path.insert(0, str(ROOT))
-    from andrea.backends.cuda.runtime import kernel_source
-    from cupy_backends.cuda.libs import nvrtc
-    opts = ("-std=c++17", "-arch=sm_90a", "-ftz=true", "-DV6_SM90A", f"-DCT={ct}") + tuple(defs)
-    prog = nvrtc.createProgram(kernel_source(Path(path)), Path(path).name, (), ())
-    try:
-        nvrtc.compileProgram(prog, opts)
-        return key, nvrtc.getCUBIN(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    v6 = load_sidecar(DEV / "attention_v6.py")
+    return key, v6.compile_sm90a(v6.source(Path(path)), Path(path).name, ct, defs)
 
 
 def prebuild(names, dtypes):

@@ -83,6 +83,28 @@ class Sm90aModule:
           shared_mem=shared_mem)
 
 
+def tuned_build(path: Path, tunable: dict, ct: str, hs: int, tune=None):
+    """(cache key, -D options) of path's sm_90a build for compute dtype name ct, head size hs and
+    tune ({key of tunable: int}, each key's macro overriding the file's default): the key names
+    the options, so that one build serves every sidecar that asks for the same."""
+    tune = tune or {}
+    unknown = set(tune) - set(tunable)
+    if unknown:
+        raise ValueError(f"{path.stem} tune: unknown {sorted(unknown)}; expected some of {sorted(tunable)}")
+    defs = (f"-DHS={hs}",) + tuple(f"-D{tunable[k]}={v}" for k, v in sorted(tune.items()))
+    return (str(path), ct) + defs, defs
+
+
+def tuned_module(cache: dict, path: Path, tunable: dict, what: str, ct: str, hs: int, tune=None) -> "Sm90aModule":
+    """path built for sm_90a (tuned_build's options), once per cache and settings; what: the words
+    of the line printed when it compiles."""
+    key, defs = tuned_build(path, tunable, ct, hs, tune)
+    if key not in cache:
+        cache[key] = Sm90aModule(compile_sm90a(source(path), path.name, ct, defs))
+        print(f"{path.name}: compiled for sm_90a ({what}), CT={ct} {' '.join(defs)}", file=sys.stderr)
+    return cache[key]
+
+
 def is_hopper() -> bool:
     import cupy as cp
     return int(cp.cuda.Device().compute_capability) == 90

@@ -50,21 +50,14 @@ def geometry(hs: int, tune=None) -> dict:
 
 
 def build(ct: str, hs: int, tune=None):
-    """(cache key, -D options) of attention_v9.cu's sm_90a build (as attention_v7.build)."""
-    tune = tune or {}
-    unknown = set(tune) - set(TUNABLE)
-    if unknown:
-        raise ValueError(f"attention_v9 tune: unknown {sorted(unknown)}; expected some of {sorted(TUNABLE)}")
-    defs = (f"-DHS={hs}",) + tuple(f"-D{TUNABLE[k]}={v}" for k, v in sorted(tune.items()))
-    return (str(SOURCE), ct) + defs, defs
+    """(cache key, -D options) of SOURCE's sm_90a build (attention_v6.tuned_build)."""
+    return v6.tuned_build(SOURCE, TUNABLE, ct, hs, tune)
 
 
 def module(cache: dict, ct: str, hs: int, tune=None):
-    key, defs = build(ct, hs, tune)
-    if key not in cache:
-        cache[key] = v6.Sm90aModule(v6.compile_sm90a(v6.source(SOURCE), SOURCE.name, ct, defs))
-        print(f"{SOURCE.name}: compiled for sm_90a (one-pass backward), CT={ct} {' '.join(defs)}", file=sys.stderr)
-    return cache[key]
+    """SOURCE built for sm_90a, once per cache and settings; tune ({TUNABLE key: int}) overrides
+    the file's defaults."""
+    return v6.tuned_module(cache, SOURCE, TUNABLE, "one-pass backward", ct, hs, tune)
 
 
 def workspace(cache: dict, BH: int, T: int, hs: int):
