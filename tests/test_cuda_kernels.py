@@ -371,6 +371,9 @@ def assert_fused_kernels(launched: list, hopper: bool):
     for kernel in ("k_attn_flash_fwd", "k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
         got = {(f, a) for f, k, a in launched if k == kernel}
         assert got == {want}, f"{kernel} ran from {got}; expected {want}"
+    # the wgmma dQ kernel computes D itself; version 4's backward reads it from k_attn_flash_D
+    got = {(f, a) for f, k, a in launched if k == "k_attn_flash_D"}
+    assert got == (set() if hopper else {("attention.cu", None)}), f"k_attn_flash_D ran from {got}"
 
 
 @pytest.mark.parametrize("prec_name,hopper", [("fp16", True), ("fp16", False), ("fp32", None)],

@@ -9,7 +9,7 @@ tests/test_kernels_compile.py compiles every dev/cuda file to PTX for sm_80 and 
 wgmma code is compiled out; here ptxas assembles the sm_90a build (cubin), so an invalid wgmma,
 descriptor or fence operand fails on a machine without a GPU, and no kernel of attention_hopper.cu
 may spill at any head size (nor attention_v6.cu's forward at its two tile shapes), nor may ptxas
-serialise their wgmma; the launch geometry of attention_v6.py, dev/cuda/attention_v7.py and
+serialise their wgmma, but for the one measured exception (ACCEPTED below); the launch geometry of attention_v6.py, dev/cuda/attention_v7.py and
 attention_v8.py and the backend's (ops.hopper_geometry) is checked against the kernels' macros at
 compile time. -DV6_SM90A is what dev/cuda/attention_v6.py passes to NVRTC with -arch=sm_90a.
 Skipped where nvcc is absent.
@@ -104,12 +104,29 @@ def ptxas_figures(log, entry):
     return int(m.group(3)), int(m.group(1)), int(m.group(2))
 
 
+# The one exception, chosen by measurement: the default dK/dV build at head size 64 (one warpgroup of
+# 64 keys a block, three blocks a multiprocessor, so 168 registers) spills 32 bytes and ptxas
+# serialises its wgmma, and it is still the fastest dK/dV measured (H200, 120M shape, 12 layers:
+# 1.086 ms, against 1.177 with 48 queries a tile, which neither spills nor serialises, and 1.397 for
+# two warpgroups a block; attention_hopper.cu's header). Any other spill or serialisation fails, and
+# this one may not grow: {(entry, head size): spill bytes allowed}, for the default -D settings only.
+ACCEPTED = {("k_attn_flash_bwd_dkv", 64): 32}
+
+
+def accepted_spill(entry, hs, defs):
+    return 0 if any(d.startswith("-DV7_") for d in defs) else ACCEPTED.get((entry, hs), 0)
+
+
 # every head size in fp16, the two tile shapes in bf16, and the settings attention_bench.py times
 @pytest.mark.parametrize("ct, hs, defs", [("f16", 16, ()), ("f16", 32, ()), ("f16", 48, ()), ("f16", 64, ()),
                                           ("f16", 80, ()), ("f16", 96, ()), ("f16", 112, ()), ("f16", 128, ()),
-                                          ("bf16", 64, ()), ("bf16", 128, ()), ("f16", 64, ("-DV7_SWIZZLE=0",)),
-                                          ("f16", 64, ("-DV7_KWG=3", "-DV7_BQ=32")),
-                                          ("f16", 64, ("-DV7_KWG=3", "-DV7_BQ=48")),
+                                          ("bf16", 64, ()), ("bf16", 128, ()),
+                                          ("f16", 64, ("-DV7_SWIZZLE=0", "-DV7_KWG=2", "-DV7_DKV_BLOCKS=1")),
+                                          ("f16", 64, ("-DV7_KWG=1", "-DV7_BQ=48", "-DV7_DKV_BLOCKS=3")),
+                                          ("f16", 64, ("-DV7_KWG=1", "-DV7_BQ=32", "-DV7_DKV_BLOCKS=3")),
+                                          ("f16", 64, ("-DV7_KWG=2", "-DV7_DKV_BLOCKS=1", "-DV7_LOADS=0")),
+                                          ("f16", 64, ("-DV7_KWG=3", "-DV7_BQ=32", "-DV7_DKV_BLOCKS=1")),
+                                          ("f16", 64, ("-DV7_KWG=3", "-DV7_BQ=48", "-DV7_DKV_BLOCKS=1")),
                                           ("f16", 64, ("-DV8_OVERLAP=1", "-DV8_STAGES=4")),
                                           ("f16", 64, ("-DV8_WG=3", "-DV8_BN=128", "-DV8_BLOCKS=1", "-DV8_OVERLAP=1")),
                                           ("f16", 64, ("-DV8_WG=1", "-DV8_BLOCKS=4"))])
@@ -118,14 +135,20 @@ def test_hopper_kernels_assemble_for_sm90a_without_spills(ct, hs, defs, tmp_path
                "-v", *defs)
     for entry in ("k_attn_flash_fwd", "k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
         regs, st, ld = ptxas_figures(log, entry)
-        assert (st, ld) == (0, 0), f"{entry} spills (CT={ct}, HS={hs}): {st} bytes stored, {ld} loaded"
+        allowed = accepted_spill(entry, hs, defs)
+        assert st <= allowed and ld <= allowed, f"{entry} spills (CT={ct}, HS={hs}): {st} bytes stored, {ld} loaded"
         assert regs <= 255
     # the forward's default: 128 registers, so that two blocks of 256 threads share a multiprocessor
     if not any(d.startswith("-DV8_") for d in defs):
         assert ptxas_figures(log, "k_attn_flash_fwd")[0] <= 128
+    # the dK/dV default at head size 64: 168 registers, three blocks of 128 threads a multiprocessor
+    if hs == 64 and not any(d.startswith("-DV7_") for d in defs):
+        assert ptxas_figures(log, "k_attn_flash_bwd_dkv")[0] <= 168
     # ptxas serialises the wgmma pipeline (C7510-C7520 "Potential Performance Loss") when it cannot
     # keep the accumulators of products in flight apart: the overlap would be lost silently
-    assert "Potential Performance Loss" not in log, log
+    serialised = set(re.findall(r"Potential Performance Loss: .*? for the function '(\w+)'", log))
+    assert len(serialised) == log.count("Potential Performance Loss"), log
+    assert all(accepted_spill(f, hs, defs) for f in serialised), log
 
 
 @pytest.mark.parametrize("arch, wgmma", [("sm_90a", True), ("sm_90", False)])
@@ -152,7 +175,8 @@ def test_v8_sidecar_geometry_is_the_kernels(hs, tune, tmp_path):
                    {v8.TUNABLE[k]: v for k, v in tune.items()})
 
 
-@pytest.mark.parametrize("hs, tune", [(16, {}), (64, {}), (80, {}), (128, {}), (64, {"kwg": 3, "bq": 32, "bn": 128})])
+@pytest.mark.parametrize("hs, tune", [(16, {}), (64, {}), (80, {}), (128, {}), (64, {"kwg": 3, "bq": 32, "bn": 128}),
+                                      (64, {"kwg": 2, "dqwg": 1, "dkv_blocks": 1})])
 def test_v7_sidecar_geometry_is_the_kernels(hs, tune, tmp_path):
     v7 = load_dev("attention_v7")
     geo = v7.geometry(hs, tune)
@@ -169,7 +193,7 @@ def test_backend_hopper_geometry_is_the_kernels(hs, tmp_path):
     from andrea.backends.cuda.ops import hopper_geometry
     geo = hopper_geometry(hs)
     check_geometry(tmp_path, KERNELS / "attention_hopper.cu", hs,
-                   {"V7_DKV_THREADS": geo["threads"], "V7_DQ_THREADS": geo["threads"], "V7_BK": geo["keys"],
+                   {"V7_DKV_THREADS": geo["dkv_threads"], "V7_DQ_THREADS": geo["threads"], "V7_BK": geo["keys"],
                     "V7_QM": geo["rows"], "V7_DKV_SMEM": geo["k_attn_flash_bwd_dkv"],
                     "V7_DQ_SMEM": geo["k_attn_flash_bwd_dq"], "V8_THREADS": geo["threads"],
                     "V8_BM": geo["fwd_rows"], "V8_SMEM": geo["k_attn_flash_fwd"]})
@@ -184,7 +208,8 @@ def test_v9_assembles_for_sm90a_without_spills(ct, defs, tmp_path):
     regs, st, ld = ptxas_figures(log, "k_attn_flash_bwd9")
     assert (st, ld) == (0, 0), f"k_attn_flash_bwd9 spills (CT={ct}, {defs}): {st} bytes stored, {ld} loaded"
     assert regs <= 168  # 384 threads: what setmaxnreg redistributes
-    assert "Potential Performance Loss" not in log, log
+    # (the package's kernels the file includes are held to their own rules above)
+    assert "for the function 'k_attn_flash_bwd9'" not in log, log
 
 
 def test_v9_is_only_built_at_head_size_64_for_sm90a(tmp_path):

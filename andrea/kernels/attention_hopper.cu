@@ -1,15 +1,17 @@
-// attention_hopper.cu: attention on Hopper's wgmma, the forward (version 8) and the backward (version
-// 7). Built for sm_90a (CudaOps launches it on compute capability 9.0 through the Runtime's
+// attention_hopper.cu: attention on Hopper's wgmma, the forward (version 8) and the backward (versions
+// 10 and 7). Built for sm_90a (CudaOps launches it on compute capability 9.0 through the Runtime's
 // arch="sm_90a" build, since CuPy's own build targets plain sm_90, where wgmma does not exist),
 // k_attn_flash_fwd, k_attn_flash_bwd_dq and k_attn_flash_bwd_dkv take every product through
 // wgmma.mma_async. The file includes attention.cu: there, version 4's three kernels are renamed out
-// of the way, and everything else (k_attn_flash_D, which the backward reads, version 1) is
+// of the way, and everything else (k_attn_flash_D, which version 4's backward reads, version 1) is
 // attention.cu's code. Built for any other target (nvcc's sm_80/sm_90 in the tests, the float
-// build) it is attention.cu itself. Same arguments, outputs and semantics as version 4's kernels:
+// build) it is attention.cu itself. Same outputs and semantics as version 4's kernels:
 // the forward writes out (B,T,C) and lse (B*NH, T) from qkv (B,T,3C); the backward dqkv (B,T,3C)
 // += [dQ | dK | dV] (accumulate = 0: written, not read), P recomputed from Q, K and the lse the
-// forward saved, D from k_attn_flash_D, the softmax scale applied to dQ and dK once at the end; no
-// atomics: the same inputs give the same bits.
+// forward saved, the softmax scale applied to dQ and dK once at the end; no atomics: the same
+// inputs give the same bits. One difference in the arguments: version 4's backward reads D =
+// rowsum(dO * O) from k_attn_flash_D; here k_attn_flash_bwd_dq takes out as well and computes D
+// (and writes it), and k_attn_flash_bwd_dkv, launched after it, reads it: two launches, not three.
 //
 // Forward (version 8; section "forward" at the end of the file): one block of V8_WG = 2 warpgroups
 // of 64 query rows (128 rows) per head and query tile, the longest rows launched first; keys in
@@ -26,17 +28,22 @@
 //   ptxas (nvcc 13.0, sm_90a): k_attn_flash_fwd 127 registers at head size 64 (96-128 at the
 //   others), no spills; 64 KB of shared memory at head size 64.
 //
-// Backward (version 7). Head sizes: every multiple of 16 up to 128 (ops.FLASH_HEAD_SIZES); 128-byte swizzled tiles at
-// head size 64, the core-matrix layout of wgmma.cuh elsewhere.
-//   ptxas (nvcc 13.0, sm_90a, CT=f16, HS=64): k_attn_flash_bwd_dkv 192 registers, one block of 256
-//   threads a multiprocessor; k_attn_flash_bwd_dq 122 registers (__launch_bounds__(256, 2)), two
-//   blocks; no spills, no wgmma serialised by ptxas (tests/test_hopper_compile.py checks both at
-//   every head size). nvcc -std=c++17 -arch=sm_90a --cubin -Xptxas -v -Iandrea/kernels -DCT=f16
-//   -DHS=64 andrea/kernels/attention_hopper.cu
+// Backward (dQ: version 10, dK/dV: version 7). Head sizes: every multiple of 16 up to 128
+// (ops.FLASH_HEAD_SIZES); 128-byte swizzled tiles at head size 64, the core-matrix layout of
+// wgmma.cuh elsewhere.
+//   ptxas (nvcc 13.0, sm_90a, CT=f16, HS=64): k_attn_flash_bwd_dkv 167 registers, one warpgroup a
+//   block and three blocks a multiprocessor (__launch_bounds__(128, 3)), 32 bytes spilled and its
+//   wgmma serialised by ptxas (below: measured, the fastest setting anyway); k_attn_flash_bwd_dq
+//   122 registers (__launch_bounds__(256, 2)), two blocks; elsewhere no spills and no wgmma
+//   serialised (tests/test_hopper_compile.py checks both at every head size and holds the one
+//   exception to its 32 bytes). nvcc -std=c++17 -arch=sm_90a --cubin -Xptxas -v -Iandrea/kernels
+//   -DCT=f16 -DHS=64 andrea/kernels/attention_hopper.cu
 //
 // Design (every product is one of version 6's two forms, so wgmma_probe.py's ss and rs probes cover
 // the layouts used here: A and B K-major from shared memory; A from registers, B MN-major):
-//   k_attn_flash_bwd_dkv: one block per V7_BK = 128 keys of one head, V7_KWG = 2 warpgroups of 64 keys.
+//   k_attn_flash_bwd_dkv: one block per V7_BK = 64 * V7_KWG keys of one head, V7_KWG warpgroups of
+//   64 keys (1 at head size 64, so that the three warpgroups of a multiprocessor wait at no common
+//   barrier; 2 elsewhere).
 //   K and V stay in shared memory; query tiles of V7_BQ rows (64 up to head size 64, else 32) and
 //   their lse and D are streamed two deep with cp.async. Per warpgroup and query tile:
 //     S^T  (64 x BQ) = K Q^T            ss, A = K, B = Q      (HS/16 k-steps)
@@ -52,7 +59,10 @@
 //   A warpgroup skips a query tile entirely before its keys; only tiles that cross its diagonal or
 //   the end of the sequence are masked. The first keys see the most queries: they launch first.
 //   k_attn_flash_bwd_dq: one block per V7_QM = 128 query rows of one head, two warpgroups of 64
-//   rows. Q and dO stay in shared memory; key tiles of V7_BN = 64 (K and V) streamed two deep:
+//   rows. Each thread first computes D for its two rows from dO and O (rows_D: the four lanes of a
+//   row take 16-byte chunks in turn, then two shuffles add their sums) while the block's first
+//   tiles are being copied, and writes it for k_attn_flash_bwd_dkv. Q and dO stay in shared
+//   memory; key tiles of V7_BN = 64 (K and V) streamed two deep:
 //     S (64 x BN) = Q K^T, dP (64 x BN) = dO V^T   ss, one group
 //     dS = P * (dP - D)
 //     dQ (64 x HS) += dS K              rs, dS from registers, K MN-major
@@ -97,6 +107,25 @@
 //   where the time is: the next step is keeping the next tile's products in flight across the
 //   barrier (three buffers) or a producer warpgroup (TMA + mbarriers) so that fewer registers
 //   per consumer allow a third consumer warpgroup.
+//
+// Version 10 (H200, 2026-11-30, attention_bench.py, ms for 12 layers at 120M, fp16; bf16 within 1 %):
+//                                         fwd    bwd    dQ     dK/dV  (D)   | SDPA cuDNN fwd + bwd
+//   versions 8 and 7 (before)             0.694  2.305  0.758  1.397  0.120 | 0.581 + 2.631
+//   D computed in the dQ kernel           0.697  2.202  0.821  1.399  -     | (an earlier job)
+//     and dK/dV one warpgroup a block, three blocks a multiprocessor
+//                                         0.690  1.999  0.823  1.212  -
+//     and the copies of load_tile7 at offsets known when compiling (V7_LOADS), forward too: the
+//     defaults now
+//                                         0.612  1.808  0.760  1.086  -     | total 2.420 against 3.212
+//   other dK/dV settings with those copies: 48 queries a tile (153 registers, no spill, not
+//   serialised) 1.177; 32 queries 1.240; two blocks of one warpgroup (192 registers) 1.348 without
+//   the copies; the dQ kernel with one warpgroup a block and four blocks 0.759 (no gain).
+//   12M (B=32, NH=6, T=256, 6 layers): backward 0.360 -> 0.277, forward 0.13-0.22 (noisy at this size).
+//   The copies: version 7's loop over a tile's 16-byte chunks read blockDim.x at run time and
+//   recomputed each chunk's row, swizzled column and 64-bit address, about 130 instructions a thread
+//   a forward step (ncu: the forward issued an instruction on 52 % of the cycles, its ALU pipe 44 %
+//   busy); with the thread count a template argument each thread's chunks share one column and
+//   one address stepped by NT/8 rows, about 60.
 
 #ifndef HS
 #define HS 64
@@ -106,7 +135,9 @@
 #else
 #define V7_WGMMA 0
 #endif
-#define V7_WG 2                        // warpgroups per dQ block
+#ifndef V7_WG
+#define V7_WG 2  // warpgroups per dQ block (64 query rows each)
+#endif
 #define V7_DQ_THREADS (128 * V7_WG)
 #define V7_QM (64 * V7_WG)             // query rows per dQ block
 // Tunable with -D (dev/cuda/attention_bench.py times other settings; the launcher in ops.py
@@ -115,7 +146,7 @@
 // per multiprocessor each kernel asks the compiler to fit (the second argument of
 // __launch_bounds__: 2 caps registers at 128 for 256 threads).
 #ifndef V7_KWG
-#define V7_KWG 2
+#define V7_KWG (HS == 64 ? 1 : 2)
 #endif
 #define V7_DKV_THREADS (128 * V7_KWG)
 #define V7_BK (64 * V7_KWG)            // keys per dK/dV block
@@ -126,10 +157,13 @@
 #define V7_BN 64
 #endif
 #ifndef V7_DKV_BLOCKS
-#define V7_DKV_BLOCKS 1
+#define V7_DKV_BLOCKS (HS == 64 ? 3 : 1)  // 3: 168 registers, see "dK/dV at head size 64" above
 #endif
 #ifndef V7_OVERLAP
 #define V7_OVERLAP 1  // 0: each product group waited for at once (no overlap inside a warpgroup)
+#endif
+#ifndef V7_LOADS
+#define V7_LOADS 1  // tile copies at offsets known when compiling (load_tile7); 0: version 7's loop
 #endif
 #ifndef V7_SWIZZLE
 #define V7_SWIZZLE 1  // 128-byte swizzled tiles (head size 64 only, elsewhere ignored); 0: core matrices
@@ -194,14 +228,34 @@
 // bytes, 16-byte chunk c of row r stored at chunk c ^ (r % 8) -- the 128-byte swizzle wgmma applies
 // to shared-memory addresses (bits 4-6 XOR bits 7-9), so every tile starts 1024-byte aligned. The
 // cp.async stores of a warp then cover 4 whole rows (512 contiguous bytes).
-template <int ROWS>
+// NT: the block's threads (its blockDim.x, which every kernel here checks). With V7_LOADS (a -D
+// setting, timed by dev/cuda/attention_bench.py), a thread's chunks are at offsets known when
+// compiling: its chunk column c = tid % 8 and its rows tid / 8 + i NT / 8 (all with the same r % 8,
+// so one swizzled column), one global address computed a call and stepped by NT / 8 rows; without
+// it, a loop over the chunks with the block's size read at run time (version 7's loader).
+template <int ROWS, int NT>
 __device__ __forceinline__ void load_tile7(u16* dst, const HT* base, int r0, int T, int ld) {
 #if V7_SW
+#if V7_LOADS
+  constexpr int STEP = NT / 8;  // rows one pass of the block's threads covers
+  static_assert(NT % 64 == 0, "load_tile7: NT a multiple of 64, so a thread's rows share r % 8");
+  int r = threadIdx.x >> 3, c = threadIdx.x & 7;
+  u16* d = dst + r * 64 + ((c ^ (r & 7)) << 3);
+  const HT* s = base + (i64)(r0 + r) * ld + c * 8;
+#pragma unroll
+  for (int i = 0; i < (ROWS + STEP - 1) / STEP; ++i) {
+    if (ROWS % STEP == 0 || r + i * STEP < ROWS) {
+      bool ok = r0 + r + i * STEP < T;
+      cp_async16(d + i * STEP * 64, ok ? s + (i64)(i * STEP) * ld : base, ok);
+    }
+  }
+#else
   for (int idx = threadIdx.x; idx < ROWS * 8; idx += blockDim.x) {
     int r = idx >> 3, c = idx & 7;
     bool ok = r0 + r < T;
     cp_async16(dst + r * 64 + ((c ^ (r & 7)) << 3), base + (ok ? (i64)(r0 + r) * ld + c * 8 : 0), ok);
   }
+#endif
 #else
   load_tile6<ROWS>(dst, base, r0, T, ld);
 #endif
@@ -358,10 +412,10 @@ extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_at
   const float* db = Dv + (i64)bh * T;
   float sl2 = scale * LOG2E;
   int first = k0 / V7_BQ, n_tiles = (T - 1) / V7_BQ + 1;
-  load_tile7<V7_BK>(k_tile, kb, k0, T, ld);
-  load_tile7<V7_BK>(v_tile, vb, k0, T, ld);
-  load_tile7<V7_BQ>(q_tiles, qb, first * V7_BQ, T, ld);
-  load_tile7<V7_BQ>(do_tiles, ob, first * V7_BQ, T, C);
+  load_tile7<V7_BK, V7_DKV_THREADS>(k_tile, kb, k0, T, ld);
+  load_tile7<V7_BK, V7_DKV_THREADS>(v_tile, vb, k0, T, ld);
+  load_tile7<V7_BQ, V7_DKV_THREADS>(q_tiles, qb, first * V7_BQ, T, ld);
+  load_tile7<V7_BQ, V7_DKV_THREADS>(do_tiles, ob, first * V7_BQ, T, C);
   load_row_values<V7_BQ>(lse_tiles, lb, first * V7_BQ, T);
   load_row_values<V7_BQ>(d_tiles, db, first * V7_BQ, T);
   cp_commit();
@@ -372,8 +426,8 @@ extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_at
   for (int qt = first; qt < n_tiles; ++qt) {
     int q0 = qt * V7_BQ, cur = (qt - first) & 1, nb = cur ^ 1;
     pipeline_wait_async(qt + 1 < n_tiles, [&] {
-      load_tile7<V7_BQ>(q_tiles + nb * V7_BQ * HS, qb, q0 + V7_BQ, T, ld);
-      load_tile7<V7_BQ>(do_tiles + nb * V7_BQ * HS, ob, q0 + V7_BQ, T, C);
+      load_tile7<V7_BQ, V7_DKV_THREADS>(q_tiles + nb * V7_BQ * HS, qb, q0 + V7_BQ, T, ld);
+      load_tile7<V7_BQ, V7_DKV_THREADS>(do_tiles + nb * V7_BQ * HS, ob, q0 + V7_BQ, T, C);
       load_row_values<V7_BQ>(lse_tiles + nb * V7_BQ, lb, q0 + V7_BQ, T);
       load_row_values<V7_BQ>(d_tiles + nb * V7_BQ, db, q0 + V7_BQ, T);
     });
@@ -431,10 +485,38 @@ __device__ __forceinline__ void dq7_tile(float* dq, u64 dqry, u64 ddo, const u16
   fence_regs<HS / 2>(dq);
 }
 
-// dQ part of dqkv += ...: version 7, grid (B*NH, ceil(T/V7_QM)), block V7_DQ_THREADS, V7_DQ_SMEM bytes
-// of dynamic shared memory (traps on anything else).
+// D = rowsum(dO * O) of this thread's two rows (row0 + g + 8r, r = 0, 1) from dout and out (B,T,C)
+// offset to batch b's rows and the head's columns; rows at or past T get 0. The four lanes of a row
+// take its 16-byte chunks in turn (lane t4: chunks t4, t4 + 4, ...), each summing its products in
+// fp32 in order, then two butterfly shuffles add the four partial sums: a fixed order.
+__device__ __forceinline__ void rows_D(float* D, const HT* dout, const HT* out, int row0, int T, int C) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    int row = row0 + g + 8 * r;
+    float d = 0.f;
+    if (row < T) {
+      const vec16* po = (const vec16*)(out + (i64)row * C);
+      const vec16* pd = (const vec16*)(dout + (i64)row * C);
+#pragma unroll
+      for (int ch = t4; ch < HS / 8; ch += 4) {
+        vec16 o = po[ch], dd = pd[ch];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) d += vget(dd, e) * vget(o, e);
+      }
+    }
+    d += __shfl_xor_sync(0xffffffffu, d, 1);
+    d += __shfl_xor_sync(0xffffffffu, d, 2);
+    D[r] = d;
+  }
+}
+
+// dQ part of dqkv += ..., and D (B*NH, T) for k_attn_flash_bwd_dkv, which runs after it: version 10,
+// grid (B*NH, ceil(T/V7_QM)), block V7_DQ_THREADS, V7_DQ_SMEM bytes of dynamic shared memory (traps
+// on anything else). Version 7's dQ kernel, which read D from k_attn_flash_D; here each thread
+// computes D for its two rows (rows_D) while the first tiles are being copied, and writes it.
 extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
-                                                                            const float* lse, const float* Dv,
+                                                                            const HT* out, const float* lse, float* Dv,
                                                                             int B, int T, int NH, float scale,
                                                                             int accumulate) {
   extern __shared__ __align__(1024) u16 smem7[];
@@ -448,26 +530,27 @@ extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn
   u16* v_tiles = k_tiles + 2 * V7_BN * HS;  // [2][V7_BN x HS]
   int C = NH * HS, ld = 3 * C, bh = blockIdx.x, b = bh / NH, h = bh % NH;
   int q0 = (gridDim.y - 1 - blockIdx.y) * V7_QM;  // the longest rows first
-  int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2;
+  int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   int wrow0 = q0 + 64 * wg;      // this warpgroup's first row
   int row0 = wrow0 + 16 * warp;  // this warp's first row
   const HT* qb = qkv + (i64)b * T * ld + h * HS;
   const HT* kb = qb + C;
   const HT* vb = qb + 2 * C;
   const HT* ob = dout + (i64)b * T * C + h * HS;
+  int n_tiles = (min(q0 + V7_QM, T) - 1) / V7_BN + 1;  // causal: keys up to the block's last query
+  load_tile7<V7_QM, V7_DQ_THREADS>(q_tile, qb, q0, T, ld);
+  load_tile7<V7_QM, V7_DQ_THREADS>(do_tile, ob, q0, T, C);
+  load_tile7<V7_BN, V7_DQ_THREADS>(k_tiles, kb, 0, T, ld);
+  load_tile7<V7_BN, V7_DQ_THREADS>(v_tiles, vb, 0, T, ld);
+  cp_commit();
   float sl2 = scale * LOG2E, L2[2], D[2];
+  rows_D(D, ob, out + (i64)b * T * C + h * HS, row0, T, C);  // while the first tiles are copied
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     int row = row0 + g + 8 * r;
     L2[r] = row < T ? lse[(i64)bh * T + row] * LOG2E : 0.f;
-    D[r] = row < T ? Dv[(i64)bh * T + row] : 0.f;
+    if (t4 == 0 && row < T) Dv[(i64)bh * T + row] = D[r];
   }
-  int n_tiles = (min(q0 + V7_QM, T) - 1) / V7_BN + 1;  // causal: keys up to the block's last query
-  load_tile7<V7_QM>(q_tile, qb, q0, T, ld);
-  load_tile7<V7_QM>(do_tile, ob, q0, T, C);
-  load_tile7<V7_BN>(k_tiles, kb, 0, T, ld);
-  load_tile7<V7_BN>(v_tiles, vb, 0, T, ld);
-  cp_commit();
   u64 dqry = desc7_k(q_tile + 64 * wg * HS), ddo = desc7_k(do_tile + 64 * wg * HS);
   float dq[HS / 2];
 #pragma unroll
@@ -475,8 +558,8 @@ extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn
   for (int kt = 0; kt < n_tiles; ++kt) {
     int k0 = kt * V7_BN, nb = (kt + 1) & 1;
     pipeline_wait_async(kt + 1 < n_tiles, [&] {
-      load_tile7<V7_BN>(k_tiles + nb * V7_BN * HS, kb, k0 + V7_BN, T, ld);
-      load_tile7<V7_BN>(v_tiles + nb * V7_BN * HS, vb, k0 + V7_BN, T, ld);
+      load_tile7<V7_BN, V7_DQ_THREADS>(k_tiles + nb * V7_BN * HS, kb, k0 + V7_BN, T, ld);
+      load_tile7<V7_BN, V7_DQ_THREADS>(v_tiles + nb * V7_BN * HS, vb, k0 + V7_BN, T, ld);
     });
     const u16* K = k_tiles + (kt & 1) * V7_BN * HS;
     const u16* V = v_tiles + (kt & 1) * V7_BN * HS;
@@ -621,12 +704,12 @@ extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash
   // this warpgroup's key tiles: up to its last row (none when its rows start at or past T)
   int my_tiles = wrow0 < T ? (min(wrow0 + 63, T - 1)) / V8_BN + 1 : 0;
   // tile i in stage i % V8_STAGES, one commit group a tile (Q with tile 0), V8_AHEAD in flight
-  load_tile7<V8_BM>(q_tile, qb, q0, T, ld);
+  load_tile7<V8_BM, V8_THREADS>(q_tile, qb, q0, T, ld);
 #pragma unroll
   for (int i = 0; i < V8_AHEAD; ++i) {
     if (i < n_tiles) {
-      load_tile7<V8_BN>(k_tiles + i * V8_BN * HS, kb, i * V8_BN, T, ld);
-      load_tile7<V8_BN>(v_tiles + i * V8_BN * HS, vb, i * V8_BN, T, ld);
+      load_tile7<V8_BN, V8_THREADS>(k_tiles + i * V8_BN * HS, kb, i * V8_BN, T, ld);
+      load_tile7<V8_BN, V8_THREADS>(v_tiles + i * V8_BN * HS, vb, i * V8_BN, T, ld);
     }
     cp_commit();  // empty past the last tile: every step then waits for the same count
   }
@@ -644,8 +727,8 @@ extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash
       __syncthreads();  // every tile up to kt is in; every warpgroup is done with step kt - 1
       if (kt + V8_AHEAD < n_tiles) {
         int nb = (kt + V8_AHEAD) % V8_STAGES;  // last read at step kt - 1 at the latest
-        load_tile7<V8_BN>(k_tiles + nb * V8_BN * HS, kb, k0 + V8_AHEAD * V8_BN, T, ld);
-        load_tile7<V8_BN>(v_tiles + nb * V8_BN * HS, vb, k0 + V8_AHEAD * V8_BN, T, ld);
+        load_tile7<V8_BN, V8_THREADS>(k_tiles + nb * V8_BN * HS, kb, k0 + V8_AHEAD * V8_BN, T, ld);
+        load_tile7<V8_BN, V8_THREADS>(v_tiles + nb * V8_BN * HS, vb, k0 + V8_AHEAD * V8_BN, T, ld);
       }
       cp_commit();
     }

@@ -192,8 +192,8 @@ class HopperForward8(HopperBackward):
 
     SHARED = {}  # the sm_90a modules of every v8 entry (keys name the settings): each built once
 
-    def __init__(self, *args, fwd_tune=None):
-        super().__init__(*args)
+    def __init__(self, *args, fwd_tune=None, tune=None):
+        super().__init__(*args, tune=tune)
         self.fwd_tune = fwd_tune
         self._sm90a = self.SHARED
 
@@ -219,10 +219,6 @@ class OnePassBackward(HopperForward8):
     backward k_attn_flash_bwd9 of dev/cuda/attention_v9.cu (built and launched by attention_v9.py,
     tune: its -D settings, e.g. {"bufs": 3}); version 7's backward at other head sizes."""
     sidecar_path = ROOT / "dev" / "cuda" / "attention_v9.py"
-
-    def __init__(self, *args, tune=None):
-        super().__init__(*args)
-        self.tune = tune
 
 
 def _compile_job(job):
@@ -290,8 +286,8 @@ VARIANTS = {
     **{name: HopperBackward(name, lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128 if hs <= 64 else 64, v4_smem, True,
                             tune=tune)
        for name, tune in (("v7cm", {"swizzle": 0}), ("v7s", {"overlap": 0}), ("v7q32", {"bq": 32}),
-                          ("v7k3", {"kwg": 3, "bq": 32}), ("v7n128", {"bn": 128, "dq_blocks": 1}),
-                          ("v7q48", {"bq": 48}), ("v7k3q48", {"kwg": 3, "bq": 48}))},
+                          ("v7k3", {"kwg": 3, "bq": 32, "dkv_blocks": 1}), ("v7n128", {"bn": 128, "dq_blocks": 1}),
+                          ("v7q48", {"bq": 48}), ("v7k3q48", {"kwg": 3, "bq": 48, "dkv_blocks": 1}))},
     "v8": HopperForward8("v8", lambda: kernel_dir() / "attention_hopper.cu", (16, 32, 64, 80, 128),
                          lambda hs: 128 if hs <= 64 else 64, v4_smem, True),
     # v8 with other -D settings (attention_v8.py's TUNABLE), checked and timed at head size 64 only:
@@ -311,6 +307,13 @@ VARIANTS = {
     **{name: OnePassBackward(name, lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128, v4_smem, True,
                              tune=tune)
        for name, tune in (("v9b2", {"bufs": 2}), ("v9u4", {"unroll": 4}))},
+    # the package's settings before version 10 (dK/dV two warpgroups a block, one block a
+    # multiprocessor; version 7's tile copies in both directions), with version 10's dQ kernel; the
+    # dQ kernel with one warpgroup a block and four blocks a multiprocessor
+    **{name: HopperForward8(name, lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128, v4_smem, True,
+                            fwd_tune=fwd, tune=bwd)
+       for name, fwd, bwd in (("v8old", {"loads": 0}, {"kwg": 2, "dkv_blocks": 1, "loads": 0}),
+                              ("v7w1", None, {"dqwg": 1, "dq_blocks": 4}))},
 }
 DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.backends.cuda.runtime import THREADS, i32
+from andrea.backends.cuda.runtime import i32
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE.parent.parent / "andrea" / "kernels" / "attention_hopper.cu"
@@ -39,9 +39,11 @@ is_hopper = v6.is_hopper
 # per dK/dV block, queries per dK/dV tile,
 # keys per dQ tile, blocks per multiprocessor each kernel is compiled to fit, overlap (0: every
 # product group waited for at once), swizzle (0: version 6's core-matrix tiles instead of 128-byte
-# swizzled ones at head size 64)
+# swizzled ones at head size 64), loads (1: tile copies at offsets known when compiling), warpgroups
+# (64 query rows each) per dQ block
 TUNABLE = {"kwg": "V7_KWG", "bq": "V7_BQ", "bn": "V7_BN", "dkv_blocks": "V7_DKV_BLOCKS",
-           "dq_blocks": "V7_DQ_BLOCKS", "overlap": "V7_OVERLAP", "swizzle": "V7_SWIZZLE"}
+           "dq_blocks": "V7_DQ_BLOCKS", "overlap": "V7_OVERLAP", "swizzle": "V7_SWIZZLE", "loads": "V7_LOADS",
+           "dqwg": "V7_WG"}
 
 
 def geometry(hs: int, tune=None) -> dict:
@@ -49,10 +51,10 @@ def geometry(hs: int, tune=None) -> dict:
     V7_DQ_THREADS, V7_BK, V7_QM, V7_DKV_SMEM, V7_DQ_SMEM; the kernels trap on another block size or
     less shared memory); tune as module's."""
     tune = tune or {}
-    kwg = tune.get("kwg", 2)
-    keys, rows = 64 * kwg, 64 * V7_WG
+    kwg, dqwg = tune.get("kwg", 1 if hs == 64 else 2), tune.get("dqwg", V7_WG)
+    keys, rows = 64 * kwg, 64 * dqwg
     bq, bn = tune.get("bq", 64 if hs <= 64 else 32), tune.get("bn", 64)
-    return {"dkv_threads": 128 * kwg, "dq_threads": 128 * V7_WG, "keys": keys, "rows": rows,
+    return {"dkv_threads": 128 * kwg, "dq_threads": 128 * dqwg, "keys": keys, "rows": rows,
             "dkv_smem": 2 * keys * hs * 2 + 4 * bq * hs * 2 + 4 * bq * 4,
             "dq_smem": 2 * rows * hs * 2 + 4 * bn * hs * 2}
 
@@ -70,18 +72,17 @@ def module(cache: dict, ct: str, hs: int, tune=None):
 
 def launch_bwd_parts(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: int, NH: int, hs: int,
                      tune=None, accumulate=True) -> dict:
-    """{kernel: a function that launches it} for the three kernels of the backward, in order:
-    k_attn_flash_D (D (B*NH*T,) float32), then version 7's dQ and dK/dV, which add into dqkv
-    (accumulate=False: write it)."""
+    """{kernel: a function that launches it} for the two kernels of the backward, in order: the dQ
+    kernel (version 10: it computes D (B*NH*T,) float32 and writes it), then version 7's dK/dV,
+    which reads D; both add into dqkv (accumulate=False: write it)."""
     mod, geo, BH = module(cache, ct, hs, tune), geometry(hs, tune), B * NH
-    args = (dqkv, qkv, dout, lse, D, i32(B), i32(T), i32(NH), np.float32(1.0 / math.sqrt(hs)), i32(int(accumulate)))
+    dims = (i32(B), i32(T), i32(NH), np.float32(1.0 / math.sqrt(hs)), i32(int(accumulate)))
     return {
-        "k_attn_flash_D": lambda: mod.launch("k_attn_flash_D", -(-(BH * T) // THREADS), THREADS,
-                                             (D, dout, out, i32(B), i32(T), i32(NH))),
         "k_attn_flash_bwd_dq": lambda: mod.launch("k_attn_flash_bwd_dq", (BH, -(-T // geo["rows"])), geo["dq_threads"],
-                                                  args, shared_mem=geo["dq_smem"]),
+                                                  (dqkv, qkv, dout, out, lse, D) + dims, shared_mem=geo["dq_smem"]),
         "k_attn_flash_bwd_dkv": lambda: mod.launch("k_attn_flash_bwd_dkv", (BH, -(-T // geo["keys"])),
-                                                   geo["dkv_threads"], args, shared_mem=geo["dkv_smem"]),
+                                                   geo["dkv_threads"], (dqkv, qkv, dout, lse, D) + dims,
+                                                   shared_mem=geo["dkv_smem"]),
     }
 
 

@@ -36,9 +36,10 @@ is_hopper = v6.is_hopper
 
 # -D settings of attention_hopper.cu's forward a launch may change (tune={name: value}): warpgroups
 # (64 query rows each) a block, keys a tile, overlap (0: S, softmax, P V of a tile one after the other),
-# blocks a multiprocessor the registers are fitted to, K and V tiles staged at once, swizzle (0: core-matrix tiles at head size 64)
+# blocks a multiprocessor the registers are fitted to, K and V tiles staged at once, swizzle (0: core-matrix tiles at head size 64), loads (1: tile
+# copies at offsets known when compiling)
 TUNABLE = {"wg": "V8_WG", "bn": "V8_BN", "overlap": "V8_OVERLAP", "blocks": "V8_BLOCKS", "stages": "V8_STAGES",
-           "swizzle": "V7_SWIZZLE"}
+           "swizzle": "V7_SWIZZLE", "loads": "V7_LOADS"}
 
 
 def geometry(hs: int, tune=None) -> dict:

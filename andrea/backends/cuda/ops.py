@@ -58,11 +58,13 @@ def hopper_geometry(hs: int) -> dict:
     """The launch of attention_hopper.cu's wgmma kernels for head size hs, as its macros define them
     by default (each kernel traps on another block size or less shared memory). Forward (version
     8): two warpgroups of 64 query rows a block ("fwd_rows"), key tiles of 64 staged three deep.
-    Backward (version 7): two warpgroups of 64 keys (dK/dV) or 64 query rows (dQ) a block; query
-    tiles of 64 (32 above head size 64) streamed by dK/dV, key tiles of 64 by dQ."""
-    keys, rows, bq, bn = 128, 128, (64 if hs <= 64 else 32), 64
+    Backward: dQ (version 10), two warpgroups of 64 query rows a block, key tiles of 64; dK/dV
+    (version 7), one warpgroup of 64 keys a block at head size 64 (three blocks a multiprocessor),
+    two elsewhere; query tiles of 64 (32 above head size 64) streamed by dK/dV."""
+    kwg = 1 if hs == 64 else 2
+    keys, rows, bq, bn = 64 * kwg, 128, (64 if hs <= 64 else 32), 64
     fwd_rows, fwd_bn, stages = 128, 64, 3
-    return {"keys": keys, "rows": rows, "threads": 256, "fwd_rows": fwd_rows,
+    return {"keys": keys, "rows": rows, "threads": 256, "dkv_threads": 128 * kwg, "fwd_rows": fwd_rows,
             "k_attn_flash_fwd": fwd_rows * hs * 2 + 2 * stages * fwd_bn * hs * 2,
             "k_attn_flash_bwd_dkv": 2 * keys * hs * 2 + 4 * bq * hs * 2 + 4 * bq * 4,
             "k_attn_flash_bwd_dq": 2 * rows * hs * 2 + 4 * bn * hs * 2}
@@ -631,15 +633,19 @@ class CudaOps:
         if self._fused(ct, hs, dqkv, qkv, dout, out):
             scale = np.float32(1.0 / math.sqrt(hs))
             D = self.workspace.get("attn_D", BH * T, np.float32)
+            dims = (i32(B), i32(T), i32(NH), scale, i32(int(accumulate)))
+            if self._hopper(hs):  # wgmma: the dQ kernel (version 10) writes D, which dK/dV (version 7) reads
+                geo, hop = hopper_geometry(hs), dict(hs=hs, arch="sm_90a")
+                self.rt.launch("attention_hopper.cu", "k_attn_flash_bwd_dq", ct, (BH, -(-T // geo["rows"])),
+                               geo["threads"], (dqkv, qkv, dout, out, lse, D) + dims,
+                               shared_mem=geo["k_attn_flash_bwd_dq"], **hop)
+                self.rt.launch("attention_hopper.cu", "k_attn_flash_bwd_dkv", ct, (BH, -(-T // geo["keys"])),
+                               geo["dkv_threads"], (dqkv, qkv, dout, lse, D) + dims,
+                               shared_mem=geo["k_attn_flash_bwd_dkv"], **hop)
+                return
             self.rt.launch("attention.cu", "k_attn_flash_D", ct, -(-(BH * T) // THREADS), THREADS,
                            (D, dout, out, i32(B), i32(T), i32(NH)), hs=hs)
-            args = (dqkv, qkv, dout, lse, D, i32(B), i32(T), i32(NH), scale, i32(int(accumulate)))
-            if self._hopper(hs):  # version 7: wgmma, 256 threads, 128 query rows / keys a block
-                geo = hopper_geometry(hs)
-                for kernel, rows in (("k_attn_flash_bwd_dq", geo["rows"]), ("k_attn_flash_bwd_dkv", geo["keys"])):
-                    self.rt.launch("attention_hopper.cu", kernel, ct, (BH, -(-T // rows)), geo["threads"], args,
-                                   shared_mem=geo[kernel], hs=hs, arch="sm_90a")
-                return
+            args = (dqkv, qkv, dout, lse, D) + dims
             geo = flash_geometry(hs)
             for kernel in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):  # 64 query / key rows a block
                 self.rt.launch("attention.cu", kernel, ct, (BH, -(-T // 64)), 128, args,
