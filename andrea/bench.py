@@ -8,9 +8,13 @@ warm-up steps on fixed random tokens, then times --steps steps between CUDA even
 tokens/s, ms/step, TFLOP/s (6N + 6*L*T*d per token, as the PyTorch anchor counts), the memory plan
 against what the device holds, the device time of forward + backward captured as one CUDA graph,
 and where the time goes (each backend call captured as its own graph and replayed between CUDA
-events, so Python's launch overhead is left out). With --anchor it runs the PyTorch anchor in a subprocess of the same job and
-prints our speed as a ratio of each anchor mode; the anchor is benchmarks/torch_gpt.py of this
-checkout unless a path is given. It needs a CUDA GPU and CuPy; elsewhere it says so and exits 2.
+events, so Python's launch overhead is left out). With --anchor it runs the PyTorch anchor in a
+subprocess of the same job and prints our speed as a ratio of each anchor mode and precision; the
+anchor is benchmarks/torch_gpt.py of this checkout unless a path is given. --anchor-precision
+(a comma list, default --precision; bf16 for --precision fp8, the 16-bit anchor) picks the
+anchor's precisions: fp8 is PyTorch bf16 with torchao's float8 training of the linear layers
+(torch_gpt.py --fp8 torchao), labelled "pytorch float8 via torchao ..." in the table. It needs a
+CUDA GPU and CuPy; elsewhere it says so and exits 2.
 """
 from __future__ import annotations
 
@@ -28,7 +32,9 @@ import numpy as np
 ANCHOR_SHAPES = {"ANDREA-120M": "120m", "ANDREA-12M": "12m", "ANDREA-tiny": "tiny"}  # torch_gpt.py's --shape names
 # the repository's PyTorch anchor (a clone or an editable install has it; a wheel does not)
 DEFAULT_ANCHOR = Path(__file__).resolve().parent.parent / "benchmarks" / "torch_gpt.py"
-ANCHOR_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}  # fp8: the 16-bit anchor
+# the anchor's precision -> torch_gpt.py's arguments; fp8: bf16 with torchao's float8 linear layers
+ANCHOR_ARGS = {"fp32": ["--dtype", "float32"], "fp16": ["--dtype", "float16"], "bf16": ["--dtype", "bfloat16"],
+               "fp8": ["--dtype", "bfloat16", "--fp8", "torchao"]}
 
 
 def model_dict(exp: str) -> dict:
@@ -225,21 +231,39 @@ def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=Tru
             "per_kernel_ms": {k: round(v, 3) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])}}
 
 
-def run_anchor(path, exp, precision, B, steps, modes):
+def anchor_precisions(text: str) -> list[str]:
+    """--anchor-precision's comma list, e.g. "bf16,fp8" -> ["bf16", "fp8"]; an unknown name is an error."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in ANCHOR_ARGS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of {', '.join(ANCHOR_ARGS)}")
+    return names
+
+
+def run_anchor(path, exp, precisions, B, steps, modes):
+    """The anchor once per precision and mode, each in its own subprocess: its JSON records, with
+    anchor_precision and anchor_mode added. One that fails is reported on stderr and left out."""
     out = []
-    for mode in modes:
-        compile_, tmode = (0, "default") if mode == "eager" else (1, mode)
-        cmd = [sys.executable, path, "--shape", ANCHOR_SHAPES[exp], "--batch", str(B),
-               "--dtype", ANCHOR_DTYPES[precision], "--compile", str(compile_), "--mode", tmode,
-               "--steps", str(steps)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            print(f"anchor {mode} failed:\n{r.stderr[-2000:]}", file=sys.stderr)
-            continue
-        rec = json.loads(r.stdout.strip().splitlines()[-1])
-        rec["anchor_mode"] = mode
-        out.append(rec)
+    for precision in precisions:
+        for mode in modes:
+            compile_, tmode = (0, "default") if mode == "eager" else (1, mode)
+            cmd = [sys.executable, path, "--shape", ANCHOR_SHAPES[exp], "--batch", str(B), *ANCHOR_ARGS[precision],
+                   "--compile", str(compile_), "--mode", tmode, "--steps", str(steps)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                print(f"anchor {precision} {mode} failed:\n{r.stderr[-2000:]}", file=sys.stderr)
+                continue
+            rec = json.loads(r.stdout.strip().splitlines()[-1])
+            rec["anchor_precision"], rec["anchor_mode"] = precision, mode
+            out.append(rec)
     return out
+
+
+def anchor_label(a) -> str:
+    """The table's name of an anchor row: torchao's FP8 rows say so (they are not our engine)."""
+    if a.get("fp8"):
+        return f"pytorch float8 via {a['fp8']} {a['anchor_mode']}"  # e.g. "... via torchao 0.17.0 tensorwise"
+    return f"pytorch {a['dtype']} {a['anchor_mode']}"
 
 
 def table(ours, anchors) -> str:
@@ -247,7 +271,7 @@ def table(ours, anchors) -> str:
     import pandas as pd
 
     rows = [{"system": f"andrea {ours['precision']} attn {ours['attention']}", **ours}]
-    rows += [{"system": f"pytorch {a['dtype']} {a['anchor_mode']}", **a} for a in anchors]
+    rows += [{"system": anchor_label(a), **a} for a in anchors]
     df = pd.DataFrame(rows).set_index("system")[["tok_s", "ms_step", "tflops"]]
     df["ratio"] = ours["tok_s"] / df["tok_s"]
     text = df.to_string(formatters={"tok_s": "{:,}".format, "ms_step": "{:.2f}".format,
@@ -280,8 +304,9 @@ def main(argv=None) -> int:
                     help="run the PyTorch anchor in this job and print the ratio (default benchmarks/torch_gpt.py)")
     ap.add_argument("--anchor-modes", default="eager,reduce-overhead",
                     help="comma list of eager, default (torch.compile), reduce-overhead")
-    ap.add_argument("--anchor-precision", choices=["fp32", "fp16", "bf16"],
-                    help="the anchor's precision (default: --precision), e.g. bf16, its best 16-bit")
+    ap.add_argument("--anchor-precision", type=anchor_precisions, metavar="LIST",
+                    help="comma list of the anchor's precisions, each run in turn: fp32, fp16, bf16 (its best "
+                         "16-bit), fp8 (bf16 + torchao's float8 training); default --precision, bf16 for fp8")
     ap.add_argument("--set", action="append", default=[], metavar="ATTR=INT",
                     help="set a tuning attribute of the CUDA backend first, e.g. --set ln_blocks=528 (repeatable)")
     ap.add_argument("--json", help="also write all figures here")
@@ -316,8 +341,8 @@ def main(argv=None) -> int:
         print(f"  {k:<22}{v:>9.3f}{100 * v / total:>7.1f}%")
     anchors = []
     if a.anchor:
-        anchors = run_anchor(a.anchor, a.exp, a.anchor_precision or a.precision, a.batch, a.steps,
-                             a.anchor_modes.split(","))
+        precisions = a.anchor_precision or [{"fp8": "bf16"}.get(a.precision, a.precision)]
+        anchors = run_anchor(a.anchor, a.exp, precisions, a.batch, a.steps, a.anchor_modes.split(","))
     if a.json:
         Path(a.json).write_text(json.dumps({"andrea": ours, "anchors": anchors}, indent=1))
     print(json.dumps({k: v for k, v in ours.items() if k != "per_kernel_ms"}))

@@ -142,3 +142,142 @@ def test_pass_closed_by_hands_the_close_over():
         with pass_closed_by(Be(), None, closer):
             raise ValueError("in the pass")
     assert log == [("open", None), "close"]
+
+
+def test_fp8_layer_filter_takes_the_four_linear_layers_of_each_block():
+    """--fp8 converts qkv, proj, up and down of every block and nothing else: the output projection
+    (tied to wte) stays 16-bit, as in ANDREA's fp8 path."""
+    tg = anchor()
+    with torch.device("meta"):
+        model = tg.GPT(*tg.SHAPES["12m"])
+    chosen = [name for name, m in model.named_modules() if tg.fp8_layer(m, name)]
+    assert chosen == [f"blocks.{l}.{k}" for l in range(6) for k in ("qkv", "proj", "up", "down")]
+    linear = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linear == chosen  # the output projection is no torch.nn.Linear: nothing else to leave out
+    lm_head = torch.nn.Linear(8, 16)
+    assert not tg.fp8_layer(lm_head, "lm_head") and not tg.fp8_layer(lm_head, "blocks.0.head")
+    assert not tg.fp8_layer(torch.nn.LayerNorm(8), "blocks.0.up")  # a name alone is not enough
+    assert not tg.fp8_layer(lm_head, "blocks.x.qkv") and not tg.fp8_layer(lm_head, "blocks.0.qkv.inner")
+
+
+def _fake_torchao(monkeypatch):
+    import types
+    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+    monkeypatch.setitem(sys.modules, "torchao.float8", types.ModuleType("torchao.float8"))
+
+
+def test_fp8_problems_name_the_flag_and_what_is_missing(monkeypatch):
+    tg = anchor()
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert tg.fp8_problem(None, "float16", cpu) is None  # no --fp8: nothing to check
+    assert tg.fp8_problem("torchao", "float16", gpu) == (
+        "--fp8 torchao needs --dtype bfloat16 (autocast around the FP8 products), not float16")
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    msg = tg.fp8_problem("torchao", "bfloat16", gpu)
+    assert msg.startswith("--fp8 torchao: torchao's float8 training does not import (ModuleNotFoundError") and \
+        msg.endswith("pip install torchao")
+    _fake_torchao(monkeypatch)
+    assert tg.fp8_problem("torchao", "bfloat16", cpu) == (
+        "--fp8 torchao needs a CUDA GPU of compute capability 8.9 or newer (FP8 tensor cores); device cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 0))
+    assert tg.fp8_problem("torchao", "bfloat16", gpu).endswith("(FP8 tensor cores); NVIDIA A100 is sm_80")
+    for cap in ((8, 9), (9, 0), (10, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None, cap=cap: cap)
+        assert tg.fp8_problem("torchao", "bfloat16", gpu) is None, cap
+
+
+def test_anchor_fp8_errors_are_one_line_and_exit_2(monkeypatch, capsys):
+    tg = anchor()
+    base = ["--shape", "tiny", "--fp8", "torchao", "--device", "cpu", "--steps", "1", "--warmup", "0"]
+    assert tg.main(base + ["--dtype", "float32"]) == 2
+    assert capsys.readouterr().err == "torch_gpt: --fp8 torchao needs --dtype bfloat16 (autocast around the " \
+                                      "FP8 products), not float32\n"
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    assert tg.main(base + ["--dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torch_gpt: --fp8 torchao: torchao's float8 training does not import") and \
+        err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        tg.main(["--fp8", "te"])  # torchao is the only choice
+    assert "invalid choice: 'te'" in capsys.readouterr().err
+
+
+def test_to_float8_swaps_exactly_the_chosen_layers():
+    """torchao's float8 training on the CPU (its emulated products): the four layers of each block
+    become Float8Linear with the same parameters, and the loss stays near the bf16 model's."""
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (the FP8 anchor's GPU runs carry it)")
+    from torchao.float8.float8_linear import Float8Linear
+    tg = anchor()
+    torch.manual_seed(0)
+    ref = tg.GPT(*tg.SHAPES["tiny"])
+    model = tg.GPT(*tg.SHAPES["tiny"])
+    model.load_state_dict(ref.state_dict())
+    params = {name: p for name, p in model.named_parameters()}
+    label = tg.to_float8(model, emulate=True)
+    assert label.startswith("torchao ") and label.endswith(" tensorwise") and len(label.split()) == 3
+    swapped = [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+    assert swapped == [f"blocks.{l}.{k}" for l in range(2) for k in ("qkv", "proj", "up", "down")]
+    assert {name: p for name, p in model.named_parameters()} == params  # the same tensors, nothing new
+    assert type(model.wte) is torch.nn.Embedding and type(model.lnf) is torch.nn.LayerNorm
+    x = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, ref_loss = model(x, y), ref(x, y)
+    loss.backward()
+    assert abs(loss.item() - ref_loss.item()) < 0.02 * ref_loss.item(), (loss.item(), ref_loss.item())
+    assert all(torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in model.blocks[0].qkv.parameters())
+
+
+def _fake_anchor_run(calls):
+    """subprocess.run for run_anchor: records the command, answers as torch_gpt.py would."""
+    def run(cmd, capture_output, text):
+        calls.append(cmd[2:])
+        fp8 = "torchao 9.9.9 tensorwise" if "--fp8" in cmd else None
+        dtype = cmd[cmd.index("--dtype") + 1]
+        rec = dict(dtype=dtype, fp8=fp8, tok_s=400_000 if fp8 else 200_000, ms_step=10.0, tflops=100.0)
+        return subprocess.CompletedProcess(cmd, 0, stdout="progress\n" + json.dumps(rec) + "\n", stderr="")
+    return run
+
+
+def test_bench_anchor_precisions_run_the_anchor_once_each(monkeypatch, capsys):
+    """python -m andrea.bench --precision fp8 --anchor ...: the bf16 anchor by default; with
+    --anchor-precision bf16,fp8 the anchor once in bf16 and once with torchao's FP8, a ratio each."""
+    import andrea.backends
+    import andrea.bench as bench
+    calls = []
+    monkeypatch.setattr(andrea.backends, "cuda_available", lambda: True)
+    monkeypatch.setattr(bench.subprocess, "run", _fake_anchor_run(calls))
+    ours = dict(precision="fp8", attention="fused", tok_s=300_000, ms_step=20.0, tflops=100.0, planned_gb=1.0,
+                plan_arena_gb=0.9, pool_used_gb=1.0, device_used_gb=1.1, per_kernel_ms={"k_matmul": 1.0})
+    monkeypatch.setattr(bench, "run_engine", lambda *args: dict(ours))
+    argv = ["--exp", "ANDREA-12M", "--precision", "fp8", "--batch", "4", "--steps", "7", "--anchor", str(ANCHOR),
+            "--anchor-modes", "reduce-overhead"]
+    tail = ["--compile", "1", "--mode", "reduce-overhead", "--steps", "7"]
+    head = ["--shape", "12m", "--batch", "4", "--dtype", "bfloat16"]
+    assert bench.main(argv) == 0
+    assert calls == [head + tail]  # fp8 alone: the 16-bit anchor, as before
+    capsys.readouterr()
+    calls.clear()
+    assert bench.main(argv + ["--anchor-precision", "bf16,fp8", "--anchor-modes", "eager,reduce-overhead"]) == 0
+    eager = ["--compile", "0", "--mode", "default", "--steps", "7"]
+    assert calls == [head + eager, head + tail, head + ["--fp8", "torchao"] + eager,
+                     head + ["--fp8", "torchao"] + tail]
+    rows = capsys.readouterr().out.splitlines()[-6:-1]
+    assert rows[0].startswith("andrea fp8 attn fused") and rows[0].split()[-1] == "1.00"
+    assert rows[1].startswith("pytorch bfloat16 eager") and rows[1].split()[-1] == "1.50"
+    assert rows[3].startswith("pytorch float8 via torchao 9.9.9 tensorwise eager") and rows[3].split()[-1] == "0.75"
+    assert rows[4].startswith("pytorch float8 via torchao 9.9.9 tensorwise reduce-overhead")
+
+
+def test_bench_anchor_precision_refuses_unknown_names(capsys):
+    from andrea.bench import anchor_precisions, main
+    assert anchor_precisions("bf16, fp8") == ["bf16", "fp8"] and anchor_precisions("fp16") == ["fp16"]
+    for bad in ("bf16,fp9", "", ","):
+        with pytest.raises(SystemExit) as e:
+            main(["--anchor-precision", bad])
+        assert e.value.code == 2
+        assert f"argument --anchor-precision: {bad!r}: expected a comma list of fp32, fp16, bf16, fp8" in \
+            capsys.readouterr().err
