@@ -107,7 +107,9 @@ def fp8_problem(fp8: str | None, dtype: str, device: torch.device) -> str | None
     try:
         import torchao.float8  # noqa: F401
     except Exception as e:  # ImportError, or a torchao built for another torch
-        return f"--fp8 {fp8}: torchao's float8 training does not import ({type(e).__name__}: {e}); pip install torchao"
+        why = " ".join(str(e).split())  # one line
+        return f"--fp8 {fp8}: torchao's float8 training does not import ({type(e).__name__}: {why}); " \
+               "pip install torchao"
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     if cap is None or cap < (8, 9):
         where = f"{torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}" if cap else f"device {device}"

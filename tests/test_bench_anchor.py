@@ -177,6 +177,17 @@ def test_fp8_problems_name_the_flag_and_what_is_missing(monkeypatch):
     msg = tg.fp8_problem("torchao", "bfloat16", gpu)
     assert msg.startswith("--fp8 torchao: torchao's float8 training does not import (ModuleNotFoundError") and \
         msg.endswith("pip install torchao")
+    import builtins
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kw):  # a torchao built for another torch: any error, on one line
+        if name.startswith("torchao"):
+            raise OSError("undefined symbol: _ZN3c10\nin _C.so")
+        return real_import(name, *args, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(builtins, "__import__", broken)
+        msg = tg.fp8_problem("torchao", "bfloat16", gpu)
+    assert "does not import (OSError: undefined symbol: _ZN3c10 in _C.so); pip install torchao" in msg
     _fake_torchao(monkeypatch)
     assert tg.fp8_problem("torchao", "bfloat16", cpu) == (
         "--fp8 torchao needs a CUDA GPU of compute capability 8.9 or newer (FP8 tensor cores); device cpu")
