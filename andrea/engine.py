@@ -78,10 +78,23 @@ class PlanRow:
 
     @property
     def nbytes(self) -> int:
-        n = np.dtype(self.dtype).itemsize
+        n = dtype_name_size(self.dtype)[1]
         for s in self.shape:
             n *= s
         return n
+
+
+# Formats numpy knows by name only once ml_dtypes is imported (the CUDA backend imports it); the plan
+# is also made where it is not, e.g. by the workflow sizing a bf16 or fp8 run's memory before it starts.
+EXTRA_DTYPES = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def dtype_name_size(dtype) -> tuple:
+    """(name, bytes per element) of a numpy dtype or a dtype name, including EXTRA_DTYPES's names."""
+    if isinstance(dtype, str) and dtype in EXTRA_DTYPES:
+        return dtype, EXTRA_DTYPES[dtype]
+    d = np.dtype(dtype)
+    return d.name, d.itemsize
 
 
 @dataclass
@@ -89,7 +102,7 @@ class MemoryPlan:
     rows: List[PlanRow] = field(default_factory=list)
 
     def add(self, name, shape, dtype, group):
-        self.rows.append(PlanRow(name, tuple(shape), np.dtype(dtype).name, group))
+        self.rows.append(PlanRow(name, tuple(shape), dtype_name_size(dtype)[0], group))
 
     def total(self) -> int:
         return sum(-(-r.nbytes // ALIGN) * ALIGN for r in self.rows)

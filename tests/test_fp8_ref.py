@@ -190,17 +190,13 @@ def test_many_forms_are_each_tensor_alone():
     np.testing.assert_array_equal(K.fp8_decode(outs[0], "e4m3"), torch_round(xs[0] * s, "e4m3"))
 
 
-def test_memory_plan_lists_the_fp8_weight_cache(monkeypatch):
+def test_memory_plan_lists_the_fp8_weight_cache():
     """fp8 plans an FP8 copy of every linear weight and of its transpose (one byte an element each,
     each copy 256-byte aligned), a 64-float (amax, 1/scale) row and a table row per weight; the
     switch off plans none; at ANDREA-120M with B=8 the cache adds less than 10% to the plan."""
-    from andrea import engine, model
+    from andrea import model
     from andrea.compose import compose_config
     from andrea.engine import fp8_cached_weights, make_plan
-    try:
-        import ml_dtypes  # noqa: F401  (registers bfloat16, the compute dtype of fp8)
-    except ImportError:  # CPU CI has no ml_dtypes: plan the 16-bit buffers as float16, as many bytes
-        monkeypatch.setattr(engine, "compute_dtype", lambda precision, base: "float16" if precision != "fp32" else base)
     for exp, B in (("ANDREA-tiny", 4), ("ANDREA-120M", 8)):
         cfgs = {p: compose_config(exp, [f"train.precision={p}", f"train.batch_size={B}"]) for p in ("bf16", "fp8")}
         m = cfgs["fp8"].model
@@ -253,18 +249,13 @@ def test_layernorm_amax_is_k_fp8_amax_of_its_output(residual):
             assert got[0] == want[0] == np.float32(np.abs(outs[1][0]).max()) > 0
 
 
-def test_memory_plan_lists_the_fp8_input_slots(monkeypatch):
+def test_memory_plan_lists_the_fp8_input_slots():
     """The input slots (fp8_keep_xt, fp8_producer_amax): a 64-float (amax, 1/scale) row for the
     input of every QKV, attention-output and first MLP product (three a layer) with either switch,
     and with fp8_keep_xt FP8 X^T of each (C x B*T bytes, 256-byte aligned); none with both off or
     in 16 bits. At ANDREA-120M with B=8 the kept X^T are 3 x 12 x 768 x 8192 bytes (226.5 MB)."""
-    from andrea import engine
     from andrea.compose import compose_config
     from andrea.engine import fp8_input_slots, make_plan
-    try:
-        import ml_dtypes  # noqa: F401
-    except ImportError:
-        monkeypatch.setattr(engine, "compute_dtype", lambda precision, base: "float16" if precision != "fp32" else base)
     for exp, B in (("ANDREA-tiny", 4), ("ANDREA-120M", 8)):
         cfg = compose_config(exp, ["train.precision=fp8", f"train.batch_size={B}"])
         m, N = cfg.model, B * cfg.train.seq_len
@@ -283,3 +274,25 @@ def test_memory_plan_lists_the_fp8_input_slots(monkeypatch):
         assert [r for r in plans[True, True].rows if r.group != group] == plans[False, False].rows
         if exp == "ANDREA-120M":
             assert xt == 3 * 12 * 768 * 8192 == 226_492_416
+
+
+def test_memory_plan_of_bf16_and_fp8_needs_no_ml_dtypes():
+    """The workflow sizes a run's memory (make_plan) in a process where nothing imported ml_dtypes,
+    the package that teaches numpy the name "bfloat16": the plan of a bf16 or fp8 run must not
+    depend on it (it once failed there with "data type 'bfloat16' not understood"). Run in a fresh
+    interpreter with ml_dtypes made unimportable."""
+    import subprocess
+    import sys
+    code = (
+        "import sys; sys.modules['ml_dtypes'] = None\n"
+        "from andrea.compose import compose_config\n"
+        "from andrea.engine import make_plan\n"
+        "for p in ('bf16', 'fp8'):\n"
+        "    plan = make_plan(compose_config('ANDREA-tiny', [f'train.precision={p}']))\n"
+        "    rows = {r.name: r for r in plan.rows}\n"
+        "    c = rows['params_c']\n"
+        "    assert c.dtype == 'bfloat16' and c.nbytes == 2 * c.shape[0], (p, c)\n"
+        "    assert plan.total() > 0\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
