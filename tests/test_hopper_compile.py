@@ -1,5 +1,5 @@
 """The Hopper kernels compile to sm_90a machine code, with the wgmma path in, and build without it for
-plain sm_90 (CPU only): the package's attention_hopper.cu (forward version 8, backward version 7),
+plain sm_90 (CPU only): the package's attention_hopper.cu (forward version 8, backward versions 10 and 7),
 dev/cuda's first forward variant (attention_v6.cu) and probes (wgmma_probe.cu), and the one-pass
 backward candidate (attention_v9.cu: no spills, no serialised wgmma, no atomics, its sidecar's geometry).
 

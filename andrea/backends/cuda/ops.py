@@ -563,7 +563,7 @@ class CudaOps:
         if self.attention_variant(dtype, head_size) != "fused":
             return "materialised (version 1: cuBLAS products, T x T scores)"
         if self._hopper(head_size):
-            return "fused: wgmma, sm_90a (attention_hopper.cu: forward version 8, backward version 7)"
+            return "fused: wgmma, sm_90a (attention_hopper.cu: forward version 8, backward: dQ version 10, dK/dV version 7)"
         return "fused: mma.sync (version 4)"
 
     def _hopper(self, hs: int) -> bool:
