@@ -277,15 +277,17 @@ VARIANTS = {
                         v4_smem, True),
     "v7": HopperBackward("v7", lambda: kernel_dir() / "attention_hopper.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
                          v4_smem, True),
-    # v7 with other -D settings (attention_v7.py's TUNABLE), checked and timed at head size 64 only:
-    # version 6's core-matrix tiles instead of 128-byte swizzled ones; each product group waited for
+    # v7 with other -D settings (attention_v7.py's TUNABLE), checked and timed at head size 64 only,
+    # each on top of the defaults (dK/dV one warpgroup a block, three blocks a multiprocessor) unless
+    # it sets kwg and dkv_blocks: version 6's core-matrix tiles instead of 128-byte swizzled ones (with
+    # the two-warpgroup dK/dV block they were measured with); each product group waited for
     # at once (what the overlap inside a warpgroup gains); 32 queries a dK/dV tile (138 registers);
     # three warpgroups (192 keys) a dK/dV block with 32 queries a tile; 128 keys a dQ tile (210
     # registers, one block a multiprocessor); 48 queries a dK/dV tile, with two or three warpgroups
     # (160 registers: three fit one multiprocessor)
     **{name: HopperBackward(name, lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128 if hs <= 64 else 64, v4_smem, True,
                             tune=tune)
-       for name, tune in (("v7cm", {"swizzle": 0}), ("v7s", {"overlap": 0}), ("v7q32", {"bq": 32}),
+       for name, tune in (("v7cm", {"swizzle": 0, "kwg": 2, "dkv_blocks": 1}), ("v7s", {"overlap": 0}), ("v7q32", {"bq": 32}),
                           ("v7k3", {"kwg": 3, "bq": 32, "dkv_blocks": 1}), ("v7n128", {"bn": 128, "dq_blocks": 1}),
                           ("v7q48", {"bq": 48}), ("v7k3q48", {"kwg": 3, "bq": 48, "dkv_blocks": 1}))},
     "v8": HopperForward8("v8", lambda: kernel_dir() / "attention_hopper.cu", (16, 32, 64, 80, 128),
