@@ -72,13 +72,12 @@ def test_sidecar_geometry_is_the_kernels(hs, tmp_path):
 
 
 def load_dev(name):
-    import importlib.util
+    """A dev/cuda sidecar, imported as attention_bench.load_sidecar does (its folder on sys.path)."""
+    import importlib
     import sys
-    spec = importlib.util.spec_from_file_location(f"dev_cuda_{name}", DEV / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    if str(DEV) not in sys.path:
+        sys.path.insert(0, str(DEV))
+    return importlib.import_module(name)
 
 
 def check_geometry(tmp_path, kernel_file, hs, want, defines=None, device_only=False):

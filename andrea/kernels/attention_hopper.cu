@@ -332,10 +332,13 @@ __device__ __forceinline__ void two_scores(float* s, float* t, u64 a1, u64 b1, u
 
 // ---------------------------------------------------------------- dK, dV
 // One query tile of one warpgroup: its 64 keys (this thread: keys key0 + g and key0 + g + 8, key0
-// the warp's first) against queries [q0, q0 + V7_BQ). dk, dv: 64 x HS accumulators.
+// the warp's first) against queries [q0, q0 + V7_BQ). dk, dv: 64 x HS accumulators. Issues dV's and
+// dK's products and returns with them still running (the caller waits); sf: dS^T's A fragments,
+// which dev/cuda/attention_v9.cu also multiplies by K for dQ.
 template <bool MASK>
-__device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dval, const u16* Q, const u16* dO,
-                                          const float* L, const float* Dt, int key0, int q0, int T, float sl2) {
+__device__ __forceinline__ void dkv7_issue(float* dk, float* dv, unsigned (*sf)[4], u64 dkey, u64 dval, const u16* Q,
+                                           const u16* dO, const float* L, const float* Dt, int key0, int q0, int T,
+                                           float sl2) {
   int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   float s[V7_BQ / 2], dp[V7_BQ / 2];
   two_scores<V7_BQ>(s, dp, dkey, desc7_k(Q), dval, desc7_k(dO));
@@ -355,7 +358,7 @@ __device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dv
       s[4 * j + e] = p;
     }
   }
-  unsigned pf[V7_BQ / 16][4], sf[V7_BQ / 16][4];
+  unsigned pf[V7_BQ / 16][4];
   frags7<V7_BQ>(pf, s);
   // dV += P^T dO, left running (with V7_OVERLAP) while dS^T is formed
   fence_regs<HS / 2>(dv);
@@ -377,6 +380,14 @@ __device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dv
   wgmma_fence();
   rs7_issue<V7_BQ>(dk, sf, desc7_mn(Q));
   wgmma_commit();
+}
+
+// dkv7_issue, then every product waited for.
+template <bool MASK>
+__device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dval, const u16* Q, const u16* dO,
+                                          const float* L, const float* Dt, int key0, int q0, int T, float sl2) {
+  unsigned sf[V7_BQ / 16][4];
+  dkv7_issue<MASK>(dk, dv, sf, dkey, dval, Q, dO, L, Dt, key0, q0, T, sl2);
   wgmma_wait_all();
   fence_regs<HS / 2>(dv);
   fence_regs<HS / 2>(dk);

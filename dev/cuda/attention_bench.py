@@ -43,16 +43,12 @@ def kernel_dir() -> Path:
 
 
 def load_sidecar(path: Path):
-    """A dev/cuda launcher module (e.g. attention_v7.py), loaded once under the name the sidecars
-    give each other (dev_cuda_<stem>)."""
-    import importlib.util
-    name = f"dev_cuda_{path.stem}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    """A dev/cuda launcher module (e.g. attention_v7.py), imported under its own name with its folder
+    on sys.path, where the sidecars import each other from (attention_v7 imports attention_v6)."""
+    import importlib
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    return importlib.import_module(path.stem)
 
 
 class Variant:

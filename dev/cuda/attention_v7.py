@@ -7,31 +7,22 @@ Compiling and loading are attention_v6.py's (NVRTC, -arch=sm_90a, a cubin loaded
 """
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from andrea.backends.cuda.runtime import i32
 
+# dev/cuda on sys.path (the running script's folder, or put there by attention_bench.load_sidecar
+# and the tests): the sidecars beside this file
+import attention_v6 as v6
+
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE.parent.parent / "andrea" / "kernels" / "attention_hopper.cu"
 V7_WG = 2  # warpgroups per dQ block (V7_WG in attention_hopper.cu); dK/dV: tune "kwg", default 2
 
 
-def _load_v6():
-    name = "dev_cuda_attention_v6"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE / "attention_v6.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-v6 = _load_v6()
 is_hopper = v6.is_hopper
 
 

@@ -8,30 +8,21 @@ attention_v6.py's (NVRTC, -arch=sm_90a, a cubin loaded with the driver); the mod
 """
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from andrea.backends.cuda.runtime import i32
 
+# dev/cuda on sys.path (the running script's folder, or put there by attention_bench.load_sidecar
+# and the tests): the sidecars beside this file
+import attention_v6 as v6
+
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE.parent.parent / "andrea" / "kernels" / "attention_hopper.cu"
 
 
-def _load(stem):
-    name = f"dev_cuda_{stem}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE / f"{stem}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-v6 = _load("attention_v6")
 is_hopper = v6.is_hopper
 
 # -D settings of attention_hopper.cu's forward a launch may change (tune={name: value}): warpgroups

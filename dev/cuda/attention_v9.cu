@@ -163,51 +163,16 @@ __device__ __forceinline__ void ss9_tt(float* d, u64 da, u64 db, int scale_d) {
 }
 
 // One query tile of one consumer warpgroup: its 64 keys (this thread: keys key0 + g and key0 + g
-// + 8) against queries [q0, q0 + V9_BQ): dk, dv += as version 7's dkv7_tile, and dq (64 x HS,
-// written) = dS_w K_w through the warpgroup's dS^T tile ds (dkw: its K rows, MN-major).
+// + 8) against queries [q0, q0 + V9_BQ): dk, dv += as version 7's dkv7_tile (its dkv7_issue), and
+// dq (64 x HS, written) = dS_w K_w through the warpgroup's dS^T tile ds (dkw: its K rows, MN-major).
+static_assert(V9_BQ == V7_BQ, "dkv9_tile issues version 7's products (dkv7_issue) for V7_BQ queries");
 template <bool MASK>
 __device__ __forceinline__ void dkv9_tile(float* dk, float* dv, float* dq, u64 dkey, u64 dval, u64 dkw, u16* ds,
                                           const u16* Q, const u16* dO, const float* L, const float* Dt, int key0,
                                           int q0, int T, float sl2) {
   int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, warp = (threadIdx.x >> 5) & 3;
-  float s[V9_BQ / 2], dp[V9_BQ / 2];
-  two_scores<V9_BQ>(s, dp, dkey, desc7_k(Q), dval, desc7_k(dO));
-#pragma unroll
-  for (int j = 0; j < V9_BQ / 8; ++j) {
-    float l2[2];
-#pragma unroll
-    for (int c = 0; c < 2; ++c) l2[c] = L[8 * j + 2 * t4 + c] * LOG2E;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float p = fast_exp2(fmaf(s[4 * j + e], sl2, -l2[e & 1]));
-      if (MASK) {
-        int q = q0 + 8 * j + 2 * t4 + (e & 1);
-        if (q < key0 + g + 8 * (e >> 1) || q >= T) p = 0.f;
-      }
-      s[4 * j + e] = p;
-    }
-  }
-  unsigned pf[V9_BQ / 16][4], sf[V9_BQ / 16][4];
-  frags7<V9_BQ>(pf, s);
-  fence_regs<HS / 2>(dv);
-  wgmma_fence();
-  rs7_issue<V9_BQ>(dv, pf, desc7_mn(dO));
-  wgmma_commit();
-  wgmma_wait<1>();  // dP^T done (committed before dV)
-  fence_regs<V9_BQ / 2>(dp);
-#pragma unroll
-  for (int j = 0; j < V9_BQ / 8; ++j) {
-    float d[2];
-#pragma unroll
-    for (int c = 0; c < 2; ++c) d[c] = Dt[8 * j + 2 * t4 + c];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - d[e & 1]);
-  }
-  frags7<V9_BQ>(sf, dp);
-  fence_regs<HS / 2>(dk);
-  wgmma_fence();
-  rs7_issue<V9_BQ>(dk, sf, desc7_mn(Q));
-  wgmma_commit();
+  unsigned sf[V9_BQ / 16][4];
+  dkv7_issue<MASK>(dk, dv, sf, dkey, dval, Q, dO, L, Dt, key0, q0, T, sl2);
   // dS^T into ds: row r = this warp's key (16 warp + g, + 8), 16-byte chunk j (queries 8j..8j+7)
   // at chunk j ^ (r % 8); sf[kc] = rows g / g + 8, chunks 2kc / 2kc + 1, queries 2 t4, 2 t4 + 1
   {
@@ -232,6 +197,22 @@ __device__ __forceinline__ void dkv9_tile(float* dk, float* dv, float* dq, u64 d
   fence_regs<HS / 2>(dv);
   fence_regs<HS / 2>(dk);
   fence_regs<HS / 2>(dq);
+}
+
+// float4 f of a query tile's dQ so far: the workspace's (acc, unless this block is the tile's first
+// contributor) + warpgroup 0's partial p0 + warpgroup 1's p1 (when it took part: a1), in that order.
+__device__ __forceinline__ float4 dq_sum9(const float4* p0, const float4* p1, const float4* acc, int f, bool is_first,
+                                          bool a1) {
+  float4 v = p0[f];
+  if (!is_first) {
+    float4 a = __ldcg(acc + f);
+    v = make_float4(a.x + v.x, a.y + v.y, a.z + v.z, a.w + v.w);
+  }
+  if (a1) {
+    float4 w = p1[f];
+    v = make_float4(v.x + w.x, v.y + w.y, v.z + w.z, v.w + w.w);
+  }
+  return v;
 }
 
 // Does warpgroup w of the block with keys from k0 take part in query tile q0 (uniform)?
@@ -291,15 +272,7 @@ extern "C" __global__ void __launch_bounds__(V9_THREADS, 1) k_attn_flash_bwd9(HT
       if (!is_last) {
 #pragma unroll v9_unroll
         for (int f = lane; f < V9_PART / 4; f += 32) {
-          float4 v = p0[f];
-          if (!is_first) {
-            float4 a = __ldcg(acc + f);
-            v = make_float4(a.x + v.x, a.y + v.y, a.z + v.z, a.w + v.w);
-          }
-          if (a1) {
-            float4 w = p1[f];
-            v = make_float4(v.x + w.x, v.y + w.y, v.z + w.z, v.w + w.w);
-          }
+          float4 v = dq_sum9(p0, p1, acc, f, is_first, a1);
           __stcg(acc + f, v);
         }
         __syncwarp();  // the warp's stores before lane 0's release (cumulative)
@@ -308,15 +281,7 @@ extern "C" __global__ void __launch_bounds__(V9_THREADS, 1) k_attn_flash_bwd9(HT
         HT* base = dqkv + (i64)b * T * ld + h * HS;
 #pragma unroll 4
         for (int f = lane; f < V9_PART / 4; f += 32) {
-          float4 v = p0[f];
-          if (!is_first) {
-            float4 a = __ldcg(acc + f);
-            v = make_float4(a.x + v.x, a.y + v.y, a.z + v.z, a.w + v.w);
-          }
-          if (a1) {
-            float4 w = p1[f];
-            v = make_float4(v.x + w.x, v.y + w.y, v.z + w.z, v.w + w.w);
-          }
+          float4 v = dq_sum9(p0, p1, acc, f, is_first, a1);
           // float4 f: accumulator entries 4 jj .. 4 jj + 3 of consumer thread tw (of warpgroup 0's
           // numbering): rows 16 warp + g and + 8, columns 8 jj + 2 t4, + 1
           int jj = f >> 7, tw = f & 127, g = (tw & 31) >> 2, t4 = tw & 3;

@@ -8,7 +8,6 @@ attention_v6.py's NVRTC pieces, launched after k_attn_flash_D as version 7's ker
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -17,23 +16,17 @@ import numpy as np
 
 from andrea.backends.cuda.runtime import THREADS, i32
 
+# dev/cuda on sys.path (the running script's folder, or put there by attention_bench.load_sidecar
+# and the tests): the sidecars beside this file
+import attention_v6 as v6
+import attention_v7 as v7
+import attention_v8
+
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "attention_v9.cu"
 V9_BK, V9_BQ, V9_THREADS = 128, 64, 384  # keys a block, queries a tile, threads (attention_v9.cu)
 
 
-def _load(stem):
-    name = f"dev_cuda_{stem}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE / f"{stem}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-v6 = _load("attention_v6")
-v7 = _load("attention_v7")
 is_hopper = v6.is_hopper
 
 # -D settings a launch may change (tune={name: value}): dQ partial buffers (= working dQ warps; tiles
@@ -106,19 +99,13 @@ def time_diag(reps: int = 20) -> None:
     qkv = cp.asarray(rng.standard_normal((B, T, 3 * C)).astype(np.float16).view(np.uint16))
     dout = cp.asarray(rng.standard_normal((B, T, C)).astype(np.float16).view(np.uint16))
     out, lse = cp.empty((B, T, C), dtype=cp.uint16), cp.empty((B, NH, T), dtype=cp.float32)
-    _load("attention_v8").launch_fwd(cache, "f16", out, lse, qkv, B, T, NH, hs)
+    attention_v8.launch_fwd(cache, "f16", out, lse, qkv, B, T, NH, hs)
     D, g = cp.empty((B * NH * T,), dtype=cp.float32), cp.zeros_like(qkv)
 
+    from attention_bench import cuda_ms
+
     def ms(fn):
-        for _ in range(3):
-            fn()
-        s, e = cp.cuda.Event(), cp.cuda.Event()
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        e.synchronize()
-        return cp.cuda.get_elapsed_time(s, e) / reps * L
+        return cuda_ms(fn, reps) * L
     p7 = v7.launch_bwd_parts(cache, "f16", g, dout, qkv, out, lse, D, B, T, NH, hs)
     rows.append(dict(kernel="v7 dq + dkv", ms=ms(lambda: (p7["k_attn_flash_bwd_dq"](), p7["k_attn_flash_bwd_dkv"]()))))
     for tune in ({}, {"bufs": 2}, {"bufs": 1}, {"diag": 1}, {"diag": 2}, {"bufs": 2, "diag": 1}):
@@ -143,7 +130,7 @@ def main() -> int:
             dout = cp.asarray(host(rng.standard_normal((B, T, C))))
             out = cp.empty((B, T, C), dtype=cp.uint16)
             lse = cp.empty((B, NH, T), dtype=cp.float32)
-            _load("attention_v8").launch_fwd(cache, ct, out, lse, qkv, B, T, NH, hs)
+            attention_v8.launch_fwd(cache, ct, out, lse, qkv, B, T, NH, hs)
             D = cp.empty((B * NH * T,), dtype=cp.float32)
             runs = []
             for _ in range(3):

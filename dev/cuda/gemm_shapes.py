@@ -43,7 +43,6 @@ def shapes(exp: str, batch: int):
 
 
 def graph_ms(fn, stream, blases, reps: int, replays: int = 5) -> float:
-    import cupy as cp
     from andrea.backends.cuda.graphs import replay_ms
     with stream:
         for b in blases:

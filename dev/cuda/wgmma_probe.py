@@ -21,7 +21,6 @@ Prints PASS/FAIL lines and exits 1 if any probe fails.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -33,10 +32,8 @@ SWAP_SMEM = 160 * 1024  # shared memory of the exchanged-descriptor reruns
 
 
 def load_sidecar():
-    spec = importlib.util.spec_from_file_location("dev_cuda_attention_v6", HERE / "attention_v6.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    import attention_v6  # beside this script, whose folder is on sys.path
+    return attention_v6
 
 
 def host_dtype(name):
