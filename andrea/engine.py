@@ -135,8 +135,10 @@ def fp8_cached_weights(m) -> List[str]:
 
 
 # train.precision=fp8: the products whose input X the model saves for the backward pass (the
-# same tensor in both passes), by weight: these have input slots (cuda/fp8.Fp8Ops.use_input_slots)
-FP8_SLOT_INPUTS = {"qkv_w": "ln1", "attn_out_w": "atty", "mlp_w1": "ln2"}
+# same tensor in both passes), and the MLP's second one, whose input act = gelu(pre) both passes
+# make from the saved pre, by weight: these have input slots (cuda/fp8.Fp8Ops.use_input_slots).
+# act is the workspace of that name, shared by every layer (the slot only names it).
+FP8_SLOT_INPUTS = {"qkv_w": "ln1", "attn_out_w": "atty", "mlp_w1": "ln2", "mlp_w2": "act"}
 
 
 def fp8_input_slots(m) -> List[tuple]:
@@ -291,9 +293,14 @@ class Engine:
                                          bufs["fp8_wmeta"], bufs["fp8_wtable"])
         if (self.fp8_keep_xt or self.fp8_producer_amax) and m.n_layer:  # the inputs' amax and X^T live here
             slots = fp8_input_slots(m)
-            self.be.use_fp8_input_slots([self.p[w] for w, _, _ in slots], [self.layers[l][x] for _, l, x in slots],
+            self.be.use_fp8_input_slots([self.p[w] for w, _, _ in slots], [self.slot_input(l, x) for _, l, x in slots],
                                         bufs["fp8_xmeta"], bufs.get("fp8_xt"), self.fp8_producer_amax)
         self.graphs = self.be.graph_runner()
+
+    def slot_input(self, layer: int, name: str):
+        """The array an FP8 input slot names (fp8_input_slots): layer's saved activation, or the
+        global workspace of that name (act)."""
+        return self.layers[layer][name] if name in self.layers[layer] else self.g[name]
 
     def _fp8_switches(self) -> dict:
         """make_plan's fp8 arguments: this engine's switches."""

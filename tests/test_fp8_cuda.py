@@ -180,30 +180,32 @@ def test_linear_layer_matches_the_fp8_reference(be, grad_fmt, IC, OC, accumulate
     assert 1e-3 < rel(host(out), f64) < 0.1
 
 
+@pytest.mark.parametrize("dgelu_epilogue", [False, True], ids=["dgelu_pass", "dgelu_epilogue"])
 @pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
-def test_mlp_matches_the_fp8_reference(be, accumulate):
+def test_mlp_matches_the_fp8_reference(be, accumulate, dgelu_epilogue, monkeypatch):
     """Stage by stage, each reference stage fed the GPU's bf16 intermediates (pre, act, dact), as
     every kernel test feeds the reference the inputs rounded to the compute dtype: an intermediate
     rounded to bf16 and then to FP8 lands on the other side of an FP8 rounding boundary now and
-    then (double rounding), which the float64 reference of the whole MLP would not see."""
+    then (double rounding), which the float64 reference of the whole MLP would not see. The
+    forward does not write act (its FP8 operand comes from pre); the backward's dact *= gelu'(pre)
+    by k_fp8_dgelu_colsum_amax (default) or cuBLASLt's dGELU epilogue (CudaOps.dgelu_epilogue)."""
     import cupy as cp
+    monkeypatch.setattr(be, "dgelu_epilogue", dgelu_epilogue)
     rng = np.random.default_rng(5)
     Bn, T, C, H = 4, 48, 80, 320
     x, dy = on_dev(rng.standard_normal((Bn, T, C))), on_dev(1e-3 * rng.standard_normal((Bn, T, C)))
     w1, b1 = on_dev(0.1 * rng.standard_normal((H, C))), on_dev(0.1 * rng.standard_normal(H))
     w2, b2 = on_dev(0.05 * rng.standard_normal((C, H))), on_dev(0.05 * rng.standard_normal(C))
     out, pre = cp.full((Bn, T, C), np.nan, bf16()), cp.full((Bn, T, H), np.nan, bf16())
-    act, dact = cp.empty((Bn, T, H), bf16()), cp.empty((Bn, T, H), bf16())
+    act, dact = cp.full((Bn, T, H), 7, bf16()), cp.empty((Bn, T, H), bf16())
     be.fp8.k_fp8_mlp_fwd(out, pre, act, x, w1, b1, w2, b2)
+    assert bool((act == 7).all()), "the fp8 forward wrote act"
     X, DY, W1, B1, W2, B2 = (host(a) for a in (x, dy, w1, b1, w2, b2))
-    P, A = host(pre), host(act)
+    P = host(pre)
     p_ref, o_ref = np.zeros((Bn, T, H)), np.zeros((Bn, T, C))
     ref.k_fp8_linear_fwd(p_ref, X, W1, B1)
     assert rel(P, p_ref) < TOL
-    gelu = np.zeros_like(P)
-    ref._gelu(P, gelu)
-    assert rel(A, gelu) < TOL  # act = gelu(pre), in bf16
-    ref.k_fp8_linear_fwd(o_ref, A, W2, B2)
+    ref.k_fp8_linear_fwd(o_ref, ref._act(pre.get()).astype(np.float64), W2, B2)  # act = gelu(pre), in bf16
     assert rel(host(out), o_ref) < TOL
     g = [cp.zeros((Bn, T, C), bf16()), cp.zeros((H, C), cp.float32), cp.zeros(H, cp.float32),
          cp.zeros((C, H), cp.float32), cp.zeros(C, cp.float32)]
@@ -220,6 +222,98 @@ def test_mlp_matches_the_fp8_reference(be, accumulate):
     for name, got, r in zip(("dinp", "dw1", "db1", "dw2", "db2"), g, d1 + d2[1:]):
         e = rel(host(got), r)
         assert e < TOL, f"{name}: {e:.3g}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16)])  # partial 64 x 64 tiles
+def test_gelu_kernels_are_the_cast_of_k_mlp_bwd_gelu(be, dtype, R, K):
+    """k_fp8_gelu_amax and k_fp8_gelu_cast_transpose of pre: the amax, bytes and 1/scale that
+    k_fp8_amax and k_fp8_cast_transpose make of the act k_mlp_bwd_gelu writes from pre, byte for
+    byte (both formats, both outputs or one; a NaN in pre makes the amax NaN); and numpy_ref's
+    k_fp8_cast_transpose of that act gives the same bytes."""
+    import cupy as cp
+    from andrea.backends.cuda.runtime import THREADS, blocks, i64
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(R + K)
+    p0 = rng.standard_normal((R, K)) * np.exp2(rng.integers(-4, 4, (R, K)))
+    for nan in (False, True):
+        if nan:
+            p0[R - 1, K - 3] = np.nan
+        pre = cp.asarray(p0.astype(dt))
+        act = cp.empty_like(pre)
+        be.rt.launch("mlp.cu", "k_mlp_bwd_gelu", dt, blocks(R * K), THREADS, (act, np.uint64(0), pre, i64(R * K)))
+        for fmt in ("e4m3", "e5m2"):
+            want_m, got_m = cp.zeros(64, cp.float32), cp.full(64, 5, cp.float32)
+            be.fp8.k_fp8_amax(want_m, act)
+            be.fp8.k_fp8_gelu_amax(got_m, pre)
+            a, b = want_m.get()[0], got_m.get()[0]
+            assert (np.isnan(a) and np.isnan(b)) if nan else a == b > 0, (fmt, a, b)
+            if nan:
+                continue
+            wo, wt = cp.zeros((R, K), cp.uint8), cp.zeros((K, R), cp.uint8)
+            be.fp8.k_fp8_cast_transpose(wo, wt, want_m, act, fmt)
+            for both in (True, False):
+                go, gt = cp.full((R, K), 3, cp.uint8), cp.full((K, R), 3, cp.uint8)
+                be.fp8.k_fp8_gelu_cast_transpose(go if both else None, gt, got_m, pre, fmt)
+                assert np.array_equal(gt.get(), wt.get()), (fmt, both)
+                assert np.array_equal(go.get(), wo.get()) if both else bool((go == 3).all()), (fmt, both)
+                assert got_m.get()[32] == want_m.get()[32]
+            r_o, r_t = np.zeros((R, K), np.uint8), np.zeros((K, R), np.uint8)
+            m_ref = np.array([a, 0], np.float32)
+            ref.k_fp8_cast_transpose(r_o, r_t, m_ref, act.get().astype(np.float32), fmt)
+            assert np.array_equal(r_o, wo.get()) and m_ref[1] == want_m.get()[32]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("N,H", [(53, 208), (256, 1024), (16, 8)])  # partial chunks and column strips
+def test_dgelu_colsum_amax_same_bits_as_the_separate_passes(be, dtype, N, H):
+    """k_fp8_dgelu_colsum_amax: dact the bits of k_mlp_bwd_gelu's dact *= gelu'(pre), the column
+    sums (k_colsum_final of its partials) the bits of _colsum_add of that dact, the amax that of
+    k_fp8_amax (a NaN: NaN); and all three within rounding of numpy_ref's k_fp8_dgelu_colsum_amax."""
+    import cupy as cp
+    from andrea.backends.cuda.ops import COLSUM_CHUNKS
+    from andrea.backends.cuda.runtime import THREADS, blocks, i64
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(N * H)
+    p0, d0 = rng.standard_normal((N, H)) * 2, 1e-3 * rng.standard_normal((N, H))
+    rpc = -(-N // COLSUM_CHUNKS)
+    chunks = -(-N // rpc)
+    for nan in (False, True):
+        if nan:
+            p0[N // 2, 1] = np.nan
+        pre, d_sep, d_fused = cp.asarray(p0.astype(dt)), cp.asarray(d0.astype(dt)), cp.asarray(d0.astype(dt))
+        be.rt.launch("mlp.cu", "k_mlp_bwd_gelu", dt, blocks(N * H), THREADS, (np.uint64(0), d_sep, pre, i64(N * H)))
+        db_sep, db_fused = cp.full(H, 0.25, cp.float32), cp.full(H, 0.25, cp.float32)
+        be._colsum_add(db_sep, d_sep, N, H)
+        m_sep, m_fused = cp.zeros(64, cp.float32), cp.full(64, 9, cp.float32)
+        be.fp8.k_fp8_amax(m_sep, d_sep)
+        part = cp.full(chunks * H, np.nan, cp.float32)
+        be.fp8.k_fp8_dgelu_colsum_amax(part, m_fused, d_fused, pre, rpc)
+        be._colsum_final(db_fused, part, chunks, H)
+        a, b = m_sep.get()[0], m_fused.get()[0]
+        if nan:
+            assert np.isnan(a) and np.isnan(b)
+            continue
+        assert a == b > 0 and m_fused.get()[1] == 9, "amax, or a write beyond it"
+        assert d_sep.get().tobytes() == d_fused.get().tobytes(), "dact"
+        assert np.array_equal(db_sep.get().view(np.uint32), db_fused.get().view(np.uint32)), "column sums"
+        r_d, r_db, r_m = d0.astype(dt).astype(np.float64), np.full(H, 0.25), np.zeros(2, np.float32)
+        ref.k_fp8_dgelu_colsum_amax(r_db, r_m, r_d, pre.get().astype(np.float64))
+        assert rel(host(d_fused), r_d) < TOL and rel(db_fused.get(), r_db) < TOL
+        assert abs(b - r_m[0]) <= 1e-2 * r_m[0]
+
+
+def test_gelu_kernels_refuse_what_they_cannot_take(be):
+    import cupy as cp
+    m = cp.zeros(64, cp.float32)
+    with pytest.raises(ValueError, match="k_fp8_gelu_cast_transpose: x has shape"):
+        be.fp8.k_fp8_gelu_cast_transpose(None, cp.zeros(24 * 24, cp.uint8), m, cp.zeros((24, 24), bf16()), "e4m3")
+    with pytest.raises(ValueError, match="k_fp8_dgelu_colsum_amax: partial"):
+        be.fp8.k_fp8_dgelu_colsum_amax(cp.zeros(3, cp.float32), m, cp.zeros((16, 16), bf16()),
+                                       cp.zeros((16, 16), bf16()), 1)
+    with pytest.raises(ValueError, match="k_fp8_dgelu_colsum_amax: pre"):
+        be.fp8.k_fp8_dgelu_colsum_amax(cp.zeros(16 * 16, cp.float32), m, cp.zeros((16, 16), bf16()),
+                                       cp.zeros((16, 8), bf16()), 1)
 
 
 # ---------------------------------------------------------------- the engine in fp8
@@ -333,7 +427,9 @@ def test_weight_cache_same_bits_as_per_product_casts(tmp_path):
     state. With the cache on the copies match the weights after start-up, after updates, after the
     skipped step and after load_state; a step's products quantise no weight themselves (8 amax
     passes fewer per layer and microbatch) and the optimizer's graph rewrites every copy with one
-    k_fp8_amax_many and one k_fp8_cast_transpose_many."""
+    k_fp8_amax_many and one k_fp8_cast_transpose_many. (The MLP's act and dact take their amax in
+    k_fp8_gelu_amax and k_fp8_dgelu_colsum_amax, so 10 k_fp8_amax passes a layer remain with the
+    cache and without the input slots: 3 inputs and 3 output gradients, 4 inputs again.)"""
     n_layer, n_micro = MODEL["n_layer"], 2
     runs, mid = {}, {}
     for cache in (True, False):
@@ -368,13 +464,13 @@ def test_weight_cache_same_bits_as_per_product_casts(tmp_path):
     assert repr(on[0]) == repr(off[0]), "losses or records differ with the FP8 weight cache on and off"
     for what, a, b in zip(("weights", "adam m", "adam v"), on[2], off[2]):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{what} differ with the cache on and off"
-    # the input slots (at the backend's defaults) take 3 (X^T kept) and 2 (amax in the layer norms)
+    # the input slots (at the backend's defaults) take 4 (X^T kept) and 2 (amax in the layer norms)
     # more amax passes a layer away, with the cache on or off (test_input_slots_same_bits_as_without)
     from andrea.backends.cuda.ops import CudaOps
-    slots = 3 * CudaOps.fp8_keep_xt + 2 * CudaOps.fp8_producer_amax
-    assert off[1] == {"k_fp8_amax": (20 - slots) * n_layer * n_micro, "k_fp8_amax_many": 0,
+    slots = 4 * CudaOps.fp8_keep_xt + 2 * CudaOps.fp8_producer_amax
+    assert off[1] == {"k_fp8_amax": (18 - slots) * n_layer * n_micro, "k_fp8_amax_many": 0,
                       "k_fp8_cast_transpose_many": 0}
-    assert on[1] == {"k_fp8_amax": (12 - slots) * n_layer * n_micro, "k_fp8_amax_many": 1,
+    assert on[1] == {"k_fp8_amax": (10 - slots) * n_layer * n_micro, "k_fp8_amax_many": 1,
                      "k_fp8_cast_transpose_many": 1}
     # resume: a fresh engine (its copies made from its own initial weights) loads the state after
     # step 3 and runs steps 4..7: the same bits as the straight run
@@ -450,13 +546,22 @@ def slot_engine(tmp_path, keep, amax, **train):
 
 def check_slots(eng, when):
     """After a forward pass: each input slot's amax, 1/scale and kept X^T byte-equal to what
-    k_fp8_amax + k_fp8_cast_transpose make of the saved input as it is now."""
+    k_fp8_amax + k_fp8_cast_transpose make of the saved input as it is now (for act, of the act
+    k_mlp_bwd_gelu makes of the layer's saved pre)."""
     import cupy as cp
     from andrea.backends.cuda.fp8 import META_STRIDE
+    from andrea.backends.cuda.runtime import THREADS, blocks, i64
     from andrea.engine import fp8_input_slots
     for w, l, x in fp8_input_slots(eng.cfg.model):
         slot = eng.be.fp8.slots[eng.p[w].data.ptr]
-        x2 = eng.layers[l][x].reshape(-1, eng.cfg.model.d_model)
+        if x == "act":
+            pre = eng.layers[l]["pre"]
+            x2 = cp.empty_like(pre)
+            eng.be.rt.launch("mlp.cu", "k_mlp_bwd_gelu", pre.dtype, blocks(pre.size), THREADS,
+                             (x2, np.uint64(0), pre, i64(pre.size)))
+            x2 = x2.reshape(-1, pre.shape[-1])
+        else:
+            x2 = eng.layers[l][x].reshape(-1, eng.cfg.model.d_model)
         pair, xt = cp.zeros(2, cp.float32), cp.zeros(x2.shape[::-1], cp.uint8)
         eng.be.fp8.k_fp8_amax(pair, x2)
         eng.be.fp8.k_fp8_cast_transpose(None, xt, pair, x2, "e4m3")
@@ -471,9 +576,11 @@ def test_input_slots_same_bits_as_without(tmp_path):
     both): the same losses, records, weights and Adam state bits as with both off, a skipped step
     among them and a resume from a state (both on). On, the slots hold what the per-product
     quantisation makes of each saved input, the backward quantises no kept input again and the
-    products of ln1 and ln2 run no k_fp8_amax: per layer and microbatch the 12 amax passes (the 4
-    inputs in the forward, the 4 output gradients and the 4 inputs again in the backward) become 9
-    (X^T kept), 10 (amax in the layer norms) or 7 (both)."""
+    products of ln1 and ln2 run no k_fp8_amax: per layer and microbatch the 10 k_fp8_amax passes
+    (3 inputs in the forward, 3 output gradients and the 4 inputs again in the backward; act's
+    and dact's amax come from k_fp8_gelu_amax and k_fp8_dgelu_colsum_amax) become 6 (X^T kept),
+    8 (amax in the layer norms) or 4 (both); k_fp8_cast (3 a layer) goes with X^T kept, where
+    the forward's casts transpose too."""
     n_layer, n_micro = MODEL["n_layer"], 2
     runs, mid = {}, None
     for keep, amax in ((False, False), (True, False), (False, True), (True, True)):
@@ -487,7 +594,9 @@ def test_input_slots_same_bits_as_without(tmp_path):
             recs.append(dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)])))
             if s == 1:
                 eng.be.synchronize()
-                counts = {k: log.count(k) for k in ("k_fp8_amax", "k_fp8_cast", "k_fp8_cast_transpose")}
+                counts = {k: log.count(k) for k in ("k_fp8_amax", "k_fp8_cast", "k_fp8_cast_transpose",
+                                                    "k_fp8_gelu_amax", "k_fp8_gelu_cast_transpose",
+                                                    "k_fp8_dgelu_colsum_amax", "k_mlp_bwd_gelu")}
                 del eng.be.rt.launch
                 if keep or amax:
                     check_slots(eng, f"step 1, keep={keep} amax={amax}")
@@ -500,14 +609,18 @@ def test_input_slots_same_bits_as_without(tmp_path):
     assert [r["skipped"] for r in base[0]] == [False] * 4 + [True] + [False] * 2, base[0]
     assert all(np.isfinite(r["loss"]) for r in base[0] if not r["skipped"])
     per = n_layer * n_micro
-    want = {(False, False): (12, 4, 8), (True, False): (9, 1, 8), (False, True): (10, 4, 8), (True, True): (7, 1, 8)}
+    want = {(False, False): (10, 3, 8), (True, False): (6, 0, 7), (False, True): (8, 3, 8), (True, True): (4, 0, 7)}
     for key, (recs, counts, state) in runs.items():
         assert repr(recs) == repr(base[0]), f"keep_xt, producer_amax = {key}: records differ from both off"
         for what, a, b in zip(("weights", "adam m", "adam v"), state, base[2]):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{key}: {what} differ from both off"
-        n_amax, n_cast, n_ct = want[key]  # cast_transpose: 4 dY a layer, and 3 kept X^T instead of 3 in the backward
+        # cast_transpose: 4 dY a layer, and 4 X^T in the backward or 3 kept X^T in the forward
+        # (act's is k_fp8_gelu_cast_transpose's, once a layer either way)
+        n_amax, n_cast, n_ct = want[key]
         assert counts == {"k_fp8_amax": n_amax * per, "k_fp8_cast": n_cast * per,
-                          "k_fp8_cast_transpose": n_ct * per}, (key, counts)
+                          "k_fp8_cast_transpose": n_ct * per, "k_fp8_gelu_amax": per,
+                          "k_fp8_gelu_cast_transpose": per, "k_fp8_dgelu_colsum_amax": per,
+                          "k_mlp_bwd_gelu": 0 if key[0] else per}, (key, counts)
     eng = slot_engine(tmp_path, True, True, seed=99)
     check_resume(eng, mid, base)
     eng.val_loss([batch(40)])  # a forward pass outside the step's graphs: the slots follow it
@@ -515,9 +628,10 @@ def test_input_slots_same_bits_as_without(tmp_path):
 
 
 def test_input_slots_plan_and_views(tmp_path):
-    """The plan's input-slot rows are the arena's, each kept X^T a 256-byte aligned (C, B*T)
-    view inside fp8_xt; amax only: meta rows, no X^T. The layer-norm launchers find a slot by
-    the input they write (ln1, ln2; the attention output's is never asked for)."""
+    """The plan's input-slot rows are the arena's, each kept X^T a 256-byte aligned (IC, B*T)
+    view inside fp8_xt (IC = C, and 4C for act); amax only: meta rows, no X^T. The layer-norm
+    launchers find a slot by the input they write (ln1, ln2; the attention output's is never
+    asked for); act, the workspace every layer's slot names, is found by none."""
     from andrea.engine import fp8_input_slots
     both, amax_only = slot_engine(tmp_path, True, True), slot_engine(tmp_path, False, True)
     assert "fp8_xt" in both.bufs and "fp8_xt" not in amax_only.bufs and "fp8_xmeta" in amax_only.bufs
@@ -525,6 +639,8 @@ def test_input_slots_plan_and_views(tmp_path):
     lo, hi = data.data.ptr, data.data.ptr + data.nbytes
     for w, l, x in fp8_input_slots(both.cfg.model):
         slot = both.be.fp8.slots[both.p[w].data.ptr]
-        assert slot.xt.shape == (48, 4 * 32) and lo <= slot.xt.data.ptr < hi and slot.xt.data.ptr % 256 == 0, w
-        assert both.be.fp8.slot_of_input.get(both.layers[l][x].data.ptr) is slot, w
+        IC = 4 * 48 if x == "act" else 48
+        assert slot.xt.shape == (IC, 4 * 32) and lo <= slot.xt.data.ptr < hi and slot.xt.data.ptr % 256 == 0, w
+        want = None if x == "act" else slot
+        assert both.be.fp8.slot_of_input.get(both.slot_input(l, x).data.ptr) is want, w
         assert amax_only.be.fp8.slots[amax_only.p[w].data.ptr].xt is None

@@ -251,29 +251,32 @@ def test_layernorm_amax_is_k_fp8_amax_of_its_output(residual):
 
 def test_memory_plan_lists_the_fp8_input_slots():
     """The input slots (fp8_keep_xt, fp8_producer_amax): a 64-float (amax, 1/scale) row for the
-    input of every QKV, attention-output and first MLP product (three a layer) with either switch,
-    and with fp8_keep_xt FP8 X^T of each (C x B*T bytes, 256-byte aligned); none with both off or
-    in 16 bits. At ANDREA-120M with B=8 the kept X^T are 3 x 12 x 768 x 8192 bytes (226.5 MB)."""
+    input of every QKV, attention-output and MLP product (four a layer, the last one's input act)
+    with either switch, and with fp8_keep_xt FP8 X^T of each (IC x B*T bytes, 256-byte aligned:
+    C for the first three, 4C for act); none with both off or in 16 bits. At ANDREA-120M with
+    B=8 the kept X^T are (3 + 4) x 12 x 768 x 8192 bytes (528.5 MB)."""
     from andrea.compose import compose_config
     from andrea.engine import fp8_input_slots, make_plan
     for exp, B in (("ANDREA-tiny", 4), ("ANDREA-120M", 8)):
         cfg = compose_config(exp, ["train.precision=fp8", f"train.batch_size={B}"])
         m, N = cfg.model, B * cfg.train.seq_len
         slots = fp8_input_slots(m)
-        assert [(w, x) for w, l, x in slots[:3]] == [("h0.qkv_w", "ln1"), ("h0.attn_out_w", "atty"),
-                                                     ("h0.mlp_w1", "ln2")] and len(slots) == 3 * m.n_layer
+        assert [(w, x) for w, l, x in slots[:4]] == [("h0.qkv_w", "ln1"), ("h0.attn_out_w", "atty"),
+                                                     ("h0.mlp_w1", "ln2"), ("h0.mlp_w2", "act")]
+        assert len(slots) == 4 * m.n_layer and [l for _, l, _ in slots[-4:]] == [m.n_layer - 1] * 4
         plans = {(k, a): make_plan(cfg, fp8_keep_xt=k, fp8_producer_amax=a) for k in (False, True) for a in (False, True)}
         group = "fp8 input slots"
         assert group not in plans[False, False].by_group()
         assert group not in make_plan(compose_config(exp, ["train.precision=bf16"])).by_group()
         meta = len(slots) * 64 * 4
-        xt = len(slots) * (-(-m.d_model * N // 256) * 256)
+        C = m.d_model
+        xt = m.n_layer * (3 * (-(-C * N // 256) * 256) + (-(-4 * C * N // 256) * 256))
         assert plans[False, True].by_group()[group] == meta
         assert plans[True, False].by_group()[group] == plans[True, True].by_group()[group] == meta + xt
         assert {r.name for r in plans[True, True].rows if r.group == group} == {"fp8_xmeta", "fp8_xt"}
         assert [r for r in plans[True, True].rows if r.group != group] == plans[False, False].rows
         if exp == "ANDREA-120M":
-            assert xt == 3 * 12 * 768 * 8192 == 226_492_416
+            assert xt == 7 * 12 * 768 * 8192 == 528_482_304
 
 
 def test_memory_plan_of_bf16_and_fp8_needs_no_ml_dtypes():
@@ -296,3 +299,56 @@ def test_memory_plan_of_bf16_and_fp8_needs_no_ml_dtypes():
         "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_gelu_passes_against_pytorch(dtype):
+    """The FP8 MLP's passes over pre and dact (N, H) = (37, 24). act (k_mlp_bwd_gelu's, in pre's
+    dtype) and the GELU's derivative against PyTorch's tanh GELU and its autograd in float64 (equal
+    up to the final rounding to the dtype, one unit of it, and float64's own rounding); k_fp8_gelu_amax and
+    k_fp8_gelu_cast_transpose are k_fp8_amax and k_fp8_cast of that act; k_fp8_dgelu_colsum_amax
+    multiplies dact by the derivative, adds its column sums into db and takes its amax; a NaN in
+    pre makes both amax NaN."""
+    torch = pytest.importorskip("torch")
+    dt = np.dtype(dtype)
+    eps = float(np.finfo(dt).eps)
+    tiny = max(1e-15, float(np.finfo(dt).smallest_subnormal))  # float16's subnormal spacing
+    rng = np.random.default_rng(11)
+    N, H = 37, 24
+    pre = (rng.standard_normal((N, H)) * 3).astype(dt)
+    dact = (1e-3 * rng.standard_normal((N, H))).astype(dt)
+    t = torch.tensor(pre.astype(np.float64), requires_grad=True)
+    g = torch.nn.functional.gelu(t, approximate="tanh")
+    (slope,) = torch.autograd.grad(g, t, torch.ones_like(g))
+    act = K._act(pre)
+    assert act.dtype == dt
+    # atol: far in the negative tail 1 + tanh(u) cancels, and the two float64 formulas differ by
+    # about |x| * 2^-53 before the rounding to dt (or by its subnormal spacing)
+    np.testing.assert_allclose(act.astype(np.float64), g.detach().numpy(), rtol=eps, atol=tiny)
+    # the derivative's two terms cancel in the tail too, the larger one of size x^3: atol 1e-13
+    np.testing.assert_allclose(K._gelu_grad(pre.astype(np.float64)), slope.numpy(), rtol=1e-12, atol=1e-13)
+    for fmt in ("e4m3", "e5m2"):
+        meta, want = np.zeros(2, np.float32), np.zeros(2, np.float32)
+        K.k_fp8_gelu_amax(meta, pre)
+        assert meta[0] == np.float32(np.abs(act.astype(np.float32)).max()) > 0
+        out, out_t = np.zeros((N, H), np.uint8), np.zeros((H, N), np.uint8)
+        K.k_fp8_gelu_cast_transpose(out, out_t, meta, pre, fmt)
+        want[0] = meta[0]
+        w_out = np.zeros((N, H), np.uint8)
+        K.k_fp8_cast(w_out, want, act, fmt)
+        np.testing.assert_array_equal(out, w_out)
+        np.testing.assert_array_equal(out_t, w_out.T)
+        assert meta[1] == want[1] and 0 < meta[1] <= 1
+    db0 = rng.standard_normal(H)
+    db, meta, d = db0.copy(), np.zeros(2, np.float32), dact.copy()
+    K.k_fp8_dgelu_colsum_amax(db, meta, d, pre)
+    want_dact = dact.astype(np.float64) * slope.numpy()
+    np.testing.assert_allclose(d.astype(np.float64), want_dact, rtol=eps, atol=tiny)
+    np.testing.assert_allclose(db, db0 + d.astype(np.float64).sum(axis=0), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(db, db0 + want_dact.sum(axis=0), rtol=N * eps, atol=1e-15)
+    assert meta[0] == np.float32(np.abs(d.astype(np.float32)).max()) > 0
+    pre[5, 7] = np.nan
+    K.k_fp8_gelu_amax(meta, pre)
+    assert np.isnan(meta[0])
+    K.k_fp8_dgelu_colsum_amax(db, meta, dact.copy(), pre)
+    assert np.isnan(meta[0])

@@ -531,6 +531,34 @@ def k_fp8_cast_transpose_many(outs, outs_t, meta, xs, fmt):
         meta[t, m] = pair[1]
 
 
+def _act(pre):
+    """act = gelu(pre) rounded to pre's dtype, as k_mlp_bwd_gelu writes it."""
+    a = np.empty(np.shape(pre), np.float64)
+    _gelu(np.asarray(pre, np.float64), a)
+    return a.astype(np.asarray(pre).dtype)
+
+
+def k_fp8_gelu_amax(meta, pre):
+    """meta[0] = max |act| (k_fp8_amax of act), act = gelu(pre) in pre's dtype: the FP8 MLP's
+    amax of its second product's input, taken from pre without act being stored."""
+    k_fp8_amax(meta, _act(pre))
+
+
+def k_fp8_gelu_cast_transpose(out, out_t, meta, pre, fmt):
+    """k_fp8_cast_transpose of act = gelu(pre) in pre's dtype (scale from meta[0]:
+    k_fp8_gelu_amax), without act being stored."""
+    k_fp8_cast_transpose(out, out_t, meta, _act(pre), fmt)
+
+
+def k_fp8_dgelu_colsum_amax(db, meta, dact, pre):
+    """The FP8 MLP's pass over dact (N.., H) after its product: dact *= gelu'(pre) (in dact's
+    dtype), db (H,) += the column sums of the new dact, meta[0] = max |new dact| (k_fp8_amax)."""
+    d = np.asarray(dact, np.float64) * _gelu_grad(np.asarray(pre, np.float64))
+    dact[...] = d.astype(np.asarray(dact).dtype)
+    db += np.asarray(dact, np.float64).reshape(-1, np.shape(dact)[-1]).sum(axis=0)
+    k_fp8_amax(meta, dact)
+
+
 def fp8_fake(x, fmt):
     """x as the FP8 product sees it: fp8(x * scale) / scale with x's own scale, in float64."""
     meta = np.zeros(2, dtype=np.float32)

@@ -9,6 +9,12 @@
 // k_fp8_amax_many and k_fp8_cast_transpose_many do the same for many tensors in one launch each
 // (the FP8 copies of the weights, rewritten once per optimizer step), with the same code per tile.
 //
+// k_fp8_gelu_amax, k_fp8_gelu_cast_transpose and k_fp8_dgelu_colsum_amax are the FP8 MLP's passes
+// over its 4C-wide tensors: act = gelu(pre) made into an FP8 operand straight from pre (act is
+// never stored in 16 bits), and dact *= gelu'(pre) with its amax and the first bias's column
+// partials in one pass (cuBLASLt's dGELU epilogue for FP8 products measured 166 us a call at
+// ANDREA-120M, against about 30 for the product without it; docs/FP8.md).
+//
 // Compiled per compute dtype (-DCT) and per format: -DFP8_E5M2=1 for E5M2, else E4M3. The
 // conversion is the sm_89+ instruction cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (round to nearest even,
 // saturating to the largest finite value, NaN stays NaN); built for an older GPU the kernels trap,
@@ -16,6 +22,7 @@
 // length a multiple of 8 (the launcher asks 16, what cuBLASLt's FP8 products need), arrays 16-byte
 // aligned. Deterministic: a maximum does not depend on the order it is taken in.
 #include "common.cuh"
+#include "gelu.cuh"
 
 #ifndef FP8_E5M2
 #define FP8_E5M2 0
@@ -78,11 +85,26 @@ __device__ __forceinline__ Bytes8 fp8x8(const Pack8& p, float s) {
 // one block's share. The maximum is taken on the float bits as unsigned integers, which order
 // non-negative floats as their values and put NaN above infinity, so a NaN anywhere makes amax
 // NaN. One atomicMax per block.
+// act = gelu(x) of eight values, each rounded to CT as k_mlp_bwd_gelu stores it (gelu.cuh).
+__device__ __forceinline__ Pack8 gelu8(const Pack8& p) {
+  Pack8 a;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float g, dg;
+    gelu_and_slope(to_f(p.v[j]), g, dg);
+    a.v[j] = from_f<CT>(g);
+  }
+  return a;
+}
+
+// GELU: of gelu8(x) instead of x (k_fp8_gelu_amax).
+template <bool GELU>
 __device__ __forceinline__ void fp8_amax_block(float* meta, const CT* x, i64 n, i64 first, i64 step) {
   unsigned int m = 0u;
   const Pack8* xp = reinterpret_cast<const Pack8*>(x);
   for (i64 i = first; i < n / 8; i += step) {
     Pack8 p = xp[i];
+    if (GELU) p = gelu8(p);
 #pragma unroll
     for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(to_f(p.v[j])));
   }
@@ -91,7 +113,7 @@ __device__ __forceinline__ void fp8_amax_block(float* meta, const CT* x, i64 n, 
 
 // meta[0] = max(meta[0], max |x|) over x (n values, n % 8 == 0), a grid-stride pass.
 extern "C" __global__ void k_fp8_amax(float* meta, const CT* x, i64 n) {
-  fp8_amax_block(meta, x, n, blockIdx.x * (i64)blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
+  fp8_amax_block<false>(meta, x, n, blockIdx.x * (i64)blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
 }
 
 // out (n bytes) = fp8(x * scale), scale from meta[0]; meta[inv_at] = 1/scale (n % 8 == 0).
@@ -108,7 +130,9 @@ extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_a
 // skips it) with scale s: 256 threads read 8 consecutive values each (twice), write them to out
 // and to a shared byte tile, then write 8 consecutive bytes of a row of out_t each (twice).
 // R % 8 == K % 8 == 0. The caller syncs before reusing tile.
+// GELU: the tile of gelu8(x) instead (k_fp8_gelu_cast_transpose).
 #define FP8_TILE 64
+template <bool GELU>
 __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char* out_t, const CT* x, int R,
                                               int K, int r0, int c0, float s,
                                               unsigned char (*tile)[FP8_TILE + 8]) {
@@ -117,7 +141,8 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
     int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
     if (r0 + r < R && c0 + c8 < K) {
       i64 at = (i64)(r0 + r) * K + c0 + c8;
-      Bytes8 q = fp8x8(*reinterpret_cast<const Pack8*>(x + at), s);
+      Bytes8 q = GELU ? fp8x8(gelu8(*reinterpret_cast<const Pack8*>(x + at)), s)
+                      : fp8x8(*reinterpret_cast<const Pack8*>(x + at), s);
       if (out) *reinterpret_cast<Bytes8*>(out + at) = q;
       *reinterpret_cast<Bytes8*>(&tile[r][c8]) = q;
     }
@@ -146,7 +171,7 @@ extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned cha
   __shared__ unsigned char tile[FP8_TILE][FP8_TILE + 8];
   float inv, s = fp8_scale(meta[0], &inv);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[inv_at] = inv;
-  fp8_cast_tile(out, out_t, x, R, K, blockIdx.y * FP8_TILE, blockIdx.x * FP8_TILE, s, tile);
+  fp8_cast_tile<false>(out, out_t, x, R, K, blockIdx.y * FP8_TILE, blockIdx.x * FP8_TILE, s, tile);
 }
 
 // ---- many tensors in one launch (the FP8 copies of the weights, made once per optimizer step)
@@ -159,7 +184,7 @@ extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned cha
 // zeroes meta first). A tensor's blocks stride over it; the maximum does not depend on the split.
 extern "C" __global__ void k_fp8_amax_many(float* meta, int meta_stride, const i64* table) {
   const i64* e = table + (i64)blockIdx.y * FP8_TABLE_COLS;
-  fp8_amax_block(meta + (i64)blockIdx.y * meta_stride, reinterpret_cast<const CT*>(e[0]), e[3] * e[4],
+  fp8_amax_block<false>(meta + (i64)blockIdx.y * meta_stride, reinterpret_cast<const CT*>(e[0]), e[3] * e[4],
                  blockIdx.x * (i64)blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
 }
 
@@ -178,6 +203,71 @@ extern "C" __global__ void k_fp8_cast_transpose_many(float* meta, int meta_strid
   int tiles_k = (K + FP8_TILE - 1) / FP8_TILE, tiles = tiles_k * ((R + FP8_TILE - 1) / FP8_TILE);
   for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
     __syncthreads();  // the previous tile's bytes are read out of the shared tile
-    fp8_cast_tile(out, out_t, x, R, K, (i / tiles_k) * FP8_TILE, (i % tiles_k) * FP8_TILE, s, tile);
+    fp8_cast_tile<false>(out, out_t, x, R, K, (i / tiles_k) * FP8_TILE, (i % tiles_k) * FP8_TILE, s, tile);
+  }
+}
+
+// ---- the FP8 MLP's passes over pre and dact (N, H), H = 4C (cuda/fp8.py k_fp8_mlp_fwd / _bwd)
+
+// meta[0] = max(meta[0], max |act|), act = gelu(pre) rounded to CT (n values, n % 8 == 0): the
+// amax k_fp8_amax would find in the act k_mlp_bwd_gelu writes, without writing it.
+extern "C" __global__ void k_fp8_gelu_amax(float* meta, const CT* pre, i64 n) {
+  fp8_amax_block<true>(meta, pre, n, blockIdx.x * (i64)blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
+}
+
+// act = gelu(pre) (R, K) to out (R, K) and/or out_t (K, R), as k_fp8_cast_transpose casts act:
+// scale from meta[0] (k_fp8_gelu_amax), 1/scale into meta[inv_at]; one block a tile.
+extern "C" __global__ void k_fp8_gelu_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
+                                                     int inv_at, const CT* pre, int R, int K) {
+  __shared__ unsigned char tile[FP8_TILE][FP8_TILE + 8];
+  float inv, s = fp8_scale(meta[0], &inv);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[inv_at] = inv;
+  fp8_cast_tile<true>(out, out_t, pre, R, K, blockIdx.y * FP8_TILE, blockIdx.x * FP8_TILE, s, tile);
+}
+
+// dact *= gelu'(pre) (N, H), in place, as k_mlp_bwd_gelu does; partial[chunk][c] = the sum of the
+// new dact[r][c] (as stored) over the chunk's rows, in k_colsum_partial's order (as
+// k_mlp_bwd_gelu_colsum: row lane y takes rows r0 + y, r0 + y + 8, ...; then the 8 lanes in order);
+// meta[0] = max(meta[0], max |new dact|) (block_amax_atomic; the launcher zeroes it). 256 threads,
+// lane x = threadIdx.x % 32 owns one 16-byte vector (CT_VEC columns) of a strip of 32 vectors, row
+// lane y = threadIdx.x / 32; grid (column strips, row chunks). H % CT_VEC == 0, rows 16-byte aligned.
+extern "C" __global__ void k_fp8_dgelu_colsum_amax(float* __restrict__ partial, float* meta, CT* __restrict__ dact,
+                                                   const CT* __restrict__ pre, i64 N, int H, int rows_per_chunk) {
+  __shared__ float acc[8][32 * CT_VEC + 1];
+  int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  int hv = H / CT_VEC, v = blockIdx.x * 32 + tx;  // this lane's vector of the row
+  i64 r0 = (i64)blockIdx.y * rows_per_chunk;
+  i64 r1 = r0 + rows_per_chunk < N ? r0 + rows_per_chunk : N;
+  float a[CT_VEC];
+  unsigned int m = 0u;
+#pragma unroll
+  for (int i = 0; i < CT_VEC; ++i) a[i] = 0.f;
+  if (v < hv) {
+#pragma unroll 4
+    for (i64 r = r0 + ty; r < r1; r += 8) {
+      i64 q = r * hv + v;
+      vec16 p = ((const vec16*)pre)[q], d = ((const vec16*)dact)[q];
+#pragma unroll
+      for (int i = 0; i < CT_VEC; ++i) {
+        float g, dg;
+        gelu_and_slope(vget(p, i), g, dg);
+        vset(d, i, vget(d, i) * dg);
+        float stored = vget(d, i);  // rounded to CT, as the column sums and the cast read it
+        a[i] += stored;
+        m = umax(m, abs_bits(stored));
+      }
+      ((vec16*)dact)[q] = d;
+    }
+  }
+  block_amax_atomic(meta, m);  // every thread; its __syncthreads also orders nothing below
+#pragma unroll
+  for (int i = 0; i < CT_VEC; ++i) acc[ty][tx * CT_VEC + i] = a[i];
+  __syncthreads();
+  for (int j = threadIdx.x; j < 32 * CT_VEC; j += 256) {
+    int c = blockIdx.x * 32 * CT_VEC + j;
+    if (c >= H) continue;
+    float s = 0.f;
+    for (int k = 0; k < 8; ++k) s += acc[k][j];
+    partial[(i64)blockIdx.y * H + c] = s;
   }
 }

@@ -6,12 +6,7 @@
 // also the column partials of the first bias's gradient, so that dpre is not read again for them).
 // The second bias and the other bias gradients are linear.cu's k_bias_add and k_colsum_*.
 #include "common.cuh"
-
-#define GELU_K 0.7978845608028654f  // sqrt(2 / pi), as numpy_ref.GELU_K
-
-__device__ __forceinline__ float gelu(float x) {
-  return 0.5f * x * (1.0f + tanhf(GELU_K * (x + 0.044715f * x * x * x)));
-}
+#include "gelu.cuh"
 
 // pre (N, H) += b1 (rounded to CT, as saved); act = gelu(pre).
 // Blocks stride over rows, threads over columns (no 64-bit division per element).
@@ -28,12 +23,7 @@ extern "C" __global__ void k_mlp_fwd_bias_gelu(CT* pre, CT* act, const CT* b1, i
 // act = gelu(pre) where act is not null (the backward pass recomputes what the forward pass did
 // not keep), and dact *= gelu'(pre) where dact is not null: one pass over pre for both, 16 bytes
 // per load where every buffer allows it (version 1, in git history, loaded one element per
-// thread, with a separate kernel for the derivative).
-__device__ __forceinline__ void gelu_and_slope(float x, float& g, float& dg) {
-  float th = tanhf(GELU_K * (x + 0.044715f * x * x * x));
-  g = 0.5f * x * (1.0f + th);
-  dg = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * GELU_K * (1.0f + 3.0f * 0.044715f * x * x);
-}
+// thread, with a separate kernel for the derivative). gelu and gelu_and_slope: gelu.cuh.
 extern "C" __global__ void k_mlp_bwd_gelu(CT* act, CT* dact, const CT* pre, i64 total) {
   i64 i0 = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
   float g, dg;

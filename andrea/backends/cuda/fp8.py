@@ -11,9 +11,12 @@ both operands contiguous along the summed axis, so dW = dY.T @ X takes dY and X 
 dX = dY @ W takes W transposed). The output gradient dY is quantised in the gradient format
 (numpy_ref.FP8_GRAD). Products accumulate in float32 and write the compute dtype (bf16) or, for
 the weight gradients, add into the float32 grads (beta = 1). Biases ride on cuBLASLt's bias
-epilogue, the first MLP product on its GELU epilogue, where cuBLASLt has an FP8 algorithm for
-them; otherwise a plain product and the 16-bit path's bias / GELU kernels. Bias gradients are
-column sums of the 16-bit dY, as in the 16-bit path. The operands live in the backend's
+epilogue where cuBLASLt has an FP8 algorithm for it; otherwise a plain product and the 16-bit
+path's bias kernel. Bias gradients are column sums of the 16-bit dY, as in the 16-bit path.
+The MLP's GELU is not an epilogue: act = gelu(pre) is made into its FP8 operand straight from
+pre (k_fp8_gelu_amax, k_fp8_gelu_cast_transpose; act is never stored in 16 bits), and the
+backward's dact *= gelu'(pre) runs in one pass with dact's amax and the first bias's column
+partials (k_fp8_dgelu_colsum_amax). The operands live in the backend's
 workspace ("fp8_*" rows), reused by every layer; the scales live in "fp8_meta".
 
 The weights change once per optimizer step, not once per product: with the FP8 weight cache
@@ -26,18 +29,22 @@ quantising W themselves; the bytes and scales are the ones the per-product quant
 for the same weights, so a step is bit-identical with the cache on or off.
 
 The inputs X of the layers whose X the model saves for the backward pass (ln1 for QKV, the
-attention output for its projection, ln2 for the first MLP product) have input slots
+attention output for its projection, ln2 for the first MLP product) and act (the second MLP
+product's, made from the saved pre) have input slots
 (use_input_slots, rows input_slot_rows in the engine's arena): each slot holds the (amax,
 1/scale) of its X for the current microbatch and, with CudaOps.fp8_keep_xt, FP8 X^T. The
 forward product then quantises X once into both X and X^T (k_fp8_cast_transpose) and the
 backward's weight-gradient product reads that X^T instead of quantising X again: the same
-tensor, amax, scale and rounding, so the same bytes. With CudaOps.fp8_producer_amax the layer
+tensor, amax, scale and rounding, so the same bytes (act's X^T comes from pre, as the backward
+would make it from its own act = gelu(pre)). With CudaOps.fp8_producer_amax the layer
 norms that write ln1 and ln2 also reduce their amax into the slot (layernorm.cu), and the
 product skips its k_fp8_amax pass. The amax of every slot is zeroed by one memset when the first
 slot (layer 0's ln1) is quantised, i.e. once per forward pass, not once per product. Both
 switches are on by default (docs/FP8.md has the GPU job that measured them).
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -159,15 +166,20 @@ class Fp8Ops:
             raise ValueError(f"{kernel}: x has {x.size} values (need a multiple of {FP8_MULTIPLE}) "
                              f"at address {x.data.ptr:#x} (need 16-byte alignment)")
 
-    def k_fp8_amax(self, meta, x, zeroed=False):
+    def k_fp8_amax(self, meta, x, zeroed=False, kernel="k_fp8_amax"):
         """meta[0] = max |x| (NaN if any x is NaN); zeroes meta[0] first (a memset, so it captures)
-        unless zeroed says it is zero already."""
-        check("k_fp8_amax", "meta", meta, dtype=np.float32)
-        self._check_x("k_fp8_amax", x)
+        unless zeroed says it is zero already. kernel="k_fp8_gelu_amax": of gelu(x) (below)."""
+        check(kernel, "meta", meta, dtype=np.float32)
+        self._check_x(kernel, x)
         if not zeroed:
             cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, 4, cp.cuda.get_current_stream().ptr)
         n = x.size
-        self.ops.rt.launch("fp8.cu", "k_fp8_amax", x.dtype, blocks(n // 8, THREADS), THREADS, (meta, x, i64(n)))
+        self.ops.rt.launch("fp8.cu", kernel, x.dtype, blocks(n // 8, THREADS), THREADS, (meta, x, i64(n)))
+
+    def k_fp8_gelu_amax(self, meta, pre, zeroed=False):
+        """meta[0] = max |act|, act = gelu(pre) rounded to pre's dtype (the act k_mlp_bwd_gelu
+        writes), without writing act; zeroes meta[0] first unless zeroed."""
+        self.k_fp8_amax(meta, pre, zeroed, kernel="k_fp8_gelu_amax")
 
     def k_fp8_cast(self, out, meta, x, fmt):
         """out (uint8, x's size) = fp8 bytes of x * scale (scale from meta[0]); 1/scale into meta
@@ -180,23 +192,49 @@ class Fp8Ops:
         self.ops.rt.launch("fp8.cu", "k_fp8_cast", x.dtype, blocks(x.size // 8, THREADS), THREADS,
                            (out, meta, inv_at, x, i64(x.size)), defs=self._defs(fmt))
 
-    def k_fp8_cast_transpose(self, out, out_t, meta, x, fmt):
-        """x (R, K) to out (R, K) and/or out_t (K, R) (None skips one), as k_fp8_cast."""
-        inv_at = self._inv_at("k_fp8_cast_transpose", meta)
-        self._check_x("k_fp8_cast_transpose", x)
+    def k_fp8_cast_transpose(self, out, out_t, meta, x, fmt, kernel="k_fp8_cast_transpose"):
+        """x (R, K) to out (R, K) and/or out_t (K, R) (None skips one), as k_fp8_cast.
+        kernel="k_fp8_gelu_cast_transpose": of gelu(x) (below)."""
+        inv_at = self._inv_at(kernel, meta)
+        self._check_x(kernel, x)
         if x.ndim != 2 or x.shape[0] % FP8_MULTIPLE or x.shape[1] % FP8_MULTIPLE:
-            raise ValueError(f"k_fp8_cast_transpose: x has shape {x.shape}; expected (R, K), both multiples "
-                             f"of {FP8_MULTIPLE}")
+            raise ValueError(f"{kernel}: x has shape {x.shape}; expected (R, K), both multiples of {FP8_MULTIPLE}")
         R, K = x.shape
         for name, a in (("out", out), ("out_t", out_t)):
             if a is not None:
-                check("k_fp8_cast_transpose", name, a, dtype=np.uint8)
+                check(kernel, name, a, dtype=np.uint8)
                 if a.size != x.size:
-                    raise ValueError(f"k_fp8_cast_transpose: {name} has {a.size} bytes, x {x.size} values")
+                    raise ValueError(f"{kernel}: {name} has {a.size} bytes, x {x.size} values")
         null = np.uint64(0)
-        self.ops.rt.launch("fp8.cu", "k_fp8_cast_transpose", x.dtype, (-(-K // TILE), -(-R // TILE)), THREADS,
+        self.ops.rt.launch("fp8.cu", kernel, x.dtype, (-(-K // TILE), -(-R // TILE)), THREADS,
                            (out if out is not None else null, out_t if out_t is not None else null, meta,
                             inv_at, x, i32(R), i32(K)), defs=self._defs(fmt))
+
+    def k_fp8_gelu_cast_transpose(self, out, out_t, meta, pre, fmt):
+        """act = gelu(pre) (R, K), rounded to pre's dtype, to out (R, K) and/or out_t (K, R) as
+        k_fp8_cast_transpose casts it (scale from meta[0]: k_fp8_gelu_amax), without writing act."""
+        self.k_fp8_cast_transpose(out, out_t, meta, pre, fmt, kernel="k_fp8_gelu_cast_transpose")
+
+    def k_fp8_dgelu_colsum_amax(self, partial, meta, dact, pre, rows_per_chunk):
+        """dact (N, H) *= gelu'(pre) in place (k_mlp_bwd_gelu's derivative); partial (chunks, H)
+        float32 = the column sums of the new dact over each chunk of rows_per_chunk rows, in
+        k_colsum_partial's order (k_colsum_final of them gives _colsum_add's bits); meta[0] =
+        max |new dact| (zeroed first: a memset). H a multiple of 8, rows 16-byte aligned."""
+        kernel = "k_fp8_dgelu_colsum_amax"
+        check(kernel, "meta", meta, dtype=np.float32)
+        check(kernel, "pre", pre, dact.shape, dact.dtype)
+        self._check_x(kernel, dact)
+        N, H = dact.shape
+        vec = 16 // dact.dtype.itemsize
+        chunks = -(-N // rows_per_chunk)
+        check(kernel, "partial", partial, (chunks * H,), np.float32)
+        if H % vec or pre.data.ptr % 16:
+            raise ValueError(f"{kernel}: H = {H} (need a multiple of {vec}), pre at {pre.data.ptr:#x} "
+                             "(need 16-byte alignment)")
+        cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, 4, cp.cuda.get_current_stream().ptr)
+        self.ops.rt.launch("fp8.cu", kernel, dact.dtype, (-(-H // (32 * vec)), chunks), THREADS,
+                           (partial, meta, dact, pre, i64(N), i32(H), i32(rows_per_chunk)),
+                           defs=self._defs(FP8_FWD))
 
     @staticmethod
     def _check_many(kernel, meta, table):
@@ -315,6 +353,9 @@ class Fp8Ops:
             raise ValueError(f"use_input_slots: fp8_xmeta at {meta.data.ptr:#x}; expected 128-byte alignment")
         block = meta.reshape(len(weights), META_STRIDE)
         self.slots, self.slot_of_input, off = {}, {}, 0
+        shared = {}
+        for x in inputs:
+            shared[x.data.ptr] = shared.get(x.data.ptr, 0) + 1
         for i, (w, x) in enumerate(zip(weights, inputs)):
             OC, IC = w.shape
             if x.shape[-1] != IC or x.size != N * IC or x.dtype != w.dtype:
@@ -326,7 +367,7 @@ class Fp8Ops:
                 off += _aligned(IC * N)
             slot = InputSlot(first=i == 0, x=(x.data.ptr, N, IC), meta=block[i], xt=t)
             self.slots[w.data.ptr] = slot
-            if producer_amax:
+            if producer_amax and shared[x.data.ptr] == 1:  # a workspace every layer reuses (act) has no producer here
                 self.slot_of_input[x.data.ptr] = slot
         self._slot_block = block
 
@@ -387,13 +428,15 @@ class Fp8Ops:
         i = META_SLOTS[role] * META_STRIDE
         return m[i:i + META_STRIDE]
 
-    def _quantise(self, role, x2, fmt, transpose=False, both=False):
+    def _quantise(self, role, x2, fmt, transpose=False, both=False, amax_done=False):
         """x2 (R, K) quantised into the role's workspace: (q, q_t, 1/scale as a (1,) view); q is
-        (R, K) unless transpose without both, q_t (K, R) with transpose."""
+        (R, K) unless transpose without both, q_t (K, R) with transpose. amax_done: the kernel
+        that wrote x2 put its amax in the role's meta already (k_fp8_dgelu_colsum_amax)."""
         R, K = x2.shape
         meta = self._meta(role)
         slot = {"x": "fp8_x", "w": "fp8_w", "dy": "fp8_dy"}[role]
-        self.k_fp8_amax(meta, x2)
+        if not amax_done:
+            self.k_fp8_amax(meta, x2)
         if not transpose:
             q = self.ops.workspace.get(slot, R * K, np.uint8).reshape(R, K)
             self.k_fp8_cast(q, meta, x2, fmt)
@@ -416,10 +459,15 @@ class Fp8Ops:
                   aux=aux, aux_ld=N if aux is not None else 0, beta=beta, b_type=FP8_CUDA_TYPES[b_fmt],
                   scales=(a_inv, b_inv), fast_accum=fast_accum)
 
-    def _fwd_product(self, out2, x2, w, b, epilogue="bias", aux=None, fallback=None):
-        """out2 (N, OC) = fp8(x2) @ fp8(w).T + b with the epilogue where cuBLASLt has it, else a
-        plain product and fallback() (the 16-bit path's bias / GELU kernels)."""
-        from .cublaslt import NoAlgorithm
+    def _fwd_product(self, out2, x2, w, b, fallback):
+        """out2 (N, OC) = fp8(x2) @ fp8(w).T + b: the bias on cuBLASLt's epilogue where it has
+        one, else a plain product and fallback() (the 16-bit path's bias kernel)."""
+        xq, x_inv = self._fwd_operand(x2, w)
+        self._fwd_matmul(out2, xq, x_inv, w, b, fallback)
+
+    def _fwd_operand(self, x2, w):
+        """fp8(x2) (N, IC) in the workspace for the forward product of w, and its 1/scale: with
+        x2's input slot, its amax from the producer (or taken here) and X^T kept in one pass."""
         slot = self._slot(w, x2, forward=True)
         if slot is None:
             xq, _, x_inv = self._quantise("x", x2, FP8_FWD)
@@ -436,20 +484,24 @@ class Fp8Ops:
                 self.k_fp8_cast_transpose(xq, slot.xt, slot.meta, x2, FP8_FWD)
             slot.ready = slot.xt is not None
             x_inv = slot.meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
+        return xq, x_inv
+
+    def _fwd_matmul(self, out2, xq, x_inv, w, b, fallback):
+        """out2 = xq @ fp8(w).T * both inverse scales + b (cuBLASLt's bias epilogue, else fallback())."""
+        from .cublaslt import NoAlgorithm
         wq, w_inv = self._weight(w)
         try:
-            self._product(out2, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, epilogue, bias=b, aux=aux, fast_accum=True)
+            self._product(out2, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, "bias", bias=b, fast_accum=True)
         except NoAlgorithm:
-            self._product(aux if aux is not None else out2, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv,
-                          fast_accum=True)
+            self._product(out2, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, fast_accum=True)
             fallback()
 
-    def _dgrad_wgrad(self, dinp2, dw, dy2, x2, w, dx_epilogue=None, accumulate=True):
-        """The two backward products of one linear layer, dY already in the workspace's dy slot
-        (dy2 the 16-bit one): dinp2 += fp8(dY) @ fp8(w) (accumulate=False: =; or, with
-        dx_epilogue, written through it) and dw += fp8(dY).T @ fp8(x2)."""
+    def _dgrad_wgrad(self, dinp2, dw, dy2, x2, w, dx_epilogue=None, accumulate=True, dy_amax=False):
+        """The two backward products of one linear layer with output gradient dy2: dinp2 +=
+        fp8(dY) @ fp8(w) (accumulate=False: =; or, with dx_epilogue, written through it) and dw +=
+        fp8(dY).T @ fp8(x2). dy_amax: dy2's amax is in the dy meta already."""
         g = self.grad_fmt
-        dq, dq_t, d_inv = self._quantise("dy", dy2, g, transpose=True, both=True)
+        dq, dq_t, d_inv = self._quantise("dy", dy2, g, transpose=True, both=True, amax_done=dy_amax)
         wq_t, w_inv = self._weight(w, transpose=True)
         if dx_epilogue is None:
             self._product(dinp2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, beta=1.0 if accumulate else 0.0)
@@ -465,64 +517,111 @@ class Fp8Ops:
     # ------------------------------------------------------------ the layers (numpy_ref's names)
     def k_fp8_linear_fwd(self, out, inp, w, b):
         """out (B,T,OC) = fp8(inp) @ fp8(w).T + b; E4M3 operands, float32 accumulation."""
-        ops = self.ops
         OC, IC = w.shape
-        x2, out2 = inp.reshape(-1, IC), out.reshape(-1, OC)
-        N = x2.shape[0]
-        self._fwd_product(out2, x2, w, b, fallback=lambda: ops.rt.launch(
-            "linear.cu", "k_bias_add", out.dtype, min(N, MAX_BLOCKS), THREADS, (out, b, i64(N), i32(OC))))
+        self._fwd_product(out.reshape(-1, OC), inp.reshape(-1, IC), w, b, fallback=lambda: self._bias_add(out, b))
+
+    def _bias_add(self, out, b):
+        OC = b.size
+        N = out.size // OC
+        self.ops.rt.launch("linear.cu", "k_bias_add", out.dtype, min(N, MAX_BLOCKS), THREADS, (out, b, i64(N), i32(OC)))
 
     def k_fp8_linear_bwd(self, dinp, dw, db, dout, inp, w, grad_fmt=None, accumulate=True):
         """Adds into dinp (B,T,IC), dw (OC,IC) float32, db (OC,) float32 (numpy_ref.k_fp8_linear_bwd;
         accumulate=False writes dinp); grad_fmt: this call's gradient format (default the backend's)."""
-        if grad_fmt is not None and grad_fmt != self.grad_fmt:
-            saved, self.grad_fmt = self.grad_fmt, grad_fmt
-            try:
-                return self.k_fp8_linear_bwd(dinp, dw, db, dout, inp, w, accumulate=accumulate)
-            finally:
-                self.grad_fmt = saved
+        with self._grad_format(grad_fmt):
+            self._linear_bwd(dinp, dw, db, dout, inp, w, accumulate)
+
+    def _linear_bwd(self, dinp, dw, db, dout, inp, w, accumulate, db_partials=None):
+        """k_fp8_linear_bwd; db_partials = (partials, chunks): the kernel that wrote dout also wrote
+        its column partials and put its amax in the dy meta (k_fp8_dgelu_colsum_amax)."""
         OC, IC = w.shape
         dy2 = dout.reshape(-1, OC)
-        self._dgrad_wgrad(dinp.reshape(-1, IC), dw, dy2, inp.reshape(-1, IC), w, accumulate=accumulate)
-        self.ops._colsum_add(db, dy2, dy2.shape[0], OC)
+        self._dgrad_wgrad(dinp.reshape(-1, IC), dw, dy2, inp.reshape(-1, IC), w, accumulate=accumulate,
+                          dy_amax=db_partials is not None)
+        if db_partials is None:
+            self.ops._colsum_add(db, dy2, dy2.shape[0], OC)
+        else:
+            self.ops._colsum_final(db, db_partials[0], db_partials[1], OC)
+
+    @contextmanager
+    def _grad_format(self, grad_fmt):
+        """This call's gradient format (None: the backend's)."""
+        saved = self.grad_fmt
+        if grad_fmt is not None and grad_fmt not in FP8_FORMATS:
+            raise ValueError(f"FP8 gradient format {grad_fmt!r}: expected one of {', '.join(FP8_FORMATS)}")
+        self.grad_fmt = grad_fmt or saved
+        try:
+            yield
+        finally:
+            self.grad_fmt = saved
 
     def k_fp8_mlp_fwd(self, out, pre, act, inp, w1, b1, w2, b2):
-        """numpy_ref.k_fp8_mlp_fwd: act = gelu(fp8(inp) @ fp8(w1).T + b1) with pre saved, then
-        out = fp8(act) @ fp8(w2).T + b2."""
-        ops = self.ops
+        """numpy_ref.k_fp8_mlp_fwd: pre = fp8(inp) @ fp8(w1).T + b1 (saved), then out = fp8(act)
+        @ fp8(w2).T + b2 with act = gelu(pre): fp8(act) made from pre (k_fp8_gelu_amax,
+        k_fp8_gelu_cast_transpose; with w2's input slot X^T kept too). act (workspace) is not
+        written: the backward pass recomputes it where it needs it."""
         H, C = w1.shape
         x2, pre2, act2 = inp.reshape(-1, C), pre.reshape(-1, H), act.reshape(-1, H)
         N = x2.shape[0]
-        self._fwd_product(act2, x2, w1, b1, "gelu_aux_bias", aux=pre2, fallback=lambda: ops.rt.launch(
-            "mlp.cu", "k_mlp_fwd_bias_gelu", pre.dtype, min(N, MAX_BLOCKS), THREADS, (pre, act, b1, i64(N), i32(H))))
-        self.k_fp8_linear_fwd(out, act, w2, b2)
+        self._fwd_product(pre2, x2, w1, b1, fallback=lambda: self._bias_add(pre, b1))
+        slot = self._slot(w2, act2, forward=True)
+        if slot is None:
+            meta, xt = self._meta("x"), None
+            self.k_fp8_gelu_amax(meta, pre2)
+        else:
+            self._arm(slot)
+            self.k_fp8_gelu_amax(slot.meta, pre2, zeroed=True)
+            slot.state, meta, xt = "used", slot.meta, slot.xt
+            slot.ready = xt is not None
+        aq = self.ops.workspace.get("fp8_x", N * H, np.uint8).reshape(N, H)
+        self.k_fp8_gelu_cast_transpose(aq, xt, meta, pre2, FP8_FWD)
+        self._fwd_matmul(out.reshape(-1, C), aq, meta[META_STRIDE // 2:META_STRIDE // 2 + 1], w2, b2,
+                         fallback=lambda: self._bias_add(out, b2))
 
     def k_fp8_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, grad_fmt=None,
                       accumulate=True):
         """numpy_ref.k_fp8_mlp_bwd: adds into dinp (accumulate=False: writes it), dw1, db1, dw2,
-        db2; act, dact workspace."""
-        if grad_fmt is not None and grad_fmt != self.grad_fmt:
-            saved, self.grad_fmt = self.grad_fmt, grad_fmt
-            try:
-                return self.k_fp8_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact,
-                                          accumulate=accumulate)
-            finally:
-                self.grad_fmt = saved
+        db2; act, dact workspace. act = gelu(pre) is recomputed only where the forward kept no
+        fp8(act)^T; dact = fp8(dout) @ fp8(w2), then dact *= gelu'(pre) with its amax and db1's
+        column partials in one pass (k_fp8_dgelu_colsum_amax), or, with CudaOps.dgelu_epilogue,
+        cuBLASLt's dGELU epilogue (measured slower for FP8 products, docs/FP8.md)."""
+        with self._grad_format(grad_fmt):
+            self._mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, accumulate)
+
+    def _mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, accumulate):
         from .cublaslt import NoAlgorithm
+        from .ops import COLSUM_CHUNKS
         ops = self.ops
         H, C = w1.shape
         ct = pre.dtype
         n_h = pre.size
-        ops.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(n_h), THREADS, (act, np.uint64(0), pre, i64(n_h)))
         dy2, act2, dact2, pre2 = dout.reshape(-1, C), act.reshape(-1, H), dact.reshape(-1, H), pre.reshape(-1, H)
+        N = dy2.shape[0]
+        slot = self._slot(w2, act2)
+        if slot is None or not slot.ready:  # dw2 needs fp8(act)^T: act recomputed, then quantised
+            ops.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(n_h), THREADS, (act, np.uint64(0), pre, i64(n_h)))
+        fused = not ops.dgelu_epilogue and dact.data.ptr % 16 == 0 and pre.data.ptr % 16 == 0
+        epilogue = []  # whether cuBLASLt's dGELU epilogue ran
 
-        def dact_product(dq, g, d_inv, wq_t, w_inv):  # dact = (fp8(dout) @ fp8(w2)) * gelu'(pre)
-            try:
-                self._product(dact2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, "dgelu", aux=pre2)
-            except NoAlgorithm:
-                self._product(dact2, dq, g, d_inv, wq_t, FP8_FWD, w_inv)
-                ops.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(n_h), THREADS, (np.uint64(0), dact, pre, i64(n_h)))
+        def dact_product(dq, g, d_inv, wq_t, w_inv):  # dact = fp8(dout) @ fp8(w2) [* gelu'(pre)]
+            if not fused:
+                try:
+                    self._product(dact2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, "dgelu", aux=pre2)
+                    epilogue.append(True)
+                    return
+                except NoAlgorithm:
+                    pass
+            self._product(dact2, dq, g, d_inv, wq_t, FP8_FWD, w_inv)
 
         self._dgrad_wgrad(None, dw2, dy2, act2, w2, dx_epilogue=dact_product)
-        ops._colsum_add(db2, dy2, dy2.shape[0], C)
-        self.k_fp8_linear_bwd(dinp, dw1, db1, dact, inp, w1, accumulate=accumulate)
+        ops._colsum_add(db2, dy2, N, C)
+        db_partials = None
+        if fused:
+            rpc = -(-N // COLSUM_CHUNKS)
+            chunks = -(-N // rpc)
+            part = ops._colsum_partials("colsum_b", chunks, H)
+            self.k_fp8_dgelu_colsum_amax(part, self._meta("dy"), dact2, pre2, rpc)
+            db_partials = (part, chunks)
+        elif not epilogue:
+            ops.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(n_h), THREADS, (np.uint64(0), dact, pre, i64(n_h)))
+        self._linear_bwd(dinp, dw1, db1, dact, inp, w1, accumulate, db_partials)
