@@ -56,10 +56,14 @@ def host(a):
     return a.get().astype(np.float64)
 
 
+@pytest.mark.parametrize("rows", [64, 128, 256])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16)])  # partial 64 x 64 tiles
-def test_cast_kernels_match_the_reference_bytes(be, fmt, R, K):
+@pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16), (400, 96)])  # partial tiles of every height
+def test_cast_kernels_match_the_reference_bytes(be, fmt, R, K, rows, monkeypatch):
+    """k_fp8_amax, k_fp8_cast_transpose (tiles of 64, 128 and 256 rows: CudaOps.fp8_tile_rows) and
+    k_fp8_cast byte for byte against the reference; a NaN makes the amax NaN."""
     import cupy as cp
+    monkeypatch.setattr(be, "fp8_tile_rows", rows)
     rng = np.random.default_rng(R * K)
     x = (rng.standard_normal((R, K)) * np.exp2(rng.integers(-12, 6, (R, K)))).astype(bf16())
     xd = cp.asarray(x)
@@ -139,11 +143,15 @@ def test_make_table_refuses_what_the_kernels_cannot_take(be):
         be.fp8.make_table([x], [cp.zeros((32, 48), cp.int8)], [None])
 
 
-def test_cast_refuses_sizes_cublaslt_cannot_take(be):
+def test_cast_refuses_sizes_cublaslt_cannot_take(be, monkeypatch):
     import cupy as cp
     with pytest.raises(ValueError, match="multiples of 16"):
         be.fp8.k_fp8_cast_transpose(None, cp.zeros(40 * 24, cp.uint8), cp.zeros(2, cp.float32),
                                     on_dev(np.ones((40, 24))), "e4m3")
+    monkeypatch.setattr(be, "fp8_tile_rows", 96)
+    with pytest.raises(ValueError, match="fp8_tile_rows = 96; expected one of"):
+        be.fp8.k_fp8_cast_transpose(None, cp.zeros(48 * 32, cp.uint8), cp.zeros(2, cp.float32),
+                                    on_dev(np.ones((48, 32))), "e4m3")
 
 
 @pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
@@ -224,15 +232,17 @@ def test_mlp_matches_the_fp8_reference(be, accumulate, dgelu_epilogue, monkeypat
         assert e < TOL, f"{name}: {e:.3g}"
 
 
+@pytest.mark.parametrize("rows", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16)])  # partial 64 x 64 tiles
-def test_gelu_kernels_are_the_cast_of_k_mlp_bwd_gelu(be, dtype, R, K):
+@pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16), (400, 96)])  # partial tiles
+def test_gelu_kernels_are_the_cast_of_k_mlp_bwd_gelu(be, dtype, R, K, rows, monkeypatch):
     """k_fp8_gelu_amax and k_fp8_gelu_cast_transpose of pre: the amax, bytes and 1/scale that
     k_fp8_amax and k_fp8_cast_transpose make of the act k_mlp_bwd_gelu writes from pre, byte for
     byte (both formats, both outputs or one; a NaN in pre makes the amax NaN); and numpy_ref's
     k_fp8_cast_transpose of that act gives the same bytes."""
     import cupy as cp
     from andrea.backends.cuda.runtime import THREADS, blocks, i64
+    monkeypatch.setattr(be, "fp8_tile_rows", rows)
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng(R + K)
     p0 = rng.standard_normal((R, K)) * np.exp2(rng.integers(-4, 4, (R, K)))
@@ -301,6 +311,40 @@ def test_dgelu_colsum_amax_same_bits_as_the_separate_passes(be, dtype, N, H):
         ref.k_fp8_dgelu_colsum_amax(r_db, r_m, r_d, pre.get().astype(np.float64))
         assert rel(host(d_fused), r_d) < TOL and rel(db_fused.get(), r_db) < TOL
         assert abs(b - r_m[0]) <= 1e-2 * r_m[0]
+
+
+@pytest.mark.parametrize("where", [0, 1234567, -1], ids=["first", "middle", "last"])
+def test_amax_of_a_large_tensor_either_grid(be, where, monkeypatch):
+    """k_fp8_amax and k_fp8_gelu_amax over 4.6M values (enough that each thread of the default
+    grid, CudaOps.fp8_amax_blocks blocks an SM, takes its vectors four at a time, with a remainder)
+    with the largest value first, in the middle or last: the amax of the reference, the same with
+    the old grid (fp8_amax_blocks = 0), and NaN with a NaN there."""
+    import cupy as cp
+    rng = np.random.default_rng(3)
+    x0 = rng.standard_normal((2304, 2000)).astype(np.float32)
+    x0.reshape(-1)[where] = 300.0
+    for nan in (False, True):
+        if nan:
+            x0.reshape(-1)[where] = np.nan
+        x = cp.asarray(x0.astype(bf16()))
+        got = {}
+        for grid in (4, 0):
+            monkeypatch.setattr(be, "fp8_amax_blocks", grid)
+            for kernel in ("k_fp8_amax", "k_fp8_gelu_amax"):
+                m = cp.full(64, 5, cp.float32)
+                getattr(be.fp8, kernel)(m, x)
+                got[grid, kernel] = m.get()[0]
+        want = np.zeros(2, np.float32)
+        ref.k_fp8_amax(want, x.get().astype(np.float32))
+        g_want = np.zeros(2, np.float32)
+        ref.k_fp8_gelu_amax(g_want, x.get().astype(np.float32))
+        for (grid, kernel), v in got.items():
+            if nan:
+                assert np.isnan(v), (grid, kernel)
+            elif kernel == "k_fp8_amax":
+                assert v == want[0] == 300.0, (grid, v)
+            else:  # gelu(300) = 300: the same amax, through the GPU's float32 GELU
+                assert v == got[0, kernel] and abs(v - g_want[0]) <= 2 ** -8 * g_want[0], (grid, v, g_want[0])
 
 
 def test_gelu_kernels_refuse_what_they_cannot_take(be):

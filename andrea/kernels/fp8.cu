@@ -102,7 +102,19 @@ template <bool GELU>
 __device__ __forceinline__ void fp8_amax_block(float* meta, const CT* x, i64 n, i64 first, i64 step) {
   unsigned int m = 0u;
   const Pack8* xp = reinterpret_cast<const Pack8*>(x);
-  for (i64 i = first; i < n / 8; i += step) {
+  i64 i = first, n8 = n / 8;
+  // four loads in flight a thread where the grid leaves each thread that many (the launcher sizes
+  // the grid to a few blocks an SM: one load a thread waits on memory latency, not bandwidth)
+  for (; i + 3 * step < n8; i += 4 * step) {
+    Pack8 p[4] = {xp[i], xp[i + step], xp[i + 2 * step], xp[i + 3 * step]};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (GELU) p[k] = gelu8(p[k]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(to_f(p[k].v[j])));
+    }
+  }
+  for (; i < n8; i += step) {
     Pack8 p = xp[i];
     if (GELU) p = gelu8(p);
 #pragma unroll
@@ -126,32 +138,43 @@ extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_a
     op[i] = fp8x8(xp[i], s);
 }
 
-// One 64 x 64 tile at (r0, c0) of x (R, K) to out (R, K) and/or out_t (K, R) (a null pointer
-// skips it) with scale s: 256 threads read 8 consecutive values each (twice), write them to out
-// and to a shared byte tile, then write 8 consecutive bytes of a row of out_t each (twice).
-// R % 8 == K % 8 == 0. The caller syncs before reusing tile.
-// GELU: the tile of gelu8(x) instead (k_fp8_gelu_cast_transpose).
+// One TR x 64 tile at (r0, c0) of x (R, K) to out (R, K) and/or out_t (K, R) (a null pointer
+// skips it) with scale s: 256 threads read 8 consecutive values each, TR / 32 times, all loads
+// issued before the first conversion (the stores to out could alias x, so the compiler would not
+// hoist them itself), write them to out and to a shared byte tile, then write 8 consecutive bytes
+// of a row of out_t each, TR / 32 times. R % 8 == K % 8 == 0. The caller syncs before reusing tile.
+// GELU: the tile of gelu8(x) instead (k_fp8_gelu_cast_transpose). TR: 64 (the weights' *_many
+// kernel) or FP8_TILE_ROWS (the single-tensor kernels: the launcher's CudaOps.fp8_tile_rows).
 #define FP8_TILE 64
-template <bool GELU>
+#ifndef FP8_TILE_ROWS
+#define FP8_TILE_ROWS 64
+#endif
+template <bool GELU, int TR>
 __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char* out_t, const CT* x, int R,
                                               int K, int r0, int c0, float s,
                                               unsigned char (*tile)[FP8_TILE + 8]) {
+  static_assert(TR % 32 == 0 && TR <= 256, "tile rows: a multiple of 32");
+  constexpr int H = TR / 32;
+  Pack8 p[H];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < H; ++h) {
+    int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
+    if (r0 + r < R && c0 + c8 < K) p[h] = *reinterpret_cast<const Pack8*>(x + (i64)(r0 + r) * K + c0 + c8);
+  }
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
     int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
     if (r0 + r < R && c0 + c8 < K) {
-      i64 at = (i64)(r0 + r) * K + c0 + c8;
-      Bytes8 q = GELU ? fp8x8(gelu8(*reinterpret_cast<const Pack8*>(x + at)), s)
-                      : fp8x8(*reinterpret_cast<const Pack8*>(x + at), s);
-      if (out) *reinterpret_cast<Bytes8*>(out + at) = q;
+      Bytes8 q = GELU ? fp8x8(gelu8(p[h]), s) : fp8x8(p[h], s);
+      if (out) *reinterpret_cast<Bytes8*>(out + (i64)(r0 + r) * K + c0 + c8) = q;
       *reinterpret_cast<Bytes8*>(&tile[r][c8]) = q;
     }
   }
   if (!out_t) return;
   __syncthreads();
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    int c = threadIdx.x + h * blockDim.x, col = c >> 3, r8 = (c & 7) * 8;
+  for (int h = 0; h < H; ++h) {
+    int c = threadIdx.x + h * blockDim.x, col = c / (TR / 8), r8 = (c % (TR / 8)) * 8;
     if (c0 + col < K && r0 + r8 < R) {
       unsigned int lo = 0u, hi = 0u;
 #pragma unroll
@@ -165,13 +188,14 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
 }
 
 // x (R, K) to out (R, K) and/or out_t (K, R) (a null pointer skips it), as k_fp8_cast: one
-// block a tile.
+// block a FP8_TILE_ROWS x 64 tile.
 extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
                                                 int inv_at, const CT* x, int R, int K) {
-  __shared__ unsigned char tile[FP8_TILE][FP8_TILE + 8];
+  __shared__ unsigned char tile[FP8_TILE_ROWS][FP8_TILE + 8];
   float inv, s = fp8_scale(meta[0], &inv);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[inv_at] = inv;
-  fp8_cast_tile<false>(out, out_t, x, R, K, blockIdx.y * FP8_TILE, blockIdx.x * FP8_TILE, s, tile);
+  fp8_cast_tile<false, FP8_TILE_ROWS>(out, out_t, x, R, K, blockIdx.y * FP8_TILE_ROWS, blockIdx.x * FP8_TILE, s,
+                                      tile);
 }
 
 // ---- many tensors in one launch (the FP8 copies of the weights, made once per optimizer step)
@@ -203,7 +227,7 @@ extern "C" __global__ void k_fp8_cast_transpose_many(float* meta, int meta_strid
   int tiles_k = (K + FP8_TILE - 1) / FP8_TILE, tiles = tiles_k * ((R + FP8_TILE - 1) / FP8_TILE);
   for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
     __syncthreads();  // the previous tile's bytes are read out of the shared tile
-    fp8_cast_tile<false>(out, out_t, x, R, K, (i / tiles_k) * FP8_TILE, (i % tiles_k) * FP8_TILE, s, tile);
+    fp8_cast_tile<false, FP8_TILE>(out, out_t, x, R, K, (i / tiles_k) * FP8_TILE, (i % tiles_k) * FP8_TILE, s, tile);
   }
 }
 
@@ -216,13 +240,14 @@ extern "C" __global__ void k_fp8_gelu_amax(float* meta, const CT* pre, i64 n) {
 }
 
 // act = gelu(pre) (R, K) to out (R, K) and/or out_t (K, R), as k_fp8_cast_transpose casts act:
-// scale from meta[0] (k_fp8_gelu_amax), 1/scale into meta[inv_at]; one block a tile.
+// scale from meta[0] (k_fp8_gelu_amax), 1/scale into meta[inv_at]; one block a FP8_TILE_ROWS x 64 tile.
 extern "C" __global__ void k_fp8_gelu_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
                                                      int inv_at, const CT* pre, int R, int K) {
-  __shared__ unsigned char tile[FP8_TILE][FP8_TILE + 8];
+  __shared__ unsigned char tile[FP8_TILE_ROWS][FP8_TILE + 8];
   float inv, s = fp8_scale(meta[0], &inv);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[inv_at] = inv;
-  fp8_cast_tile<true>(out, out_t, pre, R, K, blockIdx.y * FP8_TILE, blockIdx.x * FP8_TILE, s, tile);
+  fp8_cast_tile<true, FP8_TILE_ROWS>(out, out_t, pre, R, K, blockIdx.y * FP8_TILE_ROWS, blockIdx.x * FP8_TILE, s,
+                                     tile);
 }
 
 // dact *= gelu'(pre) (N, H), in place, as k_mlp_bwd_gelu does; partial[chunk][c] = the sum of the

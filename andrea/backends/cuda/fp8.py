@@ -57,7 +57,8 @@ FP8_MIN_CC = 89  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) or later
 FP8_MULTIPLE = 16  # cuBLASLt's FP8 products want every dimension a multiple of 16
 META_STRIDE = 64  # floats per tensor: amax at 0, 1/scale at 32 (128-byte aligned, for cuBLASLt)
 META_SLOTS = {"x": 0, "w": 1, "dy": 2}  # the input, the weight, the output gradient of a product
-TILE = 64  # k_fp8_cast_transpose's tile
+TILE = 64  # the cast kernels' tile: 64 columns, 64 rows (the *_many kernel) or CudaOps.fp8_tile_rows
+TILE_ROWS = (64, 128, 256)  # what fp8.cu's single-tensor cast kernels compile for
 TABLE_COLS = 5  # int64 per tensor of a *_many launch: address of x, of out, of out_t, R, K (fp8.cu)
 CACHE_ALIGN = 256  # bytes: each cached copy starts aligned as cuBLASLt's heuristics assume
 MANY_BLOCKS = 128  # blocks per tensor of the *_many kernels (grid-stride over the tensor)
@@ -174,7 +175,11 @@ class Fp8Ops:
         if not zeroed:
             cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, 4, cp.cuda.get_current_stream().ptr)
         n = x.size
-        self.ops.rt.launch("fp8.cu", kernel, x.dtype, blocks(n // 8, THREADS), THREADS, (meta, x, i64(n)))
+        grid = blocks(n // 8, THREADS)
+        if self.ops.fp8_amax_blocks:  # a few blocks an SM, each thread four loads at a time (fp8.cu)
+            from .ops import _sm_limits
+            grid = min(grid, self.ops.fp8_amax_blocks * _sm_limits(x.device.id)["sms"])
+        self.ops.rt.launch("fp8.cu", kernel, x.dtype, grid, THREADS, (meta, x, i64(n)))
 
     def k_fp8_gelu_amax(self, meta, pre, zeroed=False):
         """meta[0] = max |act|, act = gelu(pre) rounded to pre's dtype (the act k_mlp_bwd_gelu
@@ -206,9 +211,12 @@ class Fp8Ops:
                 if a.size != x.size:
                     raise ValueError(f"{kernel}: {name} has {a.size} bytes, x {x.size} values")
         null = np.uint64(0)
-        self.ops.rt.launch("fp8.cu", kernel, x.dtype, (-(-K // TILE), -(-R // TILE)), THREADS,
+        rows = int(self.ops.fp8_tile_rows)
+        if rows not in TILE_ROWS:
+            raise ValueError(f"{kernel}: CudaOps.fp8_tile_rows = {rows}; expected one of {TILE_ROWS}")
+        self.ops.rt.launch("fp8.cu", kernel, x.dtype, (-(-K // TILE), -(-R // rows)), THREADS,
                            (out if out is not None else null, out_t if out_t is not None else null, meta,
-                            inv_at, x, i32(R), i32(K)), defs=self._defs(fmt))
+                            inv_at, x, i32(R), i32(K)), defs=self._defs(fmt) + (f"-DFP8_TILE_ROWS={rows}",))
 
     def k_fp8_gelu_cast_transpose(self, out, out_t, meta, pre, fmt):
         """act = gelu(pre) (R, K), rounded to pre's dtype, to out (R, K) and/or out_t (K, R) as
