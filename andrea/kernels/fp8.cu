@@ -85,13 +85,14 @@ __device__ __forceinline__ Bytes8 fp8x8(const Pack8& p, float s) {
 // one block's share. The maximum is taken on the float bits as unsigned integers, which order
 // non-negative floats as their values and put NaN above infinity, so a NaN anywhere makes amax
 // NaN. One atomicMax per block.
-// act = gelu(x) of eight values, each rounded to CT as k_mlp_bwd_gelu stores it (gelu.cuh).
+// act = gelu(x) of eight values, each rounded to CT (gelu.cuh's sigmoid form: every FP8 kernel
+// computes act and gelu' this way, so the forward's act and any recomputation of it agree).
 __device__ __forceinline__ Pack8 gelu8(const Pack8& p) {
   Pack8 a;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     float g, dg;
-    gelu_and_slope(to_f(p.v[j]), g, dg);
+    gelu_sigmoid_and_slope(to_f(p.v[j]), g, dg);
     a.v[j] = from_f<CT>(g);
   }
   return a;
@@ -233,8 +234,8 @@ extern "C" __global__ void k_fp8_cast_transpose_many(float* meta, int meta_strid
 
 // ---- the FP8 MLP's passes over pre and dact (N, H), H = 4C (cuda/fp8.py k_fp8_mlp_fwd / _bwd)
 
-// meta[0] = max(meta[0], max |act|), act = gelu(pre) rounded to CT (n values, n % 8 == 0): the
-// amax k_fp8_amax would find in the act k_mlp_bwd_gelu writes, without writing it.
+// meta[0] = max(meta[0], max |act|), act = gelu(pre) rounded to CT (gelu8; n values, n % 8 == 0),
+// without writing act.
 extern "C" __global__ void k_fp8_gelu_amax(float* meta, const CT* pre, i64 n) {
   fp8_amax_block<true>(meta, pre, n, blockIdx.x * (i64)blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
 }
@@ -250,7 +251,7 @@ extern "C" __global__ void k_fp8_gelu_cast_transpose(unsigned char* out, unsigne
                                      tile);
 }
 
-// dact *= gelu'(pre) (N, H), in place, as k_mlp_bwd_gelu does; partial[chunk][c] = the sum of the
+// dact *= gelu'(pre) (N, H), in place (gelu.cuh's sigmoid form, as gelu8); partial[chunk][c] = the sum of the
 // new dact[r][c] (as stored) over the chunk's rows, in k_colsum_partial's order (as
 // k_mlp_bwd_gelu_colsum: row lane y takes rows r0 + y, r0 + y + 8, ...; then the 8 lanes in order);
 // meta[0] = max(meta[0], max |new dact|) (block_amax_atomic; the launcher zeroes it). 256 threads,
@@ -275,7 +276,7 @@ extern "C" __global__ void k_fp8_dgelu_colsum_amax(float* __restrict__ partial, 
 #pragma unroll
       for (int i = 0; i < CT_VEC; ++i) {
         float g, dg;
-        gelu_and_slope(vget(p, i), g, dg);
+        gelu_sigmoid_and_slope(vget(p, i), g, dg);
         vset(d, i, vget(d, i) * dg);
         float stored = vget(d, i);  // rounded to CT, as the column sums and the cast read it
         a[i] += stored;

@@ -504,10 +504,11 @@ class Fp8Ops:
             self._product(out2, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, fast_accum=True)
             fallback()
 
-    def _dgrad_wgrad(self, dinp2, dw, dy2, x2, w, dx_epilogue=None, accumulate=True, dy_amax=False):
+    def _dgrad_wgrad(self, dinp2, dw, dy2, x2, w, dx_epilogue=None, accumulate=True, dy_amax=False, x_t=None):
         """The two backward products of one linear layer with output gradient dy2: dinp2 +=
         fp8(dY) @ fp8(w) (accumulate=False: =; or, with dx_epilogue, written through it) and dw +=
-        fp8(dY).T @ fp8(x2). dy_amax: dy2's amax is in the dy meta already."""
+        fp8(dY).T @ fp8(x2). dy_amax: dy2's amax is in the dy meta already. x_t: (fp8(X)^T, its
+        1/scale) made by the caller (x2 is then not read)."""
         g = self.grad_fmt
         dq, dq_t, d_inv = self._quantise("dy", dy2, g, transpose=True, both=True, amax_done=dy_amax)
         wq_t, w_inv = self._weight(w, transpose=True)
@@ -516,7 +517,9 @@ class Fp8Ops:
         else:
             dx_epilogue(dq, g, d_inv, wq_t, w_inv)
         slot = self._slot(w, x2)
-        if slot is not None and slot.ready:  # X^T as the forward product quantised it
+        if x_t is not None:
+            xq_t, x_inv = x_t
+        elif slot is not None and slot.ready:  # X^T as the forward product quantised it
             xq_t, x_inv = slot.xt, slot.meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
         else:
             xq_t, x_inv = self._quantise("x", x2, FP8_FWD, transpose=True)[1:]
@@ -589,10 +592,11 @@ class Fp8Ops:
     def k_fp8_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, grad_fmt=None,
                       accumulate=True):
         """numpy_ref.k_fp8_mlp_bwd: adds into dinp (accumulate=False: writes it), dw1, db1, dw2,
-        db2; act, dact workspace. act = gelu(pre) is recomputed only where the forward kept no
-        fp8(act)^T; dact = fp8(dout) @ fp8(w2), then dact *= gelu'(pre) with its amax and db1's
-        column partials in one pass (k_fp8_dgelu_colsum_amax), or, with CudaOps.dgelu_epilogue,
-        cuBLASLt's dGELU epilogue (measured slower for FP8 products, docs/FP8.md)."""
+        db2; dact workspace, act unused. fp8(act)^T for dw2 is the one the forward kept, or else
+        made again from pre (k_fp8_gelu_amax, k_fp8_gelu_cast_transpose: the same bytes); dact =
+        fp8(dout) @ fp8(w2), then dact *= gelu'(pre) with its amax and db1's column partials in one
+        pass (k_fp8_dgelu_colsum_amax), or, with CudaOps.dgelu_epilogue, cuBLASLt's dGELU epilogue
+        (measured slower for FP8 products, docs/FP8.md)."""
         with self._grad_format(grad_fmt):
             self._mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, accumulate)
 
@@ -606,8 +610,13 @@ class Fp8Ops:
         dy2, act2, dact2, pre2 = dout.reshape(-1, C), act.reshape(-1, H), dact.reshape(-1, H), pre.reshape(-1, H)
         N = dy2.shape[0]
         slot = self._slot(w2, act2)
-        if slot is None or not slot.ready:  # dw2 needs fp8(act)^T: act recomputed, then quantised
-            ops.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(n_h), THREADS, (act, np.uint64(0), pre, i64(n_h)))
+        x_t = None
+        if slot is None or not slot.ready:  # dw2 needs fp8(act)^T: made again from pre, as the forward made it
+            meta = self._meta("x")
+            self.k_fp8_gelu_amax(meta, pre2)
+            q_t = self.ops.workspace.get("fp8_x", N * H, np.uint8).reshape(H, N)
+            self.k_fp8_gelu_cast_transpose(None, q_t, meta, pre2, FP8_FWD)
+            x_t = (q_t, meta[META_STRIDE // 2:META_STRIDE // 2 + 1])
         fused = not ops.dgelu_epilogue and dact.data.ptr % 16 == 0 and pre.data.ptr % 16 == 0
         epilogue = []  # whether cuBLASLt's dGELU epilogue ran
 
@@ -621,7 +630,7 @@ class Fp8Ops:
                     pass
             self._product(dact2, dq, g, d_inv, wq_t, FP8_FWD, w_inv)
 
-        self._dgrad_wgrad(None, dw2, dy2, act2, w2, dx_epilogue=dact_product)
+        self._dgrad_wgrad(None, dw2, dy2, act2, w2, dx_epilogue=dact_product, x_t=x_t)
         ops._colsum_add(db2, dy2, N, C)
         db_partials = None
         if fused:
