@@ -98,22 +98,6 @@ __device__ __forceinline__ Pack8 gelu8(const Pack8& p) {
   return a;
 }
 
-// m = max(m, |gelu(v)| rounded to CT) as float bits, gelu8's value. With FP8_GELU_AMAX_SKIP, v's
-// GELU is computed only where |v| exceeds m: |gelu(v)| <= |v| (gelu(v) = v * sigmoid(2u), the
-// sigmoid in [0, 1]) and v is a CT value, so its rounded GELU cannot exceed |v| either, and a value
-// at or below the running maximum cannot raise it. The same m, without the exponential and the
-// reciprocal for most values (the pass was bound by them: 27.6 us for a 50 MB pre at ANDREA-120M).
-// A NaN v: its bits are above every finite m, its GELU is NaN, and m stays NaN after.
-#ifndef FP8_GELU_AMAX_SKIP
-#define FP8_GELU_AMAX_SKIP 1
-#endif
-__device__ __forceinline__ unsigned int gelu_amax1(unsigned int m, float v) {
-  if (FP8_GELU_AMAX_SKIP && abs_bits(v) <= m) return m;
-  float g, dg;
-  gelu_sigmoid_and_slope(v, g, dg);
-  return umax(m, abs_bits(to_f(from_f<CT>(g))));
-}
-
 // GELU: of gelu8(x) instead of x (k_fp8_gelu_amax).
 template <bool GELU>
 __device__ __forceinline__ void fp8_amax_block(float* meta, const CT* x, i64 n, i64 first, i64 step) {
@@ -125,14 +109,17 @@ __device__ __forceinline__ void fp8_amax_block(float* meta, const CT* x, i64 n, 
   for (; i + 3 * step < n8; i += 4 * step) {
     Pack8 p[4] = {xp[i], xp[i + step], xp[i + 2 * step], xp[i + 3 * step]};
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
+    for (int k = 0; k < 4; ++k) {
+      if (GELU) p[k] = gelu8(p[k]);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) m = GELU ? gelu_amax1(m, to_f(p[k].v[j])) : umax(m, abs_bits(to_f(p[k].v[j])));
+      for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(to_f(p[k].v[j])));
+    }
   }
   for (; i < n8; i += step) {
     Pack8 p = xp[i];
+    if (GELU) p = gelu8(p);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) m = GELU ? gelu_amax1(m, to_f(p.v[j])) : umax(m, abs_bits(to_f(p.v[j])));
+    for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(to_f(p.v[j])));
   }
   block_amax_atomic(meta, m);  // common.cuh
 }

@@ -179,8 +179,7 @@ class Fp8Ops:
         if self.ops.fp8_amax_blocks:  # a few blocks an SM, each thread four loads at a time (fp8.cu)
             from .ops import _sm_limits
             grid = min(grid, self.ops.fp8_amax_blocks * _sm_limits(x.device.id)["sms"])
-        defs = (f"-DFP8_GELU_AMAX_SKIP={int(bool(self.ops.fp8_gelu_amax_skip))}",) if "gelu" in kernel else ()
-        self.ops.rt.launch("fp8.cu", kernel, x.dtype, grid, THREADS, (meta, x, i64(n)), defs=defs)
+        self.ops.rt.launch("fp8.cu", kernel, x.dtype, grid, THREADS, (meta, x, i64(n)))
 
     def k_fp8_gelu_amax(self, meta, pre, zeroed=False):
         """meta[0] = max |act|, act = gelu(pre) rounded to pre's dtype (the act k_mlp_bwd_gelu
