@@ -188,15 +188,22 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
   }
 }
 
-// x (R, K) to out (R, K) and/or out_t (K, R) (a null pointer skips it), as k_fp8_cast: one
-// block a FP8_TILE_ROWS x 64 tile.
-extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
-                                                int inv_at, const CT* x, int R, int K) {
+// The body of k_fp8_cast_transpose (GELU: k_fp8_gelu_cast_transpose): scale from meta[0], 1/scale
+// into meta[inv_at], one block a FP8_TILE_ROWS x 64 tile.
+template <bool GELU>
+__device__ __forceinline__ void fp8_cast_transpose_tiles(unsigned char* out, unsigned char* out_t, float* meta,
+                                                         int inv_at, const CT* x, int R, int K) {
   __shared__ unsigned char tile[FP8_TILE_ROWS][FP8_TILE + 8];
   float inv, s = fp8_scale(meta[0], &inv);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[inv_at] = inv;
-  fp8_cast_tile<false, FP8_TILE_ROWS>(out, out_t, x, R, K, blockIdx.y * FP8_TILE_ROWS, blockIdx.x * FP8_TILE, s,
-                                      tile);
+  fp8_cast_tile<GELU, FP8_TILE_ROWS>(out, out_t, x, R, K, blockIdx.y * FP8_TILE_ROWS, blockIdx.x * FP8_TILE, s,
+                                     tile);
+}
+
+// x (R, K) to out (R, K) and/or out_t (K, R) (a null pointer skips it), as k_fp8_cast.
+extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
+                                                int inv_at, const CT* x, int R, int K) {
+  fp8_cast_transpose_tiles<false>(out, out_t, meta, inv_at, x, R, K);
 }
 
 // ---- many tensors in one launch (the FP8 copies of the weights, made once per optimizer step)
@@ -210,7 +217,7 @@ extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned cha
 extern "C" __global__ void k_fp8_amax_many(float* meta, int meta_stride, const i64* table) {
   const i64* e = table + (i64)blockIdx.y * FP8_TABLE_COLS;
   fp8_amax_block<false>(meta + (i64)blockIdx.y * meta_stride, reinterpret_cast<const CT*>(e[0]), e[3] * e[4],
-                 blockIdx.x * (i64)blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
+                        blockIdx.x * (i64)blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
 }
 
 // Every tensor t of the table cast as k_fp8_cast_transpose casts it, scale from its meta row's
@@ -244,11 +251,7 @@ extern "C" __global__ void k_fp8_gelu_amax(float* meta, const CT* pre, i64 n) {
 // scale from meta[0] (k_fp8_gelu_amax), 1/scale into meta[inv_at]; one block a FP8_TILE_ROWS x 64 tile.
 extern "C" __global__ void k_fp8_gelu_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
                                                      int inv_at, const CT* pre, int R, int K) {
-  __shared__ unsigned char tile[FP8_TILE_ROWS][FP8_TILE + 8];
-  float inv, s = fp8_scale(meta[0], &inv);
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[inv_at] = inv;
-  fp8_cast_tile<true, FP8_TILE_ROWS>(out, out_t, pre, R, K, blockIdx.y * FP8_TILE_ROWS, blockIdx.x * FP8_TILE, s,
-                                     tile);
+  fp8_cast_transpose_tiles<true>(out, out_t, meta, inv_at, pre, R, K);
 }
 
 // dact *= gelu'(pre) (N, H), in place (gelu.cuh's sigmoid form, as gelu8); partial[chunk][c] = the sum of the
