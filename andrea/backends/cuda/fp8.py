@@ -570,7 +570,7 @@ class Fp8Ops:
         """numpy_ref.k_fp8_mlp_fwd: pre = fp8(inp) @ fp8(w1).T + b1 (saved), then out = fp8(act)
         @ fp8(w2).T + b2 with act = gelu(pre): fp8(act) made from pre (k_fp8_gelu_amax,
         k_fp8_gelu_cast_transpose; with w2's input slot X^T kept too). act (workspace) is not
-        written: the backward pass recomputes it where it needs it."""
+        written: the FP8 path never stores act in 16 bits."""
         H, C = w1.shape
         x2, pre2, act2 = inp.reshape(-1, C), pre.reshape(-1, H), act.reshape(-1, H)
         N = x2.shape[0]
@@ -639,6 +639,6 @@ class Fp8Ops:
             part = ops._colsum_partials("colsum_b", chunks, H)
             self.k_fp8_dgelu_colsum_amax(part, self._meta("dy"), dact2, pre2, rpc)
             db_partials = (part, chunks)
-        elif not epilogue:
+        elif not epilogue:  # the 16-bit path's pass (the tanh form: other last bits than the sigmoid form's)
             ops.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(n_h), THREADS, (np.uint64(0), dact, pre, i64(n_h)))
         self._linear_bwd(dinp, dw1, db1, dact, inp, w1, accumulate, db_partials)
