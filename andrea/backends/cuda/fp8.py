@@ -167,24 +167,29 @@ class Fp8Ops:
             raise ValueError(f"{kernel}: x has {x.size} values (need a multiple of {FP8_MULTIPLE}) "
                              f"at address {x.data.ptr:#x} (need 16-byte alignment)")
 
-    def k_fp8_amax(self, meta, x, zeroed=False, kernel="k_fp8_amax"):
-        """meta[0] = max |x| (NaN if any x is NaN); zeroes meta[0] first (a memset, so it captures)
-        unless zeroed says it is zero already. kernel="k_fp8_gelu_amax": of gelu(x) (below)."""
+    def _amax_grid(self, kernel, meta, x, zeroed):
+        """Checks, the memset of meta[0] (unless zeroed) and the grid of an amax launch of x."""
         check(kernel, "meta", meta, dtype=np.float32)
         self._check_x(kernel, x)
         if not zeroed:
             cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, 4, cp.cuda.get_current_stream().ptr)
-        n = x.size
-        grid = blocks(n // 8, THREADS)
+        grid = blocks(x.size // 8, THREADS)
         if self.ops.fp8_amax_blocks:  # a few blocks an SM, each thread four loads at a time (fp8.cu)
             from .ops import _sm_limits
             grid = min(grid, self.ops.fp8_amax_blocks * _sm_limits(x.device.id)["sms"])
-        self.ops.rt.launch("fp8.cu", kernel, x.dtype, grid, THREADS, (meta, x, i64(n)))
+        return grid
+
+    def k_fp8_amax(self, meta, x, zeroed=False):
+        """meta[0] = max |x| (NaN if any x is NaN); zeroes meta[0] first (a memset, so it captures)
+        unless zeroed says it is zero already."""
+        grid = self._amax_grid("k_fp8_amax", meta, x, zeroed)
+        self.ops.rt.launch("fp8.cu", "k_fp8_amax", x.dtype, grid, THREADS, (meta, x, i64(x.size)))
 
     def k_fp8_gelu_amax(self, meta, pre, zeroed=False):
-        """meta[0] = max |act|, act = gelu(pre) rounded to pre's dtype (the act k_mlp_bwd_gelu
-        writes), without writing act; zeroes meta[0] first unless zeroed."""
-        self.k_fp8_amax(meta, pre, zeroed, kernel="k_fp8_gelu_amax")
+        """meta[0] = max |act|, act = gelu(pre) rounded to pre's dtype (fp8.cu's sigmoid form),
+        without writing act; zeroes meta[0] first unless zeroed."""
+        grid = self._amax_grid("k_fp8_gelu_amax", meta, pre, zeroed)
+        self.ops.rt.launch("fp8.cu", "k_fp8_gelu_amax", pre.dtype, grid, THREADS, (meta, pre, i64(pre.size)))
 
     def k_fp8_cast(self, out, meta, x, fmt):
         """out (uint8, x's size) = fp8 bytes of x * scale (scale from meta[0]); 1/scale into meta
@@ -197,9 +202,9 @@ class Fp8Ops:
         self.ops.rt.launch("fp8.cu", "k_fp8_cast", x.dtype, blocks(x.size // 8, THREADS), THREADS,
                            (out, meta, inv_at, x, i64(x.size)), defs=self._defs(fmt))
 
-    def k_fp8_cast_transpose(self, out, out_t, meta, x, fmt, kernel="k_fp8_cast_transpose"):
-        """x (R, K) to out (R, K) and/or out_t (K, R) (None skips one), as k_fp8_cast.
-        kernel="k_fp8_gelu_cast_transpose": of gelu(x) (below)."""
+    def _cast_transpose_launch(self, kernel, out, out_t, meta, x, fmt):
+        """Checks, grid, arguments and defines of a launch of k_fp8_cast_transpose or
+        k_fp8_gelu_cast_transpose (the same signature): (grid, args, defs)."""
         inv_at = self._inv_at(kernel, meta)
         self._check_x(kernel, x)
         if x.ndim != 2 or x.shape[0] % FP8_MULTIPLE or x.shape[1] % FP8_MULTIPLE:
@@ -214,14 +219,21 @@ class Fp8Ops:
         rows = int(self.ops.fp8_tile_rows)
         if rows not in TILE_ROWS:
             raise ValueError(f"{kernel}: CudaOps.fp8_tile_rows = {rows}; expected one of {TILE_ROWS}")
-        self.ops.rt.launch("fp8.cu", kernel, x.dtype, (-(-K // TILE), -(-R // rows)), THREADS,
-                           (out if out is not None else null, out_t if out_t is not None else null, meta,
-                            inv_at, x, i32(R), i32(K)), defs=self._defs(fmt) + (f"-DFP8_TILE_ROWS={rows}",))
+        return ((-(-K // TILE), -(-R // rows)),
+                (out if out is not None else null, out_t if out_t is not None else null, meta, inv_at, x, i32(R),
+                 i32(K)),
+                self._defs(fmt) + (f"-DFP8_TILE_ROWS={rows}",))
+
+    def k_fp8_cast_transpose(self, out, out_t, meta, x, fmt):
+        """x (R, K) to out (R, K) and/or out_t (K, R) (None skips one), as k_fp8_cast."""
+        grid, args, defs = self._cast_transpose_launch("k_fp8_cast_transpose", out, out_t, meta, x, fmt)
+        self.ops.rt.launch("fp8.cu", "k_fp8_cast_transpose", x.dtype, grid, THREADS, args, defs=defs)
 
     def k_fp8_gelu_cast_transpose(self, out, out_t, meta, pre, fmt):
         """act = gelu(pre) (R, K), rounded to pre's dtype, to out (R, K) and/or out_t (K, R) as
         k_fp8_cast_transpose casts it (scale from meta[0]: k_fp8_gelu_amax), without writing act."""
-        self.k_fp8_cast_transpose(out, out_t, meta, pre, fmt, kernel="k_fp8_gelu_cast_transpose")
+        grid, args, defs = self._cast_transpose_launch("k_fp8_gelu_cast_transpose", out, out_t, meta, pre, fmt)
+        self.ops.rt.launch("fp8.cu", "k_fp8_gelu_cast_transpose", pre.dtype, grid, THREADS, args, defs=defs)
 
     def k_fp8_dgelu_colsum_amax(self, partial, meta, dact, pre, rows_per_chunk):
         """dact (N, H) *= gelu'(pre) in place (k_mlp_bwd_gelu's derivative); partial (chunks, H)
@@ -240,8 +252,8 @@ class Fp8Ops:
             raise ValueError(f"{kernel}: H = {H} (need a multiple of {vec}), pre at {pre.data.ptr:#x} "
                              "(need 16-byte alignment)")
         cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, 4, cp.cuda.get_current_stream().ptr)
-        self.ops.rt.launch("fp8.cu", kernel, dact.dtype, (-(-H // (32 * vec)), chunks), THREADS,
-                           (partial, meta, dact, pre, i64(N), i32(H), i32(rows_per_chunk)),
+        self.ops.rt.launch("fp8.cu", "k_fp8_dgelu_colsum_amax", dact.dtype, (-(-H // (32 * vec)), chunks),
+                           THREADS, (partial, meta, dact, pre, i64(N), i32(H), i32(rows_per_chunk)),
                            defs=self._defs(FP8_FWD))
 
     @staticmethod
