@@ -295,14 +295,13 @@ def test_dgelu_colsum_amax_matches_the_reference(be, dtype, N, H):
     of its partials) the bits of _colsum_add of the dact it wrote, its amax that of k_fp8_amax
     of that dact (a NaN: NaN); the column sums within rounding of the reference's."""
     import cupy as cp
-    from andrea.backends.cuda.ops import COLSUM_CHUNKS
+    from andrea.backends.cuda.ops import colsum_chunks
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     unit = 2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10
     half_subnormal = 2.0 ** -134 if dtype == "bfloat16" else 2.0 ** -25
     rng = np.random.default_rng(N * H)
     p0, d0 = rng.standard_normal((N, H)) * 2, 1e-3 * rng.standard_normal((N, H))
-    rpc = -(-N // COLSUM_CHUNKS)
-    chunks = -(-N // rpc)
+    rpc, chunks = colsum_chunks(N)
     for nan in (False, True):
         if nan:
             p0[N // 2, 1] = np.nan

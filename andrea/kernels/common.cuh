@@ -107,3 +107,24 @@ struct __align__(16) vec16 { unsigned int w[4]; };  // one 16-byte load (no CUDA
 __device__ __forceinline__ float vget(const vec16& r, int i) { return to_f(((const CT*)&r)[i]); }
 __device__ __forceinline__ void vset(vec16& r, int i, float f) { ((CT*)&r)[i] = from_f<CT>(f); }
 __device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15ull) == 0; }
+
+// The last step of the column-partial kernels (mlp.cu k_mlp_bwd_gelu_colsum, fp8.cu
+// k_fp8_dgelu_colsum_amax): 256 threads as 8 row lanes of 32 lanes (tid = row_lane * 32 + lane),
+// lane owning CT_VEC adjacent columns; a holds this thread's sums of them over its rows. They go
+// into the shared acc (8 rows of STRIDE >= 32 * CT_VEC floats), then partial[blockIdx.y][c] = the
+// sum of the 8 row lanes' in order, for the block's 32 * CT_VEC columns below C: k_colsum_partial's
+// order, so every kernel that ends here gives the same bits as the two-pass column sums.
+template <int STRIDE>
+__device__ __forceinline__ void colsum_block_partials(float* partial, float (*acc)[STRIDE], const float* a,
+                                                      int lane, int row_lane, int tid, int C) {
+#pragma unroll
+  for (int i = 0; i < CT_VEC; ++i) acc[row_lane][lane * CT_VEC + i] = a[i];
+  __syncthreads();
+  for (int j = tid; j < 32 * CT_VEC; j += 256) {
+    int c = blockIdx.x * 32 * CT_VEC + j;
+    if (c >= C) continue;
+    float s = 0.f;
+    for (int k = 0; k < 8; ++k) s += acc[k][j];
+    partial[(i64)blockIdx.y * C + c] = s;
+  }
+}

@@ -289,14 +289,5 @@ extern "C" __global__ void k_fp8_dgelu_colsum_amax(float* __restrict__ partial, 
     }
   }
   block_amax_atomic(meta, m);  // every thread; its __syncthreads also orders nothing below
-#pragma unroll
-  for (int i = 0; i < CT_VEC; ++i) acc[ty][tx * CT_VEC + i] = a[i];
-  __syncthreads();
-  for (int j = threadIdx.x; j < 32 * CT_VEC; j += 256) {
-    int c = blockIdx.x * 32 * CT_VEC + j;
-    if (c >= H) continue;
-    float s = 0.f;
-    for (int k = 0; k < 8; ++k) s += acc[k][j];
-    partial[(i64)blockIdx.y * H + c] = s;
-  }
+  colsum_block_partials(partial, acc, a, tx, ty, threadIdx.x, H);  // common.cuh
 }

@@ -82,15 +82,5 @@ extern "C" __global__ void k_mlp_bwd_gelu_colsum(float* __restrict__ partial, CT
       ((vec16*)dact)[q] = d;
     }
   }
-#pragma unroll
-  for (int i = 0; i < CT_VEC; ++i) acc[threadIdx.y][threadIdx.x * CT_VEC + i] = a[i];
-  __syncthreads();
-  // the block's 32 * CT_VEC columns, summed over the 8 row lanes in order, by all 256 threads
-  for (int j = threadIdx.y * 32 + threadIdx.x; j < 32 * CT_VEC; j += 256) {
-    int c = blockIdx.x * 32 * CT_VEC + j;
-    if (c >= H) continue;
-    float s = 0.f;
-    for (int k = 0; k < 8; ++k) s += acc[k][j];
-    partial[(i64)blockIdx.y * H + c] = s;
-  }
+  colsum_block_partials(partial, acc, a, threadIdx.x, threadIdx.y, threadIdx.y * 32 + threadIdx.x, H);  // common.cuh
 }

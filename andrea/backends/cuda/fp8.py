@@ -485,26 +485,29 @@ class Fp8Ops:
         xq, x_inv = self._fwd_operand(x2, w)
         self._fwd_matmul(out2, xq, x_inv, w, b, fallback)
 
-    def _fwd_operand(self, x2, w):
+    def _fwd_operand(self, x2, w, pre=None):
         """fp8(x2) (N, IC) in the workspace for the forward product of w, and its 1/scale: with
-        x2's input slot, its amax from the producer (or taken here) and X^T kept in one pass."""
+        x2's input slot, its amax from the producer (or taken here) and X^T kept in one pass.
+        pre: x2 is act = gelu(pre), made from pre by the GELU kernels (x2 itself is not read)."""
+        src, amax, cast_t = ((x2, self.k_fp8_amax, self.k_fp8_cast_transpose) if pre is None else
+                             (pre, self.k_fp8_gelu_amax, self.k_fp8_gelu_cast_transpose))
         slot = self._slot(w, x2, forward=True)
         if slot is None:
-            xq, _, x_inv = self._quantise("x", x2, FP8_FWD)
+            meta, xt = self._meta("x"), None
+            amax(meta, src)
         else:  # x2's amax from its producer, or taken here; with a kept X^T both forms in one pass
             if slot.state != "amax":
                 self._arm(slot)
-                self.k_fp8_amax(slot.meta, x2, zeroed=True)
-            slot.state = "used"
-            N, IC = x2.shape
-            xq = self.ops.workspace.get("fp8_x", N * IC, np.uint8).reshape(N, IC)
-            if slot.xt is None:
-                self.k_fp8_cast(xq, slot.meta, x2, FP8_FWD)
-            else:
-                self.k_fp8_cast_transpose(xq, slot.xt, slot.meta, x2, FP8_FWD)
-            slot.ready = slot.xt is not None
-            x_inv = slot.meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
-        return xq, x_inv
+                amax(slot.meta, src, zeroed=True)
+            slot.state, meta, xt = "used", slot.meta, slot.xt
+            slot.ready = xt is not None
+        N, IC = x2.shape
+        xq = self.ops.workspace.get("fp8_x", N * IC, np.uint8).reshape(N, IC)
+        if xt is None and pre is None:
+            self.k_fp8_cast(xq, meta, src, FP8_FWD)
+        else:
+            cast_t(xq, xt, meta, src, FP8_FWD)
+        return xq, meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
 
     def _fwd_matmul(self, out2, xq, x_inv, w, b, fallback):
         """out2 = xq @ fp8(w).T * both inverse scales + b (cuBLASLt's bias epilogue, else fallback())."""
@@ -584,22 +587,10 @@ class Fp8Ops:
         k_fp8_gelu_cast_transpose; with w2's input slot X^T kept too). act (workspace) is not
         written: the FP8 path never stores act in 16 bits."""
         H, C = w1.shape
-        x2, pre2, act2 = inp.reshape(-1, C), pre.reshape(-1, H), act.reshape(-1, H)
-        N = x2.shape[0]
-        self._fwd_product(pre2, x2, w1, b1, fallback=lambda: self._bias_add(pre, b1))
-        slot = self._slot(w2, act2, forward=True)
-        if slot is None:
-            meta, xt = self._meta("x"), None
-            self.k_fp8_gelu_amax(meta, pre2)
-        else:
-            self._arm(slot)
-            self.k_fp8_gelu_amax(slot.meta, pre2, zeroed=True)
-            slot.state, meta, xt = "used", slot.meta, slot.xt
-            slot.ready = xt is not None
-        aq = self.ops.workspace.get("fp8_x", N * H, np.uint8).reshape(N, H)
-        self.k_fp8_gelu_cast_transpose(aq, xt, meta, pre2, FP8_FWD)
-        self._fwd_matmul(out.reshape(-1, C), aq, meta[META_STRIDE // 2:META_STRIDE // 2 + 1], w2, b2,
-                         fallback=lambda: self._bias_add(out, b2))
+        pre2 = pre.reshape(-1, H)
+        self._fwd_product(pre2, inp.reshape(-1, C), w1, b1, fallback=lambda: self._bias_add(pre, b1))
+        aq, a_inv = self._fwd_operand(act.reshape(-1, H), w2, pre=pre2)
+        self._fwd_matmul(out.reshape(-1, C), aq, a_inv, w2, b2, fallback=lambda: self._bias_add(out, b2))
 
     def k_fp8_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, grad_fmt=None,
                       accumulate=True):
@@ -614,7 +605,7 @@ class Fp8Ops:
 
     def _mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, accumulate):
         from .cublaslt import NoAlgorithm
-        from .ops import COLSUM_CHUNKS
+        from .ops import colsum_chunks
         ops = self.ops
         H, C = w1.shape
         ct = pre.dtype
@@ -629,14 +620,14 @@ class Fp8Ops:
             q_t = self.ops.workspace.get("fp8_x", N * H, np.uint8).reshape(H, N)
             self.k_fp8_gelu_cast_transpose(None, q_t, meta, pre2, FP8_FWD)
             x_t = (q_t, meta[META_STRIDE // 2:META_STRIDE // 2 + 1])
-        fused = not ops.dgelu_epilogue and dact.data.ptr % 16 == 0 and pre.data.ptr % 16 == 0
-        epilogue = []  # whether cuBLASLt's dGELU epilogue ran
+        dgelu_done = False  # cuBLASLt's dGELU epilogue ran (CudaOps.dgelu_epilogue, where it has one)
 
         def dact_product(dq, g, d_inv, wq_t, w_inv):  # dact = fp8(dout) @ fp8(w2) [* gelu'(pre)]
-            if not fused:
+            nonlocal dgelu_done
+            if ops.dgelu_epilogue:
                 try:
                     self._product(dact2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, "dgelu", aux=pre2)
-                    epilogue.append(True)
+                    dgelu_done = True
                     return
                 except NoAlgorithm:
                     pass
@@ -645,12 +636,11 @@ class Fp8Ops:
         self._dgrad_wgrad(None, dw2, dy2, act2, w2, dx_epilogue=dact_product, x_t=x_t)
         ops._colsum_add(db2, dy2, N, C)
         db_partials = None
-        if fused:
-            rpc = -(-N // COLSUM_CHUNKS)
-            chunks = -(-N // rpc)
+        if not ops.dgelu_epilogue:
+            rpc, chunks = colsum_chunks(N)
             part = ops._colsum_partials("colsum_b", chunks, H)
             self.k_fp8_dgelu_colsum_amax(part, self._meta("dy"), dact2, pre2, rpc)
             db_partials = (part, chunks)
-        elif not epilogue:  # the 16-bit path's pass (the tanh form: other last bits than the sigmoid form's)
+        elif not dgelu_done:  # no epilogue for this problem: the 16-bit path's pass (its tanh form)
             ops.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(n_h), THREADS, (np.uint64(0), dact, pre, i64(n_h)))
         self._linear_bwd(dinp, dw1, db1, dact, inp, w1, accumulate, db_partials)

@@ -22,6 +22,14 @@ from .cublas import CUBLAS_WORKSPACE, cuda_type
 from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
 
 COLSUM_CHUNKS = 64  # row chunks of the two-pass column sums (bias and layer-norm gradients)
+
+
+def colsum_chunks(N: int) -> tuple:
+    """(rows a chunk, chunks) of the two-pass column sums over N rows: COLSUM_CHUNKS chunks at
+    most, each partial a row of the partials buffer."""
+    rows = -(-N // COLSUM_CHUNKS)
+    return rows, -(-N // rows)
+
 LN_FUSED_MAXC = 1024  # widest row the one-pass layer-norm backward holds in registers
 # blocks (and partial rows) of the one-pass layer-norm backward: 2 per SM of an H200 below
 # LN_WIDE columns, 4 from there (measured in the step: 528 blocks 0.391 ms against 264's 0.453 at
@@ -178,7 +186,8 @@ class CudaOps:
     # quantise X again; fp8_producer_amax, the layer norms writing ln1 and ln2 also reduce their
     # amax, so their products skip the k_fp8_amax pass. Both give the same bits as off (cuda/fp8.py;
     # the GPU tests passed on an H200). On: ANDREA-120M B=8 18.28 ms a step against 19.11 with
-    # both off, for 211 MB of X^T (docs/FP8.md)
+    # both off when they were measured; X^T of the four inputs of a layer (act's 4C wide) is 528.5
+    # MB of the arena at that shape (docs/FP8.md)
     fp8_keep_xt = True
     fp8_producer_amax = True
     # train.precision=fp8: k_fp8_amax / k_fp8_gelu_amax run this many blocks an SM, each thread
@@ -191,7 +200,8 @@ class CudaOps:
     # and 17.27 with 256: fewer, larger blocks leave the SMs less to overlap; docs/FP8.md)
     fp8_tile_rows = 64
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
-    # after a plain product (False); docs/BENCHMARKS.md has the timings behind the default
+    # (fp8: k_fp8_dgelu_colsum_amax) after a plain product (False); docs/BENCHMARKS.md and
+    # docs/FP8.md have the timings behind the default
     dgelu_epilogue = False
     # the fused attention on wgmma (attention_hopper.cu: the forward, version 8, and the backward's
     # dQ and dK/dV, version 7) on compute capability 9.0; False: version 4's mma.sync kernels
@@ -341,8 +351,7 @@ class CudaOps:
 
     def _colsum_add(self, out, x, N: int, Cc: int, slot="colsum_a"):
         """out (Cc,) float32 += column sums of x (N, Cc), in two fixed-order passes."""
-        rpc = -(-N // COLSUM_CHUNKS)
-        chunks = -(-N // rpc)
+        rpc, chunks = colsum_chunks(N)
         part = self._colsum_partials(slot, chunks, Cc)
         vec = 16 // x.dtype.itemsize  # k_colsum_partial_vec: a 16-byte vector of columns a thread, same bits
         kernel, cols = ("k_colsum_partial_vec", 32 * vec) if Cc % vec == 0 and x.data.ptr % 16 == 0 \
@@ -496,8 +505,7 @@ class CudaOps:
         # reduction tree, measured slower: docs/BENCHMARKS.md)
         self.rt.launch("layernorm.cu", "k_layernorm_bwd_dx", ct, -(-N // 8), THREADS,
                        (dinp, dout, inp, weight, mean, rstd, i64(N), i32(C), i32(int(accumulate))))
-        rpb = -(-N // COLSUM_CHUNKS)
-        n_blocks = -(-N // rpb)
+        rpb, n_blocks = colsum_chunks(N)
         pdw = self._colsum_partials("colsum_a", n_blocks, C)
         pdb = self._colsum_partials("colsum_b", n_blocks, C)
         self.rt.launch("layernorm.cu", "k_layernorm_bwd_partial", ct, (-(-C // 32), n_blocks), (32, 8),
@@ -752,8 +760,7 @@ class CudaOps:
             vec = 16 // np.dtype(ct).itemsize
             if self.gelu_colsum and H % vec == 0 and all(a.data.ptr % 16 == 0 for a in (act, dact, pre)):
                 # the pass also writes db1's column partials, so the sums do not read dact again
-                rpc = -(-N // COLSUM_CHUNKS)
-                chunks = -(-N // rpc)
+                rpc, chunks = colsum_chunks(N)
                 part = self._colsum_partials("colsum_b", chunks, H)  # colsum_a: db2's below
                 self.rt.launch("mlp.cu", "k_mlp_bwd_gelu_colsum", ct, (-(-H // (32 * vec)), chunks), (32, 8),
                                (part, act, dact, pre, i64(N), i32(H), i32(rpc)))
