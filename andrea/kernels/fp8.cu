@@ -15,29 +15,20 @@
 // partials in one pass (cuBLASLt's dGELU epilogue for FP8 products measured 166 us a call at
 // ANDREA-120M, against about 30 for the product without it; docs/FP8.md).
 //
-// Compiled per compute dtype (-DCT) and per format: -DFP8_E5M2=1 for E5M2, else E4M3. The
-// conversion is the sm_89+ instruction cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (round to nearest even,
-// saturating to the largest finite value, NaN stays NaN); built for an older GPU the kernels trap,
-// and the backend refuses train.precision=fp8 there before any launch. Sizes: every length and row
-// length a multiple of 8 (the launcher asks 16, what cuBLASLt's FP8 products need), arrays 16-byte
-// aligned. Deterministic: a maximum does not depend on the order it is taken in.
+// Compiled per compute dtype (-DCT) and per format (fp8.cuh: -DFP8_E5M2=1 for E5M2, else E4M3,
+// and the conversion instruction, which traps below sm_89; the backend refuses train.precision=fp8
+// there before any launch). Sizes: every length and row length a multiple of 8 (the launcher asks
+// 16, what cuBLASLt's FP8 products need), arrays 16-byte aligned. Deterministic: a maximum does
+// not depend on the order it is taken in.
 #include "common.cuh"
+#include "fp8.cuh"
 #include "gelu.cuh"
 
-#ifndef FP8_E5M2
-#define FP8_E5M2 0
-#endif
-#if FP8_E5M2
-#define FP8_TOP_EXP 15  // largest finite E5M2 value 57344 = 1.75 * 2^15
-#else
-#define FP8_TOP_EXP 8  // largest finite E4M3 value 448 = 1.75 * 2^8
-#endif
 #define FP8_MAX_SHIFT 126  // |k| at most this: 2^k and 2^-k stay normal float32 numbers
 
-// Eight compute-dtype values, loaded as whole 16-byte vectors (two for float), and eight fp8
-// bytes, stored as one 8-byte word. (Own types: NVRTC compiles without CUDA headers.)
+// Eight compute-dtype values, loaded as whole 16-byte vectors (two for float); eight fp8 bytes
+// are one Bytes8 (fp8.cuh). (Own types: NVRTC compiles without CUDA headers.)
 struct alignas(16) Pack8 { CT v[8]; };
-struct alignas(8) Bytes8 { unsigned int x, y; };
 
 // scale = 2^k from the float32 bits of amax (numpy_ref.fp8_scale); *inv = 2^-k. NaN for a
 // non-finite amax, 1 for zero.
@@ -55,22 +46,6 @@ __device__ __forceinline__ float fp8_scale(float amax, float* inv) {
   k = k > FP8_MAX_SHIFT ? FP8_MAX_SHIFT : (k < -FP8_MAX_SHIFT ? -FP8_MAX_SHIFT : k);
   *inv = __uint_as_float((unsigned int)(127 - k) << 23);
   return __uint_as_float((unsigned int)(127 + k) << 23);
-}
-
-// Two floats to two fp8 bytes: lo in the low byte (the first in memory), hi in the high one.
-__device__ __forceinline__ unsigned int fp8x2(float lo, float hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  unsigned short r;
-#if FP8_E5M2
-  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-#else
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-#endif
-  return r;
-#else
-  __trap();  // no FP8 conversion below sm_89: never launched there (the backend refuses first)
-  return 0u;
-#endif
 }
 
 // Eight values times scale to eight fp8 bytes, element i in byte i.
@@ -290,4 +265,34 @@ extern "C" __global__ void k_fp8_dgelu_colsum_amax(float* __restrict__ partial, 
   }
   block_amax_atomic(meta, m);  // every thread; its __syncthreads also orders nothing below
   colsum_block_partials(partial, acc, a, tx, ty, threadIdx.x, H);  // common.cuh
+}
+
+// ---- the FP8 classifier's dlogits (cuda/fp8.py classifier): already FP8 (loss.cu's row pass)
+
+// out_t (K, R) = x^T, of bytes: x (R, K) is FP8 already, so nothing is converted. One block of
+// 256 threads a 64 x 64 tile: thread t copies 16 bytes of row t / 4 into a shared tile of 32-bit
+// words; then thread (a = t % 16, b = t / 16) turns the 4 x 4 bytes of rows 4a.., word b, around
+// in registers (byte permutes) and writes them as four words, bytes 4a.. of rows 4b.. of out_t (a
+// warp's stores are runs of 64 contiguous bytes). R % 16 == K % 16 == 0, x and out_t 16-byte aligned.
+extern "C" __global__ void k_fp8_transpose(unsigned char* __restrict__ out_t, const unsigned char* __restrict__ x,
+                                           int R, int K) {
+  __shared__ unsigned int tile[FP8_TILE][FP8_TILE / 4 + 1];
+  int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE, t = threadIdx.x;
+  int lr = t >> 2, lc = (t & 3) * 4;  // the loaded row, its first word
+  if (r0 + lr < R && c0 + lc * 4 < K) {
+    vec16 v = *reinterpret_cast<const vec16*>(x + (i64)(r0 + lr) * K + c0 + lc * 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tile[lr][lc + i] = v.w[i];
+  }
+  __syncthreads();
+  int a = t & 15, b = t >> 4;
+  if (r0 + 4 * a >= R || c0 + 4 * b >= K) return;
+  unsigned int w0 = tile[4 * a][b], w1 = tile[4 * a + 1][b], w2 = tile[4 * a + 2][b], w3 = tile[4 * a + 3][b];
+  unsigned int lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
+  unsigned int lo23 = __byte_perm(w2, w3, 0x5140), hi23 = __byte_perm(w2, w3, 0x7362);
+  unsigned int out[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                         __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    *reinterpret_cast<unsigned int*>(out_t + (i64)(c0 + 4 * b + c) * R + r0 + 4 * a) = out[c];
 }

@@ -17,7 +17,31 @@
 // - loss_fwd / loss_bwd (version 1): one block of 512 threads per row, the row read twice (lse,
 //   then dlogits), with expf. Every row that is no whole 16-byte vectors or too long for the
 //   registers (float32 at V = 50304) takes it; CudaOps.loss_vectors = 0 sends every row to it.
+//
+// The FP8 classifier (train.precision=fp8, docs/FP8.md "The classifier") uses loss_bwd_fp8 and
+// loss_bwd_fp8_regs: the same row passes, but dlogits goes out of place to q8 (R, V) as FP8 bytes
+// (fp8.cuh's format) of (softmax - onehot) * 2^FP8_TOP_EXP, the logits row left as it was. Every
+// |softmax - onehot| <= 1, so 2^FP8_TOP_EXP (256 for E4M3, 32768 for E5M2) is the scale that
+// fp8.cu gives an amax of 1: no amax pass, and no scale that depends on the data. dloss moves to
+// the product's scale: block 0 writes *q8_inv = dloss / 2^FP8_TOP_EXP.
 #include "common.cuh"
+#include "fp8.cuh"
+
+#define FP8_BOUND_SCALE __uint_as_float((unsigned int)(127 + FP8_TOP_EXP) << 23)  // 2^FP8_TOP_EXP
+#define FP8_BOUND_INV __uint_as_float((unsigned int)(127 - FP8_TOP_EXP) << 23)    // 2^-FP8_TOP_EXP
+
+// CT_VEC floats to CT_VEC fp8 bytes at dst (CT_VEC-byte aligned): one 8-byte store for 16-bit CT,
+// one 4-byte store for float.
+__device__ __forceinline__ void store_fp8_vec(unsigned char* dst, const float* p) {
+  unsigned int w[CT_VEC / 4];
+#pragma unroll
+  for (int k = 0; k < CT_VEC / 4; ++k) w[k] = fp8x2(p[4 * k], p[4 * k + 1]) | (fp8x2(p[4 * k + 2], p[4 * k + 3]) << 16);
+  if (CT_VEC == 8) *reinterpret_cast<Bytes8*>(dst) = Bytes8{w[0], w[CT_VEC / 4 - 1]};
+  else *reinterpret_cast<unsigned int*>(dst) = w[0];
+}
+
+// One value to its fp8 byte.
+__device__ __forceinline__ unsigned char fp8_byte(float v) { return (unsigned char)(fp8x2(v, 0.f) & 0xffu); }
 
 // ---------------------------------------------------------------- version 1 (any row)
 // Merge CT_VEC values of one 16-byte vector into a thread's online softmax state (m, z): one
@@ -95,11 +119,16 @@ extern "C" __global__ void loss_fwd(float* losses, float* lse, const CT* logits,
 
 // As loss_fwd, then logits[row] = (exp(logits - lse) - [j == target]) * dloss in place; dloss
 // is read from the device (the engine's, written by k_step_check) when dloss_ptr is not null.
-extern "C" __global__ void loss_bwd(float* losses, float* lse, CT* logits, const int* targets,
-                                    i64 N, int V, const float* dloss_ptr, float dloss) {
+// Q8: instead q8[row] = fp8((exp(logits - lse) - [j == target]) * 2^FP8_TOP_EXP), logits unchanged.
+template <bool Q8>
+__device__ __forceinline__ void loss_bwd_row(float* losses, float* lse, CT* logits, const int* targets, int V,
+                                             const float* dloss_ptr, float dloss, unsigned char* q8, float* q8_inv) {
   if (dloss_ptr) dloss = *dloss_ptr;
+  if (Q8 && blockIdx.x == 0 && threadIdx.x == 0) *q8_inv = dloss * FP8_BOUND_INV;
+  const float mul = Q8 ? FP8_BOUND_SCALE : dloss;
   i64 row = blockIdx.x;
   CT* x = logits + row * V;
+  unsigned char* o8 = Q8 ? q8 + row * V : nullptr;
   int t = targets[row];
   float L = row_lse(x, V);
   row_loss(losses + row, lse + row, x, t, V, L);
@@ -108,19 +137,36 @@ extern "C" __global__ void loss_bwd(float* losses, float* lse, CT* logits, const
     vec16* xv = (vec16*)x;
     for (int q = threadIdx.x; q < V / CT_VEC; q += blockDim.x) {
       vec16 r = xv[q];
+      float p[CT_VEC];
 #pragma unroll
       for (int i = 0; i < CT_VEC; ++i) {
         int j = q * CT_VEC + i;
-        vset(r, i, (expf(vget(r, i) - L) - (j == t ? 1.f : 0.f)) * dloss);
+        p[i] = (expf(vget(r, i) - L) - (j == t ? 1.f : 0.f)) * mul;
+        if (!Q8) vset(r, i, p[i]);
       }
-      xv[q] = r;
+      if (Q8) store_fp8_vec(o8 + q * CT_VEC, p);
+      else xv[q] = r;
     }
   } else {
     for (int j = threadIdx.x; j < V; j += blockDim.x) {
       float p = expf(to_f(x[j]) - L) - (j == t ? 1.f : 0.f);
-      x[j] = from_f<CT>(p * dloss);
+      if (Q8) o8[j] = fp8_byte(p * mul);
+      else x[j] = from_f<CT>(p * mul);
     }
   }
+}
+
+extern "C" __global__ void loss_bwd(float* losses, float* lse, CT* logits, const int* targets,
+                                    i64 N, int V, const float* dloss_ptr, float dloss) {
+  loss_bwd_row<false>(losses, lse, logits, targets, V, dloss_ptr, dloss, nullptr, nullptr);
+}
+
+// loss_bwd with dlogits to q8 (R, V) in FP8 (V % CT_VEC == 0 and q8 16-byte aligned, or any row
+// by single bytes), *q8_inv = dloss / 2^FP8_TOP_EXP.
+extern "C" __global__ void loss_bwd_fp8(float* losses, float* lse, CT* logits, const int* targets,
+                                        i64 N, int V, const float* dloss_ptr, float dloss,
+                                        unsigned char* q8, float* q8_inv) {
+  loss_bwd_row<true>(losses, lse, logits, targets, V, dloss_ptr, dloss, q8, q8_inv);
 }
 
 // ---------------------------------------------------------------- version 2 (row in registers)
@@ -187,11 +233,15 @@ __device__ __forceinline__ void loss_stage(vec16* buf, const vec16* xv, int nv) 
 
 // The row pass of version 2 over rows blockIdx.x, + gridDim.x, ... < N of the chunk (blockDim.x
 // must be LOSS_THREADS, and LOSS_NV * LOSS_THREADS vectors must cover the row: the launcher's
-// plan). BWD: dlogits in place, dloss_ptr as in loss_bwd.
-template <bool BWD>
+// plan). BWD: dlogits in place, dloss_ptr as in loss_bwd; with Q8 to q8 in FP8 instead, as
+// loss_bwd_fp8.
+template <bool BWD, bool Q8>
 __device__ __forceinline__ void loss_rows(float* losses, float* lse, CT* logits, const int* targets, i64 N,
-                                          int V, const float* dloss_ptr, float dloss) {
+                                          int V, const float* dloss_ptr, float dloss, unsigned char* q8,
+                                          float* q8_inv) {
   if (BWD && dloss_ptr) dloss = *dloss_ptr;
+  if (Q8 && blockIdx.x == 0 && threadIdx.x == 0) *q8_inv = dloss * FP8_BOUND_INV;
+  const float mul = Q8 ? FP8_BOUND_SCALE : dloss;
   const int nv = V / CT_VEC, tid = threadIdx.x;
   vec16 r[LOSS_NV];
 #if LOSS_PREFETCH
@@ -255,26 +305,40 @@ __device__ __forceinline__ void loss_rows(float* losses, float* lse, CT* logits,
         if (q < nv) {
           float p[CT_VEC];
 #pragma unroll
-          for (int i = 0; i < CT_VEC; ++i) p[i] = ex2((VGET(r[k], i) - L) * LOSS_LOG2E) * dloss;
-          vec16 o;
-          vpack(o, p, (CT*)0);
-          xv[q] = o;
+          for (int i = 0; i < CT_VEC; ++i) p[i] = ex2((VGET(r[k], i) - L) * LOSS_LOG2E) * mul;
+          if (Q8) {
+            store_fp8_vec(q8 + row * V + q * CT_VEC, p);
+          } else {
+            vec16 o;
+            vpack(o, p, (CT*)0);
+            xv[q] = o;
+          }
         }
       }
       // the target's element written once more, with the one-hot: same thread, same address,
       // later in program order (a run-time index into p[] put it in local memory)
-      if (owner) logits[row * V + t] = from_f<CT>((ex2((xt - L) * LOSS_LOG2E) - 1.f) * dloss);
+      if (owner) {
+        float pt = (ex2((xt - L) * LOSS_LOG2E) - 1.f) * mul;
+        if (Q8) q8[row * V + t] = fp8_byte(pt);
+        else logits[row * V + t] = from_f<CT>(pt);
+      }
     }
   }
 }
 
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
     loss_fwd_regs(float* losses, float* lse, CT* logits, const int* targets, i64 N, int V) {
-  loss_rows<false>(losses, lse, logits, targets, N, V, nullptr, 0.f);
+  loss_rows<false, false>(losses, lse, logits, targets, N, V, nullptr, 0.f, nullptr, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
     loss_bwd_regs(float* losses, float* lse, CT* logits, const int* targets, i64 N, int V,
                   const float* dloss_ptr, float dloss) {
-  loss_rows<true>(losses, lse, logits, targets, N, V, dloss_ptr, dloss);
+  loss_rows<true, false>(losses, lse, logits, targets, N, V, dloss_ptr, dloss, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
+    loss_bwd_fp8_regs(float* losses, float* lse, CT* logits, const int* targets, i64 N, int V,
+                      const float* dloss_ptr, float dloss, unsigned char* q8, float* q8_inv) {
+  loss_rows<true, true>(losses, lse, logits, targets, N, V, dloss_ptr, dloss, q8, q8_inv);
 }
