@@ -212,7 +212,7 @@ def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=Tru
     planned = eng.plan.total()
     extra = sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in
                 be.workspace_rows(B, T, m.d_model, m.n_head, eng.params_c.dtype, precision == "fp8",
-                                  m.n_layer))
+                                  m.n_layer, m.vocab_size))
     graph_ms = graph_step_ms(eng, *batches[0])
     per_kernel = profile_step(eng, *batches[1])
     n = eng.layout.n_params
@@ -220,7 +220,8 @@ def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=Tru
     flops_tok = 6 * n + 6 * m.n_layer * T * m.d_model
     return {"system": "andrea", "exp": exp, "precision": precision, "batch": B, "context": T,
             "attention": be.attention_variant(eng.params_c.dtype, m.d_model // m.n_head),
-            "cublaslt": be.used_cublaslt(), "fp8_weight_cache": eng.fp8_cache, "params": n,
+            "cublaslt": be.used_cublaslt(), "fp8_weight_cache": eng.fp8_cache,
+            "fp8_classifier": eng.fp8_classifier, "params": n,
             "ms_step": round(ms, 2), "tok_s": round(tok_s),
             "tflops": round(flops_tok * tok_s / 1e12, 1), "host_ms_step": round(wall / steps * 1e3, 2),
             "loss": rec["loss"], "skipped": eng.skipped,

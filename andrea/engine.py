@@ -128,10 +128,21 @@ def compute_dtype(precision: str, base: str) -> str:
     return {"fp32": base, "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}[precision]
 
 
-def fp8_cached_weights(m) -> List[str]:
+def fp8_cached_weights(m, classifier: bool = False) -> List[str]:
     """The parameters the FP8 weight cache keeps copies of: every linear layer's weight, in the
-    order of the flat buffer (model.LAYER_MATRICES of each layer)."""
-    return [f"h{l}.{n}" for l in range(m.n_layer) for n in model.LAYER_MATRICES]
+    order of the flat buffer (model.LAYER_MATRICES of each layer), and with the classifier in FP8
+    the tied embedding wte (V, C) first."""
+    return (["wte"] if classifier else []) + [f"h{l}.{n}" for l in range(m.n_layer) for n in model.LAYER_MATRICES]
+
+
+def fp8_classifier_runs(cfg: AndreaConfig, switch: bool) -> bool:
+    """Whether a train.precision=fp8 run's classifier runs in FP8: the backend's fp8_classifier
+    switch, and sizes its FP8 products take (cuda/fp8.classifier_in_fp8: V and B*T multiples of 16)."""
+    m, t = cfg.model, cfg.train
+    if t.precision != "fp8" or not switch:
+        return False
+    from .backends.cuda.fp8 import classifier_in_fp8
+    return classifier_in_fp8(t.batch_size * t.seq_len, m.vocab_size)
 
 
 # train.precision=fp8: the products whose input X the model saves for the backward pass (the
@@ -149,14 +160,15 @@ def fp8_input_slots(m) -> List[tuple]:
 
 def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, shards: int = 0,
               fp8_weight_cache: bool = True, fp8_keep_xt: bool = True,
-              fp8_producer_amax: bool = True) -> MemoryPlan:
+              fp8_producer_amax: bool = True, fp8_classifier: bool = False) -> MemoryPlan:
     """Every buffer the engine will ever use, from the config alone. shards = N > 0: ZeRO-1 over N
     ranks (Engine): the flat buffers padded to a multiple of N, the Adam moments one rank's shard
     of padded/N, and the norm's partials one block per rank. fp8_weight_cache: with
     train.precision=fp8, the FP8 copies of the linear weights and their scales (the backend's
     fp8_weight_cache switch; cuda/fp8.weight_cache_rows). fp8_keep_xt, fp8_producer_amax: the
     backend's switches of those names; with either, the (amax, 1/scale) rows of the FP8 input
-    slots, with fp8_keep_xt also the kept FP8 X^T of each (cuda/fp8.input_slot_rows)."""
+    slots, with fp8_keep_xt also the kept FP8 X^T of each (cuda/fp8.input_slot_rows).
+    fp8_classifier: the classifier runs in FP8 (fp8_classifier_runs), so the cache holds wte too."""
     m, t = cfg.model, cfg.train
     B, T = t.batch_size, t.seq_len
     act = compute_dtype(t.precision, dtype)
@@ -186,7 +198,7 @@ def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, s
     if t.precision == "fp8" and fp8_weight_cache:
         from .backends.cuda.fp8 import weight_cache_rows
         shapes = dict(model.param_shapes(m)[0])
-        for name, shape, dt in weight_cache_rows([shapes[w] for w in fp8_cached_weights(m)]):
+        for name, shape, dt in weight_cache_rows([shapes[w] for w in fp8_cached_weights(m, fp8_classifier)]):
             plan.add(name, shape, dt, "fp8 weight cache")
     if t.precision == "fp8" and (fp8_keep_xt or fp8_producer_amax):
         from .backends.cuda.fp8 import input_slot_rows
@@ -248,6 +260,8 @@ class Engine:
         # and ln2 from their layer norms (the backend's switches, read once here)
         self.fp8_keep_xt = t.precision == "fp8" and bool(self.be.fp8_keep_xt)
         self.fp8_producer_amax = t.precision == "fp8" and bool(self.be.fp8_producer_amax)
+        # fp8: the classifier's products in FP8 as well (the backend's switch, and sizes they take)
+        self.fp8_classifier = fp8_classifier_runs(cfg, bool(self.be.fp8_classifier))
         self.plan = make_plan(cfg, dtype, self.be.grad_norm_partials, self.comm.size if self.zero1 else 0,
                               **self._fp8_switches())
         self.dtype = dtype
@@ -287,10 +301,11 @@ class Engine:
         m, t = self.cfg.model, self.cfg.train
         self.workspace = self.be.reserve_workspace(t.batch_size, t.seq_len, m.d_model, m.n_head,
                                                    self.params_c.dtype, fp8=t.precision == "fp8",
-                                                   n_layer=m.n_layer)
+                                                   n_layer=m.n_layer, vocab=m.vocab_size)
         if self.fp8_cache:  # the products of the listed weights read these copies from now on
-            self.be.use_fp8_weight_cache([self.p[w] for w in fp8_cached_weights(m)], bufs["fp8_wcache"],
-                                         bufs["fp8_wmeta"], bufs["fp8_wtable"])
+            self.be.use_fp8_weight_cache([self.p[w] for w in fp8_cached_weights(m, self.fp8_classifier)],
+                                         bufs["fp8_wcache"], bufs["fp8_wmeta"], bufs["fp8_wtable"],
+                                         alone=int(self.fp8_classifier))  # wte, refreshed on its own
         if (self.fp8_keep_xt or self.fp8_producer_amax) and m.n_layer:  # the inputs' amax and X^T live here
             slots = fp8_input_slots(m)
             self.be.use_fp8_input_slots([self.p[w] for w, _, _ in slots], [self.slot_input(l, x) for _, l, x in slots],
@@ -305,7 +320,7 @@ class Engine:
     def _fp8_switches(self) -> dict:
         """make_plan's fp8 arguments: this engine's switches."""
         return {"fp8_weight_cache": self.fp8_cache, "fp8_keep_xt": self.fp8_keep_xt,
-                "fp8_producer_amax": self.fp8_producer_amax}
+                "fp8_producer_amax": self.fp8_producer_amax, "fp8_classifier": self.fp8_classifier}
 
     def init_params(self, seed: int):
         """Normal(0, init_std) matrices and embeddings, zero biases, unit layer-norm gains."""
@@ -391,7 +406,7 @@ class Engine:
         if t.precision == "fp8":  # the FP8 operands and their scales, part of that workspace
             m = self.cfg.model
             for name, shape, dtype in self.be.workspace_rows(t.batch_size, t.seq_len, m.d_model, m.n_head,
-                                                             self.params_c.dtype, fp8=True):
+                                                             self.params_c.dtype, fp8=True, vocab=m.vocab_size):
                 if name.startswith("fp8_"):
                     b = int(np.prod(shape)) * np.dtype(dtype).itemsize
                     print(f"  {name:<20}{b:>16,}{b / 2**20:>12.1f}  {dtype} {shape}", file=file, flush=True)

@@ -436,7 +436,7 @@ def check_cache(eng, when):
     from andrea.backends.cuda.fp8 import META_STRIDE
     from andrea.engine import fp8_cached_weights
     be = eng.be
-    names = fp8_cached_weights(eng.cfg.model)
+    names = fp8_cached_weights(eng.cfg.model, eng.fp8_classifier)
     assert len(be.fp8.cache) == len(names)
     for name in names:
         w = eng.p[name]
@@ -707,3 +707,145 @@ def test_input_slots_plan_and_views(tmp_path):
         want = None if x == "act" else slot
         assert both.be.fp8.slot_of_input.get(both.slot_input(l, x).data.ptr) is want, w
         assert amax_only.be.fp8.slots[amax_only.p[w].data.ptr].xt is None
+
+
+# ---------------------------------------------------------------- the classifier in FP8
+@pytest.mark.parametrize("R,K", [(16, 16), (48, 80), (112, 208), (400, 96), (64, 4112)])  # partial tiles
+def test_fp8_transpose_is_the_transpose(be, R, K):
+    import cupy as cp
+    x = cp.asarray(np.random.default_rng(R * K).integers(0, 256, (R, K), dtype=np.uint8))
+    out = cp.zeros((K, R), cp.uint8)
+    be.fp8.k_fp8_transpose(out, x)
+    want = np.zeros((K, R), np.uint8)
+    ref.k_fp8_transpose(want, x.get())
+    np.testing.assert_array_equal(out.get(), want)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        be.fp8.k_fp8_transpose(cp.zeros((K, R - 8), cp.uint8), x[:R - 8])
+
+
+def fp8_neighbours_at_midpoint(got, want, exact, fmt):
+    """Where bytes differ: adjacent codes of one sign with the exact value within 1e-5 (relative)
+    of the midpoint between them (the GPU's ex2.approx and float32 against float64)."""
+    g, w = ref.fp8_decode(got, fmt).astype(np.float64), ref.fp8_decode(want, fmt).astype(np.float64)
+    step = np.abs(got.astype(np.int64) - want.astype(np.int64))
+    mid = (g + w) / 2
+    return bool(np.all((step == 1) & (np.abs(exact - mid) <= 1e-5 * np.abs(mid))))
+
+
+@pytest.mark.parametrize("version", ["regs", "v1"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("V", [96, 1008])
+def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, monkeypatch):
+    """loss_bwd_fp8(_regs): losses and lse bit-equal to the 16-bit row pass (loss_bwd(_regs)) on
+    the same logits, the logits left as they were, *q8_inv = dloss / 2^k, and the FP8 dlogits
+    numpy_ref.loss_bwd_fp8's bytes but for values at a rounding midpoint (fewer than 1 in 1000)."""
+    import cupy as cp
+    from andrea.backends.cuda.fp8 import Fp8Ops
+    from andrea.backends.cuda.ops import _dloss_args
+    if version == "v1":
+        monkeypatch.setattr(be, "loss_vectors", 0)
+    n = 48
+    rng = np.random.default_rng(V)
+    z = on_dev(rng.normal(0, 4, (n, V)))
+    t = cp.asarray(rng.integers(0, V, n).astype(np.int32))
+    dloss = cp.asarray(np.array([1.0 / 384], np.float32))
+    ct = z.dtype
+    q8, meta = cp.zeros((n, V), cp.uint8), cp.zeros(2, cp.float32)
+    lf, lse = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32)
+    z0 = z.copy()
+    be._loss_rows(True, n, z, ct, (lf, lse, z, t, np.int64(n), np.int32(V)) + _dloss_args("t", dloss)
+                  + (q8, meta[1:]), fp8_defs=Fp8Ops._defs(fmt))
+    assert np.array_equal(z.get().view(np.uint16), z0.get().view(np.uint16)), "the logits were changed"
+    lf16, lse16, z16 = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32), z0.copy()
+    be._loss_rows(True, n, z16, ct, (lf16, lse16, z16, t, np.int64(n), np.int32(V)) + _dloss_args("t", dloss))
+    assert np.array_equal(lf.get(), lf16.get()) and np.array_equal(lse.get(), lse16.get())
+    k = {"e4m3": 8, "e5m2": 15}[fmt]
+    assert meta.get()[1] == np.float32(1.0 / 384 * 2.0 ** -k)
+    want, m_ref = np.zeros((n, V), np.uint8), np.zeros(2, np.float32)
+    zh = host(z0)
+    ref.loss_bwd_fp8(np.zeros(n), np.zeros(n), want, m_ref, zh, t.get(), dloss.get(), fmt)
+    got = q8.get()
+    bad = got != want
+    assert bad.mean() < 1e-3, f"{bad.sum()} of {bad.size} bytes differ"
+    g = np.exp(zh - lse.get().astype(np.float64)[:, None])
+    g[np.arange(n), t.get()] -= 1.0
+    assert fp8_neighbours_at_midpoint(got[bad], want[bad], (g * 2.0 ** k)[bad], fmt)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
+def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, monkeypatch):
+    """k_loss_bwd / k_loss_fwd with the FP8 classifier (V a multiple of 16) against
+    numpy_ref.k_fp8_loss_bwd / k_fp8_loss_fwd (bf16 logits, as the GPU's) within TOL, in chunks of
+    48 rows; against the float64 classifier without quantisation within 0.1 and not equal to it."""
+    import cupy as cp
+    monkeypatch.setattr(be, "fp8_dlogits", fmt)
+    assert be.fp8_classifier
+    B, T, C, V, R = 4, 48, 80, 96, 48
+    rng = np.random.default_rng(7)
+    x = rng.normal(0, 1, (B, T, C))
+    w = rng.normal(0, 0.3, (V, C))
+    t = rng.integers(0, V, (B, T)).astype(np.int32)
+    base = rng.normal(0, 0.01, (B, T, C))
+    dloss = 1.0 / (B * T)
+    xd, wd, td = on_dev(x), on_dev(w), cp.asarray(t)
+    xh, wh = host(xd), host(wd)
+    lf, lse, dx, dw = cp.zeros((B, T), cp.float32), cp.zeros((B, T), cp.float32), on_dev(base), cp.zeros((V, C), cp.float32)
+    be.k_loss_bwd(lf, lse, dx, dw, cp.zeros((R, V), xd.dtype), xd, wd, td, dloss, accumulate=accumulate)
+    want = [np.zeros((B, T)), np.zeros((B, T)), host(on_dev(base)), np.zeros((V, C))]
+    ref.k_fp8_loss_bwd(*want[:2], want[2], want[3], np.zeros((R, V), bf16()), xh, wh, t, dloss, fmt, accumulate)
+    for what, a, b in zip(("losses", "lse", "dinp", "dwte"), (lf, lse, dx, dw), want):
+        assert rel(host(a), b) < TOL, what
+    exact = [np.zeros((B, T)), np.zeros((B, T)), host(on_dev(base)), np.zeros((V, C))]
+    ref.k_loss_bwd(exact[0], exact[1], exact[2], exact[3], np.zeros((R, V)), xh, wh, t, dloss, accumulate)
+    for a, b in zip((dx, dw), exact[2:]):
+        assert 1e-4 < rel(host(a), b) < 0.1
+    lf2, lse2 = cp.zeros((B, T), cp.float32), cp.zeros((B, T), cp.float32)
+    be.k_loss_fwd(lf2, lse2, cp.zeros((R, V), xd.dtype), xd, wd, td)
+    assert np.array_equal(lf2.get(), lf.get()) and np.array_equal(lse2.get(), lse.get())
+
+
+def test_engine_fp8_classifier_same_bits_and_resume(tmp_path):
+    """An fp8 engine whose vocabulary is a multiple of 16 runs the classifier in FP8 (wte in the
+    weight cache, refreshed on its own): two runs bit-identical, a resume from the state after step
+    3 bit-exact with the copies matching the weights, and close to (not equal to) the classifier in
+    bf16 (CudaOps.fp8_classifier off)."""
+    from andrea.backends import get_backend
+    from andrea.engine import Engine, fp8_cached_weights
+    model = dict(MODEL, vocab_size=96)
+
+    def make(classifier=True, seed=None):
+        from andrea.config import load_run_config
+        d = small_config(tmp_path, batch_size=4, seq_len=32, precision="fp8", **({"seed": seed} if seed else {}))
+        d["model"], d["backend"] = model, {"name": "cuda"}
+        be = get_backend("cuda")
+        be.fp8_classifier = classifier
+        eng = Engine(load_run_config(d), backend=be)
+        assert eng.fp8_classifier is classifier
+        return eng
+
+    def run(eng, steps=range(1, 8), mid=None):
+        recs = []
+        for s in steps:
+            recs.append(dict(eng.train_step(s, [batch(2 * s, V=96), batch(2 * s + 1, V=96)])))
+            if s == 3 and mid is not None:
+                mid.append(eng.state())
+        return recs, eng.host_state()
+
+    mid = []
+    a = run(make(), mid=mid)
+    b = run(make())
+    assert all(np.isfinite(r["loss"]) for r in a[0])
+    assert repr(a[0]) == repr(b[0]), "two fp8 runs with the FP8 classifier differ"
+    eng = make(seed=99)
+    assert fp8_cached_weights(eng.cfg.model, eng.fp8_classifier)[0] == "wte"
+    eng.load_state(mid[0])
+    check_cache(eng, "load_state")
+    c = run(eng, range(4, 8))
+    assert repr(c[0]) == repr(a[0][3:]), "resumed run differs"
+    for x, y in zip(c[1], a[1]):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), "resumed run's state differs"
+    check_cache(eng, "after the resumed steps")
+    off = run(make(classifier=False))
+    la, lo = [r["loss"] for r in a[0]], [r["loss"] for r in off[0]]
+    assert la != lo and max(abs(p - q) for p, q in zip(la, lo)) < 0.05 * lo[0]

@@ -352,3 +352,80 @@ def test_gelu_passes_against_pytorch(dtype):
     assert np.isnan(meta[0])
     K.k_fp8_dgelu_colsum_amax(db, meta, dact.copy(), pre)
     assert np.isnan(meta[0])
+
+
+# ---------------------------------------------------------------- the classifier in FP8
+def classifier_case(rng, N=37, C=24, V=53):
+    x = rng.normal(0, 1, (N, C)).astype(np.float32)
+    w = rng.normal(0, 0.5, (V, C)).astype(np.float32)
+    t = rng.integers(0, V, N).astype(np.int64)
+    return x, w, t
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dlogits_row_pass_against_torch(fmt):
+    """loss_bwd_fp8: losses and lse as PyTorch's cross-entropy, q8 PyTorch's saturating cast of
+    (softmax - onehot) * 2^k (k of an amax of 1: 8 for E4M3, 15 for E5M2), 1/scale = dloss / 2^k."""
+    rng = np.random.default_rng(1)
+    z = rng.normal(0, 3, (41, 67))
+    t = rng.integers(0, 67, 41)
+    losses, lse, q8, meta = np.zeros(41), np.zeros(41), np.zeros((41, 67), np.uint8), np.zeros(2, np.float32)
+    K.loss_bwd_fp8(losses, lse, q8, meta, z, t, np.float32(0.125), fmt)
+    zt = torch.from_numpy(z)
+    ce = torch.nn.functional.cross_entropy(zt, torch.from_numpy(t), reduction="none").numpy()
+    np.testing.assert_allclose(losses, ce, rtol=1e-12)
+    np.testing.assert_allclose(lse, torch.logsumexp(zt, -1).numpy(), rtol=1e-12)
+    g = torch.softmax(zt, -1).numpy()
+    g[np.arange(41), t] -= 1.0
+    k = {"e4m3": 8, "e5m2": 15}[fmt]
+    assert K.fp8_bound_scale(fmt) == (2.0 ** k, 2.0 ** -k)
+    want = torch_round(g * 2.0 ** k, fmt)
+    np.testing.assert_array_equal(K.fp8_decode(q8, fmt), want)
+    assert meta[1] == np.float32(0.125 * 2.0 ** -k)
+    assert (q8 != 0).mean() > 0.5  # most of dlogits survives the scale (not all flushed to zero)
+
+
+@pytest.mark.parametrize("fmt,tol", [("e4m3", 0.08), ("e5m2", 0.15)])
+@pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
+def test_fp8_classifier_against_autograd(fmt, tol, accumulate):
+    """k_fp8_loss_bwd against PyTorch autograd of dloss * sum(cross-entropy) over the
+    FP8-rounded operands (float64): the same losses; gradients that differ from autograd's only by
+    dlogits' quantisation, each element of dinp and dwte within the bound |dq - g| @ |w| (and
+    |dq - g|.T @ |x|) of what the rounding of dlogits can change, and the whole within tol; in
+    chunks of R rows (2 here) as one chunk. k_fp8_loss_fwd gives the same losses and lse."""
+    rng = np.random.default_rng(2)
+    x, w, t = classifier_case(rng)
+    N, C = x.shape
+    V = w.shape[0]
+    dloss = 1.0 / N
+    xf, wf = K.fp8_fake(x, K.FP8_FWD), K.fp8_fake(w, K.FP8_FWD)
+    xt = torch.from_numpy(xf).requires_grad_()
+    wt = torch.from_numpy(wf).requires_grad_()
+    ce = torch.nn.functional.cross_entropy(xt @ wt.T, torch.from_numpy(t), reduction="none")
+    (ce.sum() * dloss).backward()
+    g = torch.softmax(torch.from_numpy(xf @ wf.T), -1).numpy()
+    g[np.arange(N), t] -= 1.0
+    scale, inv = K.fp8_bound_scale(fmt)
+    dq = K.fp8_decode(K.fp8_encode(K.fp8_round(g * float(scale), fmt), fmt), fmt) * float(inv) * dloss
+    err = np.abs(dq - g * dloss)
+    base = rng.normal(0, 1, (N, C))
+    out = {}
+    for R in (2, N):
+        losses, lse, dinp, dwte = np.zeros(N), np.zeros(N), base.copy(), np.zeros((V, C))
+        K.k_fp8_loss_bwd(losses, lse, dinp, dwte, np.zeros((R, V)), x, w, t, dloss, fmt, accumulate)
+        out[R] = losses, dinp, dwte
+        np.testing.assert_allclose(losses, ce.detach().numpy(), rtol=1e-10)
+        want_dx = xt.grad.numpy() + (base if accumulate else 0)
+        assert np.all(np.abs(dinp - want_dx) <= err @ np.abs(wf) + 1e-12)
+        assert np.all(np.abs(dwte - wt.grad.numpy()) <= err.T @ np.abs(xf) + 1e-12)
+        r = np.linalg.norm(dwte - wt.grad.numpy()) / np.linalg.norm(wt.grad.numpy())
+        assert 0 < r < tol, r
+        lf, lsef = np.zeros(N), np.zeros(N)
+        K.k_fp8_loss_fwd(lf, lsef, np.zeros((R, V)), x, w, t)
+        np.testing.assert_allclose(lf, losses, rtol=1e-12)
+    for a, b in zip(out[2], out[N]):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    q = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    qt = np.zeros((4, 3), np.uint8)
+    K.k_fp8_transpose(qt, q)
+    np.testing.assert_array_equal(qt, q.T)

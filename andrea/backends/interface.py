@@ -59,6 +59,9 @@ class Backend(Protocol):
     # (use_fp8_input_slots); False where the backend runs no fp8
     fp8_keep_xt: bool
     fp8_producer_amax: bool
+    # train.precision=fp8: whether the classifier's products run in FP8 too (the embedding then in
+    # the weight cache); False where the backend runs no fp8
+    fp8_classifier: bool
 
     def attention_variant(self, dtype, head_size: int) -> str:
         """The path k_attn_fwd/_bwd take for this compute dtype and head size: "fused" or
@@ -99,25 +102,28 @@ class Backend(Protocol):
 
     # ------------------------------------------------------------ workspace and graphs
     def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False,
-                       n_layer: int = 0) -> List[WorkspaceRow]:
+                       n_layer: int = 0, vocab: int = 0) -> List[WorkspaceRow]:
         """The scratch buffers the kernels take for this model shape (fp8: with the FP8 operands
         and scales of train.precision=fp8; n_layer: with what a param_grad_pass over a backward
-        pass of that many layers holds until its end, 0: nothing)."""
+        pass of that many layers holds until its end, 0: nothing; vocab: the classes of the
+        classifier, whose FP8 operands need room where it runs in FP8, 0: none)."""
 
     def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False,
-                          n_layer: int = 0) -> Workspace:
+                          n_layer: int = 0, vocab: int = 0) -> Workspace:
         """Allocate that scratch now, so the step loop allocates nothing; the kernels of this
         backend draw from the returned Workspace, which the engine keeps and prints. fp8: from
         now on the linear layers (k_attn_qkv_*, k_attn_out_*, k_mlp_*) run their products in FP8
-        (CUDA on compute capability 8.9 or later; elsewhere a clear error). n_layer: as in
-        workspace_rows (without it a param_grad_pass defers nothing)."""
+        (CUDA on compute capability 8.9 or later; elsewhere a clear error). n_layer, vocab: as in
+        workspace_rows (without n_layer a param_grad_pass defers nothing)."""
 
-    def use_fp8_weight_cache(self, weights: List[Any], data, meta, table) -> None:
+    def use_fp8_weight_cache(self, weights: List[Any], data, meta, table, alone: int = 0) -> None:
         """After reserve_workspace(fp8=True), with fp8_weight_cache: keep FP8 copies of the
         linear weights `weights` (the (out, in) compute-dtype arrays the layers will be given) in
         the engine's buffers data (uint8), meta (float32) and table (int64), the rows the memory
         plan took for them; fill them now. From then on the products of those weights read the
-        copies, so they must be rewritten by refresh_fp8_weight_cache whenever the weights change."""
+        copies, so they must be rewritten by refresh_fp8_weight_cache whenever the weights change.
+        alone: how many of the first weights (the classifier's embedding) are refreshed on their
+        own rather than with the rest in one launch (the same bytes)."""
 
     def use_fp8_input_slots(self, weights: List[Any], inputs: List[Any], meta, xt=None,
                             producer_amax: bool = False) -> None:

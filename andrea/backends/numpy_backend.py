@@ -61,6 +61,7 @@ class NumpyBackend:
     fp8_weight_cache = False  # no fp8 here
     fp8_keep_xt = False
     fp8_producer_amax = False
+    fp8_classifier = False
     xp = np
 
     def attention_variant(self, dtype, head_size: int) -> str:
@@ -95,17 +96,18 @@ class NumpyBackend:
         """Nothing is queued on the CPU."""
 
     # ------------------------------------------------------------ workspace and graphs
-    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False, n_layer: int = 0):
+    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False, n_layer: int = 0,
+                       vocab: int = 0):
         return []
 
     def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False,
-                          n_layer: int = 0):
+                          n_layer: int = 0, vocab: int = 0):
         if fp8:
             raise ValueError("train.precision=fp8 needs backend=cuda on a GPU with FP8 tensor cores; the NumPy "
                              "backend runs fp32 (numpy_ref's k_fp8_* functions are the FP8 reference, for tests)")
         return NoWorkspace()
 
-    def use_fp8_weight_cache(self, weights, data, meta, table):
+    def use_fp8_weight_cache(self, weights, data, meta, table, alone=0):
         raise ValueError("use_fp8_weight_cache: the NumPy backend runs no fp8 (backend=cuda does)")
 
     def use_fp8_input_slots(self, weights, inputs, meta, xt=None, producer_amax=False):

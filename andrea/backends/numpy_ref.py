@@ -406,6 +406,7 @@ FP8_FORMATS = {  # name: (mantissa bits, exponent bias, largest finite value)
 }
 FP8_FWD = "e4m3"  # weights and activations
 FP8_GRAD = "e4m3"  # output gradients (the backend's default; "e5m2" the alternative, docs/FP8.md)
+FP8_DLOGITS = "e5m2"  # the classifier's dlogits (the backend's default, docs/FP8.md "The classifier")
 FP8_MAX_SHIFT = 126  # |log2 scale| at most this: 2^k and 2^-k stay normal float32 numbers
 
 
@@ -601,3 +602,72 @@ def k_fp8_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, g
     k_fp8_linear_bwd(dact, dw2, db2, dout, act, w2, grad_fmt, accumulate=False)
     dact *= _gelu_grad(np.asarray(pre, np.float64))
     k_fp8_linear_bwd(dinp, dw1, db1, dact, inp, w1, grad_fmt, accumulate)
+
+
+# The classifier in FP8 (kernels/loss.cu loss_bwd_fp8, cuda/fp8.py): logits = fp8(inp) @ fp8(wte).T,
+# and dlogits = softmax - onehot(target) quantised with a scale from its bound instead of its amax:
+# every |softmax - onehot| <= 1, so the scale is fp8_scale(1) (2^8 for E4M3, 2^15 for E5M2) and
+# dloss moves into the products' 1/scale. No pass over dlogits for its amax.
+def fp8_bound_scale(fmt):
+    """(scale, 1/scale) of a tensor whose values lie in [-1, 1]: fp8_scale of an amax of 1."""
+    return fp8_scale(np.float32(1.0), fmt)
+
+
+def _dloss_value(dloss):
+    return float(np.asarray(dloss, dtype=np.float64).reshape(-1)[0])
+
+
+def loss_bwd_fp8(losses, lse, q8, meta, logits, targets, dloss, fmt):
+    """The FP8 classifier's row pass over logits (R, V) (loss.cu's loss_bwd_fp8 and
+    loss_bwd_fp8_regs): losses, lse (R,) as k_loss_fwd writes them; q8 (R, V) uint8 = fp8 bytes
+    of (softmax(logits) - onehot(targets)) * scale, scale = fp8_bound_scale(fmt)[0]; meta[1] =
+    dloss / scale, what the products multiply back (dloss: a float or a (1,) array). logits are
+    not changed."""
+    z = np.asarray(logits, dtype=np.float64)
+    _loss_chunk(z, lse, losses, targets)
+    g = np.exp(z - np.asarray(lse, np.float64)[:, None])
+    g[np.arange(z.shape[0]), targets] -= 1.0
+    scale, inv = fp8_bound_scale(fmt)
+    q8[...] = fp8_encode(fp8_round(g * float(scale), fmt), fmt)
+    meta[1] = np.float32(_dloss_value(dloss) * float(inv))
+
+
+def k_fp8_transpose(out_t, x):
+    """out_t (K, R) = x.T of fp8 bytes x (R, K): the FP8 dlogits as the weight gradient's product
+    wants them (contiguous along the rows it sums over)."""
+    out_t[...] = np.asarray(x).T
+
+
+def k_fp8_loss_fwd(losses, lse, logits, inp, wte, targets):
+    """k_loss_fwd with the logits product in FP8: logits = fp8(inp) @ fp8(wte).T (E4M3, each
+    operand with its own scale over the whole tensor), R rows at a time into the workspace logits
+    (its dtype); lse and losses from them as k_loss_fwd."""
+    x, tg, z_all, N = _loss_rows("k_fp8_loss_fwd", logits, inp, wte, targets)
+    xf, wf = fp8_fake(x, FP8_FWD), fp8_fake(wte, FP8_FWD)
+    lf, lsef = losses.reshape(N), lse.reshape(N)
+    R = z_all.shape[0]
+    for r0 in range(0, N, R):
+        r1 = min(N, r0 + R)
+        z = z_all[:r1 - r0]
+        z[...] = xf[r0:r1] @ wf.T  # rounded to the workspace's dtype, as the GPU's bf16 logits
+        _loss_chunk(np.asarray(z, np.float64), lsef[r0:r1], lf[r0:r1], tg[r0:r1])
+
+
+def k_fp8_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, dlogits_fmt, accumulate=True):
+    """k_loss_bwd with its three products in FP8: per chunk logits = fp8(inp) @ fp8(wte).T (as
+    k_fp8_loss_fwd), loss_bwd_fp8's row pass (dlogits in dlogits_fmt with its bound scale), then
+    dinp += dlogits @ fp8(wte) and dwte += dlogits.T @ fp8(inp) with dlogits = decoded q8 times
+    meta[1] (accumulate=False writes dinp). The quantisation's derivative is taken as 1."""
+    x, tg, z_all, N = _loss_rows("k_fp8_loss_bwd", logits, inp, wte, targets)
+    xf, wf = fp8_fake(x, FP8_FWD), fp8_fake(wte, FP8_FWD)
+    lf, lsef, dx = losses.reshape(N), lse.reshape(N), dinp.reshape(N, -1)
+    R = z_all.shape[0]
+    for r0 in range(0, N, R):
+        r1 = min(N, r0 + R)
+        z = z_all[:r1 - r0]
+        z[...] = xf[r0:r1] @ wf.T
+        q8, meta = np.empty(z.shape, np.uint8), np.zeros(2, np.float32)
+        loss_bwd_fp8(lf[r0:r1], lsef[r0:r1], q8, meta, z, tg[r0:r1], dloss, dlogits_fmt)
+        g = fp8_decode(q8, dlogits_fmt).astype(np.float64) * float(meta[1])
+        _put(dx[r0:r1], g @ wf, accumulate)
+        dwte += g.T @ xf[r0:r1]

@@ -124,18 +124,19 @@ class CudaBackend(CudaOps):
 
     # ------------------------------------------------------------ workspace and graphs
     def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False,
-                          n_layer: int = 0) -> Workspace:
+                          n_layer: int = 0, vocab: int = 0) -> Workspace:
         """Allocate the kernels' scratch for this shape now (start-up), so the step loop
         allocates nothing, and create the cuBLAS handle. Returns the Workspace the kernels of
         this backend draw from. fp8: the linear layers' products run in FP8 from now on (a GPU
         without FP8 tensor cores is refused here, with a clear error). n_layer: room for the
-        column partials that a backward pass of that many layers defers (param_grad_pass)."""
+        column partials that a backward pass of that many layers defers (param_grad_pass). vocab:
+        with fp8, the FP8 classifier's rows for that many classes (workspace_rows)."""
         if fp8:
             from .fp8 import check_fp8_device
             check_fp8_device(B, T, C)
         self.workspace.outside["cublas"] = CUBLAS_WORKSPACE
         self.workspace.outside["cublaslt"] = 0  # counted once the binding exists (below)
-        self.workspace.reserve(self.workspace_rows(B, T, C, n_head, act_dtype, fp8, n_layer))
+        self.workspace.reserve(self.workspace_rows(B, T, C, n_head, act_dtype, fp8, n_layer, vocab))
         if self._blas is None:  # the handle and its 32 MiB workspace, now rather than in step 1
             self._blas = Cublas()
         lt = self.lt
@@ -148,12 +149,12 @@ class CudaBackend(CudaOps):
             self.fp8 = None
         return self.workspace
 
-    def use_fp8_weight_cache(self, weights, data, meta, table):
+    def use_fp8_weight_cache(self, weights, data, meta, table, alone=0):
         """FP8 copies of weights in the engine's buffers, made now and read by their products
-        (cuda/fp8.Fp8Ops.use_weight_cache); needs reserve_workspace(fp8=True) first."""
+        (cuda/fp8.Fp8Ops.use_weight_cache, alone as there); needs reserve_workspace(fp8=True) first."""
         if self.fp8 is None:
             raise RuntimeError("use_fp8_weight_cache: call reserve_workspace(..., fp8=True) first")
-        self.fp8.use_weight_cache(weights, data, meta, table)
+        self.fp8.use_weight_cache(weights, data, meta, table, alone)
 
     def use_fp8_input_slots(self, weights, inputs, meta, xt=None, producer_amax=False):
         """Input slots for the products of weights, whose inputs are the saved activations inputs

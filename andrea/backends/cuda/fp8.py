@@ -48,6 +48,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ...model import loss_chunk_rows
 from ..numpy_ref import FP8_FORMATS, FP8_FWD
 from .cublas import cuda_type
 from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
@@ -56,7 +57,9 @@ FP8_CUDA_TYPES = {"e4m3": 28, "e5m2": 29}  # cudaDataType_t CUDA_R_8F_E4M3, CUDA
 FP8_MIN_CC = 89  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) or later
 FP8_MULTIPLE = 16  # cuBLASLt's FP8 products want every dimension a multiple of 16
 META_STRIDE = 64  # floats per tensor: amax at 0, 1/scale at 32 (128-byte aligned, for cuBLASLt)
-META_SLOTS = {"x": 0, "w": 1, "dy": 2}  # the input, the weight, the output gradient of a product
+# the input, the weight, the output gradient of a product; the classifier's input (lnf's output)
+# and its dlogits
+META_SLOTS = {"x": 0, "w": 1, "dy": 2, "cx": 3, "dz": 4}
 TILE = 64  # the cast kernels' tile: 64 columns, 64 rows (the *_many kernel) or CudaOps.fp8_tile_rows
 TILE_ROWS = (64, 128, 256)  # what fp8.cu's single-tensor cast kernels compile for
 TABLE_COLS = 5  # int64 per tensor of a *_many launch: address of x, of out, of out_t, R, K (fp8.cu)
@@ -88,12 +91,26 @@ def input_slot_rows(shapes, N: int, keep_xt: bool):
     return rows
 
 
-def fp8_rows(B: int, T: int, C: int):
+def fp8_rows(B: int, T: int, C: int, vocab: int = 0):
     """The workspace rows of the FP8 path for this model shape: the widest operand of each role
-    (the MLP's: B*T x 4C activations and gradients, a 4C x C weight) and the scales."""
+    (the MLP's: B*T x 4C activations and gradients, a 4C x C weight) and the scales. vocab: with
+    the classifier in FP8 (classifier_in_fp8): one chunk's input and its transpose, its FP8
+    dlogits (R, V), and room for the embedding (V, C) where the weight cache does not hold it."""
     N, H = B * T, 4 * C
-    return [("fp8_x", (N * H,), "uint8"), ("fp8_dy", (N * H,), "uint8"), ("fp8_dyt", (N * H,), "uint8"),
-            ("fp8_w", (H * C,), "uint8"), ("fp8_meta", (len(META_SLOTS) * META_STRIDE,), "float32")]
+    w = H * C
+    rows = [("fp8_x", (N * H,), "uint8"), ("fp8_dy", (N * H,), "uint8"), ("fp8_dyt", (N * H,), "uint8")]
+    if vocab and classifier_in_fp8(N, vocab):
+        R = loss_chunk_rows(N, vocab)
+        w = max(w, vocab * C)
+        rows += [("fp8_cx", (R * C,), "uint8"), ("fp8_cxt", (R * C,), "uint8"), ("fp8_dz", (R * vocab,), "uint8")]
+    return rows + [("fp8_w", (w,), "uint8"), ("fp8_meta", (len(META_SLOTS) * META_STRIDE,), "float32")]
+
+
+def classifier_in_fp8(N: int, V: int) -> bool:
+    """Whether the classifier's products can run in FP8 for N = B*T rows and V classes: cuBLASLt's
+    FP8 products and k_fp8_transpose want V and every chunk's rows (N, and model.loss_chunk_rows, a
+    power of two) multiples of FP8_MULTIPLE; otherwise the classifier stays in bf16."""
+    return V % FP8_MULTIPLE == 0 and N % FP8_MULTIPLE == 0 and loss_chunk_rows(N, V) % FP8_MULTIPLE == 0
 
 
 def check_fp8_device(B: int, T: int, C: int):
@@ -139,7 +156,8 @@ class Fp8Ops:
                                "or libcublasLt could not be loaded)")
         self.ops, self.grad_fmt = ops, grad_fmt
         self.cache = {}  # (address, shape, dtype) of a weight -> (W fp8, W^T fp8, its meta row (META_STRIDE,))
-        self._cache_args = None  # (meta (n, META_STRIDE), table, dtype, shapes) of refresh_weight_cache
+        self._cache_args = None  # (meta (n, META_STRIDE), table, dtype, shapes, alone) of refresh_weight_cache
+        self._cache_alone = []  # (w, fp8 W, fp8 W^T, meta row) of the weights refreshed on their own
         # input slots (use_input_slots): address of a weight -> InputSlot of its product's input X;
         # address of an input -> the same slot (the layer-norm launchers ask by their output)
         self.slots, self.slot_of_input = {}, {}
@@ -315,11 +333,15 @@ class Fp8Ops:
                            (meta, i32(meta.shape[1]), i32(meta.shape[1] // 2), table), defs=self._defs(fmt))
 
     # ------------------------------------------------------------ the FP8 weight cache
-    def use_weight_cache(self, weights, data, meta, table):
+    def use_weight_cache(self, weights, data, meta, table, alone=0):
         """Keep FP8 copies of weights (a list of (R, K) compute-dtype arrays that the products will
         be given, the same views) in data (uint8), their (amax, 1/scale) in meta (float32, META_STRIDE
         a weight) and the kernels' table in table: the rows weight_cache_rows planned. Fills them
-        now (refresh_weight_cache); from then on the products read the copies of these weights."""
+        now (refresh_weight_cache); from then on the products read the copies of these weights.
+        alone: the first `alone` weights are refreshed by the single-tensor kernels (k_fp8_amax,
+        k_fp8_cast_transpose: the same bytes) rather than in the *_many launches, whose grid gives
+        every tensor the blocks of the largest: the classifier's embedding (V, C) is 16 times the
+        largest linear weight at ANDREA-120M, and its blocks alone would be the launch's tail."""
         shapes = [tuple(w.shape) for w in weights]
         need = {name: (shape, dtype) for name, shape, dtype in weight_cache_rows(shapes)}
         for name, a in (("fp8_wcache", data), ("fp8_wmeta", meta), ("fp8_wtable", table)):
@@ -335,7 +357,8 @@ class Fp8Ops:
             outs_t.append(data[off + _aligned(n):off + _aligned(n) + n].reshape(K, R))
             off += 2 * _aligned(n)
         self.make_table(weights, outs, outs_t, table)
-        self._cache_args = (meta2, table, weights[0].dtype, shapes)
+        self._cache_args = (meta2, table, weights[0].dtype, shapes, alone)
+        self._cache_alone = [(w, outs[i], outs_t[i], meta2[i]) for i, w in enumerate(weights[:alone])]
         self.cache = {(w.data.ptr, tuple(w.shape), w.dtype.name): (q, qt, meta2[i])
                       for i, (w, q, qt) in enumerate(zip(weights, outs, outs_t))}
         self.refresh_weight_cache()
@@ -346,9 +369,13 @@ class Fp8Ops:
         k_fp8_amax_many, k_fp8_cast_transpose_many); nothing where no cache is in use."""
         if self._cache_args is None:
             return
-        meta, table, dtype, shapes = self._cache_args
-        self.k_fp8_amax_many(meta, table, dtype, shapes)
-        self.k_fp8_cast_transpose_many(meta, table, FP8_FWD, dtype, shapes)
+        meta, table, dtype, shapes, k = self._cache_args
+        for w, q, q_t, row in self._cache_alone:
+            self.k_fp8_amax(row, w)
+            self.k_fp8_cast_transpose(q, q_t, row, w, FP8_FWD)
+        if k < len(shapes):
+            self.k_fp8_amax_many(meta[k:], table[k:], dtype, shapes[k:])
+            self.k_fp8_cast_transpose_many(meta[k:], table[k:], FP8_FWD, dtype, shapes[k:])
 
     # ------------------------------------------------------------ input slots (X^T kept, amax from its producer)
     def use_input_slots(self, weights, inputs, meta, xt=None, producer_amax=False):
@@ -644,3 +671,86 @@ class Fp8Ops:
         elif not dgelu_done:  # no epilogue for this problem: the 16-bit path's pass (its tanh form)
             ops.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(n_h), THREADS, (np.uint64(0), dact, pre, i64(n_h)))
         self._linear_bwd(dinp, dw1, db1, dact, inp, w1, accumulate, db_partials)
+
+    # ------------------------------------------------------------ the classifier (numpy_ref's names)
+    def k_fp8_transpose(self, out_t, x):
+        """out_t (K, R) = x.T of FP8 bytes x (R, K), R and K multiples of 16, 16-byte aligned."""
+        R, K = x.shape
+        check("k_fp8_transpose", "x", x, dtype=np.uint8)
+        check("k_fp8_transpose", "out_t", out_t, (K, R), np.uint8)
+        if R % FP8_MULTIPLE or K % FP8_MULTIPLE or x.data.ptr % 16 or out_t.data.ptr % 16:
+            raise ValueError(f"k_fp8_transpose: x {x.shape} at {x.data.ptr:#x}, out_t at {out_t.data.ptr:#x}; "
+                             f"expected both sizes multiples of {FP8_MULTIPLE}, 16-byte aligned arrays")
+        self.ops.rt.launch("fp8.cu", "k_fp8_transpose", np.float32, (-(-K // TILE), -(-R // TILE)), THREADS,
+                           (out_t, x, i32(R), i32(K)))
+
+    def _classifier_input(self, kernel, x, V):
+        """x (N, C), lnf's output, gets one amax for all its rows (meta "cx"); each chunk is then
+        cast into both forms with it (_classifier_chunk)."""
+        N, C = x.shape
+        if not classifier_in_fp8(N, V):
+            raise ValueError(f"{kernel}: N = {N} rows and V = {V} classes; the FP8 classifier wants both, and "
+                             f"every chunk's rows, multiples of {FP8_MULTIPLE} (classifier_in_fp8)")
+        meta = self._meta("cx")
+        self.k_fp8_amax(meta, x)
+        return meta
+
+    def _classifier_chunk(self, meta, x, transpose):
+        """fp8(x) (n, C) of a chunk's rows x with the scale of meta (the whole input's amax), and with
+        transpose fp8(x)^T (C, n) too: (xq, xq_t or None, 1/scale)."""
+        n, C = x.shape
+        xq = self.ops.workspace.get("fp8_cx", n * C, np.uint8).reshape(n, C)
+        xq_t = self.ops.workspace.get("fp8_cxt", n * C, np.uint8).reshape(C, n) if transpose else None
+        self.k_fp8_cast_transpose(xq, xq_t, meta, x, FP8_FWD)
+        return xq, xq_t, meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
+
+    def k_fp8_loss_fwd(self, losses, lse, logits, inp, wte, targets):
+        """numpy_ref.k_fp8_loss_fwd: per chunk logits = fp8(inp) @ fp8(wte).T (E4M3, the forward's
+        fast accumulation), then the 16-bit path's row pass."""
+        from .ops import _loss_checks
+        x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_fp8_loss_fwd", losses, lse, logits, inp, wte, targets)
+        meta = self._classifier_input("k_fp8_loss_fwd", x, V)
+        R = z_all.shape[0]
+        for r0 in range(0, N, R):
+            n = min(R, N - r0)
+            z = z_all[:n]
+            xq, _, x_inv = self._classifier_chunk(meta, x[r0:r0 + n], transpose=False)
+            wq, w_inv = self._weight(wte)
+            self._product(z, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, fast_accum=True)
+            self.ops._loss_rows(False, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)))
+
+    def k_fp8_loss_bwd(self, losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, dlogits_fmt=None,
+                       accumulate=True):
+        """numpy_ref.k_fp8_loss_bwd: per chunk of R rows the logits product in FP8, the row pass
+        writing loss, lse and FP8 dlogits (loss.cu loss_bwd_fp8*, the bound's scale: no amax pass),
+        dinp = dlogits @ fp8(wte) (accumulate=False: written, each chunk its own rows), dlogits
+        transposed (k_fp8_transpose, into the logits workspace, which the chunk no longer needs) and
+        dwte += dlogits.T @ fp8(inp). dlogits_fmt: "e4m3" or "e5m2" (None: CudaOps.fp8_dlogits)."""
+        from .ops import _dloss_args, _loss_checks
+        ops = self.ops
+        x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_fp8_loss_bwd", losses, lse, logits, inp, wte, targets)
+        check("k_fp8_loss_bwd", "dinp", dinp, inp.shape, ct)
+        check("k_fp8_loss_bwd", "dwte", dwte, (V, C), np.float32)
+        fmt = dlogits_fmt or ops.fp8_dlogits
+        defs = self._defs(fmt)
+        dl = _dloss_args("k_fp8_loss_bwd", dloss)
+        meta = self._classifier_input("k_fp8_loss_bwd", x, V)
+        dz_meta = self._meta("dz")
+        dz_inv = dz_meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
+        dx, R = dinp.reshape(N, C), z_all.shape[0]
+        beta = 1.0 if accumulate else 0.0
+        beta_w = 0.0 if ops._param_write(dwte) else 1.0  # the first chunk starts dwte in a starting pass
+        for r0 in range(0, N, R):
+            n = min(R, N - r0)
+            z = z_all[:n]
+            xq, xq_t, x_inv = self._classifier_chunk(meta, x[r0:r0 + n], transpose=True)
+            wq, w_inv = self._weight(wte)
+            self._product(z, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, fast_accum=True)
+            dz = ops.workspace.get("fp8_dz", n * V, np.uint8).reshape(n, V)
+            ops._loss_rows(True, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V))
+                           + dl + (dz, dz_inv), fp8_defs=defs)
+            wq_t, w_inv = self._weight(wte, transpose=True)
+            self._product(dx[r0:r0 + n], dz, fmt, dz_inv, wq_t, FP8_FWD, w_inv, beta=beta)
+            dz_t = cp.ndarray((V, n), dtype=np.uint8, memptr=z.data)  # the logits are spent
+            self.k_fp8_transpose(dz_t, dz)
+            self._product(dwte, dz_t, fmt, dz_inv, xq_t, FP8_FWD, x_inv, beta=beta_w if r0 == 0 else 1.0)

@@ -170,6 +170,15 @@ def _loss_checks(kernel, losses, lse, logits, inp, wte, targets):
             logits.reshape(-1, V), N, V, C, ct)
 
 
+def _dloss_args(kernel, dloss):
+    """The row pass's (dloss_ptr, dloss) arguments: a (1,) float32 device array read when the
+    kernel runs, or a float."""
+    if isinstance(dloss, cp.ndarray):
+        check(kernel, "dloss", dloss, (1,), np.float32)
+        return dloss, np.float32(0)
+    return np.uint64(0), np.float32(dloss)
+
+
 class CudaOps:
     """The k_* launchers; CudaBackend sets rt, blas, lt, cublaslt, workspace and attention."""
 
@@ -190,6 +199,12 @@ class CudaOps:
     # MB of the arena at that shape (docs/FP8.md)
     fp8_keep_xt = True
     fp8_producer_amax = True
+    # train.precision=fp8: the classifier's three products (logits, dX, dW of the tied embedding)
+    # in FP8 too (cuda/fp8.py k_fp8_loss_*; the embedding joins the weight cache), its dlogits in
+    # the format fp8_dlogits with the scale of its bound |softmax - onehot| <= 1 (no amax pass);
+    # False: the classifier in bf16 (cuBLAS). Read when an Engine is made, as the switches above
+    fp8_classifier = True
+    fp8_dlogits = "e5m2"
     # train.precision=fp8: k_fp8_amax / k_fp8_gelu_amax run this many blocks an SM, each thread
     # taking many 16-byte vectors four at a time; 0: one block per 256 vectors up to MAX_BLOCKS,
     # one or two vectors a thread (the grid before; the same amax either way)
@@ -231,11 +246,13 @@ class CudaOps:
     loss_prefetch = 1
     loss_blocks = 0
 
-    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False, n_layer: int = 0):
+    def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False, n_layer: int = 0,
+                       vocab: int = 0):
         """[(name, shape, dtype)] of the scratch the kernels take for one model shape: what
         reserve_workspace allocates, for the engine's memory plan. fp8: with the FP8 operands
         and scales of train.precision=fp8 (cuda/fp8.py). n_layer: with the deferred column
-        partials of a backward pass of that many layers (cuda/colsum.py; 0: none)."""
+        partials of a backward pass of that many layers (cuda/colsum.py; 0: none). vocab: with
+        fp8 and CudaOps.fp8_classifier, the FP8 classifier's rows for that many classes."""
         act = np.dtype(act_dtype).name
         N, BH = B * T, B * n_head
         P = 1 << max(1, (N - 1).bit_length())
@@ -256,7 +273,7 @@ class CudaOps:
             rows.append(("cublaslt", (WORKSPACE_BYTES,), "uint8"))
         if fp8:
             from .fp8 import fp8_rows
-            rows += fp8_rows(B, T, C)
+            rows += fp8_rows(B, T, C, vocab if self.fp8_classifier else 0)
         return rows
 
     def _lt_matmul(self, D, A, B, ta, tb, M, N, K, lda, ldb, ldd, epilogue, bias=None, aux=None, aux_ld=0):
@@ -786,25 +803,47 @@ class CudaOps:
                        (da, db, dout, i64(dout.size)))
 
     # ------------------------------------------------------------ loss
-    def _loss_rows(self, bwd: bool, n: int, z, ct, args):
+    def _loss_rows(self, bwd: bool, n: int, z, ct, args, fp8_defs=None):
         """The row pass over the n rows of chunk z (n, V): version 2 where loss_row_plan has one,
         else version 1 (the same lse bits in k_loss_fwd and k_loss_bwd either way: both take the
-        same path for the same V, dtype and alignment)."""
+        same path for the same V, dtype and alignment). fp8_defs: the FP8 classifier's row pass
+        (loss_bwd_fp8 / loss_bwd_fp8_regs, args ending in q8 and its 1/scale; cuda/fp8.py),
+        compiled with these defines (the format)."""
         lim = _sm_limits(z.device.id)
         plan = None if z.data.ptr % 16 else loss_row_plan(z.shape[1], np.dtype(ct).itemsize, self.loss_vectors,
                                                           bool(self.loss_prefetch), lim["smem_optin"])
-        kernel = "loss_bwd" if bwd else "loss_fwd"
         if plan is None:
-            self.rt.launch("loss.cu", kernel, ct, n, LOSS_THREADS_V1, args)
+            if fp8_defs is not None:
+                self.rt.launch("loss.cu", "loss_bwd_fp8", ct, n, LOSS_THREADS_V1, args, defs=fp8_defs)
+            else:
+                self.rt.launch("loss.cu", "loss_bwd" if bwd else "loss_fwd", ct, n, LOSS_THREADS_V1, args)
             return
         nv, threads, smem = plan
         defs = (f"-DLOSS_NV={nv}", f"-DLOSS_THREADS={threads}", f"-DLOSS_PREFETCH={int(smem > 0)}")
+        if fp8_defs is not None:
+            defs += tuple(fp8_defs)
+            f = self.rt.function("loss.cu", "loss_bwd_fp8_regs", ct, defs)
+            grid = min(n, self.loss_blocks or lim["sms"] * resident_blocks(f.num_regs, threads, smem, lim))
+            self.rt.launch("loss.cu", "loss_bwd_fp8_regs", ct, grid, threads, args, shared_mem=smem, defs=defs)
+            return
+        kernel = "loss_bwd" if bwd else "loss_fwd"
         f = self.rt.function("loss.cu", kernel + "_regs", ct, defs)
         grid = min(n, self.loss_blocks or lim["sms"] * resident_blocks(f.num_regs, threads, smem, lim))
         self.rt.launch("loss.cu", kernel + "_regs", ct, grid, threads, args, shared_mem=smem, defs=defs)
 
+    def _fp8_classifier(self, inp, wte) -> bool:
+        """The classifier's products run in FP8: train.precision=fp8 (the FP8 launchers exist),
+        CudaOps.fp8_classifier, and sizes its FP8 products take (fp8.classifier_in_fp8)."""
+        if self.fp8 is None or not self.fp8_classifier:
+            return False
+        from .fp8 import classifier_in_fp8
+        return classifier_in_fp8(inp.size // inp.shape[-1], wte.shape[0])
+
     def k_loss_fwd(self, losses, lse, logits, inp, wte, targets):
-        """Writes losses, lse (B,T); logits (R, V) is workspace: chunks of R rows of inp @ wte.T."""
+        """Writes losses, lse (B,T); logits (R, V) is workspace: chunks of R rows of inp @ wte.T
+        (with the FP8 classifier, fp8.k_fp8_loss_fwd)."""
+        if self._fp8_classifier(inp, wte):
+            return self.fp8.k_fp8_loss_fwd(losses, lse, logits, inp, wte, targets)
         x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_loss_fwd", losses, lse, logits, inp, wte, targets)
         R = z_all.shape[0]
         for r0 in range(0, N, R):
@@ -817,15 +856,14 @@ class CudaOps:
         """The fused classifier (numpy_ref.k_loss_bwd): per chunk of R rows the logits product, loss,
         lse and dlogits in place, then dinp (B,T,C) += dlogits @ wte (accumulate=False: =, beta 0;
         each chunk writes its own rows) and dwte (V,C) += dlogits.T @ inp. dloss: a float, or a (1,)
-        float32 device array read when the kernel runs."""
+        float32 device array read when the kernel runs. With the FP8 classifier, fp8.k_fp8_loss_bwd."""
+        if self._fp8_classifier(inp, wte):
+            return self.fp8.k_fp8_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss,
+                                           accumulate=accumulate)
         x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_loss_bwd", losses, lse, logits, inp, wte, targets)
         check("k_loss_bwd", "dinp", dinp, inp.shape, ct)
         check("k_loss_bwd", "dwte", dwte, (V, C), np.float32)
-        if isinstance(dloss, cp.ndarray):
-            check("k_loss_bwd", "dloss", dloss, (1,), np.float32)
-            dl = (dloss, np.float32(0))
-        else:
-            dl = (np.uint64(0), np.float32(dloss))
+        dl = _dloss_args("k_loss_bwd", dloss)
         blas, dx, R = self.blas, dinp.reshape(N, C), z_all.shape[0]
         beta = 1.0 if accumulate else 0.0
         beta_w = 0.0 if self._param_write(dwte) else 1.0  # the first chunk starts dwte in a starting pass
