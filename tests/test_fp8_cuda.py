@@ -772,15 +772,18 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, monkeypatch
     assert fp8_neighbours_at_midpoint(got[bad], want[bad], (g * 2.0 ** k)[bad], fmt)
 
 
+@pytest.mark.parametrize("level", [1, 2], ids=["backward", "all"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
-def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, monkeypatch):
-    """k_loss_bwd / k_loss_fwd with the FP8 classifier (V a multiple of 16) against
-    numpy_ref.k_fp8_loss_bwd / k_fp8_loss_fwd (bf16 logits, as the GPU's) within TOL, in chunks of
-    48 rows; against the float64 classifier without quantisation within 0.1 and not equal to it."""
+def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, level, monkeypatch):
+    """k_loss_bwd / k_loss_fwd with the FP8 classifier (V a multiple of 16; CudaOps.fp8_classifier
+    1: the backward's products in FP8, 2: the logits too) against numpy_ref.k_fp8_loss_bwd /
+    k_fp8_loss_fwd (bf16 logits, as the GPU's) within TOL, in chunks of 48 rows; against the float64
+    classifier without quantisation within 0.1 and not equal to it. k_loss_fwd gives the losses
+    and lse of k_loss_bwd, bit for bit (its logits in FP8 at level 2, in bf16 at level 1)."""
     import cupy as cp
     monkeypatch.setattr(be, "fp8_dlogits", fmt)
-    assert be.fp8_classifier
+    monkeypatch.setattr(be, "fp8_classifier", level)
     B, T, C, V, R = 4, 48, 80, 96, 48
     rng = np.random.default_rng(7)
     x = rng.normal(0, 1, (B, T, C))
@@ -793,7 +796,8 @@ def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, monkeypatch):
     lf, lse, dx, dw = cp.zeros((B, T), cp.float32), cp.zeros((B, T), cp.float32), on_dev(base), cp.zeros((V, C), cp.float32)
     be.k_loss_bwd(lf, lse, dx, dw, cp.zeros((R, V), xd.dtype), xd, wd, td, dloss, accumulate=accumulate)
     want = [np.zeros((B, T)), np.zeros((B, T)), host(on_dev(base)), np.zeros((V, C))]
-    ref.k_fp8_loss_bwd(*want[:2], want[2], want[3], np.zeros((R, V), bf16()), xh, wh, t, dloss, fmt, accumulate)
+    ref.k_fp8_loss_bwd(*want[:2], want[2], want[3], np.zeros((R, V), bf16()), xh, wh, t, dloss, fmt, accumulate,
+                       fp8_logits=level == 2)
     for what, a, b in zip(("losses", "lse", "dinp", "dwte"), (lf, lse, dx, dw), want):
         assert rel(host(a), b) < TOL, what
     exact = [np.zeros((B, T)), np.zeros((B, T)), host(on_dev(base)), np.zeros((V, C))]

@@ -425,6 +425,18 @@ def test_fp8_classifier_against_autograd(fmt, tol, accumulate):
         np.testing.assert_allclose(lf, losses, rtol=1e-12)
     for a, b in zip(out[2], out[N]):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    # fp8_logits=False: the logits of the unquantised operands, the backward's products as above
+    losses, lse, dinp, dwte = np.zeros(N), np.zeros(N), base.copy(), np.zeros((V, C))
+    K.k_fp8_loss_bwd(losses, lse, dinp, dwte, np.zeros((N, V)), x, w, t, dloss, fmt, accumulate, fp8_logits=False)
+    z = x.astype(np.float64) @ w.astype(np.float64).T
+    ce = torch.nn.functional.cross_entropy(torch.from_numpy(z), torch.from_numpy(t), reduction="none").numpy()
+    np.testing.assert_allclose(losses, ce, rtol=1e-10)
+    g = torch.softmax(torch.from_numpy(z), -1).numpy()
+    g[np.arange(N), t] -= 1.0
+    inv_dl = float(np.float32(dloss * float(inv)))  # the float32 1/scale the products get
+    dq = K.fp8_decode(K.fp8_encode(K.fp8_round(g * float(scale), fmt), fmt), fmt).astype(np.float64) * inv_dl
+    np.testing.assert_allclose(dinp, dq @ wf + (base if accumulate else 0), rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(dwte, dq.T @ xf, rtol=1e-10, atol=1e-14)
     q = np.arange(12, dtype=np.uint8).reshape(3, 4)
     qt = np.zeros((4, 3), np.uint8)
     K.k_fp8_transpose(qt, q)

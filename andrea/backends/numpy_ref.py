@@ -653,11 +653,14 @@ def k_fp8_loss_fwd(losses, lse, logits, inp, wte, targets):
         _loss_chunk(np.asarray(z, np.float64), lsef[r0:r1], lf[r0:r1], tg[r0:r1])
 
 
-def k_fp8_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, dlogits_fmt, accumulate=True):
+def k_fp8_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, dlogits_fmt, accumulate=True,
+                   fp8_logits=True):
     """k_loss_bwd with its three products in FP8: per chunk logits = fp8(inp) @ fp8(wte).T (as
     k_fp8_loss_fwd), loss_bwd_fp8's row pass (dlogits in dlogits_fmt with its bound scale), then
     dinp += dlogits @ fp8(wte) and dwte += dlogits.T @ fp8(inp) with dlogits = decoded q8 times
-    meta[1] (accumulate=False writes dinp). The quantisation's derivative is taken as 1."""
+    meta[1] (accumulate=False writes dinp). The quantisation's derivative is taken as 1.
+    fp8_logits False: logits = inp @ wte.T unquantised (the bf16 product), the backward's two
+    products as above."""
     x, tg, z_all, N = _loss_rows("k_fp8_loss_bwd", logits, inp, wte, targets)
     xf, wf = fp8_fake(x, FP8_FWD), fp8_fake(wte, FP8_FWD)
     lf, lsef, dx = losses.reshape(N), lse.reshape(N), dinp.reshape(N, -1)
@@ -665,7 +668,7 @@ def k_fp8_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, dl
     for r0 in range(0, N, R):
         r1 = min(N, r0 + R)
         z = z_all[:r1 - r0]
-        z[...] = xf[r0:r1] @ wf.T
+        z[...] = xf[r0:r1] @ wf.T if fp8_logits else np.asarray(x[r0:r1], np.float64) @ np.asarray(wte, np.float64).T
         q8, meta = np.empty(z.shape, np.uint8), np.zeros(2, np.float32)
         loss_bwd_fp8(lf[r0:r1], lsef[r0:r1], q8, meta, z, tg[r0:r1], dloss, dlogits_fmt)
         g = fp8_decode(q8, dlogits_fmt).astype(np.float64) * float(meta[1])

@@ -720,12 +720,14 @@ class Fp8Ops:
             self.ops._loss_rows(False, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)))
 
     def k_fp8_loss_bwd(self, losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, dlogits_fmt=None,
-                       accumulate=True):
+                       accumulate=True, fp8_logits=True):
         """numpy_ref.k_fp8_loss_bwd: per chunk of R rows the logits product in FP8, the row pass
         writing loss, lse and FP8 dlogits (loss.cu loss_bwd_fp8*, the bound's scale: no amax pass),
         dinp = dlogits @ fp8(wte) (accumulate=False: written, each chunk its own rows), dlogits
         transposed (k_fp8_transpose, into the logits workspace, which the chunk no longer needs) and
-        dwte += dlogits.T @ fp8(inp). dlogits_fmt: "e4m3" or "e5m2" (None: CudaOps.fp8_dlogits)."""
+        dwte += dlogits.T @ fp8(inp). dlogits_fmt: "e4m3" or "e5m2" (None: CudaOps.fp8_dlogits).
+        fp8_logits False: the logits product in bf16 (cuBLAS, as the 16-bit path), the two
+        backward products in FP8."""
         from .ops import _dloss_args, _loss_checks
         ops = self.ops
         x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_fp8_loss_bwd", losses, lse, logits, inp, wte, targets)
@@ -744,8 +746,11 @@ class Fp8Ops:
             n = min(R, N - r0)
             z = z_all[:n]
             xq, xq_t, x_inv = self._classifier_chunk(meta, x[r0:r0 + n], transpose=True)
-            wq, w_inv = self._weight(wte)
-            self._product(z, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, fast_accum=True)
+            if fp8_logits:
+                wq, w_inv = self._weight(wte)
+                self._product(z, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, fast_accum=True)
+            else:
+                ops.blas.gemm(z, x[r0:r0 + n], wte, False, True, n, V, C, C, C, V)
             dz = ops.workspace.get("fp8_dz", n * V, np.uint8).reshape(n, V)
             ops._loss_rows(True, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V))
                            + dl + (dz, dz_inv), fp8_defs=defs)

@@ -199,11 +199,12 @@ class CudaOps:
     # MB of the arena at that shape (docs/FP8.md)
     fp8_keep_xt = True
     fp8_producer_amax = True
-    # train.precision=fp8: the classifier's three products (logits, dX, dW of the tied embedding)
-    # in FP8 too (cuda/fp8.py k_fp8_loss_*; the embedding joins the weight cache), its dlogits in
-    # the format fp8_dlogits with the scale of its bound |softmax - onehot| <= 1 (no amax pass);
-    # False: the classifier in bf16 (cuBLAS). Read when an Engine is made, as the switches above
-    fp8_classifier = True
+    # train.precision=fp8: the classifier's products in FP8 too (cuda/fp8.py k_fp8_loss_*; the
+    # embedding joins the weight cache), its dlogits in the format fp8_dlogits with the scale of its
+    # bound |softmax - onehot| <= 1 (no amax pass). 1: the backward's two (dX, dW), the logits in
+    # bf16; 2: the logits too; 0: the classifier in bf16 (cuBLAS). Read when an Engine is made, as
+    # the switches above (docs/FP8.md "The classifier" has the parity runs behind the default)
+    fp8_classifier = 1
     fp8_dlogits = "e5m2"
     # train.precision=fp8: k_fp8_amax / k_fp8_gelu_amax run this many blocks an SM, each thread
     # taking many 16-byte vectors four at a time; 0: one block per 256 vectors up to MAX_BLOCKS,
@@ -831,18 +832,19 @@ class CudaOps:
         grid = min(n, self.loss_blocks or lim["sms"] * resident_blocks(f.num_regs, threads, smem, lim))
         self.rt.launch("loss.cu", kernel + "_regs", ct, grid, threads, args, shared_mem=smem, defs=defs)
 
-    def _fp8_classifier(self, inp, wte) -> bool:
-        """The classifier's products run in FP8: train.precision=fp8 (the FP8 launchers exist),
-        CudaOps.fp8_classifier, and sizes its FP8 products take (fp8.classifier_in_fp8)."""
+    def _fp8_classifier(self, inp, wte) -> int:
+        """How many of the classifier's products run in FP8 (CudaOps.fp8_classifier: 0, 1 the
+        backward's, 2 all): train.precision=fp8 (the FP8 launchers exist) and sizes its FP8
+        products take (fp8.classifier_in_fp8), else 0."""
         if self.fp8 is None or not self.fp8_classifier:
-            return False
+            return 0
         from .fp8 import classifier_in_fp8
-        return classifier_in_fp8(inp.size // inp.shape[-1], wte.shape[0])
+        return int(self.fp8_classifier) if classifier_in_fp8(inp.size // inp.shape[-1], wte.shape[0]) else 0
 
     def k_loss_fwd(self, losses, lse, logits, inp, wte, targets):
         """Writes losses, lse (B,T); logits (R, V) is workspace: chunks of R rows of inp @ wte.T
-        (with the FP8 classifier, fp8.k_fp8_loss_fwd)."""
-        if self._fp8_classifier(inp, wte):
+        (with the FP8 classifier's logits, fp8_classifier 2: fp8.k_fp8_loss_fwd)."""
+        if self._fp8_classifier(inp, wte) == 2:
             return self.fp8.k_fp8_loss_fwd(losses, lse, logits, inp, wte, targets)
         x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_loss_fwd", losses, lse, logits, inp, wte, targets)
         R = z_all.shape[0]
@@ -857,9 +859,10 @@ class CudaOps:
         lse and dlogits in place, then dinp (B,T,C) += dlogits @ wte (accumulate=False: =, beta 0;
         each chunk writes its own rows) and dwte (V,C) += dlogits.T @ inp. dloss: a float, or a (1,)
         float32 device array read when the kernel runs. With the FP8 classifier, fp8.k_fp8_loss_bwd."""
-        if self._fp8_classifier(inp, wte):
+        level = self._fp8_classifier(inp, wte)
+        if level:
             return self.fp8.k_fp8_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss,
-                                           accumulate=accumulate)
+                                           accumulate=accumulate, fp8_logits=level == 2)
         x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_loss_bwd", losses, lse, logits, inp, wte, targets)
         check("k_loss_bwd", "dinp", dinp, inp.shape, ct)
         check("k_loss_bwd", "dwte", dwte, (V, C), np.float32)
