@@ -441,3 +441,30 @@ def test_fp8_classifier_against_autograd(fmt, tol, accumulate):
     qt = np.zeros((4, 3), np.uint8)
     K.k_fp8_transpose(qt, q)
     np.testing.assert_array_equal(qt, q.T)
+
+
+def test_memory_plan_and_workspace_of_the_fp8_classifier():
+    """With the classifier in FP8 the weight cache holds wte (V, C) first and its copies grow by
+    2 x V x C bytes (aligned); the workspace rows add one chunk's FP8 dlogits (R x V), the chunk's
+    input in both forms (R x C each) and room for wte in fp8_w. Where V or B*T is no multiple of
+    16 the classifier stays in bf16 (fp8_classifier_runs False) and nothing is added."""
+    from andrea.backends.cuda.fp8 import classifier_in_fp8, fp8_rows
+    from andrea.compose import compose_config
+    from andrea.engine import fp8_cached_weights, fp8_classifier_runs, make_plan
+    from andrea.model import loss_chunk_rows
+    cfg = compose_config("ANDREA-120M", ["train.precision=fp8", "train.batch_size=8"])
+    m, N = cfg.model, 8 * cfg.train.seq_len
+    assert fp8_classifier_runs(cfg, True) and not fp8_classifier_runs(cfg, False)
+    assert fp8_cached_weights(m, True) == ["wte"] + fp8_cached_weights(m)
+    on, off = make_plan(cfg, fp8_classifier=True), make_plan(cfg)
+    wte = m.vocab_size * m.d_model
+    grow = {r.name: r.nbytes for r in on.rows}["fp8_wcache"] - {r.name: r.nbytes for r in off.rows}["fp8_wcache"]
+    assert grow == 2 * -(-wte // 256) * 256
+    R = loss_chunk_rows(N, m.vocab_size)
+    rows = {name: int(np.prod(shape)) for name, shape, _ in fp8_rows(8, cfg.train.seq_len, m.d_model, m.vocab_size)}
+    plain = {name: int(np.prod(shape)) for name, shape, _ in fp8_rows(8, cfg.train.seq_len, m.d_model)}
+    assert rows["fp8_dz"] == R * m.vocab_size and rows["fp8_cx"] == rows["fp8_cxt"] == R * m.d_model
+    assert rows["fp8_w"] == wte > plain["fp8_w"] and not {"fp8_dz", "fp8_cx", "fp8_cxt"} & set(plain)
+    assert not classifier_in_fp8(N, 50257) and classifier_in_fp8(N, 50304) and not classifier_in_fp8(8200, 50304)
+    odd = compose_config("ANDREA-tiny", ["train.precision=fp8", "model.vocab_size=97"])
+    assert not fp8_classifier_runs(odd, True)
