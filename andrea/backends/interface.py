@@ -59,9 +59,10 @@ class Backend(Protocol):
     # (use_fp8_input_slots); False where the backend runs no fp8
     fp8_keep_xt: bool
     fp8_producer_amax: bool
-    # train.precision=fp8: whether the classifier's products run in FP8 too (the embedding then in
-    # the weight cache); False where the backend runs no fp8
-    fp8_classifier: bool
+    # train.precision=fp8: how many of the classifier's products run in FP8 too (0: none, 1: the
+    # backward's two, 2: the logits as well; the embedding then in the weight cache); 0 where the
+    # backend runs no fp8
+    fp8_classifier: int
 
     def attention_variant(self, dtype, head_size: int) -> str:
         """The path k_attn_fwd/_bwd take for this compute dtype and head size: "fused" or

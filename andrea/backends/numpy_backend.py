@@ -61,7 +61,7 @@ class NumpyBackend:
     fp8_weight_cache = False  # no fp8 here
     fp8_keep_xt = False
     fp8_producer_amax = False
-    fp8_classifier = False
+    fp8_classifier = 0
     xp = np
 
     def attention_variant(self, dtype, head_size: int) -> str:
