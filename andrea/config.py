@@ -97,6 +97,11 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clip (0 = off)
     precision: str = "fp32"  # fp32 | fp16 | bf16 | fp8 (all but fp32 on the GPU only; fp8 on cc >= 8.9)
+    # fp8 only: the classifier's products in FP8 too, 0 none | 1 dX and dW | 2 the logits as well
+    # (None: the backend's default, 0; docs/FP8.md "The classifier in FP8"), and the format of its
+    # dlogits, e4m3 | e5m2 (None: e4m3). Left None they are not part of the run's config hash.
+    fp8_classifier: Optional[int] = None
+    fp8_dlogits: Optional[str] = None
     init_std: float = 0.02  # normal init of matrices and embeddings
     ckpt_every: int = 100  # steps between checkpoints (0 = only at the end)
     keep_last: int = 3  # checkpoints kept; the newest good one is never deleted
@@ -243,6 +248,15 @@ def validate(cfg: AndreaConfig) -> None:
         raise ValueError(f"train.seq_len={t.seq_len} exceeds model.context={m.context}")
     if t.precision not in ("fp32", "fp16", "bf16", "fp8"):
         raise ValueError(f"train.precision={t.precision!r}: expected fp32, fp16, bf16 or fp8")
+    if t.fp8_classifier not in (None, 0, 1, 2):
+        raise ValueError(f"train.fp8_classifier={t.fp8_classifier!r}: expected 0 (bf16), 1 (dX and dW in FP8) "
+                         "or 2 (the logits too)")
+    if t.fp8_dlogits not in (None, "e4m3", "e5m2"):
+        raise ValueError(f"train.fp8_dlogits={t.fp8_dlogits!r}: expected e4m3 or e5m2")
+    for key in ("fp8_classifier", "fp8_dlogits"):
+        if getattr(t, key) is not None and t.precision != "fp8":
+            raise ValueError(f"train.{key}={getattr(t, key)!r} applies to train.precision=fp8 only "
+                             f"(this run's is {t.precision})")
     if cfg.backend.name not in ("auto", "numpy", "cuda"):
         raise ValueError(f"backend.name={cfg.backend.name!r}: expected auto, numpy or cuda")
     if cfg.data.tokenizer_vocab > m.vocab_size:
@@ -329,7 +343,8 @@ def config_hash(cfg: AndreaConfig) -> str:
     d = to_dict(cfg)
     train = {k: v for k, v in d["train"].items()
              if k not in ("ckpt_every", "keep_last", "log_every", "sample_every", "eval_every",
-                          "eval_batches")}
+                          "eval_batches")
+             and not (k in ("fp8_classifier", "fp8_dlogits") and v is None)}  # unset: hashes as before
     key = {"model": d["model"], "train": train}
     if d["data"]["groups"]:  # the data mix decides the trajectory too (absent: hashes as before)
         key["mix"] = {"groups": d["data"]["groups"], "mixer": d["data"]["mixer"]}

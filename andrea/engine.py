@@ -135,6 +135,15 @@ def fp8_cached_weights(m, classifier: bool = False) -> List[str]:
     return (["wte"] if classifier else []) + [f"h{l}.{n}" for l in range(m.n_layer) for n in model.LAYER_MATRICES]
 
 
+def apply_fp8_settings(be, t) -> None:
+    """The run's train.fp8_classifier and train.fp8_dlogits, where set (not None), become the
+    backend's switches of those names before the engine reads them; unset, the backend's stand."""
+    for key in ("fp8_classifier", "fp8_dlogits"):
+        value = getattr(t, key)
+        if value is not None and t.precision == "fp8":
+            setattr(be, key, value)
+
+
 def fp8_classifier_runs(cfg: AndreaConfig, switch: bool) -> bool:
     """Whether a train.precision=fp8 run's classifier runs in FP8: the backend's fp8_classifier
     switch, and sizes its FP8 products take (cuda/fp8.classifier_in_fp8: V and B*T multiples of 16)."""
@@ -260,7 +269,9 @@ class Engine:
         # and ln2 from their layer norms (the backend's switches, read once here)
         self.fp8_keep_xt = t.precision == "fp8" and bool(self.be.fp8_keep_xt)
         self.fp8_producer_amax = t.precision == "fp8" and bool(self.be.fp8_producer_amax)
-        # fp8: the classifier's products in FP8 as well (the backend's switch, and sizes they take)
+        # fp8: the classifier's products in FP8 as well (train.fp8_classifier / fp8_dlogits where the
+        # run sets them, else the backend's switches; and sizes they take)
+        apply_fp8_settings(self.be, t)
         self.fp8_classifier = fp8_classifier_runs(cfg, bool(self.be.fp8_classifier))
         self.plan = make_plan(cfg, dtype, self.be.grad_norm_partials, self.comm.size if self.zero1 else 0,
                               **self._fp8_switches())

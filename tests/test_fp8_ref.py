@@ -468,3 +468,35 @@ def test_memory_plan_and_workspace_of_the_fp8_classifier():
     assert not classifier_in_fp8(N, 50257) and classifier_in_fp8(N, 50304) and not classifier_in_fp8(8200, 50304)
     odd = compose_config("ANDREA-tiny", ["train.precision=fp8", "model.vocab_size=97"])
     assert not fp8_classifier_runs(odd, True)
+
+
+def test_fp8_classifier_settings_in_the_run_config():
+    """train.fp8_classifier / train.fp8_dlogits: checked (clear errors naming the field), handed to
+    the backend by the engine where set, and part of the config hash only where set, so every run
+    made before they existed hashes (and resumes) as before."""
+    import hashlib
+    import json
+    from types import SimpleNamespace
+
+    from andrea.compose import compose_config
+    from andrea.config import config_hash, to_dict
+    from andrea.engine import apply_fp8_settings
+    base = compose_config("ANDREA-tiny", ["train.precision=fp8"])
+    d = to_dict(base)
+    old = {k: v for k, v in d["train"].items() if k not in ("ckpt_every", "keep_last", "log_every", "sample_every",
+                                                             "eval_every", "eval_batches", "fp8_classifier",
+                                                             "fp8_dlogits")}
+    assert config_hash(base) == hashlib.sha256(json.dumps({"model": d["model"], "train": old},
+                                                          sort_keys=True).encode()).hexdigest()
+    one = compose_config("ANDREA-tiny", ["train.precision=fp8", "train.fp8_classifier=1", "train.fp8_dlogits=e5m2"])
+    assert config_hash(one) != config_hash(base)
+    be = SimpleNamespace(fp8_classifier=0, fp8_dlogits="e4m3")
+    apply_fp8_settings(be, base.train)
+    assert (be.fp8_classifier, be.fp8_dlogits) == (0, "e4m3")
+    apply_fp8_settings(be, one.train)
+    assert (be.fp8_classifier, be.fp8_dlogits) == (1, "e5m2")
+    for bad, match in ((["train.precision=fp8", "train.fp8_classifier=3"], "train.fp8_classifier=3"),
+                       (["train.precision=fp8", "train.fp8_dlogits=e3m4"], "train.fp8_dlogits='e3m4'"),
+                       (["train.precision=bf16", "train.fp8_classifier=1"], "applies to train.precision=fp8")):
+        with pytest.raises(ValueError, match=match):
+            compose_config("ANDREA-tiny", bad)
