@@ -162,7 +162,7 @@ class Fp8Ops:
                                "or libcublasLt could not be loaded)")
         self.ops, self.grad_fmt = ops, grad_fmt
         self.cache = {}  # (address, shape, dtype) of a weight -> (W fp8, W^T fp8, its meta row (META_STRIDE,))
-        self._cache_args = None  # (meta (n, META_STRIDE), table, dtype, shapes, alone) of refresh_weight_cache
+        self._cache_args = None  # (meta (n, META_STRIDE), table, dtype, shapes) of refresh_weight_cache
         self._cache_alone = []  # (w, fp8 W, fp8 W^T, meta row) of the weights refreshed on their own
         # input slots (use_input_slots): address of a weight -> InputSlot of its product's input X;
         # address of an input -> the same slot (the layer-norm launchers ask by their output)
@@ -363,7 +363,7 @@ class Fp8Ops:
             outs_t.append(data[off + _aligned(n):off + _aligned(n) + n].reshape(K, R))
             off += 2 * _aligned(n)
         self.make_table(weights, outs, outs_t, table)
-        self._cache_args = (meta2, table, weights[0].dtype, shapes, alone)
+        self._cache_args = (meta2, table, weights[0].dtype, shapes)
         self._cache_alone = [(w, outs[i], outs_t[i], meta2[i]) for i, w in enumerate(weights[:alone])]
         self.cache = {(w.data.ptr, tuple(w.shape), w.dtype.name): (q, qt, meta2[i])
                       for i, (w, q, qt) in enumerate(zip(weights, outs, outs_t))}
@@ -375,7 +375,8 @@ class Fp8Ops:
         k_fp8_amax_many, k_fp8_cast_transpose_many); nothing where no cache is in use."""
         if self._cache_args is None:
             return
-        meta, table, dtype, shapes, k = self._cache_args
+        meta, table, dtype, shapes = self._cache_args
+        k = len(self._cache_alone)  # the first k weights, on their own
         for w, q, q_t, row in self._cache_alone:
             self.k_fp8_amax(row, w)
             self.k_fp8_cast_transpose(q, q_t, row, w, FP8_FWD)
@@ -692,7 +693,7 @@ class Fp8Ops:
 
     def _classifier_input(self, kernel, x, V):
         """x (N, C), lnf's output, gets one amax for all its rows (meta "cx"); each chunk is then
-        cast into both forms with it (_classifier_chunk)."""
+        cast with it (_classifier_logits)."""
         N, C = x.shape
         if not classifier_in_fp8(N, V):
             raise ValueError(f"{kernel}: N = {N} rows and V = {V} classes; the FP8 classifier wants both, and "
@@ -701,14 +702,25 @@ class Fp8Ops:
         self.k_fp8_amax(meta, x)
         return meta
 
-    def _classifier_chunk(self, meta, x, transpose):
-        """fp8(x) (n, C) of a chunk's rows x with the scale of meta (the whole input's amax), and with
-        transpose fp8(x)^T (C, n) too: (xq, xq_t or None, 1/scale)."""
+    def _classifier_logits(self, z, meta, x, wte, fp8_logits=True, transpose=False):
+        """z (n, V) = the logits of a chunk's rows x (n, C): fp8(x) @ fp8(wte).T (the forward's fast
+        accumulation; x with the scale of meta, the whole input's amax), or with fp8_logits False
+        x @ wte.T in bf16 (cuBLAS, as the 16-bit path). transpose: fp8(x)^T (C, n) too, for dW, cast
+        in the same pass. Returns (fp8(x)^T or None, x's 1/scale)."""
         n, C = x.shape
-        xq = self.ops.workspace.get("fp8_cx", n * C, np.uint8).reshape(n, C)
-        xq_t = self.ops.workspace.get("fp8_cxt", n * C, np.uint8).reshape(C, n) if transpose else None
-        self.k_fp8_cast_transpose(xq, xq_t, meta, x, FP8_FWD)
-        return xq, xq_t, meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
+        ws = self.ops.workspace
+        xq = ws.get("fp8_cx", n * C, np.uint8).reshape(n, C) if fp8_logits else None
+        xq_t = ws.get("fp8_cxt", n * C, np.uint8).reshape(C, n) if transpose else None
+        if xq is not None or xq_t is not None:
+            self.k_fp8_cast_transpose(xq, xq_t, meta, x, FP8_FWD)
+        x_inv = meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
+        if fp8_logits:
+            wq, w_inv = self._weight(wte)
+            self._product(z, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, fast_accum=True)
+        else:
+            V = wte.shape[0]
+            self.ops.blas.gemm(z, x, wte, False, True, n, V, C, C, C, V)
+        return xq_t, x_inv
 
     def k_fp8_loss_fwd(self, losses, lse, logits, inp, wte, targets):
         """numpy_ref.k_fp8_loss_fwd: per chunk logits = fp8(inp) @ fp8(wte).T (E4M3, the forward's
@@ -720,9 +732,7 @@ class Fp8Ops:
         for r0 in range(0, N, R):
             n = min(R, N - r0)
             z = z_all[:n]
-            xq, _, x_inv = self._classifier_chunk(meta, x[r0:r0 + n], transpose=False)
-            wq, w_inv = self._weight(wte)
-            self._product(z, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, fast_accum=True)
+            self._classifier_logits(z, meta, x[r0:r0 + n], wte)
             self.ops._loss_rows(False, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)))
 
     def k_fp8_loss_bwd(self, losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, dlogits_fmt=None,
@@ -751,12 +761,7 @@ class Fp8Ops:
         for r0 in range(0, N, R):
             n = min(R, N - r0)
             z = z_all[:n]
-            xq, xq_t, x_inv = self._classifier_chunk(meta, x[r0:r0 + n], transpose=True)
-            if fp8_logits:
-                wq, w_inv = self._weight(wte)
-                self._product(z, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, fast_accum=True)
-            else:
-                ops.blas.gemm(z, x[r0:r0 + n], wte, False, True, n, V, C, C, C, V)
+            xq_t, x_inv = self._classifier_logits(z, meta, x[r0:r0 + n], wte, fp8_logits, transpose=True)
             dz = ops.workspace.get("fp8_dz", n * V, np.uint8).reshape(n, V)
             ops._loss_rows(True, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V))
                            + dl + (dz, dz_inv), fp8_defs=defs)

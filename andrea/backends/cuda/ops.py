@@ -815,21 +815,13 @@ class CudaOps:
         lim = _sm_limits(z.device.id)
         plan = None if z.data.ptr % 16 else loss_row_plan(z.shape[1], np.dtype(ct).itemsize, self.loss_vectors,
                                                           bool(self.loss_prefetch), lim["smem_optin"])
+        kernel = "loss_bwd_fp8" if fp8_defs is not None else "loss_bwd" if bwd else "loss_fwd"
+        extra = tuple(fp8_defs or ())
         if plan is None:
-            if fp8_defs is not None:
-                self.rt.launch("loss.cu", "loss_bwd_fp8", ct, n, LOSS_THREADS_V1, args, defs=fp8_defs)
-            else:
-                self.rt.launch("loss.cu", "loss_bwd" if bwd else "loss_fwd", ct, n, LOSS_THREADS_V1, args)
+            self.rt.launch("loss.cu", kernel, ct, n, LOSS_THREADS_V1, args, defs=extra)
             return
         nv, threads, smem = plan
-        defs = (f"-DLOSS_NV={nv}", f"-DLOSS_THREADS={threads}", f"-DLOSS_PREFETCH={int(smem > 0)}")
-        if fp8_defs is not None:
-            defs += tuple(fp8_defs)
-            f = self.rt.function("loss.cu", "loss_bwd_fp8_regs", ct, defs)
-            grid = min(n, self.loss_blocks or lim["sms"] * resident_blocks(f.num_regs, threads, smem, lim))
-            self.rt.launch("loss.cu", "loss_bwd_fp8_regs", ct, grid, threads, args, shared_mem=smem, defs=defs)
-            return
-        kernel = "loss_bwd" if bwd else "loss_fwd"
+        defs = (f"-DLOSS_NV={nv}", f"-DLOSS_THREADS={threads}", f"-DLOSS_PREFETCH={int(smem > 0)}") + extra
         f = self.rt.function("loss.cu", kernel + "_regs", ct, defs)
         grid = min(n, self.loss_blocks or lim["sms"] * resident_blocks(f.num_regs, threads, smem, lim))
         self.rt.launch("loss.cu", kernel + "_regs", ct, grid, threads, args, shared_mem=smem, defs=defs)
