@@ -30,6 +30,9 @@ class ModelConfig:
 # Where the data steps write and the engine reads: one definition, used by DataConfig's defaults
 # and, through data_root / default_data_paths, by the workflow.
 DATA_ROOT = "${data.dir}/${data.source}"
+# train.* settings of an fp8 run that become backend switches of the same names (engine
+# apply_fp8_settings); left None they are in neither the backend nor the run's config hash
+FP8_RUN_SETTINGS = ("fp8_classifier", "fp8_dlogits", "fp8_dlogits_rounding")
 TOKENIZED = DATA_ROOT + "/tok${data.tokenizer_vocab}"
 DATA_FILES = ("tokenizer", "train_shards", "val_shards")
 
@@ -99,9 +102,11 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | fp16 | bf16 | fp8 (all but fp32 on the GPU only; fp8 on cc >= 8.9)
     # fp8 only: the classifier's products in FP8 too, 0 none | 1 dX and dW | 2 the logits as well
     # (None: the backend's default, 0; docs/FP8.md "The classifier in FP8"), and the format of its
-    # dlogits, e4m3 | e5m2 (None: e4m3). Left None they are not part of the run's config hash.
+    # dlogits, e4m3 | e5m2 (None: e4m3), and how dlogits are rounded onto the FP8 grid, nearest |
+    # stochastic (None: stochastic). Left None they are not part of the run's config hash.
     fp8_classifier: Optional[int] = None
     fp8_dlogits: Optional[str] = None
+    fp8_dlogits_rounding: Optional[str] = None
     init_std: float = 0.02  # normal init of matrices and embeddings
     ckpt_every: int = 100  # steps between checkpoints (0 = only at the end)
     keep_last: int = 3  # checkpoints kept; the newest good one is never deleted
@@ -253,7 +258,9 @@ def validate(cfg: AndreaConfig) -> None:
                          "or 2 (the logits too)")
     if t.fp8_dlogits not in (None, "e4m3", "e5m2"):
         raise ValueError(f"train.fp8_dlogits={t.fp8_dlogits!r}: expected e4m3 or e5m2")
-    for key in ("fp8_classifier", "fp8_dlogits"):
+    if t.fp8_dlogits_rounding not in (None, "nearest", "stochastic"):
+        raise ValueError(f"train.fp8_dlogits_rounding={t.fp8_dlogits_rounding!r}: expected nearest or stochastic")
+    for key in FP8_RUN_SETTINGS:
         if getattr(t, key) is not None and t.precision != "fp8":
             raise ValueError(f"train.{key}={getattr(t, key)!r} applies to train.precision=fp8 only "
                              f"(this run's is {t.precision})")
@@ -344,7 +351,7 @@ def config_hash(cfg: AndreaConfig) -> str:
     train = {k: v for k, v in d["train"].items()
              if k not in ("ckpt_every", "keep_last", "log_every", "sample_every", "eval_every",
                           "eval_batches")
-             and not (k in ("fp8_classifier", "fp8_dlogits") and v is None)}  # unset: hashes as before
+             and not (k in FP8_RUN_SETTINGS and v is None)}  # unset: hashes as before
     key = {"model": d["model"], "train": train}
     if d["data"]["groups"]:  # the data mix decides the trajectory too (absent: hashes as before)
         key["mix"] = {"groups": d["data"]["groups"], "mixer": d["data"]["mixer"]}

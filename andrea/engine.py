@@ -37,7 +37,7 @@ from .backends import get_backend
 from .backends.numpy_ref import (S_BAD, S_GOOD, S_LOSS, S_LOSS_SUM, S_LR, S_NORM, S_REC_SCALE, S_SCALE,
                                  S_SKIP, S_SKIPPED, S_STEP, STATE_LEN)
 from .comm import SINGLE, shard_bounds
-from .config import AndreaConfig
+from .config import FP8_RUN_SETTINGS, AndreaConfig
 
 ALIGN = 256  # bytes; cuBLAS and vector loads want aligned starts
 SCALE_GROWTH_INTERVAL = 2000  # good fp16 steps before the loss scale doubles (as torch's GradScaler)
@@ -136,9 +136,10 @@ def fp8_cached_weights(m, classifier: bool = False) -> List[str]:
 
 
 def apply_fp8_settings(be, t) -> None:
-    """The run's train.fp8_classifier and train.fp8_dlogits, where set (not None), become the
-    backend's switches of those names before the engine reads them; unset, the backend's stand."""
-    for key in ("fp8_classifier", "fp8_dlogits"):
+    """The run's train.fp8_classifier, fp8_dlogits and fp8_dlogits_rounding (config.FP8_RUN_SETTINGS),
+    where set (not None), become the backend's switches of those names before the engine reads
+    them; unset, the backend's stand."""
+    for key in FP8_RUN_SETTINGS:
         value = getattr(t, key)
         if value is not None and t.precision == "fp8":
             setattr(be, key, value)

@@ -732,13 +732,16 @@ def fp8_neighbours_at_midpoint(got, want, exact, fmt):
     return bool(np.all((step == 1) & (np.abs(exact - mid) <= 1e-5 * np.abs(mid))))
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("version", ["regs", "v1"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("V", [96, 1008])
-def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, monkeypatch):
+@pytest.mark.parametrize("V", [96, 1008, 99])
+def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, monkeypatch):
     """loss_bwd_fp8(_regs): losses and lse bit-equal to the 16-bit row pass (loss_bwd(_regs)) on
     the same logits, the logits left as they were, *q8_inv = dloss / 2^k, and the FP8 dlogits
-    numpy_ref.loss_bwd_fp8's bytes but for values at a rounding midpoint (fewer than 1 in 1000)."""
+    numpy_ref.loss_bwd_fp8's bytes (rounded to nearest, or stochastically with its random bits for
+    rows from row0 = 5) but for values at a rounding midpoint, or at the random threshold (fewer than
+    1 in 1000, and then the neighbouring byte). V = 99: rows of no whole vectors, byte by byte."""
     import cupy as cp
     from andrea.backends.cuda.fp8 import Fp8Ops
     from andrea.backends.cuda.ops import _dloss_args
@@ -754,7 +757,7 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, monkeypatch
     lf, lse = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32)
     z0 = z.copy()
     be._loss_rows(True, n, z, ct, (lf, lse, z, t, np.int64(n), np.int32(V)) + _dloss_args("t", dloss)
-                  + (q8, meta[1:]), fp8_defs=Fp8Ops._defs(fmt))
+                  + (q8, meta[1:], np.int64(5)), fp8_defs=Fp8Ops._defs(fmt) + (f"-DFP8_SR={int(rounding == 'stochastic')}",))
     assert np.array_equal(z.get().view(np.uint16), z0.get().view(np.uint16)), "the logits were changed"
     lf16, lse16, z16 = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32), z0.copy()
     be._loss_rows(True, n, z16, ct, (lf16, lse16, z16, t, np.int64(n), np.int32(V)) + _dloss_args("t", dloss))
@@ -763,13 +766,19 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, monkeypatch
     assert meta.get()[1] == np.float32(1.0 / 384 * 2.0 ** -k)
     want, m_ref = np.zeros((n, V), np.uint8), np.zeros(2, np.float32)
     zh = host(z0)
-    ref.loss_bwd_fp8(np.zeros(n), np.zeros(n), want, m_ref, zh, t.get(), dloss.get(), fmt)
+    ref.loss_bwd_fp8(np.zeros(n), np.zeros(n), want, m_ref, z0.get(), t.get(), dloss.get(), fmt, rounding, row0=5)
     got = q8.get()
     bad = got != want
     assert bad.mean() < 1e-3, f"{bad.sum()} of {bad.size} bytes differ"
     g = np.exp(zh - lse.get().astype(np.float64)[:, None])
     g[np.arange(n), t.get()] -= 1.0
-    assert fp8_neighbours_at_midpoint(got[bad], want[bad], (g * 2.0 ** k)[bad], fmt)
+    if rounding == "nearest":
+        assert fp8_neighbours_at_midpoint(got[bad], want[bad], (g * 2.0 ** k)[bad], fmt)
+    else:  # the same sign and the next code: the two values around it, the threshold between
+        assert np.all(np.abs(got[bad].astype(np.int64) - want[bad].astype(np.int64)) == 1)
+        near = np.zeros((n, V), np.uint8)  # and the bits were used: not the bytes of nearest
+        ref.loss_bwd_fp8(np.zeros(n), np.zeros(n), near, m_ref, z0.get(), t.get(), dloss.get(), fmt, "nearest")
+        assert (near != got).mean() > 0.05
 
 
 @pytest.mark.parametrize("level", [1, 2], ids=["backward", "all"])

@@ -370,7 +370,7 @@ def test_dlogits_row_pass_against_torch(fmt):
     z = rng.normal(0, 3, (41, 67))
     t = rng.integers(0, 67, 41)
     losses, lse, q8, meta = np.zeros(41), np.zeros(41), np.zeros((41, 67), np.uint8), np.zeros(2, np.float32)
-    K.loss_bwd_fp8(losses, lse, q8, meta, z, t, np.float32(0.125), fmt)
+    K.loss_bwd_fp8(losses, lse, q8, meta, z, t, np.float32(0.125), fmt, rounding="nearest")
     zt = torch.from_numpy(z)
     ce = torch.nn.functional.cross_entropy(zt, torch.from_numpy(t), reduction="none").numpy()
     np.testing.assert_allclose(losses, ce, rtol=1e-12)
@@ -385,14 +385,116 @@ def test_dlogits_row_pass_against_torch(fmt):
     assert (q8 != 0).mean() > 0.5  # most of dlogits survives the scale (not all flushed to zero)
 
 
+def grid_neighbours(y, fmt):
+    """The grid values just below and just above |y| (equal where |y| is on the grid), signed as y:
+    found in the list of every finite non-negative value of the format (fp8_decode of each byte)."""
+    y = np.asarray(y, np.float32)
+    grid = K.fp8_decode(np.arange(128, dtype=np.uint8), fmt).astype(np.float64)
+    grid = np.unique(grid[np.isfinite(grid)])
+    a = np.abs(y).astype(np.float64)
+    hi = grid[np.minimum(np.searchsorted(grid, a, side="left"), grid.size - 1)]
+    lo = grid[np.maximum(np.searchsorted(grid, a, side="right") - 1, 0)]
+    return np.copysign(lo, y), np.copysign(hi, y)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_stochastic_rounding_takes_a_neighbour_with_its_probability(fmt):
+    """fp8_round_stochastic over all 2^16 random values u: on-grid values stay; any other value goes
+    to the grid value below or above it, the one above for exactly floor(frac * 2^16) of the u
+    (frac = how far it lies between them), so its mean is the value to 2^-16 of a quantum; from
+    the subnormals (and below the smallest one, where nearest gives 0) to the top binade."""
+    rng = np.random.default_rng(5)
+    M, bias, top = K.FP8_FORMATS[fmt]
+    y = np.concatenate([K.fp8_round(rng.normal(0, 4, 12), fmt),  # on the grid
+                        rng.normal(0, 1, 12) * np.exp2(rng.integers(-2 - bias - M, 7, 12)),
+                        [2.0 ** (1 - bias - M) * 0.3, -2.0 ** (1 - bias - M) * 0.01, 200.0]]).astype(np.float32)
+    u = np.arange(65536)
+    for v in y:
+        r = K.fp8_round_stochastic(np.full(u.shape, v, np.float32), u, fmt).astype(np.float64)
+        lo, hi = (float(b) for b in grid_neighbours(v, fmt))
+        assert set(np.unique(r)) <= {lo, hi}, (v, lo, hi, np.unique(r))
+        if lo == hi:
+            assert np.all(r == v)
+            continue
+        frac = (abs(float(v)) - abs(lo)) / abs(hi - lo)
+        assert (r == hi).sum() == np.floor(frac * 65536), (v, frac)
+        assert np.all(np.diff(np.abs(r)) >= 0)  # the larger u, the further from zero
+        assert abs(r.mean() - v) <= abs(hi - lo) * 2.0 ** -16 + 1e-30
+    assert K.fp8_round_stochastic(np.float32(np.nan), 0, fmt)[()] != K.fp8_round_stochastic(np.float32(np.nan), 0, fmt)[()]
+
+
+def test_sr_bits_are_a_function_of_the_logits_and_the_row():
+    """fp8_sr_bits: the same logits give the same bits (and the same in chunks: row0), a change of
+    one logit by one unit changes the bits of its group of 16 bytes only, equal rows draw different
+    bits, and the bits are spread evenly over 16 bits."""
+    import ml_dtypes
+    rng = np.random.default_rng(6)
+    z = rng.normal(0, 2, (64, 333)).astype(ml_dtypes.bfloat16)
+    b = K.fp8_sr_bits(z)
+    assert b.shape == z.shape and b.max() < 65536
+    np.testing.assert_array_equal(b, K.fp8_sr_bits(z.copy()))
+    np.testing.assert_array_equal(b[40:], K.fp8_sr_bits(z[40:], row0=40))
+    z2 = z.copy()
+    z2.view(np.uint16)[3, 20] += 1
+    changed = np.argwhere(K.fp8_sr_bits(z2) != b)
+    assert set(map(tuple, changed)) <= {(3, j) for j in range(16, 24)} and len(changed) >= 6
+    same = np.repeat(z[:1], 4, axis=0)
+    bs = K.fp8_sr_bits(same)
+    assert all((bs[i] != bs[0]).mean() > 0.99 for i in range(1, 4))
+    assert abs(b.mean() / 65535 - 0.5) < 0.01
+    hist = np.bincount(b.ravel() >> 12, minlength=16) / b.size
+    assert np.all(np.abs(hist - 1 / 16) < 0.01), hist
+    f32 = K.fp8_sr_bits(z.astype(np.float32))  # 4 bytes an element: groups of 4
+    assert f32.shape == z.shape and not np.array_equal(f32, b)
+
+
+def test_stochastic_dlogits_keep_the_small_probabilities():
+    """E4M3 dlogits with the bound's scale 2^8: probabilities under 2^-18 round to 0 to nearest,
+    so their push on the logits is lost; rounded stochastically the sum of the many small entries
+    is kept (within 3%), and each element is one of its two grid neighbours."""
+    rng = np.random.default_rng(8)
+    R, V = 64, 1024
+    z = np.full((R, V), -14.0) + rng.normal(0, 0.05, (R, V))
+    t = rng.integers(0, V, R)
+    z[np.arange(R), t] = 0.0
+    z = z.astype(np.float32)
+    out = {}
+    for rounding in ("nearest", "stochastic"):
+        q8, meta = np.zeros((R, V), np.uint8), np.zeros(2, np.float32)
+        K.loss_bwd_fp8(np.zeros(R), np.zeros(R), q8, meta, z, t, 1.0, "e4m3", rounding=rounding)
+        out[rounding] = K.fp8_decode(q8, "e4m3").astype(np.float64) / 256
+    zz = z.astype(np.float64)
+    g = np.exp(zz - np.log(np.exp(zz).sum(1, keepdims=True)))
+    tail = np.ones((R, V), bool)
+    tail[np.arange(R), t] = False
+    assert g[tail].max() < 2.0 ** -18
+    assert np.all(out["nearest"][tail] == 0)
+    assert abs(out["stochastic"][tail].sum() / g[tail].sum() - 1) < 0.03
+    g[np.arange(R), t] -= 1.0
+    lo, hi = grid_neighbours((g * 256).astype(np.float32), "e4m3")
+    s = out["stochastic"] * 256
+    assert np.all((s == lo) | (s == hi))
+
+
+def dlogits_on_grid(g, scale, fmt, rounding, logits):
+    """The FP8 values of dlogits g times the bound's scale: rounded to nearest, or stochastically
+    with the random bits of the workspace's logits."""
+    y = (g * float(scale)).astype(np.float32)
+    if rounding == "stochastic":
+        y = K.fp8_round_stochastic(y, K.fp8_sr_bits(logits), fmt)
+    return K.fp8_decode(K.fp8_encode(K.fp8_round(y, fmt), fmt), fmt)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("fmt,tol", [("e4m3", 0.08), ("e5m2", 0.15)])
 @pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
-def test_fp8_classifier_against_autograd(fmt, tol, accumulate):
+def test_fp8_classifier_against_autograd(fmt, tol, accumulate, rounding):
     """k_fp8_loss_bwd against PyTorch autograd of dloss * sum(cross-entropy) over the
     FP8-rounded operands (float64): the same losses; gradients that differ from autograd's only by
     dlogits' quantisation, each element of dinp and dwte within the bound |dq - g| @ |w| (and
     |dq - g|.T @ |x|) of what the rounding of dlogits can change, and the whole within tol; in
-    chunks of R rows (2 here) as one chunk. k_fp8_loss_fwd gives the same losses and lse."""
+    chunks of R rows (2 here) as one chunk. k_fp8_loss_fwd gives the same losses and lse. Rounded
+    stochastically, each dlogit is within one step of the grid of its value."""
     rng = np.random.default_rng(2)
     x, w, t = classifier_case(rng)
     N, C = x.shape
@@ -406,13 +508,15 @@ def test_fp8_classifier_against_autograd(fmt, tol, accumulate):
     g = torch.softmax(torch.from_numpy(xf @ wf.T), -1).numpy()
     g[np.arange(N), t] -= 1.0
     scale, inv = K.fp8_bound_scale(fmt)
-    dq = K.fp8_decode(K.fp8_encode(K.fp8_round(g * float(scale), fmt), fmt), fmt) * float(inv) * dloss
+    dq = dlogits_on_grid(g, scale, fmt, rounding, xf @ wf.T) * float(inv) * dloss
     err = np.abs(dq - g * dloss)
+    lo, hi = grid_neighbours((g * float(scale)).astype(np.float32), fmt)
+    assert np.all(err <= np.abs(hi - lo) * float(inv) * dloss * (1 if rounding == "stochastic" else 0.5) + 1e-15)
     base = rng.normal(0, 1, (N, C))
     out = {}
     for R in (2, N):
         losses, lse, dinp, dwte = np.zeros(N), np.zeros(N), base.copy(), np.zeros((V, C))
-        K.k_fp8_loss_bwd(losses, lse, dinp, dwte, np.zeros((R, V)), x, w, t, dloss, fmt, accumulate)
+        K.k_fp8_loss_bwd(losses, lse, dinp, dwte, np.zeros((R, V)), x, w, t, dloss, fmt, accumulate, rounding=rounding)
         out[R] = losses, dinp, dwte
         np.testing.assert_allclose(losses, ce.detach().numpy(), rtol=1e-10)
         want_dx = xt.grad.numpy() + (base if accumulate else 0)
@@ -427,14 +531,15 @@ def test_fp8_classifier_against_autograd(fmt, tol, accumulate):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
     # fp8_logits=False: the logits of the unquantised operands, the backward's products as above
     losses, lse, dinp, dwte = np.zeros(N), np.zeros(N), base.copy(), np.zeros((V, C))
-    K.k_fp8_loss_bwd(losses, lse, dinp, dwte, np.zeros((N, V)), x, w, t, dloss, fmt, accumulate, fp8_logits=False)
+    K.k_fp8_loss_bwd(losses, lse, dinp, dwte, np.zeros((N, V)), x, w, t, dloss, fmt, accumulate, fp8_logits=False,
+                     rounding=rounding)
     z = x.astype(np.float64) @ w.astype(np.float64).T
     ce = torch.nn.functional.cross_entropy(torch.from_numpy(z), torch.from_numpy(t), reduction="none").numpy()
     np.testing.assert_allclose(losses, ce, rtol=1e-10)
     g = torch.softmax(torch.from_numpy(z), -1).numpy()
     g[np.arange(N), t] -= 1.0
     inv_dl = float(np.float32(dloss * float(inv)))  # the float32 1/scale the products get
-    dq = K.fp8_decode(K.fp8_encode(K.fp8_round(g * float(scale), fmt), fmt), fmt).astype(np.float64) * inv_dl
+    dq = dlogits_on_grid(g, scale, fmt, rounding, z).astype(np.float64) * inv_dl
     np.testing.assert_allclose(dinp, dq @ wf + (base if accumulate else 0), rtol=1e-10, atol=1e-14)
     np.testing.assert_allclose(dwte, dq.T @ xf, rtol=1e-10, atol=1e-14)
     q = np.arange(12, dtype=np.uint8).reshape(3, 4)
@@ -471,7 +576,7 @@ def test_memory_plan_and_workspace_of_the_fp8_classifier():
 
 
 def test_fp8_classifier_settings_in_the_run_config():
-    """train.fp8_classifier / train.fp8_dlogits: checked (clear errors naming the field), handed to
+    """train.fp8_classifier / fp8_dlogits / fp8_dlogits_rounding: checked (clear errors naming the field), handed to
     the backend by the engine where set, and part of the config hash only where set, so every run
     made before they existed hashes (and resumes) as before."""
     import hashlib
@@ -485,18 +590,24 @@ def test_fp8_classifier_settings_in_the_run_config():
     d = to_dict(base)
     old = {k: v for k, v in d["train"].items() if k not in ("ckpt_every", "keep_last", "log_every", "sample_every",
                                                              "eval_every", "eval_batches", "fp8_classifier",
-                                                             "fp8_dlogits")}
+                                                             "fp8_dlogits", "fp8_dlogits_rounding")}
     assert config_hash(base) == hashlib.sha256(json.dumps({"model": d["model"], "train": old},
                                                           sort_keys=True).encode()).hexdigest()
     one = compose_config("ANDREA-tiny", ["train.precision=fp8", "train.fp8_classifier=1", "train.fp8_dlogits=e5m2"])
     assert config_hash(one) != config_hash(base)
-    be = SimpleNamespace(fp8_classifier=0, fp8_dlogits="e4m3")
+    be = SimpleNamespace(fp8_classifier=0, fp8_dlogits="e4m3", fp8_dlogits_rounding="stochastic")
     apply_fp8_settings(be, base.train)
-    assert (be.fp8_classifier, be.fp8_dlogits) == (0, "e4m3")
+    assert (be.fp8_classifier, be.fp8_dlogits, be.fp8_dlogits_rounding) == (0, "e4m3", "stochastic")
     apply_fp8_settings(be, one.train)
-    assert (be.fp8_classifier, be.fp8_dlogits) == (1, "e5m2")
+    assert (be.fp8_classifier, be.fp8_dlogits, be.fp8_dlogits_rounding) == (1, "e5m2", "stochastic")
+    near = compose_config("ANDREA-tiny", ["train.precision=fp8", "train.fp8_dlogits_rounding=nearest"])
+    assert config_hash(near) not in (config_hash(base), config_hash(one))
+    apply_fp8_settings(be, near.train)
+    assert be.fp8_dlogits_rounding == "nearest"
     for bad, match in ((["train.precision=fp8", "train.fp8_classifier=3"], "train.fp8_classifier=3"),
                        (["train.precision=fp8", "train.fp8_dlogits=e3m4"], "train.fp8_dlogits='e3m4'"),
+                       (["train.precision=fp8", "train.fp8_dlogits_rounding=up"], "train.fp8_dlogits_rounding='up'"),
+                       (["train.precision=bf16", "train.fp8_dlogits_rounding=nearest"], "applies to train.precision=fp8"),
                        (["train.precision=bf16", "train.fp8_classifier=1"], "applies to train.precision=fp8")):
         with pytest.raises(ValueError, match=match):
             compose_config("ANDREA-tiny", bad)

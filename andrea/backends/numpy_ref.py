@@ -407,6 +407,8 @@ FP8_FORMATS = {  # name: (mantissa bits, exponent bias, largest finite value)
 FP8_FWD = "e4m3"  # weights and activations
 FP8_GRAD = "e4m3"  # output gradients (the backend's default; "e5m2" the alternative, docs/FP8.md)
 FP8_DLOGITS = "e4m3"  # the classifier's dlogits (the backend's default, docs/FP8.md "The classifier")
+FP8_DLOGITS_ROUNDING = "stochastic"  # how dlogits meet the grid: "stochastic" or "nearest" (the same)
+FP8_ROUNDINGS = ("nearest", "stochastic")
 FP8_MAX_SHIFT = 126  # |log2 scale| at most this: 2^k and 2^-k stay normal float32 numbers
 
 
@@ -449,6 +451,65 @@ def fp8_round(y, fmt):
         q = np.minimum(np.rint(a / quantum) * quantum, top)  # np.rint: half to even
     q = np.where(np.isnan(a), np.nan, q)
     return np.copysign(q, y).astype(np.float32)
+
+
+def fp8_round_stochastic(y, u, fmt):
+    """float32 values of y rounded stochastically onto the format's grid (fp8.cuh
+    fp8_round_stochastic): with quantum = 2^(e - M) for |y| = 1.m * 2^e (the subnormals' quantum
+    below the smallest normal) and t = |y| / quantum taken with 16 fractional bits (truncated),
+    floor(t + u / 2^16) * quantum, sign kept; u (uint, same shape) 16 random bits an element.
+    Beyond the largest value it is not clamped (fp8_encode's conversion saturates: apply
+    fp8_round after); infinities and NaN pass."""
+    M, bias, top = _fp8_format(fmt)
+    y = np.asarray(y, dtype=np.float32)
+    bits = y.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    e = (bits >> np.uint32(23)).astype(np.int64) - 127
+    qe = np.maximum(e, 1 - bias) - M
+    a = np.abs(y).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        T = np.floor(np.ldexp(a, -qe) * 65536.0)
+        T = np.where(np.isfinite(a), T, 0).astype(np.int64)
+        r = np.ldexp(((T + (np.asarray(u).astype(np.int64) & 0xFFFF)) >> 16).astype(np.float64), qe)
+    r = np.where(np.isfinite(a), np.copysign(r, y), y)
+    return r.astype(np.float32)
+
+
+def _sr_mix(x):
+    """murmur3's 32-bit finaliser on uint32 arrays (loss.cu sr_mix)."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> np.uint32(16))
+
+
+def fp8_sr_bits(logits, row0=0):
+    """The 16 random bits of each element of logits (R, V) for the classifier's stochastic rounding
+    (loss.cu sr_key / sr_round): rows cut into 16-byte groups of the logits as they lie in memory
+    (past V, zero bits); key = w0 * 0x9e3779b1 + w1 * 0x85ebca77 + w2 * 0xc2b2ae3d + w3 * 0x27d4eb2f
+    + row * 0x165667b1 + group (uint32; row = row0 + the row's index here, its index in the
+    microbatch); element i of its group takes the low (i even) or high (i odd) half of
+    _sr_mix(key + (i // 2) * 0x9e3779b9). A function of the logits' bits and positions only, so
+    reruns agree, whatever the chunks, and every step draws new bits. Logits wider than 4 bytes
+    (the reference's float64 workspaces) are taken as float32."""
+    z = np.ascontiguousarray(logits)
+    if z.dtype.itemsize > 4:
+        z = z.astype(np.float32)
+    R, V = z.shape
+    per = 16 // z.dtype.itemsize  # elements in a group
+    G = -(-V // per)
+    raw = np.zeros((R, G * per), dtype=np.uint16 if z.dtype.itemsize == 2 else np.uint32)
+    raw[:, :V] = z.view(raw.dtype)
+    w = raw.reshape(R, G * per).view(np.uint32).reshape(R, G, 4)  # the little-endian words
+    with np.errstate(over="ignore"):
+        key = (w[..., 0] * np.uint32(0x9E3779B1) + w[..., 1] * np.uint32(0x85EBCA77)
+               + w[..., 2] * np.uint32(0xC2B2AE3D) + w[..., 3] * np.uint32(0x27D4EB2F)
+               + (np.arange(R, dtype=np.uint64) + row0).astype(np.uint32)[:, None] * np.uint32(0x165667B1)
+               + np.arange(G, dtype=np.uint32)[None, :])
+        i = np.arange(per, dtype=np.uint32)
+        word = _sr_mix(key[..., None] + (i // np.uint32(2)) * np.uint32(0x9E3779B9))
+    u = np.where(i % 2 == 1, word >> np.uint32(16), word & np.uint32(0xFFFF))
+    return u.reshape(R, G * per)[:, :V]
 
 
 def fp8_encode(v, fmt):
@@ -613,22 +674,34 @@ def fp8_bound_scale(fmt):
     return fp8_scale(np.float32(1.0), fmt)
 
 
+def _fp8_rounding(rounding):
+    rounding = FP8_DLOGITS_ROUNDING if rounding is None else rounding
+    if rounding not in FP8_ROUNDINGS:
+        raise ValueError(f"FP8 rounding {rounding!r}: expected one of {', '.join(FP8_ROUNDINGS)}")
+    return rounding
+
+
 def _dloss_value(dloss):
     return float(np.asarray(dloss, dtype=np.float64).reshape(-1)[0])
 
 
-def loss_bwd_fp8(losses, lse, q8, meta, logits, targets, dloss, fmt):
+def loss_bwd_fp8(losses, lse, q8, meta, logits, targets, dloss, fmt, rounding=None, row0=0):
     """The FP8 classifier's row pass over logits (R, V) (loss.cu's loss_bwd_fp8 and
     loss_bwd_fp8_regs): losses, lse (R,) as k_loss_fwd writes them; q8 (R, V) uint8 = fp8 bytes
-    of (softmax(logits) - onehot(targets)) * scale, scale = fp8_bound_scale(fmt)[0]; meta[1] =
-    dloss / scale, what the products multiply back (dloss: a float or a (1,) array). logits are
-    not changed."""
+    of (softmax(logits) - onehot(targets)) * scale, scale = fp8_bound_scale(fmt)[0], rounded to
+    nearest (rounding "nearest") or stochastically with fp8_sr_bits(logits, row0) ("stochastic";
+    None: FP8_DLOGITS_ROUNDING; row0 the chunk's first row in the microbatch); meta[1] = dloss / scale, what the products multiply back (dloss: a
+    float or a (1,) array). logits are not changed."""
+    rounding = _fp8_rounding(rounding)
     z = np.asarray(logits, dtype=np.float64)
     _loss_chunk(z, lse, losses, targets)
     g = np.exp(z - np.asarray(lse, np.float64)[:, None])
     g[np.arange(z.shape[0]), targets] -= 1.0
     scale, inv = fp8_bound_scale(fmt)
-    q8[...] = fp8_encode(fp8_round(g * float(scale), fmt), fmt)
+    g = (g * float(scale)).astype(np.float32)
+    if rounding == "stochastic":
+        g = fp8_round_stochastic(g, fp8_sr_bits(logits, row0), fmt)
+    q8[...] = fp8_encode(fp8_round(g, fmt), fmt)
     meta[1] = np.float32(_dloss_value(dloss) * float(inv))
 
 
@@ -654,13 +727,13 @@ def k_fp8_loss_fwd(losses, lse, logits, inp, wte, targets):
 
 
 def k_fp8_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, dlogits_fmt, accumulate=True,
-                   fp8_logits=True):
+                   fp8_logits=True, rounding=None):
     """k_loss_bwd with its three products in FP8: per chunk logits = fp8(inp) @ fp8(wte).T (as
     k_fp8_loss_fwd), loss_bwd_fp8's row pass (dlogits in dlogits_fmt with its bound scale), then
     dinp += dlogits @ fp8(wte) and dwte += dlogits.T @ fp8(inp) with dlogits = decoded q8 times
     meta[1] (accumulate=False writes dinp). The quantisation's derivative is taken as 1.
     fp8_logits False: logits = inp @ wte.T unquantised (the bf16 product), the backward's two
-    products as above."""
+    products as above. rounding: how dlogits meet the grid (loss_bwd_fp8)."""
     x, tg, z_all, N = _loss_rows("k_fp8_loss_bwd", logits, inp, wte, targets)
     xf, wf = fp8_fake(x, FP8_FWD), fp8_fake(wte, FP8_FWD)
     lf, lsef, dx = losses.reshape(N), lse.reshape(N), dinp.reshape(N, -1)
@@ -670,7 +743,7 @@ def k_fp8_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, dl
         z = z_all[:r1 - r0]
         z[...] = xf[r0:r1] @ wf.T if fp8_logits else np.asarray(x[r0:r1], np.float64) @ np.asarray(wte, np.float64).T
         q8, meta = np.empty(z.shape, np.uint8), np.zeros(2, np.float32)
-        loss_bwd_fp8(lf[r0:r1], lsef[r0:r1], q8, meta, z, tg[r0:r1], dloss, dlogits_fmt)
+        loss_bwd_fp8(lf[r0:r1], lsef[r0:r1], q8, meta, z, tg[r0:r1], dloss, dlogits_fmt, rounding, r0)
         g = fp8_decode(q8, dlogits_fmt).astype(np.float64) * float(meta[1])
         _put(dx[r0:r1], g @ wf, accumulate)
         dwte += g.T @ xf[r0:r1]

@@ -23,7 +23,8 @@
 // (fp8.cuh's format) of (softmax - onehot) * 2^FP8_TOP_EXP, the logits row left as it was. Every
 // |softmax - onehot| <= 1, so 2^FP8_TOP_EXP (256 for E4M3, 32768 for E5M2) is the scale that
 // fp8.cu gives an amax of 1: no amax pass, and no scale that depends on the data. dloss moves to
-// the product's scale: block 0 writes *q8_inv = dloss / 2^FP8_TOP_EXP.
+// the product's scale: block 0 writes *q8_inv = dloss / 2^FP8_TOP_EXP. Rounded to nearest, or
+// with -DFP8_SR=1 stochastically (below, at sr_key), which keeps the many small values unbiased.
 #include "common.cuh"
 #include "fp8.cuh"
 
@@ -42,6 +43,66 @@ __device__ __forceinline__ void store_fp8_vec(unsigned char* dst, const float* p
 
 // One value to its fp8 byte.
 __device__ __forceinline__ unsigned char fp8_byte(float v) { return (unsigned char)(fp8x2(v, 0.f) & 0xffu); }
+
+// -DFP8_SR=1: dlogits rounded stochastically onto the FP8 grid (fp8.cuh fp8_round_stochastic)
+// before the conversion, else to nearest. The random bits are a function of the data, no state:
+// for the 16-byte group q of a row (elements q * CT_VEC ..., as the vectors lie in memory, the
+// elements past V taken as zero bits), key = its four 32-bit words of logits, the row's index in
+// the microbatch (row0 + the row in the chunk) and q mixed linearly (sr_key); element i of the
+// group takes the low (i even) or high (i odd) 16 bits of sr_mix(key + (i / 2) * SR_STEP),
+// murmur3's 32-bit finaliser. The logits change every step, so do the bits; a rerun gives the same
+// bytes, whatever the chunks (numpy_ref.fp8_sr_bits). The row's index keeps rows of equal logits
+// (a prompt every sequence starts with) from rounding alike.
+#ifndef FP8_SR
+#define FP8_SR 0
+#endif
+#define SR_STEP 0x9e3779b9u
+__device__ __forceinline__ unsigned int sr_mix(unsigned int x) {
+  x ^= x >> 16;
+  x *= 0x85ebca6bu;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35u;
+  x ^= x >> 16;
+  return x;
+}
+__device__ __forceinline__ unsigned int sr_key(const vec16& r, i64 row, int q) {
+  return r.w[0] * 0x9e3779b1u + r.w[1] * 0x85ebca77u + r.w[2] * 0xc2b2ae3du + r.w[3] * 0x27d4eb2fu +
+         (unsigned int)row * 0x165667b1u + (unsigned int)q;
+}
+__device__ __forceinline__ float sr_round(float v, unsigned int key, int i) {
+  unsigned int w = sr_mix(key + (unsigned int)(i >> 1) * SR_STEP);
+  return fp8_round_stochastic(v, i & 1 ? w >> 16 : w);
+}
+// CT_VEC values of group q (its logits r) rounded in place, FP8_SR only.
+__device__ __forceinline__ void sr_vec(float* p, const vec16& r, i64 row, int q) {
+#if FP8_SR
+  unsigned int key = sr_key(r, row, q);
+#pragma unroll
+  for (int i = 0; i < CT_VEC; ++i) p[i] = sr_round(p[i], key, i);
+#endif
+}
+// Element j of row x (V elements) rounded as its group's vector would round it (FP8_SR only; row
+// here the row's index in the microbatch):
+// the group read element by element, for rows that are not whole aligned vectors.
+__device__ __forceinline__ float sr_one(float v, const CT* x, int V, i64 row, int j) {
+#if FP8_SR
+  vec16 r;
+  int q = j / CT_VEC, j0 = q * CT_VEC;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    if (sizeof(CT) == 4) {
+      r.w[w] = j0 + w < V ? ((const unsigned int*)x)[j0 + w] : 0u;
+    } else {
+      const unsigned short* h = (const unsigned short*)x;
+      int i = j0 + 2 * w;
+      r.w[w] = (i < V ? h[i] : 0u) | (i + 1 < V ? (unsigned int)h[i + 1] << 16 : 0u);
+    }
+  }
+  return sr_round(v, sr_key(r, row, q), j - j0);
+#else
+  return v;
+#endif
+}
 
 // ---------------------------------------------------------------- version 1 (any row)
 // Merge CT_VEC values of one 16-byte vector into a thread's online softmax state (m, z): one
@@ -122,7 +183,8 @@ extern "C" __global__ void loss_fwd(float* losses, float* lse, const CT* logits,
 // Q8: instead q8[row] = fp8((exp(logits - lse) - [j == target]) * 2^FP8_TOP_EXP), logits unchanged.
 template <bool Q8>
 __device__ __forceinline__ void loss_bwd_row(float* losses, float* lse, CT* logits, const int* targets, int V,
-                                             const float* dloss_ptr, float dloss, unsigned char* q8, float* q8_inv) {
+                                             const float* dloss_ptr, float dloss, unsigned char* q8, float* q8_inv,
+                                             i64 row0) {
   if (dloss_ptr) dloss = *dloss_ptr;
   if (Q8 && blockIdx.x == 0 && threadIdx.x == 0) *q8_inv = dloss * FP8_BOUND_INV;
   const float mul = Q8 ? FP8_BOUND_SCALE : dloss;
@@ -144,13 +206,17 @@ __device__ __forceinline__ void loss_bwd_row(float* losses, float* lse, CT* logi
         p[i] = (expf(vget(r, i) - L) - (j == t ? 1.f : 0.f)) * mul;
         if (!Q8) vset(r, i, p[i]);
       }
-      if (Q8) store_fp8_vec(o8 + q * CT_VEC, p);
-      else xv[q] = r;
+      if (Q8) {
+        sr_vec(p, r, row0 + row, q);
+        store_fp8_vec(o8 + q * CT_VEC, p);
+      } else {
+        xv[q] = r;
+      }
     }
   } else {
     for (int j = threadIdx.x; j < V; j += blockDim.x) {
       float p = expf(to_f(x[j]) - L) - (j == t ? 1.f : 0.f);
-      if (Q8) o8[j] = fp8_byte(p * mul);
+      if (Q8) o8[j] = fp8_byte(sr_one(p * mul, x, V, row0 + row, j));
       else x[j] = from_f<CT>(p * mul);
     }
   }
@@ -158,15 +224,16 @@ __device__ __forceinline__ void loss_bwd_row(float* losses, float* lse, CT* logi
 
 extern "C" __global__ void loss_bwd(float* losses, float* lse, CT* logits, const int* targets,
                                     i64 N, int V, const float* dloss_ptr, float dloss) {
-  loss_bwd_row<false>(losses, lse, logits, targets, V, dloss_ptr, dloss, nullptr, nullptr);
+  loss_bwd_row<false>(losses, lse, logits, targets, V, dloss_ptr, dloss, nullptr, nullptr, 0);
 }
 
 // loss_bwd with dlogits to q8 (R, V) in FP8 (V % CT_VEC == 0 and q8 16-byte aligned, or any row
-// by single bytes), *q8_inv = dloss / 2^FP8_TOP_EXP.
+// by single bytes), *q8_inv = dloss / 2^FP8_TOP_EXP; row0: the chunk's first row in the microbatch
+// (FP8_SR's random bits).
 extern "C" __global__ void loss_bwd_fp8(float* losses, float* lse, CT* logits, const int* targets,
                                         i64 N, int V, const float* dloss_ptr, float dloss,
-                                        unsigned char* q8, float* q8_inv) {
-  loss_bwd_row<true>(losses, lse, logits, targets, V, dloss_ptr, dloss, q8, q8_inv);
+                                        unsigned char* q8, float* q8_inv, i64 row0) {
+  loss_bwd_row<true>(losses, lse, logits, targets, V, dloss_ptr, dloss, q8, q8_inv, row0);
 }
 
 // ---------------------------------------------------------------- version 2 (row in registers)
@@ -238,7 +305,7 @@ __device__ __forceinline__ void loss_stage(vec16* buf, const vec16* xv, int nv) 
 template <bool BWD, bool Q8>
 __device__ __forceinline__ void loss_rows(float* losses, float* lse, CT* logits, const int* targets, i64 N,
                                           int V, const float* dloss_ptr, float dloss, unsigned char* q8,
-                                          float* q8_inv) {
+                                          float* q8_inv, i64 row0) {
   if (BWD && dloss_ptr) dloss = *dloss_ptr;
   if (Q8 && blockIdx.x == 0 && threadIdx.x == 0) *q8_inv = dloss * FP8_BOUND_INV;
   const float mul = Q8 ? FP8_BOUND_SCALE : dloss;
@@ -307,6 +374,7 @@ __device__ __forceinline__ void loss_rows(float* losses, float* lse, CT* logits,
 #pragma unroll
           for (int i = 0; i < CT_VEC; ++i) p[i] = ex2((VGET(r[k], i) - L) * LOSS_LOG2E) * mul;
           if (Q8) {
+            sr_vec(p, r[k], row0 + row, q);
             store_fp8_vec(q8 + row * V + q * CT_VEC, p);
           } else {
             vec16 o;
@@ -319,7 +387,7 @@ __device__ __forceinline__ void loss_rows(float* losses, float* lse, CT* logits,
       // later in program order (a run-time index into p[] put it in local memory)
       if (owner) {
         float pt = (ex2((xt - L) * LOSS_LOG2E) - 1.f) * mul;
-        if (Q8) q8[row * V + t] = fp8_byte(pt);
+        if (Q8) q8[row * V + t] = fp8_byte(sr_one(pt, logits + row * V, V, row0 + row, t));
         else logits[row * V + t] = from_f<CT>(pt);
       }
     }
@@ -328,17 +396,17 @@ __device__ __forceinline__ void loss_rows(float* losses, float* lse, CT* logits,
 
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
     loss_fwd_regs(float* losses, float* lse, CT* logits, const int* targets, i64 N, int V) {
-  loss_rows<false, false>(losses, lse, logits, targets, N, V, nullptr, 0.f, nullptr, nullptr);
+  loss_rows<false, false>(losses, lse, logits, targets, N, V, nullptr, 0.f, nullptr, nullptr, 0);
 }
 
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
     loss_bwd_regs(float* losses, float* lse, CT* logits, const int* targets, i64 N, int V,
                   const float* dloss_ptr, float dloss) {
-  loss_rows<true, false>(losses, lse, logits, targets, N, V, dloss_ptr, dloss, nullptr, nullptr);
+  loss_rows<true, false>(losses, lse, logits, targets, N, V, dloss_ptr, dloss, nullptr, nullptr, 0);
 }
 
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
     loss_bwd_fp8_regs(float* losses, float* lse, CT* logits, const int* targets, i64 N, int V,
-                      const float* dloss_ptr, float dloss, unsigned char* q8, float* q8_inv) {
-  loss_rows<true, true>(losses, lse, logits, targets, N, V, dloss_ptr, dloss, q8, q8_inv);
+                      const float* dloss_ptr, float dloss, unsigned char* q8, float* q8_inv, i64 row0) {
+  loss_rows<true, true>(losses, lse, logits, targets, N, V, dloss_ptr, dloss, q8, q8_inv, row0);
 }

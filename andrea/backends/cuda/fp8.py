@@ -55,7 +55,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ...model import loss_chunk_rows
-from ..numpy_ref import FP8_FORMATS, FP8_FWD
+from ..numpy_ref import FP8_FORMATS, FP8_FWD, _fp8_rounding
 from .cublas import cuda_type
 from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
 
@@ -736,21 +736,22 @@ class Fp8Ops:
             self.ops._loss_rows(False, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)))
 
     def k_fp8_loss_bwd(self, losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, dlogits_fmt=None,
-                       accumulate=True, fp8_logits=True):
+                       accumulate=True, fp8_logits=True, rounding=None):
         """numpy_ref.k_fp8_loss_bwd: per chunk of R rows the logits product in FP8, the row pass
         writing loss, lse and FP8 dlogits (loss.cu loss_bwd_fp8*, the bound's scale: no amax pass),
         dinp = dlogits @ fp8(wte) (accumulate=False: written, each chunk its own rows), dlogits
         transposed (k_fp8_transpose, into the logits workspace, which the chunk no longer needs) and
         dwte += dlogits.T @ fp8(inp). dlogits_fmt: "e4m3" or "e5m2" (None: CudaOps.fp8_dlogits).
         fp8_logits False: the logits product in bf16 (cuBLAS, as the 16-bit path), the two
-        backward products in FP8."""
+        backward products in FP8. rounding: dlogits' rounding, "nearest" or "stochastic" (None:
+        CudaOps.fp8_dlogits_rounding; loss.cu -DFP8_SR)."""
         from .ops import _dloss_args, _loss_checks
         ops = self.ops
         x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_fp8_loss_bwd", losses, lse, logits, inp, wte, targets)
         check("k_fp8_loss_bwd", "dinp", dinp, inp.shape, ct)
         check("k_fp8_loss_bwd", "dwte", dwte, (V, C), np.float32)
         fmt = dlogits_fmt or ops.fp8_dlogits
-        defs = self._defs(fmt)
+        defs = self._defs(fmt) + (f"-DFP8_SR={int(_fp8_rounding(rounding or ops.fp8_dlogits_rounding) == 'stochastic')}",)
         dl = _dloss_args("k_fp8_loss_bwd", dloss)
         meta = self._classifier_input("k_fp8_loss_bwd", x, V)
         dz_meta = self._meta("dz")
@@ -764,7 +765,7 @@ class Fp8Ops:
             xq_t, x_inv = self._classifier_logits(z, meta, x[r0:r0 + n], wte, fp8_logits, transpose=True)
             dz = ops.workspace.get("fp8_dz", n * V, np.uint8).reshape(n, V)
             ops._loss_rows(True, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V))
-                           + dl + (dz, dz_inv), fp8_defs=defs)
+                           + dl + (dz, dz_inv, i64(r0)), fp8_defs=defs)
             wq_t, w_inv = self._weight(wte, transpose=True)
             self._product(dx[r0:r0 + n], dz, fmt, dz_inv, wq_t, FP8_FWD, w_inv, beta=beta)
             dz_t = cp.ndarray((V, n), dtype=np.uint8, memptr=z.data)  # the logits are spent

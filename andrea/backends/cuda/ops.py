@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from ..numpy_ref import FP8_DLOGITS, STATE_LEN
+from ..numpy_ref import FP8_DLOGITS, FP8_DLOGITS_ROUNDING, STATE_LEN
 from .colsum import DEFERRED, deferred_floats
 from .cublas import CUBLAS_WORKSPACE, cuda_type
 from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
@@ -208,6 +208,9 @@ class CudaOps:
     # (docs/FP8.md "The classifier")
     fp8_classifier = 0
     fp8_dlogits = FP8_DLOGITS  # "e4m3" (numpy_ref)
+    # how dlogits meet the FP8 grid: "stochastic" (loss.cu -DFP8_SR=1, random bits hashed from the
+    # logits: no state) or "nearest"
+    fp8_dlogits_rounding = FP8_DLOGITS_ROUNDING
     # train.precision=fp8: k_fp8_amax / k_fp8_gelu_amax run this many blocks an SM, each thread
     # taking many 16-byte vectors four at a time; 0: one block per 256 vectors up to MAX_BLOCKS,
     # one or two vectors a thread (the grid before; the same amax either way)
