@@ -101,7 +101,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # global-norm clip (0 = off)
     precision: str = "fp32"  # fp32 | fp16 | bf16 | fp8 (all but fp32 on the GPU only; fp8 on cc >= 8.9)
     # fp8 only: the classifier's products in FP8 too, 0 none | 1 dX and dW | 2 the logits as well
-    # (None: the backend's default, 0; docs/FP8.md "The classifier in FP8"), and the format of its
+    # (None: the backend's default, 2; docs/FP8.md "The classifier in FP8"), and the format of its
     # dlogits, e4m3 | e5m2 (None: e4m3), and how dlogits are rounded onto the FP8 grid, nearest |
     # stochastic (None: stochastic). Left None they are not part of the run's config hash.
     fp8_classifier: Optional[int] = None

@@ -402,12 +402,15 @@ def test_stochastic_rounding_takes_a_neighbour_with_its_probability(fmt):
     """fp8_round_stochastic over all 2^16 random values u: on-grid values stay; any other value goes
     to the grid value below or above it, the one above for exactly floor(frac * 2^16) of the u
     (frac = how far it lies between them), so its mean is the value to 2^-16 of a quantum; from
-    the subnormals (and below the smallest one, where nearest gives 0) to the top binade."""
+    the subnormals (and below the smallest one, where nearest gives 0) to the top binade. Below
+    2^emin, |v| counts as float32(|v| + 2^emin) - 2^emin, the sum that finds its quantum."""
     rng = np.random.default_rng(5)
     M, bias, top = K.FP8_FORMATS[fmt]
     y = np.concatenate([K.fp8_round(rng.normal(0, 4, 12), fmt),  # on the grid
                         rng.normal(0, 1, 12) * np.exp2(rng.integers(-2 - bias - M, 7, 12)),
-                        [2.0 ** (1 - bias - M) * 0.3, -2.0 ** (1 - bias - M) * 0.01, 200.0]]).astype(np.float32)
+                        [2.0 ** (1 - bias - M) * 0.3, -2.0 ** (1 - bias - M) * 0.01, 200.0,
+                         2.0 ** (1 - bias) * (1 - 2.0 ** -20), 2.0 ** (1 - bias - M) * (3 + 2.0 ** -18)]]
+                       ).astype(np.float32)
     u = np.arange(65536)
     for v in y:
         r = K.fp8_round_stochastic(np.full(u.shape, v, np.float32), u, fmt).astype(np.float64)
@@ -416,7 +419,10 @@ def test_stochastic_rounding_takes_a_neighbour_with_its_probability(fmt):
         if lo == hi:
             assert np.all(r == v)
             continue
-        frac = (abs(float(v)) - abs(lo)) / abs(hi - lo)
+        a = abs(float(v))
+        if a < 2.0 ** (1 - bias):  # the subnormals: |v| as the float sum with 2^emin rounds it
+            a = float(np.float32(a) + np.float32(2.0 ** (1 - bias))) - 2.0 ** (1 - bias)
+        frac = (a - abs(lo)) / abs(hi - lo)
         assert (r == hi).sum() == np.floor(frac * 65536), (v, frac)
         assert np.all(np.diff(np.abs(r)) >= 0)  # the larger u, the further from zero
         assert abs(r.mean() - v) <= abs(hi - lo) * 2.0 ** -16 + 1e-30

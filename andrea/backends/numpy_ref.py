@@ -454,24 +454,27 @@ def fp8_round(y, fmt):
 
 
 def fp8_round_stochastic(y, u, fmt):
-    """float32 values of y rounded stochastically onto the format's grid (fp8.cuh
-    fp8_round_stochastic): with quantum = 2^(e - M) for |y| = 1.m * 2^e (the subnormals' quantum
-    below the smallest normal) and t = |y| / quantum taken with 16 fractional bits (truncated),
-    floor(t + u / 2^16) * quantum, sign kept; u (uint, same shape) 16 random bits an element.
-    Beyond the largest value it is not clamped (fp8_encode's conversion saturates: apply
-    fp8_round after); infinities and NaN pass."""
+    """float32 values of y rounded stochastically onto the format's grid, as fp8.cuh's
+    fp8_round_stochastic does it on the float's bits (u: 16 random bits an element, same shape).
+    With drop = 23 - M mantissa bits the format drops and r = u << (drop - 16):
+    |y| >= 2^emin: (bits(|y|) + r) with the dropped bits cleared, i.e. the grid value above for
+    floor(frac * 2^16) of the 2^16 values of u; below: the same on s = float32(|y| + 2^emin), then
+    s - 2^emin (the subnormals' fixed quantum). Sign kept; beyond the largest value not clamped
+    (fp8_round after it saturates); infinities and NaN pass."""
     M, bias, top = _fp8_format(fmt)
     y = np.asarray(y, dtype=np.float32)
-    bits = y.view(np.uint32) & np.uint32(0x7FFFFFFF)
-    e = (bits >> np.uint32(23)).astype(np.int64) - 127
-    qe = np.maximum(e, 1 - bias) - M
-    a = np.abs(y).astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        T = np.floor(np.ldexp(a, -qe) * 65536.0)
-        T = np.where(np.isfinite(a), T, 0).astype(np.int64)
-        r = np.ldexp(((T + (np.asarray(u).astype(np.int64) & 0xFFFF)) >> 16).astype(np.float64), qe)
-    r = np.where(np.isfinite(a), np.copysign(r, y), y)
-    return r.astype(np.float32)
+    drop = 23 - M
+    keep = np.uint32((~((1 << drop) - 1)) & 0xFFFFFFFF)
+    r = ((np.asarray(u).astype(np.uint64) & 0xFFFF) << np.uint64(drop - 16)).astype(np.uint32)
+    lo = np.float32(2.0 ** (1 - bias))
+    bits = y.view(np.uint32)
+    a = bits & np.uint32(0x7FFFFFFF)
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = (a.view(np.float32) + lo).astype(np.float32)
+        sub = (((s.view(np.uint32) + r) & keep).view(np.float32) - lo).astype(np.float32)
+        out = np.where(a >= np.uint32((127 + 1 - bias) << 23), (a + r) & keep, sub.view(np.uint32))
+    out = (out.astype(np.uint32) | (bits & np.uint32(0x80000000))).view(np.float32)
+    return np.where(a >= np.uint32(0x7F800000), y, out).astype(np.float32)
 
 
 def _sr_mix(x):

@@ -38,22 +38,26 @@ __device__ __forceinline__ unsigned int fp8x2(float lo, float hi) {
 #endif
 }
 
-// Stochastic rounding onto the format's grid: v rounded to one of the two grid values around it,
-// the upper one with probability (|v| - lower) / quantum, decided by u (16 random bits): with
-// t = |v| / quantum (exact, a power of two), the result is floor(t + u / 2^16) * quantum, t taken
-// with 16 fractional bits (truncated). The quantum is 2^(e - FP8_MANT) for |v| = 1.m * 2^e, the
-// subnormals' 2^(FP8_EMIN - FP8_MANT) below 2^FP8_EMIN, so values under the smallest subnormal
-// round to 0 or to it. The result is a float on the grid (or above the largest value, which the
-// saturating conversion then clamps); infinities and NaN are returned as they are. Sign kept.
-// The expected value of the result is v (to 2^-16 of a quantum): no bias on the many small
-// values that round to nearest would send the same way every time. numpy_ref.fp8_round_stochastic.
+// Stochastic rounding onto the format's grid: v goes to one of the two grid values around it,
+// the upper one with probability (|v| - lower) / quantum, decided by u (16 random bits), with
+// integer operations on the float's bits (no conversions: they are quarter rate):
+// - |v| >= 2^FP8_EMIN (the format's normal range and above): u goes into the top 16 of the
+//   23 - FP8_MANT mantissa bits the format drops, which are then cleared. A carry moves |v| up
+//   one quantum (into the next binade where the mantissa overflows): up for floor(frac * 2^16) of
+//   the 2^16 values of u, frac = (|v| - lower) / quantum.
+// - below 2^FP8_EMIN (the subnormals, where the quantum is 2^(FP8_EMIN - FP8_MANT) whatever the
+//   exponent): the same on the bits of s = |v| + 2^FP8_EMIN (a float sum, rounded to nearest to
+//   2^(FP8_EMIN - 23)), then s - 2^FP8_EMIN (exact). Values under the smallest subnormal round to
+//   0 or to it.
+// The result is a float on the grid (or above the largest value, which the saturating conversion
+// then clamps); sign kept; infinities and NaN are returned as they are. Its expected value is v
+// to 2^-16 of a quantum: no bias on the many small values that rounding to nearest sends the
+// same way every time. numpy_ref.fp8_round_stochastic.
 __device__ __forceinline__ float fp8_round_stochastic(float v, unsigned int u) {
+  const unsigned int drop = 23 - FP8_MANT, keep = ~((1u << drop) - 1u), r = (u & 0xffffu) << (drop - 16);
+  const float lo = __uint_as_float((unsigned int)(127 + FP8_EMIN) << 23);  // 2^FP8_EMIN
   unsigned int b = __float_as_uint(v), a = b & 0x7fffffffu;
-  if (a >= 0x7f800000u) return v;
-  int e = (int)(a >> 23) - 127;
-  int qe = (e > FP8_EMIN ? e : FP8_EMIN) - FP8_MANT;  // the quantum's exponent
-  float t = __uint_as_float(a) * __uint_as_float((unsigned int)(127 - qe) << 23);  // < 2^(FP8_MANT+1)
-  unsigned int T = __float2uint_rz(t * 65536.f);
-  float r = (float)((T + (u & 0xffffu)) >> 16) * __uint_as_float((unsigned int)(127 + qe) << 23);
-  return __uint_as_float(__float_as_uint(r) | (b & 0x80000000u));
+  float sub = __uint_as_float((__float_as_uint(__uint_as_float(a) + lo) + r) & keep) - lo;
+  unsigned int out = a >= ((unsigned int)(127 + FP8_EMIN) << 23) ? (a + r) & keep : __float_as_uint(sub);
+  return a >= 0x7f800000u ? v : __uint_as_float(out | (b & 0x80000000u));
 }
