@@ -366,6 +366,50 @@ def test_amax_of_a_large_tensor_either_grid(be, where, monkeypatch):
                 assert v == got[0, kernel] and abs(v - g_want[0]) <= 2 ** -8 * g_want[0], (grid, v, g_want[0])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gelu_amax_without_a_gelu_per_value_same_bits(be, dtype, monkeypatch):
+    """k_fp8_gelu_amax (the maximum of max(pre, 0), one GELU a thread, the GELU of every value only
+    where a thread's values are all small) gives the bits of its first version (the GELU of every
+    value, CudaOps.fp8_gelu_amax_full), with either grid: on mixed scales and signs, on all-negative
+    pre and pre below 0.25 (every thread takes the full pass), with the largest value in one
+    place, with zeros, and with a NaN or -inf (NaN); and within one unit of the dtype of the
+    reference."""
+    import cupy as cp
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(11)
+    shape = (1000, 2056)
+    cases = {
+        "mixed": rng.standard_normal(shape) * np.exp2(rng.integers(-6, 5, shape)),
+        "negative": -np.abs(rng.standard_normal(shape)) * 3,
+        "small": rng.uniform(-3, 0.25, shape),
+        "one-peak": np.concatenate([-np.abs(rng.standard_normal(shape[0] * shape[1] - 1)), [7.5]]).reshape(shape),
+        "zeros": np.zeros(shape),
+        "nan": rng.standard_normal(shape),
+        "-inf": rng.standard_normal(shape),
+    }
+    cases["nan"][517, 1031] = np.nan
+    cases["-inf"][999, 2055] = -np.inf
+    for name, x0 in cases.items():
+        x = cp.asarray(x0.astype(dt))
+        got = {}
+        for grid in (4, 0):
+            monkeypatch.setattr(be, "fp8_amax_blocks", grid)
+            for full in (False, True):
+                monkeypatch.setattr(be, "fp8_gelu_amax_full", full)
+                m = cp.full(64, 5, cp.float32)
+                be.fp8.k_fp8_gelu_amax(m, x)
+                got[grid, full] = m.get()[:1].view(np.uint32)[0]
+        assert len(set(got.values())) == 1, (name, {k: hex(v) for k, v in got.items()})
+        a = np.uint32(got[4, False]).view(np.float32)
+        want = np.zeros(2, np.float32)
+        ref.k_fp8_gelu_amax(want, x.get().astype(np.float32))
+        if name in ("nan", "-inf"):
+            assert np.isnan(a) and np.isnan(want[0]), name
+        else:
+            unit = 2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10
+            assert abs(a - want[0]) <= unit * want[0], (name, a, want[0])
+
+
 def test_gelu_kernels_refuse_what_they_cannot_take(be):
     import cupy as cp
     m = cp.zeros(64, cp.float32)

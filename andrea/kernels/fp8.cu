@@ -56,10 +56,6 @@ __device__ __forceinline__ Bytes8 fp8x8(const Pack8& p, float s) {
   return r;
 }
 
-// meta[0] = max(meta[0], max |x|) over the Pack8 vectors [first, n / 8) of x, stepping by step,
-// one block's share. The maximum is taken on the float bits as unsigned integers, which order
-// non-negative floats as their values and put NaN above infinity, so a NaN anywhere makes amax
-// NaN. One atomicMax per block.
 // act = gelu(x) of eight values, each rounded to CT (gelu.cuh's sigmoid form: every FP8 kernel
 // computes act and gelu' this way, so the forward's act and any recomputation of it agree).
 __device__ __forceinline__ Pack8 gelu8(const Pack8& p) {
@@ -73,9 +69,20 @@ __device__ __forceinline__ Pack8 gelu8(const Pack8& p) {
   return a;
 }
 
-// GELU: of gelu8(x) instead of x (k_fp8_gelu_amax).
-template <bool GELU>
-__device__ __forceinline__ void fp8_amax_block(float* meta, const CT* x, i64 n, i64 first, i64 step) {
+// The bits a value adds to a maximum: ABS |x| (abs_bits), GELU |gelu8(x)|, POS max(x, 0) (a NaN or
+// -inf as NaN: gelu of -inf is NaN too).
+enum { AMAX_ABS, AMAX_GELU, AMAX_POS };
+template <int MODE>
+__device__ __forceinline__ unsigned int amax_bits(float v) {
+  unsigned int b = __float_as_uint(v), u = b & 0x7fffffffu;
+  if (MODE == AMAX_POS) return (b >> 31) ? (u >= 0x7f800000u ? 0x7fffffffu : 0u) : u;
+  return u;
+}
+
+// The maximum of amax_bits<MODE> over this thread's Pack8 vectors [first, n / 8) of x, stepping by
+// step (MODE AMAX_GELU: of gelu8(x)).
+template <int MODE>
+__device__ __forceinline__ unsigned int fp8_thread_max(const CT* x, i64 n, i64 first, i64 step) {
   unsigned int m = 0u;
   const Pack8* xp = reinterpret_cast<const Pack8*>(x);
   i64 i = first, n8 = n / 8;
@@ -85,16 +92,48 @@ __device__ __forceinline__ void fp8_amax_block(float* meta, const CT* x, i64 n, 
     Pack8 p[4] = {xp[i], xp[i + step], xp[i + 2 * step], xp[i + 3 * step]};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      if (GELU) p[k] = gelu8(p[k]);
+      if (MODE == AMAX_GELU) p[k] = gelu8(p[k]);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(to_f(p[k].v[j])));
+      for (int j = 0; j < 8; ++j) m = umax(m, amax_bits<MODE>(to_f(p[k].v[j])));
     }
   }
   for (; i < n8; i += step) {
     Pack8 p = xp[i];
-    if (GELU) p = gelu8(p);
+    if (MODE == AMAX_GELU) p = gelu8(p);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(to_f(p.v[j])));
+    for (int j = 0; j < 8; ++j) m = umax(m, amax_bits<MODE>(to_f(p.v[j])));
+  }
+  return m;
+}
+
+// |act| of a negative pre is at most 0.16997 (gelu's minimum, at -0.7524), rounded to a 16-bit CT
+// at most 0.16992: below this bound (0.17f).
+#define GELU_NEG_BOUND 0x3e2e147bu
+#ifndef FP8_GELU_AMAX_FULL
+#define FP8_GELU_AMAX_FULL 0  // 1: gelu8 of every value (the first version, kept for the tests)
+#endif
+
+// meta[0] = max(meta[0], max |x|) over the block's share (GELU: max |gelu8(x)|). The maximum is
+// taken on the float bits as unsigned integers, which order non-negative floats as their values
+// and put NaN above infinity, so a NaN anywhere makes amax NaN. One atomicMax per block.
+// GELU without a GELU per value, for a 16-bit CT: act = gelu(x) rounded to CT is non-decreasing
+// in x >= 0 (gelu' >= 0.5 there, so neighbouring 16-bit inputs, at least 2^-11 apart relative, give
+// values further apart than the sigmoid form's ~1e-6 error, and rounding is monotone), and |act|
+// of a negative x is under GELU_NEG_BOUND. So a thread takes m = the maximum of max(x, 0) over its
+// values, and where |gelu8(m)| >= GELU_NEG_BOUND that is its max |act|, the same bits gelu8 of
+// every value gives; otherwise (all its values below ~0.29) it makes the pass with gelu8 again.
+template <bool GELU>
+__device__ __forceinline__ void fp8_amax_block(float* meta, const CT* x, i64 n, i64 first, i64 step) {
+  unsigned int m;
+  if (!GELU) {
+    m = fp8_thread_max<AMAX_ABS>(x, n, first, step);
+  } else if (FP8_GELU_AMAX_FULL || sizeof(CT) == 4) {
+    m = fp8_thread_max<AMAX_GELU>(x, n, first, step);
+  } else {
+    float g, dg;
+    gelu_sigmoid_and_slope(__uint_as_float(fp8_thread_max<AMAX_POS>(x, n, first, step)), g, dg);
+    m = abs_bits(to_f(from_f<CT>(g)));  // as gelu8 rounds it
+    if (m < GELU_NEG_BOUND) m = fp8_thread_max<AMAX_GELU>(x, n, first, step);
   }
   block_amax_atomic(meta, m);  // common.cuh
 }
@@ -217,7 +256,7 @@ extern "C" __global__ void k_fp8_cast_transpose_many(float* meta, int meta_strid
 // ---- the FP8 MLP's passes over pre and dact (N, H), H = 4C (cuda/fp8.py k_fp8_mlp_fwd / _bwd)
 
 // meta[0] = max(meta[0], max |act|), act = gelu(pre) rounded to CT (gelu8; n values, n % 8 == 0),
-// without writing act.
+// without writing act, and without a GELU per value (fp8_amax_block).
 extern "C" __global__ void k_fp8_gelu_amax(float* meta, const CT* pre, i64 n) {
   fp8_amax_block<true>(meta, pre, n, blockIdx.x * (i64)blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
 }

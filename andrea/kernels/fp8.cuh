@@ -50,14 +50,14 @@ __device__ __forceinline__ unsigned int fp8x2(float lo, float hi) {
 //   2^(FP8_EMIN - 23)), then s - 2^FP8_EMIN (exact). Values under the smallest subnormal round to
 //   0 or to it.
 // The result is a float on the grid (or above the largest value, which the saturating conversion
-// then clamps); sign kept; infinities and NaN are returned as they are. Its expected value is v
-// to 2^-16 of a quantum: no bias on the many small values that rounding to nearest sends the
-// same way every time. numpy_ref.fp8_round_stochastic.
+// then clamps); sign kept; infinities and NaN are returned as they are. Its expected value is v to 2^-16 of a quantum: no bias on the many small values that
+// rounding to nearest sends the same way every time. numpy_ref.fp8_round_stochastic.
 __device__ __forceinline__ float fp8_round_stochastic(float v, unsigned int u) {
   const unsigned int drop = 23 - FP8_MANT, keep = ~((1u << drop) - 1u), r = (u & 0xffffu) << (drop - 16);
   const float lo = __uint_as_float((unsigned int)(127 + FP8_EMIN) << 23);  // 2^FP8_EMIN
   unsigned int b = __float_as_uint(v), a = b & 0x7fffffffu;
-  float sub = __uint_as_float((__float_as_uint(__uint_as_float(a) + lo) + r) & keep) - lo;
-  unsigned int out = a >= ((unsigned int)(127 + FP8_EMIN) << 23) ? (a + r) & keep : __float_as_uint(sub);
-  return a >= 0x7f800000u ? v : __uint_as_float(out | (b & 0x80000000u));
+  bool sub = a < ((unsigned int)(127 + FP8_EMIN) << 23);
+  unsigned int y = ((sub ? __float_as_uint(__uint_as_float(a) + lo) : a) + r) & keep;
+  float out = sub ? __uint_as_float(y) - lo : __uint_as_float(y);
+  return a >= 0x7f800000u ? v : __uint_as_float(__float_as_uint(out) | (b & 0x80000000u));
 }

@@ -211,9 +211,13 @@ class Fp8Ops:
 
     def k_fp8_gelu_amax(self, meta, pre, zeroed=False):
         """meta[0] = max |act|, act = gelu(pre) rounded to pre's dtype (fp8.cu's sigmoid form),
-        without writing act; zeroes meta[0] first unless zeroed."""
+        without writing act (and, for 16-bit pre, without a GELU per value: fp8.cu
+        fp8_amax_block; CudaOps.fp8_gelu_amax_full takes the GELU of every value, the same bits);
+        zeroes meta[0] first unless zeroed."""
         grid = self._amax_grid("k_fp8_gelu_amax", meta, pre, zeroed)
-        self.ops.rt.launch("fp8.cu", "k_fp8_gelu_amax", pre.dtype, grid, THREADS, (meta, pre, i64(pre.size)))
+        defs = ("-DFP8_GELU_AMAX_FULL=1",) if self.ops.fp8_gelu_amax_full else ()
+        self.ops.rt.launch("fp8.cu", "k_fp8_gelu_amax", pre.dtype, grid, THREADS, (meta, pre, i64(pre.size)),
+                           defs=defs)
 
     def k_fp8_cast(self, out, meta, x, fmt):
         """out (uint8, x's size) = fp8 bytes of x * scale (scale from meta[0]); 1/scale into meta

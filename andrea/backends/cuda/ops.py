@@ -215,6 +215,9 @@ class CudaOps:
     # taking many 16-byte vectors four at a time; 0: one block per 256 vectors up to MAX_BLOCKS,
     # one or two vectors a thread (the grid before; the same amax either way)
     fp8_amax_blocks = 4
+    # train.precision=fp8: k_fp8_gelu_amax takes the GELU of every value of pre (True: its first
+    # version) instead of the maximum of max(pre, 0) and one GELU a thread (the same bits; fp8.cu)
+    fp8_gelu_amax_full = False
     # train.precision=fp8: rows of the tile of k_fp8_cast_transpose / k_fp8_gelu_cast_transpose (64
     # columns; 64, 128 or 256 rows: each thread has rows / 32 loads in flight; the bytes are the
     # same). 64 measured fastest (ANDREA-120M fp8 step on an H200: 14.75 ms, against 15.37 with 128
