@@ -343,46 +343,6 @@ __device__ __forceinline__ void store_rows(HT* dst, i64 ld, const float (*acc)[4
   else add_rows<false>(dst, ld, acc, row0, T, scale);
 }
 
-// The larger abs_bits (common.cuh) of the two 16-bit values of a pair, as stored.
-__device__ __forceinline__ unsigned int pair_amax(unsigned int w) {
-  HT lo, hi;
-  lo.x = (u16)(w & 0xffffu);
-  hi.x = (u16)(w >> 16);
-  return umax(abs_bits(to_f(lo)), abs_bits(to_f(hi)));
-}
-
-// store_rows that also returns the largest abs_bits of the values it wrote (as stored), for an
-// FP8 amax of the tensor (version 7's kernels take an amax pointer; version 4's do not).
-template <bool ACC>
-__device__ __forceinline__ unsigned int add_rows_amax(HT* dst, i64 ld, const float (*acc)[4], int row0, int T,
-                                                      float scale) {
-  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  unsigned int m = 0u;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    int row = row0 + g + 8 * r;
-    if (row >= T) continue;
-    unsigned* p = (unsigned*)(dst + row * ld + 2 * t4);
-#pragma unroll
-    for (int n8 = 0; n8 < HS / 8; ++n8) {
-      unsigned old = ACC ? p[n8 * 4] : 0u;
-      HT lo, hi;
-      lo.x = (u16)(old & 0xffffu);
-      hi.x = (u16)(old >> 16);
-      unsigned w = pack2(to_f(lo) + scale * acc[n8][2 * r], to_f(hi) + scale * acc[n8][2 * r + 1]);
-      p[n8 * 4] = w;
-      m = umax(m, pair_amax(w));
-    }
-  }
-  return m;
-}
-
-__device__ __forceinline__ unsigned int store_rows_amax(HT* dst, i64 ld, const float (*acc)[4], int row0, int T,
-                                                        float scale, int accumulate) {
-  return accumulate ? add_rows_amax<true>(dst, ld, acc, row0, T, scale)
-                    : add_rows_amax<false>(dst, ld, acc, row0, T, scale);
-}
-
 // ---------------------------------------------------------------- forward
 // One forward tile: scores of this warp's rows against keys [k0, k0 + BN), online softmax, O += P V.
 template <bool MASK>

@@ -394,13 +394,11 @@ __device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dv
 }
 
 // dK and dV parts of dqkv += ...: version 7, grid (B*NH, ceil(T/V7_BK)), block V7_DKV_THREADS,
-// V7_DKV_SMEM bytes of dynamic shared memory (traps on anything else). amax: null, or max |dK|,
-// |dV| as stored into *amax (with k_attn_flash_bwd_dq's, that of dqkv: train.precision=fp8, the
-// QKV backward's FP8 output gradient; zeroed by the launcher).
+// V7_DKV_SMEM bytes of dynamic shared memory (traps on anything else).
 extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_attn_flash_bwd_dkv(HT* dqkv, const HT* qkv, const HT* dout,
                                                                              const float* lse, const float* Dv,
                                                                              int B, int T, int NH, float scale,
-                                                                             int accumulate, float* amax) {
+                                                                             int accumulate) {
   extern __shared__ __align__(1024) u16 smem7[];
   u16* smem = smem7;
   require_smem(V7_DKV_SMEM);
@@ -456,12 +454,6 @@ extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_at
     __syncthreads();
   }
   HT* base = dqkv + (i64)b * T * ld + h * HS;
-  if (amax) {  // and max |dK|, |dV| as stored into *amax (warp_amax_atomic; the launcher zeroes it)
-    unsigned int m = store_rows_amax(base + C, ld, (const float(*)[4])dk, key0, T, scale, accumulate);
-    m = umax(m, store_rows_amax(base + 2 * C, ld, (const float(*)[4])dv, key0, T, 1.f, accumulate));
-    warp_amax_atomic(amax, m);
-    return;
-  }
   store_rows(base + C, ld, (const float(*)[4])dk, key0, T, scale, accumulate);
   store_rows(base + 2 * C, ld, (const float(*)[4])dv, key0, T, 1.f, accumulate);
 }
@@ -534,11 +526,10 @@ __device__ __forceinline__ void rows_D(float* D, const HT* dout, const HT* out, 
 // grid (B*NH, ceil(T/V7_QM)), block V7_DQ_THREADS, V7_DQ_SMEM bytes of dynamic shared memory (traps
 // on anything else). Version 7's dQ kernel, which read D from k_attn_flash_D; here each thread
 // computes D for its two rows (rows_D) while the first tiles are being copied, and writes it.
-// amax: null, or max |dQ| as stored into *amax (as k_attn_flash_bwd_dkv's).
 extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
                                                                             const HT* out, const float* lse, float* Dv,
                                                                             int B, int T, int NH, float scale,
-                                                                            int accumulate, float* amax) {
+                                                                            int accumulate) {
   extern __shared__ __align__(1024) u16 smem7[];
   u16* smem = smem7;
   require_smem(V7_DQ_SMEM);
@@ -590,12 +581,7 @@ extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn
     }
     __syncthreads();
   }
-  HT* dst = dqkv + (i64)b * T * ld + h * HS;
-  if (amax) {  // and max |dQ| as stored into *amax (warp_amax_atomic; the launcher zeroes it)
-    warp_amax_atomic(amax, store_rows_amax(dst, ld, (const float(*)[4])dq, row0, T, scale, accumulate));
-    return;
-  }
-  store_rows(dst, ld, (const float(*)[4])dq, row0, T, scale, accumulate);
+  store_rows(dqkv + (i64)b * T * ld + h * HS, ld, (const float(*)[4])dq, row0, T, scale, accumulate);
 }
 
 // ---------------------------------------------------------------- forward (version 8)
@@ -705,12 +691,9 @@ __device__ __forceinline__ void fwd8_step(float* o, float* s, unsigned (*pf)[4],
 }
 
 // out (B,T,C) and lse (B*NH, T) from qkv (B,T,3C): version 8, grid (B*NH, ceil(T/V8_BM)), block
-// V8_THREADS, V8_SMEM bytes of dynamic shared memory (traps on anything else). amax: null, or
-// max |out| as stored into *amax (train.precision=fp8: the amax of the attention projection's FP8
-// input, so no pass reads out for it; zeroed by the launcher).
+// V8_THREADS, V8_SMEM bytes of dynamic shared memory (traps on anything else).
 extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash_fwd(HT* out, float* lse, const HT* qkv,
-                                                                                   int B, int T, int NH, float scale,
-                                                                                   float* amax) {
+                                                                                   int B, int T, int NH, float scale) {
   extern __shared__ __align__(1024) u16 smem8[];
   u16* smem = smem8;
   require_smem(V8_SMEM);
@@ -789,19 +772,13 @@ extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash
     int row = row0 + g + 8 * r;
     if (t4 == 0 && row < T) lse[(i64)bh * T + row] = m[r] * scale + logf(l[r]);
   }
-  unsigned int am = 0u;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     int row = row0 + g + 8 * r;
     if (row >= T) continue;
     unsigned* p = (unsigned*)(out + ((i64)b * T + row) * C + h * HS + 2 * t4);
 #pragma unroll
-    for (int j = 0; j < HS / 8; ++j) {
-      unsigned w = pack2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
-      p[j * 4] = w;
-      if (amax) am = umax(am, pair_amax(w));
-    }
+    for (int j = 0; j < HS / 8; ++j) p[j * 4] = pack2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
   }
-  if (amax) warp_amax_atomic(amax, am);  // max |out| as stored (the launcher zeroes *amax)
 }
 #endif  // V7_WGMMA

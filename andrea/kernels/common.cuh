@@ -86,12 +86,6 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // zeroes *amax before the launch. The FP8 scales' amax (fp8.cu, layernorm.cu).
 __device__ __forceinline__ unsigned int umax(unsigned int a, unsigned int b) { return a > b ? a : b; }
 __device__ __forceinline__ unsigned int abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
-// The same with one atomicMax a warp and no shared memory or barrier (for kernels whose shared
-// memory is planned to the byte, the attention kernels); every lane of the warp calls it.
-__device__ __forceinline__ void warp_amax_atomic(float* amax, unsigned int m) {
-  for (int o = 16; o > 0; o >>= 1) m = umax(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((threadIdx.x & 31) == 0) atomicMax(reinterpret_cast<unsigned int*>(amax), m);
-}
 __device__ __forceinline__ void block_amax_atomic(float* amax, unsigned int m) {
   __shared__ unsigned int warp_max_bits[32];
   for (int o = 16; o > 0; o >>= 1) m = umax(m, __shfl_xor_sync(0xffffffffu, m, o));

@@ -145,9 +145,6 @@ extern "C" __global__ void k_layernorm_bwd_partial(float* pdw, float* pdb, const
 // at the block barrier (ncu on an H200: 30.9 us at 8192 x 768, an issue slot used one cycle in
 // four). Version 5 uses 64 registers and was 1.2-1.3x faster on an H200 (docs/BENCHMARKS.md).
 // Version 4, a grid sized to the SMs with its own reduction tree, was slower than version 3.
-// amax: null, or max |dinp| as written into *amax (common.cuh block_amax_atomic; the launcher
-// zeroes it): with train.precision=fp8 dinp is the output gradient of the next backward product
-// (the residual stream's gradient), whose FP8 cast then needs no amax pass.
 #ifndef LN_MAXC
 #define LN_MAXC 1024
 #endif
@@ -160,7 +157,7 @@ extern "C" __global__ void k_layernorm_bwd_partial(float* pdw, float* pdb, const
 
 extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
     CT* dinp, float* pdw, float* pdb, const CT* dout, const CT* inp, const CT* weight,
-    const float* mean, const float* rstd, i64 N, int C, int rows_per_block, float* amax) {
+    const float* mean, const float* rstd, i64 N, int C, int rows_per_block) {
   __shared__ float s_mu[LN5_ROWS], s_rs[LN5_ROWS], s_a[LN5_ROWS], s_b[LN5_ROWS];
   __shared__ float s_w[256 * LN_VEC], s_b2[256 * LN_VEC];  // G groups' sums, G * nq <= 256 vectors
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5, nq = C / LN_VEC;
@@ -171,7 +168,6 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
   for (int j = 0; j < LN_VEC; ++j) aw[j] = ab[j] = 0.f;
   vec16 rw = {{0u, 0u, 0u, 0u}};
   if (owner) rw = ((const vec16*)weight)[q];
-  unsigned int m = 0u;  // max |dinp| as written (amax)
   i64 b0 = (i64)blockIdx.x * rows_per_block;
   i64 b1 = b0 + rows_per_block < N ? b0 + rows_per_block : N;
   for (i64 r0 = b0; r0 < b1; r0 += LN5_ROWS) {
@@ -223,7 +219,6 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
           float xh = (vget(rx, j) - mu) * rs;
           float dy = vget(rd, j);
           vset(rg, j, vget(rg, j) + rs * (dy * vget(rw, j) - a - xh * b));
-          if (amax) m = umax(m, abs_bits(vget(rg, j)));
           aw[j] += dy * xh;
           ab[j] += dy;
         }
@@ -245,7 +240,6 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
     pdw[(i64)blockIdx.x * C + c] = w;
     pdb[(i64)blockIdx.x * C + c] = bb;
   }
-  if (amax) block_amax_atomic(amax, m);
 }
 
 

@@ -61,9 +61,6 @@ def module(cache: dict, ct: str, hs: int, tune=None):
     return v6.tuned_module(cache, SOURCE, TUNABLE, "wgmma backward", ct, hs, tune)
 
 
-AMAX = (np.uint64(0),)  # the kernels' amax pointer (train.precision=fp8 only): null here
-
-
 def launch_bwd_parts(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: int, NH: int, hs: int,
                      tune=None, accumulate=True) -> dict:
     """{kernel: a function that launches it} for the two kernels of the backward, in order: the dQ
@@ -73,9 +70,9 @@ def launch_bwd_parts(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int,
     dims = (i32(B), i32(T), i32(NH), np.float32(1.0 / math.sqrt(hs)), i32(int(accumulate)))
     return {
         "k_attn_flash_bwd_dq": lambda: mod.launch("k_attn_flash_bwd_dq", (BH, -(-T // geo["rows"])), geo["dq_threads"],
-                                                  (dqkv, qkv, dout, out, lse, D) + dims + AMAX, shared_mem=geo["dq_smem"]),
+                                                  (dqkv, qkv, dout, out, lse, D) + dims, shared_mem=geo["dq_smem"]),
         "k_attn_flash_bwd_dkv": lambda: mod.launch("k_attn_flash_bwd_dkv", (BH, -(-T // geo["keys"])),
-                                                   geo["dkv_threads"], (dqkv, qkv, dout, lse, D) + dims + AMAX,
+                                                   geo["dkv_threads"], (dqkv, qkv, dout, lse, D) + dims,
                                                    shared_mem=geo["dkv_smem"]),
     }
 

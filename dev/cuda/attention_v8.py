@@ -58,6 +58,5 @@ def launch_fwd(cache: dict, ct: str, out, lse, qkv, B: int, T: int, NH: int, hs:
     version 4's launcher gives them (16-bit, 16-byte aligned)."""
     geo = geometry(hs, tune)
     module(cache, ct, hs, tune).launch("k_attn_flash_fwd", (B * NH, -(-T // geo["rows"])), geo["threads"],
-                                       (out, lse, qkv, i32(B), i32(T), i32(NH), np.float32(1.0 / math.sqrt(hs)),
-                                        np.uint64(0)),  # amax (train.precision=fp8 only): null
+                                       (out, lse, qkv, i32(B), i32(T), i32(NH), np.float32(1.0 / math.sqrt(hs))),
                                        shared_mem=geo["smem"])

@@ -168,9 +168,6 @@ class Fp8Ops:
         # address of an input -> the same slot (the layer-norm launchers ask by their output)
         self.slots, self.slot_of_input = {}, {}
         self._slot_block = None  # every slot's meta rows, (n, META_STRIDE): zeroed by one memset
-        # (address, size) of the output gradient whose amax a backward kernel put in the dy meta
-        # (grad_producer_amax), until the next quantisation of role dy takes it; None: none
-        self._dy_ready = None
 
     # ------------------------------------------------------------ the quantisation kernels
     @staticmethod
@@ -456,21 +453,6 @@ class Fp8Ops:
         slot.state = "amax"
         return slot.meta
 
-    def grad_producer_amax(self, out, takes: bool):
-        """Where a backward kernel writing the output gradient out (the residual stream's gradient
-        from the layer-norm backward, dqkv from the attention backward) reduces max |out|: where
-        it takes an amax pointer (takes), the dy meta, zeroed here, and the next quantisation of
-        role dy on out (the next backward product's dY) skips its k_fp8_amax pass; else None.
-        Every such kernel calls this, taking it or not, so an amax from an earlier write of the
-        same buffer is never taken for a later one."""
-        self._dy_ready = None
-        if not takes:
-            return None
-        meta = self._meta("dy")
-        cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, 4, cp.cuda.get_current_stream().ptr)
-        self._dy_ready = (out.data.ptr, out.size)
-        return meta
-
     def _slot(self, w, x2, forward=False):
         """The input slot of w's product where x2 (N, IC) is its registered input, else None (a
         forward product of w on another input leaves the slot's X^T stale: ready is cleared)."""
@@ -511,9 +493,6 @@ class Fp8Ops:
         R, K = x2.shape
         meta = self._meta(role)
         slot = {"x": "fp8_x", "w": "fp8_w", "dy": "fp8_dy"}[role]
-        if role == "dy":  # its producer's amax (grad_producer_amax) is taken once, by the product on it
-            amax_done = amax_done or self._dy_ready == (x2.data.ptr, x2.size)
-            self._dy_ready = None
         if not amax_done:
             self.k_fp8_amax(meta, x2)
         if not transpose:
@@ -698,7 +677,6 @@ class Fp8Ops:
         if not ops.dgelu_epilogue:
             rpc, chunks = colsum_chunks(N)
             part = ops._colsum_partials("colsum_b", chunks, H)
-            self._dy_ready = None  # the dy meta is dact's now
             self.k_fp8_dgelu_colsum_amax(part, self._meta("dy"), dact2, pre2, rpc)
             db_partials = (part, chunks)
         elif not dgelu_done:  # no epilogue for this problem: the 16-bit path's pass (its tanh form)

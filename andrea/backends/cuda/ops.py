@@ -480,17 +480,6 @@ class CudaOps:
         meta = self.fp8.producer_amax(out) if self.fp8 is not None else None
         return np.uint64(0) if meta is None else meta
 
-    def _grad_amax(self, out, takes: bool):
-        """The amax pointer of a backward kernel writing out (an output gradient the next FP8
-        product quantises: the residual stream's, dqkv): with train.precision=fp8 and
-        CudaOps.fp8_producer_amax, and where the kernel takes one (takes), the dy meta, zeroed,
-        which that product's quantisation then uses without a k_fp8_amax pass
-        (Fp8Ops.grad_producer_amax); else null."""
-        if self.fp8 is None:
-            return np.uint64(0)
-        meta = self.fp8.grad_producer_amax(out, takes and bool(self.fp8_producer_amax))
-        return np.uint64(0) if meta is None else meta
-
     def _layernorm_fwd_vec(self, res, out, mean, rstd, a, b, weight, bias, amax) -> bool:
         """Version 2 of the layer-norm forward (16-byte loads, the row in registers, compiled for
         the row width) where the rows are whole aligned vectors; b None: no residual. False where
@@ -531,14 +520,12 @@ class CudaOps:
             n_blocks = -(-N // rpb)
             pdw = self._colsum_partials("colsum_a", n_blocks, C)
             pdb = self._colsum_partials("colsum_b", n_blocks, C)
-            am = self._grad_amax(dinp, True)
             self.rt.launch("layernorm.cu", "k_layernorm_bwd_fused", ct, n_blocks, THREADS,
-                           (dinp, pdw, pdb, dout, inp, weight, mean, rstd, i64(N), i32(C), i32(rpb), am),
+                           (dinp, pdw, pdb, dout, inp, weight, mean, rstd, i64(N), i32(C), i32(rpb)),
                            defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}", f"-DLN_ACCUMULATE={int(bool(accumulate))}"))
             self._colsum_final(dweight, pdw, n_blocks, C)
             self._colsum_final(dbias, pdb, n_blocks, C)
             return
-        self._grad_amax(dinp, False)
         # version 1: a row pass for dinp, then column partials added by k_colsum_final (version 2 of
         # the one-pass kernel is in git history; version 4, a grid sized to the SMs with its own
         # reduction tree, measured slower: docs/BENCHMARKS.md)
@@ -658,11 +645,8 @@ class CudaOps:
             args = (out, lse, qkv, i32(B), i32(T), i32(NH), scale)
             if self._hopper(hs):  # version 8: wgmma, 256 threads, 128 query rows a block
                 geo = hopper_geometry(hs)
-                # fp8: max |out| into the attention projection's input slot (Fp8Ops.producer_amax)
-                meta = self.fp8.producer_amax(out) if self.fp8 is not None and self.fp8_producer_amax else None
                 self.rt.launch("attention_hopper.cu", "k_attn_flash_fwd", ct, (B * NH, -(-T // geo["fwd_rows"])),
-                               geo["threads"], args + (np.uint64(0) if meta is None else meta,),
-                               shared_mem=geo["k_attn_flash_fwd"], hs=hs, arch="sm_90a")
+                               geo["threads"], args, shared_mem=geo["k_attn_flash_fwd"], hs=hs, arch="sm_90a")
                 return
             geo = flash_geometry(hs)
             self.rt.launch("attention.cu", "k_attn_flash_fwd", ct, (B * NH, -(-T // geo["fwd_rows"])), 128,
@@ -695,15 +679,13 @@ class CudaOps:
             dims = (i32(B), i32(T), i32(NH), scale, i32(int(accumulate)))
             if self._hopper(hs):  # wgmma: the dQ kernel (version 10) writes D, which dK/dV (version 7) reads
                 geo, hop = hopper_geometry(hs), dict(hs=hs, arch="sm_90a")
-                am = (self._grad_amax(dqkv, True),)  # fp8: both kernels reduce max |dqkv| into it
                 self.rt.launch("attention_hopper.cu", "k_attn_flash_bwd_dq", ct, (BH, -(-T // geo["rows"])),
-                               geo["threads"], (dqkv, qkv, dout, out, lse, D) + dims + am,
+                               geo["threads"], (dqkv, qkv, dout, out, lse, D) + dims,
                                shared_mem=geo["k_attn_flash_bwd_dq"], **hop)
                 self.rt.launch("attention_hopper.cu", "k_attn_flash_bwd_dkv", ct, (BH, -(-T // geo["keys"])),
-                               geo["dkv_threads"], (dqkv, qkv, dout, lse, D) + dims + am,
+                               geo["dkv_threads"], (dqkv, qkv, dout, lse, D) + dims,
                                shared_mem=geo["k_attn_flash_bwd_dkv"], **hop)
                 return
-            self._grad_amax(dqkv, False)
             self.rt.launch("attention.cu", "k_attn_flash_D", ct, -(-(BH * T) // THREADS), THREADS,
                            (D, dout, out, i32(B), i32(T), i32(NH)), hs=hs)
             args = (dqkv, qkv, dout, lse, D) + dims
@@ -712,7 +694,6 @@ class CudaOps:
                 self.rt.launch("attention.cu", kernel, ct, (BH, -(-T // 64)), 128, args,
                                shared_mem=geo[kernel], hs=hs)
             return
-        self._grad_amax(dqkv, False)
         q, k, v, S = self._attn_scores(qkv, B, T, C, NH, hs)
         P = self.workspace.get("attn_probs", BH * T * T, ct)
         self.rt.launch("attention.cu", "k_attn_softmax", ct, -(-(BH * T) // 8), THREADS,
