@@ -69,13 +69,17 @@ __device__ __forceinline__ Pack8 gelu8(const Pack8& p) {
   return a;
 }
 
-// The bits a value adds to a maximum: ABS |x| (abs_bits), GELU |gelu8(x)|, POS max(x, 0) (a NaN or
-// -inf as NaN: gelu of -inf is NaN too).
+// The bits a value adds to a maximum: ABS |x| (abs_bits), GELU |gelu8(x)|, POS max(x, 0), except
+// that a negative value of magnitude 2^64 or more (-inf and a negative NaN too) gives
+// AMAX_FULL_PASS, above every float: gelu8 caps its exponential, so |gelu8(x)| = |x| e^-80 is no
+// longer small there, and the thread makes the full pass (fp8_amax_block).
 enum { AMAX_ABS, AMAX_GELU, AMAX_POS };
+#define AMAX_FULL_PASS 0xffffffffu
+#define AMAX_NEG_BIG 0x5f800000u  // 2^64
 template <int MODE>
 __device__ __forceinline__ unsigned int amax_bits(float v) {
   unsigned int b = __float_as_uint(v), u = b & 0x7fffffffu;
-  if (MODE == AMAX_POS) return (b >> 31) ? (u >= 0x7f800000u ? 0x7fffffffu : 0u) : u;
+  if (MODE == AMAX_POS) return (b >> 31) ? (u >= AMAX_NEG_BIG ? AMAX_FULL_PASS : 0u) : u;
   return u;
 }
 
@@ -106,8 +110,9 @@ __device__ __forceinline__ unsigned int fp8_thread_max(const CT* x, i64 n, i64 f
   return m;
 }
 
-// |act| of a negative pre is at most 0.16997 (gelu's minimum, at -0.7524), rounded to a 16-bit CT
-// at most 0.16992: below this bound (0.17f).
+// |act| of a negative pre above -2^64 is at most 0.16997 (gelu's minimum, at -0.7524; below about
+// -9.7 gelu8's capped exponential gives |x| e^-80, under 4e-16 there), rounded to a 16-bit CT at
+// most 0.16992: below this bound (0.17f).
 #define GELU_NEG_BOUND 0x3e2e147bu
 #ifndef FP8_GELU_AMAX_FULL
 #define FP8_GELU_AMAX_FULL 0  // 1: gelu8 of every value (the first version, kept for the tests)
@@ -119,9 +124,10 @@ __device__ __forceinline__ unsigned int fp8_thread_max(const CT* x, i64 n, i64 f
 // GELU without a GELU per value, for a 16-bit CT: act = gelu(x) rounded to CT is non-decreasing
 // in x >= 0 (gelu' >= 0.5 there, so neighbouring 16-bit inputs, at least 2^-11 apart relative, give
 // values further apart than the sigmoid form's ~1e-6 error, and rounding is monotone), and |act|
-// of a negative x is under GELU_NEG_BOUND. So a thread takes m = the maximum of max(x, 0) over its
-// values, and where |gelu8(m)| >= GELU_NEG_BOUND that is its max |act|, the same bits gelu8 of
-// every value gives; otherwise (all its values below ~0.29) it makes the pass with gelu8 again.
+// of a negative x above -2^64 is under GELU_NEG_BOUND. So a thread takes m = the maximum of
+// max(x, 0) over its values, and where |gelu8(m)| >= GELU_NEG_BOUND that is its max |act|, the same
+// bits gelu8 of every value gives (NaN and +inf included); otherwise (all its values below ~0.29,
+// or one at or below -2^64) it makes the pass with gelu8 again.
 template <bool GELU>
 __device__ __forceinline__ void fp8_amax_block(float* meta, const CT* x, i64 n, i64 first, i64 step) {
   unsigned int m;
@@ -130,9 +136,13 @@ __device__ __forceinline__ void fp8_amax_block(float* meta, const CT* x, i64 n, 
   } else if (FP8_GELU_AMAX_FULL || sizeof(CT) == 4) {
     m = fp8_thread_max<AMAX_GELU>(x, n, first, step);
   } else {
-    float g, dg;
-    gelu_sigmoid_and_slope(__uint_as_float(fp8_thread_max<AMAX_POS>(x, n, first, step)), g, dg);
-    m = abs_bits(to_f(from_f<CT>(g)));  // as gelu8 rounds it
+    unsigned int mp = fp8_thread_max<AMAX_POS>(x, n, first, step);
+    m = 0u;
+    if (mp != AMAX_FULL_PASS) {
+      float g, dg;
+      gelu_sigmoid_and_slope(__uint_as_float(mp), g, dg);
+      m = abs_bits(to_f(from_f<CT>(g)));  // as gelu8 rounds it
+    }
     if (m < GELU_NEG_BOUND) m = fp8_thread_max<AMAX_GELU>(x, n, first, step);
   }
   block_amax_atomic(meta, m);  // common.cuh
