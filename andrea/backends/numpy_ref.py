@@ -677,7 +677,8 @@ def fp8_bound_scale(fmt):
     return fp8_scale(np.float32(1.0), fmt)
 
 
-def _fp8_rounding(rounding):
+def fp8_rounding(rounding):
+    """rounding checked ("nearest" or "stochastic"; None: FP8_DLOGITS_ROUNDING)."""
     rounding = FP8_DLOGITS_ROUNDING if rounding is None else rounding
     if rounding not in FP8_ROUNDINGS:
         raise ValueError(f"FP8 rounding {rounding!r}: expected one of {', '.join(FP8_ROUNDINGS)}")
@@ -695,7 +696,7 @@ def loss_bwd_fp8(losses, lse, q8, meta, logits, targets, dloss, fmt, rounding=No
     nearest (rounding "nearest") or stochastically with fp8_sr_bits(logits, row0) ("stochastic";
     None: FP8_DLOGITS_ROUNDING; row0 the chunk's first row in the microbatch); meta[1] = dloss / scale, what the products multiply back (dloss: a
     float or a (1,) array). logits are not changed."""
-    rounding = _fp8_rounding(rounding)
+    rounding = fp8_rounding(rounding)
     z = np.asarray(logits, dtype=np.float64)
     _loss_chunk(z, lse, losses, targets)
     g = np.exp(z - np.asarray(lse, np.float64)[:, None])

@@ -55,7 +55,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ...model import loss_chunk_rows
-from ..numpy_ref import FP8_FORMATS, FP8_FWD, _fp8_rounding
+from ..numpy_ref import FP8_FORMATS, FP8_FWD, fp8_rounding
 from .cublas import cuda_type
 from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
 
@@ -755,7 +755,8 @@ class Fp8Ops:
         check("k_fp8_loss_bwd", "dinp", dinp, inp.shape, ct)
         check("k_fp8_loss_bwd", "dwte", dwte, (V, C), np.float32)
         fmt = dlogits_fmt or ops.fp8_dlogits
-        defs = self._defs(fmt) + (f"-DFP8_SR={int(_fp8_rounding(rounding or ops.fp8_dlogits_rounding) == 'stochastic')}",)
+        stochastic = fp8_rounding(rounding or ops.fp8_dlogits_rounding) == "stochastic"
+        defs = self._defs(fmt) + (f"-DFP8_SR={int(stochastic)}",)
         dl = _dloss_args("k_fp8_loss_bwd", dloss)
         meta = self._classifier_input("k_fp8_loss_bwd", x, V)
         dz_meta = self._meta("dz")
