@@ -3,7 +3,7 @@
     python dev/gpu_bits.py [--steps 20]          # at one commit, then at the other; diff the outputs
 
 Runs --steps AdamW steps (2 microbatches each, fixed random tokens) of an ANDREA-tiny-shaped and
-an ANDREA-12M-shaped model in fp32, fp16 and bf16, the 16-bit ones with each attention path,
+an ANDREA-12M-shaped model in fp32, fp16 and bf16 (--precisions: fp8 too), the 16-bit ones with each attention path,
 and prints a table: the final loss and the sha256 of the final weights and Adam state. Uses only
 what both older and newer commits have (the Engine constructor, train_step and the host state),
 and detects how the attention path is chosen (a backend constructor argument, or the older
@@ -73,13 +73,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python dev/gpu_bits.py", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--shapes", default="tiny,12M")
+    ap.add_argument("--precisions", default="fp32,fp16,bf16", help="comma list; fp8 too where both trees have it")
     a = ap.parse_args(argv)
     import pandas as pd
     rows = []
     for shape in a.shapes.split(","):
         if shape not in SHAPES:
             raise SystemExit(f"--shapes {shape}: expected {', '.join(SHAPES)}")
-        for precision in ("fp32", "fp16", "bf16"):
+        for precision in a.precisions.split(","):
+            if precision not in ("fp32", "fp16", "bf16", "fp8"):
+                raise SystemExit(f"--precisions {precision}: expected fp32, fp16, bf16 or fp8")
             for attention in (("materialised",) if precision == "fp32" else ("fused", "materialised")):
                 rows.append(run(shape, precision, attention, a.steps))
                 print(rows[-1], file=sys.stderr, flush=True)
