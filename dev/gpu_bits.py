@@ -4,8 +4,8 @@
 
 Runs --steps AdamW steps (2 microbatches each, fixed random tokens) of an ANDREA-tiny-shaped and
 an ANDREA-12M-shaped model in fp32, fp16 and bf16 (--precisions: fp8 too), the 16-bit ones with
-each attention path,
-and prints a table: the final loss and the sha256 of the final weights and Adam state. Uses only
+each attention path, and prints a table: the final loss and the sha256 of the final weights and
+Adam state. Uses only
 what both older and newer commits have (the Engine constructor, train_step and the host state),
 and detects how the attention path is chosen (a backend constructor argument, or the older
 module flag), so the same file runs at either commit.
