@@ -1,4 +1,6 @@
-"""Shared test set-up: offline hub, small configs, random-token shards, polling with a deadline."""
+"""Shared test set-up: offline hub, small configs, random-token shards, polling with a deadline,
+scripts outside the package loaded by path."""
+import importlib.util
 import os
 import time
 
@@ -7,6 +9,14 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def load_script(path, name: str):
+    """A script outside the package (dev/, benchmarks/, scripts/) loaded by its path, as module name."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def fp8_gpu() -> bool:

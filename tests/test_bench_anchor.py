@@ -1,6 +1,5 @@
 """benchmarks/torch_gpt.py, the PyTorch anchor: ANDREA's architecture exactly, and it runs and reports;
 python -m andrea.bench without a GPU says so in one line."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +11,7 @@ import pytest
 
 from andrea.model import count_params
 from andrea.train import compose_config
+from conftest import load_script
 
 torch = pytest.importorskip("torch")
 from test_model_torch import general_position_step  # noqa: E402  (needs torch)
@@ -20,10 +20,7 @@ ANCHOR = REPO / "benchmarks" / "torch_gpt.py"
 
 
 def anchor():
-    spec = importlib.util.spec_from_file_location("torch_gpt", ANCHOR)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ANCHOR, "torch_gpt")
 
 
 @pytest.mark.parametrize("exp, shape", [("ANDREA-tiny", "tiny"), ("ANDREA-12M", "12m"), ("ANDREA-120M", "120m")])

@@ -18,7 +18,7 @@ from andrea.data.mixer import make_mixer
 from andrea.data.shards import read_shard, write_shard
 from andrea.proxy.records import RunRecords
 from andrea.train import ConfigError, compose_config
-from conftest import make_shards, small_config
+from conftest import load_script, make_shards, small_config
 
 REPO = Path(__file__).resolve().parent.parent
 V = 61
@@ -277,10 +277,7 @@ def test_firehose_target_tokenizes_the_groups(tmp_path):
 
 # ---------------------------------------------------------------- comparison table
 def test_firehose_report_tabulates_arms_at_equal_steps(tmp_path):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("firehose_report", REPO / "scripts" / "firehose-report.py")
-    rep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rep)
+    rep = load_script(REPO / "scripts" / "firehose-report.py", "firehose_report")
     groups = ["a", "noise"]
     for arm, kind, reward, seed, noise_steps, val_a in [("u1", "uniform", "loss", 1, 2, 2.0), ("u2", "uniform", "loss", 2, 1, 3.0),
                                                         ("p1", "bandit", "progress", 1, 0, 1.0)]:

@@ -1,7 +1,6 @@
 """dev/cuda/harness.py on the CPU: its cases and comparisons, run with the NumPy backend as the
 "device" (float32 against the float64 reference), and a broken kernel it must catch.
 On a GPU the same code checks CUDA variants: python dev/cuda/harness.py OP [vN ...]."""
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +9,7 @@ import pytest
 from andrea.backends import numpy_ref as ref
 from andrea.backends.interface import Backend
 from andrea.backends.numpy_backend import NumpyBackend
+from conftest import load_script
 
 HARNESS = Path(__file__).resolve().parent.parent / "dev" / "cuda" / "harness.py"
 SMALL = {"B": 2, "T": 9, "C": 16, "NH": 2, "V": 31}
@@ -17,10 +17,7 @@ SMALL = {"B": 2, "T": 9, "C": 16, "NH": 2, "V": 31}
 
 @pytest.fixture(scope="module")
 def harness():
-    spec = importlib.util.spec_from_file_location("dev_cuda_harness", HARNESS)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(HARNESS, "dev_cuda_harness")
 
 
 def test_every_interface_kernel_has_a_case(harness):

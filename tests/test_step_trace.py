@@ -1,22 +1,20 @@
 """dev/step_trace.py on the CPU (the NumPy backend): traces of the same steps agree call for call,
 a call that changes an array shows it at that call, and --diff names the first calls that differ
 (exit 1) or says the traces agree (exit 0)."""
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import load_script
+
 TOOL = Path(__file__).resolve().parent.parent / "dev" / "step_trace.py"
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("dev_step_trace", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(TOOL, "dev_step_trace")
 
 
 def test_a_call_that_changes_an_array_shows_at_that_call(tool):
