@@ -152,25 +152,36 @@ def bench_config(exp, precision, B, steps):
 
 
 def apply_settings(be, settings) -> None:
-    """Set attributes of the CUDA backend (its tuning knobs, e.g. ln_blocks) before the engine is
-    built; an unknown name is an error."""
+    """Set attributes of the CUDA backend (its tuning knobs, e.g. ln_blocks, and switches such as
+    fp8_dlogits_rounding) before the engine is built, each value taken as the attribute's type (an
+    int for int and bool knobs, the text for text ones); an unknown name, or a value the type does
+    not take, is an error naming it."""
     for name, value in (settings or {}).items():
         if not hasattr(be, name):
             raise SystemExit(f"--set {name}: the CUDA backend has no attribute {name}")
-        setattr(be, name, type(getattr(be, name))(value))
+        kind = type(getattr(be, name))
+        if kind is str:
+            setattr(be, name, str(value))
+            continue
+        try:
+            setattr(be, name, kind(int(value)))
+        except (TypeError, ValueError):
+            raise SystemExit(f"--set {name}={value}: expected an integer ({name} is {kind.__name__})") from None
 
 
 def parse_settings(items) -> dict:
-    """["ATTR=INT", ...] -> {ATTR: INT}, with an error naming the item that is not of that form."""
+    """["ATTR=VALUE", ...] -> {ATTR: VALUE} (an int where VALUE is one, else the text), with an
+    error naming the item that is not of that form."""
     out = {}
     for item in items:
         name, eq, value = item.partition("=")
+        if not eq or not name.strip() or not value.strip():
+            raise SystemExit(f"--set {item}: expected ATTR=VALUE, e.g. ln_blocks=528")
+        value = value.strip()
         try:
             out[name.strip()] = int(value)
         except ValueError:
-            raise SystemExit(f"--set {item}: expected ATTR=INT, e.g. ln_blocks=528") from None
-        if not eq or not name.strip():
-            raise SystemExit(f"--set {item}: expected ATTR=INT, e.g. ln_blocks=528")
+            out[name.strip()] = value
     return out
 
 
@@ -308,8 +319,9 @@ def main(argv=None) -> int:
     ap.add_argument("--anchor-precision", type=anchor_precisions, metavar="LIST",
                     help="comma list of the anchor's precisions, each run in turn: fp32, fp16, bf16 (its best "
                          "16-bit), fp8 (bf16 + torchao's float8 training); default --precision, bf16 for fp8")
-    ap.add_argument("--set", action="append", default=[], metavar="ATTR=INT",
-                    help="set a tuning attribute of the CUDA backend first, e.g. --set ln_blocks=528 (repeatable)")
+    ap.add_argument("--set", action="append", default=[], metavar="ATTR=VALUE",
+                    help="set a tuning attribute of the CUDA backend first, e.g. --set ln_blocks=528 or "
+                         "--set fp8_dlogits_rounding=nearest (repeatable)")
     ap.add_argument("--json", help="also write all figures here")
     a = ap.parse_args(argv)
     settings = parse_settings(a.set)

@@ -9,7 +9,7 @@ andrea.bench gives one figure per backend call; this splits a call into the kern
 engine runs its steps eagerly here (no CUDA graphs) and waits after every backend call, so each
 kernel is attributed to the call that launched it by time; device durations are those the kernels
 have inside the graphs; the kernels that close the backward's param_grad_pass (the column sums it
-held back) count as the call "param_grad_pass". --set ATTR=INT sets an attribute of the backend
+held back) count as the call "param_grad_pass". --set ATTR=VALUE sets an attribute of the backend
 first, as dev/cuda/harness.py's does. With --torch DTYPE the repository's PyTorch anchor (benchmarks/torch_gpt.py,
 eager, autocast DTYPE) is profiled in the same process for comparison, by kernel name.
 Needs a CUDA GPU, CuPy and torch.
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--torch", choices=["bf16", "fp16"], help="also profile the PyTorch anchor (eager)")
     ap.add_argument("--csv", help="write every kernel event (ours, and the anchor's) here")
-    ap.add_argument("--set", action="append", default=[], metavar="ATTR=INT",
+    ap.add_argument("--set", action="append", default=[], metavar="ATTR=VALUE",
                     help="set an attribute of the backend first, e.g. --set defer_colsums=0 (repeatable)")
     a = ap.parse_args(argv)
     from andrea.bench import parse_settings

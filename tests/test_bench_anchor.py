@@ -90,23 +90,30 @@ def test_bench_table_ratio_is_ours_over_theirs():
 
 
 def test_bench_settings_parse_and_refuse():
-    """--set ATTR=INT: parsed to a dict; anything else, or an attribute the backend lacks, is an
+    """--set ATTR=VALUE: parsed to a dict (ints where they parse); each value set as the
+    attribute's type (int, bool, text); anything else, or an attribute the backend lacks, is an
     error naming it."""
     import pytest
 
     from andrea.bench import apply_settings, parse_settings
-    assert parse_settings(["ln_blocks=528", " loss_vectors = 16"]) == {"ln_blocks": 528, "loss_vectors": 16}
-    for bad in ("ln_blocks", "ln_blocks=x", "=3"):
-        with pytest.raises(SystemExit, match="expected ATTR=INT"):
+    assert parse_settings(["ln_blocks=528", " loss_vectors = 16", "fp8_dlogits_rounding=nearest"]) == {
+        "ln_blocks": 528, "loss_vectors": 16, "fp8_dlogits_rounding": "nearest"}
+    for bad in ("ln_blocks", "ln_blocks=", "=3"):
+        with pytest.raises(SystemExit, match="expected ATTR=VALUE"):
             parse_settings([bad])
 
     class Be:
         ln_blocks = 264
+        fp8_keep_xt = True
+        fp8_dlogits_rounding = "stochastic"
     be = Be()
-    apply_settings(be, {"ln_blocks": 528})
+    apply_settings(be, {"ln_blocks": 528, "fp8_keep_xt": 0, "fp8_dlogits_rounding": "nearest"})
     assert be.ln_blocks == 528 and isinstance(be.ln_blocks, int)
+    assert be.fp8_keep_xt is False and be.fp8_dlogits_rounding == "nearest"
     with pytest.raises(SystemExit, match="no attribute nope"):
         apply_settings(be, {"nope": 1})
+    with pytest.raises(SystemExit, match="ln_blocks=x: expected an integer"):
+        apply_settings(be, {"ln_blocks": "x"})
 
 
 def test_pass_closed_by_hands_the_close_over():

@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument("--exp", help="time at this experiment's step shapes instead (its batch_size, seq_len "
                                   "and model), e.g. ANDREA-12M")
     ap.add_argument("--batch", type=int, help="with --exp: B instead of the experiment's batch_size")
-    ap.add_argument("--set", action="append", default=[], metavar="ATTR=INT",
+    ap.add_argument("--set", action="append", default=[], metavar="ATTR=VALUE",
                     help="set an attribute of every backend first, e.g. --set dgelu_epilogue=1 (repeatable)")
     a = ap.parse_args(argv)
     precisions = a.dtype.split(",")
