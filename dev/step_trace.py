@@ -10,7 +10,7 @@ fixed seed) of the --shape model with the CUDA graphs off (every pass runs eager
 arrays can be read after it) and records, for every k_* call of the backend object (the engine's
 calls and the backend's calls to itself), its name and a sha256 of each array argument after the
 call: inputs and outputs alike, so an array that a call changed shows up at that call. --set
-ATTR=VALUE sets a backend switch first (an int where it parses as one), as in andrea.bench.
+ATTR=VALUE sets a backend switch first (andrea.bench's parsing and checks).
 --backend numpy runs it on the CPU (fp32 only): how the tests check the tool.
 
 --diff prints the first differing calls as a table (call index, name, the arguments that differ)
@@ -60,19 +60,6 @@ def traced(be, log: list) -> None:
         setattr(be, name, functools.wraps(method)(wrapper))
 
 
-def parse_set(items):
-    out = {}
-    for item in items:
-        attr, _, value = item.partition("=")
-        if not attr or not _:
-            raise SystemExit(f"--set {item!r}: expected ATTR=VALUE")
-        try:
-            out[attr] = int(value)
-        except ValueError:
-            out[attr] = value
-    return out
-
-
 def trace(shape: str, precision: str, batch: int, steps: int, grad_accum: int, backend: str, sets: dict) -> list:
     """The calls of `steps` optimizer steps (see the module's doc)."""
     from andrea.backends import get_backend
@@ -83,11 +70,9 @@ def trace(shape: str, precision: str, batch: int, steps: int, grad_accum: int, b
     cfg = load_run_config({"exp": m["name"], "model": dict(m), "backend": {"name": backend},
                            "train": {"batch_size": batch, "seq_len": T, "precision": precision, "steps": steps,
                                      "warmup_steps": 2, "grad_accum": grad_accum, "seed": 1337}})
+    from andrea.bench import apply_settings
     be = get_backend(backend)
-    for attr, value in sets.items():
-        if not hasattr(be, attr):
-            raise SystemExit(f"--set {attr}: the {backend} backend has no such switch")
-        setattr(be, attr, value)
+    apply_settings(be, sets)
     eng = Engine(cfg, backend=be)
     eng.graphs.run = lambda key, fn: fn()  # every pass eagerly: the arrays can be read after each call
     log: list = []
@@ -150,7 +135,8 @@ def main(argv=None) -> int:
         return 1
     if not a.out:
         raise SystemExit("--out: where to write the trace (or --diff A B)")
-    calls = trace(a.shape, a.precision, a.batch, a.steps, a.grad_accum, a.backend, parse_set(a.set))
+    from andrea.bench import parse_settings
+    calls = trace(a.shape, a.precision, a.batch, a.steps, a.grad_accum, a.backend, parse_settings(a.set))
     with open(a.out, "w") as f:
         json.dump({"args": vars(a), "calls": calls}, f)
     print(f"{len(calls)} calls traced into {a.out}")

@@ -42,11 +42,11 @@ product skips its k_fp8_amax pass. The amax of every slot is zeroed by one memse
 slot (layer 0's ln1) is quantised, i.e. once per forward pass, not once per product. Both
 switches are on by default (docs/FP8.md has the GPU job that measured them).
 
-The classifier (CudaOps.fp8_classifier, off by default: it did not hold loss parity, docs/FP8.md)
-can run its products here too (k_fp8_loss_fwd / k_fp8_loss_bwd): the tied embedding in the weight
-cache, lnf's output quantised once a call, dlogits written in FP8 by loss.cu's row pass with the
-scale of its bound |softmax - onehot| <= 1 (no amax pass), and transposed for dW by
-k_fp8_transpose into the logits workspace the chunk no longer needs.
+The classifier (CudaOps.fp8_classifier, on by default, docs/FP8.md) runs its products here too
+(k_fp8_loss_fwd / k_fp8_loss_bwd): the tied embedding in the weight cache, lnf's output quantised
+once a call, dlogits written in FP8 by loss.cu's row pass with the scale of its bound
+|softmax - onehot| <= 1 (no amax pass), rounded stochastically (the loss held only so), and
+transposed for dW by k_fp8_transpose into the logits workspace the chunk no longer needs.
 """
 from __future__ import annotations
 
