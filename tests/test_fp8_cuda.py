@@ -85,6 +85,59 @@ def test_cast_kernels_match_the_reference_bytes(be, fmt, R, K, rows, monkeypatch
     assert np.isnan(meta.get()[0])
 
 
+@pytest.mark.parametrize("rows", [64, 128, 256])
+@pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16), (400, 96), (272, 2320)])
+def test_cast_transpose_colsum_matches_the_reference_bits(be, R, K, rows, monkeypatch):
+    """k_fp8_cast_transpose_colsum: the bytes and 1/scale of k_fp8_cast_transpose, and each tile's
+    column sums bit for bit as numpy_ref.fp8_tile_colsum adds them (partial tiles of every height,
+    columns past the last whole tile); without out or out_t too."""
+    import cupy as cp
+    monkeypatch.setattr(be, "fp8_tile_rows", rows)
+    rng = np.random.default_rng(R * K + rows)
+    x = (rng.standard_normal((R, K)) * np.exp2(rng.integers(-12, 6, (R, K)))).astype(bf16())
+    xd, n = cp.asarray(x), -(-R // rows)
+    meta = cp.zeros(2, cp.float32)
+    be.fp8.k_fp8_amax(meta, xd)
+    want = [cp.zeros((R, K), cp.uint8), cp.zeros((K, R), cp.uint8)]
+    be.fp8.k_fp8_cast_transpose(*want, meta, xd, "e4m3")
+    inv = meta.get()[1]
+    ref_part = ref.fp8_tile_colsum(x.astype(np.float32), rows)
+    for keep in ((1, 1), (1, 0), (0, 1)):
+        out = [cp.full(a.shape, 0xAA, cp.uint8) if k else None for a, k in zip(want, keep)]
+        part = cp.full(n * K, np.nan, cp.float32)
+        meta[1] = 0
+        be.fp8.k_fp8_cast_transpose_colsum(*out, meta, xd, "e4m3", part)
+        assert meta.get()[1] == inv
+        for o, w in zip(out, want):
+            if o is not None:
+                np.testing.assert_array_equal(o.get(), w.get())
+        np.testing.assert_array_equal(part.get().reshape(n, K).view(np.uint32), ref_part.view(np.uint32))
+    with pytest.raises(ValueError, match="partial"):
+        be.fp8.k_fp8_cast_transpose_colsum(None, None, meta, xd, "e4m3", cp.zeros((n + 1) * K, cp.float32))
+
+
+@pytest.mark.parametrize("IC,OC", [(80, 240), (320, 80)])
+def test_linear_bias_gradient_from_the_cast(be, IC, OC, monkeypatch):
+    """With CudaOps.fp8_cast_colsum the bias gradient comes from dY's cast (k_fp8_cast_transpose_colsum
+    and k_colsum_final): dinp and dw bit for bit those of the two-pass column sums (the products
+    are the same), db within float32's rounding of the same sum in another order."""
+    import cupy as cp
+    rng = np.random.default_rng(IC * OC)
+    x, w = on_dev(rng.standard_normal((4, 48, IC))), on_dev(0.05 * rng.standard_normal((OC, IC)))
+    dy = on_dev(rng.standard_normal((4, 48, OC)))
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(be, "fp8_cast_colsum", on)
+        g = [cp.zeros((4, 48, IC), bf16()), cp.zeros((OC, IC), cp.float32), cp.full(OC, 0.25, cp.float32)]
+        be.fp8.k_fp8_linear_bwd(*g, dy, x, w)
+        got[on] = [a.get() for a in g]
+    for name, a, b in zip(("dinp", "dw"), got[True][:2], got[False][:2]):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), name
+    db = 0.25 + host(dy).reshape(-1, OC).sum(0)
+    assert np.abs(got[True][2] - db).max() < 1e-5 * np.abs(host(dy)).sum(0).max()
+    assert not np.array_equal(got[True][2], np.full(OC, 0.25, np.float32))
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_many_kernels_are_each_tensor_alone(be, fmt):
     """k_fp8_amax_many + k_fp8_cast_transpose_many over tensors of several shapes (partial tiles,
@@ -706,8 +759,9 @@ def test_input_slots_same_bits_as_without(tmp_path):
             if s == 1:
                 eng.be.synchronize()
                 counts = {k: log.count(k) for k in ("k_fp8_amax", "k_fp8_cast", "k_fp8_cast_transpose",
-                                                    "k_fp8_gelu_amax", "k_fp8_gelu_cast_transpose",
-                                                    "k_fp8_dgelu_colsum_amax", "k_mlp_bwd_gelu")}
+                                                    "k_fp8_cast_transpose_colsum", "k_fp8_gelu_amax",
+                                                    "k_fp8_gelu_cast_transpose", "k_fp8_dgelu_colsum_amax",
+                                                    "k_mlp_bwd_gelu")}
                 del eng.be.rt.launch
                 if keep or amax:
                     check_slots(eng, f"step 1, keep={keep} amax={amax}")
@@ -720,17 +774,19 @@ def test_input_slots_same_bits_as_without(tmp_path):
     assert [r["skipped"] for r in base[0]] == [False] * 4 + [True] + [False] * 2, base[0]
     assert all(np.isfinite(r["loss"]) for r in base[0] if not r["skipped"])
     per = n_layer * n_micro
-    want = {(False, False): (9, 3, 7), (True, False): (6, 0, 7), (False, True): (7, 3, 7), (True, True): (4, 0, 7)}
+    want = {(False, False): (9, 3, 4), (True, False): (6, 0, 4), (False, True): (7, 3, 4), (True, True): (4, 0, 4)}
     for key, (recs, counts, state) in runs.items():
         assert repr(recs) == repr(base[0]), f"keep_xt, producer_amax = {key}: records differ from both off"
         for what, a, b in zip(("weights", "adam m", "adam v"), state, base[2]):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{key}: {what} differ from both off"
-        # cast_transpose: 4 dY a layer, and 3 X^T in the backward or 3 kept X^T in the forward;
-        # act's are k_fp8_gelu_cast_transpose's, once a layer, twice without X^T kept
+        # cast_transpose: dact, and 3 X^T in the backward or 3 kept X^T in the forward; the 3 dY
+        # of the layers with a bias (QKV, the projection, the MLP's second) cast with their column
+        # sums; act's are k_fp8_gelu_cast_transpose's, once a layer, twice without X^T kept
         n_amax, n_cast, n_ct = want[key]
         n_gelu = 1 if key[0] else 2
         assert counts == {"k_fp8_amax": n_amax * per, "k_fp8_cast": n_cast * per,
-                          "k_fp8_cast_transpose": n_ct * per, "k_fp8_gelu_amax": n_gelu * per,
+                          "k_fp8_cast_transpose": n_ct * per, "k_fp8_cast_transpose_colsum": 3 * per,
+                          "k_fp8_gelu_amax": n_gelu * per,
                           "k_fp8_gelu_cast_transpose": n_gelu * per, "k_fp8_dgelu_colsum_amax": per,
                           "k_mlp_bwd_gelu": 0}, (key, counts)
     eng = slot_engine(tmp_path, True, True, seed=99)

@@ -190,6 +190,50 @@ def test_many_forms_are_each_tensor_alone():
     np.testing.assert_array_equal(K.fp8_decode(outs[0], "e4m3"), torch_round(xs[0] * s, "e4m3"))
 
 
+@pytest.mark.parametrize("tile_rows", [64, 128])
+@pytest.mark.parametrize("R,Kc", [(48, 24), (200, 40), (64, 8), (336, 56)])
+def test_cast_transpose_colsum_partials(tile_rows, R, Kc):
+    """k_fp8_cast_transpose_colsum: the bytes of k_fp8_cast_transpose, and one row of column sums a
+    tile of tile_rows rows (the last tile partial), each close to the float64 sum of its rows, all of
+    them together the column sums (a bias gradient)."""
+    rng = np.random.default_rng(R + Kc)
+    x = (rng.standard_normal((R, Kc)) * np.exp2(rng.integers(-8, 4, (R, Kc)))).astype(np.float32)
+    n = -(-R // tile_rows)
+    meta, pair = np.zeros(2, np.float32), np.zeros(2, np.float32)
+    K.k_fp8_amax(meta, x)
+    K.k_fp8_amax(pair, x)
+    o, ot, part = np.zeros((R, Kc), np.uint8), np.zeros((Kc, R), np.uint8), np.full(n * Kc, np.nan, np.float32)
+    K.k_fp8_cast_transpose_colsum(o, ot, meta, x, "e4m3", part, tile_rows)
+    o2, ot2 = np.zeros((R, Kc), np.uint8), np.zeros((Kc, R), np.uint8)
+    K.k_fp8_cast_transpose(o2, ot2, pair, x, "e4m3")
+    np.testing.assert_array_equal(o, o2)
+    np.testing.assert_array_equal(ot, ot2)
+    np.testing.assert_array_equal(meta, pair)
+    want = np.stack([x[i * tile_rows:(i + 1) * tile_rows].astype(np.float64).sum(0) for i in range(n)])
+    scale = np.abs(x).astype(np.float64).sum() / x.size * tile_rows
+    np.testing.assert_allclose(part.reshape(n, Kc), want, rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(part.reshape(n, Kc).sum(0), x.astype(np.float64).sum(0), rtol=0, atol=1e-5 * scale * n)
+
+
+def test_tile_colsum_takes_its_stated_order():
+    """fp8_tile_colsum adds rows as the kernel does: row 32h + 4w + l into a_wl over h, then
+    (a_w0 + a_w1) + (a_w2 + a_w3), then the warps in order. With 2^24 in row 0 and 1 in rows 2 and 3
+    the pairs keep the two ones (2^24 + 2); a sum down the rows loses each (2^24). Row 32 (h = 1)
+    goes into a_00 with 2^24 and is lost; row 4 (w = 1) reaches the warps' sum, 2^24 + 2 + 1 rounds
+    to 2^24 + 4 (ties to even)."""
+    x = np.zeros((64, 2), np.float32)
+    x[0, 0], x[2, 0], x[3, 0], x[32, 0] = 2.0**24, 1, 1, 1
+    x[0, 1], x[2, 1], x[3, 1], x[4, 1] = 2.0**24, 1, 1, 1
+    p = K.fp8_tile_colsum(x, 64)
+    seq = np.float32(0)
+    for v in x[:, 0]:
+        seq = np.float32(seq + v)
+    assert seq == 2.0**24
+    assert p.shape == (1, 2) and p[0, 0] == 2.0**24 + 2 and p[0, 1] == 2.0**24 + 4, p
+    with pytest.raises(ValueError, match="tile_rows = 48; expected a multiple of 32"):
+        K.fp8_tile_colsum(x, 48)
+
+
 def test_memory_plan_lists_the_fp8_weight_cache():
     """fp8 plans an FP8 copy of every linear weight and of its transpose (one byte an element each,
     each copy 256-byte aligned), a 64-float (amax, 1/scale) row and a table row per weight; the

@@ -578,6 +578,37 @@ def k_fp8_cast_transpose(out, out_t, meta, x, fmt):
         out_t[...] = q.T
 
 
+def fp8_tile_colsum(x, tile_rows=64):
+    """The column sums of x (R, K) over each tile of tile_rows rows, (ceil(R / tile_rows), K)
+    float32, in k_fp8_cast_transpose_colsum's order (fp8.cu fp8_tile_colsum_warps): row 32h + 4w + l
+    of a tile (h < tile_rows / 32, warp w < 8, l < 4) goes to a_wl = x_0 + x_1 + ... over h, then
+    s_w = (a_w0 + a_w1) + (a_w2 + a_w3), then s_0 + s_1 + ... + s_7. Rows past R add zeros."""
+    x = np.asarray(x, dtype=np.float32)
+    R, K = x.shape
+    if tile_rows % 32:
+        raise ValueError(f"fp8_tile_colsum: tile_rows = {tile_rows}; expected a multiple of 32")
+    n = -(-R // tile_rows)
+    xp = np.zeros((n * tile_rows, K), np.float32)
+    xp[:R] = x
+    t = xp.reshape(n, tile_rows // 32, 8, 4, K)  # (tile, h, w, l, K): row = 32h + 4w + l
+    a = np.zeros((n, 8, 4, K), np.float32)
+    for h in range(tile_rows // 32):
+        a = a + t[:, h]
+    s = (a[:, :, 0] + a[:, :, 1]) + (a[:, :, 2] + a[:, :, 3])
+    out = s[:, 0]
+    for w in range(1, 8):
+        out = out + s[:, w]
+    return out
+
+
+def k_fp8_cast_transpose_colsum(out, out_t, meta, x, fmt, partial, tile_rows=64):
+    """k_fp8_cast_transpose of x (R, K), and partial (ceil(R / tile_rows), K) float32 = the column
+    sums of x over each tile of tile_rows rows (fp8_tile_colsum's order): a bias gradient's first
+    pass, made by the cast of its dY."""
+    k_fp8_cast_transpose(out, out_t, meta, x, fmt)
+    partial[...] = fp8_tile_colsum(x, tile_rows).reshape(np.shape(partial))
+
+
 def k_fp8_amax_many(meta, xs):
     """Many tensors at once (the FP8 copies of the weights, cuda/fp8.py): meta (n, 2m) float32 =
     0, then meta[t, 0] = max |xs[t]| (k_fp8_amax of each)."""

@@ -170,14 +170,59 @@ extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_a
 // of a row of out_t each, TR / 32 times. R % 8 == K % 8 == 0. The caller syncs before reusing tile.
 // GELU: the tile of gelu8(x) instead (k_fp8_gelu_cast_transpose). TR: 64 (the weights' *_many
 // kernel) or FP8_TILE_ROWS (the single-tensor kernels: the launcher's CudaOps.fp8_tile_rows).
+// partial (non-null: k_fp8_cast_transpose_colsum): partial[r0 / TR][c0 + j] = the sum of x's column
+// c0 + j over the tile's rows, in fp8_tile_colsum's order; acc is its shared scratch.
 #define FP8_TILE 64
 #ifndef FP8_TILE_ROWS
 #define FP8_TILE_ROWS 64
 #endif
-template <bool GELU, int TR>
+// The column sums of a cast tile (k_fp8_cast_transpose_colsum), in this order (fp8_tile_colsum in
+// numpy_ref): thread t of the 256 holds rows 32h + t / 8 (h = 0 .. H-1) of the 8 columns 8 (t % 8)..;
+// it adds them in h order (a = x_0 + x_1 + ...); a warp w (rows 4w + l + 32h, l = lane / 8) adds its
+// four row lanes as (a_0 + a_1) + (a_2 + a_3) (two butterfly shuffles: each pair's sum has the same
+// bits in either order); then the 8 warps in order, w = 0 .. 7. Rows past R add nothing. 256 threads.
+template <int H>
+__device__ __forceinline__ void fp8_tile_colsum_warps(const Pack8 (&p)[H], int R, int K, int r0, int c0,
+                                                      float (*acc)[FP8_TILE]) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, c8 = (lane & 7) * 8;
+  float a[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) a[j] = 0.f;
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    int r = (threadIdx.x >> 3) + 32 * h;
+    if (r0 + r < R && c0 + c8 < K) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a[j] += to_f(p[h].v[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    a[j] += __shfl_xor_sync(0xffffffffu, a[j], 8);
+    a[j] += __shfl_xor_sync(0xffffffffu, a[j], 16);
+  }
+  if (lane < 8) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[w][c8 + j] = a[j];
+  }
+}
+
+// After the barrier that follows fp8_tile_colsum_warps: partial[row][c0 + j] = the 8 warps' sums of
+// column j in order, by threads j < 64.
+__device__ __forceinline__ void fp8_tile_colsum_out(float* partial, int K, int row, int c0, float (*acc)[FP8_TILE]) {
+  int j = threadIdx.x;
+  if (j >= FP8_TILE || c0 + j >= K) return;
+  float v = acc[0][j];
+#pragma unroll
+  for (int w = 1; w < 8; ++w) v += acc[w][j];
+  partial[(i64)row * K + c0 + j] = v;
+}
+
+template <bool GELU, int TR, bool COLSUM = false>
 __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char* out_t, const CT* x, int R,
                                               int K, int r0, int c0, float s,
-                                              unsigned char (*tile)[FP8_TILE + 8]) {
+                                              unsigned char (*tile)[FP8_TILE + 8], float* partial = nullptr,
+                                              float (*acc)[FP8_TILE] = nullptr) {
   static_assert(TR % 32 == 0 && TR <= 256, "tile rows: a multiple of 32");
   constexpr int H = TR / 32;
   Pack8 p[H];
@@ -186,6 +231,7 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
     int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
     if (r0 + r < R && c0 + c8 < K) p[h] = *reinterpret_cast<const Pack8*>(x + (i64)(r0 + r) * K + c0 + c8);
   }
+  if (COLSUM) fp8_tile_colsum_warps<H>(p, R, K, r0, c0, acc);
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
@@ -195,12 +241,12 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
       *reinterpret_cast<Bytes8*>(&tile[r][c8]) = q;
     }
   }
-  if (!out_t) return;
-  __syncthreads();
+  if (!out_t && !COLSUM) return;
+  __syncthreads();  // the tile's bytes (and, with COLSUM, the warps' column sums) are in shared memory
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     int c = threadIdx.x + h * blockDim.x, col = c / (TR / 8), r8 = (c % (TR / 8)) * 8;
-    if (c0 + col < K && r0 + r8 < R) {
+    if (out_t && c0 + col < K && r0 + r8 < R) {
       unsigned int lo = 0u, hi = 0u;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -210,24 +256,35 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
       *reinterpret_cast<Bytes8*>(out_t + (i64)(c0 + col) * R + r0 + r8) = Bytes8{lo, hi};
     }
   }
+  if (COLSUM) fp8_tile_colsum_out(partial, K, r0 / TR, c0, acc);
 }
 
 // The body of k_fp8_cast_transpose (GELU: k_fp8_gelu_cast_transpose): scale from meta[0], 1/scale
 // into meta[inv_at], one block a FP8_TILE_ROWS x 64 tile.
-template <bool GELU>
+template <bool GELU, bool COLSUM = false>
 __device__ __forceinline__ void fp8_cast_transpose_tiles(unsigned char* out, unsigned char* out_t, float* meta,
-                                                         int inv_at, const CT* x, int R, int K) {
+                                                         int inv_at, const CT* x, int R, int K,
+                                                         float* partial = nullptr) {
   __shared__ unsigned char tile[FP8_TILE_ROWS][FP8_TILE + 8];
+  __shared__ float acc[COLSUM ? 8 : 1][FP8_TILE];
   float inv, s = fp8_scale(meta[0], &inv);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[inv_at] = inv;
-  fp8_cast_tile<GELU, FP8_TILE_ROWS>(out, out_t, x, R, K, blockIdx.y * FP8_TILE_ROWS, blockIdx.x * FP8_TILE, s,
-                                     tile);
+  fp8_cast_tile<GELU, FP8_TILE_ROWS, COLSUM>(out, out_t, x, R, K, blockIdx.y * FP8_TILE_ROWS, blockIdx.x * FP8_TILE,
+                                             s, tile, partial, acc);
 }
 
 // x (R, K) to out (R, K) and/or out_t (K, R) (a null pointer skips it), as k_fp8_cast.
 extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
                                                 int inv_at, const CT* x, int R, int K) {
   fp8_cast_transpose_tiles<false>(out, out_t, meta, inv_at, x, R, K);
+}
+
+// k_fp8_cast_transpose, and the column sums of x (R, K) over each tile's FP8_TILE_ROWS rows:
+// partial (ceil(R / FP8_TILE_ROWS), K) float32, in fp8_tile_colsum_warps' order. The backward
+// pass's dY of a layer with a bias: its cast and its bias gradient's first pass in one read.
+extern "C" __global__ void k_fp8_cast_transpose_colsum(unsigned char* out, unsigned char* out_t, float* meta,
+                                                       int inv_at, const CT* x, int R, int K, float* partial) {
+  fp8_cast_transpose_tiles<false, true>(out, out_t, meta, inv_at, x, R, K, partial);
 }
 
 // ---- many tensors in one launch (the FP8 copies of the weights, made once per optimizer step)

@@ -257,6 +257,17 @@ class Fp8Ops:
         grid, args, defs = self._cast_transpose_launch("k_fp8_cast_transpose", out, out_t, meta, x, fmt)
         self.ops.rt.launch("fp8.cu", "k_fp8_cast_transpose", x.dtype, grid, THREADS, args, defs=defs)
 
+    def k_fp8_cast_transpose_colsum(self, out, out_t, meta, x, fmt, partial):
+        """k_fp8_cast_transpose, and partial (ceil(R / rows), K) float32 = the column sums of x
+        over each tile of rows = CudaOps.fp8_tile_rows rows (numpy_ref.fp8_tile_colsum's order):
+        the first pass of a bias gradient, k_colsum_final of them the second."""
+        kernel = "k_fp8_cast_transpose_colsum"
+        grid, args, defs = self._cast_transpose_launch(kernel, out, out_t, meta, x, fmt)
+        R, K = x.shape
+        check(kernel, "partial", partial, (grid[1] * K,), np.float32)
+        self.ops.rt.launch("fp8.cu", "k_fp8_cast_transpose_colsum", x.dtype, grid, THREADS, args + (partial,),
+                           defs=defs)
+
     def k_fp8_gelu_cast_transpose(self, out, out_t, meta, pre, fmt):
         """act = gelu(pre) (R, K), rounded to pre's dtype, to out (R, K) and/or out_t (K, R) as
         k_fp8_cast_transpose casts it (scale from meta[0]: k_fp8_gelu_amax), without writing act."""
@@ -486,10 +497,11 @@ class Fp8Ops:
         i = META_SLOTS[role] * META_STRIDE
         return m[i:i + META_STRIDE]
 
-    def _quantise(self, role, x2, fmt, transpose=False, both=False, amax_done=False):
+    def _quantise(self, role, x2, fmt, transpose=False, both=False, amax_done=False, partial=None):
         """x2 (R, K) quantised into the role's workspace: (q, q_t, 1/scale as a (1,) view); q is
         (R, K) unless transpose without both, q_t (K, R) with transpose. amax_done: the kernel
-        that wrote x2 put its amax in the role's meta already (k_fp8_dgelu_colsum_amax)."""
+        that wrote x2 put its amax in the role's meta already (k_fp8_dgelu_colsum_amax). partial
+        (with transpose): x2's column partials go there too (k_fp8_cast_transpose_colsum)."""
         R, K = x2.shape
         meta = self._meta(role)
         slot = {"x": "fp8_x", "w": "fp8_w", "dy": "fp8_dy"}[role]
@@ -502,7 +514,10 @@ class Fp8Ops:
         t_slot = "fp8_dyt" if role == "dy" else slot
         q_t = self.ops.workspace.get(t_slot, R * K, np.uint8).reshape(K, R)
         q = self.ops.workspace.get(slot, R * K, np.uint8).reshape(R, K) if both else None
-        self.k_fp8_cast_transpose(q, q_t, meta, x2, fmt)
+        if partial is None:
+            self.k_fp8_cast_transpose(q, q_t, meta, x2, fmt)
+        else:
+            self.k_fp8_cast_transpose_colsum(q, q_t, meta, x2, fmt, partial)
         return q, q_t, meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
 
     def _product(self, D, A, a_fmt, a_inv, B, b_fmt, b_inv, epilogue="none", bias=None, aux=None,
@@ -557,13 +572,21 @@ class Fp8Ops:
             self._product(out2, xq, FP8_FWD, x_inv, wq, FP8_FWD, w_inv, fast_accum=True)
             fallback()
 
-    def _dgrad_wgrad(self, dinp2, dw, dy2, x2, w, dx_epilogue=None, accumulate=True, dy_amax=False, x_t=None):
+    def _dgrad_wgrad(self, dinp2, dw, dy2, x2, w, dx_epilogue=None, accumulate=True, dy_amax=False, x_t=None,
+                     db=None):
         """The two backward products of one linear layer with output gradient dy2: dinp2 +=
         fp8(dY) @ fp8(w) (accumulate=False: =; or, with dx_epilogue, written through it) and dw +=
         fp8(dY).T @ fp8(x2). dy_amax: dy2's amax is in the dy meta already. x_t: (fp8(X)^T, its
-        1/scale) made by the caller (x2 is then not read)."""
+        1/scale) made by the caller (x2 is then not read). db: the bias gradient, += the column
+        sums of dy2: its partials written by dY's cast (CudaOps.fp8_cast_colsum), else the
+        two-pass column sums."""
         g = self.grad_fmt
-        dq, dq_t, d_inv = self._quantise("dy", dy2, g, transpose=True, both=True, amax_done=dy_amax)
+        ops, partial = self.ops, None
+        if db is not None and ops.fp8_cast_colsum:
+            chunks = -(-dy2.shape[0] // int(ops.fp8_tile_rows))
+            partial = ops._colsum_partials("colsum_a", chunks, dy2.shape[1])
+        dq, dq_t, d_inv = self._quantise("dy", dy2, g, transpose=True, both=True, amax_done=dy_amax,
+                                         partial=partial)
         wq_t, w_inv = self._weight(w, transpose=True)
         if dx_epilogue is None:
             self._product(dinp2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, beta=1.0 if accumulate else 0.0)
@@ -577,6 +600,10 @@ class Fp8Ops:
         else:
             xq_t, x_inv = self._quantise("x", x2, FP8_FWD, transpose=True)[1:]
         self._product(dw, dq_t, g, d_inv, xq_t, FP8_FWD, x_inv, beta=0.0 if self.ops._param_write(dw) else 1.0)
+        if partial is not None:
+            ops._colsum_final(db, partial, chunks, dy2.shape[1])
+        elif db is not None:
+            ops._colsum_add(db, dy2, dy2.shape[0], dy2.shape[1])
 
     # ------------------------------------------------------------ the layers (numpy_ref's names)
     def k_fp8_linear_fwd(self, out, inp, w, b):
@@ -601,10 +628,8 @@ class Fp8Ops:
         OC, IC = w.shape
         dy2 = dout.reshape(-1, OC)
         self._dgrad_wgrad(dinp.reshape(-1, IC), dw, dy2, inp.reshape(-1, IC), w, accumulate=accumulate,
-                          dy_amax=db_partials is not None)
-        if db_partials is None:
-            self.ops._colsum_add(db, dy2, dy2.shape[0], OC)
-        else:
+                          dy_amax=db_partials is not None, db=db if db_partials is None else None)
+        if db_partials is not None:
             self.ops._colsum_final(db, db_partials[0], db_partials[1], OC)
 
     @contextmanager
@@ -671,8 +696,7 @@ class Fp8Ops:
                     pass
             self._product(dact2, dq, g, d_inv, wq_t, FP8_FWD, w_inv)
 
-        self._dgrad_wgrad(None, dw2, dy2, act2, w2, dx_epilogue=dact_product, x_t=x_t)
-        ops._colsum_add(db2, dy2, N, C)
+        self._dgrad_wgrad(None, dw2, dy2, act2, w2, dx_epilogue=dact_product, x_t=x_t, db=db2)
         db_partials = None
         if not ops.dgelu_epilogue:
             rpc, chunks = colsum_chunks(N)

@@ -223,6 +223,12 @@ class CudaOps:
     # same). 64 measured fastest (ANDREA-120M fp8 step on an H200: 14.75 ms, against 15.37 with 128
     # and 17.27 with 256: fewer, larger blocks leave the SMs less to overlap; docs/FP8.md)
     fp8_tile_rows = 64
+    # train.precision=fp8: the cast of the output gradient dY of a layer with a bias (QKV, the
+    # attention projection, the MLP's second product) also writes the bias gradient's column
+    # partials, one row a tile (k_fp8_cast_transpose_colsum), so the bias gradient reads dY no more;
+    # False: k_fp8_cast_transpose, then the two-pass column sums (_colsum_add) read dY again. The
+    # sums run in another order, so the bias gradients' last bits differ between the two
+    fp8_cast_colsum = True
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # (fp8: k_fp8_dgelu_colsum_amax) after a plain product (False); docs/BENCHMARKS.md and
     # docs/FP8.md have the timings behind the default
@@ -272,9 +278,13 @@ class CudaOps:
                     ("attn_heads", (3 * N * C,), act), ("attn_y", (N * C,), act),
                     ("attn_dheads", (3 * N * C,), "float32")]
         partial_rows = max(COLSUM_CHUNKS * 4, self._ln_grid(C))
-        rows += [("colsum_a", (partial_rows * C,), "float32"), ("colsum_b", (partial_rows * C,), "float32"),
+        bias_chunks = COLSUM_CHUNKS  # partial rows of a bias gradient: more where the FP8 casts write them
+        if fp8 and self.fp8_cast_colsum:
+            bias_chunks = max(bias_chunks, -(-N // int(self.fp8_tile_rows)))
+        slot_rows = max(partial_rows, 3 * bias_chunks)  # the widest such bias is QKV's, 3C
+        rows += [("colsum_a", (slot_rows * C,), "float32"), ("colsum_b", (slot_rows * C,), "float32"),
                  ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
-        deferred = deferred_floats(n_layer, C, partial_rows, COLSUM_CHUNKS)
+        deferred = deferred_floats(n_layer, C, partial_rows, bias_chunks)
         if deferred:
             rows.append((DEFERRED, (deferred,), "float32"))
         if self.cublaslt:
