@@ -32,7 +32,7 @@ class ModelConfig:
 DATA_ROOT = "${data.dir}/${data.source}"
 # train.* settings of an fp8 run that become backend switches of the same names (engine
 # apply_fp8_settings); left None they are in neither the backend nor the run's config hash
-FP8_RUN_SETTINGS = ("fp8_classifier", "fp8_dlogits", "fp8_dlogits_rounding")
+FP8_RUN_SETTINGS = ("fp8_classifier", "fp8_dlogits", "fp8_dlogits_rounding", "fp8_scaling")
 TOKENIZED = DATA_ROOT + "/tok${data.tokenizer_vocab}"
 DATA_FILES = ("tokenizer", "train_shards", "val_shards")
 
@@ -103,10 +103,13 @@ class TrainConfig:
     # fp8 only: the classifier's products in FP8 too, 0 none | 1 dX and dW | 2 the logits as well
     # (None: the backend's default, 2; docs/FP8.md "The classifier in FP8"), and the format of its
     # dlogits, e4m3 | e5m2 (None: e4m3), and how dlogits are rounded onto the FP8 grid, nearest |
-    # stochastic (None: stochastic). Left None they are not part of the run's config hash.
+    # stochastic (None: stochastic), and how the MLP's act and dact are scaled, current | delayed
+    # (None: delayed; docs/FP8.md "Delayed scaling"). Left None they are not part of the run's
+    # config hash.
     fp8_classifier: Optional[int] = None
     fp8_dlogits: Optional[str] = None
     fp8_dlogits_rounding: Optional[str] = None
+    fp8_scaling: Optional[str] = None
     init_std: float = 0.02  # normal init of matrices and embeddings
     ckpt_every: int = 100  # steps between checkpoints (0 = only at the end)
     keep_last: int = 3  # checkpoints kept; the newest good one is never deleted
@@ -260,6 +263,8 @@ def validate(cfg: AndreaConfig) -> None:
         raise ValueError(f"train.fp8_dlogits={t.fp8_dlogits!r}: expected e4m3 or e5m2")
     if t.fp8_dlogits_rounding not in (None, "nearest", "stochastic"):
         raise ValueError(f"train.fp8_dlogits_rounding={t.fp8_dlogits_rounding!r}: expected nearest or stochastic")
+    if t.fp8_scaling not in (None, "current", "delayed"):
+        raise ValueError(f"train.fp8_scaling={t.fp8_scaling!r}: expected current or delayed")
     for key in FP8_RUN_SETTINGS:
         if getattr(t, key) is not None and t.precision != "fp8":
             raise ValueError(f"train.{key}={getattr(t, key)!r} applies to train.precision=fp8 only "

@@ -145,6 +145,14 @@ def apply_fp8_settings(be, t) -> None:
             setattr(be, key, value)
 
 
+def fp8_scaling(be) -> str:
+    """The backend's fp8_scaling switch ("current" or "delayed"; a backend without FP8: current)."""
+    value = getattr(be, "fp8_scaling", "current")
+    if value not in ("current", "delayed"):
+        raise ValueError(f"fp8_scaling = {value!r}: expected current or delayed")
+    return value
+
+
 def fp8_classifier_runs(cfg: AndreaConfig, switch: bool) -> bool:
     """Whether a train.precision=fp8 run's classifier runs in FP8: the backend's fp8_classifier
     switch, and sizes its FP8 products take (cuda/fp8.classifier_in_fp8: V and B*T multiples of 16)."""
@@ -170,7 +178,8 @@ def fp8_input_slots(m) -> List[tuple]:
 
 def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, shards: int = 0,
               fp8_weight_cache: bool = True, fp8_keep_xt: bool = True,
-              fp8_producer_amax: bool = True, fp8_classifier: bool = False) -> MemoryPlan:
+              fp8_producer_amax: bool = True, fp8_classifier: bool = False,
+              fp8_delayed: bool = False) -> MemoryPlan:
     """Every buffer the engine will ever use, from the config alone. shards = N > 0: ZeRO-1 over N
     ranks (Engine): the flat buffers padded to a multiple of N, the Adam moments one rank's shard
     of padded/N, and the norm's partials one block per rank. fp8_weight_cache: with
@@ -178,7 +187,8 @@ def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, s
     fp8_weight_cache switch; cuda/fp8.weight_cache_rows). fp8_keep_xt, fp8_producer_amax: the
     backend's switches of those names; with either, the (amax, 1/scale) rows of the FP8 input
     slots, with fp8_keep_xt also the kept FP8 X^T of each (cuda/fp8.input_slot_rows).
-    fp8_classifier: the classifier runs in FP8 (fp8_classifier_runs), so the cache holds wte too."""
+    fp8_classifier: the classifier runs in FP8 (fp8_classifier_runs), so the cache holds wte too.
+    fp8_delayed: the delayed scales of the MLP's act and dact (cuda/fp8.delayed_rows)."""
     m, t = cfg.model, cfg.train
     B, T = t.batch_size, t.seq_len
     act = compute_dtype(t.precision, dtype)
@@ -215,6 +225,10 @@ def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, s
         shapes = dict(model.param_shapes(m)[0])
         for name, shape, dt in input_slot_rows([shapes[w] for w, _, _ in fp8_input_slots(m)], B * T, fp8_keep_xt):
             plan.add(name, shape, dt, "fp8 input slots")
+    if t.precision == "fp8" and fp8_delayed:
+        from .backends.cuda.fp8 import delayed_rows
+        for name, shape, dt in delayed_rows(m.n_layer):
+            plan.add(name, shape, dt, "fp8 delayed scales")
     return plan
 
 
@@ -274,6 +288,10 @@ class Engine:
         # run sets them, else the backend's switches; and sizes they take)
         apply_fp8_settings(self.be, t)
         self.fp8_classifier = fp8_classifier_runs(cfg, bool(self.be.fp8_classifier))
+        # fp8: the MLP's act and dact scaled from an amax history (train.fp8_scaling, else the
+        # backend's switch); _fp8_first: the record of a step that took the amax first, until read
+        self.fp8_delayed = t.precision == "fp8" and fp8_scaling(self.be) == "delayed" and cfg.model.n_layer > 0
+        self._fp8_first = None
         self.plan = make_plan(cfg, dtype, self.be.grad_norm_partials, self.comm.size if self.zero1 else 0,
                               **self._fp8_switches())
         self.dtype = dtype
@@ -322,6 +340,11 @@ class Engine:
             slots = fp8_input_slots(m)
             self.be.use_fp8_input_slots([self.p[w] for w, _, _ in slots], [self.slot_input(l, x) for _, l, x in slots],
                                         bufs["fp8_xmeta"], bufs.get("fp8_xt"), self.fp8_producer_amax)
+        if self.fp8_delayed:  # after the slots: act's slots take their 1/scale from these rows
+            from .backends.cuda.fp8 import META_STRIDE
+            self.be.use_fp8_delayed_scales([self.p[f"h{l}.mlp_w2"] for l in range(m.n_layer)],
+                                           [self.p[f"h{l}.mlp_w1"] for l in range(m.n_layer)],
+                                           bufs["fp8_delayed"].reshape(-1, META_STRIDE))
         self.graphs = self.be.graph_runner()
 
     def slot_input(self, layer: int, name: str):
@@ -332,7 +355,8 @@ class Engine:
     def _fp8_switches(self) -> dict:
         """make_plan's fp8 arguments: this engine's switches."""
         return {"fp8_weight_cache": self.fp8_cache, "fp8_keep_xt": self.fp8_keep_xt,
-                "fp8_producer_amax": self.fp8_producer_amax, "fp8_classifier": self.fp8_classifier}
+                "fp8_producer_amax": self.fp8_producer_amax, "fp8_classifier": self.fp8_classifier,
+                "fp8_delayed": self.fp8_delayed}
 
     def init_params(self, seed: int):
         """Normal(0, init_std) matrices and embeddings, zero biases, unit layer-norm gains."""
@@ -365,6 +389,31 @@ class Engine:
         if self.mixed:
             self.be.k_cast_params(self.params_c, self.params)
         self._refresh_fp8()
+        self._load_fp8_history(None)
+
+    def _load_fp8_history(self, history):
+        """The delayed scales' amax history (None: empty, the next step takes its amax first)."""
+        if self.fp8_delayed:
+            self.be.fp8.load_delayed(history)
+            self._fp8_first = None
+
+    def _fp8_settle(self):
+        """Once the record of the step that took its amax first says it was not skipped, the
+        history holds that amax and the steps after scale from it (waits for that step only)."""
+        if self._fp8_first is not None:
+            if not self._fp8_first["skipped"]:
+                self.be.fp8.delayed_live = True
+            self._fp8_first = None
+
+    def fp8_history(self):
+        """The delayed scales' amax history ((n, 16) float32 as nested lists, newest first), or
+        None: no delayed scales, or no step has recorded one yet."""
+        if not self.fp8_delayed:
+            return None
+        self._fp8_settle()
+        if not self.be.fp8.delayed_live:
+            return None
+        return [[float(a) for a in row] for row in self.be.fp8.delayed_history()]
 
     def _refresh_fp8(self):
         """The FP8 copies of the weights rewritten from the compute copy, wherever it changed: after
@@ -390,18 +439,22 @@ class Engine:
         # the NumPy backend's host view is the buffer itself: copy it, so the state stays put
         params, m, v = (h.copy() if isinstance(a, np.ndarray) and h is not None and np.shares_memory(h, a) else h
                         for h, a in zip(self.host_state(), (self.params, self.m, self.v)))
-        return EngineState(params, m, v, self.loss_scale, self.good_streak, self.bad_streak, self.skipped)
+        return EngineState(params, m, v, self.loss_scale, self.good_streak, self.bad_streak, self.skipped,
+                           self.fp8_history())
 
     def state_counters(self) -> dict:
-        """The loss scale and the step counters, as in a checkpoint's sidecar (EngineState.counters)."""
+        """The loss scale and the step counters, as in a checkpoint's sidecar (EngineState.counters),
+        and with delayed FP8 scales their amax history."""
         return {"loss_scale": self.loss_scale, "good_streak": self.good_streak, "bad_streak": self.bad_streak,
-                "skipped": self.skipped}
+                "skipped": self.skipped, "fp8_amax_history": self.fp8_history()}
 
     def load_state(self, st: "EngineState") -> None:
-        """Continue from st: weights, Adam moments, loss scale and step counters (no new buffers)."""
+        """Continue from st: weights, Adam moments, loss scale, step counters and the delayed FP8
+        scales' amax history (none: the next step takes its amax first) (no new buffers)."""
         self.set_state(st.params, st.m, st.v)
         self.loss_scale = float(st.loss_scale)
         self.good_streak, self.bad_streak, self.skipped = int(st.good_streak), int(st.bad_streak), int(st.skipped)
+        self._load_fp8_history(st.fp8_amax_history)
 
     def print_plan(self, file=sys.stderr):
         t = self.cfg.train
@@ -493,9 +546,17 @@ class Engine:
                            start=self.grads if first else None)
             if accumulate:
                 be.k_loss_accum(self.optim_state, self.g["losses"])
+        live = None
+        if self.fp8_delayed:  # a training step's passes record their amax for the delayed scales
+            live, step_passes = be.fp8.delayed_live, passes
+
+            def passes():
+                with be.fp8.recording():
+                    step_passes()
         # CUDA: both passes replay as one graph (hundreds of launches cost milliseconds of Python
-        # otherwise); the key holds what the graph bakes in (this engine's buffers)
-        self._run(("passes", accumulate, first), passes)
+        # otherwise); the key holds what the graph bakes in (this engine's buffers, and whether
+        # the delayed scales have a history)
+        self._run(("passes", accumulate, first, live), passes)
 
     def _optimizer(self, n_micro):
         """Queue the end of the step: the sum over the ranks, norm, non-finite policy, loss scale,
@@ -518,6 +579,7 @@ class Engine:
             be.k_adamw_step(self.params, self.params_c, self.grads, self.m, self.v, self.optim_state,
                             t.beta1, t.beta2, t.eps, self.layout.n_decay, zero_grads=False)
             self._refresh_fp8()
+            self._roll_fp8()
 
         def sharded():  # ZeRO-1: this rank updates its shard, then every rank gets every shard
             sh = self.shard
@@ -534,7 +596,14 @@ class Engine:
             if self.mixed:
                 be.k_cast_params(self.params_c, self.params)
             self._refresh_fp8()
+            self._roll_fp8()
         self._run(("optimizer", n_micro), sharded if self.zero1 else optimizer)
+
+    def _roll_fp8(self):
+        """The delayed scales' histories take this step's amax (unless it is skipped; on the
+        device, in the optimizer's graph)."""
+        if self.fp8_delayed:
+            self.be.fp8.roll_delayed(self.optim_state)
 
     def _run(self, key, fn):
         self.graphs.run(key, fn)
@@ -544,11 +613,16 @@ class Engine:
         work and returns at once (the CUDA backend lets the host run a few steps ahead); the
         returned record waits for the step's results when first read."""
         lr = lr_at(self.cfg, step)
+        self._fp8_settle()
+        first_amax = self.fp8_delayed and not self.be.fp8.delayed_live
         self.be.upload(self.optim_state[S_LR:S_STEP + 1], [lr, step])
         for i, (x, y) in enumerate(batches):
             self._passes(x, y, first=i == 0)  # the first microbatch's pass starts the gradients
         self._optimizer(len(batches))
-        return StepRecord(step, lr, self.be.download_async(self.optim_state))
+        rec = StepRecord(step, lr, self.be.download_async(self.optim_state))
+        if first_amax:  # the step took its amax first; read its record before the next
+            self._fp8_first = rec
+        return rec
 
     # ------------------------------------------------------------ inference
     def val_loss(self, batches) -> float:
@@ -586,8 +660,15 @@ class Engine:
         evaluation pass their run's config_hash; a tool that reshapes the batch for inference
         passes none. Returns the Checkpoint, whose sidecar also holds the data position."""
         from .checkpoint import read_checkpoint
+        from .checkpoint import CheckpointError, sidecar_path
         c = read_checkpoint(path, self.layout.n_params, config_hash)
-        self.load_state(EngineState.from_checkpoint(c, self.state_counters()))
+        st = EngineState.from_checkpoint(c, self.state_counters())
+        try:
+            self.load_state(st)
+        except ValueError as e:
+            if "fp8_amax_history" not in str(e):
+                raise
+            raise CheckpointError(f"checkpoint sidecar {sidecar_path(path)}: field {e}") from None
         return c
 
 
@@ -603,11 +684,17 @@ class EngineState:
     good_streak: int
     bad_streak: int
     skipped: int
+    # train.precision=fp8 with delayed scales: the amax history (n, 16), newest first; None where
+    # there are none or no step recorded one (the next step takes its amax first)
+    fp8_amax_history: Optional[list] = None
 
     def counters(self) -> dict:
-        """The sidecar fields of this state."""
-        return {"loss_scale": self.loss_scale, "good_streak": self.good_streak, "bad_streak": self.bad_streak,
-                "skipped": self.skipped}
+        """The sidecar fields of this state (fp8_amax_history only where there is one)."""
+        c = {"loss_scale": self.loss_scale, "good_streak": self.good_streak, "bad_streak": self.bad_streak,
+             "skipped": self.skipped}
+        if self.fp8_amax_history is not None:
+            c["fp8_amax_history"] = self.fp8_amax_history
+        return c
 
     @classmethod
     def from_checkpoint(cls, c, counters: dict) -> "EngineState":
@@ -615,7 +702,7 @@ class EngineState:
         `andrea import` or by a test, not by a training run) is taken from counters."""
         s = {**counters, **{k: c.sidecar[k] for k in counters if k in c.sidecar}}
         return cls(c.params, c.m, c.v, float(s["loss_scale"]), int(s["good_streak"]), int(s["bad_streak"]),
-                   int(s["skipped"]))
+                   int(s["skipped"]), c.sidecar.get("fp8_amax_history"))
 
 
 class StepRecord(Mapping):

@@ -173,6 +173,7 @@ class Run:
             self.loader.load_state(head["data"], source="rank 0's data position")
             st.loss_scale, st.good_streak, st.bad_streak, st.skipped = (head["counters"][k] for k in (
                 "loss_scale", "good_streak", "bad_streak", "skipped"))
+            st.fp8_amax_history = head["counters"].get("fp8_amax_history")
             self.eng.load_state(st)
 
     def save(self, reason: str):

@@ -704,6 +704,7 @@ def slot_engine(tmp_path, keep, amax, **train):
     from andrea.engine import Engine
     be = get_backend("cuda")
     be.fp8_keep_xt, be.fp8_producer_amax = keep, amax
+    be.fp8_scaling = "current"  # act's slot as current scaling fills it (check_slots); delayed: below
     eng = Engine(cfg_for(tmp_path, batch_size=4, seq_len=32, precision="fp8", **train), backend=be)
     assert (eng.fp8_keep_xt, eng.fp8_producer_amax) == (keep, amax)
     return eng
@@ -974,3 +975,190 @@ def test_engine_fp8_classifier_same_bits_and_resume(tmp_path):
     off = run(make(classifier=False))
     la, lo = [r["loss"] for r in a[0]], [r["loss"] for r in off[0]]
     assert la != lo and max(abs(p - q) for p, q in zip(la, lo)) < 0.05 * lo[0]
+
+
+# ---------------------------------------------------------------- delayed scaling (act and dact)
+@pytest.mark.parametrize("rows", [64, 128])
+@pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (400, 96)])  # partial tiles
+def test_delayed_kernels_are_the_current_passes(be, R, K, rows, monkeypatch):
+    """k_fp8_gelu_cast_transpose_amax: the bytes and 1/scale of k_fp8_gelu_cast_transpose with the
+    same meta, and the amax it reduces (into a value already there) that of k_fp8_gelu_amax.
+    k_fp8_dgelu_cast_transpose_colsum_amax: the bytes of k_fp8_dgelu_colsum_amax (dact *= gelu'(pre)
+    in place, on a copy) followed by k_fp8_cast_transpose with the same meta; its column sums
+    numpy_ref.fp8_tile_colsum of that dact bit for bit, its amax k_fp8_amax of it; dact not
+    written. A scale from a smaller amax (a delayed one) saturates, as the cast does."""
+    import cupy as cp
+    monkeypatch.setattr(be, "fp8_tile_rows", rows)
+    rng = np.random.default_rng(R + K + rows)
+    pre = cp.asarray((rng.standard_normal((R, K)) * 2).astype(bf16()))
+    dact = cp.asarray((rng.standard_normal((R, K)) * np.exp2(rng.integers(-10, 2, (R, K)))).astype(bf16()))
+    n = -(-R // rows)
+    for shrink in (1.0, 0.25):  # the current amax, then a quarter of it: values past 448 saturate
+        amax = cp.zeros(2, cp.float32)
+        be.fp8.k_fp8_gelu_amax(amax, pre)
+        meta = cp.asarray(np.array([amax.get()[0] * shrink, 0], np.float32))
+        want = [cp.zeros((R, K), cp.uint8), cp.zeros((K, R), cp.uint8)]
+        be.fp8.k_fp8_gelu_cast_transpose(*want, meta, pre, "e4m3")
+        inv = meta.get()[1]
+        got = [cp.full((R, K), 0xAA, cp.uint8), cp.full((K, R), 0xAA, cp.uint8)]
+        meta[1] = 0
+        rec = cp.asarray(np.array([amax.get()[0] / 3], np.float32))  # a smaller value there already
+        be.fp8.k_fp8_gelu_cast_transpose_amax(*got, meta, pre, "e4m3", rec)
+        assert meta.get()[1] == inv
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g.get(), w.get())
+        assert rec.get()[0] == amax.get()[0]
+        be.fp8.k_fp8_gelu_cast_transpose_amax(None, got[1], meta, pre, "e4m3", None)  # no amax taken
+        np.testing.assert_array_equal(got[1].get(), want[1].get())
+
+        d = dact.copy()
+        dm = cp.zeros(2, cp.float32)
+        rpc = max(1, -(-R // 64))
+        be.fp8.k_fp8_dgelu_colsum_amax(cp.zeros(-(-R // rpc) * K, cp.float32), dm, d, pre, rpc)
+        meta = cp.asarray(np.array([dm.get()[0] * shrink, 0], np.float32))
+        want = [cp.zeros((R, K), cp.uint8), cp.zeros((K, R), cp.uint8)]
+        be.fp8.k_fp8_cast_transpose(*want, meta, d, "e4m3")
+        inv = meta.get()[1]
+        before = dact.copy()
+        got = [cp.full((R, K), 0xAA, cp.uint8), cp.full((K, R), 0xAA, cp.uint8)]
+        part, rec = cp.full(n * K, np.nan, cp.float32), cp.zeros(1, cp.float32)
+        meta[1] = 0
+        be.fp8.k_fp8_dgelu_cast_transpose_colsum_amax(*got, meta, dact, pre, "e4m3", part, rec)
+        assert bool((dact == before).all()), "dact was written"
+        assert meta.get()[1] == inv
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g.get(), w.get())
+        np.testing.assert_array_equal(part.get().reshape(n, K).view(np.uint32),
+                                      ref.fp8_tile_colsum(d.get().astype(np.float32), rows).view(np.uint32))
+        assert rec.get()[0] == dm.get()[0]
+        if shrink < 1:
+            assert (ref.fp8_decode(got[0].get(), "e4m3") == 448).any(), "nothing saturated"
+    # and the reference within one unit of the dtype of d (its GELU in float64)
+    d_ref = ref._dgelu(dact.get(), pre.get())
+    o, ot, p2, m2 = np.zeros((R, K), np.uint8), np.zeros((K, R), np.uint8), np.zeros((n, K), np.float32), np.zeros(1, np.float32)
+    ref.k_fp8_dgelu_cast_transpose_colsum_amax(o, ot, meta.get(), dact.get(), pre.get(), "e4m3", p2, m2, rows)
+    assert np.allclose(np.float32(m2[0]), np.abs(d_ref.astype(np.float32)).max(), rtol=2 ** -7)
+    assert np.mean(o != got[0].get()) < 0.01
+
+
+def test_delayed_roll_matches_the_reference(be):
+    """k_fp8_delayed_roll on rows of random histories: a step taken (the amax enters, the oldest
+    leaves), a skipped one (nothing moves), a non-finite amax (not entered), and roll=False."""
+    import cupy as cp
+    from andrea.backends.cuda.fp8 import META_STRIDE
+    from andrea.backends.numpy_ref import S_SKIP, STATE_LEN
+    rng = np.random.default_rng(3)
+    rows = (rng.random((37, META_STRIDE)) * np.exp2(rng.integers(-20, 8, (37, META_STRIDE)))).astype(np.float32)
+    rows[5, 1], rows[6, 1] = np.inf, np.nan
+    rows[7, 2:] = 0  # an empty history
+    for skipped, roll in ((False, True), (True, True), (False, False)):
+        dev = cp.asarray(rows)
+        state = cp.zeros(STATE_LEN, cp.float64)
+        state[S_SKIP] = float(skipped)
+        be.fp8.k_fp8_delayed_roll(dev, state if roll else None, roll=roll)
+        want = rows.copy()
+        ref.k_fp8_delayed_roll(want, skipped, roll)
+        np.testing.assert_array_equal(dev.get(), want, err_msg=f"skipped={skipped} roll={roll}")
+    assert want[7, 0] == 0 and want[0, 0] == want[0, 2:18].max()
+
+
+def delayed_engine(tmp_path, scaling="delayed", **train):
+    from andrea.backends import get_backend
+    from andrea.engine import Engine
+    be = get_backend("cuda")
+    be.fp8_scaling = scaling
+    eng = Engine(cfg_for(tmp_path, batch_size=4, seq_len=32, precision="fp8", **train), backend=be)
+    assert eng.fp8_delayed is (scaling == "delayed")
+    return eng
+
+
+def test_delayed_scales_in_the_engine(tmp_path):
+    """fp8_scaling="delayed": step 1 takes the amax of act and dact first (k_fp8_gelu_amax, the
+    dGELU pass once more), the steps after take none (no k_fp8_gelu_amax, k_fp8_dgelu_colsum_amax,
+    cast of dact); after a step of one microbatch each history's newest entry is that step's amax
+    (act of every layer, dact of layer 0, whose raw gradient the workspace still holds), the older
+    ones moved one place; a skipped step leaves them. Two runs are bit-identical, and an evaluation
+    pass between steps changes nothing; a resume from a state (its history in it) repeats the steps
+    bit for bit, a state without one starts over with the amax taken first. The same steps with
+    current scaling end close to these."""
+    import cupy as cp
+    from andrea.backends.cuda.fp8 import DELAYED_HIST_AT
+    n_layer = MODEL["n_layer"]
+    runs, mid = [], None
+    for run in range(2):
+        eng = delayed_engine(tmp_path)
+        fp8 = eng.be.fp8
+        assert not fp8.delayed_live and eng.state().fp8_amax_history is None
+        recs, counts = [], []
+        for s in range(1, 8):
+            log = launches(eng.be)
+            if s == 5:
+                eng.loss_scale = float("inf")
+            micro = [batch(2 * s)] if s in (2, 3) else [batch(2 * s), batch(2 * s + 1)]
+            before = fp8.delayed_block.get()
+            recs.append(dict(eng.train_step(s, micro)))
+            eng.be.synchronize()
+            counts.append({k: log.count(k) for k in ("k_fp8_gelu_amax", "k_fp8_dgelu_colsum_amax",
+                                                     "k_fp8_dgelu_cast_transpose_colsum_amax",
+                                                     "k_fp8_gelu_cast_transpose_amax", "k_fp8_delayed_roll")})
+            del eng.be.rt.launch
+            after = fp8.delayed_block.get()
+            h0, h1 = before[:, DELAYED_HIST_AT:DELAYED_HIST_AT + 16], after[:, DELAYED_HIST_AT:DELAYED_HIST_AT + 16]
+            if s == 5:
+                eng.loss_scale = 1.0
+                np.testing.assert_array_equal(h1, h0, err_msg="a skipped step moved the history")
+            else:
+                np.testing.assert_array_equal(h1[:, 1:], h0[:, :-1], err_msg=f"step {s}: the history did not move")
+                assert np.all(h1[:, 0] > 0) and np.all(after[:, 0] == h1.max(axis=1)) and np.all(after[:, 1] == 0)
+            if s in (2, 3):  # one microbatch: its amax is the newest entry
+                for l in range(n_layer):
+                    m = cp.zeros(2, cp.float32)
+                    fp8.k_fp8_gelu_amax(m, eng.layers[l]["pre"].reshape(-1, 4 * 48))
+                    assert h1[l, 0] == m.get()[0], f"step {s}: act amax of layer {l}"
+                d, m = eng.g["dact"].reshape(-1, 4 * 48).copy(), cp.zeros(2, cp.float32)
+                fp8.k_fp8_dgelu_colsum_amax(cp.zeros(64 * 4 * 48, cp.float32), m, d,
+                                            eng.layers[0]["pre"].reshape(-1, 4 * 48), 2)
+                assert h1[n_layer, 0] == m.get()[0], f"step {s}: dact amax of layer 0"
+            if run == 0 and s == 4:
+                eng.val_loss([batch(40)])  # evaluation: records nothing into the history
+            if s == 3:
+                mid = eng.state()
+                assert np.array(mid.fp8_amax_history).shape == (2 * n_layer, 16)
+        runs.append((recs, eng.host_state()))
+        per = n_layer * 2
+        assert counts[0] == {"k_fp8_gelu_amax": per, "k_fp8_dgelu_colsum_amax": 0,
+                             "k_fp8_dgelu_cast_transpose_colsum_amax": 2 * per,
+                             "k_fp8_gelu_cast_transpose_amax": per, "k_fp8_delayed_roll": 1}, counts[0]
+        assert counts[3] == {"k_fp8_gelu_amax": 0, "k_fp8_dgelu_colsum_amax": 0,
+                             "k_fp8_dgelu_cast_transpose_colsum_amax": per,
+                             "k_fp8_gelu_cast_transpose_amax": per, "k_fp8_delayed_roll": 1}, counts[3]
+        assert fp8.delayed_live
+    (a, sa), (b, sb) = runs
+    assert [r["skipped"] for r in a] == [False] * 4 + [True] + [False] * 2, a
+    assert repr(a) == repr(b), "two delayed runs (one with an evaluation between steps) differ"
+    for x, y in zip(sa, sb):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+    # resume from the state after step 3 (with its history): steps 4..7 as straight
+    eng = delayed_engine(tmp_path, seed=99)
+    eng.load_state(mid)
+    assert eng.be.fp8.delayed_live
+    recs = []
+    for s in range(4, 8):
+        if s == 5:
+            eng.loss_scale = float("inf")
+        recs.append(dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)])))
+        if s == 5:
+            eng.loss_scale = 1.0
+    assert repr(recs) == repr(a[3:]), "the resumed run's records differ"
+    for x, y in zip(eng.host_state(), sa):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), "the resumed run differs"
+    # a state without a history (a checkpoint of current scaling): the next step takes its amax first
+    mid.fp8_amax_history = None
+    eng.load_state(mid)
+    assert not eng.be.fp8.delayed_live
+    # current scaling, the same steps: close, not equal
+    cur = delayed_engine(tmp_path, "current")
+    c = [dict(cur.train_step(s, [batch(2 * s)] if s in (2, 3) else [batch(2 * s), batch(2 * s + 1)]))
+         for s in range(1, 5)]
+    assert all(abs(x["loss"] - y["loss"]) < 0.02 * y["loss"] for x, y in zip(a[:4], c)), (a[:4], c)
+    assert repr(a[1:4]) != repr(c[1:4])

@@ -639,7 +639,8 @@ def test_fp8_classifier_settings_in_the_run_config():
     d = to_dict(base)
     old = {k: v for k, v in d["train"].items() if k not in ("ckpt_every", "keep_last", "log_every", "sample_every",
                                                              "eval_every", "eval_batches", "fp8_classifier",
-                                                             "fp8_dlogits", "fp8_dlogits_rounding")}
+                                                             "fp8_dlogits", "fp8_dlogits_rounding",
+                                                             "fp8_scaling")}
     assert config_hash(base) == hashlib.sha256(json.dumps({"model": d["model"], "train": old},
                                                           sort_keys=True).encode()).hexdigest()
     one = compose_config("ANDREA-tiny", ["train.precision=fp8", "train.fp8_classifier=1", "train.fp8_dlogits=e5m2"])
@@ -653,10 +654,122 @@ def test_fp8_classifier_settings_in_the_run_config():
     assert config_hash(near) not in (config_hash(base), config_hash(one))
     apply_fp8_settings(be, near.train)
     assert be.fp8_dlogits_rounding == "nearest"
+    cur = compose_config("ANDREA-tiny", ["train.precision=fp8", "train.fp8_scaling=current"])
+    assert config_hash(cur) not in (config_hash(base), config_hash(one), config_hash(near))
+    be.fp8_scaling = "delayed"
+    apply_fp8_settings(be, cur.train)
+    assert be.fp8_scaling == "current"
     for bad, match in ((["train.precision=fp8", "train.fp8_classifier=3"], "train.fp8_classifier=3"),
                        (["train.precision=fp8", "train.fp8_dlogits=e3m4"], "train.fp8_dlogits='e3m4'"),
                        (["train.precision=fp8", "train.fp8_dlogits_rounding=up"], "train.fp8_dlogits_rounding='up'"),
                        (["train.precision=bf16", "train.fp8_dlogits_rounding=nearest"], "applies to train.precision=fp8"),
-                       (["train.precision=bf16", "train.fp8_classifier=1"], "applies to train.precision=fp8")):
+                       (["train.precision=bf16", "train.fp8_classifier=1"], "applies to train.precision=fp8"),
+                       (["train.precision=fp8", "train.fp8_scaling=late"], "train.fp8_scaling='late'"),
+                       (["train.precision=bf16", "train.fp8_scaling=delayed"], "applies to train.precision=fp8")):
         with pytest.raises(ValueError, match=match):
             compose_config("ANDREA-tiny", bad)
+
+
+# ---------------------------------------------------------------- delayed scaling (act and dact)
+def test_delayed_roll_moves_the_history_unless_skipped():
+    """k_fp8_delayed_roll: a step taken puts [1] (the step's amax) first in the history and drops
+    the oldest of 16; [0] is then the history's largest and [1] zero. A skipped step, or a
+    non-finite amax, moves nothing; roll=False only recomputes [0] and clears [1]."""
+    H = K.FP8_HIST
+    rows = np.zeros((3, 64), np.float32)
+    rows[:, 2:2 + H] = np.arange(1, H + 1, dtype=np.float32)[::-1]  # newest (16) first
+    rows[:, 1] = [0.5, np.inf, np.nan]
+    r = rows.copy()
+    K.k_fp8_delayed_roll(r, skipped=False)
+    assert list(r[0, 2:2 + H]) == [0.5] + list(range(H, 1, -1)), r[0]
+    np.testing.assert_array_equal(r[1:, 2:2 + H], rows[1:, 2:2 + H])  # inf, NaN: not entered
+    assert list(r[:, 0]) == [H, H, H] and not r[:, 1].any()
+    r = rows.copy()
+    K.k_fp8_delayed_roll(r, skipped=True)
+    np.testing.assert_array_equal(r[:, 2:], rows[:, 2:])
+    assert list(r[:, 0]) == [H] * 3 and not r[:, 1].any()
+    r = np.zeros((1, 64), np.float32)  # an empty history: 16 steps fill it, the 17th drops the first
+    for step in range(1, H + 2):
+        r[0, 1] = step
+        K.k_fp8_delayed_roll(r, skipped=False)
+        assert r[0, 0] == step
+    assert list(r[0, 2:2 + H]) == list(range(H + 1, 1, -1))
+    r[0, 2:2 + H] = 0
+    r[0, 5] = 3.0
+    r[0, 0] = r[0, 1] = 7.0
+    K.k_fp8_delayed_roll(r, skipped=False, roll=False)
+    assert r[0, 0] == 3.0 and r[0, 1] == 0 and r[0, 2] == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_delayed_passes_are_the_current_ones(dtype):
+    """The reference of the delayed passes: k_fp8_gelu_cast_transpose_amax is
+    k_fp8_gelu_cast_transpose plus act's amax (into a larger value already there: kept);
+    k_fp8_dgelu_cast_transpose_colsum_amax is dact * gelu'(pre) in dact's dtype (as
+    k_fp8_dgelu_colsum_amax makes it), then k_fp8_cast_transpose_colsum with the given scale, and
+    its amax; dact is not written. gelu' against PyTorch autograd."""
+    rng = np.random.default_rng(8)
+    R, Kc = 80, 48
+    pre = (rng.standard_normal((R, Kc)) * 2).astype(dtype)
+    dact = (rng.standard_normal((R, Kc)) * 1e-2).astype(dtype)
+    meta = np.array([3.0, 0], np.float32)
+    o, ot = np.zeros((R, Kc), np.uint8), np.zeros((Kc, R), np.uint8)
+    amax = np.array([1e6], np.float32)
+    K.k_fp8_gelu_cast_transpose_amax(o, ot, meta, pre, "e4m3", amax)
+    o2, ot2, m2 = np.zeros_like(o), np.zeros_like(ot), np.array([3.0, 0], np.float32)
+    K.k_fp8_gelu_cast_transpose(o2, ot2, m2, pre, "e4m3")
+    np.testing.assert_array_equal(o, o2)
+    np.testing.assert_array_equal(ot, ot2)
+    assert amax[0] == 1e6
+    amax[0] = 0
+    K.k_fp8_gelu_cast_transpose_amax(None, ot, meta, pre, "e4m3", amax)
+    ga = np.zeros(2, np.float32)
+    K.k_fp8_gelu_amax(ga, pre)
+    assert amax[0] == ga[0] > 0
+    kept = dact.copy()
+    part, amax = np.zeros((2, Kc), np.float32), np.zeros(1, np.float32)
+    meta = np.array([0.01, 0], np.float32)
+    K.k_fp8_dgelu_cast_transpose_colsum_amax(o, ot, meta, dact, pre, "e5m2", part, amax)
+    np.testing.assert_array_equal(dact, kept)
+    d = dact.copy()
+    db, dm = np.zeros(Kc), np.zeros(2, np.float32)
+    K.k_fp8_dgelu_colsum_amax(db, dm, d, pre)  # in place: the new dact
+    import torch
+    p = torch.tensor(pre.astype(np.float64), requires_grad=True)
+    torch.nn.functional.gelu(p, approximate="tanh").backward(torch.tensor(dact.astype(np.float64)))
+    np.testing.assert_allclose(d.astype(np.float64), p.grad.numpy(), rtol=2e-3, atol=1e-7)
+    o2, ot2, p2, m2 = np.zeros_like(o), np.zeros_like(ot), np.zeros_like(part), np.array([0.01, 0], np.float32)
+    K.k_fp8_cast_transpose_colsum(o2, ot2, m2, d.astype(np.float32), "e5m2", p2)
+    np.testing.assert_array_equal(o, o2)
+    np.testing.assert_array_equal(ot, ot2)
+    np.testing.assert_array_equal(part, p2)
+    np.testing.assert_array_equal(meta, m2)
+    assert amax[0] == dm[0] and (K.fp8_decode(o, "e5m2") == 57344).any(), "a small scale saturates"
+
+
+def test_memory_plan_and_state_of_the_delayed_scales():
+    """fp8_delayed plans one 64-float row a layer for act and one for dact (group "fp8 delayed
+    scales"), nothing else changed; EngineState keeps the amax history in the sidecar's fields only
+    where there is one, and from_checkpoint takes it from the sidecar (not from the engine's
+    defaults: a checkpoint without one starts over)."""
+    from types import SimpleNamespace
+
+    from andrea.compose import compose_config
+    from andrea.engine import EngineState, make_plan
+    cfg = compose_config("ANDREA-120M", ["train.precision=fp8", "train.batch_size=8"])
+    on, off = make_plan(cfg, fp8_delayed=True), make_plan(cfg)
+    assert on.by_group()["fp8 delayed scales"] == 2 * 12 * 64 * 4
+    assert [r for r in on.rows if r.group != "fp8 delayed scales"] == off.rows
+    assert "fp8 delayed scales" not in make_plan(compose_config("ANDREA-120M", ["train.precision=bf16"]),
+                                                 fp8_delayed=True).by_group()
+    z = np.zeros(3, np.float32)
+    st = EngineState(z, z, z, 1.0, 0, 0, 0)
+    assert "fp8_amax_history" not in st.counters()
+    hist = [[0.5] * 16, [2.0 ** -20] * 16]
+    st.fp8_amax_history = hist
+    assert st.counters()["fp8_amax_history"] == hist
+    defaults = {**EngineState(z, z, z, 1.0, 0, 0, 0).counters(), "fp8_amax_history": [[9.0] * 16]}
+    c = SimpleNamespace(params=z, m=z, v=z, sidecar={**st.counters()})
+    assert EngineState.from_checkpoint(c, defaults).fp8_amax_history == hist
+    c.sidecar.pop("fp8_amax_history")
+    assert EngineState.from_checkpoint(c, defaults).fp8_amax_history is None

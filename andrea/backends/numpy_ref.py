@@ -655,6 +655,61 @@ def k_fp8_dgelu_colsum_amax(db, meta, dact, pre):
     k_fp8_amax(meta, dact)
 
 
+# Delayed scaling (cuda/fp8.py, docs/FP8.md): a tensor's scale comes from the largest amax of the
+# last FP8_HIST optimizer steps (a row of the engine's "fp8_delayed" block: [0] that amax, [1] the
+# amax of the step under way, [2, 2 + FP8_HIST) the history, newest first), and the kernel that
+# makes the tensor casts it and reduces its amax into [1].
+FP8_HIST = 16
+
+
+def _amax_into(amax_out, x):
+    """amax_out[0] = max(amax_out[0], max |x|) (as the kernels' atomicMax on the float bits; NaN wins)."""
+    if amax_out is None:
+        return
+    m = np.zeros(1, np.float32)
+    k_fp8_amax(m, x)
+    a = np.array([amax_out[0], m[0]], np.float32)
+    amax_out[0] = np.nan if np.isnan(a).any() else a.max()
+
+
+def k_fp8_gelu_cast_transpose_amax(out, out_t, meta, pre, fmt, amax_out):
+    """k_fp8_gelu_cast_transpose, and amax_out[0] = max(amax_out[0], max |act|) (None: not taken)."""
+    act = _act(pre)
+    k_fp8_cast_transpose(out, out_t, meta, act, fmt)
+    _amax_into(amax_out, act.astype(np.float32))
+
+
+def _dgelu(dact, pre):
+    """dact * gelu'(pre), rounded to dact's dtype (k_fp8_dgelu_colsum_amax's new dact)."""
+    d = np.asarray(dact, np.float64) * _gelu_grad(np.asarray(pre, np.float64))
+    return d.astype(np.asarray(dact).dtype)
+
+
+def k_fp8_dgelu_cast_transpose_colsum_amax(out, out_t, meta, dact, pre, fmt, partial, amax_out, tile_rows=64):
+    """The FP8 MLP backward's pass with a delayed scale: d = dact * gelu'(pre) in dact's dtype, cast
+    as k_fp8_cast_transpose_colsum casts it (scale from meta[0]; partial the tiles' column sums of
+    d, None: not written) and amax_out[0] = max(amax_out[0], max |d|) (None: not taken). dact is
+    not written."""
+    d = _dgelu(dact, pre).astype(np.float32)
+    k_fp8_cast_transpose(out, out_t, meta, d, fmt)
+    if partial is not None:
+        partial[...] = fp8_tile_colsum(d, tile_rows).reshape(np.shape(partial))
+    _amax_into(amax_out, d)
+
+
+def k_fp8_delayed_roll(rows, skipped, roll=True):
+    """The delayed scales' rows (n, >= 2 + FP8_HIST) float32 at the end of an optimizer step: unless
+    the step was skipped or [1] is not finite, the history (columns 2..) moves one place and [1]
+    enters it at 2; then [1] = 0 and [0] = the history's largest. roll=False (after a load): only
+    the last two."""
+    h = rows[:, 2:2 + FP8_HIST]
+    if roll and not skipped:
+        ok = np.isfinite(rows[:, 1])
+        h[ok] = np.concatenate([rows[ok, 1:2], h[ok, :-1]], axis=1)
+    rows[:, 0] = np.abs(h).max(axis=1)
+    rows[:, 1] = 0
+
+
 def fp8_fake(x, fmt):
     """x as the FP8 product sees it: fp8(x * scale) / scale with x's own scale, in float64."""
     meta = np.zeros(2, dtype=np.float32)

@@ -69,6 +69,18 @@ __device__ __forceinline__ Pack8 gelu8(const Pack8& p) {
   return a;
 }
 
+// dact * gelu'(pre) of eight values, each rounded to CT: k_fp8_dgelu_colsum_amax's new dact.
+__device__ __forceinline__ Pack8 dgelu8(const Pack8& d, const Pack8& p) {
+  Pack8 a;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float g, dg;
+    gelu_sigmoid_and_slope(to_f(p.v[j]), g, dg);
+    a.v[j] = from_f<CT>(to_f(d.v[j]) * dg);
+  }
+  return a;
+}
+
 // The bits a value adds to a maximum: ABS |x| (abs_bits), GELU |gelu8(x)|, POS max(x, 0), except
 // that a negative value of magnitude 2^64 or more (-inf and a negative NaN too) gives
 // AMAX_FULL_PASS, above every float: gelu8 caps its exponential, so |gelu8(x)| = |x| e^-80 is no
@@ -218,30 +230,55 @@ __device__ __forceinline__ void fp8_tile_colsum_out(float* partial, int K, int r
   partial[(i64)row * K + c0 + j] = v;
 }
 
-template <bool GELU, int TR, bool COLSUM = false>
+// MODE: what the tile casts. TILE_CAST x itself; TILE_GELU act = gelu8(x); TILE_DGELU
+// dact = dgelu8(x, pre), x the output gradient of act and pre the tile of the same place in pre.
+// AMAX: amax_out (where non-null) = max(that, max |what is cast|) over the tile (block_amax_atomic).
+enum { TILE_CAST = 0, TILE_GELU = 1, TILE_DGELU = 2 };
+template <int MODE, int TR, bool COLSUM = false, bool AMAX = false>
 __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char* out_t, const CT* x, int R,
                                               int K, int r0, int c0, float s,
                                               unsigned char (*tile)[FP8_TILE + 8], float* partial = nullptr,
-                                              float (*acc)[FP8_TILE] = nullptr) {
+                                              float (*acc)[FP8_TILE] = nullptr, const CT* pre = nullptr,
+                                              float* amax_out = nullptr) {
   static_assert(TR % 32 == 0 && TR <= 256, "tile rows: a multiple of 32");
   constexpr int H = TR / 32;
+  // the values are made before the conversions where something else reads them too (the sums, the
+  // amax); a plain GELU tile makes them inside the conversion loop, as it always has
+  constexpr bool EARLY = MODE == TILE_DGELU || (MODE == TILE_GELU && (COLSUM || AMAX));
   Pack8 p[H];
+  Pack8 g[MODE == TILE_DGELU ? H : 1];
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
-    if (r0 + r < R && c0 + c8 < K) p[h] = *reinterpret_cast<const Pack8*>(x + (i64)(r0 + r) * K + c0 + c8);
+    if (r0 + r < R && c0 + c8 < K) {
+      p[h] = *reinterpret_cast<const Pack8*>(x + (i64)(r0 + r) * K + c0 + c8);
+      if (MODE == TILE_DGELU) g[h] = *reinterpret_cast<const Pack8*>(pre + (i64)(r0 + r) * K + c0 + c8);
+    }
+  }
+  unsigned int m = 0u;
+  if (EARLY || AMAX) {
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
+      if (r0 + r < R && c0 + c8 < K) {
+        if (MODE == TILE_GELU && EARLY) p[h] = gelu8(p[h]);
+        if (MODE == TILE_DGELU) p[h] = dgelu8(p[h], g[MODE == TILE_DGELU ? h : 0]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(to_f(p[h].v[j])));
+      }
+    }
   }
   if (COLSUM) fp8_tile_colsum_warps<H>(p, R, K, r0, c0, acc);
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
     if (r0 + r < R && c0 + c8 < K) {
-      Bytes8 q = GELU ? fp8x8(gelu8(p[h]), s) : fp8x8(p[h], s);
+      Bytes8 q = MODE == TILE_GELU && !EARLY ? fp8x8(gelu8(p[h]), s) : fp8x8(p[h], s);
       if (out) *reinterpret_cast<Bytes8*>(out + (i64)(r0 + r) * K + c0 + c8) = q;
       *reinterpret_cast<Bytes8*>(&tile[r][c8]) = q;
     }
   }
-  if (!out_t && !COLSUM) return;
+  if (!out_t && !COLSUM && !AMAX) return;
   __syncthreads();  // the tile's bytes (and, with COLSUM, the warps' column sums) are in shared memory
 #pragma unroll
   for (int h = 0; h < H; ++h) {
@@ -257,26 +294,28 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
     }
   }
   if (COLSUM) fp8_tile_colsum_out(partial, K, r0 / TR, c0, acc);
+  if (AMAX && amax_out) block_amax_atomic(amax_out, m);  // amax_out is the same for every thread
 }
 
 // The body of k_fp8_cast_transpose (GELU: k_fp8_gelu_cast_transpose): scale from meta[0], 1/scale
 // into meta[inv_at], one block a FP8_TILE_ROWS x 64 tile.
-template <bool GELU, bool COLSUM = false>
+template <int MODE, bool COLSUM = false, bool AMAX = false>
 __device__ __forceinline__ void fp8_cast_transpose_tiles(unsigned char* out, unsigned char* out_t, float* meta,
                                                          int inv_at, const CT* x, int R, int K,
-                                                         float* partial = nullptr) {
+                                                         float* partial = nullptr, const CT* pre = nullptr,
+                                                         float* amax_out = nullptr) {
   __shared__ unsigned char tile[FP8_TILE_ROWS][FP8_TILE + 8];
   __shared__ float acc[COLSUM ? 8 : 1][FP8_TILE];
   float inv, s = fp8_scale(meta[0], &inv);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[inv_at] = inv;
-  fp8_cast_tile<GELU, FP8_TILE_ROWS, COLSUM>(out, out_t, x, R, K, blockIdx.y * FP8_TILE_ROWS, blockIdx.x * FP8_TILE,
-                                             s, tile, partial, acc);
+  fp8_cast_tile<MODE, FP8_TILE_ROWS, COLSUM, AMAX>(out, out_t, x, R, K, blockIdx.y * FP8_TILE_ROWS,
+                                                   blockIdx.x * FP8_TILE, s, tile, partial, acc, pre, amax_out);
 }
 
 // x (R, K) to out (R, K) and/or out_t (K, R) (a null pointer skips it), as k_fp8_cast.
 extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
                                                 int inv_at, const CT* x, int R, int K) {
-  fp8_cast_transpose_tiles<false>(out, out_t, meta, inv_at, x, R, K);
+  fp8_cast_transpose_tiles<TILE_CAST>(out, out_t, meta, inv_at, x, R, K);
 }
 
 // k_fp8_cast_transpose, and the column sums of x (R, K) over each tile's FP8_TILE_ROWS rows:
@@ -284,7 +323,7 @@ extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned cha
 // pass's dY of a layer with a bias: its cast and its bias gradient's first pass in one read.
 extern "C" __global__ void k_fp8_cast_transpose_colsum(unsigned char* out, unsigned char* out_t, float* meta,
                                                        int inv_at, const CT* x, int R, int K, float* partial) {
-  fp8_cast_transpose_tiles<false, true>(out, out_t, meta, inv_at, x, R, K, partial);
+  fp8_cast_transpose_tiles<TILE_CAST, true>(out, out_t, meta, inv_at, x, R, K, partial);
 }
 
 // ---- many tensors in one launch (the FP8 copies of the weights, made once per optimizer step)
@@ -316,7 +355,7 @@ extern "C" __global__ void k_fp8_cast_transpose_many(float* meta, int meta_strid
   int tiles_k = (K + FP8_TILE - 1) / FP8_TILE, tiles = tiles_k * ((R + FP8_TILE - 1) / FP8_TILE);
   for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
     __syncthreads();  // the previous tile's bytes are read out of the shared tile
-    fp8_cast_tile<false, FP8_TILE>(out, out_t, x, R, K, (i / tiles_k) * FP8_TILE, (i % tiles_k) * FP8_TILE, s, tile);
+    fp8_cast_tile<TILE_CAST, FP8_TILE>(out, out_t, x, R, K, (i / tiles_k) * FP8_TILE, (i % tiles_k) * FP8_TILE, s, tile);
   }
 }
 
@@ -332,7 +371,55 @@ extern "C" __global__ void k_fp8_gelu_amax(float* meta, const CT* pre, i64 n) {
 // scale from meta[0] (k_fp8_gelu_amax), 1/scale into meta[inv_at]; one block a FP8_TILE_ROWS x 64 tile.
 extern "C" __global__ void k_fp8_gelu_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
                                                      int inv_at, const CT* pre, int R, int K) {
-  fp8_cast_transpose_tiles<true>(out, out_t, meta, inv_at, pre, R, K);
+  fp8_cast_transpose_tiles<TILE_GELU>(out, out_t, meta, inv_at, pre, R, K);
+}
+
+// ---- delayed scaling (docs/FP8.md): the scale from earlier steps' amax, the cast in the pass that
+// makes the tensor, which reduces the tensor's own amax for the steps after
+
+// k_fp8_gelu_cast_transpose, scale from meta[0] (a delayed scale's row, or k_fp8_gelu_amax), and
+// amax_out[0] = max(that, max |act|) where amax_out is not null.
+extern "C" __global__ void k_fp8_gelu_cast_transpose_amax(unsigned char* out, unsigned char* out_t, float* meta,
+                                                          int inv_at, const CT* pre, int R, int K, float* amax_out) {
+  fp8_cast_transpose_tiles<TILE_GELU, false, true>(out, out_t, meta, inv_at, pre, R, K, nullptr, nullptr, amax_out);
+}
+
+// The FP8 MLP backward's pass over dact (R, K) and pre: d = dact * gelu'(pre) rounded to CT (the
+// values k_fp8_dgelu_colsum_amax writes in place), cast as k_fp8_cast_transpose_colsum casts it
+// (scale from meta[0], 1/scale into meta[inv_at], out and/or out_t, the column sums of d over each
+// tile into partial, where partial is not null) and amax_out[0] = max(that, max |d|) where amax_out
+// is not null. d itself is not stored: dact is read only.
+extern "C" __global__ void k_fp8_dgelu_cast_transpose_colsum_amax(unsigned char* out, unsigned char* out_t,
+                                                                  float* meta, int inv_at, const CT* dact,
+                                                                  const CT* pre, int R, int K, float* partial,
+                                                                  float* amax_out) {
+  fp8_cast_transpose_tiles<TILE_DGELU, true, true>(out, out_t, meta, inv_at, dact, R, K, partial, pre, amax_out);
+}
+
+// The delayed scales' rows (n of them, stride floats apart): [0] the amax the casts scale by, the
+// largest of the history; [1] the amax of the step under way (the casts' atomicMax); [2, 2 +
+// FP8_HIST) the amax of the last FP8_HIST steps taken, newest first (0: none yet). One thread a
+// row. roll (at the end of an optimizer step, in its CUDA graph): unless the step was skipped
+// (state[skip_at] != 0) or [1] is not finite, the history moves one place and [1] enters it; then
+// [1] = 0 and [0] = the history's largest. roll = 0 (after a load): [1] = 0 and [0] from the history
+// as it is. Not finite in the history: never (a step with a non-finite amax has a non-finite loss
+// or gradient, and is skipped).
+#define FP8_HIST 16
+extern "C" __global__ void k_fp8_delayed_roll(float* rows, int n, int stride, const double* state, int skip_at,
+                                              int roll) {
+  int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= n) return;
+  float* r = rows + (i64)t * stride;
+  float* h = r + 2;
+  unsigned int cur = __float_as_uint(r[1]);
+  if (roll && state[skip_at] == 0.0 && (cur & 0x7fffffffu) < 0x7f800000u) {
+    for (int i = FP8_HIST - 1; i > 0; --i) h[i] = h[i - 1];
+    h[0] = r[1];
+  }
+  unsigned int m = 0u;
+  for (int i = 0; i < FP8_HIST; ++i) m = umax(m, abs_bits(h[i]));
+  r[0] = __uint_as_float(m);
+  r[1] = 0.f;
 }
 
 // dact *= gelu'(pre) (N, H), in place (gelu.cuh's sigmoid form, as gelu8); partial[chunk][c] = the sum of the

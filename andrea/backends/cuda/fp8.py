@@ -55,7 +55,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ...model import loss_chunk_rows
-from ..numpy_ref import FP8_FORMATS, FP8_FWD, fp8_rounding
+from ..numpy_ref import FP8_FORMATS, FP8_FWD, FP8_HIST, S_SKIP, fp8_rounding
 from .cublas import cuda_type
 from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
 
@@ -71,6 +71,10 @@ TILE_ROWS = (64, 128, 256)  # what fp8.cu's single-tensor cast kernels compile f
 TABLE_COLS = 5  # int64 per tensor of a *_many launch: address of x, of out, of out_t, R, K (fp8.cu)
 CACHE_ALIGN = 256  # bytes: each cached copy starts aligned as cuBLASLt's heuristics assume
 MANY_BLOCKS = 128  # blocks per tensor of the *_many kernels (grid-stride over the tensor)
+# a delayed scale's row (META_STRIDE floats, fp8.cu k_fp8_delayed_roll): the amax it scales by at
+# 0, the amax of the step under way at DELAYED_CUR, the last FP8_HIST steps' from DELAYED_HIST_AT
+DELAYED_CUR, DELAYED_HIST_AT = 1, 2
+FP8_SCALINGS = ("current", "delayed")
 
 
 def _aligned(n: int) -> int:
@@ -110,6 +114,13 @@ def fp8_rows(B: int, T: int, C: int, vocab: int = 0):
         w = max(w, vocab * C)
         rows += [("fp8_cx", (R * C,), "uint8"), ("fp8_cxt", (R * C,), "uint8"), ("fp8_dz", (R * vocab,), "uint8")]
     return rows + [("fp8_w", (w,), "uint8"), ("fp8_meta", (len(META_SLOTS) * META_STRIDE,), "float32")]
+
+
+def delayed_rows(n_layer: int):
+    """The engine's arena rows of the delayed scales (CudaOps.fp8_scaling = "delayed"): one
+    META_STRIDE row for each layer's act (the MLP's second product's input) and one for its dact
+    (the first product's output gradient)."""
+    return [("fp8_delayed", (2 * n_layer * META_STRIDE,), "float32")] if n_layer else []
 
 
 def classifier_in_fp8(N: int, V: int) -> bool:
@@ -168,6 +179,12 @@ class Fp8Ops:
         # address of an input -> the same slot (the layer-norm launchers ask by their output)
         self.slots, self.slot_of_input = {}, {}
         self._slot_block = None  # every slot's meta rows, (n, META_STRIDE): zeroed by one memset
+        # delayed scales (use_delayed_scales): ("act" | "dy", address of a weight) -> its row of
+        # the block; live: the rows hold a history (else each pass takes its amax first, and
+        # records it: the first step); record: the passes being queued reduce their amax into the
+        # rows (a training step's; not a forward pass of evaluation or generation)
+        self.delayed, self.delayed_block = {}, None
+        self.delayed_live, self.delayed_record = False, False
 
     # ------------------------------------------------------------ the quantisation kernels
     @staticmethod
@@ -273,6 +290,53 @@ class Fp8Ops:
         k_fp8_cast_transpose casts it (scale from meta[0]: k_fp8_gelu_amax), without writing act."""
         grid, args, defs = self._cast_transpose_launch("k_fp8_gelu_cast_transpose", out, out_t, meta, pre, fmt)
         self.ops.rt.launch("fp8.cu", "k_fp8_gelu_cast_transpose", pre.dtype, grid, THREADS, args, defs=defs)
+
+    def k_fp8_gelu_cast_transpose_amax(self, out, out_t, meta, pre, fmt, amax_out):
+        """k_fp8_gelu_cast_transpose, and amax_out (a (1,) float32 view, or None: not taken) =
+        max(amax_out, max |act|)."""
+        kernel = "k_fp8_gelu_cast_transpose_amax"
+        grid, args, defs = self._cast_transpose_launch(kernel, out, out_t, meta, pre, fmt)
+        self.ops.rt.launch("fp8.cu", "k_fp8_gelu_cast_transpose_amax", pre.dtype, grid, THREADS,
+                           args + (self._amax_out(kernel, amax_out),), defs=defs)
+
+    def k_fp8_dgelu_cast_transpose_colsum_amax(self, out, out_t, meta, dact, pre, fmt, partial, amax_out):
+        """d = dact * gelu'(pre) (R, K) rounded to dact's dtype (not stored), cast as
+        k_fp8_cast_transpose_colsum casts it (partial: ceil(R / CudaOps.fp8_tile_rows) rows of
+        column sums), and amax_out (a (1,) float32 view, or None) = max(amax_out, max |d|)."""
+        kernel = "k_fp8_dgelu_cast_transpose_colsum_amax"
+        grid, args, defs = self._cast_transpose_launch(kernel, out, out_t, meta, dact, fmt)
+        check(kernel, "pre", pre, dact.shape, dact.dtype)
+        if pre.data.ptr % 16:
+            raise ValueError(f"{kernel}: pre at {pre.data.ptr:#x}; expected 16-byte alignment")
+        check(kernel, "partial", partial, (grid[1] * dact.shape[1],), np.float32)
+        out_, out_t_, meta_, inv_at, x, R, K = args
+        self.ops.rt.launch("fp8.cu", "k_fp8_dgelu_cast_transpose_colsum_amax", dact.dtype, grid, THREADS,
+                           (out_, out_t_, meta_, inv_at, x, pre, R, K, partial, self._amax_out(kernel, amax_out)),
+                           defs=defs)
+
+    @staticmethod
+    def _amax_out(kernel, amax_out):
+        if amax_out is None:
+            return np.uint64(0)
+        check(kernel, "amax_out", amax_out, (1,), np.float32)
+        return amax_out
+
+    def k_fp8_delayed_roll(self, rows, state, roll=True):
+        """The delayed scales' rows (n, META_STRIDE) at the end of an optimizer step (numpy_ref
+        k_fp8_delayed_roll; the step's skip flag read from the optimizer state on the device), or
+        with roll=False after a load (state not read: None)."""
+        check("k_fp8_delayed_roll", "rows", rows, dtype=np.float32)
+        if state is None and roll:
+            raise ValueError("k_fp8_delayed_roll: a roll reads the step's skip flag: state is needed")
+        if state is not None:
+            check("k_fp8_delayed_roll", "state", state, dtype=np.float64)
+        if rows.ndim != 2 or rows.shape[1] < DELAYED_HIST_AT + FP8_HIST:
+            raise ValueError(f"k_fp8_delayed_roll: rows has shape {rows.shape}; expected (n, >= "
+                             f"{DELAYED_HIST_AT + FP8_HIST})")
+        n = rows.shape[0]
+        self.ops.rt.launch("fp8.cu", "k_fp8_delayed_roll", np.float32, -(-n // 32), 32,
+                           (rows, i32(n), i32(rows.shape[1]), state if state is not None else np.uint64(0),
+                            i32(S_SKIP), i32(int(roll))))
 
     def k_fp8_dgelu_colsum_amax(self, partial, meta, dact, pre, rows_per_chunk):
         """dact (N, H) *= gelu'(pre) in place (k_mlp_bwd_gelu's derivative); partial (chunks, H)
@@ -440,6 +504,72 @@ class Fp8Ops:
                 self.slot_of_input[x.data.ptr] = slot
         self._slot_block = block
 
+    # ------------------------------------------------------------ delayed scaling
+    def use_delayed_scales(self, w2s, w1s, block):
+        """Delayed scales (docs/FP8.md) for act, the input of the products of w2s (each layer's
+        second MLP weight), and dact, the output gradient of the products of w1s (the first):
+        block (2 n, META_STRIDE) float32 in the engine's arena (delayed_rows), act's rows first.
+        The act slots (use_input_slots, called first) take their 1/scale from these rows. The rows
+        start empty: the next step takes its amax first (load_delayed)."""
+        if len(w2s) != len(w1s) or block.shape != (len(w2s) + len(w1s), META_STRIDE) or block.dtype != np.float32:
+            raise ValueError(f"use_delayed_scales: {len(w2s)} and {len(w1s)} weights, block {block.shape} "
+                             f"{block.dtype}; expected as many of each, a ({2 * len(w2s)}, {META_STRIDE}) float32 block")
+        self.delayed_block = block
+        self.delayed = {}
+        for i, w in enumerate(w2s):
+            self.delayed["act", w.data.ptr] = block[i]
+            slot = self.slots.get(w.data.ptr) if self.slots else None
+            if slot is not None:
+                slot.meta = block[i]
+        for i, w in enumerate(w1s):
+            self.delayed["dy", w.data.ptr] = block[len(w2s) + i]
+        self.load_delayed(None)
+
+    def load_delayed(self, history):
+        """The rows from history ((n, FP8_HIST) amax, newest first: what delayed_history gave), or
+        empty (None: the next step takes its amax first and records it); [0] from the history."""
+        b = self.delayed_block
+        if b is None:
+            return
+        rows = np.zeros(b.shape, np.float32)
+        if history is not None:
+            h = np.asarray(history, dtype=np.float32)
+            if h.shape != (b.shape[0], FP8_HIST) or not np.all(np.isfinite(h)) or (h < 0).any():
+                raise ValueError(f"fp8_amax_history: shape {h.shape}; expected ({b.shape[0]}, {FP8_HIST}) finite, "
+                                 "non-negative amax values (a row a delayed scale, newest first)")
+            rows[:, DELAYED_HIST_AT:DELAYED_HIST_AT + FP8_HIST] = h
+        b.set(rows)
+        self.k_fp8_delayed_roll(b, None, roll=False)
+        self.delayed_live = history is not None
+
+    def delayed_history(self):
+        """The rows' histories (n, FP8_HIST) float32, newest first (host; waits for the device)."""
+        if self.delayed_block is None:
+            return None
+        return self.delayed_block[:, DELAYED_HIST_AT:DELAYED_HIST_AT + FP8_HIST].get()
+
+    def roll_delayed(self, state):
+        """The end of an optimizer step (state: the engine's optimizer state): each history takes
+        the step's amax unless the step was skipped, each scale its history's largest."""
+        if self.delayed_block is not None:
+            self.k_fp8_delayed_roll(self.delayed_block, state)
+
+    @contextmanager
+    def recording(self):
+        """The passes queued inside reduce their delayed scales' amax (a training step's)."""
+        saved, self.delayed_record = self.delayed_record, True
+        try:
+            yield
+        finally:
+            self.delayed_record = saved
+
+    def _delayed_row(self, role, w):
+        return self.delayed.get((role, w.data.ptr)) if self.delayed else None
+
+    def _record_at(self, row):
+        """Where a pass reduces its amax: row's current step, when recording."""
+        return row[DELAYED_CUR:DELAYED_CUR + 1] if self.delayed_record else None
+
     def _arm(self, slot):
         """Make slot's amax zero before a kernel reduces into it: the first slot (layer 0's ln1,
         quantised first in every forward pass) zeroes every slot's row in one memset; another
@@ -542,6 +672,9 @@ class Fp8Ops:
         """fp8(x2) (N, IC) in the workspace for the forward product of w, and its 1/scale: with
         x2's input slot, its amax from the producer (or taken here) and X^T kept in one pass.
         pre: x2 is act = gelu(pre), made from pre by the GELU kernels (x2 itself is not read)."""
+        row = self._delayed_row("act", w) if pre is not None else None
+        if row is not None:
+            return self._fwd_act_delayed(x2, w, pre, row)
         src, amax, cast_t = ((x2, self.k_fp8_amax, self.k_fp8_cast_transpose) if pre is None else
                              (pre, self.k_fp8_gelu_amax, self.k_fp8_gelu_cast_transpose))
         slot = self._slot(w, x2, forward=True)
@@ -562,6 +695,22 @@ class Fp8Ops:
             cast_t(xq, xt, meta, src, FP8_FWD)
         return xq, meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
 
+    def _fwd_act_delayed(self, x2, w, pre, row):
+        """_fwd_operand of act = gelu(pre) with a delayed scale: one pass over pre casts act with
+        the scale of row's history and reduces its amax into the row (the first step: its amax
+        taken first, k_fp8_gelu_amax); X^T kept in the slot, whose 1/scale is the row's."""
+        slot = self._slot(w, x2, forward=True)
+        xt = None
+        if slot is not None:
+            slot.state, xt = "used", slot.xt
+            slot.ready = xt is not None
+        if not self.delayed_live:
+            self.k_fp8_gelu_amax(row, pre)
+        N, H = x2.shape
+        xq = self.ops.workspace.get("fp8_x", N * H, np.uint8).reshape(N, H)
+        self.k_fp8_gelu_cast_transpose_amax(xq, xt, row, pre, FP8_FWD, self._record_at(row))
+        return xq, row[META_STRIDE // 2:META_STRIDE // 2 + 1]
+
     def _fwd_matmul(self, out2, xq, x_inv, w, b, fallback):
         """out2 = xq @ fp8(w).T * both inverse scales + b (cuBLASLt's bias epilogue, else fallback())."""
         from .cublaslt import NoAlgorithm
@@ -573,20 +722,24 @@ class Fp8Ops:
             fallback()
 
     def _dgrad_wgrad(self, dinp2, dw, dy2, x2, w, dx_epilogue=None, accumulate=True, dy_amax=False, x_t=None,
-                     db=None):
+                     db=None, dy_q=None):
         """The two backward products of one linear layer with output gradient dy2: dinp2 +=
         fp8(dY) @ fp8(w) (accumulate=False: =; or, with dx_epilogue, written through it) and dw +=
         fp8(dY).T @ fp8(x2). dy_amax: dy2's amax is in the dy meta already. x_t: (fp8(X)^T, its
         1/scale) made by the caller (x2 is then not read). db: the bias gradient, += the column
         sums of dy2: its partials written by dY's cast (CudaOps.fp8_cast_colsum), else the
-        two-pass column sums."""
+        two-pass column sums. dy_q: (fp8(dY), fp8(dY)^T, 1/scale) made by the caller (dy2 is then
+        not read)."""
         g = self.grad_fmt
         ops, partial = self.ops, None
         if db is not None and ops.fp8_cast_colsum:
             chunks = -(-dy2.shape[0] // int(ops.fp8_tile_rows))
             partial = ops._colsum_partials("colsum_a", chunks, dy2.shape[1])
-        dq, dq_t, d_inv = self._quantise("dy", dy2, g, transpose=True, both=True, amax_done=dy_amax,
-                                         partial=partial)
+        if dy_q is not None:
+            dq, dq_t, d_inv = dy_q
+        else:
+            dq, dq_t, d_inv = self._quantise("dy", dy2, g, transpose=True, both=True, amax_done=dy_amax,
+                                             partial=partial)
         wq_t, w_inv = self._weight(w, transpose=True)
         if dx_epilogue is None:
             self._product(dinp2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, beta=1.0 if accumulate else 0.0)
@@ -678,8 +831,10 @@ class Fp8Ops:
         slot = self._slot(w2, act2)
         x_t = None
         if slot is None or not slot.ready:  # dw2 needs fp8(act)^T: made again from pre, as the forward made it
-            meta = self._meta("x")
-            self.k_fp8_gelu_amax(meta, pre2)
+            row = self._delayed_row("act", w2)
+            meta = self._meta("x") if row is None else row
+            if row is None or not self.delayed_live:
+                self.k_fp8_gelu_amax(meta, pre2)
             q_t = self.ops.workspace.get("fp8_x", N * H, np.uint8).reshape(H, N)
             self.k_fp8_gelu_cast_transpose(None, q_t, meta, pre2, FP8_FWD)
             x_t = (q_t, meta[META_STRIDE // 2:META_STRIDE // 2 + 1])
@@ -697,6 +852,10 @@ class Fp8Ops:
             self._product(dact2, dq, g, d_inv, wq_t, FP8_FWD, w_inv)
 
         self._dgrad_wgrad(None, dw2, dy2, act2, w2, dx_epilogue=dact_product, x_t=x_t, db=db2)
+        row = self._delayed_row("dy", w1)
+        if row is not None and not ops.dgelu_epilogue:
+            self._dact_delayed(dinp, dw1, db1, dact2, pre2, inp, w1, row, accumulate)
+            return
         db_partials = None
         if not ops.dgelu_epilogue:
             rpc, chunks = colsum_chunks(N)
@@ -706,6 +865,28 @@ class Fp8Ops:
         elif not dgelu_done:  # no epilogue for this problem: the 16-bit path's pass (its tanh form)
             ops.rt.launch("mlp.cu", "k_mlp_bwd_gelu", ct, blocks(n_h), THREADS, (np.uint64(0), dact, pre, i64(n_h)))
         self._linear_bwd(dinp, dw1, db1, dact, inp, w1, accumulate, db_partials)
+
+    def _dact_delayed(self, dinp, dw1, db1, dact2, pre2, inp, w1, row, accumulate):
+        """The rest of the MLP backward with dact's delayed scale: one pass over dact and pre
+        (k_fp8_dgelu_cast_transpose_colsum_amax) makes fp8(d) and fp8(d)^T for the two products,
+        db1's column partials and d's amax for the history, d = dact * gelu'(pre) never stored;
+        the first step takes d's amax in a pass of its own first (the same kernel, writing nothing
+        else)."""
+        ops = self.ops
+        N, H = dact2.shape
+        C = w1.shape[1]
+        g = self.grad_fmt
+        chunks = -(-N // int(ops.fp8_tile_rows))
+        part = ops._colsum_partials("colsum_b", chunks, H)
+        dq = ops.workspace.get("fp8_dy", N * H, np.uint8).reshape(N, H)
+        dq_t = ops.workspace.get("fp8_dyt", N * H, np.uint8).reshape(H, N)
+        if not self.delayed_live:
+            cp.cuda.runtime.memsetAsync(row.data.ptr, 0, 4, cp.cuda.get_current_stream().ptr)
+            self.k_fp8_dgelu_cast_transpose_colsum_amax(None, None, self._meta("dy"), dact2, pre2, g, part, row[0:1])
+        self.k_fp8_dgelu_cast_transpose_colsum_amax(dq, dq_t, row, dact2, pre2, g, part, self._record_at(row))
+        self._dgrad_wgrad(dinp.reshape(-1, C), dw1, dact2, inp.reshape(-1, C), w1, accumulate=accumulate,
+                          dy_q=(dq, dq_t, row[META_STRIDE // 2:META_STRIDE // 2 + 1]))
+        ops._colsum_final(db1, part, chunks, H)
 
     # ------------------------------------------------------------ the classifier (numpy_ref's names)
     def k_fp8_transpose(self, out_t, x):

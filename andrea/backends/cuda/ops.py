@@ -229,6 +229,12 @@ class CudaOps:
     # False: k_fp8_cast_transpose, then the two-pass column sums (_colsum_add) read dY again. The
     # sums run in another order, so the bias gradients' last bits differ between the two
     fp8_cast_colsum = True
+    # train.precision=fp8: how the scales of the MLP's act and dact are found (cuda/fp8.py,
+    # docs/FP8.md). "current": from each tensor's own amax, a pass over it before its cast;
+    # "delayed": from the largest amax of the last 16 optimizer steps (the engine's arena and the
+    # checkpoint's sidecar keep the history), so the pass that makes the tensor casts it too and
+    # no pass takes an amax first. Read when an Engine is made (train.fp8_scaling sets it per run)
+    fp8_scaling = "delayed"
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # (fp8: k_fp8_dgelu_colsum_amax) after a plain product (False); docs/BENCHMARKS.md and
     # docs/FP8.md have the timings behind the default
@@ -279,9 +285,9 @@ class CudaOps:
                     ("attn_dheads", (3 * N * C,), "float32")]
         partial_rows = max(COLSUM_CHUNKS * 4, self._ln_grid(C))
         bias_chunks = COLSUM_CHUNKS  # partial rows of a bias gradient: more where the FP8 casts write them
-        if fp8 and self.fp8_cast_colsum:
+        if fp8 and (self.fp8_cast_colsum or self.fp8_scaling == "delayed"):
             bias_chunks = max(bias_chunks, -(-N // int(self.fp8_tile_rows)))
-        slot_rows = max(partial_rows, 3 * bias_chunks)  # the widest such bias is QKV's, 3C
+        slot_rows = max(partial_rows, 4 * bias_chunks)  # the widest bias is the MLP's first, 4C
         rows += [("colsum_a", (slot_rows * C,), "float32"), ("colsum_b", (slot_rows * C,), "float32"),
                  ("embed_keys", (P,), "uint32"), ("cublas", (CUBLAS_WORKSPACE,), "uint8")]
         deferred = deferred_floats(n_layer, C, partial_rows, bias_chunks)
