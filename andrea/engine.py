@@ -170,6 +170,22 @@ def fp8_classifier_runs(cfg: AndreaConfig, switch: bool) -> bool:
 FP8_SLOT_INPUTS = {"qkv_w": "ln1", "attn_out_w": "atty", "mlp_w1": "ln2", "mlp_w2": "act"}
 
 
+# train.precision=fp8 with delayed scaling (cuda/fp8.Fp8Ops.use_delayed_scales): the tensors whose
+# scale comes from an amax history, as (role, weight) of the product that reads them: the MLP's act
+# (the second product's input) and dact (the first's output gradient), the attention output (the
+# projection's input), and the output gradients of QKV, the projection and the MLP's second product
+# (dqkv and the residual stream's two). Their amax is taken by the pass that casts them.
+FP8_DELAYED = (("act", "mlp_w2"), ("dy", "mlp_w1"), ("x", "attn_out_w"), ("dy", "qkv_w"), ("dy", "attn_out_w"),
+               ("dy", "mlp_w2"))
+
+
+def fp8_delayed_tensors(m, slots: bool = True) -> List[tuple]:
+    """(role, weight name) of every delayed scale, layer by layer: a row of the arena each. Without
+    input slots (slots False) the attention output keeps current scaling (its delayed scale's
+    1/scale lives in its slot)."""
+    return [(role, f"h{l}.{w}") for l in range(m.n_layer) for role, w in FP8_DELAYED if slots or role != "x"]
+
+
 def fp8_input_slots(m) -> List[tuple]:
     """(weight name, layer, saved activation name) of every product with an FP8 input slot, in
     the order of the forward pass (layer 0's ln1 first: its quantisation starts a pass)."""
@@ -227,7 +243,7 @@ def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, s
             plan.add(name, shape, dt, "fp8 input slots")
     if t.precision == "fp8" and fp8_delayed:
         from .backends.cuda.fp8 import delayed_rows
-        for name, shape, dt in delayed_rows(m.n_layer):
+        for name, shape, dt in delayed_rows(len(fp8_delayed_tensors(m, fp8_keep_xt or fp8_producer_amax))):
             plan.add(name, shape, dt, "fp8 delayed scales")
     return plan
 
@@ -291,7 +307,7 @@ class Engine:
         # fp8: the MLP's act and dact scaled from an amax history (train.fp8_scaling, else the
         # backend's switch); _fp8_first: the record of a step that took the amax first, until read
         self.fp8_delayed = t.precision == "fp8" and fp8_scaling(self.be) == "delayed" and cfg.model.n_layer > 0
-        self._fp8_first = None
+        self.fp8_scales, self._fp8_first = None, None  # the backend's DelayedScales (_allocate)
         self.plan = make_plan(cfg, dtype, self.be.grad_norm_partials, self.comm.size if self.zero1 else 0,
                               **self._fp8_switches())
         self.dtype = dtype
@@ -342,9 +358,9 @@ class Engine:
                                         bufs["fp8_xmeta"], bufs.get("fp8_xt"), self.fp8_producer_amax)
         if self.fp8_delayed:  # after the slots: act's slots take their 1/scale from these rows
             from .backends.cuda.fp8 import META_STRIDE
-            self.be.use_fp8_delayed_scales([self.p[f"h{l}.mlp_w2"] for l in range(m.n_layer)],
-                                           [self.p[f"h{l}.mlp_w1"] for l in range(m.n_layer)],
-                                           bufs["fp8_delayed"].reshape(-1, META_STRIDE))
+            slots = self.fp8_keep_xt or self.fp8_producer_amax
+            tensors = [(role, self.p[w]) for role, w in fp8_delayed_tensors(m, slots)]
+            self.fp8_scales = self.be.use_fp8_delayed_scales(tensors, bufs["fp8_delayed"].reshape(-1, META_STRIDE))
         self.graphs = self.be.graph_runner()
 
     def slot_input(self, layer: int, name: str):
@@ -394,7 +410,7 @@ class Engine:
     def _load_fp8_history(self, history):
         """The delayed scales' amax history (None: empty, the next step takes its amax first)."""
         if self.fp8_delayed:
-            self.be.fp8.load_delayed(history)
+            self.fp8_scales.load(history)
             self._fp8_first = None
 
     def _fp8_settle(self):
@@ -402,7 +418,7 @@ class Engine:
         history holds that amax and the steps after scale from it (waits for that step only)."""
         if self._fp8_first is not None:
             if not self._fp8_first["skipped"]:
-                self.be.fp8.delayed_live = True
+                self.fp8_scales.live = True
             self._fp8_first = None
 
     def fp8_history(self):
@@ -411,9 +427,9 @@ class Engine:
         if not self.fp8_delayed:
             return None
         self._fp8_settle()
-        if not self.be.fp8.delayed_live:
+        if not self.fp8_scales.live:
             return None
-        return [[float(a) for a in row] for row in self.be.fp8.delayed_history()]
+        return [[float(a) for a in row] for row in self.fp8_scales.history()]
 
     def _refresh_fp8(self):
         """The FP8 copies of the weights rewritten from the compute copy, wherever it changed: after
@@ -548,10 +564,10 @@ class Engine:
                 be.k_loss_accum(self.optim_state, self.g["losses"])
         live = None
         if self.fp8_delayed:  # a training step's passes record their amax for the delayed scales
-            live, step_passes = be.fp8.delayed_live, passes
+            live, step_passes = self.fp8_scales.live, passes
 
             def passes():
-                with be.fp8.recording():
+                with self.fp8_scales.recording():
                     step_passes()
         # CUDA: both passes replay as one graph (hundreds of launches cost milliseconds of Python
         # otherwise); the key holds what the graph bakes in (this engine's buffers, and whether
@@ -603,7 +619,7 @@ class Engine:
         """The delayed scales' histories take this step's amax (unless it is skipped; on the
         device, in the optimizer's graph)."""
         if self.fp8_delayed:
-            self.be.fp8.roll_delayed(self.optim_state)
+            self.fp8_scales.roll(self.optim_state)
 
     def _run(self, key, fn):
         self.graphs.run(key, fn)
@@ -614,7 +630,7 @@ class Engine:
         returned record waits for the step's results when first read."""
         lr = lr_at(self.cfg, step)
         self._fp8_settle()
-        first_amax = self.fp8_delayed and not self.be.fp8.delayed_live
+        first_amax = self.fp8_delayed and not self.fp8_scales.live
         self.be.upload(self.optim_state[S_LR:S_STEP + 1], [lr, step])
         for i, (x, y) in enumerate(batches):
             self._passes(x, y, first=i == 0)  # the first microbatch's pass starts the gradients

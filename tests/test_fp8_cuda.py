@@ -982,7 +982,9 @@ def test_engine_fp8_classifier_same_bits_and_resume(tmp_path):
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (400, 96)])  # partial tiles
 def test_delayed_kernels_are_the_current_passes(be, R, K, rows, monkeypatch):
     """k_fp8_gelu_cast_transpose_amax: the bytes and 1/scale of k_fp8_gelu_cast_transpose with the
-    same meta, and the amax it reduces (into a value already there) that of k_fp8_gelu_amax.
+    same meta, and the amax it reduces (into a value already there) that of k_fp8_gelu_amax;
+    k_fp8_cast_transpose_amax and k_fp8_cast_transpose_colsum_amax those of their casts without it
+    and the amax of k_fp8_amax.
     k_fp8_dgelu_cast_transpose_colsum_amax: the bytes of k_fp8_dgelu_colsum_amax (dact *= gelu'(pre)
     in place, on a copy) followed by k_fp8_cast_transpose with the same meta; its column sums
     numpy_ref.fp8_tile_colsum of that dact bit for bit, its amax k_fp8_amax of it; dact not
@@ -1033,6 +1035,24 @@ def test_delayed_kernels_are_the_current_passes(be, R, K, rows, monkeypatch):
         assert rec.get()[0] == dm.get()[0]
         if shrink < 1:
             assert (ref.fp8_decode(got[0].get(), "e4m3") == 448).any(), "nothing saturated"
+        # the plain casts with an amax: k_fp8_cast_transpose_amax, k_fp8_cast_transpose_colsum_amax
+        meta = cp.asarray(np.array([dm.get()[0] * shrink, 0], np.float32))
+        want = [cp.zeros((R, K), cp.uint8), cp.zeros((K, R), cp.uint8)]
+        be.fp8.k_fp8_cast_transpose(*want, meta, dact, "e5m2")
+        xm = cp.zeros(2, cp.float32)
+        be.fp8.k_fp8_amax(xm, dact)
+        for colsum in (False, True):
+            got = [cp.full((R, K), 0xAA, cp.uint8), cp.full((K, R), 0xAA, cp.uint8)]
+            rec, part = cp.zeros(1, cp.float32), cp.full(n * K, np.nan, cp.float32)
+            if colsum:
+                be.fp8.k_fp8_cast_transpose_colsum_amax(*got, meta, dact, "e5m2", part, rec)
+                np.testing.assert_array_equal(part.get().reshape(n, K).view(np.uint32),
+                                              ref.fp8_tile_colsum(dact.get().astype(np.float32), rows).view(np.uint32))
+            else:
+                be.fp8.k_fp8_cast_transpose_amax(*got, meta, dact, "e5m2", rec)
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g.get(), w.get())
+            assert rec.get()[0] == xm.get()[0]
     # and the reference within one unit of the dtype of d (its GELU in float64)
     d_ref = ref._dgelu(dact.get(), pre.get())
     o, ot, p2, m2 = np.zeros((R, K), np.uint8), np.zeros((K, R), np.uint8), np.zeros((n, K), np.float32), np.zeros(1, np.float32)
@@ -1073,11 +1093,12 @@ def delayed_engine(tmp_path, scaling="delayed", **train):
 
 
 def test_delayed_scales_in_the_engine(tmp_path):
-    """fp8_scaling="delayed": step 1 takes the amax of act and dact first (k_fp8_gelu_amax, the
-    dGELU pass once more), the steps after take none (no k_fp8_gelu_amax, k_fp8_dgelu_colsum_amax,
-    cast of dact); after a step of one microbatch each history's newest entry is that step's amax
-    (act of every layer, dact of layer 0, whose raw gradient the workspace still holds), the older
-    ones moved one place; a skipped step leaves them. Two runs are bit-identical, and an evaluation
+    """fp8_scaling="delayed" (six tensors a layer: act, dact, the attention output, dqkv and the
+    residual stream's two gradients): step 1 takes their amax first (k_fp8_gelu_amax, the dGELU
+    pass once more, k_fp8_amax), the steps after take none (no amax pass at all: the classifier is
+    in bf16 at this vocabulary); after a step of one microbatch each history's newest entry is that
+    step's amax (act and the attention output of every layer, dact of layer 0, whose raw gradient
+    the workspace still holds), the older ones moved one place; a skipped step leaves them. Two runs are bit-identical, and an evaluation
     pass between steps changes nothing; a resume from a state (its history in it) repeats the steps
     bit for bit, a state without one starts over with the amax taken first. The same steps with
     current scaling end close to these."""
@@ -1087,22 +1108,24 @@ def test_delayed_scales_in_the_engine(tmp_path):
     runs, mid = [], None
     for run in range(2):
         eng = delayed_engine(tmp_path)
-        fp8 = eng.be.fp8
-        assert not fp8.delayed_live and eng.state().fp8_amax_history is None
+        fp8, sc = eng.be.fp8, eng.fp8_scales
+        assert not sc.live and eng.state().fp8_amax_history is None
         recs, counts = [], []
         for s in range(1, 8):
             log = launches(eng.be)
             if s == 5:
                 eng.loss_scale = float("inf")
             micro = [batch(2 * s)] if s in (2, 3) else [batch(2 * s), batch(2 * s + 1)]
-            before = fp8.delayed_block.get()
+            before = sc.block.get()
             recs.append(dict(eng.train_step(s, micro)))
             eng.be.synchronize()
-            counts.append({k: log.count(k) for k in ("k_fp8_gelu_amax", "k_fp8_dgelu_colsum_amax",
+            counts.append({k: log.count(k) for k in ("k_fp8_amax", "k_fp8_gelu_amax", "k_fp8_dgelu_colsum_amax",
                                                      "k_fp8_dgelu_cast_transpose_colsum_amax",
-                                                     "k_fp8_gelu_cast_transpose_amax", "k_fp8_delayed_roll")})
+                                                     "k_fp8_gelu_cast_transpose_amax", "k_fp8_cast_transpose_amax",
+                                                     "k_fp8_cast_transpose_colsum_amax", "k_fp8_cast_transpose",
+                                                     "k_fp8_delayed_roll")})
             del eng.be.rt.launch
-            after = fp8.delayed_block.get()
+            after = sc.block.get()
             h0, h1 = before[:, DELAYED_HIST_AT:DELAYED_HIST_AT + 16], after[:, DELAYED_HIST_AT:DELAYED_HIST_AT + 16]
             if s == 5:
                 eng.loss_scale = 1.0
@@ -1112,27 +1135,35 @@ def test_delayed_scales_in_the_engine(tmp_path):
                 assert np.all(h1[:, 0] > 0) and np.all(after[:, 0] == h1.max(axis=1)) and np.all(after[:, 1] == 0)
             if s in (2, 3):  # one microbatch: its amax is the newest entry
                 for l in range(n_layer):
-                    m = cp.zeros(2, cp.float32)
+                    m, a = cp.zeros(2, cp.float32), cp.zeros(2, cp.float32)
                     fp8.k_fp8_gelu_amax(m, eng.layers[l]["pre"].reshape(-1, 4 * 48))
-                    assert h1[l, 0] == m.get()[0], f"step {s}: act amax of layer {l}"
+                    fp8.k_fp8_amax(a, eng.layers[l]["atty"].reshape(-1, 48))
+                    assert h1[6 * l, 0] == m.get()[0], f"step {s}: act amax of layer {l}"
+                    assert h1[6 * l + 2, 0] == a.get()[0], f"step {s}: attention output amax of layer {l}"
                 d, m = eng.g["dact"].reshape(-1, 4 * 48).copy(), cp.zeros(2, cp.float32)
                 fp8.k_fp8_dgelu_colsum_amax(cp.zeros(64 * 4 * 48, cp.float32), m, d,
                                             eng.layers[0]["pre"].reshape(-1, 4 * 48), 2)
-                assert h1[n_layer, 0] == m.get()[0], f"step {s}: dact amax of layer 0"
+                assert h1[1, 0] == m.get()[0], f"step {s}: dact amax of layer 0"
             if run == 0 and s == 4:
                 eng.val_loss([batch(40)])  # evaluation: records nothing into the history
             if s == 3:
                 mid = eng.state()
-                assert np.array(mid.fp8_amax_history).shape == (2 * n_layer, 16)
+                assert np.array(mid.fp8_amax_history).shape == (6 * n_layer, 16)
         runs.append((recs, eng.host_state()))
+        # step 1: two microbatches, eager; step 2: one, eager (its graphs' first run with a history);
+        # the casts of ln1 and ln2 (k_fp8_cast_transpose) keep their current scales
         per = n_layer * 2
-        assert counts[0] == {"k_fp8_gelu_amax": per, "k_fp8_dgelu_colsum_amax": 0,
+        assert counts[0] == {"k_fp8_amax": 4 * per, "k_fp8_gelu_amax": per, "k_fp8_dgelu_colsum_amax": 0,
                              "k_fp8_dgelu_cast_transpose_colsum_amax": 2 * per,
-                             "k_fp8_gelu_cast_transpose_amax": per, "k_fp8_delayed_roll": 1}, counts[0]
-        assert counts[3] == {"k_fp8_gelu_amax": 0, "k_fp8_dgelu_colsum_amax": 0,
-                             "k_fp8_dgelu_cast_transpose_colsum_amax": per,
-                             "k_fp8_gelu_cast_transpose_amax": per, "k_fp8_delayed_roll": 1}, counts[3]
-        assert fp8.delayed_live
+                             "k_fp8_gelu_cast_transpose_amax": per, "k_fp8_cast_transpose_amax": per,
+                             "k_fp8_cast_transpose_colsum_amax": 3 * per, "k_fp8_cast_transpose": 2 * per,
+                             "k_fp8_delayed_roll": 1}, counts[0]
+        assert counts[1] == {"k_fp8_amax": 0, "k_fp8_gelu_amax": 0, "k_fp8_dgelu_colsum_amax": 0,
+                             "k_fp8_dgelu_cast_transpose_colsum_amax": n_layer,
+                             "k_fp8_gelu_cast_transpose_amax": n_layer, "k_fp8_cast_transpose_amax": n_layer,
+                             "k_fp8_cast_transpose_colsum_amax": 3 * n_layer, "k_fp8_cast_transpose": 2 * n_layer,
+                             "k_fp8_delayed_roll": 1}, counts[1]
+        assert sc.live
     (a, sa), (b, sb) = runs
     assert [r["skipped"] for r in a] == [False] * 4 + [True] + [False] * 2, a
     assert repr(a) == repr(b), "two delayed runs (one with an evaluation between steps) differ"
@@ -1141,7 +1172,7 @@ def test_delayed_scales_in_the_engine(tmp_path):
     # resume from the state after step 3 (with its history): steps 4..7 as straight
     eng = delayed_engine(tmp_path, seed=99)
     eng.load_state(mid)
-    assert eng.be.fp8.delayed_live
+    assert eng.fp8_scales.live
     recs = []
     for s in range(4, 8):
         if s == 5:
@@ -1155,7 +1186,7 @@ def test_delayed_scales_in_the_engine(tmp_path):
     # a state without a history (a checkpoint of current scaling): the next step takes its amax first
     mid.fp8_amax_history = None
     eng.load_state(mid)
-    assert not eng.be.fp8.delayed_live
+    assert not eng.fp8_scales.live
     # current scaling, the same steps: close, not equal
     cur = delayed_engine(tmp_path, "current")
     c = [dict(cur.train_step(s, [batch(2 * s)] if s in (2, 3) else [batch(2 * s), batch(2 * s + 1)]))

@@ -745,11 +745,23 @@ def test_delayed_passes_are_the_current_ones(dtype):
     np.testing.assert_array_equal(part, p2)
     np.testing.assert_array_equal(meta, m2)
     assert amax[0] == dm[0] and (K.fp8_decode(o, "e5m2") == 57344).any(), "a small scale saturates"
+    x = d.astype(np.float32)  # the plain casts with an amax
+    for colsum in (False, True):
+        o3, ot3, p3, a3 = np.zeros_like(o), np.zeros_like(ot), np.zeros_like(part), np.array([0.0], np.float32)
+        m3 = np.array([0.01, 0], np.float32)
+        if colsum:
+            K.k_fp8_cast_transpose_colsum_amax(o3, ot3, m3, x, "e5m2", p3, a3)
+            np.testing.assert_array_equal(p3, p2)
+        else:
+            K.k_fp8_cast_transpose_amax(o3, ot3, m3, x, "e5m2", a3)
+        np.testing.assert_array_equal(o3, o2)
+        np.testing.assert_array_equal(ot3, ot2)
+        assert a3[0] == dm[0]
 
 
 def test_memory_plan_and_state_of_the_delayed_scales():
-    """fp8_delayed plans one 64-float row a layer for act and one for dact (group "fp8 delayed
-    scales"), nothing else changed; EngineState keeps the amax history in the sidecar's fields only
+    """fp8_delayed plans a 64-float row for each of six tensors a layer (group "fp8 delayed
+    scales"; five without input slots), nothing else changed; EngineState keeps the amax history in the sidecar's fields only
     where there is one, and from_checkpoint takes it from the sidecar (not from the engine's
     defaults: a checkpoint without one starts over)."""
     from types import SimpleNamespace
@@ -758,7 +770,9 @@ def test_memory_plan_and_state_of_the_delayed_scales():
     from andrea.engine import EngineState, make_plan
     cfg = compose_config("ANDREA-120M", ["train.precision=fp8", "train.batch_size=8"])
     on, off = make_plan(cfg, fp8_delayed=True), make_plan(cfg)
-    assert on.by_group()["fp8 delayed scales"] == 2 * 12 * 64 * 4
+    assert on.by_group()["fp8 delayed scales"] == 6 * 12 * 64 * 4
+    no_slots = make_plan(cfg, fp8_delayed=True, fp8_keep_xt=False, fp8_producer_amax=False)
+    assert no_slots.by_group()["fp8 delayed scales"] == 5 * 12 * 64 * 4  # the attention output: current
     assert [r for r in on.rows if r.group != "fp8 delayed scales"] == off.rows
     assert "fp8 delayed scales" not in make_plan(compose_config("ANDREA-120M", ["train.precision=bf16"]),
                                                  fp8_delayed=True).by_group()

@@ -63,6 +63,9 @@ class Backend(Protocol):
     # backward's two, 2: the logits as well; the embedding then in the weight cache); 0 where the
     # backend runs no fp8
     fp8_classifier: int
+    # train.precision=fp8: "delayed" where the scales of the tensors use_fp8_delayed_scales names
+    # come from an amax history, "current" where each comes from its tensor's own amax
+    fp8_scaling: str
 
     def attention_variant(self, dtype, head_size: int) -> str:
         """The path k_attn_fwd/_bwd take for this compute dtype and head size: "fused" or
@@ -134,6 +137,16 @@ class Backend(Protocol):
         is given, the FP8 X^T each forward product writes and its backward reads instead of
         quantising X again; producer_amax: the layer-norm forward kernels writing an input reduce
         its amax. The rows the memory plan took for them; the same bits as without them."""
+
+    def use_fp8_delayed_scales(self, tensors: List[Any], block) -> Any:
+        """After reserve_workspace(fp8=True) and use_fp8_input_slots, with fp8_scaling "delayed":
+        the tensors, (role, weight) pairs ("act": the MLP's act, input of the weight's product;
+        "x": the input of the weight's product, in its input slot; "dy": the output gradient of
+        the weight's product), scale from the largest amax of the last steps, kept in block
+        (float32, a row each, the rows the memory plan took). Returns the handle the engine drives
+        them with: load(history or None), history(), roll(optimizer state) at the end of each
+        optimizer step (captured with it), recording() around a training step's passes, and live
+        (a history is held; else each pass takes its amax first)."""
 
     def refresh_fp8_weight_cache(self) -> None:
         """Rewrite the FP8 copies of the weights (use_fp8_weight_cache) from the weights as they

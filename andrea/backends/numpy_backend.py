@@ -62,6 +62,7 @@ class NumpyBackend:
     fp8_keep_xt = False
     fp8_producer_amax = False
     fp8_classifier = 0
+    fp8_scaling = "current"
     xp = np
 
     def attention_variant(self, dtype, head_size: int) -> str:
@@ -112,6 +113,9 @@ class NumpyBackend:
 
     def use_fp8_input_slots(self, weights, inputs, meta, xt=None, producer_amax=False):
         raise ValueError("use_fp8_input_slots: the NumPy backend runs no fp8 (backend=cuda does)")
+
+    def use_fp8_delayed_scales(self, tensors, block):
+        raise ValueError("use_fp8_delayed_scales: the NumPy backend runs no fp8 (backend=cuda does)")
 
     def refresh_fp8_weight_cache(self):
         """Nothing: the NumPy backend keeps no FP8 copies."""

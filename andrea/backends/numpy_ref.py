@@ -672,6 +672,18 @@ def _amax_into(amax_out, x):
     amax_out[0] = np.nan if np.isnan(a).any() else a.max()
 
 
+def k_fp8_cast_transpose_amax(out, out_t, meta, x, fmt, amax_out):
+    """k_fp8_cast_transpose, and amax_out[0] = max(amax_out[0], max |x|) (None: not taken)."""
+    k_fp8_cast_transpose(out, out_t, meta, x, fmt)
+    _amax_into(amax_out, x)
+
+
+def k_fp8_cast_transpose_colsum_amax(out, out_t, meta, x, fmt, partial, amax_out, tile_rows=64):
+    """k_fp8_cast_transpose_colsum, and amax_out[0] = max(amax_out[0], max |x|) (None: not taken)."""
+    k_fp8_cast_transpose_colsum(out, out_t, meta, x, fmt, partial, tile_rows)
+    _amax_into(amax_out, x)
+
+
 def k_fp8_gelu_cast_transpose_amax(out, out_t, meta, pre, fmt, amax_out):
     """k_fp8_gelu_cast_transpose, and amax_out[0] = max(amax_out[0], max |act|) (None: not taken)."""
     act = _act(pre)

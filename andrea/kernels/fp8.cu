@@ -269,6 +269,12 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
     }
   }
   if (COLSUM) fp8_tile_colsum_warps<H>(p, R, K, r0, c0, acc);
+  __shared__ unsigned int warp_amax[AMAX ? 8 : 1];  // each warp's largest, read after the barrier below
+  if (AMAX) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = umax(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = m;
+  }
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
@@ -279,7 +285,7 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
     }
   }
   if (!out_t && !COLSUM && !AMAX) return;
-  __syncthreads();  // the tile's bytes (and, with COLSUM, the warps' column sums) are in shared memory
+  __syncthreads();  // the tile's bytes (with COLSUM the warps' column sums, with AMAX their largest) are shared
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     int c = threadIdx.x + h * blockDim.x, col = c / (TR / 8), r8 = (c % (TR / 8)) * 8;
@@ -294,7 +300,12 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
     }
   }
   if (COLSUM) fp8_tile_colsum_out(partial, K, r0 / TR, c0, acc);
-  if (AMAX && amax_out) block_amax_atomic(amax_out, m);  // amax_out is the same for every thread
+  if (AMAX && amax_out && threadIdx.x == 0) {  // one atomicMax a tile, as block_amax_atomic makes it
+    unsigned int b = warp_amax[0];
+#pragma unroll
+    for (int w = 1; w < 8; ++w) b = umax(b, warp_amax[w]);
+    atomicMax(reinterpret_cast<unsigned int*>(amax_out), b);
+  }
 }
 
 // The body of k_fp8_cast_transpose (GELU: k_fp8_gelu_cast_transpose): scale from meta[0], 1/scale
@@ -376,6 +387,18 @@ extern "C" __global__ void k_fp8_gelu_cast_transpose(unsigned char* out, unsigne
 
 // ---- delayed scaling (docs/FP8.md): the scale from earlier steps' amax, the cast in the pass that
 // makes the tensor, which reduces the tensor's own amax for the steps after
+
+// k_fp8_cast_transpose and k_fp8_cast_transpose_colsum, scale from meta[0] (a delayed scale's row),
+// and amax_out[0] = max(that, max |x|) where amax_out is not null.
+extern "C" __global__ void k_fp8_cast_transpose_amax(unsigned char* out, unsigned char* out_t, float* meta,
+                                                     int inv_at, const CT* x, int R, int K, float* amax_out) {
+  fp8_cast_transpose_tiles<TILE_CAST, false, true>(out, out_t, meta, inv_at, x, R, K, nullptr, nullptr, amax_out);
+}
+extern "C" __global__ void k_fp8_cast_transpose_colsum_amax(unsigned char* out, unsigned char* out_t, float* meta,
+                                                            int inv_at, const CT* x, int R, int K, float* partial,
+                                                            float* amax_out) {
+  fp8_cast_transpose_tiles<TILE_CAST, true, true>(out, out_t, meta, inv_at, x, R, K, partial, nullptr, amax_out);
+}
 
 // k_fp8_gelu_cast_transpose, scale from meta[0] (a delayed scale's row, or k_fp8_gelu_amax), and
 // amax_out[0] = max(that, max |act|) where amax_out is not null.

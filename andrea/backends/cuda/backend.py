@@ -163,12 +163,12 @@ class CudaBackend(CudaOps):
             raise RuntimeError("use_fp8_input_slots: call reserve_workspace(..., fp8=True) first")
         self.fp8.use_input_slots(weights, inputs, meta, xt, producer_amax)
 
-    def use_fp8_delayed_scales(self, w2s, w1s, block):
-        """Delayed scales for the MLP's act and dact (cuda/fp8.Fp8Ops.use_delayed_scales); needs
-        reserve_workspace(fp8=True) and the input slots first."""
+    def use_fp8_delayed_scales(self, tensors, block):
+        """Delayed scales for tensors, (role, weight) pairs (cuda/fp8.Fp8Ops.use_delayed_scales):
+        returns their DelayedScales; needs reserve_workspace(fp8=True) and the input slots first."""
         if self.fp8 is None:
             raise RuntimeError("use_fp8_delayed_scales: call reserve_workspace(..., fp8=True) first")
-        self.fp8.use_delayed_scales(w2s, w1s, block)
+        return self.fp8.use_delayed_scales(tensors, block)
 
     def refresh_fp8_weight_cache(self):
         """The FP8 copies rewritten from the weights (three launches); nothing without them."""

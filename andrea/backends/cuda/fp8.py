@@ -116,11 +116,10 @@ def fp8_rows(B: int, T: int, C: int, vocab: int = 0):
     return rows + [("fp8_w", (w,), "uint8"), ("fp8_meta", (len(META_SLOTS) * META_STRIDE,), "float32")]
 
 
-def delayed_rows(n_layer: int):
-    """The engine's arena rows of the delayed scales (CudaOps.fp8_scaling = "delayed"): one
-    META_STRIDE row for each layer's act (the MLP's second product's input) and one for its dact
-    (the first product's output gradient)."""
-    return [("fp8_delayed", (2 * n_layer * META_STRIDE,), "float32")] if n_layer else []
+def delayed_rows(n: int):
+    """The engine's arena rows of n delayed scales (CudaOps.fp8_scaling = "delayed"), one
+    META_STRIDE row each (engine.fp8_delayed_tensors lists them)."""
+    return [("fp8_delayed", (n * META_STRIDE,), "float32")] if n else []
 
 
 def classifier_in_fp8(N: int, V: int) -> bool:
@@ -161,6 +160,52 @@ class InputSlot:
         self.state, self.ready = "used", False
 
 
+class DelayedScales:
+    """The delayed scales of one engine (Fp8Ops.use_delayed_scales): block (n, META_STRIDE), a row
+    a tensor (fp8.cu k_fp8_delayed_roll: the amax it scales by, the step's, the history); rows,
+    (role, address of a weight) -> its row. live: the rows hold a history (else each pass takes its
+    amax first and records it: the first step); record: the passes being queued reduce their amax
+    into the rows (a training step's, not a forward pass of evaluation or generation)."""
+
+    def __init__(self, fp8, block, rows):
+        self.fp8, self.block, self.rows = fp8, block, rows
+        self.live, self.record = False, False
+        self.load(None)
+
+    def load(self, history):
+        """The rows from history ((n, FP8_HIST) amax, newest first: what history() gave), or
+        empty (None: the next step takes its amax first and records it); [0] from the history."""
+        b = self.block
+        rows = np.zeros(b.shape, np.float32)
+        if history is not None:
+            h = np.asarray(history, dtype=np.float32)
+            if h.shape != (b.shape[0], FP8_HIST) or not np.all(np.isfinite(h)) or (h < 0).any():
+                raise ValueError(f"fp8_amax_history: shape {h.shape}; expected ({b.shape[0]}, {FP8_HIST}) finite, "
+                                 "non-negative amax values (a row a delayed scale, newest first)")
+            rows[:, DELAYED_HIST_AT:DELAYED_HIST_AT + FP8_HIST] = h
+        b.set(rows)
+        self.fp8.k_fp8_delayed_roll(b, None, roll=False)
+        self.live = history is not None
+
+    def history(self):
+        """The rows' histories (n, FP8_HIST) float32, newest first (host; waits for the device)."""
+        return self.block[:, DELAYED_HIST_AT:DELAYED_HIST_AT + FP8_HIST].get()
+
+    def roll(self, state):
+        """The end of an optimizer step (state: the engine's optimizer state): each history takes
+        the step's amax unless the step was skipped, each scale its history's largest."""
+        self.fp8.k_fp8_delayed_roll(self.block, state)
+
+    @contextmanager
+    def recording(self):
+        """The passes queued inside reduce their amax into the rows (a training step's)."""
+        saved, self.record = self.record, True
+        try:
+            yield
+        finally:
+            self.record = saved
+
+
 class Fp8Ops:
     """The FP8 launchers of one CudaBackend (ops): its Runtime, cuBLASLt binding and workspace.
     grad_fmt: the format of the output gradients ("e4m3" or "e5m2")."""
@@ -179,12 +224,7 @@ class Fp8Ops:
         # address of an input -> the same slot (the layer-norm launchers ask by their output)
         self.slots, self.slot_of_input = {}, {}
         self._slot_block = None  # every slot's meta rows, (n, META_STRIDE): zeroed by one memset
-        # delayed scales (use_delayed_scales): ("act" | "dy", address of a weight) -> its row of
-        # the block; live: the rows hold a history (else each pass takes its amax first, and
-        # records it: the first step); record: the passes being queued reduce their amax into the
-        # rows (a training step's; not a forward pass of evaluation or generation)
-        self.delayed, self.delayed_block = {}, None
-        self.delayed_live, self.delayed_record = False, False
+        self.delayed = None  # the DelayedScales of use_delayed_scales
 
     # ------------------------------------------------------------ the quantisation kernels
     @staticmethod
@@ -290,6 +330,23 @@ class Fp8Ops:
         k_fp8_cast_transpose casts it (scale from meta[0]: k_fp8_gelu_amax), without writing act."""
         grid, args, defs = self._cast_transpose_launch("k_fp8_gelu_cast_transpose", out, out_t, meta, pre, fmt)
         self.ops.rt.launch("fp8.cu", "k_fp8_gelu_cast_transpose", pre.dtype, grid, THREADS, args, defs=defs)
+
+    def k_fp8_cast_transpose_amax(self, out, out_t, meta, x, fmt, amax_out):
+        """k_fp8_cast_transpose, and amax_out (a (1,) float32 view, or None: not taken) =
+        max(amax_out, max |x|)."""
+        kernel = "k_fp8_cast_transpose_amax"
+        grid, args, defs = self._cast_transpose_launch(kernel, out, out_t, meta, x, fmt)
+        self.ops.rt.launch("fp8.cu", "k_fp8_cast_transpose_amax", x.dtype, grid, THREADS,
+                           args + (self._amax_out(kernel, amax_out),), defs=defs)
+
+    def k_fp8_cast_transpose_colsum_amax(self, out, out_t, meta, x, fmt, partial, amax_out):
+        """k_fp8_cast_transpose_colsum, and amax_out (a (1,) float32 view, or None) = max(amax_out,
+        max |x|)."""
+        kernel = "k_fp8_cast_transpose_colsum_amax"
+        grid, args, defs = self._cast_transpose_launch(kernel, out, out_t, meta, x, fmt)
+        check(kernel, "partial", partial, (grid[1] * x.shape[1],), np.float32)
+        self.ops.rt.launch("fp8.cu", "k_fp8_cast_transpose_colsum_amax", x.dtype, grid, THREADS,
+                           args + (partial, self._amax_out(kernel, amax_out)), defs=defs)
 
     def k_fp8_gelu_cast_transpose_amax(self, out, out_t, meta, pre, fmt, amax_out):
         """k_fp8_gelu_cast_transpose, and amax_out (a (1,) float32 view, or None: not taken) =
@@ -505,70 +562,39 @@ class Fp8Ops:
         self._slot_block = block
 
     # ------------------------------------------------------------ delayed scaling
-    def use_delayed_scales(self, w2s, w1s, block):
-        """Delayed scales (docs/FP8.md) for act, the input of the products of w2s (each layer's
-        second MLP weight), and dact, the output gradient of the products of w1s (the first):
-        block (2 n, META_STRIDE) float32 in the engine's arena (delayed_rows), act's rows first.
-        The act slots (use_input_slots, called first) take their 1/scale from these rows. The rows
-        start empty: the next step takes its amax first (load_delayed)."""
-        if len(w2s) != len(w1s) or block.shape != (len(w2s) + len(w1s), META_STRIDE) or block.dtype != np.float32:
-            raise ValueError(f"use_delayed_scales: {len(w2s)} and {len(w1s)} weights, block {block.shape} "
-                             f"{block.dtype}; expected as many of each, a ({2 * len(w2s)}, {META_STRIDE}) float32 block")
-        self.delayed_block = block
-        self.delayed = {}
-        for i, w in enumerate(w2s):
-            self.delayed["act", w.data.ptr] = block[i]
-            slot = self.slots.get(w.data.ptr) if self.slots else None
+    def use_delayed_scales(self, tensors, block):
+        """Delayed scales (docs/FP8.md) for the tensors (role, w): "act" the input act = gelu(pre)
+        of w's product (the MLP's second), "x" the input of w's product (its input slot's: the
+        attention output), "dy" the output gradient of w's product. block (n, META_STRIDE)
+        float32 in the engine's arena (delayed_rows), a row each in that order. The input slots
+        (use_input_slots, called first) of "act" and "x" take their 1/scale from these rows. The
+        rows start empty: the next step takes its amax first. Returns the DelayedScales."""
+        if block.shape != (len(tensors), META_STRIDE) or block.dtype != np.float32:
+            raise ValueError(f"use_delayed_scales: {len(tensors)} tensors, block {block.shape} {block.dtype}; "
+                             f"expected a ({len(tensors)}, {META_STRIDE}) float32 block")
+        rows = {}
+        for i, (role, w) in enumerate(tensors):
+            if role not in ("act", "x", "dy"):
+                raise ValueError(f"use_delayed_scales: role {role!r}; expected act, x or dy")
+            rows[role, w.data.ptr] = block[i]
+            slot = self.slots.get(w.data.ptr) if self.slots and role != "dy" else None
             if slot is not None:
                 slot.meta = block[i]
-        for i, w in enumerate(w1s):
-            self.delayed["dy", w.data.ptr] = block[len(w2s) + i]
-        self.load_delayed(None)
-
-    def load_delayed(self, history):
-        """The rows from history ((n, FP8_HIST) amax, newest first: what delayed_history gave), or
-        empty (None: the next step takes its amax first and records it); [0] from the history."""
-        b = self.delayed_block
-        if b is None:
-            return
-        rows = np.zeros(b.shape, np.float32)
-        if history is not None:
-            h = np.asarray(history, dtype=np.float32)
-            if h.shape != (b.shape[0], FP8_HIST) or not np.all(np.isfinite(h)) or (h < 0).any():
-                raise ValueError(f"fp8_amax_history: shape {h.shape}; expected ({b.shape[0]}, {FP8_HIST}) finite, "
-                                 "non-negative amax values (a row a delayed scale, newest first)")
-            rows[:, DELAYED_HIST_AT:DELAYED_HIST_AT + FP8_HIST] = h
-        b.set(rows)
-        self.k_fp8_delayed_roll(b, None, roll=False)
-        self.delayed_live = history is not None
-
-    def delayed_history(self):
-        """The rows' histories (n, FP8_HIST) float32, newest first (host; waits for the device)."""
-        if self.delayed_block is None:
-            return None
-        return self.delayed_block[:, DELAYED_HIST_AT:DELAYED_HIST_AT + FP8_HIST].get()
-
-    def roll_delayed(self, state):
-        """The end of an optimizer step (state: the engine's optimizer state): each history takes
-        the step's amax unless the step was skipped, each scale its history's largest."""
-        if self.delayed_block is not None:
-            self.k_fp8_delayed_roll(self.delayed_block, state)
-
-    @contextmanager
-    def recording(self):
-        """The passes queued inside reduce their delayed scales' amax (a training step's)."""
-        saved, self.delayed_record = self.delayed_record, True
-        try:
-            yield
-        finally:
-            self.delayed_record = saved
+            elif role == "x":
+                raise ValueError("use_delayed_scales: an input (role x) needs its product's input slot")
+        self.delayed = DelayedScales(self, block, rows)
+        return self.delayed
 
     def _delayed_row(self, role, w):
-        return self.delayed.get((role, w.data.ptr)) if self.delayed else None
+        return self.delayed.rows.get((role, w.data.ptr)) if self.delayed is not None else None
+
+    @property
+    def delayed_live(self) -> bool:
+        return self.delayed is not None and self.delayed.live
 
     def _record_at(self, row):
-        """Where a pass reduces its amax: row's current step, when recording."""
-        return row[DELAYED_CUR:DELAYED_CUR + 1] if self.delayed_record else None
+        """Where a pass reduces its amax: row's current step, while recording."""
+        return row[DELAYED_CUR:DELAYED_CUR + 1] if self.delayed.record else None
 
     def _arm(self, slot):
         """Make slot's amax zero before a kernel reduces into it: the first slot (layer 0's ln1,
@@ -627,12 +653,19 @@ class Fp8Ops:
         i = META_SLOTS[role] * META_STRIDE
         return m[i:i + META_STRIDE]
 
-    def _quantise(self, role, x2, fmt, transpose=False, both=False, amax_done=False, partial=None):
+    def _quantise(self, role, x2, fmt, transpose=False, both=False, amax_done=False, partial=None, row=None,
+                  record=True):
         """x2 (R, K) quantised into the role's workspace: (q, q_t, 1/scale as a (1,) view); q is
         (R, K) unless transpose without both, q_t (K, R) with transpose. amax_done: the kernel
         that wrote x2 put its amax in the role's meta already (k_fp8_dgelu_colsum_amax). partial
-        (with transpose): x2's column partials go there too (k_fp8_cast_transpose_colsum)."""
+        (with transpose): x2's column partials go there too (k_fp8_cast_transpose_colsum). row
+        (with transpose): x2's delayed scale, whose history gives the scale (the first step: its
+        amax taken first) and, with record, takes x2's amax."""
         R, K = x2.shape
+        if row is not None:
+            if not transpose:
+                raise ValueError("_quantise: a delayed scale's cast transposes (its kernels are the tile casts)")
+            return self._quantise_delayed(role, x2, fmt, both, partial, row, record)
         meta = self._meta(role)
         slot = {"x": "fp8_x", "w": "fp8_w", "dy": "fp8_dy"}[role]
         if not amax_done:
@@ -649,6 +682,20 @@ class Fp8Ops:
         else:
             self.k_fp8_cast_transpose_colsum(q, q_t, meta, x2, fmt, partial)
         return q, q_t, meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
+
+    def _quantise_delayed(self, role, x2, fmt, both, partial, row, record):
+        R, K = x2.shape
+        slot = {"x": "fp8_x", "dy": "fp8_dy"}[role]
+        q_t = self.ops.workspace.get("fp8_dyt" if role == "dy" else slot, R * K, np.uint8).reshape(K, R)
+        q = self.ops.workspace.get(slot, R * K, np.uint8).reshape(R, K) if both else None
+        if not self.delayed_live:
+            self.k_fp8_amax(row, x2)
+        rec = self._record_at(row) if record else None
+        if partial is None:
+            self.k_fp8_cast_transpose_amax(q, q_t, row, x2, fmt, rec)
+        else:
+            self.k_fp8_cast_transpose_colsum_amax(q, q_t, row, x2, fmt, partial, rec)
+        return q, q_t, row[META_STRIDE // 2:META_STRIDE // 2 + 1]
 
     def _product(self, D, A, a_fmt, a_inv, B, b_fmt, b_inv, epilogue="none", bias=None, aux=None,
                  beta=0.0, fast_accum=False):
@@ -672,9 +719,9 @@ class Fp8Ops:
         """fp8(x2) (N, IC) in the workspace for the forward product of w, and its 1/scale: with
         x2's input slot, its amax from the producer (or taken here) and X^T kept in one pass.
         pre: x2 is act = gelu(pre), made from pre by the GELU kernels (x2 itself is not read)."""
-        row = self._delayed_row("act", w) if pre is not None else None
-        if row is not None:
-            return self._fwd_act_delayed(x2, w, pre, row)
+        row = self._delayed_row("act" if pre is not None else "x", w)
+        if row is not None and (pre is not None or self._slot(w, x2) is not None):
+            return self._fwd_delayed(x2, w, pre, row)
         src, amax, cast_t = ((x2, self.k_fp8_amax, self.k_fp8_cast_transpose) if pre is None else
                              (pre, self.k_fp8_gelu_amax, self.k_fp8_gelu_cast_transpose))
         slot = self._slot(w, x2, forward=True)
@@ -695,20 +742,24 @@ class Fp8Ops:
             cast_t(xq, xt, meta, src, FP8_FWD)
         return xq, meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
 
-    def _fwd_act_delayed(self, x2, w, pre, row):
-        """_fwd_operand of act = gelu(pre) with a delayed scale: one pass over pre casts act with
-        the scale of row's history and reduces its amax into the row (the first step: its amax
-        taken first, k_fp8_gelu_amax); X^T kept in the slot, whose 1/scale is the row's."""
+    def _fwd_delayed(self, x2, w, pre, row):
+        """_fwd_operand with a delayed scale (x2 = act = gelu(pre) made from pre, or with pre None
+        x2 itself): one pass casts it with the scale of row's history and reduces its amax into
+        the row (the first step: its amax taken first); X^T kept in the slot, whose 1/scale is the
+        row's."""
         slot = self._slot(w, x2, forward=True)
         xt = None
         if slot is not None:
             slot.state, xt = "used", slot.xt
             slot.ready = xt is not None
         if not self.delayed_live:
-            self.k_fp8_gelu_amax(row, pre)
-        N, H = x2.shape
-        xq = self.ops.workspace.get("fp8_x", N * H, np.uint8).reshape(N, H)
-        self.k_fp8_gelu_cast_transpose_amax(xq, xt, row, pre, FP8_FWD, self._record_at(row))
+            (self.k_fp8_amax if pre is None else self.k_fp8_gelu_amax)(row, x2 if pre is None else pre)
+        N, IC = x2.shape
+        xq = self.ops.workspace.get("fp8_x", N * IC, np.uint8).reshape(N, IC)
+        if pre is None:
+            self.k_fp8_cast_transpose_amax(xq, xt, row, x2, FP8_FWD, self._record_at(row))
+        else:
+            self.k_fp8_gelu_cast_transpose_amax(xq, xt, row, pre, FP8_FWD, self._record_at(row))
         return xq, row[META_STRIDE // 2:META_STRIDE // 2 + 1]
 
     def _fwd_matmul(self, out2, xq, x_inv, w, b, fallback):
@@ -738,8 +789,9 @@ class Fp8Ops:
         if dy_q is not None:
             dq, dq_t, d_inv = dy_q
         else:
+            row = None if dy_amax else self._delayed_row("dy", w)
             dq, dq_t, d_inv = self._quantise("dy", dy2, g, transpose=True, both=True, amax_done=dy_amax,
-                                             partial=partial)
+                                             partial=partial, row=row)
         wq_t, w_inv = self._weight(w, transpose=True)
         if dx_epilogue is None:
             self._product(dinp2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, beta=1.0 if accumulate else 0.0)
@@ -750,8 +802,9 @@ class Fp8Ops:
             xq_t, x_inv = x_t
         elif slot is not None and slot.ready:  # X^T as the forward product quantised it
             xq_t, x_inv = slot.xt, slot.meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
-        else:
-            xq_t, x_inv = self._quantise("x", x2, FP8_FWD, transpose=True)[1:]
+        else:  # X again (with a delayed scale: the forward's, nothing recorded)
+            row = self._delayed_row("x", w) if slot is not None else None
+            xq_t, x_inv = self._quantise("x", x2, FP8_FWD, transpose=True, row=row, record=False)[1:]
         self._product(dw, dq_t, g, d_inv, xq_t, FP8_FWD, x_inv, beta=0.0 if self.ops._param_write(dw) else 1.0)
         if partial is not None:
             ops._colsum_final(db, partial, chunks, dy2.shape[1])
