@@ -188,6 +188,9 @@ extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_a
 #ifndef FP8_TILE_ROWS
 #define FP8_TILE_ROWS 64
 #endif
+#ifndef FP8_TILE_AMAX_EARLY
+#define FP8_TILE_AMAX_EARLY 0  // 1: a tile's amax in a loop before the conversions (CudaOps.fp8_tile_amax_early)
+#endif
 // The column sums of a cast tile (k_fp8_cast_transpose_colsum), in this order (fp8_tile_colsum in
 // numpy_ref): thread t of the 256 holds rows 32h + t / 8 (h = 0 .. H-1) of the 8 columns 8 (t % 8)..;
 // it adds them in h order (a = x_0 + x_1 + ...); a warp w (rows 4w + l + 32h, l = lane / 8) adds its
@@ -242,9 +245,11 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
                                               float* amax_out = nullptr) {
   static_assert(TR % 32 == 0 && TR <= 256, "tile rows: a multiple of 32");
   constexpr int H = TR / 32;
-  // the values are made before the conversions where something else reads them too (the sums, the
-  // amax); a plain GELU tile makes them inside the conversion loop, as it always has
-  constexpr bool EARLY = MODE == TILE_DGELU || (MODE == TILE_GELU && (COLSUM || AMAX));
+  // the values are made before the conversions where the sums read them (and dGELU's always); the
+  // amax is taken in the conversion loop, from the values it converts (FP8_TILE_AMAX_EARLY: in the
+  // loop before it, its first form, kept to time one against the other)
+  constexpr bool EARLY = MODE == TILE_DGELU || (MODE == TILE_GELU && (COLSUM || (AMAX && FP8_TILE_AMAX_EARLY)));
+  constexpr bool AMAX_EARLY = AMAX && (EARLY || FP8_TILE_AMAX_EARLY);
   Pack8 p[H];
   Pack8 g[MODE == TILE_DGELU ? H : 1];
 #pragma unroll
@@ -256,33 +261,43 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
     }
   }
   unsigned int m = 0u;
-  if (EARLY || AMAX) {
+  if (EARLY || AMAX_EARLY) {
 #pragma unroll
     for (int h = 0; h < H; ++h) {
       int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
       if (r0 + r < R && c0 + c8 < K) {
         if (MODE == TILE_GELU && EARLY) p[h] = gelu8(p[h]);
         if (MODE == TILE_DGELU) p[h] = dgelu8(p[h], g[MODE == TILE_DGELU ? h : 0]);
+        if (AMAX_EARLY) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(to_f(p[h].v[j])));
+          for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(to_f(p[h].v[j])));
+        }
       }
     }
   }
   if (COLSUM) fp8_tile_colsum_warps<H>(p, R, K, r0, c0, acc);
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
+    if (r0 + r < R && c0 + c8 < K) {
+      Bytes8 q;
+      if (AMAX && !AMAX_EARLY) {
+        Pack8 v = MODE == TILE_GELU && !EARLY ? gelu8(p[h]) : p[h];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(to_f(v.v[j])));
+        q = fp8x8(v, s);
+      } else {
+        q = MODE == TILE_GELU && !EARLY ? fp8x8(gelu8(p[h]), s) : fp8x8(p[h], s);
+      }
+      if (out) *reinterpret_cast<Bytes8*>(out + (i64)(r0 + r) * K + c0 + c8) = q;
+      *reinterpret_cast<Bytes8*>(&tile[r][c8]) = q;
+    }
+  }
   __shared__ unsigned int warp_amax[AMAX ? 8 : 1];  // each warp's largest, read after the barrier below
   if (AMAX) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = umax(m, __shfl_xor_sync(0xffffffffu, m, o));
     if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = m;
-  }
-#pragma unroll
-  for (int h = 0; h < H; ++h) {
-    int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
-    if (r0 + r < R && c0 + c8 < K) {
-      Bytes8 q = MODE == TILE_GELU && !EARLY ? fp8x8(gelu8(p[h]), s) : fp8x8(p[h], s);
-      if (out) *reinterpret_cast<Bytes8*>(out + (i64)(r0 + r) * K + c0 + c8) = q;
-      *reinterpret_cast<Bytes8*>(&tile[r][c8]) = q;
-    }
   }
   if (!out_t && !COLSUM && !AMAX) return;
   __syncthreads();  // the tile's bytes (with COLSUM the warps' column sums, with AMAX their largest) are shared
