@@ -95,6 +95,9 @@ class SingleComm:
     def allreduce_sum(self, *arrays) -> None:
         pass
 
+    def allreduce_max(self, a) -> None:
+        pass
+
     def reduce_scatter_sum(self, a) -> None:
         pass
 
@@ -171,6 +174,19 @@ class MpiComm:
                 self._sum_in_rank_order(a)
             else:
                 self._nccl_sum(a)
+
+    def allreduce_max(self, a) -> None:
+        """a becomes the elementwise maximum of a over the ranks, in place (the same on every rank:
+        a maximum does not depend on the order). The FP8 delayed scales' amax of a step (the engine)."""
+        if isinstance(a, np.ndarray):
+            from mpi4py import MPI
+
+            self.mpi.Allreduce(MPI.IN_PLACE, a.reshape(-1), op=MPI.MAX)
+            return
+        from cupy.cuda import nccl
+
+        kind, stream = self._nccl_args(a, "allreduce_max")
+        self.nccl.allReduce(a.data.ptr, a.data.ptr, a.size, kind, nccl.NCCL_MAX, stream.ptr)
 
     def _sum_in_rank_order(self, a: np.ndarray) -> None:
         flat = a.reshape(-1)  # a view: a is contiguous (an arena view)

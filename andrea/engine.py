@@ -617,8 +617,11 @@ class Engine:
 
     def _roll_fp8(self):
         """The delayed scales' histories take this step's amax (unless it is skipped; on the
-        device, in the optimizer's graph)."""
+        device, in the optimizer's graph). With several ranks the step's amax is the largest of
+        every rank's first, so every rank keeps the same histories (and rank 0's checkpoint holds
+        them all)."""
         if self.fp8_delayed:
+            self.comm.allreduce_max(self.fp8_scales.block)  # the other fields are equal on every rank
             self.fp8_scales.roll(self.optim_state)
 
     def _run(self, key, fn):
