@@ -455,3 +455,20 @@ def test_a_crashed_rank_ends_the_launch_and_the_same_command_resumes(tmp_path):
     hist = json.loads((run / "trained" / f"{exp}.loss.json").read_text())["history"]
     assert [h["step"] for h in hist] == list(range(1, steps + 1))
     assert json.loads(state.read_text())["status"] == "finished"
+
+
+def test_allreduce_max_gives_every_rank_the_largest(tmp_path):
+    """MpiComm.allreduce_max (the FP8 delayed scales' step amax over the ranks): every rank ends with
+    the elementwise maximum of every rank's array, in place, ties and zeros included."""
+    script = tmp_path / "amax.py"
+    script.write_text(
+        "import json, sys\nimport numpy as np\nfrom andrea.comm import make_comm\n"
+        "c = make_comm()\n"
+        "a = np.array([c.rank, 5 - c.rank, 2.5, 0.0, 1e-30 * (c.rank + 1)], np.float32)\n"
+        "c.allreduce_max(a)\n"
+        "open(sys.argv[1] + f'.{c.rank}', 'w').write(json.dumps([float(v) for v in a]))\n")
+    out = tmp_path / "got"
+    subprocess.run(mpirun(3, script, out), env=ENV, check=True, timeout=120)
+    want = [2.0, 5.0, 2.5, 0.0, float(np.float32(3e-30))]
+    for r in range(3):
+        assert json.loads((tmp_path / f"got.{r}").read_text()) == want, r
