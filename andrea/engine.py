@@ -534,7 +534,11 @@ class Engine:
         self.grads.fill(0)
 
     def forward(self, x, y):
-        """Forward one microbatch; returns its mean loss (host float)."""
+        """Forward one microbatch; returns its mean loss (host float). With delayed FP8 scales it
+        scales by the history and records nothing (a history is read as held once the step that
+        first recorded one is known not skipped: _fp8_settle, so that an evaluation right after
+        that step does not take its own amax into the scales' rows)."""
+        self._fp8_settle()
         self.be.write(self.g["tokens"], x)
         self.be.write(self.g["targets"], y)
         model.forward(self.be, self.p, self.layers, self.g, self.cfg.model.n_head)

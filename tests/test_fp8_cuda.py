@@ -1145,8 +1145,8 @@ def test_delayed_scales_in_the_engine(tmp_path):
                 fp8.k_fp8_dgelu_colsum_amax(cp.zeros(64 * 4 * 48, cp.float32), m, d,
                                             eng.layers[0]["pre"].reshape(-1, 4 * 48), 2)
                 assert h1[1, 0] == m.get()[0], f"step {s}: dact amax of layer 0"
-            if run == 0 and s == 4:
-                eng.val_loss([batch(40)])  # evaluation: records nothing into the history
+            if run == 0 and s in (1, 4):  # evaluation (right after the first step too): records nothing
+                eng.val_loss([batch(40)])
             if s == 3:
                 mid = eng.state()
                 assert np.array(mid.fp8_amax_history).shape == (6 * n_layer, 16)

@@ -15,6 +15,13 @@
 // partials in one pass (cuBLASLt's dGELU epilogue for FP8 products measured 166 us a call at
 // ANDREA-120M, against about 30 for the product without it; docs/FP8.md).
 //
+// Delayed scaling (cuda/fp8.py DelayedScales): the *_amax forms of the tile casts scale by meta[0]
+// as it is (a delayed scale's row: the largest amax of the last steps) and reduce the amax of what
+// they cast into amax_out for the steps after; k_fp8_dgelu_cast_transpose_colsum_amax makes dact *=
+// gelu'(pre) and casts it in the same pass; k_fp8_delayed_roll moves the histories once a step.
+// k_fp8_cast_transpose_colsum: the cast of a dY that also writes its tiles' column sums (a bias
+// gradient's first pass).
+//
 // Compiled per compute dtype (-DCT) and per format (fp8.cuh: -DFP8_E5M2=1 for E5M2, else E4M3,
 // and the conversion instruction, which traps below sm_89; the backend refuses train.precision=fp8
 // there before any launch). Sizes: every length and row length a multiple of 8 (the launcher asks
