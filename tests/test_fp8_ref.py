@@ -787,3 +787,21 @@ def test_memory_plan_and_state_of_the_delayed_scales():
     assert EngineState.from_checkpoint(c, defaults).fp8_amax_history == hist
     c.sidecar.pop("fp8_amax_history")
     assert EngineState.from_checkpoint(c, defaults).fp8_amax_history is None
+
+
+def test_a_sidecars_amax_history_is_checked():
+    """The checkpoint sidecar's fp8_amax_history becomes the delayed scales' rows only as (n, 16)
+    finite, non-negative float32 values; otherwise a ValueError naming the field and what was
+    expected (Engine.load_checkpoint makes it a CheckpointError naming the sidecar)."""
+    from andrea.backends.cuda.fp8 import delayed_history_array
+    good = [[float(2.0 ** -i) for i in range(16)] for _ in range(3)]
+    h = delayed_history_array(good, 3)
+    assert h.dtype == np.float32 and h.shape == (3, 16) and h[0, 3] == 0.125
+    for bad, match in ((good[:2], r"shape \(2, 16\); expected \(3, 16\)"),
+                       ([row[:15] for row in good], r"shape \(3, 15\)"),
+                       ([[float("nan")] * 16] * 3, "not finite or is negative"),
+                       ([[-1.0] * 16] * 3, "not finite or is negative"),
+                       ([["x"] * 16] * 3, "not an array of numbers"),
+                       ([[1.0] * 16, [1.0] * 3, [1.0] * 16], "fp8_amax_history")):
+        with pytest.raises(ValueError, match=match):
+            delayed_history_array(bad, 3)

@@ -135,6 +135,23 @@ def delayed_rows(n: int):
     return [("fp8_delayed", (n * META_STRIDE,), "float32")] if n else []
 
 
+def delayed_history_array(history, n: int) -> np.ndarray:
+    """history (a checkpoint sidecar's fp8_amax_history: n lists of FP8_HIST amax, newest first) as
+    a float32 (n, FP8_HIST) array; a ValueError naming the field where it is not that, or holds a
+    value that is not a finite, non-negative number."""
+    try:
+        h = np.asarray(history, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise ValueError(f"fp8_amax_history: not an array of numbers; expected ({n}, {FP8_HIST}) amax values "
+                         "(a row a delayed scale, newest first)") from None
+    if h.shape != (n, FP8_HIST):
+        raise ValueError(f"fp8_amax_history: shape {h.shape}; expected ({n}, {FP8_HIST}) amax values (a row a "
+                         "delayed scale, newest first)")
+    if not np.all(np.isfinite(h)) or (h < 0).any():
+        raise ValueError("fp8_amax_history: a value is not finite or is negative; expected amax values >= 0")
+    return h
+
+
 def classifier_in_fp8(N: int, V: int) -> bool:
     """Whether the classifier's products can run in FP8 for N = B*T rows and V classes: cuBLASLt's
     FP8 products and k_fp8_transpose want V and every chunk's rows (N, and model.loss_chunk_rows, a
@@ -191,11 +208,7 @@ class DelayedScales:
         b = self.block
         rows = np.zeros(b.shape, np.float32)
         if history is not None:
-            h = np.asarray(history, dtype=np.float32)
-            if h.shape != (b.shape[0], FP8_HIST) or not np.all(np.isfinite(h)) or (h < 0).any():
-                raise ValueError(f"fp8_amax_history: shape {h.shape}; expected ({b.shape[0]}, {FP8_HIST}) finite, "
-                                 "non-negative amax values (a row a delayed scale, newest first)")
-            rows[:, DELAYED_HIST_AT:DELAYED_HIST_AT + FP8_HIST] = h
+            rows[:, DELAYED_HIST_AT:DELAYED_HIST_AT + FP8_HIST] = delayed_history_array(history, b.shape[0])
         b.set(rows)
         self.fp8.k_fp8_delayed_roll(b, None, roll=False)
         self.live = history is not None
