@@ -682,16 +682,16 @@ class Engine:
         of other model or training settings is refused with a CheckpointError). Training and
         evaluation pass their run's config_hash; a tool that reshapes the batch for inference
         passes none. Returns the Checkpoint, whose sidecar also holds the data position."""
-        from .checkpoint import read_checkpoint
-        from .checkpoint import CheckpointError, sidecar_path
+        from .checkpoint import CheckpointError, read_checkpoint, sidecar_path
         c = read_checkpoint(path, self.layout.n_params, config_hash)
         st = EngineState.from_checkpoint(c, self.state_counters())
-        try:
-            self.load_state(st)
-        except ValueError as e:
-            if "fp8_amax_history" not in str(e):
-                raise
-            raise CheckpointError(f"checkpoint sidecar {sidecar_path(path)}: field {e}") from None
+        if self.fp8_delayed and st.fp8_amax_history is not None:  # the sidecar's, checked before any load
+            from .backends.cuda.fp8 import delayed_history_array
+            try:
+                delayed_history_array(st.fp8_amax_history, self.fp8_scales.block.shape[0])
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint sidecar {sidecar_path(path)}: field {e}") from None
+        self.load_state(st)
         return c
 
 

@@ -1064,7 +1064,7 @@ def test_delayed_kernels_are_the_current_passes(be, R, K, rows, monkeypatch):
 
 def test_delayed_roll_matches_the_reference(be):
     """k_fp8_delayed_roll on rows of random histories: a step taken (the amax enters, the oldest
-    leaves), a skipped one (nothing moves), a non-finite amax (not entered), and roll=False."""
+    leaves), a skipped one (nothing moves), a non-finite amax (not entered), an empty history."""
     import cupy as cp
     from andrea.backends.cuda.fp8 import META_STRIDE
     from andrea.backends.numpy_ref import S_SKIP, STATE_LEN
@@ -1072,14 +1072,14 @@ def test_delayed_roll_matches_the_reference(be):
     rows = (rng.random((37, META_STRIDE)) * np.exp2(rng.integers(-20, 8, (37, META_STRIDE)))).astype(np.float32)
     rows[5, 1], rows[6, 1] = np.inf, np.nan
     rows[7, 2:] = 0  # an empty history
-    for skipped, roll in ((False, True), (True, True), (False, False)):
+    for skipped in (False, True):
         dev = cp.asarray(rows)
         state = cp.zeros(STATE_LEN, cp.float64)
         state[S_SKIP] = float(skipped)
-        be.fp8.k_fp8_delayed_roll(dev, state if roll else None, roll=roll)
+        be.fp8.k_fp8_delayed_roll(dev, state)
         want = rows.copy()
-        ref.k_fp8_delayed_roll(want, skipped, roll)
-        np.testing.assert_array_equal(dev.get(), want, err_msg=f"skipped={skipped} roll={roll}")
+        ref.k_fp8_delayed_roll(want, skipped)
+        np.testing.assert_array_equal(dev.get(), want, err_msg=f"skipped={skipped}")
     assert want[7, 0] == 0 and want[0, 0] == want[0, 2:18].max()
 
 

@@ -674,7 +674,7 @@ def test_fp8_classifier_settings_in_the_run_config():
 def test_delayed_roll_moves_the_history_unless_skipped():
     """k_fp8_delayed_roll: a step taken puts [1] (the step's amax) first in the history and drops
     the oldest of 16; [0] is then the history's largest and [1] zero. A skipped step, or a
-    non-finite amax, moves nothing; roll=False only recomputes [0] and clears [1]."""
+    non-finite amax, moves nothing (and still makes [0] the history's largest, [1] zero)."""
     H = K.FP8_HIST
     rows = np.zeros((3, 64), np.float32)
     rows[:, 2:2 + H] = np.arange(1, H + 1, dtype=np.float32)[::-1]  # newest (16) first
@@ -697,7 +697,7 @@ def test_delayed_roll_moves_the_history_unless_skipped():
     r[0, 2:2 + H] = 0
     r[0, 5] = 3.0
     r[0, 0] = r[0, 1] = 7.0
-    K.k_fp8_delayed_roll(r, skipped=False, roll=False)
+    K.k_fp8_delayed_roll(r, skipped=True)
     assert r[0, 0] == 3.0 and r[0, 1] == 0 and r[0, 2] == 0
 
 

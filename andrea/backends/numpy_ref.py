@@ -709,13 +709,12 @@ def k_fp8_dgelu_cast_transpose_colsum_amax(out, out_t, meta, dact, pre, fmt, par
     _amax_into(amax_out, d)
 
 
-def k_fp8_delayed_roll(rows, skipped, roll=True):
+def k_fp8_delayed_roll(rows, skipped):
     """The delayed scales' rows (n, >= 2 + FP8_HIST) float32 at the end of an optimizer step: unless
     the step was skipped or [1] is not finite, the history (columns 2..) moves one place and [1]
-    enters it at 2; then [1] = 0 and [0] = the history's largest. roll=False (after a load): only
-    the last two."""
+    enters it at 2; then [1] = 0 and [0] = the history's largest."""
     h = rows[:, 2:2 + FP8_HIST]
-    if roll and not skipped:
+    if not skipped:
         ok = np.isfinite(rows[:, 1])
         h[ok] = np.concatenate([rows[ok, 1:2], h[ok, :-1]], axis=1)
     rows[:, 0] = np.abs(h).max(axis=1)

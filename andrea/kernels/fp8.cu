@@ -444,20 +444,19 @@ extern "C" __global__ void k_fp8_dgelu_cast_transpose_colsum_amax(unsigned char*
 // The delayed scales' rows (n of them, stride floats apart): [0] the amax the casts scale by, the
 // largest of the history; [1] the amax of the step under way (the casts' atomicMax); [2, 2 +
 // FP8_HIST) the amax of the last FP8_HIST steps taken, newest first (0: none yet). One thread a
-// row. roll (at the end of an optimizer step, in its CUDA graph): unless the step was skipped
+// row, at the end of an optimizer step (in its CUDA graph): unless the step was skipped
 // (state[skip_at] != 0) or [1] is not finite, the history moves one place and [1] enters it; then
-// [1] = 0 and [0] = the history's largest. roll = 0 (after a load): [1] = 0 and [0] from the history
-// as it is. Not finite in the history: never (a step with a non-finite amax has a non-finite loss
-// or gradient, and is skipped).
+// [1] = 0 and [0] = the history's largest. (After a load the host writes the rows whole.) Not
+// finite in the history: never (a step with a non-finite amax has a non-finite loss or gradient,
+// and is skipped).
 #define FP8_HIST 16
-extern "C" __global__ void k_fp8_delayed_roll(float* rows, int n, int stride, const double* state, int skip_at,
-                                              int roll) {
+extern "C" __global__ void k_fp8_delayed_roll(float* rows, int n, int stride, const double* state, int skip_at) {
   int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= n) return;
   float* r = rows + (i64)t * stride;
   float* h = r + 2;
   unsigned int cur = __float_as_uint(r[1]);
-  if (roll && state[skip_at] == 0.0 && (cur & 0x7fffffffu) < 0x7f800000u) {
+  if (state[skip_at] == 0.0 && (cur & 0x7fffffffu) < 0x7f800000u) {
     for (int i = FP8_HIST - 1; i > 0; --i) h[i] = h[i - 1];
     h[0] = r[1];
   }

@@ -204,13 +204,15 @@ class DelayedScales:
 
     def load(self, history):
         """The rows from history ((n, FP8_HIST) amax, newest first: what history() gave), or
-        empty (None: the next step takes its amax first and records it); [0] from the history."""
+        empty (None: the next step takes its amax first and records it): [0] the history's
+        largest (as the roll makes it), [1] zero; written whole from the host."""
         b = self.block
         rows = np.zeros(b.shape, np.float32)
         if history is not None:
-            rows[:, DELAYED_HIST_AT:DELAYED_HIST_AT + FP8_HIST] = delayed_history_array(history, b.shape[0])
+            h = delayed_history_array(history, b.shape[0])
+            rows[:, DELAYED_HIST_AT:DELAYED_HIST_AT + FP8_HIST] = h
+            rows[:, 0] = h.max(axis=1)
         b.set(rows)
-        self.fp8.k_fp8_delayed_roll(b, None, roll=False)
         self.live = history is not None
 
     def history(self):
@@ -405,22 +407,17 @@ class Fp8Ops:
         check(kernel, "amax_out", amax_out, (1,), np.float32)
         return amax_out
 
-    def k_fp8_delayed_roll(self, rows, state, roll=True):
+    def k_fp8_delayed_roll(self, rows, state):
         """The delayed scales' rows (n, META_STRIDE) at the end of an optimizer step (numpy_ref
-        k_fp8_delayed_roll; the step's skip flag read from the optimizer state on the device), or
-        with roll=False after a load (state not read: None)."""
+        k_fp8_delayed_roll; the step's skip flag read from the optimizer state on the device)."""
         check("k_fp8_delayed_roll", "rows", rows, dtype=np.float32)
-        if state is None and roll:
-            raise ValueError("k_fp8_delayed_roll: a roll reads the step's skip flag: state is needed")
-        if state is not None:
-            check("k_fp8_delayed_roll", "state", state, dtype=np.float64)
+        check("k_fp8_delayed_roll", "state", state, dtype=np.float64)
         if rows.ndim != 2 or rows.shape[1] < DELAYED_HIST_AT + FP8_HIST:
             raise ValueError(f"k_fp8_delayed_roll: rows has shape {rows.shape}; expected (n, >= "
                              f"{DELAYED_HIST_AT + FP8_HIST})")
         n = rows.shape[0]
         self.ops.rt.launch("fp8.cu", "k_fp8_delayed_roll", np.float32, -(-n // 32), 32,
-                           (rows, i32(n), i32(rows.shape[1]), state if state is not None else np.uint64(0),
-                            i32(S_SKIP), i32(int(roll))))
+                           (rows, i32(n), i32(rows.shape[1]), state, i32(S_SKIP)))
 
     def k_fp8_dgelu_colsum_amax(self, partial, meta, dact, pre, rows_per_chunk):
         """dact (N, H) *= gelu'(pre) in place (k_mlp_bwd_gelu's derivative); partial (chunks, H)
@@ -747,8 +744,10 @@ class Fp8Ops:
         x2's input slot, its amax from the producer (or taken here) and X^T kept in one pass.
         pre: x2 is act = gelu(pre), made from pre by the GELU kernels (x2 itself is not read)."""
         row = self._delayed_row("act" if pre is not None else "x", w)
-        if row is not None and (pre is not None or self._slot(w, x2) is not None):
-            return self._fwd_delayed(x2, w, pre, row)
+        if row is not None:
+            slot = self._slot(w, x2, forward=True)
+            if pre is not None or slot is not None:  # an input's delayed scale: its slot's input only
+                return self._fwd_delayed(x2, pre, row, slot)
         src, amax, cast_t = ((x2, self.k_fp8_amax, self.k_fp8_cast_transpose) if pre is None else
                              (pre, self.k_fp8_gelu_amax, self.k_fp8_gelu_cast_transpose))
         slot = self._slot(w, x2, forward=True)
@@ -769,12 +768,11 @@ class Fp8Ops:
             cast_t(xq, xt, meta, src, FP8_FWD)
         return xq, meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
 
-    def _fwd_delayed(self, x2, w, pre, row):
+    def _fwd_delayed(self, x2, pre, row, slot):
         """_fwd_operand with a delayed scale (x2 = act = gelu(pre) made from pre, or with pre None
         x2 itself): one pass casts it with the scale of row's history and reduces its amax into
-        the row (the first step: its amax taken first); X^T kept in the slot, whose 1/scale is the
-        row's."""
-        slot = self._slot(w, x2, forward=True)
+        the row (the first step: its amax taken first); X^T kept in the slot (where there is
+        one), whose 1/scale is the row's."""
         xt = None
         if slot is not None:
             slot.state, xt = "used", slot.xt
