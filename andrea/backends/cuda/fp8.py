@@ -335,8 +335,7 @@ class Fp8Ops:
         return ((-(-K // TILE), -(-R // rows)),
                 (out if out is not None else null, out_t if out_t is not None else null, meta, inv_at, x, i32(R),
                  i32(K)),
-                self._defs(fmt) + (f"-DFP8_TILE_ROWS={rows}",)
-                + (("-DFP8_TILE_AMAX_EARLY=1",) if self.ops.fp8_tile_amax_early else ()))
+                self._defs(fmt) + (f"-DFP8_TILE_ROWS={rows}",))
 
     def k_fp8_cast_transpose(self, out, out_t, meta, x, fmt):
         """x (R, K) to out (R, K) and/or out_t (K, R) (None skips one), as k_fp8_cast."""

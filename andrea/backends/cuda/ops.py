@@ -235,9 +235,6 @@ class CudaOps:
     # checkpoint's sidecar keep the history), so the pass that makes the tensor casts it too and
     # no pass takes an amax first. Read when an Engine is made (train.fp8_scaling sets it per run)
     fp8_scaling = "delayed"
-    # train.precision=fp8: the tile casts that reduce an amax take it in a loop of their own before
-    # the conversions (True: their first form) instead of in the conversion loop (the same amax)
-    fp8_tile_amax_early = False
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # (fp8: k_fp8_dgelu_colsum_amax) after a plain product (False); docs/BENCHMARKS.md and
     # docs/FP8.md have the timings behind the default
