@@ -173,16 +173,18 @@ FP8_SLOT_INPUTS = {"qkv_w": "ln1", "attn_out_w": "atty", "mlp_w1": "ln2", "mlp_w
 # train.precision=fp8 with delayed scaling (cuda/fp8.Fp8Ops.use_delayed_scales): the tensors whose
 # scale comes from an amax history, as (role, weight) of the product that reads them: the MLP's act
 # (the second product's input) and dact (the first's output gradient), the attention output (the
-# projection's input), and the output gradients of QKV, the projection and the MLP's second product
-# (dqkv and the residual stream's two). Their amax is taken by the pass that casts them.
+# projection's input), the output gradients of QKV, the projection and the MLP's second product
+# (dqkv and the residual stream's two), and ln1 and ln2 (the inputs of QKV and of the MLP's first
+# product, which their layer norms write as FP8 operands: k_layernorm_fwd_fp8). Their amax is taken
+# by the pass that casts them.
 FP8_DELAYED = (("act", "mlp_w2"), ("dy", "mlp_w1"), ("x", "attn_out_w"), ("dy", "qkv_w"), ("dy", "attn_out_w"),
-               ("dy", "mlp_w2"))
+               ("dy", "mlp_w2"), ("x", "qkv_w"), ("x", "mlp_w1"))
 
 
 def fp8_delayed_tensors(m, slots: bool = True) -> List[tuple]:
     """(role, weight name) of every delayed scale, layer by layer: a row of the arena each. Without
-    input slots (slots False) the attention output keeps current scaling (its delayed scale's
-    1/scale lives in its slot)."""
+    input slots (slots False) the inputs (role x: the attention output, ln1, ln2) keep current
+    scaling (an input's delayed scale's 1/scale lives in its slot)."""
     return [(role, f"h{l}.{w}") for l in range(m.n_layer) for role, w in FP8_DELAYED if slots or role != "x"]
 
 
@@ -687,12 +689,30 @@ class Engine:
         st = EngineState.from_checkpoint(c, self.state_counters())
         if self.fp8_delayed and st.fp8_amax_history is not None:  # the sidecar's, checked before any load
             from .backends.cuda.fp8 import delayed_history_array
+            n = self.fp8_scales.block.shape[0]
             try:
-                delayed_history_array(st.fp8_amax_history, self.fp8_scales.block.shape[0])
+                delayed_history_array(st.fp8_amax_history, n)
             except ValueError as e:
-                raise CheckpointError(f"checkpoint sidecar {sidecar_path(path)}: field {e}") from None
+                if not _history_of_other_tensors(st.fp8_amax_history, n):
+                    raise CheckpointError(f"checkpoint sidecar {sidecar_path(path)}: field {e}") from None
+                print(f"checkpoint sidecar {sidecar_path(path)}: fp8_amax_history has {len(st.fp8_amax_history)} "
+                      f"rows, written for another set of delayed FP8 scales (this engine has {n}); the histories "
+                      "start over: the next step takes each amax first", file=sys.stderr, flush=True)
+                st.fp8_amax_history = None
         self.load_state(st)
         return c
+
+
+def _history_of_other_tensors(history, n: int) -> bool:
+    """A well-formed amax history of another number of rows than n (a checkpoint of a version with
+    another set of delayed scales, engine.FP8_DELAYED)."""
+    from .backends.cuda.fp8 import delayed_history_array
+    try:
+        rows = len(history)
+        delayed_history_array(history, rows)
+    except (TypeError, ValueError):
+        return False
+    return rows != n
 
 
 @dataclass

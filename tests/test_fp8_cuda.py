@@ -699,6 +699,79 @@ def test_layernorm_amax_is_k_fp8_amax_of_its_output(be, dtype, C, residual):
             assert got[0] == pair.get()[0] == want[0] > 0, (got[0], pair.get()[0], want[0])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("N,C", [(56, 80), (8, 768), (200, 136)])  # partial tiles of 32 rows
+@pytest.mark.parametrize("residual", [False, True], ids=["layernorm", "residual_layernorm"])
+def test_layernorm_fwd_fp8_is_the_layer_norm_then_its_cast(be, dtype, N, C, residual):
+    """k_layernorm_fwd_fp8: res, mean and rstd bit for bit those of k_residual_layernorm_fwd /
+    k_layernorm_fwd (the vector kernel), and its FP8 bytes, transpose, 1/scale and amax (reduced
+    into a smaller value already there) those of k_fp8_cast_transpose_amax of that kernel's output
+    with the same meta; a scale from a quarter of the amax (a delayed one) saturates, as the cast
+    does; a NaN makes the amax NaN. The bytes also within one FP8 step of numpy_ref's."""
+    import cupy as cp
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(N + C)
+    a0 = rng.normal(0, 2, (N, C)) * np.exp2(rng.integers(-3, 4, (N, C)))
+    b0 = rng.normal(0, 1, (N, C))
+    w, bias = cp.asarray(rng.normal(1, 0.5, C).astype(dt)), cp.asarray(rng.normal(0, 0.1, C).astype(dt))
+    for case in ("plain", "saturate", "nan"):
+        if case == "nan":
+            a0[N - 1, 5] = np.nan
+        a, b = cp.asarray(a0.astype(dt)), cp.asarray(b0.astype(dt)) if residual else None
+        out, res = cp.full((N, C), 3, dt), cp.full((N, C), 3, dt)
+        mean, rstd = cp.zeros(N, cp.float32), cp.zeros(N, cp.float32)
+        if residual:
+            be.k_residual_layernorm_fwd(res, out, mean, rstd, a, b, w, bias)
+        else:
+            be.k_layernorm_fwd(out, mean, rstd, a, w, bias)
+        am = cp.zeros(2, cp.float32)
+        be.fp8.k_fp8_amax(am, out)
+        top = float(am.get()[0])
+        meta = cp.asarray(np.array([top * (0.25 if case == "saturate" else 1.0), 0], np.float32))
+        want = [cp.zeros((N, C), cp.uint8), cp.zeros((C, N), cp.uint8)]
+        want_rec = cp.asarray(np.array([1e-3], np.float32))
+        be.fp8.k_fp8_cast_transpose_amax(*want, meta, out, "e4m3", want_rec)
+        inv = meta.get()[1]
+        meta[1] = 0
+        got = [cp.full((N, C), 0xAA, cp.uint8), cp.full((C, N), 0xAA, cp.uint8)]
+        g_res, g_mean, g_rstd = cp.full((N, C), 5, dt), cp.full(N, 5, cp.float32), cp.full(N, 5, cp.float32)
+        rec = cp.asarray(np.array([1e-3], np.float32))
+        be.fp8.k_layernorm_fwd_fp8(*got, g_res if residual else None, g_mean, g_rstd, a, b, w, bias, meta, rec)
+        for g, x in zip(got, want):
+            np.testing.assert_array_equal(g.get(), x.get(), err_msg=case)
+        assert meta.get()[1].tobytes() == np.float32(inv).tobytes(), case
+        assert rec.get()[0].tobytes() == want_rec.get()[0].tobytes(), case
+        for g, x in ((g_mean, mean), (g_rstd, rstd)) + (((g_res, res),) if residual else ()):
+            assert g.get().tobytes() == x.get().tobytes(), case
+        if case == "nan":
+            assert np.isnan(rec.get()[0])
+            continue
+        assert rec.get()[0] == top > 1e-3
+        if case == "saturate":
+            assert (ref.fp8_decode(got[0].get(), "e4m3") == 448).any(), "nothing saturated"
+        o, ot, r_res = np.zeros((N, C), np.uint8), np.zeros((C, N), np.uint8), np.zeros((N, C), np.float32)
+        r_meta, r_rec = meta.get().copy(), np.zeros(1, np.float32)
+        ref.k_layernorm_fwd_fp8(o, ot, r_res, np.zeros(N, np.float32), np.zeros(N, np.float32),
+                                a.get().astype(np.float32), None if b is None else b.get().astype(np.float32),
+                                w.get().astype(np.float32), bias.get().astype(np.float32), r_meta, r_rec)
+        np.testing.assert_array_equal(ot.T, o)
+        assert fp8_steps_apart(got[0].get(), o).max() <= 1 and r_meta[1] == inv
+        np.testing.assert_allclose(r_rec[0], top, rtol=2 ** -7)
+
+
+def test_layernorm_fwd_fp8_refuses_what_it_cannot_take(be):
+    """Rows that are no whole 16-byte vectors, wider than the vector kernels hold, or a row count
+    that is not a multiple of 8: a ValueError naming the kernel and what it expected."""
+    import cupy as cp
+    for N, C in ((8, 34), (8, 1032), (12, 80)):
+        a = cp.zeros((N, C), cp.float32)
+        w = cp.zeros(C, cp.float32)
+        with pytest.raises(ValueError, match="k_layernorm_fwd_fp8: rows of"):
+            be.fp8.k_layernorm_fwd_fp8(cp.zeros((N, C), cp.uint8), cp.zeros((C, N), cp.uint8), None,
+                                       cp.zeros(N, cp.float32), cp.zeros(N, cp.float32), a, None, w, w,
+                                       cp.zeros(2, cp.float32), None)
+
+
 def slot_engine(tmp_path, keep, amax, **train):
     from andrea.backends import get_backend
     from andrea.engine import Engine
@@ -1094,12 +1167,13 @@ def delayed_engine(tmp_path, scaling="delayed", **train):
 
 
 def test_delayed_scales_in_the_engine(tmp_path):
-    """fp8_scaling="delayed" (six tensors a layer: act, dact, the attention output, dqkv and the
-    residual stream's two gradients): step 1 takes their amax first (k_fp8_gelu_amax, the dGELU
-    pass once more, k_fp8_amax), the steps after take none (no amax pass at all: the classifier is
-    in bf16 at this vocabulary); after a step of one microbatch each history's newest entry is that
-    step's amax (act and the attention output of every layer, dact of layer 0, whose raw gradient
-    the workspace still holds), the older ones moved one place; a skipped step leaves them. Two runs are bit-identical, and an evaluation
+    """fp8_scaling="delayed" (eight tensors a layer: act, dact, the attention output, dqkv, the
+    residual stream's two gradients, ln1 and ln2): step 1 takes their amax first (k_fp8_gelu_amax,
+    the dGELU pass once more, k_fp8_amax), the steps after take none (no amax pass at all: the
+    classifier is in bf16 at this vocabulary) and the layer norms write ln1 and ln2 as FP8
+    operands (k_layernorm_fwd_fp8, no cast after); after a step of one microbatch each history's
+    newest entry is that step's amax (act, the attention output, ln1 and ln2 of every layer, dact
+    of layer 0, whose raw gradient the workspace still holds), the older ones moved one place; a skipped step leaves them. Two runs are bit-identical, and an evaluation
     pass between steps changes nothing; a resume from a state (its history in it) repeats the steps
     bit for bit, a state without one starts over with the amax taken first. The same steps with
     current scaling end close to these."""
@@ -1124,7 +1198,7 @@ def test_delayed_scales_in_the_engine(tmp_path):
                                                      "k_fp8_dgelu_cast_transpose_colsum_amax",
                                                      "k_fp8_gelu_cast_transpose_amax", "k_fp8_cast_transpose_amax",
                                                      "k_fp8_cast_transpose_colsum_amax", "k_fp8_cast_transpose",
-                                                     "k_fp8_delayed_roll")})
+                                                     "k_fp8_delayed_roll", "k_layernorm_fwd_fp8")})
             del eng.be.rt.launch
             after = sc.block.get()
             h0, h1 = before[:, DELAYED_HIST_AT:DELAYED_HIST_AT + 16], after[:, DELAYED_HIST_AT:DELAYED_HIST_AT + 16]
@@ -1139,8 +1213,16 @@ def test_delayed_scales_in_the_engine(tmp_path):
                     m, a = cp.zeros(2, cp.float32), cp.zeros(2, cp.float32)
                     fp8.k_fp8_gelu_amax(m, eng.layers[l]["pre"].reshape(-1, 4 * 48))
                     fp8.k_fp8_amax(a, eng.layers[l]["atty"].reshape(-1, 48))
-                    assert h1[6 * l, 0] == m.get()[0], f"step {s}: act amax of layer {l}"
-                    assert h1[6 * l + 2, 0] == a.get()[0], f"step {s}: attention output amax of layer {l}"
+                    assert h1[8 * l, 0] == m.get()[0], f"step {s}: act amax of layer {l}"
+                    assert h1[8 * l + 2, 0] == a.get()[0], f"step {s}: attention output amax of layer {l}"
+                    # ln1 and ln2 (never written in bf16): their layer norms again, with an amax
+                    src1 = eng.g["x0"] if l == 0 else eng.layers[l - 1]["res_out"]
+                    for k, (src, name) in enumerate(((src1, "ln1"), (eng.layers[l]["xmid"], "ln2"))):
+                        out, am = cp.empty_like(src), cp.zeros(2, cp.float32)
+                        stats = [cp.empty(src.shape[:-1], cp.float32) for _ in range(2)]
+                        eng.be.k_layernorm_fwd(out, *stats, src, eng.p[f"h{l}.{name}_w"], eng.p[f"h{l}.{name}_b"],
+                                               amax=am)
+                        assert h1[8 * l + 6 + k, 0] == am.get()[0], f"step {s}: {name} amax of layer {l}"
                 d, m = eng.g["dact"].reshape(-1, 4 * 48).copy(), cp.zeros(2, cp.float32)
                 fp8.k_fp8_dgelu_colsum_amax(cp.zeros(64 * 4 * 48, cp.float32), m, d,
                                             eng.layers[0]["pre"].reshape(-1, 4 * 48), 2)
@@ -1149,21 +1231,21 @@ def test_delayed_scales_in_the_engine(tmp_path):
                 eng.val_loss([batch(40)])
             if s == 3:
                 mid = eng.state()
-                assert np.array(mid.fp8_amax_history).shape == (6 * n_layer, 16)
+                assert np.array(mid.fp8_amax_history).shape == (8 * n_layer, 16)
         runs.append((recs, eng.host_state()))
-        # step 1: two microbatches, eager; step 2: one, eager (its graphs' first run with a history);
-        # the casts of ln1 and ln2 (k_fp8_cast_transpose) keep their current scales
+        # step 1: two microbatches, eager (ln1 and ln2 written in bf16, their amax taken, then cast);
+        # step 2: one, eager (its graphs' first run with a history): ln1 and ln2 from their layer norms
         per = n_layer * 2
-        assert counts[0] == {"k_fp8_amax": 4 * per, "k_fp8_gelu_amax": per, "k_fp8_dgelu_colsum_amax": 0,
+        assert counts[0] == {"k_fp8_amax": 6 * per, "k_fp8_gelu_amax": per, "k_fp8_dgelu_colsum_amax": 0,
                              "k_fp8_dgelu_cast_transpose_colsum_amax": 2 * per,
-                             "k_fp8_gelu_cast_transpose_amax": per, "k_fp8_cast_transpose_amax": per,
-                             "k_fp8_cast_transpose_colsum_amax": 3 * per, "k_fp8_cast_transpose": 2 * per,
-                             "k_fp8_delayed_roll": 1}, counts[0]
+                             "k_fp8_gelu_cast_transpose_amax": per, "k_fp8_cast_transpose_amax": 3 * per,
+                             "k_fp8_cast_transpose_colsum_amax": 3 * per, "k_fp8_cast_transpose": 0,
+                             "k_fp8_delayed_roll": 1, "k_layernorm_fwd_fp8": 0}, counts[0]
         assert counts[1] == {"k_fp8_amax": 0, "k_fp8_gelu_amax": 0, "k_fp8_dgelu_colsum_amax": 0,
                              "k_fp8_dgelu_cast_transpose_colsum_amax": n_layer,
                              "k_fp8_gelu_cast_transpose_amax": n_layer, "k_fp8_cast_transpose_amax": n_layer,
-                             "k_fp8_cast_transpose_colsum_amax": 3 * n_layer, "k_fp8_cast_transpose": 2 * n_layer,
-                             "k_fp8_delayed_roll": 1}, counts[1]
+                             "k_fp8_cast_transpose_colsum_amax": 3 * n_layer, "k_fp8_cast_transpose": 0,
+                             "k_fp8_delayed_roll": 1, "k_layernorm_fwd_fp8": 2 * n_layer}, counts[1]
         assert sc.live
     (a, sa), (b, sb) = runs
     assert [r["skipped"] for r in a] == [False] * 4 + [True] + [False] * 2, a
@@ -1186,3 +1268,33 @@ def test_delayed_scales_in_the_engine(tmp_path):
          for s in range(1, 5)]
     assert all(abs(x["loss"] - y["loss"]) < 0.02 * y["loss"] for x, y in zip(a[:4], c)), (a[:4], c)
     assert repr(a[1:4]) != repr(c[1:4])
+
+
+def test_layernorm_cast_same_bits_as_the_cast_after(tmp_path):
+    """Delayed scaling with the layer norms writing ln1 and ln2 as FP8 operands
+    (CudaOps.fp8_layernorm_cast, the default) and with the layer norm, then its cast
+    (k_fp8_cast_transpose_amax): the same records, weights and Adam state bits over steps of two
+    microbatches and one, a skipped step and an evaluation; the switch is seen in the launches."""
+    runs = []
+    for on in (True, False):
+        eng = delayed_engine(tmp_path)
+        eng.be.fp8_layernorm_cast = on
+        recs, fused = [], 0
+        for s in range(1, 6):
+            log = launches(eng.be)
+            if s == 4:
+                eng.loss_scale = float("inf")
+            recs.append(dict(eng.train_step(s, [batch(3 * s)] if s == 2 else [batch(3 * s), batch(3 * s + 1)])))
+            eng.be.synchronize()
+            fused += log.count("k_layernorm_fwd_fp8")
+            del eng.be.rt.launch
+            eng.loss_scale = 1.0
+            if s == 3:
+                recs.append(eng.val_loss([batch(50)]))
+        eng.be.fp8_layernorm_cast = True
+        assert (fused > 0) == on, fused
+        runs.append((recs, eng.host_state()))
+    (a, sa), (b, sb) = runs
+    assert repr(a) == repr(b), (a, b)
+    for x, y in zip(sa, sb):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))

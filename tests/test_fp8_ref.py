@@ -760,8 +760,8 @@ def test_delayed_passes_are_the_current_ones(dtype):
 
 
 def test_memory_plan_and_state_of_the_delayed_scales():
-    """fp8_delayed plans a 64-float row for each of six tensors a layer (group "fp8 delayed
-    scales"; five without input slots), nothing else changed; EngineState keeps the amax history in the sidecar's fields only
+    """fp8_delayed plans a 64-float row for each of eight tensors a layer (group "fp8 delayed
+    scales"; five without input slots: the three inputs keep current scaling), nothing else changed; EngineState keeps the amax history in the sidecar's fields only
     where there is one, and from_checkpoint takes it from the sidecar (not from the engine's
     defaults: a checkpoint without one starts over)."""
     from types import SimpleNamespace
@@ -770,9 +770,9 @@ def test_memory_plan_and_state_of_the_delayed_scales():
     from andrea.engine import EngineState, make_plan
     cfg = compose_config("ANDREA-120M", ["train.precision=fp8", "train.batch_size=8"])
     on, off = make_plan(cfg, fp8_delayed=True), make_plan(cfg)
-    assert on.by_group()["fp8 delayed scales"] == 6 * 12 * 64 * 4
+    assert on.by_group()["fp8 delayed scales"] == 8 * 12 * 64 * 4
     no_slots = make_plan(cfg, fp8_delayed=True, fp8_keep_xt=False, fp8_producer_amax=False)
-    assert no_slots.by_group()["fp8 delayed scales"] == 5 * 12 * 64 * 4  # the attention output: current
+    assert no_slots.by_group()["fp8 delayed scales"] == 5 * 12 * 64 * 4  # the three inputs: current
     assert [r for r in on.rows if r.group != "fp8 delayed scales"] == off.rows
     assert "fp8 delayed scales" not in make_plan(compose_config("ANDREA-120M", ["train.precision=bf16"]),
                                                  fp8_delayed=True).by_group()
@@ -805,3 +805,49 @@ def test_a_sidecars_amax_history_is_checked():
                        ([[1.0] * 16, [1.0] * 3, [1.0] * 16], "fp8_amax_history")):
         with pytest.raises(ValueError, match=match):
             delayed_history_array(bad, 3)
+
+
+def test_a_history_of_another_set_of_scales_is_told_apart():
+    """A sidecar's well-formed history with another number of rows than the engine's delayed
+    scales (a checkpoint of a version with another set of them) is told apart from a malformed
+    one: Engine.load_checkpoint starts the histories over for the first and refuses the second."""
+    from andrea.engine import _history_of_other_tensors
+    good = [[0.5] * 16 for _ in range(6)]
+    assert _history_of_other_tensors(good, 8)
+    assert not _history_of_other_tensors(good, 6)
+    for bad in ([row[:15] for row in good], [[float("nan")] * 16] * 6, [["x"] * 16] * 6, 3.0, None):
+        assert not _history_of_other_tensors(bad, 8), bad
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["layernorm", "residual_layernorm"])
+def test_layernorm_fwd_fp8_reference(residual):
+    """numpy_ref.k_layernorm_fwd_fp8 (odd sizes): res, mean and rstd as the layer norm writes them;
+    its bytes the E4M3 rounding of the layer norm's output times the scale of meta[0] (saturating
+    at 448 for a smaller one), out_t their transpose, meta[1] the inverse scale; amax_out the
+    largest |output| where that is more than what it held, else unchanged."""
+    rng = np.random.default_rng(11)
+    N, C = 13, 37
+    a, b = rng.normal(0, 2, (N, C)).astype(np.float32), rng.normal(0, 1, (N, C)).astype(np.float32)
+    w, bias = rng.normal(1, 0.5, C).astype(np.float32), rng.normal(0, 0.1, C).astype(np.float32)
+    x = a + b if residual else a
+    mu = x.mean(axis=1, keepdims=True)
+    y = (x - mu) / np.sqrt(((x - mu) ** 2).mean(axis=1, keepdims=True) + 1e-5) * w + bias
+    top = np.float32(np.abs(y).max())
+    for shrink, held in ((1.0, 0.0), (0.25, 1e6)):
+        out, out_t, res = np.zeros((N, C), np.uint8), np.zeros((C, N), np.uint8), np.zeros((N, C), np.float32)
+        mean, rstd = np.zeros(N, np.float32), np.zeros(N, np.float32)
+        meta, amax = np.array([top * shrink, 0], np.float32), np.array([held], np.float32)
+        K.k_layernorm_fwd_fp8(out, out_t, res, mean, rstd, a, b if residual else None, w, bias, meta, amax)
+        scale, inv = K.fp8_scale(meta[0], "e4m3")
+        assert meta[1] == inv
+        np.testing.assert_array_equal(out_t, out.T)
+        np.testing.assert_allclose(K.fp8_decode(out, "e4m3"), K.fp8_round(y * scale, "e4m3"), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(mean, mu[:, 0], rtol=1e-5, atol=1e-6)
+        if residual:
+            np.testing.assert_array_equal(res, x)
+        else:
+            assert not res.any(), "res written without a residual"
+        if held:
+            assert amax[0] == np.float32(held) and (K.fp8_decode(out, "e4m3") == 448).any()
+        else:
+            np.testing.assert_allclose(amax[0], top, rtol=1e-6)

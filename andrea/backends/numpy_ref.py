@@ -677,6 +677,19 @@ def k_fp8_cast_transpose_amax(out, out_t, meta, x, fmt, amax_out):
     _amax_into(amax_out, x)
 
 
+def k_layernorm_fwd_fp8(out, out_t, res, mean, rstd, a, b, weight, bias, meta, amax_out):
+    """The layer-norm forward that writes its output as an FP8 E4M3 operand (delayed scaling):
+    res, mean, rstd as k_residual_layernorm_fwd writes them (b None: k_layernorm_fwd of a, res
+    not written), and the layer norm's output y (a's dtype, not kept) cast by
+    k_fp8_cast_transpose_amax(out, out_t, meta, y, "e4m3", amax_out)."""
+    y = np.empty_like(a)
+    if b is None:
+        k_layernorm_fwd(y, mean, rstd, a, weight, bias)
+    else:
+        k_residual_layernorm_fwd(res, y, mean, rstd, a, b, weight, bias)
+    k_fp8_cast_transpose_amax(out, out_t, meta, y.reshape(-1, y.shape[-1]), "e4m3", amax_out)
+
+
 def k_fp8_cast_transpose_colsum_amax(out, out_t, meta, x, fmt, partial, amax_out, tile_rows=64):
     """k_fp8_cast_transpose_colsum, and amax_out[0] = max(amax_out[0], max |x|) (None: not taken)."""
     k_fp8_cast_transpose_colsum(out, out_t, meta, x, fmt, partial, tile_rows)

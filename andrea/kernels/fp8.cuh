@@ -61,3 +61,24 @@ __device__ __forceinline__ float fp8_round_stochastic(float v, unsigned int u) {
   float out = sub ? __uint_as_float(y) - lo : __uint_as_float(y);
   return a >= 0x7f800000u ? v : __uint_as_float(__float_as_uint(out) | (b & 0x80000000u));
 }
+
+// The per-tensor scale (fp8.cu's casts, layernorm.cu's k_layernorm_fwd_fp8).
+#define FP8_MAX_SHIFT 126  // |k| at most this: 2^k and 2^-k stay normal float32 numbers
+
+// scale = 2^k from the float32 bits of amax (numpy_ref.fp8_scale); *inv = 2^-k. NaN for a
+// non-finite amax, 1 for zero.
+__device__ __forceinline__ float fp8_scale(float amax, float* inv) {
+  unsigned int u = __float_as_uint(amax) & 0x7fffffffu;
+  if (u >= 0x7f800000u) {
+    *inv = __uint_as_float(0x7fc00000u);
+    return *inv;
+  }
+  if (u == 0u) {
+    *inv = 1.f;
+    return 1.f;
+  }
+  int k = FP8_TOP_EXP - ((int)(u >> 23) - 127) - ((u & 0x7fffffu) > 0x600000u ? 1 : 0);
+  k = k > FP8_MAX_SHIFT ? FP8_MAX_SHIFT : (k < -FP8_MAX_SHIFT ? -FP8_MAX_SHIFT : k);
+  *inv = __uint_as_float((unsigned int)(127 - k) << 23);
+  return __uint_as_float((unsigned int)(127 + k) << 23);
+}

@@ -11,6 +11,7 @@
 // train.precision=fp8 they also reduce max |out| of the values they write into it, for the FP8
 // cast of out that follows (fp8.cu, docs/FP8.md), so no separate pass reads out for it.
 #include "common.cuh"
+#include "fp8.cuh"
 
 #define LN_EPS 1e-5f  // torch.nn.LayerNorm's default, as numpy_ref.LN_EPS
 
@@ -250,7 +251,55 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
 // for such rows, so the fused kernel still gives the bits of k_residual_add + k_layernorm_fwd;
 // k_layernorm_fwd / k_residual_layernorm_fwd above (one element per lane) serve other rows.
 // One warp per row, lane l holding vectors l, l + 32, ...; block of 8 warps = 8 rows. amax: as
-// k_layernorm_fwd's.
+// k_layernorm_fwd's. Its two halves (ln_vec_stats, ln_vec_out) are k_layernorm_fwd_fp8's too.
+
+// The lane's vectors of row `row` of a (plus b, rounded to CT and written to res, where b is not
+// null) into x; returns the row's mean in mu and 1 / its standard deviation in rs.
+__device__ __forceinline__ void ln_vec_stats(float (&x)[LN_CHUNKS][LN_VEC], CT* res, const CT* a, const CT* b,
+                                             i64 row, int C, int lane, float& mu, float& rs) {
+  int nq = C / LN_VEC;
+  const vec16* av = (const vec16*)(a + row * C);
+  const vec16* bv = (const vec16*)(b + row * C);
+  vec16* rv = (vec16*)(res + row * C);
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < LN_CHUNKS; ++k) {
+    int q = lane + 32 * k;
+    if (q < nq) {
+      vec16 rr = av[q];
+      if (b) {
+        vec16 rb = bv[q];
+#pragma unroll
+        for (int i = 0; i < LN_VEC; ++i) vset(rr, i, vget(rr, i) + vget(rb, i));  // as k_residual_add
+        rv[q] = rr;
+      }
+#pragma unroll
+      for (int i = 0; i < LN_VEC; ++i) { x[k][i] = vget(rr, i); s += x[k][i]; }
+    }
+  }
+  mu = warp_sum(s) / C;
+  float v = 0.f;
+#pragma unroll
+  for (int k = 0; k < LN_CHUNKS; ++k)
+    if (lane + 32 * k < nq)
+#pragma unroll
+      for (int i = 0; i < LN_VEC; ++i) { float d = x[k][i] - mu; v += d * d; }
+  rs = 1.0f / sqrtf(warp_sum(v) / C + LN_EPS);
+}
+
+// Vector q of the normalised row (xk: its values from ln_vec_stats), rounded to CT; m takes the
+// largest abs_bits of its values.
+__device__ __forceinline__ vec16 ln_vec_out(const float (&xk)[LN_VEC], float mu, float rs, const CT* weight,
+                                            const CT* bias, int q, unsigned int& m) {
+  vec16 rw = ((const vec16*)weight)[q], rb = ((const vec16*)bias)[q], ro;
+#pragma unroll
+  for (int i = 0; i < LN_VEC; ++i) {
+    vset(ro, i, (xk[i] - mu) * rs * vget(rw, i) + vget(rb, i));
+    m = umax(m, abs_bits(vget(ro, i)));  // the value as written, rounded to CT
+  }
+  return ro;
+}
+
 extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_vec(
     CT* res, CT* out, float* mean, float* rstd, const CT* a, const CT* b, const CT* weight,
     const CT* bias, i64 N, int C, float* amax) {
@@ -258,47 +307,83 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_vec(
   int lane = threadIdx.x & 31, nq = C / LN_VEC;
   unsigned int m = 0u;
   if (row < N) {
-    const vec16* av = (const vec16*)(a + row * C);
-    const vec16* bv = (const vec16*)(b + row * C);
-    vec16* rv = (vec16*)(res + row * C);
+    float x[LN_CHUNKS][LN_VEC], mu, rs;
+    ln_vec_stats(x, res, a, b, row, C, lane, mu, rs);
     vec16* ov = (vec16*)(out + row * C);
-    float x[LN_CHUNKS][LN_VEC], s = 0.f;
 #pragma unroll
     for (int k = 0; k < LN_CHUNKS; ++k) {
       int q = lane + 32 * k;
-      if (q < nq) {
-        vec16 rr = av[q];
-        if (b) {
-          vec16 rb = bv[q];
-#pragma unroll
-          for (int i = 0; i < LN_VEC; ++i) vset(rr, i, vget(rr, i) + vget(rb, i));  // as k_residual_add
-          rv[q] = rr;
-        }
-#pragma unroll
-        for (int i = 0; i < LN_VEC; ++i) { x[k][i] = vget(rr, i); s += x[k][i]; }
-      }
-    }
-    float mu = warp_sum(s) / C, v = 0.f;
-#pragma unroll
-    for (int k = 0; k < LN_CHUNKS; ++k)
-      if (lane + 32 * k < nq)
-#pragma unroll
-        for (int i = 0; i < LN_VEC; ++i) { float d = x[k][i] - mu; v += d * d; }
-    float rs = 1.0f / sqrtf(warp_sum(v) / C + LN_EPS);
-#pragma unroll
-    for (int k = 0; k < LN_CHUNKS; ++k) {
-      int q = lane + 32 * k;
-      if (q < nq) {
-        vec16 rw = ((const vec16*)weight)[q], rb = ((const vec16*)bias)[q], ro;
-#pragma unroll
-        for (int i = 0; i < LN_VEC; ++i) {
-          vset(ro, i, (x[k][i] - mu) * rs * vget(rw, i) + vget(rb, i));
-          m = umax(m, abs_bits(vget(ro, i)));  // the value as written, rounded to CT
-        }
-        ov[q] = ro;
-      }
+      if (q < nq) ov[q] = ln_vec_out(x[k], mu, rs, weight, bias, q, m);
     }
     if (lane == 0) { mean[row] = mu; rstd[row] = rs; }
   }
   if (amax) block_amax_atomic(amax, m);
+}
+
+// The layer-norm forward that writes its output as the FP8 operand of the product that reads it
+// (train.precision=fp8 with delayed scaling, docs/FP8.md): k_layernorm_fwd_vec's res, mean and rstd
+// and its out values (rounded to CT, never stored in CT), each times the scale from meta[0]
+// (fp8_scale: a delayed scale's row) as E4M3 bytes, to q (N, C) and its transpose q_t (C, N), the
+// bytes k_fp8_cast_transpose_amax makes of out; meta[inv_at] = 1/scale, and amax_out[0] = max(that,
+// max |out|) where amax_out is not null. One block of 256 threads a tile of LN_FP8_ROWS rows: warp w
+// normalises rows w, w + 8, ... of it, writing q's bytes and a shared copy of the tile; then each
+// thread writes 8 bytes of a column of q_t at a time. N a multiple of 8.
+#define LN_FP8_ROWS 32
+extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_fp8(
+    unsigned char* q, unsigned char* q_t, CT* res, float* mean, float* rstd, const CT* a, const CT* b,
+    const CT* weight, const CT* bias, i64 N, int C, float* meta, int inv_at, float* amax_out) {
+  // the tile's bytes as words, LN_MAXC + 4 bytes a row: rows 8 apart fall in other banks
+  __shared__ unsigned int tile[LN_FP8_ROWS][LN_MAXC / 4 + 1];
+  __shared__ unsigned int warp_amax[8];
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nq = C / LN_VEC;
+  i64 r0 = (i64)blockIdx.x * LN_FP8_ROWS;
+  float inv, s = fp8_scale(meta[0], &inv);
+  if (blockIdx.x == 0 && threadIdx.x == 0) meta[inv_at] = inv;
+  unsigned int m = 0u;
+  for (int r = warp; r < LN_FP8_ROWS && r0 + r < N; r += 8) {
+    i64 row = r0 + r;
+    float x[LN_CHUNKS][LN_VEC], mu, rs;
+    ln_vec_stats(x, res, a, b, row, C, lane, mu, rs);
+#pragma unroll
+    for (int k = 0; k < LN_CHUNKS; ++k) {
+      int v = lane + 32 * k;
+      if (v < nq) {
+        vec16 ro = ln_vec_out(x[k], mu, rs, weight, bias, v, m);
+        unsigned int w[LN_VEC / 4];
+#pragma unroll
+        for (int j = 0; j < LN_VEC / 4; ++j)
+          w[j] = fp8x2(vget(ro, 4 * j) * s, vget(ro, 4 * j + 1) * s) |
+                 (fp8x2(vget(ro, 4 * j + 2) * s, vget(ro, 4 * j + 3) * s) << 16);
+        if (LN_VEC == 8) *reinterpret_cast<Bytes8*>(q + row * C + v * 8) = Bytes8{w[0], w[LN_VEC / 4 - 1]};
+        else *reinterpret_cast<unsigned int*>(q + row * C + v * LN_VEC) = w[0];
+#pragma unroll
+        for (int j = 0; j < LN_VEC / 4; ++j) tile[r][v * (LN_VEC / 4) + j] = w[j];
+      }
+    }
+    if (lane == 0) { mean[row] = mu; rstd[row] = rs; }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = umax(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) warp_amax[warp] = m;
+  __syncthreads();  // the tile's bytes and the warps' largest are shared
+  const unsigned char* tb = reinterpret_cast<const unsigned char*>(tile);
+  constexpr int STRIDE = (LN_MAXC / 4 + 1) * 4, GROUPS = LN_FP8_ROWS / 8;
+  for (int i = threadIdx.x; i < C * GROUPS; i += blockDim.x) {
+    int col = i / GROUPS, r8 = (i % GROUPS) * 8;
+    if (r0 + r8 < N) {
+      unsigned int lo = 0u, hi = 0u;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        lo |= (unsigned int)tb[(r8 + j) * STRIDE + col] << (8 * j);
+        hi |= (unsigned int)tb[(r8 + 4 + j) * STRIDE + col] << (8 * j);
+      }
+      *reinterpret_cast<Bytes8*>(q_t + (i64)col * N + r0 + r8) = Bytes8{lo, hi};
+    }
+  }
+  if (amax_out && threadIdx.x == 0) {  // one atomicMax a tile
+    unsigned int bmax = warp_amax[0];
+#pragma unroll
+    for (int w = 1; w < 8; ++w) bmax = umax(bmax, warp_amax[w]);
+    atomicMax(reinterpret_cast<unsigned int*>(amax_out), bmax);
+  }
 }

@@ -83,6 +83,7 @@ TILE = 64  # the cast kernels' tile: 64 columns, 64 rows (the *_many kernel) or 
 TILE_ROWS = (64, 128, 256)  # what fp8.cu's single-tensor cast kernels compile for
 TABLE_COLS = 5  # int64 per tensor of a *_many launch: address of x, of out, of out_t, R, K (fp8.cu)
 CACHE_ALIGN = 256  # bytes: each cached copy starts aligned as cuBLASLt's heuristics assume
+LN_FP8_ROWS = 32  # rows of a block of k_layernorm_fwd_fp8 (layernorm.cu)
 MANY_BLOCKS = 128  # blocks per tensor of the *_many kernels (grid-stride over the tensor)
 # a delayed scale's row (META_STRIDE floats, fp8.cu k_fp8_delayed_roll): the amax it scales by at
 # 0, the amax of the step under way at DELAYED_CUR, the last FP8_HIST steps' from DELAYED_HIST_AT
@@ -181,13 +182,15 @@ class InputSlot:
     None; first, the slot whose quantisation starts a forward pass. state (what the launchers
     queued last, which a captured graph replays in the same order): "zeroed" (amax zero),
     "armed" (a kernel reduces into it), "amax" (its producer did), "used" (a product used it);
-    ready: the forward product wrote xt for the backward."""
+    ready: the forward product wrote xt for the backward; delayed: meta is a delayed scale's row
+    (use_delayed_scales), and with state "cast" the layer norm writing x wrote its FP8 operand and
+    X^T itself (layernorm_operand)."""
 
-    __slots__ = ("first", "x", "meta", "xt", "state", "ready")
+    __slots__ = ("first", "x", "meta", "xt", "state", "ready", "delayed")
 
     def __init__(self, first, x, meta, xt):
         self.first, self.x, self.meta, self.xt = first, x, meta, xt
-        self.state, self.ready = "used", False
+        self.state, self.ready, self.delayed = "used", False, False
 
 
 class DelayedScales:
@@ -252,6 +255,7 @@ class Fp8Ops:
         # address of an input -> the same slot (the layer-norm launchers ask by their output)
         self.slots, self.slot_of_input = {}, {}
         self._slot_block = None  # every slot's meta rows, (n, META_STRIDE): zeroed by one memset
+        self._producer_amax = False  # the layer norms writing a slot's input reduce its amax (producer_amax)
         self.delayed = None  # the DelayedScales of use_delayed_scales
 
     # ------------------------------------------------------------ the quantisation kernels
@@ -398,6 +402,35 @@ class Fp8Ops:
         self.ops.rt.launch("fp8.cu", "k_fp8_dgelu_cast_transpose_colsum_amax", dact.dtype, grid, THREADS,
                            (out_, out_t_, meta_, inv_at, x, pre, R, K, partial, self._amax_out(kernel, amax_out)),
                            defs=defs)
+
+    def k_layernorm_fwd_fp8(self, out, out_t, res, mean, rstd, a, b, weight, bias, meta, amax_out):
+        """numpy_ref.k_layernorm_fwd_fp8 (layernorm.cu): the layer norm of a (N, C) (b None), or of
+        res = a + b, written as E4M3 bytes out (N, C) and out_t (C, N) with the scale of meta[0];
+        mean, rstd (N,) float32; meta[inv_at] = 1/scale; amax_out (1,) or None. C a multiple of
+        16 / itemsize up to the one-pass layer norm's widest row, N a multiple of 8, arrays 16-byte
+        aligned."""
+        from .ops import LN_FUSED_MAXC
+        kernel = "k_layernorm_fwd_fp8"
+        C = a.shape[-1]
+        N, ct = a.size // C, a.dtype
+        vec = 16 // ct.itemsize
+        for n, x in (("a", a),) + (() if b is None else (("b", b), ("res", res))):
+            check(kernel, n, x, a.shape, ct)
+        for n, x in (("weight", weight), ("bias", bias)):
+            check(kernel, n, x, (C,), ct)
+        for n, x in (("mean", mean), ("rstd", rstd)):
+            check(kernel, n, x, a.shape[:-1], np.float32)
+        check(kernel, "out", out, (N, C), np.uint8)
+        check(kernel, "out_t", out_t, (C, N), np.uint8)
+        bufs = [x for x in (out, out_t, res, a, b, weight, bias) if x is not None]
+        if C > LN_FUSED_MAXC or C % vec or N % 8 or any(x.data.ptr % 16 for x in bufs):
+            raise ValueError(f"{kernel}: rows of {C} {ct} values, {N} rows; expected a multiple of {vec} values up "
+                             f"to {LN_FUSED_MAXC}, a multiple of 8 rows and 16-byte aligned arrays")
+        null = np.uint64(0)
+        self.ops.rt.launch("layernorm.cu", "k_layernorm_fwd_fp8", ct, -(-N // LN_FP8_ROWS), THREADS,
+                           (out, out_t, null if b is None else res, mean, rstd, a, null if b is None else b, weight,
+                            bias, i64(N), i32(C), meta, self._inv_at(kernel, meta), self._amax_out(kernel, amax_out)),
+                           defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}",))
 
     @staticmethod
     def _amax_out(kernel, amax_out):
@@ -580,9 +613,9 @@ class Fp8Ops:
                 off += _aligned(IC * N)
             slot = InputSlot(first=i == 0, x=(x.data.ptr, N, IC), meta=block[i], xt=t)
             self.slots[w.data.ptr] = slot
-            if producer_amax and shared[x.data.ptr] == 1:  # a workspace every layer reuses (act) has no producer here
+            if shared[x.data.ptr] == 1:  # a workspace every layer reuses (act) has no producer here
                 self.slot_of_input[x.data.ptr] = slot
-        self._slot_block = block
+        self._slot_block, self._producer_amax = block, bool(producer_amax)
 
     # ------------------------------------------------------------ delayed scaling
     def use_delayed_scales(self, tensors, block):
@@ -602,7 +635,7 @@ class Fp8Ops:
             rows[role, w.data.ptr] = block[i]
             slot = self.slots.get(w.data.ptr) if self.slots and role != "dy" else None
             if slot is not None:
-                slot.meta = block[i]
+                slot.meta, slot.delayed = block[i], True
             elif role == "x":
                 raise ValueError("use_delayed_scales: an input (role x) needs its product's input slot")
         self.delayed = DelayedScales(self, block, rows)
@@ -636,12 +669,27 @@ class Fp8Ops:
         """Where a layer-norm forward that writes out reduces max |out| (its amax argument): the
         meta row of out's input slot, zeroed first, or None where out has no slot (or the
         producers' amax is off). The slot's next product then skips its k_fp8_amax."""
-        slot = self.slot_of_input.get(out.data.ptr) if self.slot_of_input else None
-        if slot is None or out.size != slot.x[1] * slot.x[2]:
+        slot = self.slot_of_input.get(out.data.ptr) if self._producer_amax and self.slot_of_input else None
+        if slot is None or out.size != slot.x[1] * slot.x[2] or slot.delayed:  # a delayed one: its cast's
             return None
         self._arm(slot)
         slot.state = "amax"
         return slot.meta
+
+    def layernorm_operand(self, out):
+        """Where a layer-norm forward writing out (N, C) writes it as its product's FP8 operand
+        instead (k_layernorm_fwd_fp8, CudaOps.fp8_layernorm_cast): out is the input of a slot with
+        a delayed scale that holds a history, and the slot keeps X^T. Returns (q (N, C) in the
+        workspace, where the product takes it, X^T, the delayed row, where the kernel records its
+        amax or None), marking the slot "cast" and ready; else None (out is written as before)."""
+        slot = self.slot_of_input.get(out.data.ptr) if self.slot_of_input else None
+        if (slot is None or not slot.delayed or slot.xt is None or not self.delayed_live
+                or not self.ops.fp8_layernorm_cast or out.size != slot.x[1] * slot.x[2] or slot.x[1] % 8):
+            return None
+        N, IC = slot.x[1], slot.x[2]
+        q = self.ops.workspace.get("fp8_x", N * IC, np.uint8).reshape(N, IC)
+        slot.state, slot.ready = "cast", True
+        return q, slot.xt, slot.meta, self._record_at(slot.meta)
 
     def _slot(self, w, x2, forward=False):
         """The input slot of w's product where x2 (N, IC) is its registered input, else None (a
@@ -772,13 +820,17 @@ class Fp8Ops:
         x2 itself): one pass casts it with the scale of row's history and reduces its amax into
         the row (the first step: its amax taken first); X^T kept in the slot (where there is
         one), whose 1/scale is the row's."""
+        N, IC = x2.shape
+        if slot is not None and slot.state == "cast":  # its layer norm wrote the operand (layernorm_operand)
+            slot.state = "used"
+            q = self.ops.workspace.get("fp8_x", N * IC, np.uint8).reshape(N, IC)
+            return q, row[META_STRIDE // 2:META_STRIDE // 2 + 1]
         xt = None
         if slot is not None:
             slot.state, xt = "used", slot.xt
             slot.ready = xt is not None
         if not self.delayed_live:
             (self.k_fp8_amax if pre is None else self.k_fp8_gelu_amax)(row, x2 if pre is None else pre)
-        N, IC = x2.shape
         xq = self.ops.workspace.get("fp8_x", N * IC, np.uint8).reshape(N, IC)
         if pre is None:
             self.k_fp8_cast_transpose_amax(xq, xt, row, x2, FP8_FWD, self._record_at(row))

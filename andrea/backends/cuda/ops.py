@@ -235,6 +235,10 @@ class CudaOps:
     # checkpoint's sidecar keep the history), so the pass that makes the tensor casts it too and
     # no pass takes an amax first. Read when an Engine is made (train.fp8_scaling sets it per run)
     fp8_scaling = "delayed"
+    # train.precision=fp8 with delayed scaling: the layer norms writing ln1 and ln2 write them as
+    # their products' FP8 operands (and X^T) with the delayed scale, instead of in the compute dtype
+    # for a cast after (k_layernorm_fwd_fp8; the same bytes). False: the layer norm, then the cast
+    fp8_layernorm_cast = True
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # (fp8: k_fp8_dgelu_colsum_amax) after a plain product (False); docs/BENCHMARKS.md and
     # docs/FP8.md have the timings behind the default
@@ -463,6 +467,8 @@ class CudaOps:
         for n, a in (("mean", mean), ("rstd", rstd)):
             check("k_layernorm_fwd", n, a, inp.shape[:-1], np.float32)
         N = inp.size // C
+        if amax is None and self._layernorm_fwd_fp8(None, out, mean, rstd, inp, None, weight, bias):
+            return
         am = self._ln_amax("k_layernorm_fwd", out, amax)
         if not self._layernorm_fwd_vec(None, out, mean, rstd, inp, None, weight, bias, am):
             self.rt.launch("layernorm.cu", "k_layernorm_fwd", ct, -(-N // 8), THREADS,
@@ -480,6 +486,8 @@ class CudaOps:
         for n, x in (("mean", mean), ("rstd", rstd)):
             check("k_residual_layernorm_fwd", n, x, a.shape[:-1], np.float32)
         N = a.size // C
+        if amax is None and self._layernorm_fwd_fp8(res, out, mean, rstd, a, b, weight, bias):
+            return
         am = self._ln_amax("k_residual_layernorm_fwd", out, amax)
         if not self._layernorm_fwd_vec(res, out, mean, rstd, a, b, weight, bias, am):
             self.rt.launch("layernorm.cu", "k_residual_layernorm_fwd", ct, -(-N // 8), THREADS,
@@ -496,14 +504,35 @@ class CudaOps:
         meta = self.fp8.producer_amax(out) if self.fp8 is not None else None
         return np.uint64(0) if meta is None else meta
 
+    def _layernorm_fwd_fp8(self, res, out, mean, rstd, a, b, weight, bias) -> bool:
+        """train.precision=fp8: where out is an input whose FP8 operand the layer norm may write
+        itself (Fp8Ops.layernorm_operand: a delayed scale with a history, X^T kept), the layer norm
+        writes that operand and X^T instead of out (k_layernorm_fwd_fp8; out is not written), for
+        rows the vector kernel takes. False where it does not (the caller writes out)."""
+        if self.fp8 is None or not self._ln_vec_rows(a, (res, out, a, b, weight, bias)):
+            return False
+        target = self.fp8.layernorm_operand(out)
+        if target is None:
+            return False
+        q, q_t, row, rec = target
+        self.fp8.k_layernorm_fwd_fp8(q, q_t, res, mean, rstd, a, b, weight, bias, row, rec)
+        return True
+
+    @staticmethod
+    def _ln_vec_rows(a, bufs) -> bool:
+        """Rows of a in whole 16-byte vectors, no wider than the vector kernels hold, every buffer
+        16-byte aligned: what the layer norms' vector kernels take."""
+        C = a.shape[-1]
+        return C <= LN_FUSED_MAXC and C % (16 // a.dtype.itemsize) == 0 and all(
+            x.data.ptr % 16 == 0 for x in bufs if x is not None)
+
     def _layernorm_fwd_vec(self, res, out, mean, rstd, a, b, weight, bias, amax) -> bool:
         """Version 2 of the layer-norm forward (16-byte loads, the row in registers, compiled for
         the row width) where the rows are whole aligned vectors; b None: no residual. False where
         it does not apply (the caller launches version 1)."""
         C = a.shape[-1]
         vec = 16 // a.dtype.itemsize
-        bufs = [x for x in (res, out, a, b, weight, bias) if x is not None]
-        if C > LN_FUSED_MAXC or C % vec or any(x.data.ptr % 16 for x in bufs):
+        if not self._ln_vec_rows(a, (res, out, a, b, weight, bias)):
             return False
         null = np.uint64(0)
         N = a.size // C
