@@ -325,10 +325,13 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_vec(
 // and its out values (rounded to CT, never stored in CT), each times the scale from meta[0]
 // (fp8_scale: a delayed scale's row) as E4M3 bytes, to q (N, C) and its transpose q_t (C, N), the
 // bytes k_fp8_cast_transpose_amax makes of out; meta[inv_at] = 1/scale, and amax_out[0] = max(that,
-// max |out|) where amax_out is not null. One block of 256 threads a tile of LN_FP8_ROWS rows: warp w
-// normalises rows w, w + 8, ... of it, writing q's bytes and a shared copy of the tile; then each
-// thread writes 8 bytes of a column of q_t at a time. N a multiple of 8.
-#define LN_FP8_ROWS 32
+// max |out|) where amax_out is not null. One block of 256 threads a tile of LN_FP8_ROWS rows (the
+// launcher's CudaOps.fp8_layernorm_rows: 8, 16 or 32): warp w normalises rows w, w + 8, ... of it,
+// writing q's bytes and a shared copy of the tile; then each thread writes 8 bytes of a column of
+// q_t at a time. N a multiple of 8.
+#ifndef LN_FP8_ROWS
+#define LN_FP8_ROWS 8
+#endif
 extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_fp8(
     unsigned char* q, unsigned char* q_t, CT* res, float* mean, float* rstd, const CT* a, const CT* b,
     const CT* weight, const CT* bias, i64 N, int C, float* meta, int inv_at, float* amax_out) {

@@ -83,7 +83,6 @@ TILE = 64  # the cast kernels' tile: 64 columns, 64 rows (the *_many kernel) or 
 TILE_ROWS = (64, 128, 256)  # what fp8.cu's single-tensor cast kernels compile for
 TABLE_COLS = 5  # int64 per tensor of a *_many launch: address of x, of out, of out_t, R, K (fp8.cu)
 CACHE_ALIGN = 256  # bytes: each cached copy starts aligned as cuBLASLt's heuristics assume
-LN_FP8_ROWS = 32  # rows of a block of k_layernorm_fwd_fp8 (layernorm.cu)
 MANY_BLOCKS = 128  # blocks per tensor of the *_many kernels (grid-stride over the tensor)
 # a delayed scale's row (META_STRIDE floats, fp8.cu k_fp8_delayed_roll): the amax it scales by at
 # 0, the amax of the step under way at DELAYED_CUR, the last FP8_HIST steps' from DELAYED_HIST_AT
@@ -426,11 +425,14 @@ class Fp8Ops:
         if C > LN_FUSED_MAXC or C % vec or N % 8 or any(x.data.ptr % 16 for x in bufs):
             raise ValueError(f"{kernel}: rows of {C} {ct} values, {N} rows; expected a multiple of {vec} values up "
                              f"to {LN_FUSED_MAXC}, a multiple of 8 rows and 16-byte aligned arrays")
+        rows = int(self.ops.fp8_layernorm_rows)
+        if rows not in (8, 16, 32):
+            raise ValueError(f"{kernel}: fp8_layernorm_rows = {rows}; expected 8, 16 or 32")
         null = np.uint64(0)
-        self.ops.rt.launch("layernorm.cu", "k_layernorm_fwd_fp8", ct, -(-N // LN_FP8_ROWS), THREADS,
+        self.ops.rt.launch("layernorm.cu", "k_layernorm_fwd_fp8", ct, -(-N // rows), THREADS,
                            (out, out_t, null if b is None else res, mean, rstd, a, null if b is None else b, weight,
                             bias, i64(N), i32(C), meta, self._inv_at(kernel, meta), self._amax_out(kernel, amax_out)),
-                           defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}",))
+                           defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}", f"-DLN_FP8_ROWS={rows}"))
 
     @staticmethod
     def _amax_out(kernel, amax_out):

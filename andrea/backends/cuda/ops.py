@@ -239,6 +239,9 @@ class CudaOps:
     # their products' FP8 operands (and X^T) with the delayed scale, instead of in the compute dtype
     # for a cast after (k_layernorm_fwd_fp8; the same bytes). False: the layer norm, then the cast
     fp8_layernorm_cast = True
+    # rows of a block of k_layernorm_fwd_fp8 (8, 16 or 32; the same bytes): one a warp with 8, so
+    # as many rows are in flight as in the layer norm without the cast
+    fp8_layernorm_rows = 8
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # (fp8: k_fp8_dgelu_colsum_amax) after a plain product (False); docs/BENCHMARKS.md and
     # docs/FP8.md have the timings behind the default
