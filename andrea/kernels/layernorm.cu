@@ -330,7 +330,7 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_vec(
 // writing q's bytes and a shared copy of the tile; then each thread writes 8 bytes of a column of
 // q_t at a time. N a multiple of 8.
 #ifndef LN_FP8_ROWS
-#define LN_FP8_ROWS 8
+#define LN_FP8_ROWS 16
 #endif
 extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_fp8(
     unsigned char* q, unsigned char* q_t, CT* res, float* mean, float* rstd, const CT* a, const CT* b,

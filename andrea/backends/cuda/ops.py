@@ -239,9 +239,10 @@ class CudaOps:
     # their products' FP8 operands (and X^T) with the delayed scale, instead of in the compute dtype
     # for a cast after (k_layernorm_fwd_fp8; the same bytes). False: the layer norm, then the cast
     fp8_layernorm_cast = True
-    # rows of a block of k_layernorm_fwd_fp8 (8, 16 or 32; the same bytes): one a warp with 8, so
-    # as many rows are in flight as in the layer norm without the cast
-    fp8_layernorm_rows = 8
+    # rows of a block of k_layernorm_fwd_fp8 (8, 16 or 32; the same bytes): ANDREA-120M fp8 B=8 on
+    # an H200, one job: 12.89 ms a step with 16, 12.94 with 32, 13.05 with 8 (23.5 us a call, against
+    # 18.2 with 32: its columns of X^T go out 8 bytes a block); docs/FP8.md
+    fp8_layernorm_rows = 16
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # (fp8: k_fp8_dgelu_colsum_amax) after a plain product (False); docs/BENCHMARKS.md and
     # docs/FP8.md have the timings behind the default
