@@ -35,7 +35,7 @@ from andrea.engine import Engine  # noqa: E402
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--exp", default="ANDREA-120M")
-    ap.add_argument("--precision", default="bf16", choices=["fp32", "fp16", "bf16"])
+    ap.add_argument("--precision", default="bf16", choices=["fp32", "fp16", "bf16", "fp8"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
