@@ -357,6 +357,7 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_fp8(
         for (int j = 0; j < LN_VEC / 4; ++j)
           w[j] = fp8x2(vget(ro, 4 * j) * s, vget(ro, 4 * j + 1) * s) |
                  (fp8x2(vget(ro, 4 * j + 2) * s, vget(ro, 4 * j + 3) * s) << 16);
+        // 16-bit CT: 8 bytes (w[LN_VEC / 4 - 1] is w[1]; written so, the float build indexes inside w)
         if (LN_VEC == 8) *reinterpret_cast<Bytes8*>(q + row * C + v * 8) = Bytes8{w[0], w[LN_VEC / 4 - 1]};
         else *reinterpret_cast<unsigned int*>(q + row * C + v * LN_VEC) = w[0];
 #pragma unroll

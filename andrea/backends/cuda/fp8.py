@@ -44,18 +44,19 @@ product skips its k_fp8_amax pass. The amax of every slot is zeroed by one memse
 slot (layer 0's ln1) is quantised, i.e. once per forward pass, not once per product. Both
 switches are on by default (docs/FP8.md has the GPU job that measured them).
 
-Delayed scaling (CudaOps.fp8_scaling = "delayed", the default; use_delayed_scales): act, dact, the
-attention output, dqkv, the residual stream's two gradients, ln1 and ln2 of every layer take their scale
-from the largest amax of the last 16 optimizer steps, kept in the engine's arena (a row a tensor)
-and the checkpoint's sidecar. The pass that makes or casts each of them reduces its amax into the
-row as it casts (k_fp8_gelu_cast_transpose_amax, k_fp8_dgelu_cast_transpose_colsum_amax: dact *=
-gelu'(pre) cast and transposed without a bf16 dact, k_fp8_cast_transpose_amax,
-k_fp8_cast_transpose_colsum_amax), and k_fp8_delayed_roll moves the histories at the end of each
-optimizer step, in its CUDA graph (not on a skipped step). The layer norms that make ln1 and ln2
-write them as the products' FP8 operands and X^T themselves (layernorm_operand,
-k_layernorm_fwd_fp8; CudaOps.fp8_layernorm_cast), so no bf16 ln1, ln2 and no cast of them. The
-first step, with no history, takes each amax first. The casts of dY of a layer with a bias also write its column partials
-(CudaOps.fp8_cast_colsum, k_fp8_cast_transpose_colsum), so the bias gradient reads dY no more.
+Delayed scaling (CudaOps.fp8_scaling = "delayed", the default; use_delayed_scales): act, dact,
+the attention output, dqkv, the residual stream's two gradients, ln1 and ln2 of every layer take
+their scale from the largest amax of the last 16 optimizer steps, kept in the engine's arena (a
+row a tensor) and the checkpoint's sidecar. The pass that makes or casts each of them reduces its
+amax into the row as it casts (k_fp8_gelu_cast_transpose_amax,
+k_fp8_dgelu_cast_transpose_colsum_amax: dact *= gelu'(pre) cast and transposed without a bf16
+dact, k_fp8_cast_transpose_amax, k_fp8_cast_transpose_colsum_amax), and k_fp8_delayed_roll moves
+the histories at the end of each optimizer step, in its CUDA graph (not on a skipped step). The
+layer norms that make ln1 and ln2 write them as the products' FP8 operands and X^T themselves
+(layernorm_operand, k_layernorm_fwd_fp8; CudaOps.fp8_layernorm_cast): no bf16 ln1 or ln2, no
+cast of them. The first step, with no history, takes each amax first. The casts of dY of a layer
+with a bias also write its column partials (CudaOps.fp8_cast_colsum,
+k_fp8_cast_transpose_colsum), so the bias gradient reads dY no more.
 
 The classifier (CudaOps.fp8_classifier, on by default, docs/FP8.md) runs its products here too
 (k_fp8_loss_fwd / k_fp8_loss_bwd): the tied embedding in the weight cache, lnf's output quantised
