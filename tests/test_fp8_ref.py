@@ -851,3 +851,39 @@ def test_layernorm_fwd_fp8_reference(residual):
             assert amax[0] == np.float32(held) and (K.fp8_decode(out, "e4m3") == 448).any()
         else:
             np.testing.assert_allclose(amax[0], top, rtol=1e-6)
+
+
+def test_load_checkpoint_starts_another_sets_history_over(tmp_path, capsys):
+    """Engine.load_checkpoint with delayed scales (an engine of 8 rows stood in for: an fp8 engine
+    needs a GPU): a sidecar history of 6 well-formed rows (a checkpoint of a version with another
+    set of delayed scales) is dropped with a message naming the sidecar, and the state loads
+    without it; 8 rows load as they are; 8 rows with a NaN are refused with a CheckpointError
+    naming the sidecar and the field, before anything is loaded."""
+    from types import SimpleNamespace
+
+    from andrea.checkpoint import CheckpointError, write_checkpoint
+    from andrea.engine import Engine, EngineState
+    n = 5
+    z = np.zeros(n, np.float32)
+    loaded = []
+    eng = SimpleNamespace(layout=SimpleNamespace(n_params=n), fp8_delayed=True,
+                          fp8_scales=SimpleNamespace(block=np.zeros((8, 64), np.float32)),
+                          state_counters=lambda: EngineState(z, z, z, 1.0, 0, 0, 0).counters(),
+                          load_state=loaded.append)
+    counters = EngineState(z, z, z, 1.0, 0, 0, 0).counters()
+    for step, hist in ((1, [[0.5] * 16] * 6), (2, [[0.25] * 16] * 8), (3, [[0.5] * 16] * 7 + [[float("nan")] * 16])):
+        path = write_checkpoint(tmp_path, step, z + 1, z, z, {**counters, "fp8_amax_history": hist})
+        if step == 3:
+            with pytest.raises(CheckpointError, match=r"sidecar .*step_0*3\.json: field fp8_amax_history"):
+                Engine.load_checkpoint(eng, path)
+            assert len(loaded) == 2, "a refused checkpoint was loaded"
+            continue
+        Engine.load_checkpoint(eng, path)
+        st = loaded[-1]
+        assert np.array_equal(st.params, z + 1)
+        if step == 1:
+            assert st.fp8_amax_history is None
+            err = capsys.readouterr().err
+            assert "fp8_amax_history has 6 rows" in err and "step_00000001.json" in err and "start over" in err
+        else:
+            assert st.fp8_amax_history == hist
