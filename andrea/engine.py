@@ -460,11 +460,12 @@ class Engine:
         return EngineState(params, m, v, self.loss_scale, self.good_streak, self.bad_streak, self.skipped,
                            self.fp8_history())
 
-    def state_counters(self) -> dict:
+    def state_counters(self, history: bool = True) -> dict:
         """The loss scale and the step counters, as in a checkpoint's sidecar (EngineState.counters),
-        and with delayed FP8 scales their amax history."""
-        return {"loss_scale": self.loss_scale, "good_streak": self.good_streak, "bad_streak": self.bad_streak,
-                "skipped": self.skipped, "fp8_amax_history": self.fp8_history()}
+        and (history) the delayed FP8 scales' amax history, which waits for the device."""
+        c = {"loss_scale": self.loss_scale, "good_streak": self.good_streak, "bad_streak": self.bad_streak,
+             "skipped": self.skipped}
+        return {**c, "fp8_amax_history": self.fp8_history()} if history else c
 
     def load_state(self, st: "EngineState") -> None:
         """Continue from st: weights, Adam moments, loss scale, step counters and the delayed FP8
@@ -686,33 +687,21 @@ class Engine:
         passes none. Returns the Checkpoint, whose sidecar also holds the data position."""
         from .checkpoint import CheckpointError, read_checkpoint, sidecar_path
         c = read_checkpoint(path, self.layout.n_params, config_hash)
-        st = EngineState.from_checkpoint(c, self.state_counters())
+        st = EngineState.from_checkpoint(c, self.state_counters(history=False))  # the sidecar's history only
         if self.fp8_delayed and st.fp8_amax_history is not None:  # the sidecar's, checked before any load
             from .backends.cuda.fp8 import delayed_history_array
             n = self.fp8_scales.block.shape[0]
             try:
-                delayed_history_array(st.fp8_amax_history, n)
+                rows = delayed_history_array(st.fp8_amax_history).shape[0]
             except ValueError as e:
-                if not _history_of_other_tensors(st.fp8_amax_history, n):
-                    raise CheckpointError(f"checkpoint sidecar {sidecar_path(path)}: field {e}") from None
-                print(f"checkpoint sidecar {sidecar_path(path)}: fp8_amax_history has {len(st.fp8_amax_history)} "
-                      f"rows, written for another set of delayed FP8 scales (this engine has {n}); the histories "
-                      "start over: the next step takes each amax first", file=sys.stderr, flush=True)
+                raise CheckpointError(f"checkpoint sidecar {sidecar_path(path)}: field {e}") from None
+            if rows != n:  # written for another set of delayed scales (engine.FP8_DELAYED)
+                print(f"checkpoint sidecar {sidecar_path(path)}: fp8_amax_history has {rows} rows, written for "
+                      f"another set of delayed FP8 scales (this engine has {n}); the histories start over: the "
+                      "next step takes each amax first", file=sys.stderr, flush=True)
                 st.fp8_amax_history = None
         self.load_state(st)
         return c
-
-
-def _history_of_other_tensors(history, n: int) -> bool:
-    """A well-formed amax history of another number of rows than n (a checkpoint of a version with
-    another set of delayed scales, engine.FP8_DELAYED)."""
-    from .backends.cuda.fp8 import delayed_history_array
-    try:
-        rows = len(history)
-        delayed_history_array(history, rows)
-    except (TypeError, ValueError):
-        return False
-    return rows != n
 
 
 @dataclass

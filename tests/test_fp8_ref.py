@@ -808,15 +808,17 @@ def test_a_sidecars_amax_history_is_checked():
 
 
 def test_a_history_of_another_set_of_scales_is_told_apart():
-    """A sidecar's well-formed history with another number of rows than the engine's delayed
-    scales (a checkpoint of a version with another set of them) is told apart from a malformed
-    one: Engine.load_checkpoint starts the histories over for the first and refuses the second."""
-    from andrea.engine import _history_of_other_tensors
+    """delayed_history_array without a row count takes a well-formed history of any number of rows
+    (Engine.load_checkpoint then starts one of another count than the engine's over: a checkpoint
+    of a version with another set of delayed scales) and still refuses a malformed one."""
+    from andrea.backends.cuda.fp8 import delayed_history_array
     good = [[0.5] * 16 for _ in range(6)]
-    assert _history_of_other_tensors(good, 8)
-    assert not _history_of_other_tensors(good, 6)
-    for bad in ([row[:15] for row in good], [[float("nan")] * 16] * 6, [["x"] * 16] * 6, 3.0, None):
-        assert not _history_of_other_tensors(bad, 8), bad
+    assert delayed_history_array(good).shape == (6, 16)
+    with pytest.raises(ValueError, match=r"shape \(6, 16\); expected \(8, 16\)"):
+        delayed_history_array(good, 8)
+    for bad in ([row[:15] for row in good], [[float("nan")] * 16] * 6, [["x"] * 16] * 6, 3.0, None, [0.5] * 16):
+        with pytest.raises(ValueError, match="fp8_amax_history"):
+            delayed_history_array(bad)
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["layernorm", "residual_layernorm"])
@@ -868,7 +870,7 @@ def test_load_checkpoint_starts_another_sets_history_over(tmp_path, capsys):
     loaded = []
     eng = SimpleNamespace(layout=SimpleNamespace(n_params=n), fp8_delayed=True,
                           fp8_scales=SimpleNamespace(block=np.zeros((8, 64), np.float32)),
-                          state_counters=lambda: EngineState(z, z, z, 1.0, 0, 0, 0).counters(),
+                          state_counters=lambda history=True: EngineState(z, z, z, 1.0, 0, 0, 0).counters(),
                           load_state=loaded.append)
     counters = EngineState(z, z, z, 1.0, 0, 0, 0).counters()
     for step, hist in ((1, [[0.5] * 16] * 6), (2, [[0.25] * 16] * 8), (3, [[0.5] * 16] * 7 + [[float("nan")] * 16])):

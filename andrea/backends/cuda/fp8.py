@@ -138,18 +138,17 @@ def delayed_rows(n: int):
     return [("fp8_delayed", (n * META_STRIDE,), "float32")] if n else []
 
 
-def delayed_history_array(history, n: int) -> np.ndarray:
+def delayed_history_array(history, n=None) -> np.ndarray:
     """history (a checkpoint sidecar's fp8_amax_history: n lists of FP8_HIST amax, newest first) as
-    a float32 (n, FP8_HIST) array; a ValueError naming the field where it is not that, or holds a
-    value that is not a finite, non-negative number."""
+    a float32 (n, FP8_HIST) array (n None: any number of rows); a ValueError naming the field where
+    it is not that, or holds a value that is not a finite, non-negative number."""
+    want = f"({'n' if n is None else n}, {FP8_HIST}) amax values (a row a delayed scale, newest first)"
     try:
         h = np.asarray(history, dtype=np.float32)
     except (TypeError, ValueError):
-        raise ValueError(f"fp8_amax_history: not an array of numbers; expected ({n}, {FP8_HIST}) amax values "
-                         "(a row a delayed scale, newest first)") from None
-    if h.shape != (n, FP8_HIST):
-        raise ValueError(f"fp8_amax_history: shape {h.shape}; expected ({n}, {FP8_HIST}) amax values (a row a "
-                         "delayed scale, newest first)")
+        raise ValueError(f"fp8_amax_history: not an array of numbers; expected {want}") from None
+    if h.ndim != 2 or h.shape[1] != FP8_HIST or (n is not None and h.shape[0] != n):
+        raise ValueError(f"fp8_amax_history: shape {h.shape}; expected {want}")
     if not np.all(np.isfinite(h)) or (h < 0).any():
         raise ValueError("fp8_amax_history: a value is not finite or is negative; expected amax values >= 0")
     return h
@@ -424,8 +423,7 @@ class Fp8Ops:
             check(kernel, n, x, a.shape[:-1], np.float32)
         check(kernel, "out", out, (N, C), np.uint8)
         check(kernel, "out_t", out_t, (C, N), np.uint8)
-        bufs = [x for x in (out, out_t, res, a, b, weight, bias) if x is not None]
-        if C > LN_FUSED_MAXC or C % vec or N % 8 or any(x.data.ptr % 16 for x in bufs):
+        if N % 8 or not self.ops._ln_vec_rows(a, (out, out_t, res, a, b, weight, bias)):
             raise ValueError(f"{kernel}: rows of {C} {ct} values, {N} rows; expected a multiple of {vec} values up "
                              f"to {LN_FUSED_MAXC}, a multiple of 8 rows and 16-byte aligned arrays")
         rows = int(self.ops.fp8_layernorm_rows)
@@ -670,12 +668,17 @@ class Fp8Ops:
             cp.cuda.runtime.memsetAsync(slot.meta.data.ptr, 0, 4, stream)
         slot.state = "armed"
 
+    def _slot_written(self, out):
+        """The input slot whose whole input is out (a layer norm's output), or None."""
+        slot = self.slot_of_input.get(out.data.ptr) if self.slot_of_input else None
+        return slot if slot is not None and out.size == slot.x[1] * slot.x[2] else None
+
     def producer_amax(self, out):
         """Where a layer-norm forward that writes out reduces max |out| (its amax argument): the
         meta row of out's input slot, zeroed first, or None where out has no slot (or the
         producers' amax is off). The slot's next product then skips its k_fp8_amax."""
-        slot = self.slot_of_input.get(out.data.ptr) if self._producer_amax and self.slot_of_input else None
-        if slot is None or out.size != slot.x[1] * slot.x[2] or slot.delayed:  # a delayed one: its cast's
+        slot = self._slot_written(out) if self._producer_amax else None
+        if slot is None or slot.delayed:  # a delayed one: its cast's
             return None
         self._arm(slot)
         slot.state = "amax"
@@ -687,9 +690,9 @@ class Fp8Ops:
         a delayed scale that holds a history, and the slot keeps X^T. Returns (q (N, C) in the
         workspace, where the product takes it, X^T, the delayed row, where the kernel records its
         amax or None), marking the slot "cast" and ready; else None (out is written as before)."""
-        slot = self.slot_of_input.get(out.data.ptr) if self.slot_of_input else None
+        slot = self._slot_written(out)
         if (slot is None or not slot.delayed or slot.xt is None or not self.delayed_live
-                or not self.ops.fp8_layernorm_cast or out.size != slot.x[1] * slot.x[2] or slot.x[1] % 8):
+                or not self.ops.fp8_layernorm_cast or slot.x[1] % 8):
             return None
         N, IC = slot.x[1], slot.x[2]
         q = self.ops.workspace.get("fp8_x", N * IC, np.uint8).reshape(N, IC)
