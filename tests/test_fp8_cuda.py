@@ -1305,3 +1305,130 @@ def test_layernorm_cast_same_bits_as_the_cast_after(tmp_path):
     assert repr(a) == repr(b), (a, b)
     for x, y in zip(sa, sb):
         assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+
+
+# ---------------------------------------------------------------- the attention's FP8 epilogues
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("hs,NH", [(64, 2), (16, 3), (128, 1)])
+def test_attention_fp8_kernels_are_the_attention_then_its_cast(be, hs, NH, fmt, monkeypatch):
+    """k_attn_fwd_fp8 and k_attn_bwd_fp8 (attention_hopper.cu's _fp8 kernels, T = 192: the last
+    dQ block's second warpgroup has no rows): out and lse bit for bit k_attn_fwd's; the FP8 bytes,
+    their transpose, 1/scale, the amax (reduced into a smaller value already there) and, for dqkv,
+    the column partials of its 64-row tiles bit for bit what k_fp8_cast_transpose_amax /
+    k_fp8_cast_transpose_colsum_amax (64-row tiles) make of k_attn_fwd's out and of k_attn_bwd's
+    dqkv (accumulate=False), with the same meta; a delayed scale of a quarter of the amax saturates
+    as the cast does. Against numpy_ref.k_attn_bwd_fp8 in float32: the decoded values within the
+    FP8 layers' 0.1."""
+    import cupy as cp
+    if not be._hopper(hs):
+        pytest.skip("the FP8 attention kernels are the wgmma ones (compute capability 9.0)")
+    monkeypatch.setattr(be, "fp8_tile_rows", 64)
+    B, T = 2, 192
+    C, N = NH * hs, B * T
+    rng = np.random.default_rng(hs + NH)
+    qkv = on_dev(rng.normal(0, 1, (B, T, 3 * C)))
+    dout = on_dev(rng.normal(0, 1, (B, T, C)))
+    out, lse = cp.empty((B, T, C), bf16()), cp.empty((B, NH, T), cp.float32)
+    be.k_attn_fwd(out, lse, qkv, NH)
+    dqkv = cp.empty((B, T, 3 * C), bf16())
+    be.k_attn_bwd(dqkv, dout, qkv, out, lse, NH, accumulate=False)
+    for case in ("plain", "saturate"):
+        for name, x, f in (("fwd", out.reshape(N, C), "e4m3"), ("bwd", dqkv.reshape(N, 3 * C), fmt)):
+            W = x.shape[1]
+            am = cp.zeros(2, cp.float32)
+            be.fp8.k_fp8_amax(am, x)
+            top = float(am.get()[0])
+            meta = cp.asarray(np.array([top * (0.25 if case == "saturate" else 1.0), 0], np.float32))
+            want = [cp.zeros((N, W), cp.uint8), cp.zeros((W, N), cp.uint8)]
+            want_rec, want_part = cp.asarray(np.array([1e-3], np.float32)), cp.zeros((N // 64) * W, cp.float32)
+            if name == "fwd":
+                be.fp8.k_fp8_cast_transpose_amax(*want, meta, x, f, want_rec)
+            else:
+                be.fp8.k_fp8_cast_transpose_colsum_amax(*want, meta, x, f, want_part, want_rec)
+            inv = meta.get()[1]
+            meta[1] = 0
+            got = [cp.full((N, W), 0xAA, cp.uint8), cp.full((W, N), 0xAA, cp.uint8)]
+            rec, part = cp.asarray(np.array([1e-3], np.float32)), cp.full((N // 64, W), np.nan, cp.float32)
+            if name == "fwd":
+                o2, l2 = cp.full_like(out, 7), cp.full_like(lse, 7)
+                be.fp8.k_attn_fwd_fp8(o2, l2, *got, meta, rec, qkv, NH)
+                assert o2.get().tobytes() == out.get().tobytes() and l2.get().tobytes() == lse.get().tobytes()
+            else:
+                be.fp8.k_attn_bwd_fp8(*got, part, meta, rec, dout, qkv, out, lse, NH, f)
+                assert part.get().tobytes() == want_part.get().tobytes(), (case, name, "column partials")
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g.get(), w.get(), err_msg=f"{case} {name}")
+            assert meta.get()[1].tobytes() == np.float32(inv).tobytes(), (case, name)
+            assert rec.get()[0] == top > 1e-3, (case, name)
+            if case == "saturate":
+                assert (ref.fp8_decode(got[0].get(), f) == ref.FP8_FORMATS[f][2]).any(), f"{name}: nothing saturated"
+                continue
+            if name == "bwd":  # the float32 reference of the whole backward, through its FP8 bytes
+                hq = np.zeros((N, W), np.uint8)
+                r_meta = np.array([top, 0], np.float32)
+                args = [host(a).astype(np.float32) for a in (dout, qkv, out)] + [lse.get()]
+                ref.k_attn_bwd_fp8(hq, None, None, r_meta, None, *args, NH, f)
+                assert rel(ref.fp8_decode(got[0].get(), f), ref.fp8_decode(hq, f)) < 0.1
+
+
+def test_attention_fp8_kernels_refuse_what_they_cannot_take(be):
+    """T not a multiple of 64: a ValueError naming the kernel and what it expected."""
+    import cupy as cp
+    B, T, NH, hs = 1, 96, 2, 64
+    C = NH * hs
+    qkv, out = cp.zeros((B, T, 3 * C), bf16()), cp.zeros((B, T, C), bf16())
+    lse, meta = cp.zeros((B, NH, T), cp.float32), cp.zeros(2, cp.float32)
+    with pytest.raises(ValueError, match="k_attn_fwd_fp8: .*T a multiple of 64"):
+        be.fp8.k_attn_fwd_fp8(out, lse, cp.zeros((B * T, C), cp.uint8), cp.zeros((C, B * T), cp.uint8), meta,
+                              None, qkv, NH)
+    with pytest.raises(ValueError, match="k_attn_bwd_fp8: .*T a multiple of 64"):
+        be.fp8.k_attn_bwd_fp8(cp.zeros((B * T, 3 * C), cp.uint8), cp.zeros((3 * C, B * T), cp.uint8), None, meta,
+                              None, out, qkv, out, lse, NH, "e4m3")
+
+
+def test_attention_cast_same_bits_as_the_casts_after(tmp_path):
+    """Delayed scaling with the attention writing its output and dqkv as FP8 operands
+    (CudaOps.fp8_attention_cast) and with the casts after it (T = 64, head size 16): the same
+    records, weights and Adam state bits over steps of two microbatches and one, a skipped step
+    and an evaluation; with it on, step 2 (the first with a history) runs the _fp8 kernels (a
+    forward and a backward a layer) and no cast of the attention output or dqkv, step 1 none."""
+    from andrea.backends import get_backend
+    from andrea.engine import Engine
+    n_layer = MODEL["n_layer"]
+    runs = []
+    for on in (True, False):
+        be = get_backend("cuda")
+        be.fp8_attention_cast = on
+        d = small_config(tmp_path, batch_size=2, seq_len=64, precision="fp8")
+        d["model"], d["backend"] = {**MODEL, "context": 64}, {"name": "cuda"}
+        from andrea.config import load_run_config
+        eng = Engine(load_run_config(d), backend=be)
+        recs, counts = [], []
+        for s in range(1, 6):
+            log = launches(eng.be)
+            if s == 4:
+                eng.loss_scale = float("inf")
+            micro = [batch(3 * s, B=2, T=64)] if s == 2 else [batch(3 * s, B=2, T=64), batch(3 * s + 1, B=2, T=64)]
+            recs.append(dict(eng.train_step(s, micro)))
+            eng.be.synchronize()
+            counts.append((len(micro), {k: log.count(k) for k in ("k_attn_flash_fwd_fp8", "k_attn_flash_bwd_dq_fp8",
+                                                                  "k_attn_flash_bwd_dkv_fp8",
+                                                                  "k_fp8_cast_transpose_amax",
+                                                                  "k_fp8_cast_transpose_colsum_amax")}))
+            del eng.be.rt.launch
+            eng.loss_scale = 1.0
+            if s == 3:
+                recs.append(eng.val_loss([batch(50, B=2, T=64)]))
+        if on:  # step 2 (one microbatch, eager: its graphs' first run with a history); the residual
+            # stream's two gradients are still cast
+            assert counts[1][1] == {"k_attn_flash_fwd_fp8": n_layer, "k_attn_flash_bwd_dq_fp8": n_layer,
+                                    "k_attn_flash_bwd_dkv_fp8": n_layer, "k_fp8_cast_transpose_amax": 0,
+                                    "k_fp8_cast_transpose_colsum_amax": 2 * n_layer}, counts[1]
+            assert counts[0][1]["k_attn_flash_fwd_fp8"] == 0, "step 1 (no history yet) took the FP8 attention"
+        else:
+            assert all(c["k_attn_flash_fwd_fp8"] == c["k_attn_flash_bwd_dq_fp8"] == 0 for _, c in counts)
+        runs.append((recs, eng.host_state()))
+    (a, sa), (b, sb) = runs
+    assert repr(a) == repr(b), (a, b)
+    for x, y in zip(sa, sb):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))

@@ -855,6 +855,46 @@ def test_layernorm_fwd_fp8_reference(residual):
             np.testing.assert_allclose(amax[0], top, rtol=1e-6)
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_attention_fp8_references(fmt):
+    """numpy_ref.k_attn_fwd_fp8 and k_attn_bwd_fp8 (odd sizes, rows past a whole tile): out and
+    lse as k_attn_fwd writes them; the bytes the rounding of out (E4M3), or of dqkv as k_attn_bwd
+    writes it (fmt), times the scale of meta[0], q_t their transpose, meta[1] the inverse scale,
+    amax_out the largest |value|; the backward's partials the column sums of dqkv over each tile
+    of 64 rows (float32 order: close to the float64 sums), none with partial None."""
+    rng = np.random.default_rng(5)
+    B, T, NH, hs = 2, 75, 3, 5
+    C, N = NH * hs, B * T
+    qkv = rng.normal(0, 1, (B, T, 3 * C)).astype(np.float32)
+    out, lse = np.zeros((B, T, C), np.float32), np.zeros((B, NH, T), np.float32)
+    K.k_attn_fwd(out, lse, qkv, NH)
+    dout = rng.normal(0, 1, (B, T, C)).astype(np.float32)
+    dqkv = np.zeros_like(qkv)
+    K.k_attn_bwd(dqkv, dout, qkv, out, lse, NH, accumulate=False)
+    for name, x, f in (("fwd", out.reshape(N, C), "e4m3"), ("bwd", dqkv.reshape(N, 3 * C), fmt)):
+        top = np.float32(np.abs(x).max())
+        R, W = x.shape
+        q, q_t = np.zeros((R, W), np.uint8), np.zeros((W, R), np.uint8)
+        meta, amax = np.array([top, 0], np.float32), np.zeros(1, np.float32)
+        partial = np.full((-(-R // 64), W), np.nan, np.float32)
+        if name == "fwd":
+            o2, l2 = np.zeros_like(out), np.zeros_like(lse)
+            K.k_attn_fwd_fp8(o2, l2, q, q_t, meta, amax, qkv, NH)
+            np.testing.assert_array_equal(o2, out)
+            np.testing.assert_array_equal(l2, lse)
+        else:
+            K.k_attn_bwd_fp8(q, q_t, partial, meta, amax, dout, qkv, out, lse, NH, f)
+            sums = np.add.reduceat(x.astype(np.float64), np.arange(0, R, 64), axis=0)
+            np.testing.assert_allclose(partial, sums, rtol=1e-5, atol=1e-5 * np.abs(x).max())
+            q2, amax2 = np.zeros_like(q), np.zeros(1, np.float32)
+            K.k_attn_bwd_fp8(q2, None, None, meta.copy(), amax2, dout, qkv, out, lse, NH, f)
+            np.testing.assert_array_equal(q2, q)
+        scale, inv = K.fp8_scale(top, f)
+        assert meta[1] == inv and amax[0] == top, name
+        np.testing.assert_array_equal(q_t, q.T)
+        np.testing.assert_allclose(K.fp8_decode(q, f), K.fp8_round(x * scale, f), rtol=0, atol=1e-6)
+
+
 def test_load_checkpoint_starts_another_sets_history_over(tmp_path, capsys):
     """Engine.load_checkpoint with delayed scales (an engine of 8 rows stood in for: an fp8 engine
     needs a GPU): a sidecar history of 6 well-formed rows (a checkpoint of a version with another

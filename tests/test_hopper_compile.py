@@ -109,7 +109,12 @@ def ptxas_figures(log, entry):
 # 1.086 ms, against 1.177 with 48 queries a tile, which neither spills nor serialises, and 1.397 for
 # two warpgroups a block; attention_hopper.cu's header). Any other spill or serialisation fails, and
 # this one may not grow: {(entry, head size): spill bytes allowed}, for the default -D settings only.
-ACCEPTED = {("k_attn_flash_bwd_dkv", 64): 32}
+ACCEPTED = {("k_attn_flash_bwd_dkv", 64): 32, ("k_attn_flash_bwd_dkv_fp8", 64): 32}  # and its FP8 form
+
+
+# the wgmma kernels, and their forms that write FP8 operands (the FP8 epilogues)
+ENTRIES = ("k_attn_flash_fwd", "k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv",
+           "k_attn_flash_fwd_fp8", "k_attn_flash_bwd_dq_fp8", "k_attn_flash_bwd_dkv_fp8")
 
 
 def accepted_spill(entry, hs, defs):
@@ -119,7 +124,7 @@ def accepted_spill(entry, hs, defs):
 # every head size in fp16, the two tile shapes in bf16, and the settings attention_bench.py times
 @pytest.mark.parametrize("ct, hs, defs", [("f16", 16, ()), ("f16", 32, ()), ("f16", 48, ()), ("f16", 64, ()),
                                           ("f16", 80, ()), ("f16", 96, ()), ("f16", 112, ()), ("f16", 128, ()),
-                                          ("bf16", 64, ()), ("bf16", 128, ()),
+                                          ("bf16", 64, ()), ("bf16", 128, ()), ("bf16", 64, ("-DFP8_E5M2=1",)),
                                           ("f16", 64, ("-DV7_SWIZZLE=0", "-DV7_KWG=2", "-DV7_DKV_BLOCKS=1")),
                                           ("f16", 64, ("-DV7_KWG=1", "-DV7_BQ=48", "-DV7_DKV_BLOCKS=3")),
                                           ("f16", 64, ("-DV7_KWG=1", "-DV7_BQ=32", "-DV7_DKV_BLOCKS=3")),
@@ -132,7 +137,7 @@ def accepted_spill(entry, hs, defs):
 def test_hopper_kernels_assemble_for_sm90a_without_spills(ct, hs, defs, tmp_path):
     log = nvcc(KERNELS / "attention_hopper.cu", "sm_90a", ct, hs, tmp_path / "v7.cubin", "--cubin", "-Xptxas",
                "-v", *defs)
-    for entry in ("k_attn_flash_fwd", "k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
+    for entry in ENTRIES:
         regs, st, ld = ptxas_figures(log, entry)
         allowed = accepted_spill(entry, hs, defs)
         assert st <= allowed and ld <= allowed, f"{entry} spills (CT={ct}, HS={hs}): {st} bytes stored, {ld} loaded"
@@ -140,9 +145,11 @@ def test_hopper_kernels_assemble_for_sm90a_without_spills(ct, hs, defs, tmp_path
     # the forward's default: 128 registers, so that two blocks of 256 threads share a multiprocessor
     if not any(d.startswith("-DV8_") for d in defs):
         assert ptxas_figures(log, "k_attn_flash_fwd")[0] <= 128
+        assert ptxas_figures(log, "k_attn_flash_fwd_fp8")[0] <= 128
     # the dK/dV default at head size 64: 168 registers, three blocks of 128 threads a multiprocessor
     if hs == 64 and not any(d.startswith("-DV7_") for d in defs):
         assert ptxas_figures(log, "k_attn_flash_bwd_dkv")[0] <= 168
+        assert ptxas_figures(log, "k_attn_flash_bwd_dkv_fp8")[0] <= 168
     # ptxas serialises the wgmma pipeline (C7510-C7520 "Potential Performance Loss") when it cannot
     # keep the accumulators of products in flight apart: the overlap would be lost silently
     serialised = set(re.findall(r"Potential Performance Loss: .*? for the function '(\w+)'", log))

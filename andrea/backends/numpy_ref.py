@@ -690,6 +690,28 @@ def k_layernorm_fwd_fp8(out, out_t, res, mean, rstd, a, b, weight, bias, meta, a
     k_fp8_cast_transpose_amax(out, out_t, meta, y.reshape(-1, y.shape[-1]), "e4m3", amax_out)
 
 
+def k_attn_fwd_fp8(out, lse, q, q_t, meta, amax_out, qkv, n_head):
+    """The attention forward that also writes its output as an FP8 E4M3 operand (delayed scaling;
+    the attention projection's input): out and lse as k_attn_fwd writes them, and out (B,T,C)
+    cast by k_fp8_cast_transpose_amax(q, q_t, meta, out, "e4m3", amax_out)."""
+    k_attn_fwd(out, lse, qkv, n_head)
+    k_fp8_cast_transpose_amax(q, q_t, meta, out.reshape(-1, out.shape[-1]), "e4m3", amax_out)
+
+
+def k_attn_bwd_fp8(q, q_t, partial, meta, amax_out, dout, qkv, out, lse, n_head, fmt):
+    """The attention backward that writes dqkv only as the QKV product's FP8 output gradient:
+    dqkv (qkv's shape and dtype, not kept) as k_attn_bwd writes it (accumulate=False), cast by
+    k_fp8_cast_transpose_colsum_amax(q, q_t, meta, dqkv, fmt, partial, amax_out) with tiles of 64
+    rows (partial None: no column sums)."""
+    dqkv = np.empty_like(qkv)
+    k_attn_bwd(dqkv, dout, qkv, out, lse, n_head, accumulate=False)
+    d2 = dqkv.reshape(-1, dqkv.shape[-1])
+    if partial is None:
+        k_fp8_cast_transpose_amax(q, q_t, meta, d2, fmt, amax_out)
+    else:
+        k_fp8_cast_transpose_colsum_amax(q, q_t, meta, d2, fmt, partial, amax_out, tile_rows=64)
+
+
 def k_fp8_cast_transpose_colsum_amax(out, out_t, meta, x, fmt, partial, amax_out, tile_rows=64):
     """k_fp8_cast_transpose_colsum, and amax_out[0] = max(amax_out[0], max |x|) (None: not taken)."""
     k_fp8_cast_transpose_colsum(out, out_t, meta, x, fmt, partial, tile_rows)

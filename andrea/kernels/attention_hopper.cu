@@ -215,6 +215,7 @@
 #endif
 #include "attention.cu"
 #include "wgmma.cuh"
+#include "fp8.cuh"
 #if V7_WGMMA
 #undef k_attn_flash_fwd
 #undef k_attn_flash_bwd_dq
@@ -330,6 +331,146 @@ __device__ __forceinline__ void two_scores(float* s, float* t, u64 a1, u64 b1, u
   fence_regs<N / 2>(s);
 }
 
+// ---------------------------------------------------------------- FP8 epilogues
+// The _fp8 kernels (train.precision=fp8 with delayed scaling, CudaOps.fp8_attention_cast;
+// docs/FP8.md) are the forward and the backward of this file with an output written as the FP8
+// operand of the product that reads it, scaled by the delayed scale its row holds: the forward's
+// out also as the attention projection's input (E4M3, row-major and transposed), the backward's
+// dqkv only as the QKV product's output gradient (the gradient format, row-major and transposed,
+// with the QKV bias's column partials; the 16-bit dqkv is not written). After the last tile, when
+// the tiles are read no more, each warpgroup's 64 rows of an output go through shared memory:
+//   f8_stage  each thread puts its accumulator values, rounded to 16 bits exactly as the 16-bit
+//             kernels store them, into its warpgroup's stage (64 x F8_LD values);
+//   f8_rows   each thread casts 8 staged values at a time (fp8.cuh) into q and into the byte
+//             stage, taking their largest abs_bits; with partials, threads < HS sum a column each
+//             over the 64 rows in the order of fp8.cu's fp8_tile_colsum_warps;
+//   f8_cols   each thread writes 8 bytes of a column of the byte stage to q_t.
+// The bytes, the amax and the column partials are those fp8.cu's k_fp8_cast_transpose_amax and
+// k_fp8_cast_transpose_colsum_amax (64-row tiles) make of the 16-bit tensor, bit for bit, but for
+// float32 subnormal values (this file's sm_90a build flushes them to zero, fp8.cu's does not). The
+// launcher asks T % 64 == 0, so that a warpgroup's rows are one 64-row tile of those casts.
+#define F8_LD (HS + 8)  // a stage row: HS values (or bytes) and 8 more; 16-byte aligned rows
+
+// Where an _fp8 kernel writes: q (B*T, ld) and q_t (ld, B*T) FP8 bytes, partial (B*T / 64, ld)
+// column sums of each 64-row tile (or null), amax = max(amax, max |value|) (or null), s the scale.
+struct F8Dst {
+  unsigned char* q;
+  unsigned char* q_t;
+  float* partial;
+  float* amax;
+  float s;
+};
+
+// This warp's accumulator values (rows w16 + g + 8r of the warpgroup, columns 8j + 2t4 + e: acc[4j
+// + 2r + e]) into the stage st, rounded to HT: ADD0 as store_rows writes them (0 + s_r * acc), else
+// as the forward writes out (acc * s_r).
+template <bool ADD0>
+__device__ __forceinline__ void f8_stage(HT* st, const float* acc, int w16, float s0, float s1) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sc = r ? s1 : s0;
+    unsigned* p = (unsigned*)(st + (w16 + g + 8 * r) * F8_LD + 2 * t4);
+#pragma unroll
+    for (int j = 0; j < HS / 8; ++j)
+      p[j * 4] = ADD0 ? pack2(0.f + sc * acc[4 * j + 2 * r], 0.f + sc * acc[4 * j + 2 * r + 1])
+                      : pack2(acc[4 * j + 2 * r] * sc, acc[4 * j + 2 * r + 1] * sc);
+  }
+}
+
+// The staged 64 x HS tile as FP8 with scale s: row r, column c to q[r * ldq + c] and to the byte
+// stage bt; with partial (not null), partial[c] = column c's sum over the 64 rows. tid: the
+// thread's index in its warpgroup. Returns the largest abs_bits of its values.
+__device__ __forceinline__ unsigned f8_rows(const HT* st, unsigned char* bt, float s, unsigned char* q, i64 ldq,
+                                            float* partial, int tid) {
+  unsigned m = 0u;
+#pragma unroll
+  for (int i = 0; i < HS / 16; ++i) {  // 64 * HS / 8 vectors of 8 values, 128 threads
+    int v = tid + 128 * i, r = v / (HS / 8), c8 = (v % (HS / 8)) * 8;
+    vec16 x = *reinterpret_cast<const vec16*>(st + r * F8_LD + c8);
+    float f[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      f[e] = to_f(reinterpret_cast<const HT*>(&x)[e]);
+      m = umax(m, abs_bits(f[e]));
+    }
+    Bytes8 b{fp8x2(f[0] * s, f[1] * s) | (fp8x2(f[2] * s, f[3] * s) << 16),
+             fp8x2(f[4] * s, f[5] * s) | (fp8x2(f[6] * s, f[7] * s) << 16)};
+    *reinterpret_cast<Bytes8*>(q + r * ldq + c8) = b;
+    *reinterpret_cast<Bytes8*>(bt + r * F8_LD + c8) = b;
+  }
+  if (partial && tid < HS) {  // fp8_tile_colsum_warps' order: thread 8w + k of a cast tile's warp w
+    const HT* c = st + tid;   // adds rows 4w + k and 4w + k + 32, the warp ((k0 + k1) + (k2 + k3)),
+    float v = 0.f;            // then the warps in order
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      float a[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        a[k] = 0.f;
+        a[k] += to_f(c[(4 * w + k) * F8_LD]);
+        a[k] += to_f(c[(4 * w + k + 32) * F8_LD]);
+      }
+      float sw = (a[0] + a[1]) + (a[2] + a[3]);
+      v = w == 0 ? sw : v + sw;
+    }
+    partial[tid] = v;
+  }
+  return m;
+}
+
+// The byte stage's columns to q_t: column c's 64 bytes at q_t[c * ldt], 8 a thread.
+__device__ __forceinline__ void f8_cols(const unsigned char* bt, unsigned char* q_t, i64 ldt, int tid) {
+#pragma unroll
+  for (int i = 0; i < HS / 16; ++i) {  // HS columns x 8 groups of 8 rows, 128 threads
+    int v = tid + 128 * i, col = v >> 3, r8 = (v & 7) * 8;
+    unsigned lo = 0u, hi = 0u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      lo |= (unsigned)bt[(r8 + j) * F8_LD + col] << (8 * j);
+      hi |= (unsigned)bt[(r8 + 4 + j) * F8_LD + col] << (8 * j);
+    }
+    *reinterpret_cast<Bytes8*>(q_t + col * ldt + r8) = Bytes8{lo, hi};
+  }
+}
+
+// One warpgroup's output tile (acc: its accumulators, scaled by s0 / s1 as f8_stage says) to d at
+// column col0 of rows grow .. grow + 63 (of B*T = n rows, row stride ld); returns the thread's
+// largest abs_bits. Every thread of the block calls it (it has block barriers); valid false: the
+// warpgroup has no rows (past T), it writes nothing. stage: the block's shared memory, the stages
+// of its NWG warpgroups (3 * 64 * F8_LD bytes each).
+template <bool ADD0, int NWG>
+__device__ __forceinline__ unsigned f8_tile_out(u16* stage, const float* acc, float s0, float s1, const F8Dst& d,
+                                                i64 grow, int col0, i64 ld, i64 n, bool valid) {
+  int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  HT* st = reinterpret_cast<HT*>(stage) + wg * 64 * F8_LD;
+  unsigned char* bt = reinterpret_cast<unsigned char*>(stage + NWG * 64 * F8_LD) + wg * 64 * F8_LD;
+  unsigned m = 0u;
+  __syncthreads();  // the stage is free: the tiles it overlays are read no more, or its last use is done
+  if (valid) f8_stage<ADD0>(st, acc, 16 * ((threadIdx.x >> 5) & 3), s0, s1);
+  __syncthreads();  // the stage is written
+  if (valid) m = f8_rows(st, bt, d.s, d.q + grow * ld + col0, ld, d.partial ? d.partial + (grow / 64) * ld + col0 : nullptr, tid);
+  __syncthreads();  // the byte stage is written
+  if (valid) f8_cols(bt, d.q_t + (i64)col0 * n + grow, n, tid);
+  return m;
+}
+
+// amax = max(amax, the warp's largest m): one atomicMax a warp (no shared memory, no barrier; the
+// maximum does not depend on the order the atomics come in).
+__device__ __forceinline__ void f8_amax(float* amax, unsigned m) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = umax(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) atomicMax(reinterpret_cast<unsigned int*>(amax), m);
+}
+
+// The scale the _fp8 kernels cast with, from meta[0] (a delayed scale's row); block (0, 0)'s first
+// thread writes 1/scale to meta[inv_at] where inv_at >= 0.
+__device__ __forceinline__ float f8_scale(float* meta, int inv_at) {
+  float inv, s = fp8_scale(meta[0], &inv);
+  if (inv_at >= 0 && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[inv_at] = inv;
+  return s;
+}
+
 // ---------------------------------------------------------------- dK, dV
 // One query tile of one warpgroup: its 64 keys (this thread: keys key0 + g and key0 + g + 8, key0
 // the warp's first) against queries [q0, q0 + V7_BQ). dk, dv: 64 x HS accumulators. Issues dV's and
@@ -395,10 +536,9 @@ __device__ __forceinline__ void dkv7_tile(float* dk, float* dv, u64 dkey, u64 dv
 
 // dK and dV parts of dqkv += ...: version 7, grid (B*NH, ceil(T/V7_BK)), block V7_DKV_THREADS,
 // V7_DKV_SMEM bytes of dynamic shared memory (traps on anything else).
-extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_attn_flash_bwd_dkv(HT* dqkv, const HT* qkv, const HT* dout,
-                                                                             const float* lse, const float* Dv,
-                                                                             int B, int T, int NH, float scale,
-                                                                             int accumulate) {
+template <bool FP8>
+__device__ __forceinline__ void attn_bwd_dkv(HT* dqkv, const F8Dst& f8, const HT* qkv, const HT* dout, const float* lse,
+                                             const float* Dv, int B, int T, int NH, float scale, int accumulate) {
   extern __shared__ __align__(1024) u16 smem7[];
   u16* smem = smem7;
   require_smem(V7_DKV_SMEM);
@@ -453,9 +593,34 @@ extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_at
     }
     __syncthreads();
   }
+  if (FP8) {  // dK's and dV's columns of dqkv as FP8 (the FP8 epilogues above)
+    static_assert(3 * V7_KWG * 64 * F8_LD <= V7_DKV_SMEM, "the FP8 stage overlays the tiles");
+    i64 grow = (i64)b * T + wkey0, n = (i64)B * T;
+    unsigned m = f8_tile_out<true, V7_KWG>(smem, dk, scale, scale, f8, grow, C + h * HS, ld, n, wkey0 < T);
+    m = umax(m, f8_tile_out<true, V7_KWG>(smem, dv, 1.f, 1.f, f8, grow, 2 * C + h * HS, ld, n, wkey0 < T));
+    if (f8.amax) f8_amax(f8.amax, m);
+    return;
+  }
   HT* base = dqkv + (i64)b * T * ld + h * HS;
   store_rows(base + C, ld, (const float(*)[4])dk, key0, T, scale, accumulate);
   store_rows(base + 2 * C, ld, (const float(*)[4])dv, key0, T, 1.f, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_attn_flash_bwd_dkv(HT* dqkv, const HT* qkv, const HT* dout,
+                                                                             const float* lse, const float* Dv,
+                                                                             int B, int T, int NH, float scale,
+                                                                             int accumulate) {
+  attn_bwd_dkv<false>(dqkv, F8Dst{}, qkv, dout, lse, Dv, B, T, NH, scale, accumulate);
+}
+
+// k_attn_flash_bwd_dkv writing dK and dV into q (B*T, 3C) and q_t (3C, B*T) as FP8 with the scale
+// of meta[0], their column partials into partial (B*T / 64, 3C; null: none) and their amax into
+// amax_out (null: none); dqkv is not written (the FP8 epilogues above). T % 64 == 0.
+extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_attn_flash_bwd_dkv_fp8(
+    unsigned char* q, unsigned char* q_t, float* partial, float* meta, float* amax_out, const HT* qkv, const HT* dout,
+    const float* lse, const float* Dv, int B, int T, int NH, float scale) {
+  F8Dst f8{q, q_t, partial, amax_out, f8_scale(meta, -1)};
+  attn_bwd_dkv<true>(nullptr, f8, qkv, dout, lse, Dv, B, T, NH, scale, 0);
 }
 
 // ---------------------------------------------------------------- dQ
@@ -526,10 +691,10 @@ __device__ __forceinline__ void rows_D(float* D, const HT* dout, const HT* out, 
 // grid (B*NH, ceil(T/V7_QM)), block V7_DQ_THREADS, V7_DQ_SMEM bytes of dynamic shared memory (traps
 // on anything else). Version 7's dQ kernel, which read D from k_attn_flash_D; here each thread
 // computes D for its two rows (rows_D) while the first tiles are being copied, and writes it.
-extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
-                                                                            const HT* out, const float* lse, float* Dv,
-                                                                            int B, int T, int NH, float scale,
-                                                                            int accumulate) {
+template <bool FP8>
+__device__ __forceinline__ void attn_bwd_dq(HT* dqkv, const F8Dst& f8, const HT* qkv, const HT* dout, const HT* out,
+                                            const float* lse, float* Dv, int B, int T, int NH, float scale,
+                                            int accumulate) {
   extern __shared__ __align__(1024) u16 smem7[];
   u16* smem = smem7;
   require_smem(V7_DQ_SMEM);
@@ -581,7 +746,32 @@ extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn
     }
     __syncthreads();
   }
+  if (FP8) {  // dQ's columns of dqkv as FP8 (the FP8 epilogues above)
+    static_assert(3 * V7_WG * 64 * F8_LD <= V7_DQ_SMEM, "the FP8 stage overlays the tiles");
+    unsigned m = f8_tile_out<true, V7_WG>(smem, dq, scale, scale, f8, (i64)b * T + wrow0, h * HS, ld, (i64)B * T,
+                                          wrow0 < T);
+    if (f8.amax) f8_amax(f8.amax, m);
+    return;
+  }
   store_rows(dqkv + (i64)b * T * ld + h * HS, ld, (const float(*)[4])dq, row0, T, scale, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn_flash_bwd_dq(HT* dqkv, const HT* qkv, const HT* dout,
+                                                                            const HT* out, const float* lse, float* Dv,
+                                                                            int B, int T, int NH, float scale,
+                                                                            int accumulate) {
+  attn_bwd_dq<false>(dqkv, F8Dst{}, qkv, dout, out, lse, Dv, B, T, NH, scale, accumulate);
+}
+
+// k_attn_flash_bwd_dq writing dQ into q (B*T, 3C) and q_t (3C, B*T) as FP8 with the scale of
+// meta[0] (1/scale to meta[inv_at]), its column partials into partial (B*T / 64, 3C; null: none)
+// and its amax into amax_out (null: none); D as k_attn_flash_bwd_dq writes it; dqkv is not
+// written. Launched before k_attn_flash_bwd_dkv_fp8 (which reads D). T % 64 == 0.
+extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn_flash_bwd_dq_fp8(
+    unsigned char* q, unsigned char* q_t, float* partial, float* meta, int inv_at, float* amax_out, const HT* qkv,
+    const HT* dout, const HT* out, const float* lse, float* Dv, int B, int T, int NH, float scale) {
+  F8Dst f8{q, q_t, partial, amax_out, f8_scale(meta, inv_at)};
+  attn_bwd_dq<true>(nullptr, f8, qkv, dout, out, lse, Dv, B, T, NH, scale, 0);
 }
 
 // ---------------------------------------------------------------- forward (version 8)
@@ -692,8 +882,9 @@ __device__ __forceinline__ void fwd8_step(float* o, float* s, unsigned (*pf)[4],
 
 // out (B,T,C) and lse (B*NH, T) from qkv (B,T,3C): version 8, grid (B*NH, ceil(T/V8_BM)), block
 // V8_THREADS, V8_SMEM bytes of dynamic shared memory (traps on anything else).
-extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash_fwd(HT* out, float* lse, const HT* qkv,
-                                                                                   int B, int T, int NH, float scale) {
+template <bool FP8>
+__device__ __forceinline__ void attn_fwd(HT* out, float* lse, const F8Dst& f8, const HT* qkv, int B, int T, int NH,
+                                         float scale) {
   extern __shared__ __align__(1024) u16 smem8[];
   u16* smem = smem8;
   require_smem(V8_SMEM);
@@ -780,5 +971,25 @@ extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash
 #pragma unroll
     for (int j = 0; j < HS / 8; ++j) p[j * 4] = pack2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
   }
+  if (FP8) {  // out as FP8 too (the FP8 epilogues above)
+    static_assert(3 * V8_WG * 64 * F8_LD <= V8_SMEM, "the FP8 stage overlays the tiles");
+    unsigned m = f8_tile_out<false, V8_WG>(smem, o, inv[0], inv[1], f8, (i64)b * T + wrow0, h * HS, C, (i64)B * T,
+                                           wrow0 < T);
+    if (f8.amax) f8_amax(f8.amax, m);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash_fwd(HT* out, float* lse, const HT* qkv,
+                                                                                   int B, int T, int NH, float scale) {
+  attn_fwd<false>(out, lse, F8Dst{}, qkv, B, T, NH, scale);
+}
+
+// k_attn_flash_fwd, and out also into q (B*T, C) and q_t (C, B*T) as E4M3 bytes with the scale of
+// meta[0] (1/scale to meta[inv_at]) and its amax into amax_out (null: none). T % 64 == 0.
+extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash_fwd_fp8(
+    HT* out, float* lse, unsigned char* q, unsigned char* q_t, float* meta, int inv_at, float* amax_out, const HT* qkv,
+    int B, int T, int NH, float scale) {
+  F8Dst f8{q, q_t, nullptr, amax_out, f8_scale(meta, inv_at)};
+  attn_fwd<true>(out, lse, f8, qkv, B, T, NH, scale);
 }
 #endif  // V7_WGMMA

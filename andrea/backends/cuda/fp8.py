@@ -66,6 +66,7 @@ transposed for dW by k_fp8_transpose into the logits workspace the chunk no long
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import numpy as np
@@ -258,6 +259,12 @@ class Fp8Ops:
         self._slot_block = None  # every slot's meta rows, (n, META_STRIDE): zeroed by one memset
         self._producer_amax = False  # the layer norms writing a slot's input reduce its amax (producer_amax)
         self.delayed = None  # the DelayedScales of use_delayed_scales
+        # address of a forward product's output -> its weight's (k_fp8_linear_fwd): the attention
+        # backward finds the QKV weight of the qkv it differentiates (attention_grad_operand)
+        self._made_by = {}
+        # (dqkv, w, fp8 dY, fp8 dY^T, delayed row, partial, chunks, format) that the attention
+        # backward wrote for w's product backward (attention_grad_operand, _dgrad_wgrad), or None
+        self._pending_dy = None
 
     # ------------------------------------------------------------ the quantisation kernels
     @staticmethod
@@ -434,6 +441,67 @@ class Fp8Ops:
                            (out, out_t, null if b is None else res, mean, rstd, a, null if b is None else b, weight,
                             bias, i64(N), i32(C), meta, self._inv_at(kernel, meta), self._amax_out(kernel, amax_out)),
                            defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}", f"-DLN_FP8_ROWS={rows}"))
+
+    def _attn_fp8_check(self, kernel, qkv, n_head, arrays):
+        """The shapes (B, T, C, NH, hs) of an FP8 attention launch, after its conditions: the wgmma
+        kernels (CudaOps._hopper) at this head size, T a multiple of 64 (a warpgroup's rows are a
+        64-row tile of the casts), C a multiple of 16, arrays 16-byte aligned."""
+        from .ops import _attn_shapes
+        B, T, C, NH, hs = _attn_shapes(kernel, qkv, n_head)
+        ok = T % 64 == 0 and C % FP8_MULTIPLE == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
+        if not ok or not self.ops._hopper(hs):
+            raise ValueError(f"{kernel}: B={B} T={T} C={C} head size {hs}; expected the wgmma attention "
+                             f"(compute capability 9.0), T a multiple of 64, C of {FP8_MULTIPLE}, 16-byte aligned arrays")
+        return B, T, C, NH, hs
+
+    def k_attn_fwd_fp8(self, out, lse, q, q_t, meta, amax_out, qkv, n_head):
+        """numpy_ref.k_attn_fwd_fp8 (attention_hopper.cu k_attn_flash_fwd_fp8): out (B,T,C) and lse
+        (B,NH,T) as k_attn_fwd writes them, and out as E4M3 bytes q (B*T, C) and q_t (C, B*T) with
+        the scale of meta[0]; meta[inv_at] = 1/scale; amax_out (1,) or None."""
+        from .ops import hopper_geometry
+        kernel = "k_attn_fwd_fp8"
+        B, T, C, NH, hs = self._attn_fp8_check(kernel, qkv, n_head, (qkv, out))
+        ct = qkv.dtype
+        check(kernel, "out", out, (B, T, C), ct)
+        check(kernel, "lse", lse, (B, NH, T), np.float32)
+        check(kernel, "q", q, (B * T, C), np.uint8)
+        check(kernel, "q_t", q_t, (C, B * T), np.uint8)
+        geo = hopper_geometry(hs)
+        self.ops.rt.launch("attention_hopper.cu", "k_attn_flash_fwd_fp8", ct, (B * NH, -(-T // geo["fwd_rows"])),
+                           geo["threads"], (out, lse, q, q_t, meta, self._inv_at(kernel, meta),
+                                            self._amax_out(kernel, amax_out), qkv, i32(B), i32(T), i32(NH),
+                                            np.float32(1.0 / math.sqrt(hs))),
+                           shared_mem=geo["k_attn_flash_fwd"], hs=hs, arch="sm_90a")
+
+    def k_attn_bwd_fp8(self, q, q_t, partial, meta, amax_out, dout, qkv, out, lse, n_head, fmt):
+        """numpy_ref.k_attn_bwd_fp8 (attention_hopper.cu k_attn_flash_bwd_dq_fp8, then
+        k_attn_flash_bwd_dkv_fp8): dqkv as k_attn_bwd writes it (accumulate=False), but only as
+        bytes of format fmt q (B*T, 3C) and q_t (3C, B*T) with the scale of meta[0], its column
+        sums over each 64-row tile into partial (B*T / 64, 3C) float32 or None, its amax into
+        amax_out (1,) or None; meta[inv_at] = 1/scale. dqkv itself is not written."""
+        from .ops import hopper_geometry
+        kernel = "k_attn_bwd_fp8"
+        B, T, C, NH, hs = self._attn_fp8_check(kernel, qkv, n_head, (qkv, dout, out))
+        ct, N = qkv.dtype, B * T
+        for name, x in (("dout", dout), ("out", out)):
+            check(kernel, name, x, (B, T, C), ct)
+        check(kernel, "lse", lse, (B, NH, T), np.float32)
+        check(kernel, "q", q, (N, 3 * C), np.uint8)
+        check(kernel, "q_t", q_t, (3 * C, N), np.uint8)
+        if partial is not None:
+            check(kernel, "partial", partial, (N // 64, 3 * C), np.float32)
+        defs = self._defs(fmt) if fmt != "e4m3" else ()  # E4M3 (fp8.cuh's default): the 16-bit kernels' build
+        self._defs(fmt)  # a format it knows
+        geo, hop = hopper_geometry(hs), dict(hs=hs, arch="sm_90a", defs=defs)
+        D = self.ops.workspace.get("attn_D", B * NH * T, np.float32)
+        scale, dims = np.float32(1.0 / math.sqrt(hs)), (i32(B), i32(T), i32(NH))
+        part, amax = (np.uint64(0) if partial is None else partial), self._amax_out(kernel, amax_out)
+        self.ops.rt.launch("attention_hopper.cu", "k_attn_flash_bwd_dq_fp8", ct, (B * NH, -(-T // geo["rows"])),
+                           geo["threads"], (q, q_t, part, meta, self._inv_at(kernel, meta), amax, qkv, dout, out, lse,
+                                            D) + dims + (scale,), shared_mem=geo["k_attn_flash_bwd_dq"], **hop)
+        self.ops.rt.launch("attention_hopper.cu", "k_attn_flash_bwd_dkv_fp8", ct, (B * NH, -(-T // geo["keys"])),
+                           geo["dkv_threads"], (q, q_t, part, meta, amax, qkv, dout, lse, D) + dims + (scale,),
+                           shared_mem=geo["k_attn_flash_bwd_dkv"], **hop)
 
     @staticmethod
     def _amax_out(kernel, amax_out):
@@ -686,18 +754,71 @@ class Fp8Ops:
 
     def layernorm_operand(self, out):
         """Where a layer-norm forward writing out (N, C) writes it as its product's FP8 operand
-        instead (k_layernorm_fwd_fp8, CudaOps.fp8_layernorm_cast): out is the input of a slot with
-        a delayed scale that holds a history, and the slot keeps X^T. Returns (q (N, C) in the
-        workspace, where the product takes it, X^T, the delayed row, where the kernel records its
-        amax or None), marking the slot "cast" and ready; else None (out is written as before)."""
+        instead (k_layernorm_fwd_fp8, CudaOps.fp8_layernorm_cast): _written_operand's."""
+        return self._written_operand(out, self.ops.fp8_layernorm_cast)
+
+    def attention_operand(self, out):
+        """Where the attention forward writing out (B, T, C) writes it as the attention
+        projection's FP8 operand too (k_attn_fwd_fp8, CudaOps.fp8_attention_cast): as
+        layernorm_operand (out itself is still written: the backward reads it)."""
+        return self._written_operand(out, self.ops.fp8_attention_cast)
+
+    def _written_operand(self, out, enabled):
+        """Where the kernel that writes out (N, C) writes it as its product's FP8 operand itself:
+        enabled, and out is the input of a slot with a delayed scale that holds a history, and the
+        slot keeps X^T. Returns (q (N, C) in the workspace, where the product takes it, X^T, the
+        delayed row, where the kernel records its amax or None), marking the slot "cast" and
+        ready; else None (the operand is cast from out as before)."""
         slot = self._slot_written(out)
         if (slot is None or not slot.delayed or slot.xt is None or not self.delayed_live
-                or not self.ops.fp8_layernorm_cast or slot.x[1] % 8):
+                or not enabled or slot.x[1] % 8):
             return None
         N, IC = slot.x[1], slot.x[2]
         q = self.ops.workspace.get("fp8_x", N * IC, np.uint8).reshape(N, IC)
         slot.state, slot.ready = "cast", True
         return q, slot.xt, slot.meta, self._record_at(slot.meta)
+
+    def attention_grad_operand(self, dqkv, qkv):
+        """Where the attention backward writing dqkv (B, T, 3C) writes it as the FP8 output
+        gradient of the QKV product instead (k_attn_bwd_fp8, CudaOps.fp8_attention_cast): qkv was
+        made by a forward product here, whose output gradient has a delayed scale holding a
+        history, and the casts of dY write the bias gradient's column partials (fp8_cast_colsum,
+        64-row tiles). Returns (fp8 dY (B*T, 3C), fp8 dY^T, the delayed row, where the kernels
+        record the amax or None, the column partials (B*T / 64, 3C), the gradient format) and
+        keeps them for that product's backward (_dgrad_wgrad, which then reads dqkv no more: it is
+        not written); else None (dqkv is written as before)."""
+        ops = self.ops
+        w = self._made_by.get(qkv.data.ptr)
+        if (w is None or self.delayed is None or not ops.fp8_attention_cast or not self.delayed_live or not ops.fp8_cast_colsum
+                or int(ops.fp8_tile_rows) != 64):
+            return None
+        row = self.delayed.rows.get(("dy", w))
+        if row is None:
+            return None
+        N, K = dqkv.size // dqkv.shape[-1], dqkv.shape[-1]
+        chunks = N // 64
+        partial = ops._colsum_partials("colsum_a", chunks, K)
+        q = ops.workspace.get("fp8_dy", N * K, np.uint8).reshape(N, K)
+        q_t = ops.workspace.get("fp8_dyt", N * K, np.uint8).reshape(K, N)
+        self._pending_dy = (dqkv.data.ptr, w, q, q_t, row, partial, chunks, self.grad_fmt)
+        return q, q_t, row, self._record_at(row), partial.reshape(chunks, K), self.grad_fmt
+
+    def drop_pending_dy(self):
+        """Forget what attention_grad_operand kept (a backward of attention starts: its dqkv is
+        either written in 16 bits or kept anew)."""
+        self._pending_dy = None
+
+    def _take_pending_dy(self, dy2, w):
+        """(fp8 dY, fp8 dY^T, 1/scale, partial, chunks) the attention backward wrote for w's
+        product with output gradient dy2 (attention_grad_operand), or None."""
+        pend, self._pending_dy = self._pending_dy, None
+        if pend is None or pend[0] != dy2.data.ptr:
+            return None
+        dqkv, wp, q, q_t, row, partial, chunks, fmt = pend
+        if wp != w.data.ptr or fmt != self.grad_fmt:
+            raise RuntimeError(f"the attention backward wrote dqkv at {dqkv:#x} as the FP8 output gradient of "
+                               f"another product or format ({fmt}) than the one reading it now ({self.grad_fmt})")
+        return q, q_t, row[META_STRIDE // 2:META_STRIDE // 2 + 1], partial, chunks
 
     def _slot(self, w, x2, forward=False):
         """The input slot of w's product where x2 (N, IC) is its registered input, else None (a
@@ -867,7 +988,12 @@ class Fp8Ops:
         not read)."""
         g = self.grad_fmt
         ops, partial = self.ops, None
-        if db is not None and ops.fp8_cast_colsum:
+        pend = self._take_pending_dy(dy2, w)
+        if pend is not None:  # the attention backward wrote fp8(dY), fp8(dY)^T and the column partials
+            dy_q, (partial, chunks) = pend[:3], pend[3:]
+            if db is None:
+                raise RuntimeError("the attention backward wrote the QKV bias's column partials; its gradient is missing")
+        elif db is not None and ops.fp8_cast_colsum:
             chunks = -(-dy2.shape[0] // int(ops.fp8_tile_rows))
             partial = ops._colsum_partials("colsum_a", chunks, dy2.shape[1])
         if dy_q is not None:
@@ -899,6 +1025,7 @@ class Fp8Ops:
     def k_fp8_linear_fwd(self, out, inp, w, b):
         """out (B,T,OC) = fp8(inp) @ fp8(w).T + b; E4M3 operands, float32 accumulation."""
         OC, IC = w.shape
+        self._made_by[out.data.ptr] = w.data.ptr
         self._fwd_product(out.reshape(-1, OC), inp.reshape(-1, IC), w, b, fallback=lambda: self._bias_add(out, b))
 
     def _bias_add(self, out, b):

@@ -243,6 +243,13 @@ class CudaOps:
     # an H200, one job: 12.89 ms a step with 16, 12.94 with 32, 13.05 with 8 (23.5 us a call, against
     # 18.2 with 32: its columns of X^T go out 8 bytes a block); docs/FP8.md
     fp8_layernorm_rows = 16
+    # train.precision=fp8 with delayed scaling: the wgmma attention writes its outputs as the FP8
+    # operands of the products that read them (attention_hopper.cu's _fp8 kernels; the same bytes):
+    # the forward its output also as the attention projection's input and X^T, the backward dqkv
+    # only as the QKV product's output gradient, its transpose and the bias's column partials (no
+    # 16-bit dqkv, no cast of either). Needs T % 64 == 0. Off until measured against the casts
+    # (docs/FP8.md)
+    fp8_attention_cast = False
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # (fp8: k_fp8_dgelu_colsum_amax) after a plain product (False); docs/BENCHMARKS.md and
     # docs/FP8.md have the timings behind the default
@@ -692,6 +699,8 @@ class CudaOps:
         scale = np.float32(1.0 / math.sqrt(hs))
         if self._fused(ct, hs, qkv, out):
             args = (out, lse, qkv, i32(B), i32(T), i32(NH), scale)
+            if self._attn_fwd_fp8(out, lse, qkv, n_head, T, C, hs):
+                return
             if self._hopper(hs):  # version 8: wgmma, 256 threads, 128 query rows a block
                 geo = hopper_geometry(hs)
                 self.rt.launch("attention_hopper.cu", "k_attn_flash_fwd", ct, (B * NH, -(-T // geo["fwd_rows"])),
@@ -712,6 +721,37 @@ class CudaOps:
         self.rt.launch("attention.cu", "k_attn_merge_heads", ct, min(B * T, MAX_BLOCKS), THREADS,
                        (out, y, i32(B), i32(T), i32(NH), i32(hs)))
 
+    def _attn_fp8_applies(self, T, C, hs) -> bool:
+        """The FP8 attention kernels (CudaOps.fp8_attention_cast) can run: the FP8 path is on, the
+        wgmma kernels take this head size, T % 64 == 0, C % 16 == 0 (Fp8Ops._attn_fp8_check)."""
+        return self.fp8 is not None and self.fp8_attention_cast and T % 64 == 0 and C % 16 == 0 and self._hopper(hs)
+
+    def _attn_fwd_fp8(self, out, lse, qkv, n_head, T, C, hs) -> bool:
+        """train.precision=fp8: where out is the input whose FP8 operand the attention may write
+        itself (Fp8Ops.attention_operand), k_attn_fwd_fp8 writes out and that operand with X^T.
+        False where it does not (the caller launches the forward)."""
+        if not self._attn_fp8_applies(T, C, hs):
+            return False
+        target = self.fp8.attention_operand(out)
+        if target is None:
+            return False
+        q, q_t, row, rec = target
+        self.fp8.k_attn_fwd_fp8(out, lse, q, q_t, row, rec, qkv, n_head)
+        return True
+
+    def _attn_bwd_fp8(self, dqkv, dout, qkv, out, lse, n_head, T, C, hs) -> bool:
+        """train.precision=fp8: where dqkv is the output gradient the QKV product's backward will
+        take in FP8 (Fp8Ops.attention_grad_operand), k_attn_bwd_fp8 writes it so, with its column
+        partials and amax, and not dqkv. False where it does not (the caller writes dqkv)."""
+        if not self._attn_fp8_applies(T, C, hs):
+            return False
+        target = self.fp8.attention_grad_operand(dqkv, qkv)
+        if target is None:
+            return False
+        q, q_t, row, rec, partial, fmt = target
+        self.fp8.k_attn_bwd_fp8(q, q_t, partial, row, rec, dout, qkv, out, lse, n_head, fmt)
+        return True
+
     def k_attn_bwd(self, dqkv, dout, qkv, out, lse, n_head, accumulate=True):
         """Adds into dqkv (B,T,3C) (accumulate=False: writes it); recomputes P from S and the
         saved lse."""
@@ -722,7 +762,11 @@ class CudaOps:
         check("k_attn_bwd", "out", out, (B, T, C), ct)
         check("k_attn_bwd", "lse", lse, (B, NH, T), np.float32)
         blas, N, BH = self.blas, B * T, B * NH
+        if self.fp8 is not None:
+            self.fp8.drop_pending_dy()  # an earlier backward's, never taken: not this dqkv's
         if self._fused(ct, hs, dqkv, qkv, dout, out):
+            if not accumulate and self._attn_bwd_fp8(dqkv, dout, qkv, out, lse, n_head, T, C, hs):
+                return
             scale = np.float32(1.0 / math.sqrt(hs))
             D = self.workspace.get("attn_D", BH * T, np.float32)
             dims = (i32(B), i32(T), i32(NH), scale, i32(int(accumulate)))
