@@ -702,10 +702,10 @@ def test_layernorm_amax_is_k_fp8_amax_of_its_output(be, dtype, C, residual):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("rows", [8, 32])
+@pytest.mark.parametrize("rows,warps", [(8, 8), (32, 8), (32, 16), (16, 4)])
 @pytest.mark.parametrize("N,C", [(48, 80), (16, 768), (208, 144)])  # partial tiles of 32 rows
 @pytest.mark.parametrize("residual", [False, True], ids=["layernorm", "residual_layernorm"])
-def test_layernorm_fwd_fp8_is_the_layer_norm_then_its_cast(be, dtype, N, C, residual, rows, monkeypatch):
+def test_layernorm_fwd_fp8_is_the_layer_norm_then_its_cast(be, dtype, N, C, residual, rows, warps, monkeypatch):
     """k_layernorm_fwd_fp8: res, mean and rstd bit for bit those of k_residual_layernorm_fwd /
     k_layernorm_fwd (the vector kernel), and its FP8 bytes, transpose, 1/scale and amax (reduced
     into a smaller value already there) those of k_fp8_cast_transpose_amax of that kernel's output
@@ -713,6 +713,7 @@ def test_layernorm_fwd_fp8_is_the_layer_norm_then_its_cast(be, dtype, N, C, resi
     does; a NaN makes the amax NaN. The bytes also within one FP8 step of numpy_ref's."""
     import cupy as cp
     monkeypatch.setattr(be, "fp8_layernorm_rows", rows)
+    monkeypatch.setattr(be, "fp8_layernorm_warps", warps)
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng(N + C)
     a0 = rng.normal(0, 2, (N, C)) * np.exp2(rng.integers(-3, 4, (N, C)))

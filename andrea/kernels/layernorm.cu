@@ -325,25 +325,29 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_vec(
 // and its out values (rounded to CT, never stored in CT), each times the scale from meta[0]
 // (fp8_scale: a delayed scale's row) as E4M3 bytes, to q (N, C) and its transpose q_t (C, N), the
 // bytes k_fp8_cast_transpose_amax makes of out; meta[inv_at] = 1/scale, and amax_out[0] = max(that,
-// max |out|) where amax_out is not null. One block of 256 threads a tile of LN_FP8_ROWS rows (the
-// launcher's CudaOps.fp8_layernorm_rows: 8, 16 or 32): warp w normalises rows w, w + 8, ... of it,
-// writing q's bytes and a shared copy of the tile; then each thread writes 8 bytes of a column of
-// q_t at a time. N a multiple of 8.
+// max |out|) where amax_out is not null. One block of LN_FP8_WARPS warps (the launcher's
+// CudaOps.fp8_layernorm_warps: 4, 8, 16 or 32) a tile of LN_FP8_ROWS rows (fp8_layernorm_rows: 8,
+// 16 or 32): warp w normalises rows w, w + LN_FP8_WARPS, ... of it, writing q's bytes and a shared
+// copy of the tile; then each thread writes 8 bytes of a column of q_t at a time (LN_FP8_ROWS
+// bytes a column a block: 32 fill a sector). N a multiple of 8.
 #ifndef LN_FP8_ROWS
 #define LN_FP8_ROWS 16
 #endif
-extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_fp8(
+#ifndef LN_FP8_WARPS
+#define LN_FP8_WARPS 8
+#endif
+extern "C" __global__ void __launch_bounds__(32 * LN_FP8_WARPS) k_layernorm_fwd_fp8(
     unsigned char* q, unsigned char* q_t, CT* res, float* mean, float* rstd, const CT* a, const CT* b,
     const CT* weight, const CT* bias, i64 N, int C, float* meta, int inv_at, float* amax_out) {
   // the tile's bytes as words, LN_MAXC + 4 bytes a row: rows 8 apart fall in other banks
   __shared__ unsigned int tile[LN_FP8_ROWS][LN_MAXC / 4 + 1];
-  __shared__ unsigned int warp_amax[8];
+  __shared__ unsigned int warp_amax[LN_FP8_WARPS];
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nq = C / LN_VEC;
   i64 r0 = (i64)blockIdx.x * LN_FP8_ROWS;
   float inv, s = fp8_scale(meta[0], &inv);
   if (blockIdx.x == 0 && threadIdx.x == 0) meta[inv_at] = inv;
   unsigned int m = 0u;
-  for (int r = warp; r < LN_FP8_ROWS && r0 + r < N; r += 8) {
+  for (int r = warp; r < LN_FP8_ROWS && r0 + r < N; r += LN_FP8_WARPS) {
     i64 row = r0 + r;
     float x[LN_CHUNKS][LN_VEC], mu, rs;
     ln_vec_stats(x, res, a, b, row, C, lane, mu, rs);
@@ -387,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_fp8(
   if (amax_out && threadIdx.x == 0) {  // one atomicMax a tile
     unsigned int bmax = warp_amax[0];
 #pragma unroll
-    for (int w = 1; w < 8; ++w) bmax = umax(bmax, warp_amax[w]);
+    for (int w = 1; w < LN_FP8_WARPS; ++w) bmax = umax(bmax, warp_amax[w]);
     atomicMax(reinterpret_cast<unsigned int*>(amax_out), bmax);
   }
 }

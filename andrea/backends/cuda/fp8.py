@@ -433,14 +433,17 @@ class Fp8Ops:
         if N % 8 or not self.ops._ln_vec_rows(a, (out, out_t, res, a, b, weight, bias)):
             raise ValueError(f"{kernel}: rows of {C} {ct} values, {N} rows; expected a multiple of {vec} values up "
                              f"to {LN_FUSED_MAXC}, a multiple of 8 rows and 16-byte aligned arrays")
-        rows = int(self.ops.fp8_layernorm_rows)
+        rows, warps = int(self.ops.fp8_layernorm_rows), int(self.ops.fp8_layernorm_warps)
         if rows not in (8, 16, 32):
             raise ValueError(f"{kernel}: fp8_layernorm_rows = {rows}; expected 8, 16 or 32")
+        if warps not in (4, 8, 16, 32):
+            raise ValueError(f"{kernel}: fp8_layernorm_warps = {warps}; expected 4, 8, 16 or 32")
         null = np.uint64(0)
-        self.ops.rt.launch("layernorm.cu", "k_layernorm_fwd_fp8", ct, -(-N // rows), THREADS,
+        defs = (f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}", f"-DLN_FP8_ROWS={rows}")
+        self.ops.rt.launch("layernorm.cu", "k_layernorm_fwd_fp8", ct, -(-N // rows), 32 * warps,
                            (out, out_t, null if b is None else res, mean, rstd, a, null if b is None else b, weight,
                             bias, i64(N), i32(C), meta, self._inv_at(kernel, meta), self._amax_out(kernel, amax_out)),
-                           defs=(f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}", f"-DLN_FP8_ROWS={rows}"))
+                           defs=defs + ((f"-DLN_FP8_WARPS={warps}",) if warps != 8 else ()))
 
     def _attn_fp8_check(self, kernel, qkv, n_head, arrays):
         """The shapes (B, T, C, NH, hs) of an FP8 attention launch, after its conditions: the wgmma

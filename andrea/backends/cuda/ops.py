@@ -243,6 +243,10 @@ class CudaOps:
     # an H200, one job: 12.89 ms a step with 16, 12.94 with 32, 13.05 with 8 (23.5 us a call, against
     # 18.2 with 32: its columns of X^T go out 8 bytes a block); docs/FP8.md
     fp8_layernorm_rows = 16
+    # warps of a block of k_layernorm_fwd_fp8 (4, 8, 16 or 32; the same bytes): with 32 rows and 16
+    # warps each block writes 32 bytes of a column of X^T (a whole sector) at the occupancy of 16
+    # rows and 8 warps; not measured yet (docs/FP8.md)
+    fp8_layernorm_warps = 8
     # train.precision=fp8 with delayed scaling: the wgmma attention writes its outputs as the FP8
     # operands of the products that read them (attention_hopper.cu's _fp8 kernels; the same bytes):
     # the forward its output also as the attention projection's input and X^T, the backward dqkv
