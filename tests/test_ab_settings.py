@@ -1,0 +1,45 @@
+"""dev/ab_settings.py on the CPU: its variant syntax, its refusal of repeated names, and its exit
+code where no GPU is (the timing itself needs one).
+
+    python -m pytest tests/test_ab_settings.py -q
+"""
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def ab():
+    spec = importlib.util.spec_from_file_location("ab_settings", ROOT / "dev" / "ab_settings.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_variant_syntax(ab):
+    assert ab.parse_variant("attn:fp8_attention_cast=1,fp8_layernorm_rows=32") == (
+        "attn", {"fp8_attention_cast": 1, "fp8_layernorm_rows": 32})
+    assert ab.parse_variant("base:") == ("base", {})
+    assert ab.parse_variant("sr:fp8_dlogits_rounding=nearest") == ("sr", {"fp8_dlogits_rounding": "nearest"})
+    for bad in ("noname", ":fp8_attention_cast=1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected NAME:ATTR=VALUE"):
+            ab.parse_variant(bad)
+    with pytest.raises(SystemExit, match="expected ATTR=VALUE"):
+        ab.parse_variant("x:fp8_attention_cast")
+
+
+def test_repeated_names_are_refused(ab):
+    with pytest.raises(SystemExit, match="names repeat"):
+        ab.main(["--variant", "a:", "--variant", "a:fp8_attention_cast=1"])
+
+
+def test_without_a_gpu_it_says_so(ab, capsys):
+    from andrea.backends import cuda_available
+    if cuda_available():
+        pytest.skip("a GPU is here")
+    assert ab.main(["--variant", "base:", "--variant", "attn:fp8_attention_cast=1"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
