@@ -1026,3 +1026,43 @@ def test_adamw_step_keeps_grads(be, rng):
         assert np.array_equal(a, b), name
     assert not out[True][1].any()
     assert np.array_equal(out[False][1], host32[1].view(np.uint32))
+
+
+def test_cublaslt_takes_the_table_of_picks(tmp_path):
+    """CublasLt with a table of picks (cublaslt_picks.json's format) naming place 1 of the
+    heuristic's list for a problem: its plan takes that place, and the product is still the product
+    (fp16, 1e-2 against float64); a place the heuristic does not offer falls back to the first pick
+    (pick_misses), whose result has the bits of a binding without a table."""
+    import json
+
+    import cupy as cp
+
+    from andrea.backends.cuda.cublaslt import CublasLt, problem_sig
+    rng = np.random.default_rng(3)
+    M, N, K = 256, 192, 128
+    A, Bm = rng.normal(0, 1, (M, K)).astype(np.float16), rng.normal(0, 1, (N, K)).astype(np.float16)
+    want = A.astype(np.float64) @ Bm.astype(np.float64).T
+
+    def product(lt):
+        D = cp.full((M, N), np.nan, np.float16)
+        lt.matmul(D, cp.asarray(A), cp.asarray(Bm), False, True, M, N, K, K, K, N, 2, 2)
+        cp.cuda.Device().synchronize()
+        return D.get()
+
+    lt0 = CublasLt(None)
+    first = product(lt0)
+    key = next(iter(lt0.plans))
+    assert lt0.picked[key] == 0 and not lt0.picks
+    for place, taken in ((1, 1), (63, 0)):
+        table = tmp_path / f"picks{place}.json"
+        table.write_text(json.dumps({"tables": [{"device": lt0.device, "cublaslt_version": lt0.version,
+                                                 "picks": {problem_sig(key): place}}]}))
+        lt = CublasLt(table)
+        got = product(lt)
+        if place == 1 and key in lt.pick_misses:
+            pytest.skip("the heuristic offers one algorithm for this problem")
+        assert lt.picked[key] == taken and (key in lt.pick_misses) == (taken == 0)
+        err = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want)
+        assert err < 1e-2, (place, err)
+        if taken == 0:
+            assert got.tobytes() == first.tobytes()

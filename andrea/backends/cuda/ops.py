@@ -254,6 +254,10 @@ class CudaOps:
     # 16-bit dqkv, no cast of either). Needs T % 64 == 0. Off until measured against the casts
     # (docs/FP8.md)
     fp8_attention_cast = False
+    # cuBLASLt's algorithm for a problem: the place in its heuristic's list that the table of picks
+    # (cuda/cublaslt_picks.json) names for this GPU and cuBLASLt version, else its first pick
+    # (False: the first pick everywhere). Read when the cuBLASLt binding is made (its first use)
+    cublaslt_picks = True
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # (fp8: k_fp8_dgelu_colsum_amax) after a plain product (False); docs/BENCHMARKS.md and
     # docs/FP8.md have the timings behind the default
