@@ -119,7 +119,8 @@ class CublasLt:
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         lib.cublasLtGetVersion.restype = ctypes.c_size_t
         self.version = int(lib.cublasLtGetVersion())
-        self.device = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
+        name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+        self.device = name.decode() if isinstance(name, bytes) else str(name)
         # problem_sig -> place in the heuristic's list (None: the first pick everywhere)
         self.picks = read_picks(picks_file, self.device, self.version) if picks_file else {}
         self.picked: dict = {}  # key -> the place its plan took
