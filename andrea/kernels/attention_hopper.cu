@@ -449,7 +449,8 @@ __device__ __forceinline__ unsigned f8_tile_out(u16* stage, const float* acc, fl
   __syncthreads();  // the stage is free: the tiles it overlays are read no more, or its last use is done
   if (valid) f8_stage<ADD0>(st, acc, 16 * ((threadIdx.x >> 5) & 3), s0, s1);
   __syncthreads();  // the stage is written
-  if (valid) m = f8_rows(st, bt, d.s, d.q + grow * ld + col0, ld, d.partial ? d.partial + (grow / 64) * ld + col0 : nullptr, tid);
+  float* part = d.partial ? d.partial + (grow / 64) * ld + col0 : nullptr;  // this tile's row of partials
+  if (valid) m = f8_rows(st, bt, d.s, d.q + grow * ld + col0, ld, part, tid);
   __syncthreads();  // the byte stage is written
   if (valid) f8_cols(bt, d.q_t + (i64)col0 * n + grow, n, tid);
   return m;

@@ -454,7 +454,8 @@ class Fp8Ops:
         ok = T % 64 == 0 and C % FP8_MULTIPLE == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
         if not ok or not self.ops._hopper(hs):
             raise ValueError(f"{kernel}: B={B} T={T} C={C} head size {hs}; expected the wgmma attention "
-                             f"(compute capability 9.0), T a multiple of 64, C of {FP8_MULTIPLE}, 16-byte aligned arrays")
+                             f"(compute capability 9.0), T a multiple of 64, C of {FP8_MULTIPLE}, 16-byte "
+                             "aligned arrays")
         return B, T, C, NH, hs
 
     def k_attn_fwd_fp8(self, out, lse, q, q_t, meta, amax_out, qkv, n_head):
@@ -493,8 +494,9 @@ class Fp8Ops:
         check(kernel, "q_t", q_t, (3 * C, N), np.uint8)
         if partial is not None:
             check(kernel, "partial", partial, (N // 64, 3 * C), np.float32)
-        defs = self._defs(fmt) if fmt != "e4m3" else ()  # E4M3 (fp8.cuh's default): the 16-bit kernels' build
-        self._defs(fmt)  # a format it knows
+        defs = self._defs(fmt)
+        if fmt == "e4m3":  # fp8.cuh's default: the module of the 16-bit kernels, not a second build
+            defs = ()
         geo, hop = hopper_geometry(hs), dict(hs=hs, arch="sm_90a", defs=defs)
         D = self.ops.workspace.get("attn_D", B * NH * T, np.float32)
         scale, dims = np.float32(1.0 / math.sqrt(hs)), (i32(B), i32(T), i32(NH))
@@ -792,7 +794,7 @@ class Fp8Ops:
         not written); else None (dqkv is written as before)."""
         ops = self.ops
         w = self._made_by.get(qkv.data.ptr)
-        if (w is None or self.delayed is None or not ops.fp8_attention_cast or not self.delayed_live or not ops.fp8_cast_colsum
+        if (w is None or not ops.fp8_attention_cast or not self.delayed_live or not ops.fp8_cast_colsum
                 or int(ops.fp8_tile_rows) != 64):
             return None
         row = self.delayed.rows.get(("dy", w))
@@ -995,7 +997,8 @@ class Fp8Ops:
         if pend is not None:  # the attention backward wrote fp8(dY), fp8(dY)^T and the column partials
             dy_q, (partial, chunks) = pend[:3], pend[3:]
             if db is None:
-                raise RuntimeError("the attention backward wrote the QKV bias's column partials; its gradient is missing")
+                raise RuntimeError("the attention backward wrote the QKV bias's column partials; "
+                                   "its gradient is missing")
         elif db is not None and ops.fp8_cast_colsum:
             chunks = -(-dy2.shape[0] // int(ops.fp8_tile_rows))
             partial = ops._colsum_partials("colsum_a", chunks, dy2.shape[1])
