@@ -118,6 +118,17 @@ def profile_step(eng, x, y):
     """Per-kernel device time of one full step (forward, backward, the optimizer kernels)."""
     from . import model
     be = eng.be
+    # one call a graph: a product on the weight-gradient stream would be joined in another call's
+    # graph (the pass's close), which no capture of one call may leave open; here they run in turn
+    wgrad_stream = getattr(be, "fp8_wgrad_stream", False)
+    be.fp8_wgrad_stream = False
+    try:
+        return _profile_calls(eng, be, x, y, model)
+    finally:
+        be.fp8_wgrad_stream = wgrad_stream
+
+
+def _profile_calls(eng, be, x, y, model):
     gt = GraphTimed(be)
     be.write(eng.g["tokens"], x)
     be.write(eng.g["targets"], y)

@@ -1433,3 +1433,49 @@ def test_attention_cast_same_bits_as_the_casts_after(tmp_path):
     assert repr(a) == repr(b), (a, b)
     for x, y in zip(sa, sb):
         assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+
+
+@pytest.mark.parametrize("attention_cast", [False, True], ids=["casts", "attention_cast"])
+def test_wgrad_stream_same_bits_as_one_stream(tmp_path, attention_cast):
+    """The weight-gradient products on a stream of their own (CudaOps.fp8_wgrad_stream, delayed
+    scaling, T = 64) against one stream: the same records, weights and Adam state bits over steps
+    of two microbatches and one (eager, then from CUDA graphs), a skipped step and an evaluation,
+    with the attention's FP8 forms off and on; the stream took the products whose dY has its own
+    delayed scale and X^T a slot (all four of a layer, once the scales hold a history: at least
+    three a layer at step 2, the first such step, eager), none with it off; the memory plan holds
+    its buffers."""
+    from andrea.backends import get_backend
+    from andrea.config import load_run_config
+    from andrea.engine import Engine
+    n_layer = MODEL["n_layer"]
+    runs = []
+    for on in (True, False):
+        be = get_backend("cuda")
+        be.fp8_wgrad_stream, be.fp8_attention_cast = on, attention_cast
+        d = small_config(tmp_path, batch_size=2, seq_len=64, precision="fp8")
+        d["model"], d["backend"] = {**MODEL, "context": 64}, {"name": "cuda"}
+        eng = Engine(load_run_config(d), backend=be)
+        names = {r[0] for r in be.workspace_rows(2, 64, MODEL["d_model"], MODEL["n_head"], eng.params_c.dtype,
+                                                 fp8=True)}
+        assert ({"fp8_dyt1", "cublaslt_wgrad"} <= names) == on, names
+        recs, side = [], []
+        for s in range(1, 7):
+            if s == 5:
+                eng.loss_scale = float("inf")
+            before = eng.be.fp8.wgrad_side_products
+            micro = [batch(5 * s, B=2, T=64)] if s == 2 else [batch(5 * s, B=2, T=64), batch(5 * s + 1, B=2, T=64)]
+            recs.append(dict(eng.train_step(s, micro)))
+            eng.be.synchronize()
+            side.append(eng.be.fp8.wgrad_side_products - before)
+            eng.loss_scale = 1.0
+            if s == 3:
+                recs.append(eng.val_loss([batch(60, B=2, T=64)]))
+        if on:
+            assert side[1] >= 3 * n_layer, side  # step 2: eager, one microbatch, with a history
+        else:
+            assert not any(side), side
+        runs.append((recs, eng.host_state()))
+    (a, sa), (b, sb) = runs
+    assert repr(a) == repr(b), (a, b)
+    for x, y in zip(sa, sb):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))

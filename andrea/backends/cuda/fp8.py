@@ -88,6 +88,9 @@ TILE_ROWS = (64, 128, 256)  # what fp8.cu's single-tensor cast kernels compile f
 TABLE_COLS = 5  # int64 per tensor of a *_many launch: address of x, of out, of out_t, R, K (fp8.cu)
 CACHE_ALIGN = 256  # bytes: each cached copy starts aligned as cuBLASLt's heuristics assume
 MANY_BLOCKS = 128  # blocks per tensor of the *_many kernels (grid-stride over the tensor)
+# fp8(dY)^T buffers the casts take in turn while the weight-gradient products run on a stream of
+# their own (CudaOps.fp8_wgrad_stream): a cast reuses one once the product that read it is done
+WGRAD_RING = 4
 # a delayed scale's row (META_STRIDE floats, fp8.cu k_fp8_delayed_roll): the amax it scales by at
 # 0, the amax of the step under way at DELAYED_CUR, the last FP8_HIST steps' from DELAYED_HIST_AT
 DELAYED_CUR, DELAYED_HIST_AT = 1, 2
@@ -118,14 +121,20 @@ def input_slot_rows(shapes, N: int, keep_xt: bool):
     return rows
 
 
-def fp8_rows(B: int, T: int, C: int, vocab: int = 0):
+def fp8_rows(B: int, T: int, C: int, vocab: int = 0, wgrad_stream: bool = False):
     """The workspace rows of the FP8 path for this model shape: the widest operand of each role
     (the MLP's: B*T x 4C activations and gradients, a 4C x C weight) and the scales. vocab: with
     the classifier in FP8 (classifier_in_fp8): one chunk's input and its transpose, its FP8
-    dlogits (R, V), and room for the embedding (V, C) where the weight cache does not hold it."""
+    dlogits (R, V), and room for the embedding (V, C) where the weight cache does not hold it.
+    wgrad_stream: with WGRAD_RING buffers of fp8(dY)^T and a cuBLASLt workspace for the
+    weight-gradient stream (CudaOps.fp8_wgrad_stream)."""
+    from .cublaslt import WORKSPACE_BYTES
     N, H = B * T, 4 * C
     w = H * C
     rows = [("fp8_x", (N * H,), "uint8"), ("fp8_dy", (N * H,), "uint8"), ("fp8_dyt", (N * H,), "uint8")]
+    if wgrad_stream:
+        rows += [(f"fp8_dyt{i}", (N * H,), "uint8") for i in range(1, WGRAD_RING)]
+        rows += [("cublaslt_wgrad", (WORKSPACE_BYTES,), "uint8")]
     if vocab and classifier_in_fp8(N, vocab):
         R = loss_chunk_rows(N, vocab)
         w = max(w, vocab * C)
@@ -265,6 +274,11 @@ class Fp8Ops:
         # (dqkv, w, fp8 dY, fp8 dY^T, delayed row, partial, chunks, format) that the attention
         # backward wrote for w's product backward (attention_grad_operand, _dgrad_wgrad), or None
         self._pending_dy = None
+        # the weight-gradient stream (CudaOps.fp8_wgrad_stream; _wgrad_product): the stream, the
+        # next fp8(dY)^T buffer, buffer -> the event after the product that read it (this pass),
+        # address -> buffer, the event after the stream's last product (None: nothing to join)
+        self._wg_stream, self._ring_next, self._ring_busy, self._ring_of, self._wg_last = None, 0, {}, {}, None
+        self.wgrad_side_products = 0  # products the stream ran (tests and benchmarks count them)
 
     # ------------------------------------------------------------ the quantisation kernels
     @staticmethod
@@ -804,7 +818,7 @@ class Fp8Ops:
         chunks = N // 64
         partial = ops._colsum_partials("colsum_a", chunks, K)
         q = ops.workspace.get("fp8_dy", N * K, np.uint8).reshape(N, K)
-        q_t = ops.workspace.get("fp8_dyt", N * K, np.uint8).reshape(K, N)
+        q_t = self._dy_t(K, N)
         self._pending_dy = (dqkv.data.ptr, w, q, q_t, row, partial, chunks, self.grad_fmt)
         return q, q_t, row, self._record_at(row), partial.reshape(chunks, K), self.grad_fmt
 
@@ -879,8 +893,7 @@ class Fp8Ops:
             q = self.ops.workspace.get(slot, R * K, np.uint8).reshape(R, K)
             self.k_fp8_cast(q, meta, x2, fmt)
             return q, None, meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
-        t_slot = "fp8_dyt" if role == "dy" else slot
-        q_t = self.ops.workspace.get(t_slot, R * K, np.uint8).reshape(K, R)
+        q_t = self._dy_t(K, R) if role == "dy" else self.ops.workspace.get(slot, R * K, np.uint8).reshape(K, R)
         q = self.ops.workspace.get(slot, R * K, np.uint8).reshape(R, K) if both else None
         if partial is None:
             self.k_fp8_cast_transpose(q, q_t, meta, x2, fmt)
@@ -891,7 +904,7 @@ class Fp8Ops:
     def _quantise_delayed(self, role, x2, fmt, both, partial, row, record):
         R, K = x2.shape
         slot = {"x": "fp8_x", "dy": "fp8_dy"}[role]
-        q_t = self.ops.workspace.get("fp8_dyt" if role == "dy" else slot, R * K, np.uint8).reshape(K, R)
+        q_t = self._dy_t(K, R) if role == "dy" else self.ops.workspace.get(slot, R * K, np.uint8).reshape(K, R)
         q = self.ops.workspace.get(slot, R * K, np.uint8).reshape(R, K) if both else None
         if not self.delayed_live:
             self.k_fp8_amax(row, x2)
@@ -903,16 +916,17 @@ class Fp8Ops:
         return q, q_t, row[META_STRIDE // 2:META_STRIDE // 2 + 1]
 
     def _product(self, D, A, a_fmt, a_inv, B, b_fmt, b_inv, epilogue="none", bias=None, aux=None,
-                 beta=0.0, fast_accum=False):
+                 beta=0.0, fast_accum=False, workspace=None):
         """D (M, N) [+]= A (M, K) @ B (N, K).T times both inverse scales (cuBLASLt, FP8 operands).
-        Raises NoAlgorithm where cuBLASLt has none for this problem and epilogue."""
+        Raises NoAlgorithm where cuBLASLt has none for this problem and epilogue. workspace: the
+        cuBLASLt workspace of a product on another stream."""
         M, K = A.shape
         N = B.shape[0]
         lt = self.ops.lt
         lt.matmul(D, A, B, False, True, M, N, K, K, K, N, FP8_CUDA_TYPES[a_fmt], cuda_type(D.dtype),
                   epilogue, bias=bias, bias_type=cuda_type(bias.dtype) if bias is not None else None,
                   aux=aux, aux_ld=N if aux is not None else 0, beta=beta, b_type=FP8_CUDA_TYPES[b_fmt],
-                  scales=(a_inv, b_inv), fast_accum=fast_accum)
+                  scales=(a_inv, b_inv), fast_accum=fast_accum, workspace=workspace)
 
     def _fwd_product(self, out2, x2, w, b, fallback):
         """out2 (N, OC) = fp8(x2) @ fp8(w).T + b: the bias on cuBLASLt's epilogue where it has
@@ -1002,30 +1016,86 @@ class Fp8Ops:
         elif db is not None and ops.fp8_cast_colsum:
             chunks = -(-dy2.shape[0] // int(ops.fp8_tile_rows))
             partial = ops._colsum_partials("colsum_a", chunks, dy2.shape[1])
-        if dy_q is not None:
+        if dy_q is not None:  # the attention's or the dGELU pass's, with dY's delayed scale
             dq, dq_t, d_inv = dy_q
+            dy_own_scale = True
         else:
             row = None if dy_amax else self._delayed_row("dy", w)
             dq, dq_t, d_inv = self._quantise("dy", dy2, g, transpose=True, both=True, amax_done=dy_amax,
                                              partial=partial, row=row)
+            dy_own_scale = row is not None  # else 1/scale is in the dy meta, which the next cast rewrites
         wq_t, w_inv = self._weight(w, transpose=True)
         if dx_epilogue is None:
             self._product(dinp2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, beta=1.0 if accumulate else 0.0)
         else:
             dx_epilogue(dq, g, d_inv, wq_t, w_inv)
         slot = self._slot(w, x2)
+        kept_x = False  # X^T and its 1/scale stay as they are until the next forward pass
         if x_t is not None:
             xq_t, x_inv = x_t
         elif slot is not None and slot.ready:  # X^T as the forward product quantised it
             xq_t, x_inv = slot.xt, slot.meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
+            kept_x = True
         else:  # X again (with a delayed scale: the forward's, nothing recorded)
             row = self._delayed_row("x", w) if slot is not None else None
             xq_t, x_inv = self._quantise("x", x2, FP8_FWD, transpose=True, row=row, record=False)[1:]
-        self._product(dw, dq_t, g, d_inv, xq_t, FP8_FWD, x_inv, beta=0.0 if self.ops._param_write(dw) else 1.0)
+        self._wgrad_product(dw, dq_t, g, d_inv, xq_t, x_inv, side=dy_own_scale and kept_x)
         if partial is not None:
             ops._colsum_final(db, partial, chunks, dy2.shape[1])
         elif db is not None:
             ops._colsum_add(db, dy2, dy2.shape[0], dy2.shape[1])
+
+    # ------------------------------------------------------------ the weight-gradient stream
+    def _dy_t(self, K, R):
+        """Where a cast writes fp8(dY)^T (K, R): the workspace's "fp8_dyt", or with the weight-
+        gradient stream (CudaOps.fp8_wgrad_stream) the next of its WGRAD_RING buffers, once the
+        stream's last product that read it in this pass is done (the current stream waits)."""
+        n = K * R
+        if not self.ops.fp8_wgrad_stream:
+            return self.ops.workspace.get("fp8_dyt", n, np.uint8).reshape(K, R)
+        i = self._ring_next
+        self._ring_next = (i + 1) % WGRAD_RING
+        busy = self._ring_busy.pop(i, None)
+        if busy is not None:
+            cp.cuda.get_current_stream().wait_event(busy)
+        buf = self.ops.workspace.get("fp8_dyt" if i == 0 else f"fp8_dyt{i}", n, np.uint8)
+        self._ring_of[buf.data.ptr] = i
+        return buf.reshape(K, R)
+
+    def _wgrad_product(self, dw, dq_t, g, d_inv, xq_t, x_inv, side):
+        """dw (+)= fp8(dY).T @ fp8(X) (beta 0 where the pass starts dw). With the weight-gradient
+        stream (CudaOps.fp8_wgrad_stream) it runs there, after what the current stream queued so
+        far, while the current stream goes on with the backward pass: where side (dY's 1/scale is
+        its own delayed row's, X^T and its 1/scale are the input slot's: nothing the pass writes
+        again), dq_t is one of the stream's buffers (_dy_t) and a parameter-gradient pass is open
+        (its close joins the stream: join_wgrad). Else on the current stream."""
+        ops = self.ops
+        beta = 0.0 if ops._param_write(dw) else 1.0
+        ring = self._ring_of.get(dq_t.data.ptr)
+        if not (side and ops.fp8_wgrad_stream and ring is not None and ops.colsums.depth > 0):
+            self._product(dw, dq_t, g, d_inv, xq_t, FP8_FWD, x_inv, beta=beta)
+            return
+        if self._wg_stream is None:
+            self._wg_stream = cp.cuda.Stream(non_blocking=True)
+        from .cublaslt import WORKSPACE_BYTES
+        ws = ops.workspace.get("cublaslt_wgrad", WORKSPACE_BYTES, np.uint8)
+        fork = cp.cuda.Event(block=False, disable_timing=True)
+        fork.record(cp.cuda.get_current_stream())
+        self._wg_stream.wait_event(fork)
+        with self._wg_stream:
+            self._product(dw, dq_t, g, d_inv, xq_t, FP8_FWD, x_inv, beta=beta, workspace=ws)
+        done = cp.cuda.Event(block=False, disable_timing=True)
+        done.record(self._wg_stream)
+        self._ring_busy[ring] = self._wg_last = done
+        self.wgrad_side_products += 1
+
+    def join_wgrad(self):
+        """The current stream waits for every product the weight-gradient stream took (a
+        parameter-gradient pass closes: the optimizer and the next forward pass come after);
+        the buffers start again from the first."""
+        if self._wg_last is not None:
+            cp.cuda.get_current_stream().wait_event(self._wg_last)
+        self._wg_last, self._ring_busy, self._ring_next = None, {}, 0
 
     # ------------------------------------------------------------ the layers (numpy_ref's names)
     def k_fp8_linear_fwd(self, out, inp, w, b):
@@ -1149,7 +1219,7 @@ class Fp8Ops:
         chunks = -(-N // int(ops.fp8_tile_rows))
         part = ops._colsum_partials("colsum_b", chunks, H)
         dq = ops.workspace.get("fp8_dy", N * H, np.uint8).reshape(N, H)
-        dq_t = ops.workspace.get("fp8_dyt", N * H, np.uint8).reshape(H, N)
+        dq_t = self._dy_t(H, N)
         if not self.delayed_live:
             cp.cuda.runtime.memsetAsync(row.data.ptr, 0, 4, cp.cuda.get_current_stream().ptr)
             self.k_fp8_dgelu_cast_transpose_colsum_amax(None, None, self._meta("dy"), dact2, pre2, g, part, row[0:1])

@@ -254,6 +254,12 @@ class CudaOps:
     # 16-bit dqkv, no cast of either). Needs T % 64 == 0. Off until measured against the casts
     # (docs/FP8.md)
     fp8_attention_cast = False
+    # train.precision=fp8 with delayed scaling: the weight-gradient products (dW = dY^T X) run on a
+    # stream of their own inside a backward pass, beside the chain of data gradients (the casts,
+    # attention, layer norms) that does not wait for them; fp8(dY)^T then rotates through
+    # fp8.WGRAD_RING buffers, and the pass's close joins the stream. The same products and bits.
+    # Off until measured (docs/FP8.md)
+    fp8_wgrad_stream = False
     # cuBLASLt's algorithm for a problem: the place in its heuristic's list that the table of picks
     # (cuda/cublaslt_picks.json) names for this GPU and cuBLASLt version, else its first pick
     # (False: the first pick everywhere). Read when the cuBLASLt binding is made (its first use)
@@ -321,7 +327,7 @@ class CudaOps:
             rows.append(("cublaslt", (WORKSPACE_BYTES,), "uint8"))
         if fp8:
             from .fp8 import fp8_rows
-            rows += fp8_rows(B, T, C, vocab if self.fp8_classifier else 0)
+            rows += fp8_rows(B, T, C, vocab if self.fp8_classifier else 0, bool(self.fp8_wgrad_stream))
         return rows
 
     def _lt_matmul(self, D, A, B, ta, tb, M, N, K, lda, ldb, ldd, epilogue, bias=None, aux=None, aux_ld=0):
@@ -360,10 +366,14 @@ class CudaOps:
         try:
             yield
         except BaseException:
+            if self.fp8 is not None and outer:
+                self.fp8.join_wgrad()
             self.colsums.close(flush=False)
             if outer:
                 self._pg_start = None
             raise
+        if self.fp8 is not None and outer:
+            self.fp8.join_wgrad()  # the weight-gradient stream's products (CudaOps.fp8_wgrad_stream)
         self.colsums.close()
         if outer:
             self._zero_unwritten()
