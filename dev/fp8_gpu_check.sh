@@ -32,7 +32,7 @@ EXP="--exp ANDREA-120M --precision fp8 --batch 8"
 #    bit-identical, the table of picks in the binding; and the sm_90a builds (ptxas)
 if want 1; then
   run tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8_cuda.py \
-    -k "attention or layernorm_fwd_fp8 or delayed or layernorm_cast or two_runs or picks" \
+    -k "attention or layernorm_fwd_fp8 or delayed or layernorm_cast or two_runs or picks or wgrad" \
     tests/test_cuda_kernels.py::test_cublaslt_takes_the_table_of_picks
   run hopper_compile python3 -m pytest -q -p no:cacheprovider tests/test_hopper_compile.py
 fi
@@ -42,7 +42,8 @@ if want 2; then
   run ab_switches python3 dev/ab_settings.py $EXP --rounds 7 --steps 20 --json "$OUT/ab_switches.json" \
     --variant base: --variant attn:fp8_attention_cast=1 \
     --variant ln32x16:fp8_layernorm_rows=32,fp8_layernorm_warps=16 \
-    --variant both:fp8_attention_cast=1,fp8_layernorm_rows=32,fp8_layernorm_warps=16
+    --variant wgrad:fp8_wgrad_stream=1 \
+    --variant all:fp8_attention_cast=1,fp8_layernorm_rows=32,fp8_layernorm_warps=16,fp8_wgrad_stream=1
 fi
 
 # 3. cuBLASLt's picks: every product of the step against the heuristic's first 16 algorithms, the

@@ -278,6 +278,7 @@ class Fp8Ops:
         # next fp8(dY)^T buffer, buffer -> the event after the product that read it (this pass),
         # address -> buffer, the event after the stream's last product (None: nothing to join)
         self._wg_stream, self._ring_next, self._ring_busy, self._ring_of, self._wg_last = None, 0, {}, {}, None
+        self._wg_events = None  # (the fork event, one "done" event a buffer), made with the stream, reused
         self.wgrad_side_products = 0  # products the stream ran (tests and benchmarks count them)
 
     # ------------------------------------------------------------ the quantisation kernels
@@ -1075,16 +1076,17 @@ class Fp8Ops:
         if not (side and ops.fp8_wgrad_stream and ring is not None and ops.colsums.depth > 0):
             self._product(dw, dq_t, g, d_inv, xq_t, FP8_FWD, x_inv, beta=beta)
             return
-        if self._wg_stream is None:
+        if self._wg_stream is None:  # a wait on an event uses its latest record: the events are reused
             self._wg_stream = cp.cuda.Stream(non_blocking=True)
+            new = lambda: cp.cuda.Event(block=False, disable_timing=True)  # noqa: E731
+            self._wg_events = (new(), [new() for _ in range(WGRAD_RING)])
         from .cublaslt import WORKSPACE_BYTES
         ws = ops.workspace.get("cublaslt_wgrad", WORKSPACE_BYTES, np.uint8)
-        fork = cp.cuda.Event(block=False, disable_timing=True)
+        fork, done = self._wg_events[0], self._wg_events[1][ring]
         fork.record(cp.cuda.get_current_stream())
         self._wg_stream.wait_event(fork)
         with self._wg_stream:
             self._product(dw, dq_t, g, d_inv, xq_t, FP8_FWD, x_inv, beta=beta, workspace=ws)
-        done = cp.cuda.Event(block=False, disable_timing=True)
         done.record(self._wg_stream)
         self._ring_busy[ring] = self._wg_last = done
         self.wgrad_side_products += 1
