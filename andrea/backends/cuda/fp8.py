@@ -1026,21 +1026,26 @@ class Fp8Ops:
                                              partial=partial, row=row)
             dy_own_scale = row is not None  # else 1/scale is in the dy meta, which the next cast rewrites
         wq_t, w_inv = self._weight(w, transpose=True)
+        slot = self._slot(w, x2)
+        # X^T as the forward product quantised it, kept in the slot with its 1/scale until the next
+        # forward pass: with dY's own scale, dW may go to the weight-gradient stream, first, so that
+        # it runs beside dX and what follows it
+        kept = None
+        if x_t is None and slot is not None and slot.ready:
+            kept = slot.xt, slot.meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
+        early = dy_own_scale and kept is not None and self._wgrad_side(dq_t)
+        if early:
+            self._wgrad_product(dw, dq_t, g, d_inv, *kept, side=True)
         if dx_epilogue is None:
             self._product(dinp2, dq, g, d_inv, wq_t, FP8_FWD, w_inv, beta=1.0 if accumulate else 0.0)
         else:
             dx_epilogue(dq, g, d_inv, wq_t, w_inv)
-        slot = self._slot(w, x2)
-        kept_x = False  # X^T and its 1/scale stay as they are until the next forward pass
-        if x_t is not None:
-            xq_t, x_inv = x_t
-        elif slot is not None and slot.ready:  # X^T as the forward product quantised it
-            xq_t, x_inv = slot.xt, slot.meta[META_STRIDE // 2:META_STRIDE // 2 + 1]
-            kept_x = True
-        else:  # X again (with a delayed scale: the forward's, nothing recorded)
-            row = self._delayed_row("x", w) if slot is not None else None
-            xq_t, x_inv = self._quantise("x", x2, FP8_FWD, transpose=True, row=row, record=False)[1:]
-        self._wgrad_product(dw, dq_t, g, d_inv, xq_t, x_inv, side=dy_own_scale and kept_x)
+        if not early:
+            x_t = x_t if x_t is not None else kept
+            if x_t is None:  # X again (with a delayed scale: the forward's, nothing recorded)
+                row = self._delayed_row("x", w) if slot is not None else None
+                x_t = self._quantise("x", x2, FP8_FWD, transpose=True, row=row, record=False)[1:]
+            self._wgrad_product(dw, dq_t, g, d_inv, *x_t, side=False)
         if partial is not None:
             ops._colsum_final(db, partial, chunks, dy2.shape[1])
         elif db is not None:
@@ -1063,19 +1068,24 @@ class Fp8Ops:
         self._ring_of[buf.data.ptr] = i
         return buf.reshape(K, R)
 
+    def _wgrad_side(self, dq_t) -> bool:
+        """A weight-gradient product reading dq_t may run on the weight-gradient stream: it is on
+        (CudaOps.fp8_wgrad_stream), dq_t is one of its buffers (_dy_t) and a parameter-gradient
+        pass is open (its close joins the stream: join_wgrad)."""
+        ops = self.ops
+        return bool(ops.fp8_wgrad_stream) and dq_t.data.ptr in self._ring_of and ops.colsums.depth > 0
+
     def _wgrad_product(self, dw, dq_t, g, d_inv, xq_t, x_inv, side):
-        """dw (+)= fp8(dY).T @ fp8(X) (beta 0 where the pass starts dw). With the weight-gradient
-        stream (CudaOps.fp8_wgrad_stream) it runs there, after what the current stream queued so
-        far, while the current stream goes on with the backward pass: where side (dY's 1/scale is
-        its own delayed row's, X^T and its 1/scale are the input slot's: nothing the pass writes
-        again), dq_t is one of the stream's buffers (_dy_t) and a parameter-gradient pass is open
-        (its close joins the stream: join_wgrad). Else on the current stream."""
+        """dw (+)= fp8(dY).T @ fp8(X) (beta 0 where the pass starts dw). side (the caller checked
+        _wgrad_side, and nothing the pass writes again is read: X^T and its 1/scale are the input
+        slot's, dY's 1/scale its own delayed row's): on the weight-gradient stream, after what the
+        current stream queued so far, while the current stream goes on. Else on the current one."""
         ops = self.ops
         beta = 0.0 if ops._param_write(dw) else 1.0
-        ring = self._ring_of.get(dq_t.data.ptr)
-        if not (side and ops.fp8_wgrad_stream and ring is not None and ops.colsums.depth > 0):
+        if not side:
             self._product(dw, dq_t, g, d_inv, xq_t, FP8_FWD, x_inv, beta=beta)
             return
+        ring = self._ring_of[dq_t.data.ptr]
         if self._wg_stream is None:  # a wait on an event uses its latest record: the events are reused
             self._wg_stream = cp.cuda.Stream(non_blocking=True)
             new = lambda: cp.cuda.Event(block=False, disable_timing=True)  # noqa: E731
