@@ -120,12 +120,8 @@ def profile_step(eng, x, y):
     be = eng.be
     # one call a graph: a product on the weight-gradient stream would be joined in another call's
     # graph (the pass's close), which no capture of one call may leave open; here they run in turn
-    wgrad_stream = getattr(be, "fp8_wgrad_stream", False)
-    be.fp8_wgrad_stream = False
-    try:
+    with settings_for_block(be, {"fp8_wgrad_stream": False}):
         return _profile_calls(eng, be, x, y, model)
-    finally:
-        be.fp8_wgrad_stream = wgrad_stream
 
 
 def _profile_calls(eng, be, x, y, model):
@@ -178,6 +174,20 @@ def apply_settings(be, settings) -> None:
             setattr(be, name, kind(int(value)))
         except (TypeError, ValueError):
             raise SystemExit(f"--set {name}={value}: expected an integer ({name} is {kind.__name__})") from None
+
+
+@contextlib.contextmanager
+def settings_for_block(be, settings):
+    """The backend's tuning attributes named in settings (those it has) set for the block, then
+    set back to what they were."""
+    saved = {name: getattr(be, name) for name in settings if hasattr(be, name)}
+    for name in saved:
+        setattr(be, name, settings[name])
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(be, name, value)
 
 
 def parse_settings(items) -> dict:

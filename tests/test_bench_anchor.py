@@ -116,6 +116,25 @@ def test_bench_settings_parse_and_refuse():
         apply_settings(be, {"ln_blocks": "x"})
 
 
+def test_settings_for_block_sets_and_restores():
+    """The per-call profile's settings (settings_for_block): set inside the block, what they were
+    after it, an exception included; names the backend lacks are left alone."""
+    import pytest
+
+    from andrea.bench import settings_for_block
+
+    class Be:
+        fp8_wgrad_stream = True
+    be = Be()
+    with settings_for_block(be, {"fp8_wgrad_stream": False, "absent": 1}):
+        assert be.fp8_wgrad_stream is False and not hasattr(be, "absent")
+    assert be.fp8_wgrad_stream is True
+    with pytest.raises(RuntimeError):
+        with settings_for_block(be, {"fp8_wgrad_stream": False}):
+            raise RuntimeError("in the block")
+    assert be.fp8_wgrad_stream is True
+
+
 def test_pass_closed_by_hands_the_close_over():
     """The bench's and the profiler's wrappers of param_grad_pass: start reaches the backend, the
     close runs inside the closer (where it is timed or annotated), an exception closes it at once."""
