@@ -206,6 +206,17 @@ def parse_settings(items) -> dict:
     return out
 
 
+def random_batches(vocab: int, B: int, T: int, n: int = 4):
+    """n (inputs, targets) pairs of random tokens, (B, T) int32 each, the same every run: a
+    benchmark rotates them (the same tokens every step would flatter the caches)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        xy = rng.integers(0, vocab, (B, T + 1)).astype(np.int32)
+        out.append((xy[:, :-1], xy[:, 1:]))
+    return out
+
+
 def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=True, fp8_weight_cache=True,
                settings=None):
     import cupy as cp
@@ -219,11 +230,7 @@ def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=Tru
     apply_settings(be, settings)
     free0, total = cp.cuda.runtime.memGetInfo()
     eng = Engine(cfg, backend=be)
-    rng = np.random.default_rng(0)
-    batches = []
-    for _ in range(4):  # rotate a few batches: the same tokens every step would flatter the caches
-        xy = rng.integers(0, m.vocab_size, (B, T + 1)).astype(np.int32)
-        batches.append((xy[:, :-1], xy[:, 1:]))
+    batches = random_batches(m.vocab_size, B, T)
     step = 0
     for _ in range(warmup):
         step += 1

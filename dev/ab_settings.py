@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     import cupy as cp
     import pandas as pd
 
-    from andrea.bench import bench_config
+    from andrea.bench import bench_config, random_batches
     cfg = bench_config(a.exp, a.precision, a.batch, a.warmup + a.rounds * a.steps)
     engines = {}
     for name, settings in a.variant:
@@ -84,11 +84,7 @@ def main(argv=None) -> int:
         engines[name] = build(cfg, settings)
         print(f"{name}: built in {time.perf_counter() - t0:.1f} s ({settings or 'defaults'})", flush=True)
     m, T = cfg.model, cfg.model.context
-    rng = np.random.default_rng(0)
-    batches = []
-    for _ in range(4):
-        xy = rng.integers(0, m.vocab_size, (a.batch, T + 1)).astype(np.int32)
-        batches.append((xy[:, :-1], xy[:, 1:]))
+    batches = random_batches(m.vocab_size, a.batch, T)
     steps = {n: 0 for n in names}
     last = {}
 

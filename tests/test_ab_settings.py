@@ -4,20 +4,18 @@ code where no GPU is (the timing itself needs one).
     python -m pytest tests/test_ab_settings.py -q
 """
 import argparse
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def ab():
-    spec = importlib.util.spec_from_file_location("ab_settings", ROOT / "dev" / "ab_settings.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "dev" / "ab_settings.py", "ab_settings")
 
 
 def test_variant_syntax(ab):

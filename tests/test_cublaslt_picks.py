@@ -5,13 +5,13 @@ replacing its GPU's table and keeping the others (the choice of algorithm itself
 
     python -m pytest tests/test_cublaslt_picks.py -q
 """
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from andrea.backends.cuda.cublaslt import MAX_PICK, PICKS_FILE, problem_sig, read_picks
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = (False, True, 8192, 768, 768, 768, 768, 768, 28, 14, "bias", 14, 0, (256, 0), 28, True, True)
@@ -19,11 +19,7 @@ KEY = (False, True, 8192, 768, 768, 768, 768, 768, 28, 14, "bias", 14, 0, (256, 
 
 @pytest.fixture(scope="module")
 def algos():
-    pytest.importorskip("pandas")
-    spec = importlib.util.spec_from_file_location("cublaslt_algos", ROOT / "dev" / "cublaslt_algos.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "dev" / "cublaslt_algos.py", "cublaslt_algos")
 
 
 def test_the_package_table_reads():

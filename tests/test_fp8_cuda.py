@@ -729,15 +729,7 @@ def test_layernorm_fwd_fp8_is_the_layer_norm_then_its_cast(be, dtype, N, C, resi
             be.k_residual_layernorm_fwd(res, out, mean, rstd, a, b, w, bias)
         else:
             be.k_layernorm_fwd(out, mean, rstd, a, w, bias)
-        am = cp.zeros(2, cp.float32)
-        be.fp8.k_fp8_amax(am, out)
-        top = float(am.get()[0])
-        meta = cp.asarray(np.array([top * (0.25 if case == "saturate" else 1.0), 0], np.float32))
-        want = [cp.zeros((N, C), cp.uint8), cp.zeros((C, N), cp.uint8)]
-        want_rec = cp.asarray(np.array([1e-3], np.float32))
-        be.fp8.k_fp8_cast_transpose_amax(*want, meta, out, "e4m3", want_rec)
-        inv = meta.get()[1]
-        meta[1] = 0
+        meta, want, want_rec, inv, top = cast_reference(be, out, "e4m3", case == "saturate")
         got = [cp.full((N, C), 0xAA, cp.uint8), cp.full((C, N), 0xAA, cp.uint8)]
         g_res, g_mean, g_rstd = cp.full((N, C), 5, dt), cp.full(N, 5, cp.float32), cp.full(N, 5, cp.float32)
         rec = cp.asarray(np.array([1e-3], np.float32))
@@ -764,6 +756,29 @@ def test_layernorm_fwd_fp8_is_the_layer_norm_then_its_cast(be, dtype, N, C, resi
         np.testing.assert_array_equal(ot.T, o)
         assert fp8_steps_apart(got[0].get(), o).max() <= 1 and r_meta[1] == inv
         np.testing.assert_allclose(r_rec[0], top, rtol=2 ** -7)
+
+
+def cast_reference(be, x, fmt, saturate, partial=None):
+    """What the delayed tile casts make of x (R, K) in format fmt, with meta[0] its amax (a quarter
+    of it where saturate): the bytes and their transpose, the amax reduced into a record holding
+    1e-3 (k_fp8_cast_transpose_amax; with partial, k_fp8_cast_transpose_colsum_amax, its column
+    partials there). Returns (meta, its 1/scale zeroed again for the kernel under test, [bytes,
+    transpose], the record, 1/scale, the amax)."""
+    import cupy as cp
+    R, K = x.shape
+    am = cp.zeros(2, cp.float32)
+    be.fp8.k_fp8_amax(am, x)
+    top = float(am.get()[0])
+    meta = cp.asarray(np.array([top * (0.25 if saturate else 1.0), 0], np.float32))
+    want = [cp.zeros((R, K), cp.uint8), cp.zeros((K, R), cp.uint8)]
+    rec = cp.asarray(np.array([1e-3], np.float32))
+    if partial is None:
+        be.fp8.k_fp8_cast_transpose_amax(*want, meta, x, fmt, rec)
+    else:
+        be.fp8.k_fp8_cast_transpose_colsum_amax(*want, meta, x, fmt, partial, rec)
+    inv = meta.get()[1]
+    meta[1] = 0
+    return meta, want, rec, inv, top
 
 
 def test_layernorm_fwd_fp8_refuses_what_it_cannot_take(be):
@@ -1173,6 +1188,28 @@ def delayed_engine(tmp_path, scaling="delayed", **train):
     return eng
 
 
+def assert_same_runs(one, other, what="the two runs differ"):
+    """Two runs' (records, host state) bit for bit: the records' text, every weight and Adam state."""
+    (a, sa), (b, sb) = one, other
+    assert repr(a) == repr(b), (what, a, b)
+    for x, y in zip(sa, sb):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), what
+
+
+def engine_t64(tmp_path, **settings):
+    """An fp8 engine of MODEL at T = 64, B = 2 (the FP8 attention kernels want T % 64 == 0) on a
+    backend of its own with settings (CudaOps attributes) set."""
+    from andrea.backends import get_backend
+    from andrea.config import load_run_config
+    from andrea.engine import Engine
+    be = get_backend("cuda")
+    for name, value in settings.items():
+        setattr(be, name, value)
+    d = small_config(tmp_path, batch_size=2, seq_len=64, precision="fp8")
+    d["model"], d["backend"] = {**MODEL, "context": 64}, {"name": "cuda"}
+    return Engine(load_run_config(d), backend=be)
+
+
 def test_delayed_scales_in_the_engine(tmp_path):
     """fp8_scaling="delayed" (eight tensors a layer: act, dact, the attention output, dqkv, the
     residual stream's two gradients, ln1 and ln2): step 1 takes their amax first (k_fp8_gelu_amax,
@@ -1257,9 +1294,7 @@ def test_delayed_scales_in_the_engine(tmp_path):
         assert sc.live
     (a, sa), (b, sb) = runs
     assert [r["skipped"] for r in a] == [False] * 4 + [True] + [False] * 2, a
-    assert repr(a) == repr(b), "two delayed runs (one with an evaluation between steps) differ"
-    for x, y in zip(sa, sb):
-        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+    assert_same_runs((a, sa), (b, sb), "two delayed runs (one with an evaluation between steps) differ")
     # resume from the state after step 3 (with its history): steps 4..7 as straight
 
     def live(e, when):
@@ -1302,10 +1337,7 @@ def test_layernorm_cast_same_bits_as_the_cast_after(tmp_path):
         eng.be.fp8_layernorm_cast = True
         assert (fused > 0) == on, fused
         runs.append((recs, eng.host_state()))
-    (a, sa), (b, sb) = runs
-    assert repr(a) == repr(b), (a, b)
-    for x, y in zip(sa, sb):
-        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+    assert_same_runs(*runs)
 
 
 # ---------------------------------------------------------------- the attention's FP8 epilogues
@@ -1336,18 +1368,8 @@ def test_attention_fp8_kernels_are_the_attention_then_its_cast(be, hs, NH, fmt, 
     for case in ("plain", "saturate"):
         for name, x, f in (("fwd", out.reshape(N, C), "e4m3"), ("bwd", dqkv.reshape(N, 3 * C), fmt)):
             W = x.shape[1]
-            am = cp.zeros(2, cp.float32)
-            be.fp8.k_fp8_amax(am, x)
-            top = float(am.get()[0])
-            meta = cp.asarray(np.array([top * (0.25 if case == "saturate" else 1.0), 0], np.float32))
-            want = [cp.zeros((N, W), cp.uint8), cp.zeros((W, N), cp.uint8)]
-            want_rec, want_part = cp.asarray(np.array([1e-3], np.float32)), cp.zeros((N // 64) * W, cp.float32)
-            if name == "fwd":
-                be.fp8.k_fp8_cast_transpose_amax(*want, meta, x, f, want_rec)
-            else:
-                be.fp8.k_fp8_cast_transpose_colsum_amax(*want, meta, x, f, want_part, want_rec)
-            inv = meta.get()[1]
-            meta[1] = 0
+            want_part = cp.zeros((N // 64) * W, cp.float32) if name == "bwd" else None
+            meta, want, want_rec, inv, top = cast_reference(be, x, f, case == "saturate", want_part)
             got = [cp.full((N, W), 0xAA, cp.uint8), cp.full((W, N), 0xAA, cp.uint8)]
             rec, part = cp.asarray(np.array([1e-3], np.float32)), cp.full((N // 64, W), np.nan, cp.float32)
             if name == "fwd":
@@ -1393,17 +1415,10 @@ def test_attention_cast_same_bits_as_the_casts_after(tmp_path):
     records, weights and Adam state bits over steps of two microbatches and one, a skipped step
     and an evaluation; with it on, step 2 (the first with a history) runs the _fp8 kernels (a
     forward and a backward a layer) and no cast of the attention output or dqkv, step 1 none."""
-    from andrea.backends import get_backend
-    from andrea.engine import Engine
     n_layer = MODEL["n_layer"]
     runs = []
     for on in (True, False):
-        be = get_backend("cuda")
-        be.fp8_attention_cast = on
-        d = small_config(tmp_path, batch_size=2, seq_len=64, precision="fp8")
-        d["model"], d["backend"] = {**MODEL, "context": 64}, {"name": "cuda"}
-        from andrea.config import load_run_config
-        eng = Engine(load_run_config(d), backend=be)
+        eng = engine_t64(tmp_path, fp8_attention_cast=on)
         recs, counts = [], []
         for s in range(1, 6):
             log = launches(eng.be)
@@ -1429,10 +1444,7 @@ def test_attention_cast_same_bits_as_the_casts_after(tmp_path):
         else:
             assert all(c["k_attn_flash_fwd_fp8"] == c["k_attn_flash_bwd_dq_fp8"] == 0 for _, c in counts)
         runs.append((recs, eng.host_state()))
-    (a, sa), (b, sb) = runs
-    assert repr(a) == repr(b), (a, b)
-    for x, y in zip(sa, sb):
-        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+    assert_same_runs(*runs)
 
 
 @pytest.mark.parametrize("attention_cast", [False, True], ids=["casts", "attention_cast"])
@@ -1444,18 +1456,11 @@ def test_wgrad_stream_same_bits_as_one_stream(tmp_path, attention_cast):
     delayed scale and X^T a slot (all four of a layer, once the scales hold a history: at least
     three a layer at step 2, the first such step, eager), none with it off; the memory plan holds
     its buffers."""
-    from andrea.backends import get_backend
-    from andrea.config import load_run_config
-    from andrea.engine import Engine
     n_layer = MODEL["n_layer"]
     runs = []
     for on in (True, False):
-        be = get_backend("cuda")
-        be.fp8_wgrad_stream, be.fp8_attention_cast = on, attention_cast
-        d = small_config(tmp_path, batch_size=2, seq_len=64, precision="fp8")
-        d["model"], d["backend"] = {**MODEL, "context": 64}, {"name": "cuda"}
-        eng = Engine(load_run_config(d), backend=be)
-        names = {r[0] for r in be.workspace_rows(2, 64, MODEL["d_model"], MODEL["n_head"], eng.params_c.dtype,
+        eng = engine_t64(tmp_path, fp8_wgrad_stream=on, fp8_attention_cast=attention_cast)
+        names = {r[0] for r in eng.be.workspace_rows(2, 64, MODEL["d_model"], MODEL["n_head"], eng.params_c.dtype,
                                                  fp8=True)}
         assert ({"fp8_dyt1", "cublaslt_wgrad"} <= names) == on, names
         recs, side = [], []
@@ -1475,7 +1480,4 @@ def test_wgrad_stream_same_bits_as_one_stream(tmp_path, attention_cast):
         else:
             assert not any(side), side
         runs.append((recs, eng.host_state()))
-    (a, sa), (b, sb) = runs
-    assert repr(a) == repr(b), (a, b)
-    for x, y in zip(sa, sb):
-        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+    assert_same_runs(*runs)

@@ -66,7 +66,6 @@ transposed for dW by k_fp8_transpose into the logits workspace the chunk no long
 """
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 
 import numpy as np
@@ -74,6 +73,7 @@ import numpy as np
 from ...model import loss_chunk_rows
 from ..numpy_ref import FP8_FORMATS, FP8_FWD, FP8_HIST, S_SKIP, fp8_rounding
 from .cublas import cuda_type
+from .cublaslt import WORKSPACE_BYTES
 from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
 
 FP8_CUDA_TYPES = {"e4m3": 28, "e5m2": 29}  # cudaDataType_t CUDA_R_8F_E4M3, CUDA_R_8F_E5M2
@@ -128,7 +128,6 @@ def fp8_rows(B: int, T: int, C: int, vocab: int = 0, wgrad_stream: bool = False)
     dlogits (R, V), and room for the embedding (V, C) where the weight cache does not hold it.
     wgrad_stream: with WGRAD_RING buffers of fp8(dY)^T and a cuBLASLt workspace for the
     weight-gradient stream (CudaOps.fp8_wgrad_stream)."""
-    from .cublaslt import WORKSPACE_BYTES
     N, H = B * T, 4 * C
     w = H * C
     rows = [("fp8_x", (N * H,), "uint8"), ("fp8_dy", (N * H,), "uint8"), ("fp8_dyt", (N * H,), "uint8")]
@@ -284,9 +283,11 @@ class Fp8Ops:
     # ------------------------------------------------------------ the quantisation kernels
     @staticmethod
     def _defs(fmt):
+        """The -D options of a kernel file built for FP8 format fmt: none for E4M3, fp8.cuh's
+        default (so its kernels share one build with the launches that pass no format)."""
         if fmt not in FP8_FORMATS:
             raise ValueError(f"FP8 format {fmt!r}: expected one of {', '.join(FP8_FORMATS)}")
-        return (f"-DFP8_E5M2={int(fmt == 'e5m2')}",)
+        return ("-DFP8_E5M2=1",) if fmt == "e5m2" else ()
 
     @staticmethod
     def _inv_at(kernel, meta):
@@ -460,14 +461,18 @@ class Fp8Ops:
                             bias, i64(N), i32(C), meta, self._inv_at(kernel, meta), self._amax_out(kernel, amax_out)),
                            defs=defs + ((f"-DLN_FP8_WARPS={warps}",) if warps != 8 else ()))
 
+    def attention_fits(self, T, C, hs) -> bool:
+        """The FP8 attention kernels take these shapes: the wgmma kernels (CudaOps._hopper) at this
+        head size, T a multiple of 64 (a warpgroup's rows are a 64-row tile of the casts), C a
+        multiple of 16."""
+        return T % 64 == 0 and C % FP8_MULTIPLE == 0 and self.ops._hopper(hs)
+
     def _attn_fp8_check(self, kernel, qkv, n_head, arrays):
-        """The shapes (B, T, C, NH, hs) of an FP8 attention launch, after its conditions: the wgmma
-        kernels (CudaOps._hopper) at this head size, T a multiple of 64 (a warpgroup's rows are a
-        64-row tile of the casts), C a multiple of 16, arrays 16-byte aligned."""
+        """The shapes (B, T, C, NH, hs) of an FP8 attention launch, after its conditions
+        (attention_fits, arrays 16-byte aligned)."""
         from .ops import _attn_shapes
         B, T, C, NH, hs = _attn_shapes(kernel, qkv, n_head)
-        ok = T % 64 == 0 and C % FP8_MULTIPLE == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
-        if not ok or not self.ops._hopper(hs):
+        if not self.attention_fits(T, C, hs) or any(a.data.ptr % 16 for a in arrays):
             raise ValueError(f"{kernel}: B={B} T={T} C={C} head size {hs}; expected the wgmma attention "
                              f"(compute capability 9.0), T a multiple of 64, C of {FP8_MULTIPLE}, 16-byte "
                              "aligned arrays")
@@ -477,7 +482,7 @@ class Fp8Ops:
         """numpy_ref.k_attn_fwd_fp8 (attention_hopper.cu k_attn_flash_fwd_fp8): out (B,T,C) and lse
         (B,NH,T) as k_attn_fwd writes them, and out as E4M3 bytes q (B*T, C) and q_t (C, B*T) with
         the scale of meta[0]; meta[inv_at] = 1/scale; amax_out (1,) or None."""
-        from .ops import hopper_geometry
+        from .ops import attn_scale, hopper_geometry
         kernel = "k_attn_fwd_fp8"
         B, T, C, NH, hs = self._attn_fp8_check(kernel, qkv, n_head, (qkv, out))
         ct = qkv.dtype
@@ -489,7 +494,7 @@ class Fp8Ops:
         self.ops.rt.launch("attention_hopper.cu", "k_attn_flash_fwd_fp8", ct, (B * NH, -(-T // geo["fwd_rows"])),
                            geo["threads"], (out, lse, q, q_t, meta, self._inv_at(kernel, meta),
                                             self._amax_out(kernel, amax_out), qkv, i32(B), i32(T), i32(NH),
-                                            np.float32(1.0 / math.sqrt(hs))),
+                                            attn_scale(hs)),
                            shared_mem=geo["k_attn_flash_fwd"], hs=hs, arch="sm_90a")
 
     def k_attn_bwd_fp8(self, q, q_t, partial, meta, amax_out, dout, qkv, out, lse, n_head, fmt):
@@ -498,7 +503,7 @@ class Fp8Ops:
         bytes of format fmt q (B*T, 3C) and q_t (3C, B*T) with the scale of meta[0], its column
         sums over each 64-row tile into partial (B*T / 64, 3C) float32 or None, its amax into
         amax_out (1,) or None; meta[inv_at] = 1/scale. dqkv itself is not written."""
-        from .ops import hopper_geometry
+        from .ops import attn_scale, hopper_geometry
         kernel = "k_attn_bwd_fp8"
         B, T, C, NH, hs = self._attn_fp8_check(kernel, qkv, n_head, (qkv, dout, out))
         ct, N = qkv.dtype, B * T
@@ -509,12 +514,9 @@ class Fp8Ops:
         check(kernel, "q_t", q_t, (3 * C, N), np.uint8)
         if partial is not None:
             check(kernel, "partial", partial, (N // 64, 3 * C), np.float32)
-        defs = self._defs(fmt)
-        if fmt == "e4m3":  # fp8.cuh's default: the module of the 16-bit kernels, not a second build
-            defs = ()
-        geo, hop = hopper_geometry(hs), dict(hs=hs, arch="sm_90a", defs=defs)
+        geo, hop = hopper_geometry(hs), dict(hs=hs, arch="sm_90a", defs=self._defs(fmt))
         D = self.ops.workspace.get("attn_D", B * NH * T, np.float32)
-        scale, dims = np.float32(1.0 / math.sqrt(hs)), (i32(B), i32(T), i32(NH))
+        scale, dims = attn_scale(hs), (i32(B), i32(T), i32(NH))
         part, amax = (np.uint64(0) if partial is None else partial), self._amax_out(kernel, amax_out)
         self.ops.rt.launch("attention_hopper.cu", "k_attn_flash_bwd_dq_fp8", ct, (B * NH, -(-T // geo["rows"])),
                            geo["threads"], (q, q_t, part, meta, self._inv_at(kernel, meta), amax, qkv, dout, out, lse,
@@ -1090,7 +1092,6 @@ class Fp8Ops:
             self._wg_stream = cp.cuda.Stream(non_blocking=True)
             new = lambda: cp.cuda.Event(block=False, disable_timing=True)  # noqa: E731
             self._wg_events = (new(), [new() for _ in range(WGRAD_RING)])
-        from .cublaslt import WORKSPACE_BYTES
         ws = ops.workspace.get("cublaslt_wgrad", WORKSPACE_BYTES, np.uint8)
         fork, done = self._wg_events[0], self._wg_events[1][ring]
         fork.record(cp.cuda.get_current_stream())

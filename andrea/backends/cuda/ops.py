@@ -97,6 +97,11 @@ def _device_fits_flash(hs: int) -> bool:
 ATTENTION_PATHS = ("fused", "materialised")
 
 
+def attn_scale(hs: int):
+    """The attention's softmax scale 1/sqrt(head size), as its kernels take it (float32)."""
+    return attn_scale(hs)
+
+
 def _attn_shapes(kernel, qkv, n_head):
     check(kernel, "qkv", qkv)
     B, T, C3 = qkv.shape
@@ -714,7 +719,7 @@ class CudaOps:
         ct = qkv.dtype
         check("k_attn_fwd", "out", out, (B, T, C), ct)
         check("k_attn_fwd", "lse", lse, (B, NH, T), np.float32)
-        scale = np.float32(1.0 / math.sqrt(hs))
+        scale = attn_scale(hs)
         if self._fused(ct, hs, qkv, out):
             args = (out, lse, qkv, i32(B), i32(T), i32(NH), scale)
             if self._attn_fwd_fp8(out, lse, qkv, n_head, T, C, hs):
@@ -740,9 +745,9 @@ class CudaOps:
                        (out, y, i32(B), i32(T), i32(NH), i32(hs)))
 
     def _attn_fp8_applies(self, T, C, hs) -> bool:
-        """The FP8 attention kernels (CudaOps.fp8_attention_cast) can run: the FP8 path is on, the
-        wgmma kernels take this head size, T % 64 == 0, C % 16 == 0 (Fp8Ops._attn_fp8_check)."""
-        return self.fp8 is not None and self.fp8_attention_cast and T % 64 == 0 and C % 16 == 0 and self._hopper(hs)
+        """The FP8 attention kernels (CudaOps.fp8_attention_cast) can run: the FP8 path and the
+        switch are on, and their shapes fit (Fp8Ops.attention_fits)."""
+        return self.fp8 is not None and self.fp8_attention_cast and self.fp8.attention_fits(T, C, hs)
 
     def _attn_fwd_fp8(self, out, lse, qkv, n_head, T, C, hs) -> bool:
         """train.precision=fp8: where out is the input whose FP8 operand the attention may write
@@ -785,7 +790,7 @@ class CudaOps:
         if self._fused(ct, hs, dqkv, qkv, dout, out):
             if not accumulate and self._attn_bwd_fp8(dqkv, dout, qkv, out, lse, n_head, T, C, hs):
                 return
-            scale = np.float32(1.0 / math.sqrt(hs))
+            scale = attn_scale(hs)
             D = self.workspace.get("attn_D", BH * T, np.float32)
             dims = (i32(B), i32(T), i32(NH), scale, i32(int(accumulate)))
             if self._hopper(hs):  # wgmma: the dQ kernel (version 10) writes D, which dK/dV (version 7) reads
@@ -818,7 +823,7 @@ class CudaOps:
         blas.gemm(dv, P, dy, True, False, T, hs, T, T, hs, hs, batch=BH, stride_a=tt, stride_b=th, stride_c=th)
         blas.gemm(S, dy, v, False, True, T, T, hs, hs, hs, T, batch=BH, stride_a=th, stride_b=th, stride_c=tt)
         self.rt.launch("attention.cu", "k_attn_dscores", ct, -(-(BH * T) // 8), THREADS,
-                       (P, S, dout, out, i64(BH * T), i32(T), i32(NH), i32(hs), np.float32(1.0 / math.sqrt(hs))))
+                       (P, S, dout, out, i64(BH * T), i32(T), i32(NH), i32(hs), attn_scale(hs)))
         blas.gemm(dq, P, k, False, False, T, hs, T, T, hs, hs, batch=BH, stride_a=tt, stride_b=th, stride_c=th)
         blas.gemm(dk, P, q, True, False, T, hs, T, T, hs, hs, batch=BH, stride_a=tt, stride_b=th, stride_c=th)
         self.rt.launch("attention.cu", "k_attn_merge_grads", ct, min(B * T, MAX_BLOCKS), THREADS,
@@ -839,7 +844,7 @@ class CudaOps:
             raise ValueError(f"k_attn_decode_fwd: pos {pos} outside the cache's {ctx} rows")
         self.rt.launch("decode.cu", "k_attn_decode_fwd", ct, (NH, B), 128,
                        (out, kcache, vcache, qkv, i32(NH), i32(hs), i32(ctx), i32(pos),
-                        np.float32(1.0 / math.sqrt(hs))),
+                        attn_scale(hs)),
                        shared_mem=4 * (ctx + hs + 32))
 
     def k_attn_out_fwd(self, out, inp, w, b):
