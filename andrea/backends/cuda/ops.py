@@ -99,7 +99,7 @@ ATTENTION_PATHS = ("fused", "materialised")
 
 def attn_scale(hs: int):
     """The attention's softmax scale 1/sqrt(head size), as its kernels take it (float32)."""
-    return attn_scale(hs)
+    return np.float32(1.0 / math.sqrt(hs))
 
 
 def _attn_shapes(kernel, qkv, n_head):
