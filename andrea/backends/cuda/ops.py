@@ -245,26 +245,31 @@ class CudaOps:
     # for a cast after (k_layernorm_fwd_fp8; the same bytes). False: the layer norm, then the cast
     fp8_layernorm_cast = True
     # rows of a block of k_layernorm_fwd_fp8 (8, 16 or 32; the same bytes): ANDREA-120M fp8 B=8 on
-    # an H200, one job: 12.89 ms a step with 16, 12.94 with 32, 13.05 with 8 (23.5 us a call, against
-    # 18.2 with 32: its columns of X^T go out 8 bytes a block); docs/FP8.md
-    fp8_layernorm_rows = 16
-    # warps of a block of k_layernorm_fwd_fp8 (4, 8, 16 or 32; the same bytes): with 32 rows and 16
-    # warps each block writes 32 bytes of a column of X^T (a whole sector) at the occupancy of 16
-    # rows and 8 warps; not measured yet (docs/FP8.md)
-    fp8_layernorm_warps = 8
+    # an H200, one job: 12.89 ms a step with 16 rows and 8 warps, 12.94 with 32 and 8, 13.05 with 8
+    # and 8 (its columns of X^T go out 8 bytes a block); docs/FP8.md
+    fp8_layernorm_rows = 32
+    # warps of a block of k_layernorm_fwd_fp8 (4, 8, 16 or 32; the same bytes): 32 rows and 16 warps
+    # write 32 bytes of a column of X^T (a whole sector) a block at the occupancy of 16 rows and 8
+    # warps. Measured against 16 and 8 in one process (dev/ab_settings.py, 2026-11-30, H200): the
+    # same step (-0.002 ms, the paired median of 7 rounds); default as part of the set that won
+    # together (below)
+    fp8_layernorm_warps = 16
     # train.precision=fp8 with delayed scaling: the wgmma attention writes its outputs as the FP8
     # operands of the products that read them (attention_hopper.cu's _fp8 kernels; the same bytes):
     # the forward its output also as the attention projection's input and X^T, the backward dqkv
     # only as the QKV product's output gradient, its transpose and the bias's column partials (no
-    # 16-bit dqkv, no cast of either). Needs T % 64 == 0. Off until measured against the casts
-    # (docs/FP8.md)
-    fp8_attention_cast = False
+    # 16-bit dqkv, no cast of either). Needs T % 64 == 0 (else the casts run). ANDREA-120M fp8 B=8,
+    # H200, one process (dev/ab_settings.py, 2026-11-30): 13.27 ms a step against 13.46 with the
+    # casts (paired median -0.23 ms, 7 rounds); with the two switches below as well 13.07
+    # (-0.33 ms); the same bits each way (docs/FP8.md)
+    fp8_attention_cast = True
     # train.precision=fp8 with delayed scaling: the weight-gradient products (dW = dY^T X) run on a
     # stream of their own inside a backward pass, beside the chain of data gradients (the casts,
     # attention, layer norms) that does not wait for them; fp8(dY)^T then rotates through
     # fp8.WGRAD_RING buffers, and the pass's close joins the stream. The same products and bits.
-    # Off until measured (docs/FP8.md)
-    fp8_wgrad_stream = False
+    # Alone +0.06 ms a step (paired median, within the rounds' spread); with the attention's FP8
+    # outputs and the layer norm's 32x16 blocks, part of the set measured 0.33 ms faster (above)
+    fp8_wgrad_stream = True
     # cuBLASLt's algorithm for a problem: the place in its heuristic's list that the table of picks
     # (cuda/cublaslt_picks.json) names for this GPU and cuBLASLt version, else its first pick
     # (False: the first pick everywhere). Read when the cuBLASLt binding is made (its first use)
