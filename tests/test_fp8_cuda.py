@@ -637,11 +637,81 @@ def test_weight_cache_same_bits_as_per_product_casts(tmp_path):
     slots = 3 * CudaOps.fp8_keep_xt + 2 * (CudaOps.fp8_producer_amax and CudaOps.fp8_scaling != "delayed")
     assert off[1] == {"k_fp8_amax": (17 - slots) * n_layer * n_micro, "k_fp8_amax_many": 0,
                       "k_fp8_cast_transpose_many": 0}
-    assert on[1] == {"k_fp8_amax": (9 - slots) * n_layer * n_micro, "k_fp8_amax_many": 1,
+    # the optimizer takes the cached weights' amax in its update (CudaOps.fp8_adamw_amax), or
+    # k_fp8_amax_many takes it before the cast
+    assert on[1] == {"k_fp8_amax": (9 - slots) * n_layer * n_micro, "k_fp8_amax_many": int(not CudaOps.fp8_adamw_amax),
                      "k_fp8_cast_transpose_many": 1}
     # resume: a fresh engine (its copies made from its own initial weights) loads the state after
     # step 3 and runs steps 4..7: the same bits as the straight run
     check_resume(fp8_engine(tmp_path, True, seed=99), mid[True], on, check_cache)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_adamw_step_amax_is_the_update_then_its_amax(skip):
+    """k_adamw_step_amax (CudaOps.fp8_adamw_amax) on weights laid in a flat compute copy with gaps
+    between them (8 to 40 elements), registered in the cache out of address order, one of them
+    (512 x 1024) across many blocks, one holding a NaN, the decay boundary inside a weight: the
+    update's bits those of k_adamw_step, each weight's amax that of numpy_ref.k_adamw_step_amax
+    (the reference update, then k_fp8_amax of each weight) before the refresh, and the refresh
+    after it the same copies and (amax, 1/scale) as the refresh that takes its own amax passes. A
+    skipped step still takes the amax. A buffer of n % 4 == 2 elements: the plain update and the
+    amax passes run."""
+    import cupy as cp
+    from andrea.backends import get_backend
+    from andrea.backends.cuda.fp8 import META_STRIDE, weight_cache_rows
+    shapes, gaps = [(48, 80), (16, 32), (512, 1024), (32, 16), (64, 48)], [8, 24, 40, 0, 16, 8]
+    order = [2, 0, 4, 1, 3]  # the cache's order; the flat buffer's is 0..4
+    offs, n = [], gaps[0]
+    for (R, K), gap in zip(shapes, gaps[1:]):
+        offs.append(n)
+        n += R * K + gap
+    n_decay = offs[2] + 1001
+    rng = np.random.default_rng(7 + skip)
+    assert n % 4 == 0
+    n2 = n + 2  # the buffers, of which the last 2 elements only for the case that does not fit
+    p = rng.normal(0, 0.05, n2).astype(np.float32)
+    p[offs[3] + 17] = np.nan
+    g, m = rng.normal(0, 0.01, n2).astype(np.float32), rng.normal(0, 1e-3, n2).astype(np.float32)
+    v = np.abs(rng.normal(0, 1e-5, n2)).astype(np.float32)
+    st = np.zeros(ref.STATE_LEN)
+    st[ref.S_SKIP] = float(skip)
+    st[ref.S_CLIP], st[ref.S_DECAY] = np.float32(0.37), np.float32(1 - 3e-3 * 0.1)
+    st[ref.S_STEP_SIZE], st[ref.S_VHAT] = np.float32(3e-3 / (1 - 0.9 ** 7)), np.float32(1 / (1 - 0.95 ** 7))
+    pc0 = (p + np.float32(1e-3)).astype(bf16())  # what the last update wrote: not the weights' own cast
+
+    def run(on, size):
+        be = get_backend("cuda")
+        be.reserve_workspace(4, 48, 80, 5, bf16(), fp8=True)
+        be.fp8_adamw_amax = on
+        bufs = [cp.asarray(x[:size]) for x in (p, g, m, v)]
+        pc = cp.asarray(pc0[:size])
+        ws = [pc[offs[i]:offs[i] + R * K].reshape(R, K) for i, (R, K) in enumerate(shapes)]
+        rows = {name: cp.zeros(shape, dt) for name, shape, dt in weight_cache_rows([shapes[i] for i in order])}
+        be.fp8.use_weight_cache([ws[i] for i in order], rows["fp8_wcache"], rows["fp8_wmeta"], rows["fp8_wtable"])
+        fits = be.fp8.adamw_amax_fits(bufs[0], pc)
+        be.k_adamw_step(bufs[0], pc, bufs[1], bufs[2], bufs[3], cp.asarray(st), 0.9, 0.95, 1e-8, n_decay,
+                        zero_grads=False)
+        taken = be.fp8._amax_taken
+        amax = rows["fp8_wmeta"].reshape(-1, META_STRIDE)[:, 0].get()
+        be.fp8.refresh_weight_cache()
+        out = [x.get().view(np.uint32) for x in bufs] + [pc.get().view(np.uint16)]
+        return fits, taken, amax, out + [rows["fp8_wcache"].get(), rows["fp8_wmeta"].get().view(np.uint32)]
+
+    fits, taken, amax, got = run(True, n)
+    assert fits and taken, "k_adamw_step_amax did not run"
+    fits0, taken0, _, want = run(False, n)
+    assert fits0 and not taken0
+    for name, a, b in zip(("params", "grads", "m", "v", "params_c", "cache", "cache meta"), got, want):
+        assert np.array_equal(a, b), f"{name} differ with the amax in the update and in its own pass"
+    hp, hc, hm, hv = p[:n].copy(), pc0[:n].copy(), m[:n].copy(), v[:n].copy()
+    meta = np.zeros((len(shapes), 2), np.float32)
+    segs = [(offs[i], offs[i] + R * K) for i, (R, K) in ((i, shapes[i]) for i in order)]
+    ref.k_adamw_step_amax(hp, hc, g[:n].copy(), hm, hv, st, 0.9, 0.95, 1e-8, n_decay, segs, meta, zero_grads=False)
+    np.testing.assert_array_equal(amax, meta[:, 0])
+    assert np.isnan(amax[order.index(3)]) and np.all(amax[np.arange(len(order)) != order.index(3)] > 0)
+    assert np.array_equal(got[4], hc.view(np.uint16)), "params_c differs from numpy_ref's update"
+    fits, taken, _, _ = run(True, n2)
+    assert not fits and not taken
 
 
 def test_weight_cache_plan_and_switch(tmp_path):

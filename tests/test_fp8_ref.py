@@ -160,6 +160,38 @@ def test_numpy_backend_refuses_fp8_clearly(tmp_path):
         Engine(load_run_config(small_config(tmp_path, precision="fp8")))
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_adamw_step_amax_is_the_update_then_the_amax_of_each_weight(skip):
+    """numpy_ref.k_adamw_step_amax: the update of k_adamw_step, bit for bit, then for each
+    segment of the compute copy the larger of what its meta row held and the segment's amax as
+    k_fp8_amax takes it (NaN where either is NaN); rows past the segments and the other columns
+    untouched; a skipped step takes the amax of the weights as they were."""
+    rng = np.random.default_rng(11 + skip)
+    n, n_decay, segs = 203, 101, [(120, 200), (3, 50), (50, 51)]
+    p = rng.normal(0, 0.1, n).astype(np.float32)
+    p[130] = np.nan
+    g, m = rng.normal(0, 0.01, n).astype(np.float32), rng.normal(0, 1e-3, n).astype(np.float32)
+    v = np.abs(rng.normal(0, 1e-5, n)).astype(np.float32)
+    st = np.zeros(K.STATE_LEN)
+    st[K.S_SKIP] = float(skip)
+    st[K.S_CLIP], st[K.S_DECAY], st[K.S_STEP_SIZE], st[K.S_VHAT] = 0.5, 1 - 1e-4, 1e-3, 1.2
+    pc0 = (p * 2).astype(np.float16)
+    meta = np.full((4, 2), 7.0, np.float32)
+    meta[1, 0], meta[2, 0] = 1e-9, 1e9  # a row holding less, one holding more than its amax
+    ins = [x.copy() for x in (p, pc0, g, m, v)]
+    K.k_adamw_step_amax(*ins[:5], st, 0.9, 0.95, 1e-8, n_decay, segs, meta)
+    outs = [x.copy() for x in (p, pc0, g, m, v)]
+    K.k_adamw_step(*outs[:5], st, 0.9, 0.95, 1e-8, n_decay)
+    for name, a, b in zip(("params", "params_c", "grads", "m", "v"), ins, outs):
+        assert a.tobytes() == b.tobytes(), name
+    pc = outs[1].astype(np.float32)
+    assert np.isnan(meta[0, 0]), "a NaN weight gives a NaN amax"
+    assert meta[1, 0] == np.abs(pc[3:50]).max() and meta[1, 0] != 1e-9
+    assert meta[2, 0] == np.float32(1e9)
+    assert (meta[3] == 7.0).all() and (meta[:, 1] == 7.0).all()
+    assert skip == (ins[1].tobytes() == pc0.tobytes())
+
+
 def test_many_forms_are_each_tensor_alone():
     """k_fp8_amax_many and k_fp8_cast_transpose_many (the FP8 weight cache's two launches) give
     every tensor the bytes and meta of k_fp8_amax + k_fp8_cast_transpose on it alone: whatever meta

@@ -385,6 +385,21 @@ def k_adamw_step(params, params_c, grads, m, v, state, beta1, beta2, eps, n_deca
         grads[...] = 0
 
 
+def k_adamw_step_amax(params, params_c, grads, m, v, state, beta1, beta2, eps, n_decay, segments, meta,
+                      zero_grads=True):
+    """k_adamw_step, then the FP8 weight cache's amax from the compute copy as the step leaves it
+    (train.precision=fp8; optim.cu k_adamw_step_amax): for each segment t = (start, stop) of
+    params_c (a weight's elements), meta[t, 0] = max(meta[t, 0], max |params_c[start:stop]|) as
+    float32, NaN if any is NaN (k_fp8_amax_many zeroes meta first, then takes each k_fp8_amax).
+    A skipped step changes no weight and still takes their amax."""
+    k_adamw_step(params, params_c, grads, m, v, state, beta1, beta2, eps, n_decay, zero_grads)
+    pair = np.zeros(2, np.float32)
+    for t, (start, stop) in enumerate(segments):
+        k_fp8_amax(pair, params_c[start:stop])
+        a, b = meta[t, 0], pair[0]
+        meta[t, 0] = np.nan if np.isnan(a) or np.isnan(b) else max(a, b)
+
+
 def k_cast_params(dst, src):
     """dst (compute dtype) = src (float32 master weights), rounded to nearest: a flat copy."""
     dst[...] = src

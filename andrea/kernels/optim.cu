@@ -139,6 +139,16 @@ struct AdamW {
   }
 };
 
+// AdamW on four consecutive elements, the first at flat index i.
+__device__ __forceinline__ float4 adamw4(const AdamW& a, float4 pv, float4& mv, float4& vv, float4 gv, i64 i,
+                                         i64 n_decay) {
+  pv.x = a.step(pv.x, mv.x, vv.x, gv.x, i < n_decay);
+  pv.y = a.step(pv.y, mv.y, vv.y, gv.y, i + 1 < n_decay);
+  pv.z = a.step(pv.z, mv.z, vv.z, gv.z, i + 2 < n_decay);
+  pv.w = a.step(pv.w, mv.w, vv.w, gv.w, i + 3 < n_decay);
+  return pv;
+}
+
 // Four compute-dtype values as one 8-byte (fp16/bf16) or 16-byte (float) store.
 template <typename T> struct alignas(4 * sizeof(T)) Vec4 { T v[4]; };
 
@@ -166,11 +176,7 @@ extern "C" __global__ void k_adamw_step(float* p, CT* pc, float* g, float* m, fl
     for (i64 j = t0; j < nv; j += stride) {
       if (!skip) {
         float4 gv = ((const float4*)g)[j], mv = ((float4*)m)[j], vv = ((float4*)v)[j], pv = ((float4*)p)[j];
-        i64 i = 4 * j;
-        pv.x = a.step(pv.x, mv.x, vv.x, gv.x, i < n_decay);
-        pv.y = a.step(pv.y, mv.y, vv.y, gv.y, i + 1 < n_decay);
-        pv.z = a.step(pv.z, mv.z, vv.z, gv.z, i + 2 < n_decay);
-        pv.w = a.step(pv.w, mv.w, vv.w, gv.w, i + 3 < n_decay);
+        pv = adamw4(a, pv, mv, vv, gv, 4 * j, n_decay);
         ((float4*)p)[j] = pv;
         ((float4*)m)[j] = mv;
         ((float4*)v)[j] = vv;
@@ -196,6 +202,98 @@ extern "C" __global__ void k_adamw_step(float* p, CT* pc, float* g, float* m, fl
     }
     if (zero) g[i] = 0.f;
   }
+}
+
+// The FP8 weight cache's amax from the update itself (train.precision=fp8, CudaOps.fp8_adamw_amax):
+// k_adamw_step, and for each weight t of the cache's table (cuda/fp8.py make_table: row t =
+// {its compute copy's address, ..., R, K}, nt rows) meta[t * meta_stride] = max(that, max |pc| over
+// the weight's R * K elements) as fp8.cu's k_fp8_amax_many takes it (the bits of |value| in the
+// compute dtype, an unsigned maximum, so NaN wins; the launcher zeroes meta first). A skipped step
+// leaves the weights and still reads them for their amax. The refresh of the cache then casts
+// without its amax pass (numpy_ref.k_adamw_step_amax). The launcher asks: every buffer 16-byte
+// aligned (pc: 4 elements), n % 4 == 0, every weight starting at a multiple of 4 elements inside
+// pc (so no float4 straddles two), nt <= ADAMW_AMAX_MAX.
+// Each block takes one contiguous run of float4s (not the grid stride of k_adamw_step), so a warp
+// meets a new weight only a few times: each lane keeps the maximum of the weight it is in, and
+// when any lane of the warp moves to another weight (or to a gap between weights) the warp folds
+// the lanes of each weight together (__match_any_sync, __reduce_max_sync) and one lane a weight
+// does the atomicMax. The weights, sorted by address, sit in shared memory for the lookups.
+#define ADAMW_AMAX_MAX 256
+struct AmaxRun {  // the weight (row >= 0) or the gap (row -1) of elements [lo, hi)
+  i64 lo, hi;
+  int row;
+};
+__device__ __forceinline__ AmaxRun amax_run(i64 e, const i64* lo, const i64* hi, const int* row, int nt, i64 n) {
+  int a = 0, b = nt;  // the first sorted weight starting above e: b
+  while (a < b) {
+    int c = (a + b) >> 1;
+    if (lo[c] <= e) a = c + 1; else b = c;
+  }
+  if (b > 0 && e < hi[b - 1]) return AmaxRun{lo[b - 1], hi[b - 1], row[b - 1]};
+  return AmaxRun{b > 0 ? hi[b - 1] : 0, b < nt ? lo[b] : n, -1};
+}
+__device__ __forceinline__ void amax_fold(float* meta, int meta_stride, int row, unsigned int& mx) {
+  unsigned int same = __match_any_sync(0xffffffffu, row);
+  unsigned int top = __reduce_max_sync(same, mx);
+  if (row >= 0 && top != 0u && (threadIdx.x & 31) == __ffs(same) - 1)
+    atomicMax(reinterpret_cast<unsigned int*>(meta + (i64)row * meta_stride), top);
+  mx = 0u;
+}
+extern "C" __global__ void __launch_bounds__(256) k_adamw_step_amax(
+    float* p, CT* pc, float* g, float* m, float* v, const double* state, i64 n, i64 n_decay, float beta1,
+    float omb1, float beta2, float omb2, float eps, int zero, const i64* table, int nt, float* meta,
+    int meta_stride) {
+  __shared__ i64 s_lo[ADAMW_AMAX_MAX], s_hi[ADAMW_AMAX_MAX], s_start[ADAMW_AMAX_MAX];
+  __shared__ int s_row[ADAMW_AMAX_MAX];
+  for (int t = threadIdx.x; t < nt; t += blockDim.x)
+    s_start[t] = (table[t * 5] - (i64)pc) / (i64)sizeof(CT);
+  __syncthreads();
+  for (int t = threadIdx.x; t < nt; t += blockDim.x) {  // rank by address: sorted into s_lo, s_hi
+    i64 lo = s_start[t];
+    int r = 0;
+    for (int u = 0; u < nt; ++u) r += s_start[u] < lo || (s_start[u] == lo && u < t);
+    s_lo[r] = lo;
+    s_hi[r] = lo + table[t * 5 + 3] * table[t * 5 + 4];
+    s_row[r] = t;
+  }
+  __syncthreads();
+  bool skip = state[S_SKIP] != 0.0;
+  AdamW a{(float)state[S_CLIP], (float)state[S_DECAY], (float)state[S_STEP_SIZE], (float)state[S_VHAT],
+          beta1, omb1, beta2, omb2, eps};
+  const i64 nv = n / 4, per = (nv + gridDim.x - 1) / gridDim.x;
+  const i64 first = blockIdx.x * per, last = first + per < nv ? first + per : nv;
+  const int lane = threadIdx.x & 31;
+  AmaxRun run{0, 0, -1};
+  unsigned int mx = 0u;
+  const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (i64 jw = first + (threadIdx.x - lane); jw < last; jw += blockDim.x) {  // warp-uniform
+    i64 j = jw + lane;
+    bool live = j < last, move = live && (4 * j < run.lo || 4 * j >= run.hi);
+    if (__any_sync(0xffffffffu, move)) {
+      amax_fold(meta, meta_stride, run.row, mx);
+      if (move) run = amax_run(4 * j, s_lo, s_hi, s_row, nt, n);
+    }
+    if (!live) continue;
+    Vec4<CT> c;
+    if (!skip) {
+      float4 gv = ((const float4*)g)[j], mv = ((float4*)m)[j], vv = ((float4*)v)[j], pv = ((float4*)p)[j];
+      pv = adamw4(a, pv, mv, vv, gv, 4 * j, n_decay);
+      ((float4*)p)[j] = pv;
+      ((float4*)m)[j] = mv;
+      ((float4*)v)[j] = vv;
+      c.v[0] = from_f<CT>(pv.x); c.v[1] = from_f<CT>(pv.y);
+      c.v[2] = from_f<CT>(pv.z); c.v[3] = from_f<CT>(pv.w);
+      ((Vec4<CT>*)pc)[j] = c;
+    } else if (run.row >= 0) {
+      c = ((const Vec4<CT>*)pc)[j];
+    }
+    if (run.row >= 0) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) mx = umax(mx, __float_as_uint(to_f(c.v[k])) & 0x7fffffffu);
+    }
+    if (zero) ((float4*)g)[j] = zero4;
+  }
+  amax_fold(meta, meta_stride, run.row, mx);
 }
 
 // dst (compute dtype) = src (float32 master weights), rounded to nearest.

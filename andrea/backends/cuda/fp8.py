@@ -91,6 +91,7 @@ MANY_BLOCKS = 128  # blocks per tensor of the *_many kernels (grid-stride over t
 # fp8(dY)^T buffers the casts take in turn while the weight-gradient products run on a stream of
 # their own (CudaOps.fp8_wgrad_stream): a cast reuses one once the product that read it is done
 WGRAD_RING = 4
+ADAMW_AMAX_MAX = 256  # weights k_adamw_step_amax takes the amax of at most (optim.cu's ADAMW_AMAX_MAX)
 # a delayed scale's row (META_STRIDE floats, fp8.cu k_fp8_delayed_roll): the amax it scales by at
 # 0, the amax of the step under way at DELAYED_CUR, the last FP8_HIST steps' from DELAYED_HIST_AT
 DELAYED_CUR, DELAYED_HIST_AT = 1, 2
@@ -260,6 +261,7 @@ class Fp8Ops:
         self.ops, self.grad_fmt = ops, grad_fmt
         self.cache = {}  # (address, shape, dtype) of a weight -> (W fp8, W^T fp8, its meta row (META_STRIDE,))
         self._cache_args = None  # (meta (n, META_STRIDE), table, dtype, shapes) of refresh_weight_cache
+        self._cache_weights, self._amax_taken = [], False  # the cached weights; see k_adamw_step_amax
         self._cache_alone = []  # (w, fp8 W, fp8 W^T, meta row) of the weights refreshed on their own
         # input slots (use_input_slots): address of a weight -> InputSlot of its product's input X;
         # address of an input -> the same slot (the layer-norm launchers ask by their output)
@@ -649,6 +651,8 @@ class Fp8Ops:
             off += 2 * _aligned(n)
         self.make_table(weights, outs, outs_t, table)
         self._cache_args = (meta2, table, weights[0].dtype, shapes)
+        self._cache_weights = list(weights)
+        self._amax_taken = False  # k_adamw_step_amax took the amax the next refresh needs
         self._cache_alone = [(w, outs[i], outs_t[i], meta2[i]) for i, w in enumerate(weights[:alone])]
         self.cache = {(w.data.ptr, tuple(w.shape), w.dtype.name): (q, qt, meta2[i])
                       for i, (w, q, qt) in enumerate(zip(weights, outs, outs_t))}
@@ -661,13 +665,47 @@ class Fp8Ops:
         if self._cache_args is None:
             return
         meta, table, dtype, shapes = self._cache_args
+        taken, self._amax_taken = self._amax_taken, False  # by the update just queued: no amax pass
         k = len(self._cache_alone)  # the first k weights, on their own
         for w, q, q_t, row in self._cache_alone:
-            self.k_fp8_amax(row, w)
+            if not taken:
+                self.k_fp8_amax(row, w)
             self.k_fp8_cast_transpose(q, q_t, row, w, FP8_FWD)
         if k < len(shapes):
-            self.k_fp8_amax_many(meta[k:], table[k:], dtype, shapes[k:])
+            if not taken:
+                self.k_fp8_amax_many(meta[k:], table[k:], dtype, shapes[k:])
             self.k_fp8_cast_transpose_many(meta[k:], table[k:], FP8_FWD, dtype, shapes[k:])
+
+    def adamw_amax_fits(self, params, params_c) -> bool:
+        """The update of params into params_c can take the weight cache's amax
+        (k_adamw_step_amax): a cache is in use, every cached weight lies in params_c at a multiple
+        of 4 elements, and the kernel's vectors fit (16-byte buffers, 4 elements of params_c
+        aligned, a size a multiple of 4)."""
+        if self._cache_args is None or len(self._cache_weights) > ADAMW_AMAX_MAX:
+            return False
+        base, size, item = params_c.data.ptr, params_c.size, params_c.itemsize
+        if params_c.dtype != self._cache_args[2] or size % 4 or base % (4 * item) or params.data.ptr % 16:
+            return False
+        for w in self._cache_weights:
+            off = w.data.ptr - base
+            if off < 0 or off % (4 * item) or off // item + w.size > size:
+                return False
+        return True
+
+    def k_adamw_step_amax(self, args, zero_grads=True):
+        """numpy_ref.k_adamw_step_amax with the cached weights as the segments: the cache's meta
+        zeroed, then optim.cu's update, which also takes their amax into it; the next
+        refresh_weight_cache casts without its amax pass. args: ops.adamw_args (the caller checked
+        the buffers and adamw_amax_fits)."""
+        from .ops import _sm_limits
+        meta, table, dtype, shapes = self._cache_args
+        params, pc = args[0], args[1]
+        stream = cp.cuda.get_current_stream().ptr
+        cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, meta.nbytes, stream)
+        grid = min(blocks(params.size // 4), 8 * _sm_limits(params.device.id)["sms"])  # one wave of runs
+        self.ops.rt.launch("optim.cu", "k_adamw_step_amax", pc.dtype, grid, THREADS,
+                           args + (i32(int(bool(zero_grads))), table, i32(len(shapes)), meta, i32(META_STRIDE)))
+        self._amax_taken = True
 
     # ------------------------------------------------------------ input slots (X^T kept, amax from its producer)
     def use_input_slots(self, weights, inputs, meta, xt=None, producer_amax=False):

@@ -102,6 +102,13 @@ def attn_scale(hs: int):
     return np.float32(1.0 / math.sqrt(hs))
 
 
+def adamw_args(params, pc, grads, m, v, state, beta1, beta2, eps, n_decay):
+    """The arguments optim.cu's k_adamw_step and k_adamw_step_amax begin with."""
+    f32 = np.float32
+    return (params, pc, grads, m, v, state, i64(params.size), i64(n_decay), f32(beta1), f32(1.0 - beta1),
+            f32(beta2), f32(1.0 - beta2), f32(eps))
+
+
 def _attn_shapes(kernel, qkv, n_head):
     check(kernel, "qkv", qkv)
     B, T, C3 = qkv.shape
@@ -193,6 +200,10 @@ class CudaOps:
     # False: each product quantises its weight itself (the same bytes, more launches). Read when an
     # Engine is made (CudaBackend(fp8_weight_cache=False), or set the attribute before)
     fp8_weight_cache = True
+    # train.precision=fp8 with the weight cache: the optimizer's update also takes the cached
+    # weights' amax as it writes their compute copy (optim.cu k_adamw_step_amax), so the cache's
+    # refresh casts without its amax pass over them (the same amax: a maximum; docs/FP8.md)
+    fp8_adamw_amax = True
     # train.precision=fp8, read when an Engine is made (dev/profile_kernels.py and andrea.bench
     # --set NAME=0): fp8_keep_xt, the forward product of each layer whose input the model saves
     # (ln1, the attention output, ln2) quantises it into X and X^T at once and keeps X^T (the
@@ -1035,11 +1046,12 @@ class CudaOps:
         if cast:
             check("k_adamw_step", "params_c", params_c, params.shape)
         pc = params_c if cast else params
-        f32 = np.float32
+        args = adamw_args(params, pc, grads, m, v, state, beta1, beta2, eps, n_decay)
+        if cast and self.fp8 is not None and self.fp8_adamw_amax and self.fp8.adamw_amax_fits(params, pc):
+            self.fp8.k_adamw_step_amax(args, zero_grads)  # and the FP8 weight cache's amax
+            return
         self.rt.launch("optim.cu", "k_adamw_step", pc.dtype, blocks(params.size), THREADS,
-                       (params, pc, grads, m, v, state, i64(params.size), i64(n_decay), f32(beta1),
-                        f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(eps), i32(int(cast)),
-                        i32(int(bool(zero_grads)))))
+                       args + (i32(int(cast)), i32(int(bool(zero_grads)))))
 
     def k_cast_params(self, dst, src):
         """dst (compute dtype) = src (float32 master weights), a flat copy."""
