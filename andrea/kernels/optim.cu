@@ -206,72 +206,70 @@ extern "C" __global__ void k_adamw_step(float* p, CT* pc, float* g, float* m, fl
 
 // The FP8 weight cache's amax from the update itself (train.precision=fp8, CudaOps.fp8_adamw_amax):
 // k_adamw_step, and for each weight t of the cache's table (cuda/fp8.py make_table: row t =
-// {its compute copy's address, ..., R, K}, nt rows) meta[t * meta_stride] = max(that, max |pc| over
-// the weight's R * K elements) as fp8.cu's k_fp8_amax_many takes it (the bits of |value| in the
-// compute dtype, an unsigned maximum, so NaN wins; the launcher zeroes meta first). A skipped step
-// leaves the weights and still reads them for their amax. The refresh of the cache then casts
-// without its amax pass (numpy_ref.k_adamw_step_amax). The launcher asks: every buffer 16-byte
-// aligned (pc: 4 elements), n % 4 == 0, every weight starting at a multiple of 4 elements inside
-// pc (so no float4 straddles two), nt <= ADAMW_AMAX_MAX.
-// Each block takes one contiguous run of float4s (not the grid stride of k_adamw_step), so a warp
-// meets a new weight only a few times: each lane keeps the maximum of the weight it is in, and
-// when any lane of the warp moves to another weight (or to a gap between weights) the warp folds
-// the lanes of each weight together (__match_any_sync, __reduce_max_sync) and one lane a weight
-// does the atomicMax. The weights, sorted by address, sit in shared memory for the lookups.
+// {its compute copy's address, ..., R, K}, nt rows, in increasing address order) meta[t *
+// meta_stride] = max(that, max |pc| over the weight's R * K elements) as fp8.cu's k_fp8_amax_many
+// takes it (the bits of |value| in the compute dtype, an unsigned maximum, so NaN wins; the
+// launcher zeroes meta first). A skipped step leaves the weights and still reads them for their
+// amax. The refresh of the cache then casts without its amax pass (numpy_ref.k_adamw_step_amax).
+// The launcher asks: every buffer 16-byte aligned (pc: 4 elements), n % 4 == 0, every weight
+// inside pc at a multiple of 4 elements (so no float4 straddles two), nt <= ADAMW_AMAX_MAX.
+// The same grid-stride walk over float4s as k_adamw_step, made warp-uniform (lane l of a warp
+// takes vector base + l): each lane keeps the maximum of the weight its vector is in (a binary
+// search of the weights' bounds in shared memory when it leaves them) and when any lane of the
+// warp moves to another weight or to a gap the warp folds the lanes of each weight together
+// (__match_any_sync, __reduce_max_sync) and one lane a weight reduces it into meta (a RED: no
+// value comes back). ptxas (bf16): 50 registers for 4 (so 5 blocks fit), 48 for 5, 40 with 52
+// bytes of spills for 6 (k_adamw_step: 40, 6 blocks). Version 1 gave each block one contiguous
+// run of the buffer (1056 blocks, 54 registers): 1.24 ms a step at ANDREA-120M on an H200,
+// against 0.93 for k_adamw_step and its amax pass 0.07.
 #define ADAMW_AMAX_MAX 256
+#ifndef ADAMW_AMAX_MIN_BLOCKS  // blocks of 256 an SM the registers are fitted to (CudaOps.fp8_adamw_amax_blocks)
+#define ADAMW_AMAX_MIN_BLOCKS 5
+#endif
 struct AmaxRun {  // the weight (row >= 0) or the gap (row -1) of elements [lo, hi)
   i64 lo, hi;
   int row;
 };
-__device__ __forceinline__ AmaxRun amax_run(i64 e, const i64* lo, const i64* hi, const int* row, int nt, i64 n) {
-  int a = 0, b = nt;  // the first sorted weight starting above e: b
+__device__ __forceinline__ AmaxRun amax_run(i64 e, const i64* lo, const i64* hi, int nt, i64 n) {
+  int a = 0, b = nt;  // b: the first weight starting above e
   while (a < b) {
     int c = (a + b) >> 1;
     if (lo[c] <= e) a = c + 1; else b = c;
   }
-  if (b > 0 && e < hi[b - 1]) return AmaxRun{lo[b - 1], hi[b - 1], row[b - 1]};
+  if (b > 0 && e < hi[b - 1]) return AmaxRun{lo[b - 1], hi[b - 1], b - 1};
   return AmaxRun{b > 0 ? hi[b - 1] : 0, b < nt ? lo[b] : n, -1};
 }
 __device__ __forceinline__ void amax_fold(float* meta, int meta_stride, int row, unsigned int& mx) {
   unsigned int same = __match_any_sync(0xffffffffu, row);
   unsigned int top = __reduce_max_sync(same, mx);
-  if (row >= 0 && top != 0u && (threadIdx.x & 31) == __ffs(same) - 1)
+  if (row >= 0 && top != 0u && (int)(threadIdx.x & 31) == __ffs(same) - 1)
     atomicMax(reinterpret_cast<unsigned int*>(meta + (i64)row * meta_stride), top);
   mx = 0u;
 }
-extern "C" __global__ void __launch_bounds__(256) k_adamw_step_amax(
-    float* p, CT* pc, float* g, float* m, float* v, const double* state, i64 n, i64 n_decay, float beta1,
-    float omb1, float beta2, float omb2, float eps, int zero, const i64* table, int nt, float* meta,
-    int meta_stride) {
-  __shared__ i64 s_lo[ADAMW_AMAX_MAX], s_hi[ADAMW_AMAX_MAX], s_start[ADAMW_AMAX_MAX];
-  __shared__ int s_row[ADAMW_AMAX_MAX];
-  for (int t = threadIdx.x; t < nt; t += blockDim.x)
-    s_start[t] = (table[t * 5] - (i64)pc) / (i64)sizeof(CT);
-  __syncthreads();
-  for (int t = threadIdx.x; t < nt; t += blockDim.x) {  // rank by address: sorted into s_lo, s_hi
-    i64 lo = s_start[t];
-    int r = 0;
-    for (int u = 0; u < nt; ++u) r += s_start[u] < lo || (s_start[u] == lo && u < t);
-    s_lo[r] = lo;
-    s_hi[r] = lo + table[t * 5 + 3] * table[t * 5 + 4];
-    s_row[r] = t;
+extern "C" __global__ void __launch_bounds__(256, ADAMW_AMAX_MIN_BLOCKS) k_adamw_step_amax(float* p, CT* pc, float* g, float* m, float* v, const double* state,
+                                             i64 n, i64 n_decay, float beta1, float omb1, float beta2, float omb2,
+                                             float eps, int zero, const i64* table, int nt, float* meta,
+                                             int meta_stride) {
+  __shared__ i64 s_lo[ADAMW_AMAX_MAX], s_hi[ADAMW_AMAX_MAX];
+  for (int t = threadIdx.x; t < nt; t += blockDim.x) {
+    s_lo[t] = (table[t * 5] - (i64)pc) / (i64)sizeof(CT);
+    s_hi[t] = s_lo[t] + table[t * 5 + 3] * table[t * 5 + 4];
   }
   __syncthreads();
   bool skip = state[S_SKIP] != 0.0;
   AdamW a{(float)state[S_CLIP], (float)state[S_DECAY], (float)state[S_STEP_SIZE], (float)state[S_VHAT],
           beta1, omb1, beta2, omb2, eps};
-  const i64 nv = n / 4, per = (nv + gridDim.x - 1) / gridDim.x;
-  const i64 first = blockIdx.x * per, last = first + per < nv ? first + per : nv;
   const int lane = threadIdx.x & 31;
+  const i64 stride = (i64)gridDim.x * blockDim.x, nv = n / 4;
   AmaxRun run{0, 0, -1};
   unsigned int mx = 0u;
   const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (i64 jw = first + (threadIdx.x - lane); jw < last; jw += blockDim.x) {  // warp-uniform
+  for (i64 jw = blockIdx.x * (i64)blockDim.x + threadIdx.x - lane; jw < nv; jw += stride) {  // warp-uniform
     i64 j = jw + lane;
-    bool live = j < last, move = live && (4 * j < run.lo || 4 * j >= run.hi);
+    bool live = j < nv, move = live && (4 * j < run.lo || 4 * j >= run.hi);
     if (__any_sync(0xffffffffu, move)) {
       amax_fold(meta, meta_stride, run.row, mx);
-      if (move) run = amax_run(4 * j, s_lo, s_hi, s_row, nt, n);
+      if (move) run = amax_run(4 * j, s_lo, s_hi, nt, n);
     }
     if (!live) continue;
     Vec4<CT> c;

@@ -204,6 +204,9 @@ class CudaOps:
     # weights' amax as it writes their compute copy (optim.cu k_adamw_step_amax), so the cache's
     # refresh casts without its amax pass over them (the same amax: a maximum; docs/FP8.md)
     fp8_adamw_amax = True
+    # the blocks of 256 threads an SM k_adamw_step_amax's registers are fitted to (its launch
+    # bounds: 4, 5 or 6; optim.cu lists the registers and spills of each)
+    fp8_adamw_amax_blocks = 5
     # train.precision=fp8, read when an Engine is made (dev/profile_kernels.py and andrea.bench
     # --set NAME=0): fp8_keep_xt, the forward product of each layer whose input the model saves
     # (ln1, the attention output, ln2) quantises it into X and X^T at once and keeps X^T (the
