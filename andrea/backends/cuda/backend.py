@@ -71,8 +71,7 @@ class CudaBackend(CudaOps):
         if self._lt is None:
             from .cublaslt import PICKS_FILE, CublasLt
             try:
-                self._lt = CublasLt(PICKS_FILE if self.cublaslt_picks else None,
-                                    max_workspace=int(self.cublaslt_workspace_mb) << 20)
+                self._lt = CublasLt(PICKS_FILE if self.cublaslt_picks else None)
             except OSError:
                 self._lt = False
         return self._lt or None

@@ -93,7 +93,7 @@ class NoAlgorithm(RuntimeError):
 class CublasLt:
     """One cuBLASLt handle, a preallocated workspace and the cache of planned problems."""
 
-    def __init__(self, picks_file=PICKS_FILE, max_workspace=WORKSPACE_BYTES):
+    def __init__(self, picks_file=PICKS_FILE):
         lib = self.lib = find_library("libcublasLt")
         vp, i, sz, u64, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int64
         lib.cublasLtCreate.argtypes = [ctypes.POINTER(vp)]
@@ -110,9 +110,7 @@ class CublasLt:
         self.workspace = cp.empty(WORKSPACE_BYTES, dtype=cp.uint8)
         self.pref = vp()
         self._ok("cublasLtMatmulPreferenceCreate", lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self.pref)))
-        if not 0 <= max_workspace <= WORKSPACE_BYTES:
-            raise ValueError(f"CublasLt: max_workspace = {max_workspace} bytes; expected 0 to {WORKSPACE_BYTES}")
-        ws = ctypes.c_size_t(max_workspace)  # what the heuristic may plan for (the buffer is whole)
+        ws = ctypes.c_size_t(WORKSPACE_BYTES)
         self._ok("cublasLtMatmulPreferenceSetAttribute", lib.cublasLtMatmulPreferenceSetAttribute(
             self.pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), ctypes.sizeof(ws)))
         self.plans: dict = {}

@@ -288,11 +288,6 @@ class CudaOps:
     # (cuda/cublaslt_picks.json) names for this GPU and cuBLASLt version, else its first pick
     # (False: the first pick everywhere). Read when the cuBLASLt binding is made (its first use)
     cublaslt_picks = True
-    # the workspace cuBLASLt's heuristic may plan for, in MiB (at most the binding's 32; its buffer
-    # stays allocated): algorithms that use one (split or stream-K reductions) clear it with a
-    # memset node of their own in the step's graph; 0 offers only those without. Another
-    # algorithm can change the last bits of a product. Read when the binding is made
-    cublaslt_workspace_mb = 32
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # (fp8: k_fp8_dgelu_colsum_amax) after a plain product (False); docs/BENCHMARKS.md and
     # docs/FP8.md have the timings behind the default
