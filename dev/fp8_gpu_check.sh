@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The FP8 checks and measurements owed on an H200 (docs/FP8.md, "What remains"): the GPU tests of
-# the attention's FP8 forms and of k_layernorm_fwd_fp8's block shapes, the step with each switch on
-# and off in one process, cuBLASLt's table of picks, and the step against PyTorch.
+# The FP8 path's checks and measurements on an H200 (docs/FP8.md): the GPU tests of the attention's
+# FP8 forms, k_layernorm_fwd_fp8's block shapes, the amax in the optimizer's update and the
+# weight-gradient stream, the step with each of those switches off against the defaults in one
+# process, cuBLASLt's table of picks, and the step against PyTorch.
 #
 #   bash dev/fp8_gpu_check.sh [OUT_DIR] [STEPS]     # from the repository root
 #
 # STEPS: which of the numbered steps below to run, e.g. "1 2" (default: all; about 12 minutes on
-# one H200, so split it where a job is limited to 10). Step 3 writes the table of picks into the
+# one H200, the sm_90a builds of step 1 three of them, so split it where a job is limited to 10). Step 3 writes the table of picks into the
 # package (andrea/backends/cuda/cublaslt_picks.json, for this GPU and cuBLASLt version) and copies
 # it to OUT_DIR; steps after it run with it. Needs: a GPU of compute capability 9.0, CuPy, pytest,
 # pandas; torch for the anchor (step 4). A failed step is recorded in summary.txt and the next runs.
@@ -32,18 +33,18 @@ EXP="--exp ANDREA-120M --precision fp8 --batch 8"
 #    bit-identical, the table of picks in the binding; and the sm_90a builds (ptxas)
 if want 1; then
   run tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8_cuda.py \
-    -k "attention or layernorm_fwd_fp8 or delayed or layernorm_cast or two_runs or picks or wgrad" \
+    -k "attention or layernorm_fwd_fp8 or delayed or layernorm_cast or two_runs or picks or wgrad or adamw or weight_cache" \
     tests/test_cuda_kernels.py::test_cublaslt_takes_the_table_of_picks
   run hopper_compile python3 -m pytest -q -p no:cacheprovider tests/test_hopper_compile.py
 fi
 
-# 2. each switch against the defaults, in one process, interleaved (dev/ab_settings.py)
+# 2. each switch off against the defaults (all on), in one process, interleaved (dev/ab_settings.py)
 if want 2; then
   run ab_switches python3 dev/ab_settings.py $EXP --rounds 7 --steps 20 --json "$OUT/ab_switches.json" \
-    --variant base: --variant attn:fp8_attention_cast=1 \
-    --variant ln32x16:fp8_layernorm_rows=32,fp8_layernorm_warps=16 \
-    --variant wgrad:fp8_wgrad_stream=1 \
-    --variant all:fp8_attention_cast=1,fp8_layernorm_rows=32,fp8_layernorm_warps=16,fp8_wgrad_stream=1
+    --variant base: --variant noattn:fp8_attention_cast=0 \
+    --variant ln16x8:fp8_layernorm_rows=16,fp8_layernorm_warps=8 \
+    --variant nowgrad:fp8_wgrad_stream=0 --variant noadamw:fp8_adamw_amax=0 \
+    --variant none:fp8_attention_cast=0,fp8_layernorm_rows=16,fp8_layernorm_warps=8,fp8_wgrad_stream=0,fp8_adamw_amax=0
 fi
 
 # 3. cuBLASLt's picks: every product of the step against the heuristic's first 16 algorithms, the
@@ -58,7 +59,7 @@ fi
 
 # 4. the step against PyTorch's best 16-bit configuration (bf16, torch.compile reduce-overhead) in
 #    this job, with the per-kernel table, and the device time per kernel; BENCH_SET (e.g. "--set
-#    fp8_attention_cast=1") adds settings to both
+#    fp8_attention_cast=0") adds settings to both
 if want 4; then
   run bench python3 -m andrea.bench $EXP --steps 50 --anchor benchmarks/torch_gpt.py ${BENCH_SET:-} \
     --anchor-modes reduce-overhead --anchor-precision bf16 --json "$OUT/bench.json"
