@@ -152,6 +152,25 @@ __device__ __forceinline__ float4 adamw4(const AdamW& a, float4 pv, float4& mv, 
 // Four compute-dtype values as one 8-byte (fp16/bf16) or 16-byte (float) store.
 template <typename T> struct alignas(4 * sizeof(T)) Vec4 { T v[4]; };
 
+// The update of float4 vector j in place (p, m, v; g read): the new weights.
+__device__ __forceinline__ float4 adamw_vec4(const AdamW& a, float* p, const float* g, float* m, float* v, i64 j,
+                                             i64 n_decay) {
+  float4 gv = ((const float4*)g)[j], mv = ((float4*)m)[j], vv = ((float4*)v)[j], pv = ((float4*)p)[j];
+  pv = adamw4(a, pv, mv, vv, gv, 4 * j, n_decay);
+  ((float4*)p)[j] = pv;
+  ((float4*)m)[j] = mv;
+  ((float4*)v)[j] = vv;
+  return pv;
+}
+
+// Four float32 values rounded to the compute dtype.
+__device__ __forceinline__ Vec4<CT> to_ct4(float4 x) {
+  Vec4<CT> c;
+  c.v[0] = from_f<CT>(x.x); c.v[1] = from_f<CT>(x.y);
+  c.v[2] = from_f<CT>(x.z); c.v[3] = from_f<CT>(x.w);
+  return c;
+}
+
 // The whole update of numpy_ref.k_adamw_step in one pass: AdamW (above) on every element, the
 // cast to the compute copy pc (when cast), and grads = 0 (when zero; the engine leaves them: the
 // next step's first backward pass writes every gradient). A skipped step does nothing else.
@@ -175,17 +194,8 @@ extern "C" __global__ void k_adamw_step(float* p, CT* pc, float* g, float* m, fl
     const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
     for (i64 j = t0; j < nv; j += stride) {
       if (!skip) {
-        float4 gv = ((const float4*)g)[j], mv = ((float4*)m)[j], vv = ((float4*)v)[j], pv = ((float4*)p)[j];
-        pv = adamw4(a, pv, mv, vv, gv, 4 * j, n_decay);
-        ((float4*)p)[j] = pv;
-        ((float4*)m)[j] = mv;
-        ((float4*)v)[j] = vv;
-        if (cast) {
-          Vec4<CT> c;
-          c.v[0] = from_f<CT>(pv.x); c.v[1] = from_f<CT>(pv.y);
-          c.v[2] = from_f<CT>(pv.z); c.v[3] = from_f<CT>(pv.w);
-          ((Vec4<CT>*)pc)[j] = c;
-        }
+        float4 pv = adamw_vec4(a, p, g, m, v, j, n_decay);
+        if (cast) ((Vec4<CT>*)pc)[j] = to_ct4(pv);
       }
       if (zero) ((float4*)g)[j] = zero4;
     }
@@ -274,13 +284,7 @@ extern "C" __global__ void __launch_bounds__(256, ADAMW_AMAX_MIN_BLOCKS) k_adamw
     if (!live) continue;
     Vec4<CT> c;
     if (!skip) {
-      float4 gv = ((const float4*)g)[j], mv = ((float4*)m)[j], vv = ((float4*)v)[j], pv = ((float4*)p)[j];
-      pv = adamw4(a, pv, mv, vv, gv, 4 * j, n_decay);
-      ((float4*)p)[j] = pv;
-      ((float4*)m)[j] = mv;
-      ((float4*)v)[j] = vv;
-      c.v[0] = from_f<CT>(pv.x); c.v[1] = from_f<CT>(pv.y);
-      c.v[2] = from_f<CT>(pv.z); c.v[3] = from_f<CT>(pv.w);
+      c = to_ct4(adamw_vec4(a, p, g, m, v, j, n_decay));
       ((Vec4<CT>*)pc)[j] = c;
     } else if (run.row >= 0) {
       c = ((const Vec4<CT>*)pc)[j];
