@@ -592,7 +592,8 @@ def test_weight_cache_same_bits_as_per_product_casts(tmp_path):
     state. With the cache on the copies match the weights after start-up, after updates, after the
     skipped step and after load_state; a step's products quantise no weight themselves (8 amax
     passes fewer per layer and microbatch) and the optimizer's graph rewrites every copy with one
-    k_fp8_amax_many and one k_fp8_cast_transpose_many. (The MLP's act and dact take their amax in
+    k_fp8_cast_transpose_many, the amax taken by the update (k_adamw_step_amax) or, with
+    CudaOps.fp8_adamw_amax off, by one k_fp8_amax_many. (The MLP's act and dact take their amax in
     k_fp8_gelu_amax and k_fp8_dgelu_colsum_amax, so 9 k_fp8_amax passes a layer remain with the
     cache and without the input slots: 3 inputs, 3 output gradients, the 3 inputs again.)"""
     n_layer, n_micro = MODEL["n_layer"], 2
