@@ -294,18 +294,20 @@ def fp8_steps_apart(a, b):
     return np.abs(ordinal(a) - ordinal(b))
 
 
+@pytest.mark.parametrize("gelu_fma", [False, True], ids=["sigmoid", "folded"])  # CudaOps.fp8_gelu_fma
 @pytest.mark.parametrize("rows", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16), (400, 96)])  # partial tiles
-def test_gelu_kernels_match_the_reference(be, dtype, R, K, rows, monkeypatch):
+def test_gelu_kernels_match_the_reference(be, dtype, R, K, rows, gelu_fma, monkeypatch):
     """k_fp8_gelu_amax and k_fp8_gelu_cast_transpose of pre against numpy_ref's (both formats;
     both outputs or out_t alone, the same bytes; a NaN in pre makes the amax NaN). The GPU's act
     is gelu.cuh's sigmoid form in float32, the reference's the tanh form in float64: the same
     function, rounded to the dtype, so a few elements land one unit of the dtype apart, and so at
     most one FP8 code apart in under 1% of the bytes (the reference cast with the GPU's amax);
-    the amax within one unit of the dtype."""
+    the amax within one unit of the dtype. Either form of gelu.cuh (CudaOps.fp8_gelu_fma)."""
     import cupy as cp
     monkeypatch.setattr(be, "fp8_tile_rows", rows)
+    monkeypatch.setattr(be, "fp8_gelu_fma", gelu_fma)
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     unit = 2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10
     rng = np.random.default_rng(R + K)
@@ -339,16 +341,19 @@ def test_gelu_kernels_match_the_reference(be, dtype, R, K, rows, monkeypatch):
             assert apart.max() <= 1 and (apart > 0).mean() < 0.01, (fmt, int(apart.max()), (apart > 0).mean())
 
 
+@pytest.mark.parametrize("gelu_fma", [False, True], ids=["sigmoid", "folded"])  # CudaOps.fp8_gelu_fma
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("N,H", [(53, 208), (256, 1024), (16, 8)])  # partial chunks and column strips
-def test_dgelu_colsum_amax_matches_the_reference(be, dtype, N, H):
+def test_dgelu_colsum_amax_matches_the_reference(be, dtype, N, H, gelu_fma, monkeypatch):
     """k_fp8_dgelu_colsum_amax: dact *= gelu'(pre) within one unit of the dtype of numpy_ref's
     (the sigmoid form in float32 against the tanh form in float64; near the derivative's zero,
     within float32's absolute error of it); the column sums (k_colsum_final
     of its partials) the bits of _colsum_add of the dact it wrote, its amax that of k_fp8_amax
-    of that dact (a NaN: NaN); the column sums within rounding of the reference's."""
+    of that dact (a NaN: NaN); the column sums within rounding of the reference's. Either form of
+    gelu.cuh (CudaOps.fp8_gelu_fma)."""
     import cupy as cp
     from andrea.backends.cuda.ops import colsum_chunks
+    monkeypatch.setattr(be, "fp8_gelu_fma", gelu_fma)
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     unit = 2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10
     half_subnormal = 2.0 ** -134 if dtype == "bfloat16" else 2.0 ** -25
@@ -419,16 +424,19 @@ def test_amax_of_a_large_tensor_either_grid(be, where, monkeypatch):
                 assert v == got[0, kernel] and abs(v - g_want[0]) <= 2 ** -8 * g_want[0], (grid, v, g_want[0])
 
 
+@pytest.mark.parametrize("gelu_fma", [False, True], ids=["sigmoid", "folded"])  # CudaOps.fp8_gelu_fma
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_gelu_amax_without_a_gelu_per_value_same_bits(be, dtype, monkeypatch):
+def test_gelu_amax_without_a_gelu_per_value_same_bits(be, dtype, gelu_fma, monkeypatch):
     """k_fp8_gelu_amax (the maximum of max(pre, 0), one GELU a thread, the GELU of every value only
     where a thread's values are all small) gives the bits of its first version (the GELU of every
     value, CudaOps.fp8_gelu_amax_full), with either grid: on mixed scales and signs, on all-negative
     pre and pre below 0.25 (every thread takes the full pass), with the largest value in one
     place, with zeros, with -3e4 (bfloat16: -1e36) among them (where the GPU's capped exponential
     makes |gelu| large in bfloat16), and with a NaN (NaN) or -inf (infinite: gelu8(-inf) is -inf);
-    and, but for the last three, within one unit of the dtype of the reference."""
+    and, but for the last three, within one unit of the dtype of the reference. Either form of
+    gelu.cuh (CudaOps.fp8_gelu_fma)."""
     import cupy as cp
+    monkeypatch.setattr(be, "fp8_gelu_fma", gelu_fma)
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng(11)
     shape = (1000, 2056)
@@ -513,6 +521,25 @@ def test_engine_fp8_uses_fp8_and_two_runs_same_bits(tmp_path):
     l_bf = [bf.train_step(s, [batch(s)])["loss"] for s in range(1, 8)]
     assert l_bf != runs[0][0], "fp8 gave the bf16 losses: the FP8 products did not run"
     assert max(abs(a - b) for a, b in zip(l_bf, runs[0][0])) < 0.05 * l_bf[0]
+
+
+def test_gelu_fma_runs_same_bits_twice_and_near_the_sigmoid_form(tmp_path):
+    """CudaOps.fp8_gelu_fma (gelu.cuh's folded form): two fp8 runs with it give the same records
+    and state bits; its losses are not the sigmoid form's bits (the switch reaches the kernels)
+    and lie within 0.5% of them over 7 steps."""
+    from andrea.backends import get_backend
+    from andrea.engine import Engine
+    runs = {}
+    for name, fma in (("folded", True), ("again", True), ("sigmoid", False)):
+        be = get_backend("cuda")
+        be.fp8_gelu_fma = fma
+        eng = Engine(cfg_for(tmp_path, batch_size=4, seq_len=32, precision="fp8"), backend=be)
+        recs = [dict(eng.train_step(s, [batch(s)])) for s in range(1, 8)]
+        runs[name] = recs, eng.host_state()
+    assert_same_runs(runs["folded"], runs["again"], "two runs with the folded GELU differ")
+    a, b = [r["loss"] for r in runs["folded"][0]], [r["loss"] for r in runs["sigmoid"][0]]
+    assert a != b, "the folded GELU gave the sigmoid form's losses: the switch did not reach the kernels"
+    assert all(np.isfinite(a)) and max(abs(x - y) / y for x, y in zip(a, b)) < 5e-3, (a, b)
 
 
 def test_fp8_refuses_sizes_it_cannot_run(tmp_path):
@@ -1147,9 +1174,10 @@ def test_engine_fp8_classifier_same_bits_and_resume(tmp_path):
 
 
 # ---------------------------------------------------------------- delayed scaling (act and dact)
+@pytest.mark.parametrize("gelu_fma", [False, True], ids=["sigmoid", "folded"])  # CudaOps.fp8_gelu_fma
 @pytest.mark.parametrize("rows", [64, 128])
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (400, 96)])  # partial tiles
-def test_delayed_kernels_are_the_current_passes(be, R, K, rows, monkeypatch):
+def test_delayed_kernels_are_the_current_passes(be, R, K, rows, gelu_fma, monkeypatch):
     """k_fp8_gelu_cast_transpose_amax: the bytes and 1/scale of k_fp8_gelu_cast_transpose with the
     same meta, and the amax it reduces (into a value already there) that of k_fp8_gelu_amax;
     k_fp8_cast_transpose_amax and k_fp8_cast_transpose_colsum_amax those of their casts without it
@@ -1157,9 +1185,11 @@ def test_delayed_kernels_are_the_current_passes(be, R, K, rows, monkeypatch):
     k_fp8_dgelu_cast_transpose_colsum_amax: the bytes of k_fp8_dgelu_colsum_amax (dact *= gelu'(pre)
     in place, on a copy) followed by k_fp8_cast_transpose with the same meta; its column sums
     numpy_ref.fp8_tile_colsum of that dact bit for bit, its amax k_fp8_amax of it; dact not
-    written. A scale from a smaller amax (a delayed one) saturates, as the cast does."""
+    written. A scale from a smaller amax (a delayed one) saturates, as the cast does. Either form
+    of gelu.cuh (CudaOps.fp8_gelu_fma)."""
     import cupy as cp
     monkeypatch.setattr(be, "fp8_tile_rows", rows)
+    monkeypatch.setattr(be, "fp8_gelu_fma", gelu_fma)
     rng = np.random.default_rng(R + K + rows)
     pre = cp.asarray((rng.standard_normal((R, K)) * 2).astype(bf16()))
     dact = cp.asarray((rng.standard_normal((R, K)) * np.exp2(rng.integers(-10, 2, (R, K)))).astype(bf16()))

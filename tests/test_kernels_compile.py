@@ -75,3 +75,17 @@ def test_variant_text_compiles_without_include_path(src, tmp_path):
     r = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "--ptx", "-DCT=f16", str(text), "-o", str(out)],
                        capture_output=True, text=True)
     assert r.returncode == 0, f"{src} as pasted does not compile:\n{r.stderr}"
+
+
+# compile-time variants of package kernels that a backend switch selects (-D), each also built here
+DEFINES = [("fp8.cu", "-DGELU_FMA=1"), ("fp8.cu", "-DFP8_GELU_AMAX_FULL=1"), ("optim.cu", "-DADAMW_AMAX_MIN_BLOCKS=6")]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("name,define", DEFINES, ids=[f"{n}{d}" for n, d in DEFINES])
+def test_switch_variants_compile(name, define, tmp_path):
+    out = tmp_path / "x.ptx"
+    r = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", f"-I{KERNELS}", "--ptx", "-DCT=bf16", define,
+                        str(KERNELS / name), "-o", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, f"{name} with {define} does not compile:\n{r.stderr}"
+    assert out.stat().st_size > 0

@@ -291,6 +291,10 @@ class Fp8Ops:
             raise ValueError(f"FP8 format {fmt!r}: expected one of {', '.join(FP8_FORMATS)}")
         return ("-DFP8_E5M2=1",) if fmt == "e5m2" else ()
 
+    def _gelu_defs(self):
+        """The -D option of fp8.cu's GELU passes for gelu.cuh's form (CudaOps.fp8_gelu_fma)."""
+        return ("-DGELU_FMA=1",) if self.ops.fp8_gelu_fma else ()
+
     @staticmethod
     def _inv_at(kernel, meta):
         """Where 1/scale goes in meta: float32 (2m,) holds amax at 0 and 1/scale at m."""
@@ -332,7 +336,7 @@ class Fp8Ops:
         grid = self._amax_grid("k_fp8_gelu_amax", meta, pre, zeroed)
         defs = ("-DFP8_GELU_AMAX_FULL=1",) if self.ops.fp8_gelu_amax_full else ()
         self.ops.rt.launch("fp8.cu", "k_fp8_gelu_amax", pre.dtype, grid, THREADS, (meta, pre, i64(pre.size)),
-                           defs=defs)
+                           defs=defs + self._gelu_defs())
 
     def k_fp8_cast(self, out, meta, x, fmt):
         """out (uint8, x's size) = fp8 bytes of x * scale (scale from meta[0]); 1/scale into meta
@@ -387,7 +391,8 @@ class Fp8Ops:
         """act = gelu(pre) (R, K), rounded to pre's dtype, to out (R, K) and/or out_t (K, R) as
         k_fp8_cast_transpose casts it (scale from meta[0]: k_fp8_gelu_amax), without writing act."""
         grid, args, defs = self._cast_transpose_launch("k_fp8_gelu_cast_transpose", out, out_t, meta, pre, fmt)
-        self.ops.rt.launch("fp8.cu", "k_fp8_gelu_cast_transpose", pre.dtype, grid, THREADS, args, defs=defs)
+        self.ops.rt.launch("fp8.cu", "k_fp8_gelu_cast_transpose", pre.dtype, grid, THREADS, args,
+                           defs=defs + self._gelu_defs())
 
     def k_fp8_cast_transpose_amax(self, out, out_t, meta, x, fmt, amax_out):
         """k_fp8_cast_transpose, and amax_out (a (1,) float32 view, or None: not taken) =
@@ -412,7 +417,7 @@ class Fp8Ops:
         kernel = "k_fp8_gelu_cast_transpose_amax"
         grid, args, defs = self._cast_transpose_launch(kernel, out, out_t, meta, pre, fmt)
         self.ops.rt.launch("fp8.cu", "k_fp8_gelu_cast_transpose_amax", pre.dtype, grid, THREADS,
-                           args + (self._amax_out(kernel, amax_out),), defs=defs)
+                           args + (self._amax_out(kernel, amax_out),), defs=defs + self._gelu_defs())
 
     def k_fp8_dgelu_cast_transpose_colsum_amax(self, out, out_t, meta, dact, pre, fmt, partial, amax_out):
         """d = dact * gelu'(pre) (R, K) rounded to dact's dtype (not stored), cast as
@@ -427,7 +432,7 @@ class Fp8Ops:
         out_, out_t_, meta_, inv_at, x, R, K = args
         self.ops.rt.launch("fp8.cu", "k_fp8_dgelu_cast_transpose_colsum_amax", dact.dtype, grid, THREADS,
                            (out_, out_t_, meta_, inv_at, x, pre, R, K, partial, self._amax_out(kernel, amax_out)),
-                           defs=defs)
+                           defs=defs + self._gelu_defs())
 
     def k_layernorm_fwd_fp8(self, out, out_t, res, mean, rstd, a, b, weight, bias, meta, amax_out):
         """numpy_ref.k_layernorm_fwd_fp8 (layernorm.cu): the layer norm of a (N, C) (b None), or of
@@ -565,7 +570,7 @@ class Fp8Ops:
         cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, 4, cp.cuda.get_current_stream().ptr)
         self.ops.rt.launch("fp8.cu", "k_fp8_dgelu_colsum_amax", dact.dtype, (-(-H // (32 * vec)), chunks),
                            THREADS, (partial, meta, dact, pre, i64(N), i32(H), i32(rows_per_chunk)),
-                           defs=self._defs(FP8_FWD))
+                           defs=self._defs(FP8_FWD) + self._gelu_defs())
 
     @staticmethod
     def _check_many(kernel, meta, table):
