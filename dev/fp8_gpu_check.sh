@@ -33,18 +33,20 @@ EXP="--exp ANDREA-120M --precision fp8 --batch 8"
 #    bit-identical, the table of picks in the binding; and the sm_90a builds (ptxas)
 if want 1; then
   run tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8_cuda.py \
-    -k "attention or layernorm_fwd_fp8 or delayed or layernorm_cast or two_runs or picks or wgrad or adamw or weight_cache" \
+    -k "attention or layernorm_fwd_fp8 or delayed or layernorm_cast or two_runs or picks or wgrad or adamw or weight_cache or gelu" \
     tests/test_cuda_kernels.py::test_cublaslt_takes_the_table_of_picks
   run hopper_compile python3 -m pytest -q -p no:cacheprovider tests/test_hopper_compile.py
 fi
 
-# 2. each switch off against the defaults (all on), in one process, interleaved (dev/ab_settings.py)
+# 2. each switch off against the defaults (all on), in one process, interleaved (dev/ab_settings.py),
+#    and the folded GELU (fp8_gelu_fma, off: other bits, so a win also needs the parity runs)
 if want 2; then
   run ab_switches python3 dev/ab_settings.py $EXP --rounds 7 --steps 20 --json "$OUT/ab_switches.json" \
     --variant base: --variant noattn:fp8_attention_cast=0 \
     --variant ln16x8:fp8_layernorm_rows=16,fp8_layernorm_warps=8 \
     --variant nowgrad:fp8_wgrad_stream=0 --variant noadamw:fp8_adamw_amax=0 \
-    --variant none:fp8_attention_cast=0,fp8_layernorm_rows=16,fp8_layernorm_warps=8,fp8_wgrad_stream=0,fp8_adamw_amax=0
+    --variant none:fp8_attention_cast=0,fp8_layernorm_rows=16,fp8_layernorm_warps=8,fp8_wgrad_stream=0,fp8_adamw_amax=0 \
+    --variant gelu_fma:fp8_gelu_fma=1
 fi
 
 # 3. cuBLASLt's picks: every product of the step against the heuristic's first 16 algorithms, the
