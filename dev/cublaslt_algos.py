@@ -2,8 +2,7 @@
 algorithms cuBLASLt's heuristic offers for the same problem, and the classifier's cuBLAS products
 against cuBLASLt in the same 16-bit types and in FP8.
 
-    python dev/cublaslt_algos.py --exp ANDREA-120M --precision fp8 --batch 8 [--algos 16] [--csv out.csv] \
-        [--write-picks [andrea/backends/cuda/cublaslt_picks.json] [--min-gain 0.03]]
+    python dev/cublaslt_algos.py --exp ANDREA-120M --precision fp8 --batch 8 [--algos 16] [--csv out.csv]
 
 The engine runs one step eagerly with the cuBLASLt and cuBLAS bindings wrapped, so every problem
 is recorded with its arrays (the engine's own buffers) and how often a step runs it. Then each
@@ -12,19 +11,13 @@ those arrays (CUDA events, after warm-up; outputs are scratch once the step is d
 classifier's products (cuBLAS, 16-bit) are timed as they run, then as cuBLASLt problems of the
 same types, and as the FP8 "TN" products they would become (E4M3 operands of random bytes, bf16
 or float32 out). Prints one table (pandas) and the step's total at the first pick and at the best.
-Needs a CUDA GPU with CuPy. A choice other than the first pick is fixed per GPU and library in a
-table in the repository (the algorithm sets the bits of the result): --write-picks puts there,
-for this GPU and cuBLASLt version, each problem of the step whose fastest algorithm beat the first
-pick by more than --min-gain (a fraction; smaller gains are within the timing's noise), replacing
-that GPU's and version's earlier table and keeping the others (CudaOps.cublaslt_picks reads it).
+Needs a CUDA GPU with CuPy. A choice other than the first pick would have to be fixed per GPU and
+library (a table in the repository), since the algorithm sets the bits of the result.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -77,25 +70,23 @@ def elapsed_us(fn, reps):
 
 
 def algos(lt, plan, n):
-    """(place, result) of the first n heuristic results of a planned problem (state 0 only), the
-    first pick (place 0) first."""
+    """The first n heuristic results of a planned problem (state 0 only), first pick first."""
     from andrea.backends.cuda.cublaslt import _Heuristic
     desc, lay_b, lay_a, lay_d, _ = plan
     arr, cnt = (_Heuristic * n)(), ctypes.c_int(0)
     st = lt.lib.cublasLtMatmulAlgoGetHeuristic(lt.handle, desc, lay_b, lay_a, lay_d, lay_d, lt.pref, n,
                                                ctypes.cast(arr, ctypes.POINTER(_Heuristic)), ctypes.byref(cnt))
-    return [] if st else [(i, arr[i]) for i in range(cnt.value) if arr[i].state == 0]
+    return [] if st else [arr[i] for i in range(cnt.value) if arr[i].state == 0]
 
 
 def time_lt(lt, plan, D, A, B, beta, n, reps):
-    """{place in the heuristic's list: us} for each heuristic result of plan on arrays D, A, B (our
-    row-major roles)."""
+    """{index: us} for each heuristic result of plan on arrays D, A, B (our row-major roles)."""
     import cupy as cp
     from andrea.backends.cuda.cublaslt import WORKSPACE_BYTES
     desc, lay_b, lay_a, lay_d, _ = plan
     alpha, bt = ctypes.c_float(1.0), ctypes.c_float(beta)
     out = {}
-    for i, h in algos(lt, plan, n):
+    for i, h in enumerate(algos(lt, plan, n)):
         def call(h=h):
             st = lt.lib.cublasLtMatmul(
                 lt.handle, desc, ctypes.byref(alpha), ctypes.c_void_p(B.data.ptr), lay_b,
@@ -144,36 +135,6 @@ def lt_classifier(lt, cls, M, N, K, ta, tb, ab, d, n, reps, beta):
     return time_lt(lt, plan, D, A, B, beta, n, reps)
 
 
-def new_picks(timings: dict, min_gain: float) -> dict:
-    """{problem_sig: place} of the problems whose fastest place beat place 0 by more than min_gain
-    (timings: {problem key: {place: us}})."""
-    from andrea.backends.cuda.cublaslt import MAX_PICK, problem_sig
-    out = {}
-    for key, t in timings.items():
-        if 0 not in t:
-            continue
-        best = min(t, key=t.get)
-        if 0 < best <= MAX_PICK and t[0] / t[best] - 1 > min_gain:
-            out[problem_sig(key)] = int(best)
-    return out
-
-
-def write_picks(path, device, version, picks, about):
-    """path's table for (device, version) replaced by picks (others kept; the file checked first
-    by read_picks), written to a temporary file and renamed over path."""
-    from andrea.backends.cuda.cublaslt import read_picks
-    path = Path(path)
-    read_picks(path, device, version)  # a malformed file is an error before anything is written
-    doc = json.loads(path.read_text()) if path.is_file() else {"tables": []}
-    doc["tables"] = [t for t in doc["tables"]
-                     if (t["device"], t["cublaslt_version"]) != (device, version)]
-    if picks:
-        doc["tables"].append({"device": device, "cublaslt_version": version, **about, "picks": picks})
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--exp", default="ANDREA-120M")
@@ -182,12 +143,6 @@ def main(argv=None) -> int:
     ap.add_argument("--algos", type=int, default=16)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--csv")
-    ap.add_argument("--write-picks", nargs="?", metavar="FILE",
-                    const=str(Path(__file__).resolve().parent.parent / "andrea" / "backends" / "cuda" /
-                              "cublaslt_picks.json"),
-                    help="put the step's faster algorithms into the table of picks (default: the package's)")
-    ap.add_argument("--min-gain", type=float, default=0.03,
-                    help="a pick must beat the first by more than this fraction (default 0.03)")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -210,14 +165,14 @@ def main(argv=None) -> int:
     cp.cuda.Device().synchronize()
     del lt.plan, lt.matmul, blas.gemm  # the bindings' own methods again: the timing runs are not counted
 
-    rows, step_timings = [], {}
+    rows = []
     for key, e in lt_calls.items():
         a, k = e["call"]
         D, A, B, ta, tb, M, N, K = a[:8]
         epi = a[13] if len(a) > 13 else k.get("epilogue", "none")
         what = f"lt {'fp8' if k.get('scales') else str(A.dtype)} {epi}" + (" beta" if k.get("beta") else "")
-        t = step_timings[key] = time_lt(lt, lt.plans[key], D, A, B, k.get("beta", 0.0), args.algos, args.reps)
-        rows.append(row("step", what, e["n"], M, N, K, t))
+        rows.append(row("step", what, e["n"], M, N, K, time_lt(lt, lt.plans[key], D, A, B, k.get("beta", 0.0),
+                                                        args.algos, args.reps)))
     for key, e in gemm_calls.items():
         C, A, B, ta, tb, M, N, K, lda, ldb, ldc, alpha, beta = e["call"]
         t_cublas = elapsed_us(lambda: blas.gemm(C, A, B, ta, tb, M, N, K, lda, ldb, ldc, alpha=alpha, beta=beta),
@@ -239,12 +194,6 @@ def main(argv=None) -> int:
     print(per_kind.round(3).to_string())
     if args.csv:
         df.to_csv(args.csv, index=False)
-    if args.write_picks:
-        picks = new_picks(step_timings, args.min_gain)
-        about = {"measured": datetime.date.today().isoformat(), "exp": args.exp, "precision": args.precision,
-                 "batch": args.batch, "min_gain": args.min_gain}
-        write_picks(args.write_picks, lt.device, lt.version, picks, about)
-        print(f"\n{len(picks)} picks for {lt.device}, cuBLASLt {lt.version} -> {args.write_picks}")
     return 0
 
 

@@ -2,18 +2,17 @@
 # The FP8 path's checks and measurements on an H200 (docs/FP8.md): the GPU tests of the attention's
 # FP8 forms, k_layernorm_fwd_fp8's block shapes, the amax in the optimizer's update and the
 # weight-gradient stream, the step with each of those switches off against the defaults in one
-# process, cuBLASLt's table of picks, and the step against PyTorch.
+# process, and the step against PyTorch.
 #
 #   bash dev/fp8_gpu_check.sh [OUT_DIR] [STEPS]     # from the repository root
 #
-# STEPS: which of the numbered steps below to run, e.g. "1 2" (default: all; about 12 minutes on
-# one H200, the sm_90a builds of step 1 three of them, so split it where a job is limited to 10). Step 3 writes the table of picks into the
-# package (andrea/backends/cuda/cublaslt_picks.json, for this GPU and cuBLASLt version) and copies
-# it to OUT_DIR; steps after it run with it. Needs: a GPU of compute capability 9.0, CuPy, pytest,
-# pandas; torch for the anchor (step 4). A failed step is recorded in summary.txt and the next runs.
+# STEPS: which of the numbered steps below to run, e.g. "1 2" (default: all; about 9 minutes on one
+# H200, the sm_90a builds of step 1 three of them, so split it where a job is limited to 10).
+# Needs: a GPU of compute capability 9.0, CuPy, pytest, pandas; torch for the anchor (step 3). A
+# failed step is recorded in summary.txt and the next runs.
 set -uo pipefail
 OUT=${1:-fp8-gpu-check}
-STEPS=${2:-"1 2 3 4"}
+STEPS=${2:-"1 2 3"}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 : > "$OUT/summary.txt"
@@ -30,11 +29,10 @@ EXP="--exp ANDREA-120M --precision fp8 --batch 8"
 
 # 1. the GPU tests: the attention's FP8 kernels bit for bit against the kernel and the cast, a run
 #    with them on and off, k_layernorm_fwd_fp8 at every block shape, the delayed scales, two runs
-#    bit-identical, the table of picks in the binding; and the sm_90a builds (ptxas)
+#    bit-identical, the amax in the update, the folded GELU; and the sm_90a builds (ptxas)
 if want 1; then
   run tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8_cuda.py \
-    -k "attention or layernorm_fwd_fp8 or delayed or layernorm_cast or two_runs or picks or wgrad or adamw or weight_cache or gelu" \
-    tests/test_cuda_kernels.py::test_cublaslt_takes_the_table_of_picks
+    -k "attention or layernorm_fwd_fp8 or delayed or layernorm_cast or two_runs or wgrad or adamw or weight_cache or gelu"
   run hopper_compile python3 -m pytest -q -p no:cacheprovider tests/test_hopper_compile.py
 fi
 
@@ -49,20 +47,10 @@ if want 2; then
     --variant gelu_fma:fp8_gelu_fma=1
 fi
 
-# 3. cuBLASLt's picks: every product of the step against the heuristic's first 16 algorithms, the
-#    faster ones (by more than 3%) into the table; then the step with the table and without it
-if want 3; then
-  run cublaslt_algos python3 dev/cublaslt_algos.py $EXP --algos 16 --csv "$OUT/cublaslt_algos.csv" \
-    --write-picks --min-gain 0.03
-  cp andrea/backends/cuda/cublaslt_picks.json "$OUT/"
-  run ab_picks python3 dev/ab_settings.py $EXP --rounds 7 --steps 20 --json "$OUT/ab_picks.json" \
-    --variant picks: --variant first:cublaslt_picks=0
-fi
-
-# 4. the step against PyTorch's best 16-bit configuration (bf16, torch.compile reduce-overhead) in
+# 3. the step against PyTorch's best 16-bit configuration (bf16, torch.compile reduce-overhead) in
 #    this job, with the per-kernel table, and the device time per kernel; BENCH_SET (e.g. "--set
 #    fp8_attention_cast=0") adds settings to both
-if want 4; then
+if want 3; then
   run bench python3 -m andrea.bench $EXP --steps 50 --anchor benchmarks/torch_gpt.py ${BENCH_SET:-} \
     --anchor-modes reduce-overhead --anchor-precision bf16 --json "$OUT/bench.json"
   run profile python3 dev/profile_kernels.py $EXP --steps 3 --csv "$OUT/profile.csv" ${BENCH_SET:-}

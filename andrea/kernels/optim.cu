@@ -228,14 +228,12 @@ extern "C" __global__ void k_adamw_step(float* p, CT* pc, float* g, float* m, fl
 // search of the weights' bounds in shared memory when it leaves them) and when any lane of the
 // warp moves to another weight or to a gap the warp folds the lanes of each weight together
 // (__match_any_sync, __reduce_max_sync) and one lane a weight reduces it into meta (a RED: no
-// value comes back). ptxas (bf16): 50 registers for 4 (so 5 blocks fit), 48 for 5, 40 with 52
-// bytes of spills for 6 (k_adamw_step: 40, 6 blocks). Version 1 gave each block one contiguous
+// value comes back). Launch bounds of 5 blocks an SM: 48 registers (bf16); 4 gives 50 and measured
+// the same, 6 gives 40 with 52 bytes of spills in the loop and measured 0.1 ms a step slower
+// (k_adamw_step: 40, 6 blocks). Version 1 gave each block one contiguous
 // run of the buffer (1056 blocks, 54 registers): 1.24 ms a step at ANDREA-120M on an H200,
 // against 0.93 for k_adamw_step and its amax pass 0.07.
 #define ADAMW_AMAX_MAX 256
-#ifndef ADAMW_AMAX_MIN_BLOCKS  // blocks of 256 an SM the registers are fitted to (CudaOps.fp8_adamw_amax_blocks)
-#define ADAMW_AMAX_MIN_BLOCKS 5
-#endif
 struct AmaxRun {  // the weight (row >= 0) or the gap (row -1) of elements [lo, hi)
   i64 lo, hi;
   int row;
@@ -256,7 +254,7 @@ __device__ __forceinline__ void amax_fold(float* meta, int meta_stride, int row,
     atomicMax(reinterpret_cast<unsigned int*>(meta + (i64)row * meta_stride), top);
   mx = 0u;
 }
-extern "C" __global__ void __launch_bounds__(256, ADAMW_AMAX_MIN_BLOCKS) k_adamw_step_amax(float* p, CT* pc, float* g, float* m, float* v, const double* state,
+extern "C" __global__ void __launch_bounds__(256, 5) k_adamw_step_amax(float* p, CT* pc, float* g, float* m, float* v, const double* state,
                                              i64 n, i64 n_decay, float beta1, float omb1, float beta2, float omb2,
                                              float eps, int zero, const i64* table, int nt, float* meta,
                                              int meta_stride) {

@@ -69,9 +69,9 @@ class CudaBackend(CudaOps):
         if not self.cublaslt:
             return None
         if self._lt is None:
-            from .cublaslt import PICKS_FILE, CublasLt
+            from .cublaslt import CublasLt
             try:
-                self._lt = CublasLt(PICKS_FILE if self.cublaslt_picks else None)
+                self._lt = CublasLt()
             except OSError:
                 self._lt = False
         return self._lt or None

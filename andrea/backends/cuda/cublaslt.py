@@ -15,19 +15,10 @@ FP8 products (train.precision=fp8, cuda/fp8.py): A and B in CUDA_R_8F_E4M3 / CUD
 (not both E5M2), each with a device pointer to its float32 scale that cuBLASLt multiplies the
 product by; cuBLASLt wants them in its "TN" form, both operands contiguous along K, which in our
 row-major convention is D = A @ B.T (ta=False, tb=True). D (and C, for beta) in bf16 or float32.
-
-The algorithm: the heuristic's first pick, unless the table of picks (cublaslt_picks.json, beside
-this file; CudaOps.cublaslt_picks) names another place in the heuristic's list for this problem on
-this GPU and cuBLASLt version: measured faster by dev/cublaslt_algos.py --write-picks. An
-algorithm sets the bits of a product, so the table is part of what a run's bits depend on, like
-the kernels: the same checkout, GPU and library give the same picks (a resume repeats a run bit for
-bit), and a pick the heuristic no longer offers falls back to the first (counted in pick_misses).
 """
 from __future__ import annotations
 
 import ctypes
-import json
-from pathlib import Path
 
 from .cublas import find_library
 from .runtime import cp
@@ -41,42 +32,6 @@ PREF_MAX_WORKSPACE_BYTES = 1
 EPILOGUES = {"none": 1, "bias": 4, "gelu_aux_bias": 164, "dgelu": 192}
 COMPUTE_32F, SCALE_32F = 68, 0
 WORKSPACE_BYTES = 32 << 20
-PICKS_FILE = Path(__file__).with_name("cublaslt_picks.json")
-MAX_PICK = 63  # places in the heuristic's list a table may name (it asks for that many + 1)
-
-
-def problem_sig(key) -> str:
-    """A problem's key (CublasLt.matmul's tuple) as the table's text: compact JSON, tuples as lists."""
-    return json.dumps(key, separators=(",", ":"), default=int)  # numpy integers as integers
-
-
-def read_picks(path, device: str, version: int) -> dict:
-    """{problem_sig: place in the heuristic's list} of the table in path for this device name and
-    cuBLASLt version ({} where the file or its entry is absent). The file: {"tables": [{"device":
-    name, "cublaslt_version": int, "picks": {sig: int 1..MAX_PICK}, ...}]}; anything else is a
-    ValueError naming the file, the field and what was expected."""
-    path = Path(path)
-    if not path.is_file():
-        return {}
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e})") from None
-    tables = doc.get("tables") if isinstance(doc, dict) else None
-    if not isinstance(tables, list):
-        raise ValueError(f"{path}: field tables: expected a list of tables")
-    for i, t in enumerate(tables):
-        where = f"{path}: tables[{i}]"
-        if not isinstance(t, dict) or not isinstance(t.get("device"), str) or \
-                not isinstance(t.get("cublaslt_version"), int) or not isinstance(t.get("picks"), dict):
-            raise ValueError(f"{where}: expected device (text), cublaslt_version (an integer) and picks (an object)")
-        for sig, place in t["picks"].items():
-            if not isinstance(place, int) or isinstance(place, bool) or not 1 <= place <= MAX_PICK:
-                raise ValueError(f"{where}.picks[{sig!r}]: {place!r}; expected an integer 1..{MAX_PICK} (a place "
-                                 "in the heuristic's list; 0, its first pick, is not written)")
-        if t["device"] == device and t["cublaslt_version"] == version:
-            return dict(t["picks"])
-    return {}
 
 
 class _Heuristic(ctypes.Structure):
@@ -93,7 +48,7 @@ class NoAlgorithm(RuntimeError):
 class CublasLt:
     """One cuBLASLt handle, a preallocated workspace and the cache of planned problems."""
 
-    def __init__(self, picks_file=PICKS_FILE):
+    def __init__(self):
         lib = self.lib = find_library("libcublasLt")
         vp, i, sz, u64, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int64
         lib.cublasLtCreate.argtypes = [ctypes.POINTER(vp)]
@@ -117,14 +72,6 @@ class CublasLt:
         self.failed: set = set()  # problems without an algorithm (asked once; the caller falls back)
         self.ran: set = set()  # problems that ran once
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        lib.cublasLtGetVersion.restype = ctypes.c_size_t
-        self.version = int(lib.cublasLtGetVersion())
-        name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
-        self.device = name.decode() if isinstance(name, bytes) else str(name)
-        # problem_sig -> place in the heuristic's list (None: the first pick everywhere)
-        self.picks = read_picks(picks_file, self.device, self.version) if picks_file else {}
-        self.picked: dict = {}  # key -> the place its plan took
-        self.pick_misses: set = set()  # keys whose table place the heuristic did not offer
 
     @staticmethod
     def _ok(what, status):
@@ -174,21 +121,13 @@ class CublasLt:
         lay_b = self._layout(b_type, *((K, N) if tb else (N, K)), ldb)
         lay_a = self._layout(ab_type, *((M, K) if ta else (K, M)), lda)
         lay_d = self._layout(d_type, N, M, ldd)
-        place = self.picks.get(problem_sig(key), 0)
-        arr, count = (_Heuristic * (place + 1))(), ctypes.c_int(0)
-        st = self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, lay_b, lay_a, lay_d, lay_d, self.pref,
-                                                     place + 1, ctypes.cast(arr, ctypes.POINTER(_Heuristic)),
-                                                     ctypes.byref(count))
-        if st != 0 or count.value < 1 or arr[0].state != 0:
+        res, count = _Heuristic(), ctypes.c_int(0)
+        st = self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, lay_b, lay_a, lay_d, lay_d,
+                                                     self.pref, 1, ctypes.byref(res), ctypes.byref(count))
+        if st != 0 or count.value < 1 or res.state != 0:
             self.failed.add(key)
             raise NoAlgorithm(f"cuBLASLt: no algorithm for M={M} N={N} K={K} epilogue {epilogue} "
                               f"(status {st}, {count.value} found)")
-        if place and (count.value <= place or arr[place].state != 0):
-            self.pick_misses.add(key)
-            place = 0
-        res = _Heuristic()
-        ctypes.memmove(ctypes.byref(res), ctypes.byref(arr[place]), ctypes.sizeof(_Heuristic))
-        self.picked[key] = place
         plan = self.plans[key] = (desc, lay_b, lay_a, lay_d, res)
         return plan
 

@@ -681,15 +681,16 @@ class Fp8Ops:
                 self.k_fp8_amax_many(meta[k:], table[k:], dtype, shapes[k:])
             self.k_fp8_cast_transpose_many(meta[k:], table[k:], FP8_FWD, dtype, shapes[k:])
 
-    def adamw_amax_fits(self, params, params_c) -> bool:
-        """The update of params into params_c can take the weight cache's amax
-        (k_adamw_step_amax): a cache is in use, the cached weights lie in params_c in increasing
-        address order without overlap, each at a multiple of 4 elements, and the kernel's vectors fit (16-byte buffers, 4 elements of params_c
-        aligned, a size a multiple of 4)."""
+    def adamw_amax_fits(self, params_c, floats) -> bool:
+        """The update into params_c can take the weight cache's amax (k_adamw_step_amax): a cache
+        is in use, the cached weights lie in params_c in increasing address order without overlap,
+        each at a multiple of 4 elements, and the kernel's vectors fit (the float32 buffers floats,
+        params grads m v, 16-byte aligned; params_c 4 elements aligned, a multiple of 4 long)."""
         if self._cache_args is None or len(self._cache_weights) > ADAMW_AMAX_MAX:
             return False
         base, size, item = params_c.data.ptr, params_c.size, params_c.itemsize
-        if params_c.dtype != self._cache_args[2] or size % 4 or base % (4 * item) or params.data.ptr % 16:
+        if params_c.dtype != self._cache_args[2] or size % 4 or base % (4 * item) or \
+                any(x.data.ptr % 16 for x in floats):
             return False
         end = 0  # the weights in increasing address order, apart (the kernel's binary search)
         for w in self._cache_weights:
@@ -704,16 +705,11 @@ class Fp8Ops:
         zeroed, then optim.cu's update, which also takes their amax into it; the next
         refresh_weight_cache casts without its amax pass. args: ops.adamw_args (the caller checked
         the buffers and adamw_amax_fits)."""
-        meta, table, dtype, shapes = self._cache_args
+        meta, table, _, shapes = self._cache_args
         params, pc = args[0], args[1]
-        stream = cp.cuda.get_current_stream().ptr
-        cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, meta.nbytes, stream)
-        per_sm = int(self.ops.fp8_adamw_amax_blocks)
-        if per_sm not in (4, 5, 6):
-            raise ValueError(f"k_adamw_step_amax: fp8_adamw_amax_blocks = {per_sm}; expected 4, 5 or 6")
+        cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, meta.nbytes, cp.cuda.get_current_stream().ptr)
         self.ops.rt.launch("optim.cu", "k_adamw_step_amax", pc.dtype, blocks(params.size), THREADS,
-                           args + (i32(int(bool(zero_grads))), table, i32(len(shapes)), meta, i32(META_STRIDE)),
-                           defs=(f"-DADAMW_AMAX_MIN_BLOCKS={per_sm}",))
+                           args + (i32(int(bool(zero_grads))), table, i32(len(shapes)), meta, i32(META_STRIDE)))
         self._amax_taken = True
 
     # ------------------------------------------------------------ input slots (X^T kept, amax from its producer)

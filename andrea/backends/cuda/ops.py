@@ -204,9 +204,6 @@ class CudaOps:
     # weights' amax as it writes their compute copy (optim.cu k_adamw_step_amax), so the cache's
     # refresh casts without its amax pass over them (the same amax: a maximum; docs/FP8.md)
     fp8_adamw_amax = True
-    # the blocks of 256 threads an SM k_adamw_step_amax's registers are fitted to (its launch
-    # bounds: 4, 5 or 6; optim.cu lists the registers and spills of each)
-    fp8_adamw_amax_blocks = 5
     # train.precision=fp8, read when an Engine is made (dev/profile_kernels.py and andrea.bench
     # --set NAME=0): fp8_keep_xt, the forward product of each layer whose input the model saves
     # (ln1, the attention output, ln2) quantises it into X and X^T at once and keeps X^T (the
@@ -289,10 +286,6 @@ class CudaOps:
     # Alone +0.06 ms a step (paired median, within the rounds' spread); with the attention's FP8
     # outputs and the layer norm's 32x16 blocks, part of the set measured 0.33 ms faster (above)
     fp8_wgrad_stream = True
-    # cuBLASLt's algorithm for a problem: the place in its heuristic's list that the table of picks
-    # (cuda/cublaslt_picks.json) names for this GPU and cuBLASLt version, else its first pick
-    # (False: the first pick everywhere). Read when the cuBLASLt binding is made (its first use)
-    cublaslt_picks = True
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # (fp8: k_fp8_dgelu_colsum_amax) after a plain product (False); docs/BENCHMARKS.md and
     # docs/FP8.md have the timings behind the default
@@ -1055,7 +1048,7 @@ class CudaOps:
             check("k_adamw_step", "params_c", params_c, params.shape)
         pc = params_c if cast else params
         args = adamw_args(params, pc, grads, m, v, state, beta1, beta2, eps, n_decay)
-        if cast and self.fp8 is not None and self.fp8_adamw_amax and self.fp8.adamw_amax_fits(params, pc):
+        if cast and self.fp8 is not None and self.fp8_adamw_amax and self.fp8.adamw_amax_fits(pc, (params, grads, m, v)):
             self.fp8.k_adamw_step_amax(args, zero_grads)  # and the FP8 weight cache's amax
             return
         self.rt.launch("optim.cu", "k_adamw_step", pc.dtype, blocks(params.size), THREADS,
