@@ -9,11 +9,13 @@ A difference of 0.5 % in a 13 ms step is below what separate jobs (or separate r
 every variant (NAME:ATTR=VALUE,...; the same ATTRs as `andrea.bench --set`) gets its own backend
 and Engine in this one process, is warmed up, and then the variants take turns: each round times
 --steps training steps of every variant between CUDA events, in an order rotated round by round.
-The table gives each variant's median, fastest and slowest round (ms a step), tokens/s at the
-median, and its difference from the first variant's median, with the spread of the paired
-per-round differences. Every variant runs the same batches in the same order, so settings that
-claim the same bits must end with the same loss: the last column says which variants' last loss
-is bit-equal to the first's. Needs a CUDA GPU and CuPy; elsewhere it says so and exits 2.
+The host queues a round's steps as training does, without waiting for each step's record (only the
+last one's loss is read), so the figures are those of `andrea.bench`. The table gives each variant's
+median, fastest and slowest round (ms a step), tokens/s at the median, and its difference from the
+first variant's median, with the spread of the paired per-round differences. Every variant runs the
+same batches in the same order, so settings that claim the same bits must end with the same loss:
+the last column says which variants' last loss is bit-equal to the first's. Needs a CUDA GPU and
+CuPy; elsewhere it says so and exits 2.
 """
 from __future__ import annotations
 
@@ -88,11 +90,12 @@ def main(argv=None) -> int:
     steps = {n: 0 for n in names}
     last = {}
 
-    def run(name, k):
+    def run(name, k):  # k steps queued as training queues them (the host runs ahead); the last's loss read
         eng = engines[name]
         for _ in range(k):
             steps[name] += 1
-            last[name] = eng.train_step(steps[name], [batches[steps[name] % 4]])["loss"]
+            rec = eng.train_step(steps[name], [batches[steps[name] % 4]])
+        last[name] = rec["loss"]
 
     for name in names:
         run(name, a.warmup)

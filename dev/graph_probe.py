@@ -13,13 +13,18 @@ graphs, as in training), and then:
    (the passes at high priority). The last is only a bound: the two race on the weights and the
    gradients, so its numbers are not a training step's, and the engine is dropped after it. What
    the concurrent pair saves against the serial pair is the most that running the optimizer
-   beside the next step's forward pass could gain.
+   beside the next step's forward pass could gain;
+3. --hoist: the passes' graph with each 4-byte memset (cuBLASLt's, before some of its products)
+   moved up beside the kernel before it (its dependencies become that kernel's; the kernel still
+   precedes the product), instantiated through the driver API and timed against the graph as
+   captured; the gradients and losses of one replay of each are compared bit for bit.
 
 Needs a CUDA GPU and CuPy; elsewhere it says so and exits 2.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import re
 import sys
 from collections import Counter
@@ -27,31 +32,106 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-NODE = re.compile(r'"([^"]*node_\d+)"\s*\[(.*?)\];', re.S)
-TYPES = ("KERNEL", "MEMSET", "MEMCPY", "EVENT_RECORD", "EVENT_WAIT", "EVENT", "HOST", "EMPTY", "GRAPH",
-         "MEM_ALLOC", "MEM_FREE", "CONDITIONAL", "BATCH_MEM_OP")
-NAME = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]{3,})\s*(?:\\<|<|\()")
+EDGE = re.compile(r'"[^"]*node_(\d+)"\s*->\s*"[^"]*node_(\d+)"')
+NODE_TYPES = ("MEMSET", "MEMCPY", "EVENT_RECORD", "EVENT_WAIT", "HOST", "EMPTY", "GRAPH", "MEM_ALLOC",
+              "MEM_FREE", "CONDITIONAL", "BATCH_MEM_OP")
 
 
 def census(dot: str):
-    """(types, kernels, after_memset): node counts by type, kernel nodes by function name, and the
-    name of the node that follows each memset (by the DOT's edges) counted."""
-    labels = {n: body for n, body in NODE.findall(dot)}
-    types, kernels, kind_of, name_of = Counter(), Counter(), {}, {}
-    for n, body in labels.items():
-        up = body.upper()
-        kind = next((t for t in TYPES if t in up), "OTHER")
-        kind_of[n] = kind
-        types[kind] += 1
-        if kind == "KERNEL":
-            m = NAME.search(body)
-            name_of[n] = m.group(1) if m else "?"
-            kernels[name_of[n]] += 1
-    after = Counter()
-    for a, b in re.findall(r'"([^"]*node_\d+)"\s*->\s*"([^"]*node_\d+)"', dot):
-        if kind_of.get(a) == "MEMSET":
-            after[name_of.get(b, kind_of.get(b, "?"))] += 1
+    """(types, kernels, after_memset): node counts by type (a kernel node's label is its
+    function's name), kernel nodes by name, and the names of the nodes that follow a memset."""
+    labels = dot_nodes(dot)
+    kind = [a if a in NODE_TYPES else "KERNEL" for a, _ in labels]
+    types = Counter(kind)
+    kernels = Counter(a for (a, _), k in zip(labels, kind) if k == "KERNEL")
+    after = Counter(labels[int(b)][0] for a, b in EDGE.findall(dot) if kind[int(a)] == "MEMSET")
     return types, kernels, after
+
+class Driver:
+    """The few CUDA driver calls that edit a captured graph (libcuda, the CUDA 12.3+ _v2 forms
+    that take edge data; NULL for default edges)."""
+
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+
+    def _ok(self, what, rc):
+        if rc != 0:
+            raise RuntimeError(f"{what}: CUresult {rc}")
+
+    def nodes(self, g):
+        n = ctypes.c_size_t(0)
+        self._ok("cuGraphGetNodes", self.lib.cuGraphGetNodes(ctypes.c_void_p(g), None, ctypes.byref(n)))
+        arr = (ctypes.c_void_p * n.value)()
+        self._ok("cuGraphGetNodes", self.lib.cuGraphGetNodes(ctypes.c_void_p(g), arr, ctypes.byref(n)))
+        return [int(x or 0) for x in arr]
+
+    def kind(self, node):
+        t = ctypes.c_int(-1)
+        self._ok("cuGraphNodeGetType", self.lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(t)))
+        return t.value  # 0 kernel, 1 memcpy, 2 memset, ...
+
+    def _list(self, fn, node):
+        n = ctypes.c_size_t(0)
+        self._ok(fn, getattr(self.lib, fn)(ctypes.c_void_p(node), None, None, ctypes.byref(n)))
+        arr = (ctypes.c_void_p * max(n.value, 1))()
+        self._ok(fn, getattr(self.lib, fn)(ctypes.c_void_p(node), arr, None, ctypes.byref(n)))
+        return [int(x or 0) for x in arr[:n.value]]
+
+    def preds(self, node):
+        return self._list("cuGraphNodeGetDependencies_v2", node)
+
+    def succs(self, node):
+        return self._list("cuGraphNodeGetDependentNodes_v2", node)
+
+    def edge(self, g, a, b, add=True):
+        fn = "cuGraphAddDependencies_v2" if add else "cuGraphRemoveDependencies_v2"
+        x, y = (ctypes.c_void_p * 1)(a), (ctypes.c_void_p * 1)(b)
+        self._ok(fn, getattr(self.lib, fn)(ctypes.c_void_p(g), x, y, None, ctypes.c_size_t(1)))
+
+    def clone(self, g):
+        out = ctypes.c_void_p()
+        self._ok("cuGraphClone", self.lib.cuGraphClone(ctypes.byref(out), ctypes.c_void_p(g)))
+        return out.value
+
+    def instantiate(self, g):
+        ex = ctypes.c_void_p()
+        self._ok("cuGraphInstantiateWithFlags",
+                 self.lib.cuGraphInstantiateWithFlags(ctypes.byref(ex), ctypes.c_void_p(g), ctypes.c_ulonglong(0)))
+        return ex.value
+
+    def launch(self, ex, stream_ptr):
+        self._ok("cuGraphLaunch", self.lib.cuGraphLaunch(ctypes.c_void_p(ex), ctypes.c_void_p(stream_ptr)))
+
+
+def dot_nodes(dot: str):
+    """[(label's first line, second line)] of the DOT's nodes in their order (node_0, node_1, ...)."""
+    found = re.findall(r'"[^"]*node_(\d+)"\[[^\]]*label="\d+\n(.*?)\n(.*?)"\]', dot, re.S)
+    return [(a, b.strip()) for _, a, b in sorted(found, key=lambda t: int(t[0]))]
+
+
+def hoist_memsets(drv, g, labels):
+    """In graph g: every 4-byte memset whose one predecessor K is not a cuBLASLt product takes K's
+    predecessors as its own, and K precedes the memset's successors directly. Returns how many."""
+    nodes = drv.nodes(g)
+    kinds = [drv.kind(n) for n in nodes]
+    if [k == 2 for k in kinds] != [a == "MEMSET" for a, _ in labels]:
+        raise RuntimeError("the driver's node order is not the DOT's: cannot name the nodes")
+    index = {n: i for i, n in enumerate(nodes)}
+    moved = 0
+    for i, n in enumerate(nodes):
+        if kinds[i] != 2 or labels[i][1] != "(0,4)":
+            continue
+        pre = drv.preds(n)
+        if len(pre) != 1 or labels[index[pre[0]]][0].startswith("nvjet"):
+            continue
+        k = pre[0]
+        drv.edge(g, k, n, add=False)
+        for q in drv.preds(k):
+            drv.edge(g, q, n)
+        for s in drv.succs(n):
+            drv.edge(g, k, s)
+        moved += 1
+    return moved
 
 
 def timed(cp, fn, reps):
@@ -73,6 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="graph-probe", help="folder for the DOT files")
+    ap.add_argument("--hoist", action="store_true", help="also time the passes with the memsets hoisted")
     a = ap.parse_args(argv)
     from andrea.backends import cuda_available
     if not cuda_available():
@@ -124,6 +205,25 @@ def main(argv=None) -> int:
         rows.append(("optimizer", timed(cp, lambda: O.launch(stream=hi), a.reps)))
         rows.append(("passes then optimizer (a step)", timed(cp, lambda: (P.launch(stream=hi), O.launch(stream=hi)),
                                                              a.reps)))
+    if a.hoist:
+        drv = Driver()
+        dot = (out / "passes.dot").read_text()
+        plain = drv.clone(P.graph)
+        edited = drv.clone(P.graph)
+        moved = hoist_memsets(drv, edited, dot_nodes(dot))
+        ex_plain, ex_edited = drv.instantiate(plain), drv.instantiate(edited)
+        print(f"\n--hoist: {moved} memsets moved beside the kernel before them")
+        bits = {}
+        for name, ex in (("plain", ex_plain), ("hoisted", ex_edited)):
+            drv.launch(ex, hi.ptr)
+            hi.synchronize()
+            bits[name] = (eng.grads.get().tobytes(), eng.be.to_numpy(eng.g["losses"]).tobytes())
+        print("--hoist: grads and losses " + ("the same bits" if bits["plain"] == bits["hoisted"] else "DIFFER"))
+        with hi:
+            for _ in range(2):  # alternated, twice
+                rows.append(("passes (captured, own instance)", timed(cp, lambda: drv.launch(ex_plain, hi.ptr), a.reps)))
+                rows.append(("passes, memsets hoisted", timed(cp, lambda: drv.launch(ex_edited, hi.ptr), a.reps)))
+    with hi:  # last: the race leaves the weights and gradients as they fall
 
         def both():  # the optimizer on the other stream, joined at the end of each pair
             e = cp.cuda.Event()
@@ -135,11 +235,11 @@ def main(argv=None) -> int:
             f.record(lo)
             hi.wait_event(f)
         rows.append(("both at once (racing: a bound only)", timed(cp, both, a.reps)))
-    df = pd.DataFrame(rows, columns=["replay", "ms"]).set_index("replay")
-    serial = df.loc["passes then optimizer (a step)", "ms"]
+    df = pd.DataFrame(rows, columns=["replay", "ms"]).reset_index(drop=True)
+    serial = float(df.loc[df.replay == "passes then optimizer (a step)", "ms"].iloc[0])
     df["vs a step (ms)"] = df["ms"] - serial
     print(f"\n{a.exp} {a.precision} B={a.batch}, {a.reps} replays each")
-    print(df.to_string(float_format=lambda v: f"{v:.3f}"))
+    print(df.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     return 0
 
 
