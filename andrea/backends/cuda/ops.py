@@ -236,9 +236,9 @@ class CudaOps:
     fp8_gelu_amax_full = False
     # train.precision=fp8: the FP8 MLP's GELU and its slope in gelu.cuh's folded form (-DGELU_FMA=1:
     # 14 instructions a value in the dGELU pass against 22; the same function within float32's
-    # rounding, other bits). Off until timed against the form of the parity runs and run for parity
-    # itself (docs/FP8.md)
-    fp8_gelu_fma = False
+    # rounding, other bits); False: the sigmoid form. ANDREA-120M fp8 step on an H200: -0.22 ms
+    # (paired, one process), and its own parity runs (docs/FP8.md)
+    fp8_gelu_fma = True
     # train.precision=fp8: rows of the tile of k_fp8_cast_transpose / k_fp8_gelu_cast_transpose (64
     # columns; 64, 128 or 256 rows: each thread has rows / 32 loads in flight; the bytes are the
     # same). 64 measured fastest (ANDREA-120M fp8 step on an H200: 14.75 ms, against 15.37 with 128
