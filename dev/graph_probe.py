@@ -17,7 +17,10 @@ graphs, as in training), and then:
 3. --hoist: the passes' graph with each 4-byte memset (cuBLASLt's, before some of its products)
    moved up beside the kernel before it (its dependencies become that kernel's; the kernel still
    precedes the product), instantiated through the driver API and timed against the graph as
-   captured; the gradients and losses of one replay of each are compared bit for bit.
+   captured; the gradients and losses of one replay of each are compared bit for bit;
+4. Engine.train_step timed as training queues it (the host ahead), alternated with the bare
+   replays of its two graphs on the same stream: what the uploads, the download and the launches
+   add to a step.
 
 Needs a CUDA GPU and CuPy; elsewhere it says so and exits 2.
 """
@@ -224,6 +227,23 @@ def main(argv=None) -> int:
                 rows.append(("passes (CuPy's instance)", timed(cp, lambda: P.launch(stream=hi), a.reps)))
                 rows.append(("passes (captured, own instance)", timed(cp, lambda: drv.launch(ex_plain, hi.ptr), a.reps)))
                 rows.append(("passes, memsets hoisted", timed(cp, lambda: drv.launch(ex_edited, hi.ptr), a.reps)))
+    # the same graphs as training queues them: Engine.train_step (uploads, both graphs, the
+    # record's download; the host runs ahead), alternated with the bare replays of the two graphs
+    step = [4]
+
+    def steps():
+        for _ in range(a.reps):
+            step[0] += 1
+            rec = eng.train_step(step[0], [batches[step[0] % 4]])
+        return rec
+    for _ in range(3):
+        rows.append(("passes then optimizer (a step)", timed(cp, lambda: (P.launch(), O.launch()), a.reps)))
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        rec = steps()
+        e1.record()
+        rec["loss"]
+        rows.append(("Engine.train_step", cp.cuda.get_elapsed_time(e0, e1) / a.reps))
     with hi:  # last: the race leaves the weights and gradients as they fall
 
         def both():  # the optimizer on the other stream, joined at the end of each pair
