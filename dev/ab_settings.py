@@ -14,8 +14,11 @@ last one's loss is read), so the figures are those of `andrea.bench`. The table 
 median, fastest and slowest round (ms a step), tokens/s at the median, and its difference from the
 first variant's median, with the spread of the paired per-round differences. Every variant runs the
 same batches in the same order, so settings that claim the same bits must end with the same loss:
-the last column says which variants' last loss is bit-equal to the first's. Needs a CUDA GPU and
-CuPy; elsewhere it says so and exits 2.
+the last column says which variants' last loss is bit-equal to the first's (with --replay, the
+last loss of the warm-up steps). --replay times the step's two CUDA graphs replayed back to back
+instead of Engine.train_step: the device's time alone, without what the host's uploads, launches
+and Python add (which varied by up to 0.6 ms a step between rounds on an H200). Needs a CUDA GPU
+and CuPy; elsewhere it says so and exits 2.
 """
 from __future__ import annotations
 
@@ -50,6 +53,17 @@ def build(cfg, settings):
     return Engine(cfg, backend=be)
 
 
+def spy_graphs(eng) -> dict:
+    """{kind: key} of the graphs eng's steps ran last ("passes", "optimizer"), kept up to date."""
+    used, run = {}, eng._run
+
+    def spied(key, fn):
+        used[key[0]] = key
+        run(key, fn)
+    eng._run = spied
+    return used
+
+
 def paired(diffs):
     """(median, min, max) of a list, rounded for the table."""
     d = np.asarray(diffs, float)
@@ -67,6 +81,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="steps a variant times in a round")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--json", help="also write every round's figures here")
+    ap.add_argument("--replay", action="store_true",
+                    help="time the step's two CUDA graphs replayed (passes, then optimizer) instead of "
+                         "Engine.train_step: the device's time alone, without the host's uploads and launches")
     a = ap.parse_args(argv)
     names = [n for n, _ in a.variant]
     if len(set(names)) != len(names):
@@ -80,10 +97,11 @@ def main(argv=None) -> int:
 
     from andrea.bench import bench_config, random_batches
     cfg = bench_config(a.exp, a.precision, a.batch, a.warmup + a.rounds * a.steps)
-    engines = {}
+    engines, used = {}, {}
     for name, settings in a.variant:
         t0 = time.perf_counter()
         engines[name] = build(cfg, settings)
+        used[name] = spy_graphs(engines[name])
         print(f"{name}: built in {time.perf_counter() - t0:.1f} s ({settings or 'defaults'})", flush=True)
     m, T = cfg.model, cfg.model.context
     batches = random_batches(m.vocab_size, a.batch, T)
@@ -100,13 +118,21 @@ def main(argv=None) -> int:
     for name in names:
         run(name, a.warmup)
         engines[name].be.synchronize()
+    step_graphs = {n: [engines[n].graphs.graphs[used[n][k]][0] for k in ("passes", "optimizer")]
+                   for n in names} if a.replay else {}
+
+    def replay(name, k):  # k replays of the graphs of the variant's last step, back to back
+        for _ in range(k):
+            for g in step_graphs[name]:
+                g.launch(stream=cp.cuda.get_current_stream())
+    timed_run = replay if a.replay else run
     rounds = []
     for r in range(a.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             start, end = cp.cuda.Event(), cp.cuda.Event()
             start.record()
-            run(name, a.steps)
+            timed_run(name, a.steps)
             end.record()
             end.synchronize()
             rounds.append({"round": r, "variant": name, "ms": cp.cuda.get_elapsed_time(start, end) / a.steps})
