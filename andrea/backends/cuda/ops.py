@@ -283,9 +283,11 @@ class CudaOps:
     # stream of their own inside a backward pass, beside the chain of data gradients (the casts,
     # attention, layer norms) that does not wait for them; fp8(dY)^T then rotates through
     # fp8.WGRAD_RING buffers, and the pass's close joins the stream. The same products and bits.
-    # Alone +0.06 ms a step (paired median, within the rounds' spread); with the attention's FP8
-    # outputs and the layer norm's 32x16 blocks, part of the set measured 0.33 ms faster (above)
-    fp8_wgrad_stream = True
+    # Off by default: timed as the step's graphs replayed (dev/ab_settings.py --replay, 15 rounds,
+    # ANDREA-120M on an H200) the step is 0.12 ms faster without it (paired median; earlier
+    # A/Bs of whole steps: +0.06, -0.06 and -0.09); the wgrad products take the SMs the chain's
+    # memory-bound kernels would leave idle, but slow the chain more than they save
+    fp8_wgrad_stream = False
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # (fp8: k_fp8_dgelu_colsum_amax) after a plain product (False); docs/BENCHMARKS.md and
     # docs/FP8.md have the timings behind the default
