@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The FP8 path's checks and measurements on an H200 (docs/FP8.md): the GPU tests of the attention's
-# FP8 forms, k_layernorm_fwd_fp8's block shapes, the amax in the optimizer's update and the
-# weight-gradient stream, the step with each of those switches off against the defaults in one
-# process, and the step against PyTorch.
+# FP8 forms, k_layernorm_fwd_fp8's block shapes, the amax in the optimizer's update, the
+# weight-gradient stream and the folded GELU, the step with each of those switches flipped against
+# the defaults in one process, what the step's graphs hold, and the step against PyTorch.
 #
 #   bash dev/fp8_gpu_check.sh [OUT_DIR] [STEPS]     # from the repository root
 #
@@ -36,15 +36,16 @@ if want 1; then
   run hopper_compile python3 -m pytest -q -p no:cacheprovider tests/test_hopper_compile.py
 fi
 
-# 2. each switch off against the defaults (all on), in one process, interleaved (dev/ab_settings.py),
-#    and the folded GELU (fp8_gelu_fma, off: other bits, so a win also needs the parity runs)
+# 2. each switch against the defaults, in one process, interleaved, the step's graphs replayed
+#    (dev/ab_settings.py --replay: the device's time alone), and the step's graphs as DOT with the
+#    node census (dev/graph_probe.py)
 if want 2; then
-  run ab_switches python3 dev/ab_settings.py $EXP --rounds 7 --steps 20 --json "$OUT/ab_switches.json" \
+  run ab_switches python3 dev/ab_settings.py $EXP --replay --rounds 15 --steps 20 --json "$OUT/ab_switches.json" \
     --variant base: --variant noattn:fp8_attention_cast=0 \
     --variant ln16x8:fp8_layernorm_rows=16,fp8_layernorm_warps=8 \
-    --variant nowgrad:fp8_wgrad_stream=0 --variant noadamw:fp8_adamw_amax=0 \
-    --variant none:fp8_attention_cast=0,fp8_layernorm_rows=16,fp8_layernorm_warps=8,fp8_wgrad_stream=0,fp8_adamw_amax=0 \
-    --variant gelu_fma:fp8_gelu_fma=1
+    --variant wgrad:fp8_wgrad_stream=1 --variant noadamw:fp8_adamw_amax=0 \
+    --variant sigmoid:fp8_gelu_fma=0 --variant nearest:fp8_dlogits_rounding=nearest
+  run graph_probe python3 dev/graph_probe.py $EXP --out "$OUT/dot"
 fi
 
 # 3. the step against PyTorch's best 16-bit configuration (bf16, torch.compile reduce-overhead) in
