@@ -95,6 +95,19 @@ class GraphTimed:
         self.ms[name] += replay_ms(g, s, self.REPS)
 
 
+def spy_graphs(eng) -> dict:
+    """{kind: key} of the CUDA graphs eng's steps ran last ("passes", "optimizer": the first item
+    of a key), kept up to date as eng runs: how a tool finds a step's graphs in eng.graphs to
+    replay them (dev/ab_settings.py --replay, dev/graph_probe.py). Every call still runs."""
+    used, run = {}, eng._run
+
+    def spied(key, fn):
+        used[key[0]] = key
+        run(key, fn)
+    eng._run = spied
+    return used
+
+
 def graph_step_ms(eng, x, y, reps=5):
     """Device time of one microbatch's forward + backward captured as a single CUDA graph (what
     the step costs once Python launch overhead is gone)."""

@@ -53,17 +53,6 @@ def build(cfg, settings):
     return Engine(cfg, backend=be)
 
 
-def spy_graphs(eng) -> dict:
-    """{kind: key} of the graphs eng's steps ran last ("passes", "optimizer"), kept up to date."""
-    used, run = {}, eng._run
-
-    def spied(key, fn):
-        used[key[0]] = key
-        run(key, fn)
-    eng._run = spied
-    return used
-
-
 def paired(diffs):
     """(median, min, max) of a list, rounded for the table."""
     d = np.asarray(diffs, float)
@@ -95,7 +84,7 @@ def main(argv=None) -> int:
     import cupy as cp
     import pandas as pd
 
-    from andrea.bench import bench_config, random_batches
+    from andrea.bench import bench_config, random_batches, spy_graphs
     cfg = bench_config(a.exp, a.precision, a.batch, a.warmup + a.rounds * a.steps)
     engines, used = {}, {}
     for name, settings in a.variant:

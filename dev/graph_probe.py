@@ -166,18 +166,12 @@ def main(argv=None) -> int:
     import pandas as pd
 
     from andrea.backends import get_backend
-    from andrea.bench import bench_config, random_batches
+    from andrea.bench import bench_config, random_batches, spy_graphs
     from andrea.engine import Engine
     cfg = bench_config(a.exp, a.precision, a.batch, 16)
     eng = Engine(cfg, backend=get_backend("cuda"))
     batches = random_batches(cfg.model.vocab_size, a.batch, cfg.model.context)
-    used = {}
-    run = eng._run
-
-    def spy(key, fn):
-        used[key[0]] = key
-        run(key, fn)
-    eng._run = spy
+    used = spy_graphs(eng)
     for s in range(1, 5):
         eng.train_step(s, [batches[s % 4]])["loss"]
     graphs = {kind: eng.graphs.graphs[key][0] for kind, key in used.items()}

@@ -42,21 +42,3 @@ def test_without_a_gpu_it_says_so(ab, capsys):
     assert ab.main(["--variant", "base:", "--variant", "attn:fp8_attention_cast=1"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
-
-def test_spy_graphs_keeps_the_last_key_of_each_kind(ab):
-    """--replay finds a variant's graphs by the keys its last step ran: spy_graphs records them
-    by kind (the key's first item) and still runs every call."""
-    class Eng:
-        def __init__(self):
-            self.calls = []
-
-        def _run(self, key, fn):
-            self.calls.append(key)
-            fn()
-
-    eng, ran = Eng(), []
-    used = ab.spy_graphs(eng)
-    for key in (("passes", True, True, False), ("optimizer", 1), ("passes", True, True, True)):
-        eng._run(key, lambda: ran.append(1))
-    assert used == {"passes": ("passes", True, True, True), "optimizer": ("optimizer", 1)}
-    assert len(eng.calls) == 3 and len(ran) == 3

@@ -315,3 +315,24 @@ def test_bench_anchor_precision_refuses_unknown_names(capsys):
         assert e.value.code == 2
         assert f"argument --anchor-precision: {bad!r}: expected a comma list of fp32, fp16, bf16, fp8" in \
             capsys.readouterr().err
+
+
+def test_spy_graphs_keeps_the_last_key_of_each_kind():
+    """dev/ab_settings.py --replay and dev/graph_probe.py find a step's graphs by the keys its last
+    step ran: spy_graphs records them by kind (the key's first item) and still runs every call."""
+    from andrea.bench import spy_graphs
+
+    class Eng:
+        def __init__(self):
+            self.calls = []
+
+        def _run(self, key, fn):
+            self.calls.append(key)
+            fn()
+
+    eng, ran = Eng(), []
+    used = spy_graphs(eng)
+    for key in (("passes", True, True, False), ("optimizer", 1), ("passes", True, True, True)):
+        eng._run(key, lambda: ran.append(1))
+    assert used == {"passes": ("passes", True, True, True), "optimizer": ("optimizer", 1)}
+    assert len(eng.calls) == 3 and len(ran) == 3
