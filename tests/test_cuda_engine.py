@@ -247,3 +247,35 @@ def test_first_pass_writes_the_gradients(tmp_path, precision):
     rec = eng.train_step(1, [(x1, y1), (x2, y2)])
     assert not rec["skipped"] and np.isfinite(eng.be.to_numpy(eng.grads)).all()
     assert np.array_equal(eng.be.to_numpy(eng.grads), want2), "k_adamw_step left the gradients"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16",
+                                       pytest.param("fp8", marks=pytest.mark.skipif(not fp8_gpu(), reason="FP8"))])
+def test_pdl_same_bits(tmp_path, precision):
+    """Programmatic dependent launch (CudaOps.pdl, cuda/pdl.py) against ordinary launches: the same
+    gradient bits after one forward + backward, then the same losses, weights and Adam state after
+    5 steps (an eager one, the captured one, replays) and an evaluation between them; on sm_90 the
+    switch's kernels went through cuLaunchKernelEx (off: none did)."""
+    import cupy as cp
+    from andrea.backends import get_backend
+    B, T = (4, 32) if precision == "fp8" else (3, 37)
+    runs = {}
+    for on in (True, False):
+        be = get_backend("cuda")
+        be.pdl = on
+        eng = Engine(cfg_for(tmp_path, "cuda", batch_size=B, seq_len=T, precision=precision), backend=be)
+        eng.forward_backward(*batch(1, B, T))
+        grads = be.to_numpy(eng.grads).view(np.uint8)
+        eng.zero_grads()
+        recs = []
+        for s in range(1, 6):
+            recs.append(eng.train_step(s, [batch(s, B, T)])["loss"])
+            if s == 3:
+                recs.append(eng.val_loss([batch(60, B, T)]))
+        runs[on] = grads, recs, eng.host_state(), be.rt.pdl_launches
+    hopper = int(cp.cuda.Device().compute_capability) >= 90
+    assert (runs[True][3] > 0) == hopper and runs[False][3] == 0, (runs[True][3], runs[False][3])
+    assert np.array_equal(runs[True][0], runs[False][0]), "the launch attribute changed the gradients"
+    assert runs[True][1] == runs[False][1], "losses differ"
+    for a, b in zip(runs[True][2], runs[False][2]):
+        assert np.array_equal(a, b), "weights or Adam state differ"

@@ -1589,6 +1589,37 @@ def test_attention_cast_same_bits_as_the_casts_after(tmp_path):
     assert_same_runs(*runs)
 
 
+def test_pdl_same_bits_t64(tmp_path):
+    """Programmatic dependent launch (CudaOps.pdl) at T = 64, where the attention runs its FP8
+    forms (attention_hopper.cu) and the scales are delayed: the same records, weights and Adam
+    state bits as ordinary launches over steps of two microbatches and one (eager, then from CUDA
+    graphs), a skipped step and an evaluation; the attention's kernels went through
+    cuLaunchKernelEx."""
+    runs = []
+    for on in (True, False):
+        eng = engine_t64(tmp_path, pdl=on)
+        launched = []
+        launch = eng.be.rt.launch
+        eng.be.rt.launch = lambda f, k, *a, **kw: (launched.append((k, eng.be.rt._pdl_launchable(f, k))),
+                                                   launch(f, k, *a, **kw))[1]
+        recs = []
+        for s in range(1, 6):
+            if s == 4:
+                eng.loss_scale = float("inf")
+            micro = [batch(7 * s, B=2, T=64)] if s == 2 else [batch(7 * s, B=2, T=64), batch(7 * s + 1, B=2, T=64)]
+            recs.append(dict(eng.train_step(s, micro)))
+            eng.be.synchronize()
+            eng.loss_scale = 1.0
+            if s == 3:
+                recs.append(eng.val_loss([batch(70, B=2, T=64)]))
+        del eng.be.rt.launch
+        ready = {k for k, ok in launched if ok}
+        assert {"k_attn_flash_fwd_fp8", "k_attn_flash_bwd_dq_fp8", "k_attn_flash_bwd_dkv_fp8"} <= ready, ready
+        assert (eng.be.rt.pdl_launches > 0) == on, eng.be.rt.pdl_launches
+        runs.append((recs, eng.host_state()))
+    assert_same_runs(*runs, what="programmatic launches changed the run")
+
+
 @pytest.mark.parametrize("attention_cast", [False, True], ids=["casts", "attention_cast"])
 def test_wgrad_stream_same_bits_as_one_stream(tmp_path, attention_cast):
     """The weight-gradient products on a stream of their own (CudaOps.fp8_wgrad_stream, delayed

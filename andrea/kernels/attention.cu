@@ -18,6 +18,7 @@
 
 // q, k, v (B*NH, T, hs) <- qkv (B, T, 3C), C = NH * hs.
 extern "C" __global__ void k_attn_split_heads(CT* q, CT* k, CT* v, const CT* qkv, int B, int T, int NH, int hs) {
+  pdl_wait();
   int C = NH * hs;
   for (int bt = blockIdx.x; bt < B * T; bt += gridDim.x) {
     int b = bt / T, t = bt % T;
@@ -32,6 +33,7 @@ extern "C" __global__ void k_attn_split_heads(CT* q, CT* k, CT* v, const CT* qkv
 
 // out (B, T, C) <- y (B*NH, T, hs).
 extern "C" __global__ void k_attn_merge_heads(CT* out, const CT* y, int B, int T, int NH, int hs) {
+  pdl_wait();
   int C = NH * hs;
   for (int bt = blockIdx.x; bt < B * T; bt += gridDim.x) {
     int b = bt / T, t = bt % T;
@@ -42,6 +44,7 @@ extern "C" __global__ void k_attn_merge_heads(CT* out, const CT* y, int B, int T
 
 // dy (B*NH, T, hs) <- dout (B, T, C).
 extern "C" __global__ void k_attn_split_dout(CT* dy, const CT* dout, int B, int T, int NH, int hs) {
+  pdl_wait();
   int C = NH * hs;
   for (int bt = blockIdx.x; bt < B * T; bt += gridDim.x) {
     int b = bt / T, t = bt % T;
@@ -53,6 +56,7 @@ extern "C" __global__ void k_attn_split_dout(CT* dy, const CT* dout, int B, int 
 // dqkv (B, T, 3C) += [dq | dk | dv], each float32 (B*NH, T, hs); accumulate = 0: dqkv = (not read).
 extern "C" __global__ void k_attn_merge_grads(CT* dqkv, const float* dq, const float* dk, const float* dv,
                                               int B, int T, int NH, int hs, int accumulate) {
+  pdl_wait();
   int C = NH * hs;
   for (int bt = blockIdx.x; bt < B * T; bt += gridDim.x) {
     int b = bt / T, t = bt % T;
@@ -69,6 +73,7 @@ extern "C" __global__ void k_attn_merge_grads(CT* dqkv, const float* dq, const f
 // write_lse = 1 (forward): finds lse over j <= i in one online pass and saves it; 0 (backward):
 // reads the saved lse. Then P[j] = exp(S[j] - lse) for j <= i and 0 above the diagonal.
 extern "C" __global__ void k_attn_softmax(CT* P, float* lse, const float* S, i64 rows, int T, int write_lse) {
+  pdl_wait();
   i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
   if (row >= rows) return;
@@ -95,6 +100,7 @@ extern "C" __global__ void k_attn_softmax(CT* P, float* lse, const float* S, i64
 // the diagonal are already 0). D = sum over the head's hs channels of dout * out at (b, i).
 extern "C" __global__ void k_attn_dscores(CT* P, const float* dP, const CT* dout, const CT* out,
                                           i64 rows, int T, int NH, int hs, float scale) {
+  pdl_wait();
   i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
   if (row >= rows) return;
@@ -396,6 +402,7 @@ __device__ __forceinline__ void fwd_tile(float (*o)[HS / 8][4], float (*m)[2], f
 // FWD_SMEM bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(128) k_attn_flash_fwd(HT* out, float* lse, const HT* qkv,
                                                                    int B, int T, int NH, float scale) {
+  pdl_wait();
   extern __shared__ __align__(16) u16 smem[];
   require_smem(FWD_SMEM);
   u16* q_tile = smem;                   // [FWD_BM][LDS], read once into registers
@@ -463,6 +470,7 @@ extern "C" __global__ void __launch_bounds__(128) k_attn_flash_fwd(HT* out, floa
 // memory order, so a warp reads consecutive rows, each as HS / 8 16-byte vectors (version 4,
 // in git history, took a warp per row with 2-byte loads; 4% slower in k_attn_bwd on an H200).
 extern "C" __global__ void k_attn_flash_D(float* Dv, const HT* dout, const HT* out, int B, int T, int NH) {
+  pdl_wait();
   i64 r = blockIdx.x * (i64)blockDim.x + threadIdx.x;
   if (r >= (i64)B * NH * T) return;
   int h = (int)(r % NH);
@@ -512,6 +520,7 @@ extern "C" __global__ void __launch_bounds__(128) k_attn_flash_bwd_dq(HT* dqkv, 
                                                                       const float* lse, const float* Dv,
                                                                       int B, int T, int NH, float scale,
                                                                       int accumulate) {
+  pdl_wait();
   extern __shared__ __align__(16) u16 smem[];
   require_smem(DQ_SMEM);
   u16* q_tile = smem;                      // [DQ_BM][LDS], read once into registers
@@ -598,6 +607,7 @@ extern "C" __global__ void __launch_bounds__(128) k_attn_flash_bwd_dkv(HT* dqkv,
                                                                        const float* lse, const float* Dv,
                                                                        int B, int T, int NH, float scale,
                                                                        int accumulate) {
+  pdl_wait();
   extern __shared__ __align__(16) u16 smem[];
   require_smem(DKV_SMEM);
   u16* k_tile = smem;                      // [BN][LDS]

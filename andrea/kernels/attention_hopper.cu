@@ -611,6 +611,7 @@ extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_at
                                                                              const float* lse, const float* Dv,
                                                                              int B, int T, int NH, float scale,
                                                                              int accumulate) {
+  pdl_wait();
   attn_bwd_dkv<false>(dqkv, F8Dst{}, qkv, dout, lse, Dv, B, T, NH, scale, accumulate);
 }
 
@@ -620,6 +621,7 @@ extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_at
 extern "C" __global__ void __launch_bounds__(V7_DKV_THREADS, V7_DKV_BLOCKS) k_attn_flash_bwd_dkv_fp8(
     unsigned char* q, unsigned char* q_t, float* partial, float* meta, float* amax_out, const HT* qkv, const HT* dout,
     const float* lse, const float* Dv, int B, int T, int NH, float scale) {
+  pdl_wait();
   F8Dst f8{q, q_t, partial, amax_out, f8_scale(meta, -1)};
   attn_bwd_dkv<true>(nullptr, f8, qkv, dout, lse, Dv, B, T, NH, scale, 0);
 }
@@ -761,6 +763,7 @@ extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn
                                                                             const HT* out, const float* lse, float* Dv,
                                                                             int B, int T, int NH, float scale,
                                                                             int accumulate) {
+  pdl_wait();
   attn_bwd_dq<false>(dqkv, F8Dst{}, qkv, dout, out, lse, Dv, B, T, NH, scale, accumulate);
 }
 
@@ -771,6 +774,7 @@ extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn
 extern "C" __global__ void __launch_bounds__(V7_DQ_THREADS, V7_DQ_BLOCKS) k_attn_flash_bwd_dq_fp8(
     unsigned char* q, unsigned char* q_t, float* partial, float* meta, int inv_at, float* amax_out, const HT* qkv,
     const HT* dout, const HT* out, const float* lse, float* Dv, int B, int T, int NH, float scale) {
+  pdl_wait();
   F8Dst f8{q, q_t, partial, amax_out, f8_scale(meta, inv_at)};
   attn_bwd_dq<true>(nullptr, f8, qkv, dout, out, lse, Dv, B, T, NH, scale, 0);
 }
@@ -982,6 +986,7 @@ __device__ __forceinline__ void attn_fwd(HT* out, float* lse, const F8Dst& f8, c
 
 extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash_fwd(HT* out, float* lse, const HT* qkv,
                                                                                    int B, int T, int NH, float scale) {
+  pdl_wait();
   attn_fwd<false>(out, lse, F8Dst{}, qkv, B, T, NH, scale);
 }
 
@@ -990,6 +995,7 @@ extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash
 extern "C" __global__ void __launch_bounds__(V8_THREADS, V8_BLOCKS) k_attn_flash_fwd_fp8(
     HT* out, float* lse, unsigned char* q, unsigned char* q_t, float* meta, int inv_at, float* amax_out, const HT* qkv,
     int B, int T, int NH, float scale) {
+  pdl_wait();
   F8Dst f8{q, q_t, nullptr, amax_out, f8_scale(meta, inv_at)};
   attn_fwd<true>(out, lse, f8, qkv, B, T, NH, scale);
 }

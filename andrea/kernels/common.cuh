@@ -34,6 +34,21 @@ template <> __device__ __forceinline__ bf16 from_f<bf16>(float f) {
   return h;
 }
 
+// Programmatic dependent launch (docs/ARCHITECTURE.md "Launch"). Every kernel calls pdl_wait()
+// first, before it touches memory. When the launcher sets the launch's programmatic attribute
+// (Runtime.pdl, sm_90 and newer), the grid may start while the kernel before it in the stream
+// still runs; griddepcontrol.wait then holds it until that grid has completed and its writes are
+// visible, so what follows reads what it would have read without the attribute. The
+// launch_dependents after it lets the next kernel's blocks be scheduled once every block of this
+// one has started: its launch and its prologue overlap this kernel's last wave. Launched without
+// the attribute, or built for an older architecture, both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 typedef long long i64;  // element indices: B*T*V passes 2^31 at B=32, T=1024, V=50304
 #define NEG_INF __int_as_float(0xff800000)  // -inf without math.h: NVRTC compiles with no system headers
 

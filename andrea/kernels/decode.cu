@@ -22,6 +22,7 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // out (B,1,C); kcache, vcache (B,ctx,C); qkv (B,1,3C); 0 <= pos < ctx; blockDim.x a multiple of 32.
 extern "C" __global__ void k_attn_decode_fwd(CT* out, CT* kcache, CT* vcache, const CT* qkv, int NH, int hs,
                                              int ctx, int pos, float scale) {
+  pdl_wait();
   extern __shared__ float sm[];
   float* s = sm;            // scores, then probabilities (unnormalised), pos + 1 of them
   float* q = sm + ctx;      // the query of this head, hs

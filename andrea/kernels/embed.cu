@@ -9,6 +9,7 @@
 // loss instead of reading memory it does not own.
 extern "C" __global__ void k_embed_fwd(CT* out, const int* tokens, const CT* wte, const CT* wpe,
                                        int N, int T, int C, int V) {
+  pdl_wait();
   for (int n = blockIdx.x; n < N; n += gridDim.x) {  // blocks over positions, threads over C
     int tok = tokens[n];
     const CT* e = wte + (i64)tok * C;
@@ -25,6 +26,7 @@ extern "C" __global__ void k_embed_fwd(CT* out, const int* tokens, const CT* wte
 // memory of P * 4 bytes. __syncthreads orders both shared and global accesses within the block.
 extern "C" __global__ void k_embed_sort(unsigned int* keys, const int* tokens, int N, int P, int shift,
                                         int use_shared) {
+  pdl_wait();
   extern __shared__ unsigned int smem_keys[];
   unsigned int* s = use_shared ? smem_keys : keys;
   for (int i = threadIdx.x; i < P; i += blockDim.x)
@@ -65,6 +67,7 @@ extern "C" __global__ void k_embed_sort(unsigned int* keys, const int* tokens, i
 #define ER_TILE 2048                                 // keys a shared-memory tile holds
 extern "C" __global__ void __launch_bounds__(ER_THREADS) k_embed_sort_rank(unsigned int* keys, const int* tokens,
                                                                           int N, int P, int shift) {
+  pdl_wait();
   __shared__ vec16 tile[ER_TILE / 4];
   __shared__ int part[ER_SLICES][ER_KEYS + 1];
   int t = threadIdx.x, g = t % ER_GROUPS, slice = t / ER_GROUPS;
@@ -116,6 +119,7 @@ extern "C" __global__ void __launch_bounds__(ER_THREADS) k_embed_sort_rank(unsig
 #define EW_COLS (32 * EW_PER_LANE)
 extern "C" __global__ void __launch_bounds__(32 * EW_WARPS) k_embed_bwd_wte(float* dwte, const unsigned int* keys,
                                                                          const CT* dout, int N, int C, int shift) {
+  pdl_wait();
   int i = blockIdx.x * EW_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (i >= N) return;
   unsigned int tok = keys[i] >> shift;
@@ -148,6 +152,7 @@ extern "C" __global__ void __launch_bounds__(32 * EW_WARPS) k_embed_bwd_wte(floa
 
 // dwpe[t] += sum over the batch of dout[b, t], b in order. One thread per (t, c).
 extern "C" __global__ void k_embed_bwd_wpe(float* dwpe, const CT* dout, int B, int T, int C) {
+  pdl_wait();
   i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x;
   if (i >= (i64)T * C) return;
   float acc = 0.f;

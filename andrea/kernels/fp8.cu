@@ -149,11 +149,13 @@ __device__ __forceinline__ void fp8_amax_block(float* meta, const CT* x, i64 n, 
 
 // meta[0] = max(meta[0], max |x|) over x (n values, n % 8 == 0), a grid-stride pass.
 extern "C" __global__ void k_fp8_amax(float* meta, const CT* x, i64 n) {
+  pdl_wait();
   fp8_amax_block<false>(meta, x, n, blockIdx.x * (i64)blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
 }
 
 // out (n bytes) = fp8(x * scale), scale from meta[0]; meta[inv_at] = 1/scale (n % 8 == 0).
 extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_at, const CT* x, i64 n) {
+  pdl_wait();
   float inv, s = fp8_scale(meta[0], &inv);
   if (blockIdx.x == 0 && threadIdx.x == 0) meta[inv_at] = inv;
   const Pack8* xp = reinterpret_cast<const Pack8*>(x);
@@ -325,6 +327,7 @@ __device__ __forceinline__ void fp8_cast_transpose_tiles(unsigned char* out, uns
 // x (R, K) to out (R, K) and/or out_t (K, R) (a null pointer skips it), as k_fp8_cast.
 extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
                                                 int inv_at, const CT* x, int R, int K) {
+  pdl_wait();
   fp8_cast_transpose_tiles<TILE_CAST>(out, out_t, meta, inv_at, x, R, K);
 }
 
@@ -333,6 +336,7 @@ extern "C" __global__ void k_fp8_cast_transpose(unsigned char* out, unsigned cha
 // pass's dY of a layer with a bias: its cast and its bias gradient's first pass in one read.
 extern "C" __global__ void k_fp8_cast_transpose_colsum(unsigned char* out, unsigned char* out_t, float* meta,
                                                        int inv_at, const CT* x, int R, int K, float* partial) {
+  pdl_wait();
   fp8_cast_transpose_tiles<TILE_CAST, true>(out, out_t, meta, inv_at, x, R, K, partial);
 }
 
@@ -345,6 +349,7 @@ extern "C" __global__ void k_fp8_cast_transpose_colsum(unsigned char* out, unsig
 // meta[t * meta_stride] = max(that, max |x_t|) for every tensor t of the table (the launcher
 // zeroes meta first). A tensor's blocks stride over it; the maximum does not depend on the split.
 extern "C" __global__ void k_fp8_amax_many(float* meta, int meta_stride, const i64* table) {
+  pdl_wait();
   const i64* e = table + (i64)blockIdx.y * FP8_TABLE_COLS;
   fp8_amax_block<false>(meta + (i64)blockIdx.y * meta_stride, reinterpret_cast<const CT*>(e[0]), e[3] * e[4],
                         blockIdx.x * (i64)blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
@@ -353,6 +358,7 @@ extern "C" __global__ void k_fp8_amax_many(float* meta, int meta_stride, const i
 // Every tensor t of the table cast as k_fp8_cast_transpose casts it, scale from its meta row's
 // amax, 1/scale into meta[t * meta_stride + inv_at]; a tensor's blocks take its tiles in turn.
 extern "C" __global__ void k_fp8_cast_transpose_many(float* meta, int meta_stride, int inv_at, const i64* table) {
+  pdl_wait();
   __shared__ unsigned char tile[FP8_TILE][FP8_TILE + 8];
   const i64* e = table + (i64)blockIdx.y * FP8_TABLE_COLS;
   const CT* x = reinterpret_cast<const CT*>(e[0]);
@@ -374,6 +380,7 @@ extern "C" __global__ void k_fp8_cast_transpose_many(float* meta, int meta_strid
 // meta[0] = max(meta[0], max |act|), act = gelu(pre) rounded to CT (gelu8; n values, n % 8 == 0),
 // without writing act, and without a GELU per value (fp8_amax_block).
 extern "C" __global__ void k_fp8_gelu_amax(float* meta, const CT* pre, i64 n) {
+  pdl_wait();
   fp8_amax_block<true>(meta, pre, n, blockIdx.x * (i64)blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
 }
 
@@ -381,6 +388,7 @@ extern "C" __global__ void k_fp8_gelu_amax(float* meta, const CT* pre, i64 n) {
 // scale from meta[0] (k_fp8_gelu_amax), 1/scale into meta[inv_at]; one block a FP8_TILE_ROWS x 64 tile.
 extern "C" __global__ void k_fp8_gelu_cast_transpose(unsigned char* out, unsigned char* out_t, float* meta,
                                                      int inv_at, const CT* pre, int R, int K) {
+  pdl_wait();
   fp8_cast_transpose_tiles<TILE_GELU>(out, out_t, meta, inv_at, pre, R, K);
 }
 
@@ -391,11 +399,13 @@ extern "C" __global__ void k_fp8_gelu_cast_transpose(unsigned char* out, unsigne
 // and amax_out[0] = max(that, max |x|) where amax_out is not null.
 extern "C" __global__ void k_fp8_cast_transpose_amax(unsigned char* out, unsigned char* out_t, float* meta,
                                                      int inv_at, const CT* x, int R, int K, float* amax_out) {
+  pdl_wait();
   fp8_cast_transpose_tiles<TILE_CAST, false, true>(out, out_t, meta, inv_at, x, R, K, nullptr, nullptr, amax_out);
 }
 extern "C" __global__ void k_fp8_cast_transpose_colsum_amax(unsigned char* out, unsigned char* out_t, float* meta,
                                                             int inv_at, const CT* x, int R, int K, float* partial,
                                                             float* amax_out) {
+  pdl_wait();
   fp8_cast_transpose_tiles<TILE_CAST, true, true>(out, out_t, meta, inv_at, x, R, K, partial, nullptr, amax_out);
 }
 
@@ -403,6 +413,7 @@ extern "C" __global__ void k_fp8_cast_transpose_colsum_amax(unsigned char* out, 
 // amax_out[0] = max(that, max |act|) where amax_out is not null.
 extern "C" __global__ void k_fp8_gelu_cast_transpose_amax(unsigned char* out, unsigned char* out_t, float* meta,
                                                           int inv_at, const CT* pre, int R, int K, float* amax_out) {
+  pdl_wait();
   fp8_cast_transpose_tiles<TILE_GELU, false, true>(out, out_t, meta, inv_at, pre, R, K, nullptr, nullptr, amax_out);
 }
 
@@ -415,6 +426,7 @@ extern "C" __global__ void k_fp8_dgelu_cast_transpose_colsum_amax(unsigned char*
                                                                   float* meta, int inv_at, const CT* dact,
                                                                   const CT* pre, int R, int K, float* partial,
                                                                   float* amax_out) {
+  pdl_wait();
   fp8_cast_transpose_tiles<TILE_DGELU, true, true>(out, out_t, meta, inv_at, dact, R, K, partial, pre, amax_out);
 }
 
@@ -428,6 +440,7 @@ extern "C" __global__ void k_fp8_dgelu_cast_transpose_colsum_amax(unsigned char*
 // and is skipped).
 #define FP8_HIST 16
 extern "C" __global__ void k_fp8_delayed_roll(float* rows, int n, int stride, const double* state, int skip_at) {
+  pdl_wait();
   int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= n) return;
   float* r = rows + (i64)t * stride;
@@ -451,6 +464,7 @@ extern "C" __global__ void k_fp8_delayed_roll(float* rows, int n, int stride, co
 // lane y = threadIdx.x / 32; grid (column strips, row chunks). H % CT_VEC == 0, rows 16-byte aligned.
 extern "C" __global__ void k_fp8_dgelu_colsum_amax(float* __restrict__ partial, float* meta, CT* __restrict__ dact,
                                                    const CT* __restrict__ pre, i64 N, int H, int rows_per_chunk) {
+  pdl_wait();
   __shared__ float acc[8][32 * CT_VEC + 1];
   int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
   int hv = H / CT_VEC, v = blockIdx.x * 32 + tx;  // this lane's vector of the row
@@ -490,6 +504,7 @@ extern "C" __global__ void k_fp8_dgelu_colsum_amax(float* __restrict__ partial, 
 // warp's stores are runs of 64 contiguous bytes). R % 16 == K % 16 == 0, x and out_t 16-byte aligned.
 extern "C" __global__ void k_fp8_transpose(unsigned char* __restrict__ out_t, const unsigned char* __restrict__ x,
                                            int R, int K) {
+  pdl_wait();
   __shared__ unsigned int tile[FP8_TILE][FP8_TILE / 4 + 1];
   int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE, t = threadIdx.x;
   int lr = t >> 2, lc = (t & 3) * 4;  // the loaded row, its first word

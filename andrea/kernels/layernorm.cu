@@ -37,6 +37,7 @@ __device__ __forceinline__ unsigned int ln_row(CT* o, float* mean, float* rstd, 
 // into *amax (common.cuh block_amax_atomic).
 extern "C" __global__ void k_layernorm_fwd(CT* out, float* mean, float* rstd, const CT* inp,
                                            const CT* weight, const CT* bias, i64 N, int C, float* amax) {
+  pdl_wait();
   i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
   unsigned int m = 0u;
@@ -56,6 +57,7 @@ extern "C" __global__ void k_layernorm_fwd(CT* out, float* mean, float* rstd, co
 extern "C" __global__ void k_residual_layernorm_fwd(CT* res, CT* out, float* mean, float* rstd,
                                                     const CT* a, const CT* b, const CT* weight,
                                                     const CT* bias, i64 N, int C, float* amax) {
+  pdl_wait();
   i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
   unsigned int m = 0u;
@@ -79,6 +81,7 @@ extern "C" __global__ void k_residual_layernorm_fwd(CT* res, CT* out, float* mea
 extern "C" __global__ void k_layernorm_bwd_dx(CT* dinp, const CT* dout, const CT* inp, const CT* weight,
                                               const float* mean, const float* rstd, i64 N, int C,
                                               int accumulate) {
+  pdl_wait();
   i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
   if (row >= N) return;
@@ -107,6 +110,7 @@ extern "C" __global__ void k_layernorm_bwd_dx(CT* dinp, const CT* dout, const CT
 extern "C" __global__ void k_layernorm_bwd_partial(float* pdw, float* pdb, const CT* dout, const CT* inp,
                                                    const float* mean, const float* rstd, i64 N, int C,
                                                    int rows_per_chunk) {
+  pdl_wait();
   __shared__ float sw[8][33], sb[8][33];
   int c = blockIdx.x * 32 + threadIdx.x;
   i64 r0 = (i64)blockIdx.y * rows_per_chunk;
@@ -159,6 +163,7 @@ extern "C" __global__ void k_layernorm_bwd_partial(float* pdw, float* pdb, const
 extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd_fused(
     CT* dinp, float* pdw, float* pdb, const CT* dout, const CT* inp, const CT* weight,
     const float* mean, const float* rstd, i64 N, int C, int rows_per_block) {
+  pdl_wait();
   __shared__ float s_mu[LN5_ROWS], s_rs[LN5_ROWS], s_a[LN5_ROWS], s_b[LN5_ROWS];
   __shared__ float s_w[256 * LN_VEC], s_b2[256 * LN_VEC];  // G groups' sums, G * nq <= 256 vectors
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5, nq = C / LN_VEC;
@@ -303,6 +308,7 @@ __device__ __forceinline__ vec16 ln_vec_out(const float (&xk)[LN_VEC], float mu,
 extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_vec(
     CT* res, CT* out, float* mean, float* rstd, const CT* a, const CT* b, const CT* weight,
     const CT* bias, i64 N, int C, float* amax) {
+  pdl_wait();
   i64 row = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31, nq = C / LN_VEC;
   unsigned int m = 0u;
@@ -339,6 +345,7 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_vec(
 extern "C" __global__ void __launch_bounds__(32 * LN_FP8_WARPS) k_layernorm_fwd_fp8(
     unsigned char* q, unsigned char* q_t, CT* res, float* mean, float* rstd, const CT* a, const CT* b,
     const CT* weight, const CT* bias, i64 N, int C, float* meta, int inv_at, float* amax_out) {
+  pdl_wait();
   // the tile's bytes as words, LN_MAXC + 4 bytes a row: rows 8 apart fall in other banks
   __shared__ unsigned int tile[LN_FP8_ROWS][LN_MAXC / 4 + 1];
   __shared__ unsigned int warp_amax[LN_FP8_WARPS];

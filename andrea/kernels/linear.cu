@@ -8,6 +8,7 @@
 // x (N, OC) += b (OC,), in place: the bias of a cuBLAS product. Blocks stride over rows and
 // threads over columns, so no 64-bit division per element.
 extern "C" __global__ void k_bias_add(CT* x, const CT* b, i64 N, int OC) {
+  pdl_wait();
   for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
     CT* row = x + r * OC;
     for (int c = threadIdx.x; c < OC; c += blockDim.x) row[c] = from_f<CT>(to_f(row[c]) + to_f(b[c]));
@@ -18,6 +19,7 @@ extern "C" __global__ void k_bias_add(CT* x, const CT* b, i64 N, int OC) {
 // (32, 8): 32 columns, 8 row lanes, a fixed row chunk per blockIdx.y); pass 2 adds the chunks in
 // order into out[c]. Used for every bias gradient.
 extern "C" __global__ void k_colsum_partial(float* partial, const CT* x, i64 N, int C, int rows_per_chunk) {
+  pdl_wait();
   __shared__ float acc[8][33];
   int c = blockIdx.x * 32 + threadIdx.x;
   i64 r0 = (i64)blockIdx.y * rows_per_chunk;
@@ -39,6 +41,7 @@ extern "C" __global__ void k_colsum_partial(float* partial, const CT* x, i64 N, 
 // contiguous bytes of a row instead of 64), the same rows per thread (r0 + threadIdx.y, + 8, ...)
 // and the same order of additions as k_colsum_partial, so the same bits.
 extern "C" __global__ void k_colsum_partial_vec(float* partial, const CT* x, i64 N, int C, int rows_per_chunk) {
+  pdl_wait();
   __shared__ float acc[8][32 * CT_VEC];
   int c0 = (blockIdx.x * 32 + threadIdx.x) * CT_VEC;
   i64 r0 = (i64)blockIdx.y * rows_per_chunk;
@@ -80,6 +83,7 @@ __device__ __forceinline__ void colsum_column(float* out, const float* partial, 
 
 // One warp per column (8 columns a block of 256). out is float32 (a grad).
 extern "C" __global__ void k_colsum_final(float* out, const float* partial, int n_chunks, int C, int write) {
+  pdl_wait();
   int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (c < C) colsum_column(out, partial, n_chunks, C, c, threadIdx.x & 31, write);
 }
@@ -121,6 +125,7 @@ __device__ __forceinline__ void colsum_column_thread(float* out, const float* pa
 // git history) took a warp per column as k_colsum_final does: 89 us for the 120M pass's sums
 // on an H200, its lanes' loads 32 rows apart.
 extern "C" __global__ void k_colsum_final_many(const ColsumSegment* __restrict__ segs, int n_segs) {
+  pdl_wait();
   int lo = 0, hi = n_segs - 1, b = blockIdx.x;
   while (lo < hi) {  // binary search: the last segment starting at or before this block
     int mid = (lo + hi + 1) >> 1;

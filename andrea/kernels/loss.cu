@@ -172,6 +172,7 @@ __device__ __forceinline__ void row_loss(float* losses, float* lse, const CT* x,
 // Rows of one chunk, a block each: losses, lse, targets and logits all start at the chunk's first row.
 extern "C" __global__ void loss_fwd(float* losses, float* lse, const CT* logits, const int* targets,
                                     i64 N, int V) {
+  pdl_wait();
   i64 row = blockIdx.x;
   const CT* x = logits + row * V;
   float L = row_lse(x, V);
@@ -224,6 +225,7 @@ __device__ __forceinline__ void loss_bwd_row(float* losses, float* lse, CT* logi
 
 extern "C" __global__ void loss_bwd(float* losses, float* lse, CT* logits, const int* targets,
                                     i64 N, int V, const float* dloss_ptr, float dloss) {
+  pdl_wait();
   loss_bwd_row<false>(losses, lse, logits, targets, V, dloss_ptr, dloss, nullptr, nullptr, 0);
 }
 
@@ -233,6 +235,7 @@ extern "C" __global__ void loss_bwd(float* losses, float* lse, CT* logits, const
 extern "C" __global__ void loss_bwd_fp8(float* losses, float* lse, CT* logits, const int* targets,
                                         i64 N, int V, const float* dloss_ptr, float dloss,
                                         unsigned char* q8, float* q8_inv, i64 row0) {
+  pdl_wait();
   loss_bwd_row<true>(losses, lse, logits, targets, V, dloss_ptr, dloss, q8, q8_inv, row0);
 }
 
@@ -396,17 +399,20 @@ __device__ __forceinline__ void loss_rows(float* losses, float* lse, CT* logits,
 
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
     loss_fwd_regs(float* losses, float* lse, CT* logits, const int* targets, i64 N, int V) {
+  pdl_wait();
   loss_rows<false, false>(losses, lse, logits, targets, N, V, nullptr, 0.f, nullptr, nullptr, 0);
 }
 
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
     loss_bwd_regs(float* losses, float* lse, CT* logits, const int* targets, i64 N, int V,
                   const float* dloss_ptr, float dloss) {
+  pdl_wait();
   loss_rows<true, false>(losses, lse, logits, targets, N, V, dloss_ptr, dloss, nullptr, nullptr, 0);
 }
 
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
     loss_bwd_fp8_regs(float* losses, float* lse, CT* logits, const int* targets, i64 N, int V,
                       const float* dloss_ptr, float dloss, unsigned char* q8, float* q8_inv, i64 row0) {
+  pdl_wait();
   loss_rows<true, true>(losses, lse, logits, targets, N, V, dloss_ptr, dloss, q8, q8_inv, row0);
 }

@@ -11,6 +11,7 @@
 // pre (N, H) += b1 (rounded to CT, as saved); act = gelu(pre).
 // Blocks stride over rows, threads over columns (no 64-bit division per element).
 extern "C" __global__ void k_mlp_fwd_bias_gelu(CT* pre, CT* act, const CT* b1, i64 N, int H) {
+  pdl_wait();
   for (i64 r = blockIdx.x; r < N; r += gridDim.x)
     for (int c = threadIdx.x; c < H; c += blockDim.x) {
       i64 i = r * H + c;
@@ -25,6 +26,7 @@ extern "C" __global__ void k_mlp_fwd_bias_gelu(CT* pre, CT* act, const CT* b1, i
 // per load where every buffer allows it (version 1, in git history, loaded one element per
 // thread, with a separate kernel for the derivative). gelu and gelu_and_slope: gelu.cuh.
 extern "C" __global__ void k_mlp_bwd_gelu(CT* act, CT* dact, const CT* pre, i64 total) {
+  pdl_wait();
   i64 i0 = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
   float g, dg;
   if (total % CT_VEC == 0 && aligned16(pre) && aligned16(act) && aligned16(dact)) {
@@ -58,6 +60,7 @@ extern "C" __global__ void k_mlp_bwd_gelu(CT* act, CT* dact, const CT* pre, i64 
 extern "C" __global__ void k_mlp_bwd_gelu_colsum(float* __restrict__ partial, CT* __restrict__ act,
                                                  CT* __restrict__ dact, const CT* __restrict__ pre, i64 N,
                                                  int H, int rows_per_chunk) {
+  pdl_wait();
   __shared__ float acc[8][32 * CT_VEC + 1];
   int hv = H / CT_VEC, v = blockIdx.x * 32 + threadIdx.x;  // this lane's vector of the row
   i64 r0 = (i64)blockIdx.y * rows_per_chunk;

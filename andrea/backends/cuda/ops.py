@@ -289,6 +289,19 @@ class CudaOps:
     # A/Bs of whole steps: +0.06, -0.06 and -0.09); the wgrad products take the SMs the chain's
     # memory-bound kernels would leave idle, but slow the chain more than they save
     fp8_wgrad_stream = False
+
+    @property
+    def pdl(self) -> bool:
+        """Programmatic dependent launch (the Runtime's switch, cuda/pdl.py): each kernel that
+        calls pdl_wait() first launched with the programmatic attribute on sm_90 and newer, so a
+        grid starts while the one before it drains; the same bits. Read at every launch, so set
+        it before an Engine captures its graphs."""
+        return self.rt.pdl
+
+    @pdl.setter
+    def pdl(self, on) -> None:
+        self.rt.pdl = bool(on)
+
     # the MLP backward's GELU derivative in cuBLASLt's dGELU epilogue (True) or in k_mlp_bwd_gelu
     # (fp8: k_fp8_dgelu_colsum_amax) after a plain product (False); docs/BENCHMARKS.md and
     # docs/FP8.md have the timings behind the default

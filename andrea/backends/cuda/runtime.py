@@ -123,6 +123,13 @@ class Runtime:
         self.modules: dict = {}
         self.funcs: dict = {}
         self.smem_granted: dict = {}  # id(kernel) -> dynamic shared memory allowed (arch_module kernels)
+        # programmatic dependent launch (cuda/pdl.py): kernels whose body starts with pdl_wait()
+        # launched through cuLaunchKernelEx with the programmatic attribute, on sm_90 and newer
+        self.pdl = False
+        self._pdl_ready: dict = {}  # fname -> the names of its kernels that call pdl_wait() first
+        self._pdl_driver = None
+        self._pdl_arch_ok = None
+        self.pdl_launches = 0  # launches made with the attribute (the tests' check that it was used)
 
     def source(self, fname: str) -> str:
         path = self.sources.get(fname, self.dir / fname)
@@ -154,8 +161,29 @@ class Runtime:
         f = self.function(fname, kernel, dtype, defs, arch)
         if shared_mem > 48 * 1024:
             _allow_shared(f, shared_mem, self.smem_granted)  # the opt-in above the default 48 KB, once per kernel and size
+        if self.pdl and self._pdl_launchable(fname, kernel):
+            ptr = f.kernel.ptr if hasattr(f, "kernel") else f.ptr  # a RawKernel's Function, or an arch_module's
+            self._pdl_driver.launch(kernel, ptr, grid, block, shared_mem, cp.cuda.get_current_stream().ptr, args,
+                                    cp.ndarray)
+            self.pdl_launches += 1
+            return
         f(grid if isinstance(grid, tuple) else (grid,), block if isinstance(block, tuple) else (block,), args,
           shared_mem=shared_mem)
+
+    def _pdl_launchable(self, fname: str, kernel: str) -> bool:
+        """Whether kernel of fname may take the programmatic attribute: its source calls pdl_wait()
+        first (pdl.ready_kernels, once per file) and the device is sm_90 or newer."""
+        if self._pdl_arch_ok is None:
+            from .pdl import Driver
+            self._pdl_arch_ok = int(cp.cuda.Device().compute_capability) >= 90
+            self._pdl_driver = Driver() if self._pdl_arch_ok else None
+        if not self._pdl_arch_ok:
+            return False
+        ready = self._pdl_ready.get(fname)
+        if ready is None:
+            from .pdl import ready_kernels
+            ready = self._pdl_ready[fname] = ready_kernels(self.source(fname))
+        return kernel in ready
 
 
 def blocks(n: int, per_block: int = THREADS) -> int:
