@@ -56,14 +56,17 @@ def host(a):
     return a.get().astype(np.float64)
 
 
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])  # CudaOps.fp8_transpose_words
 @pytest.mark.parametrize("rows", [64, 128, 256])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16), (400, 96)])  # partial tiles of every height
-def test_cast_kernels_match_the_reference_bytes(be, fmt, R, K, rows, monkeypatch):
-    """k_fp8_amax, k_fp8_cast_transpose (tiles of 64, 128 and 256 rows: CudaOps.fp8_tile_rows) and
-    k_fp8_cast byte for byte against the reference; a NaN makes the amax NaN."""
+def test_cast_kernels_match_the_reference_bytes(be, fmt, R, K, rows, words, monkeypatch):
+    """k_fp8_amax, k_fp8_cast_transpose (tiles of 64, 128 and 256 rows: CudaOps.fp8_tile_rows; the
+    tile read back by bytes or by words: CudaOps.fp8_transpose_words) and k_fp8_cast byte for
+    byte against the reference; a NaN makes the amax NaN."""
     import cupy as cp
     monkeypatch.setattr(be, "fp8_tile_rows", rows)
+    monkeypatch.setattr(be, "fp8_transpose_words", words)
     rng = np.random.default_rng(R * K)
     x = (rng.standard_normal((R, K)) * np.exp2(rng.integers(-12, 6, (R, K)))).astype(bf16())
     xd = cp.asarray(x)
@@ -138,13 +141,16 @@ def test_linear_bias_gradient_from_the_cast(be, IC, OC, monkeypatch):
     assert not np.array_equal(got[True][2], np.full(OC, 0.25, np.float32))
 
 
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])  # CudaOps.fp8_transpose_words
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_many_kernels_are_each_tensor_alone(be, fmt):
+def test_many_kernels_are_each_tensor_alone(be, fmt, words, monkeypatch):
     """k_fp8_amax_many + k_fp8_cast_transpose_many over tensors of several shapes (partial tiles,
     one with more tiles and more values than its blocks take at once, so the blocks stride; a zero
     tensor, a NaN; an output skipped) against k_fp8_amax + k_fp8_cast_transpose on each tensor
-    alone and against numpy_ref's *_many: the same bytes and meta, the rest of meta zeroed."""
+    alone and against numpy_ref's *_many: the same bytes and meta, the rest of meta zeroed. The
+    tile read back by bytes or by words (CudaOps.fp8_transpose_words)."""
     import cupy as cp
+    monkeypatch.setattr(be, "fp8_transpose_words", words)
     from andrea.backends.cuda.fp8 import MANY_BLOCKS, META_STRIDE, TILE
     rng = np.random.default_rng(11)
     shapes = [(48, 80), (112, 208), (16, 16), (1040, 592), (240, 80), (80, 320)]
@@ -1072,16 +1078,18 @@ def fp8_neighbours_at_midpoint(got, want, exact, fmt):
     return bool(np.all((step == 1) & (np.abs(exact - mid) <= 1e-5 * np.abs(mid))))
 
 
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("rounding,sr_hash", [("nearest", "pairs"), ("stochastic", "pairs"), ("stochastic", "group")],
+                         ids=["nearest", "stochastic", "stochastic-group"])
 @pytest.mark.parametrize("version", ["regs", "v1"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("V", [96, 1008, 99])
-def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, monkeypatch):
+def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, sr_hash, monkeypatch):
     """loss_bwd_fp8(_regs): losses and lse bit-equal to the 16-bit row pass (loss_bwd(_regs)) on
     the same logits, the logits left as they were, *q8_inv = dloss / 2^k, and the FP8 dlogits
     numpy_ref.loss_bwd_fp8's bytes (rounded to nearest, or stochastically with its random bits for
-    rows from row0 = 5) but for values at a rounding midpoint, or at the random threshold (fewer than
-    1 in 1000, and then the neighbouring byte). V = 99: rows of no whole vectors, byte by byte."""
+    rows from row0 = 5, either hash: -DFP8_SR_HASH=0 "pairs", 1 "group") but for values at a
+    rounding midpoint, or at the random threshold (fewer than 1 in 1000, and then the neighbouring
+    byte). V = 99: rows of no whole vectors, byte by byte (sr_one, the same bits as sr_vec's)."""
     import cupy as cp
     from andrea.backends.cuda.fp8 import Fp8Ops
     from andrea.backends.cuda.ops import _dloss_args
@@ -1096,8 +1104,11 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, m
     q8, meta = cp.zeros((n, V), cp.uint8), cp.zeros(2, cp.float32)
     lf, lse = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32)
     z0 = z.copy()
+    stochastic = rounding == "stochastic"
+    defs = Fp8Ops._defs(fmt) + (f"-DFP8_SR={int(stochastic)}",)
+    defs += (f"-DFP8_SR_HASH={int(sr_hash == 'group')}",) if stochastic else ()
     be._loss_rows(True, n, z, ct, (lf, lse, z, t, np.int64(n), np.int32(V)) + _dloss_args("t", dloss)
-                  + (q8, meta[1:], np.int64(5)), fp8_defs=Fp8Ops._defs(fmt) + (f"-DFP8_SR={int(rounding == 'stochastic')}",))
+                  + (q8, meta[1:], np.int64(5)), fp8_defs=defs)
     assert np.array_equal(z.get().view(np.uint16), z0.get().view(np.uint16)), "the logits were changed"
     lf16, lse16, z16 = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32), z0.copy()
     be._loss_rows(True, n, z16, ct, (lf16, lse16, z16, t, np.int64(n), np.int32(V)) + _dloss_args("t", dloss))
@@ -1106,7 +1117,8 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, m
     assert meta.get()[1] == np.float32(1.0 / 384 * 2.0 ** -k)
     want, m_ref = np.zeros((n, V), np.uint8), np.zeros(2, np.float32)
     zh = host(z0)
-    ref.loss_bwd_fp8(np.zeros(n), np.zeros(n), want, m_ref, z0.get(), t.get(), dloss.get(), fmt, rounding, row0=5)
+    ref.loss_bwd_fp8(np.zeros(n), np.zeros(n), want, m_ref, z0.get(), t.get(), dloss.get(), fmt, rounding, row0=5,
+                     sr_hash=sr_hash)
     got = q8.get()
     bad = got != want
     assert bad.mean() < 1e-3, f"{bad.sum()} of {bad.size} bytes differ"
@@ -1119,6 +1131,10 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, m
         near = np.zeros((n, V), np.uint8)  # and the bits were used: not the bytes of nearest
         ref.loss_bwd_fp8(np.zeros(n), np.zeros(n), near, m_ref, z0.get(), t.get(), dloss.get(), fmt, "nearest")
         assert (near != got).mean() > 0.05
+        other = np.zeros((n, V), np.uint8)  # the hash asked for: not the other hash's bytes
+        ref.loss_bwd_fp8(np.zeros(n), np.zeros(n), other, m_ref, z0.get(), t.get(), dloss.get(), fmt, rounding,
+                         row0=5, sr_hash="pairs" if sr_hash == "group" else "group")
+        assert (other != got).mean() > 0.05
 
 
 # Stochastic rounding is compared with the reference at level 1 only: its random bits are keyed by
@@ -1126,20 +1142,23 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, m
 # reference's (a float64 product rounded to bf16) differ in some last bits, so the two draw
 # different bits there and differ by two roundings' noise. Level 2's logits are checked with
 # rounding to nearest, stochastic rounding's bytes by test_dlogits_row_pass_matches_the_reference.
-@pytest.mark.parametrize("level,rounding", [(1, "nearest"), (2, "nearest"), (1, "stochastic")],
-                         ids=["backward", "all", "backward-sr"])
+@pytest.mark.parametrize("level,rounding,sr_hash", [(1, "nearest", "pairs"), (2, "nearest", "pairs"),
+                                                    (1, "stochastic", "pairs"), (1, "stochastic", "group")],
+                         ids=["backward", "all", "backward-sr", "backward-sr-group"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
-def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, level, rounding, monkeypatch):
+def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, level, rounding, sr_hash, monkeypatch):
     """k_loss_bwd / k_loss_fwd with the FP8 classifier (V a multiple of 16; CudaOps.fp8_classifier
-    1: the backward's products in FP8, 2: the logits too) against numpy_ref.k_fp8_loss_bwd /
-    k_fp8_loss_fwd (bf16 logits, as the GPU's) within TOL, in chunks of 48 rows; against the float64
-    classifier without quantisation within 0.1 and not equal to it. k_loss_fwd gives the losses
-    and lse of k_loss_bwd, bit for bit (its logits in FP8 at level 2, in bf16 at level 1)."""
+    1: the backward's products in FP8, 2: the logits too; CudaOps.fp8_sr_hash the stochastic
+    rounding's bits) against numpy_ref.k_fp8_loss_bwd / k_fp8_loss_fwd (bf16 logits, as the GPU's)
+    within TOL, in chunks of 48 rows; against the float64 classifier without quantisation within 0.1
+    and not equal to it. k_loss_fwd gives the losses and lse of k_loss_bwd, bit for bit (its logits
+    in FP8 at level 2, in bf16 at level 1)."""
     import cupy as cp
     monkeypatch.setattr(be, "fp8_dlogits", fmt)
     monkeypatch.setattr(be, "fp8_classifier", level)
     monkeypatch.setattr(be, "fp8_dlogits_rounding", rounding)
+    monkeypatch.setattr(be, "fp8_sr_hash", sr_hash)
     B, T, C, V, R = 4, 48, 80, 96, 48
     rng = np.random.default_rng(7)
     x = rng.normal(0, 1, (B, T, C))
@@ -1153,7 +1172,7 @@ def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, level, roundi
     be.k_loss_bwd(lf, lse, dx, dw, cp.zeros((R, V), xd.dtype), xd, wd, td, dloss, accumulate=accumulate)
     want = [np.zeros((B, T)), np.zeros((B, T)), host(on_dev(base)), np.zeros((V, C))]
     ref.k_fp8_loss_bwd(*want[:2], want[2], want[3], np.zeros((R, V), bf16()), xh, wh, t, dloss, fmt, accumulate,
-                       fp8_logits=level == 2, rounding=rounding)
+                       fp8_logits=level == 2, rounding=rounding, sr_hash=sr_hash)
     for what, a, b in zip(("losses", "lse", "dinp", "dwte"), (lf, lse, dx, dw), want):
         assert rel(host(a), b) < TOL, what
     exact = [np.zeros((B, T)), np.zeros((B, T)), host(on_dev(base)), np.zeros((V, C))]
@@ -1163,6 +1182,35 @@ def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, level, roundi
     lf2, lse2 = cp.zeros((B, T), cp.float32), cp.zeros((B, T), cp.float32)
     be.k_loss_fwd(lf2, lse2, cp.zeros((R, V), xd.dtype), xd, wd, td)
     assert np.array_equal(lf2.get(), lf.get()) and np.array_equal(lse2.get(), lse.get())
+
+
+def test_fp8_sr_hash_reaches_the_row_pass(be, monkeypatch):
+    """CudaOps.fp8_sr_hash: k_loss_bwd with the FP8 classifier and stochastic dlogits builds its row
+    pass with -DFP8_SR_HASH=0 ("pairs") or 1 ("group"): the two give other dW bits (the dlogits'
+    bytes differ), each the same on a rerun; any other value is a ValueError naming the switch
+    before anything runs. Each hash's bytes against the reference: the row pass test above."""
+    import cupy as cp
+    monkeypatch.setattr(be, "fp8_dlogits", "e4m3")
+    monkeypatch.setattr(be, "fp8_classifier", 1)
+    monkeypatch.setattr(be, "fp8_dlogits_rounding", "stochastic")
+    B, T, C, V, R = 2, 48, 80, 96, 48
+    rng = np.random.default_rng(12)
+    xd, wd = on_dev(rng.normal(0, 1, (B, T, C))), on_dev(rng.normal(0, 0.3, (V, C)))
+    td = cp.asarray(rng.integers(0, V, (B, T)).astype(np.int32))
+
+    def dw(sr_hash):
+        monkeypatch.setattr(be, "fp8_sr_hash", sr_hash)
+        lf, lse, dx, w = (cp.zeros((B, T), cp.float32), cp.zeros((B, T), cp.float32), on_dev(np.zeros((B, T, C))),
+                          cp.zeros((V, C), cp.float32))
+        be.k_loss_bwd(lf, lse, dx, w, cp.zeros((R, V), xd.dtype), xd, wd, td, 1.0 / (B * T), accumulate=False)
+        return w.get()
+
+    pairs, group = dw("pairs"), dw("group")
+    assert np.array_equal(pairs, dw("pairs")) and np.array_equal(group, dw("group"))
+    assert not np.array_equal(pairs, group)
+    assert rel(group, pairs) < 0.1  # two draws of one unbiased rounding (about 0.025 apart in the reference)
+    with pytest.raises(ValueError, match=r"CudaOps\.fp8_sr_hash = 'murmur': expected 'pairs' or 'group'"):
+        dw("murmur")
 
 
 def test_engine_fp8_classifier_same_bits_and_resume(tmp_path):
@@ -1215,7 +1263,8 @@ def test_engine_fp8_classifier_same_bits_and_resume(tmp_path):
 @pytest.mark.parametrize("gelu_fma", [False, True], ids=["sigmoid", "folded"])  # CudaOps.fp8_gelu_fma
 @pytest.mark.parametrize("rows", [64, 128])
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (400, 96)])  # partial tiles
-def test_delayed_kernels_are_the_current_passes(be, R, K, rows, gelu_fma, monkeypatch):
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])  # CudaOps.fp8_transpose_words
+def test_delayed_kernels_are_the_current_passes(be, R, K, rows, gelu_fma, words, monkeypatch):
     """k_fp8_gelu_cast_transpose_amax: the bytes and 1/scale of k_fp8_gelu_cast_transpose with the
     same meta, and the amax it reduces (into a value already there) that of k_fp8_gelu_amax;
     k_fp8_cast_transpose_amax and k_fp8_cast_transpose_colsum_amax those of their casts without it
@@ -1224,10 +1273,12 @@ def test_delayed_kernels_are_the_current_passes(be, R, K, rows, gelu_fma, monkey
     in place, on a copy) followed by k_fp8_cast_transpose with the same meta; its column sums
     numpy_ref.fp8_tile_colsum of that dact bit for bit, its amax k_fp8_amax of it; dact not
     written. A scale from a smaller amax (a delayed one) saturates, as the cast does. Either form
-    of gelu.cuh (CudaOps.fp8_gelu_fma)."""
+    of gelu.cuh (CudaOps.fp8_gelu_fma); the tile read back by bytes or by words
+    (CudaOps.fp8_transpose_words)."""
     import cupy as cp
     monkeypatch.setattr(be, "fp8_tile_rows", rows)
     monkeypatch.setattr(be, "fp8_gelu_fma", gelu_fma)
+    monkeypatch.setattr(be, "fp8_transpose_words", words)
     rng = np.random.default_rng(R + K + rows)
     pre = cp.asarray((rng.standard_normal((R, K)) * 2).astype(bf16()))
     dact = cp.asarray((rng.standard_normal((R, K)) * np.exp2(rng.integers(-10, 2, (R, K)))).astype(bf16()))

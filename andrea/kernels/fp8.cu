@@ -167,8 +167,8 @@ extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_a
 // One TR x 64 tile at (r0, c0) of x (R, K) to out (R, K) and/or out_t (K, R) (a null pointer
 // skips it) with scale s: 256 threads read 8 consecutive values each, TR / 32 times, all loads
 // issued before the first conversion (the stores to out could alias x, so the compiler would not
-// hoist them itself), write them to out and to a shared byte tile, then write 8 consecutive bytes
-// of a row of out_t each, TR / 32 times. R % 8 == K % 8 == 0. The caller syncs before reusing tile.
+// hoist them itself), write them to out and to a shared byte tile, from which
+// fp8_tile_transpose_out writes out_t. R % 8 == K % 8 == 0. The caller syncs before reusing tile.
 // GELU: the tile of gelu8(x) instead (k_fp8_gelu_cast_transpose). TR: 64 (the weights' *_many
 // kernel) or FP8_TILE_ROWS (the single-tensor kernels: the launcher's CudaOps.fp8_tile_rows).
 // partial (non-null: k_fp8_cast_transpose_colsum): partial[r0 / TR][c0 + j] = the sum of x's column
@@ -176,6 +176,9 @@ extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_a
 #define FP8_TILE 64
 #ifndef FP8_TILE_ROWS
 #define FP8_TILE_ROWS 64
+#endif
+#ifndef FP8_T_WORDS
+#define FP8_T_WORDS 0  // fp8_tile_transpose_out's reading of the tile (CudaOps.fp8_transpose_words)
 #endif
 // The column sums of a cast tile (k_fp8_cast_transpose_colsum), in this order (fp8_tile_colsum in
 // numpy_ref): thread t of the 256 holds rows 32h + t / 8 (h = 0 .. H-1) of the 8 columns 8 (t % 8)..;
@@ -217,6 +220,63 @@ __device__ __forceinline__ void fp8_tile_colsum_out(float* partial, int K, int r
 #pragma unroll
   for (int w = 1; w < 8; ++w) v += acc[w][j];
   partial[(i64)row * K + c0 + j] = v;
+}
+
+// The 4 x 4 bytes of w[0..3] turned around: byte k of out[i] = byte i of w[k] (six byte permutes
+// and two more; k_fp8_transpose and fp8_tile_transpose_out).
+__device__ __forceinline__ void bytes_transpose4(const unsigned int (&w)[4], unsigned int (&out)[4]) {
+  unsigned int lo01 = __byte_perm(w[0], w[1], 0x5140), hi01 = __byte_perm(w[0], w[1], 0x7362);
+  unsigned int lo23 = __byte_perm(w[2], w[3], 0x5140), hi23 = __byte_perm(w[2], w[3], 0x7362);
+  out[0] = __byte_perm(lo01, lo23, 0x5410);
+  out[1] = __byte_perm(lo01, lo23, 0x7632);
+  out[2] = __byte_perm(hi01, hi23, 0x5410);
+  out[3] = __byte_perm(hi01, hi23, 0x7632);
+}
+
+// out_t (K, R) rows c0.., bytes r0.. = the shared tile (TR x 64 bytes, rows FP8_TILE + 8 apart)
+// turned around. R % 8 == K % 8 == 0; 256 threads, after the barrier that made the tile.
+// -DFP8_T_WORDS=1 (CudaOps.fp8_transpose_words): 2 * TR units of 8 rows x 4 columns; unit u reads
+// its 8 rows as one 32-bit word each (rows 8 * (u % 4 + 4 * (u / 64)).., columns 4 * ((u / 4) % 16)..),
+// turns the two 4 x 4 byte blocks around in registers and writes four 8-byte runs, one a column.
+// A warp's word loads fall in 16 banks (two rows 8 apart share one: 2 ways) and each of its four
+// stores is 8 columns x 32 contiguous bytes. Else: TR * 8 units of 8 rows x 1 column, eight 1-byte
+// loads each (rows 8 apart share a bank: 4 ways), a warp's store 4 columns x 64 bytes.
+template <int TR>
+__device__ __forceinline__ void fp8_tile_transpose_out(unsigned char* out_t, unsigned char (*tile)[FP8_TILE + 8],
+                                                       int R, int K, int r0, int c0) {
+#if FP8_T_WORDS
+#pragma unroll
+  for (int k = 0; k < (2 * TR + 255) / 256; ++k) {
+    int u = threadIdx.x + 256 * k, col = 4 * ((u >> 2) & 15), r8 = 8 * ((u & 3) + 4 * (u >> 6));
+    if (u < 2 * TR && c0 + col < K && r0 + r8 < R) {
+      unsigned int top[4], low[4], lo[4], hi[4];  // rows r8.. and r8 + 4..; out_t's words
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        top[j] = *reinterpret_cast<const unsigned int*>(&tile[r8 + j][col]);
+        low[j] = *reinterpret_cast<const unsigned int*>(&tile[r8 + 4 + j][col]);
+      }
+      bytes_transpose4(top, lo);
+      bytes_transpose4(low, hi);
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        *reinterpret_cast<Bytes8*>(out_t + (i64)(c0 + col + c) * R + r0 + r8) = Bytes8{lo[c], hi[c]};
+    }
+  }
+#else
+#pragma unroll
+  for (int h = 0; h < TR / 32; ++h) {
+    int c = threadIdx.x + h * blockDim.x, col = c / (TR / 8), r8 = (c % (TR / 8)) * 8;
+    if (c0 + col < K && r0 + r8 < R) {
+      unsigned int lo = 0u, hi = 0u;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        lo |= (unsigned int)tile[r8 + j][col] << (8 * j);
+        hi |= (unsigned int)tile[r8 + 4 + j][col] << (8 * j);
+      }
+      *reinterpret_cast<Bytes8*>(out_t + (i64)(c0 + col) * R + r0 + r8) = Bytes8{lo, hi};
+    }
+  }
+#endif
 }
 
 // MODE: what the tile casts. TILE_CAST x itself; TILE_GELU act = gelu8(x); TILE_DGELU
@@ -287,19 +347,7 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
   }
   if (!out_t && !COLSUM && !AMAX) return;
   __syncthreads();  // the tile's bytes (with COLSUM the warps' column sums, with AMAX their largest) are shared
-#pragma unroll
-  for (int h = 0; h < H; ++h) {
-    int c = threadIdx.x + h * blockDim.x, col = c / (TR / 8), r8 = (c % (TR / 8)) * 8;
-    if (out_t && c0 + col < K && r0 + r8 < R) {
-      unsigned int lo = 0u, hi = 0u;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        lo |= (unsigned int)tile[r8 + j][col] << (8 * j);
-        hi |= (unsigned int)tile[r8 + 4 + j][col] << (8 * j);
-      }
-      *reinterpret_cast<Bytes8*>(out_t + (i64)(c0 + col) * R + r0 + r8) = Bytes8{lo, hi};
-    }
-  }
+  if (out_t) fp8_tile_transpose_out<TR>(out_t, tile, R, K, r0, c0);
   if (COLSUM) fp8_tile_colsum_out(partial, K, r0 / TR, c0, acc);
   if (AMAX && amax_out && threadIdx.x == 0) {  // one atomicMax a tile, as block_amax_atomic makes it
     unsigned int b = warp_amax[0];
@@ -516,11 +564,8 @@ extern "C" __global__ void k_fp8_transpose(unsigned char* __restrict__ out_t, co
   __syncthreads();
   int a = t & 15, b = t >> 4;
   if (r0 + 4 * a >= R || c0 + 4 * b >= K) return;
-  unsigned int w0 = tile[4 * a][b], w1 = tile[4 * a + 1][b], w2 = tile[4 * a + 2][b], w3 = tile[4 * a + 3][b];
-  unsigned int lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
-  unsigned int lo23 = __byte_perm(w2, w3, 0x5140), hi23 = __byte_perm(w2, w3, 0x7362);
-  unsigned int out[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                         __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+  unsigned int w[4] = {tile[4 * a][b], tile[4 * a + 1][b], tile[4 * a + 2][b], tile[4 * a + 3][b]}, out[4];
+  bytes_transpose4(w, out);
 #pragma unroll
   for (int c = 0; c < 4; ++c)
     *reinterpret_cast<unsigned int*>(out_t + (i64)(c0 + 4 * b + c) * R + r0 + 4 * a) = out[c];

@@ -291,6 +291,11 @@ class Fp8Ops:
             raise ValueError(f"FP8 format {fmt!r}: expected one of {', '.join(FP8_FORMATS)}")
         return ("-DFP8_E5M2=1",) if fmt == "e5m2" else ()
 
+    def _transpose_defs(self):
+        """The -D option of fp8.cu's cast-and-transpose kernels for how they read the tile back
+        (CudaOps.fp8_transpose_words; fp8_tile_transpose_out)."""
+        return ("-DFP8_T_WORDS=1",) if self.ops.fp8_transpose_words else ()
+
     def _gelu_defs(self):
         """The -D option of fp8.cu's GELU passes for gelu.cuh's form (CudaOps.fp8_gelu_fma)."""
         return ("-DGELU_FMA=1",) if self.ops.fp8_gelu_fma else ()
@@ -369,7 +374,7 @@ class Fp8Ops:
         return ((-(-K // TILE), -(-R // rows)),
                 (out if out is not None else null, out_t if out_t is not None else null, meta, inv_at, x, i32(R),
                  i32(K)),
-                self._defs(fmt) + (f"-DFP8_TILE_ROWS={rows}",))
+                self._defs(fmt) + (f"-DFP8_TILE_ROWS={rows}",) + self._transpose_defs())
 
     def k_fp8_cast_transpose(self, out, out_t, meta, x, fmt):
         """x (R, K) to out (R, K) and/or out_t (K, R) (None skips one), as k_fp8_cast."""
@@ -628,7 +633,8 @@ class Fp8Ops:
         self._check_many("k_fp8_cast_transpose_many", meta, table)
         tiles = [(-(-R // TILE) * -(-K // TILE), 1) for R, K in sizes]
         self.ops.rt.launch("fp8.cu", "k_fp8_cast_transpose_many", dtype, self._many_grid(tiles, 1), THREADS,
-                           (meta, i32(meta.shape[1]), i32(meta.shape[1] // 2), table), defs=self._defs(fmt))
+                           (meta, i32(meta.shape[1]), i32(meta.shape[1] // 2), table),
+                           defs=self._defs(fmt) + self._transpose_defs())
 
     # ------------------------------------------------------------ the FP8 weight cache
     def use_weight_cache(self, weights, data, meta, table, alone=0):
@@ -1349,7 +1355,8 @@ class Fp8Ops:
         dwte += dlogits.T @ fp8(inp). dlogits_fmt: "e4m3" or "e5m2" (None: CudaOps.fp8_dlogits).
         fp8_logits False: the logits product in bf16 (cuBLAS, as the 16-bit path), the two
         backward products in FP8. rounding: dlogits' rounding, "nearest" or "stochastic" (None:
-        CudaOps.fp8_dlogits_rounding; loss.cu -DFP8_SR)."""
+        CudaOps.fp8_dlogits_rounding; loss.cu -DFP8_SR), stochastic with the random bits
+        CudaOps.fp8_sr_hash says ("pairs" or "group": -DFP8_SR_HASH=0 or 1; numpy_ref.fp8_sr_bits)."""
         from .ops import _dloss_args, _loss_checks
         ops = self.ops
         x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_fp8_loss_bwd", losses, lse, logits, inp, wte, targets)
@@ -1357,7 +1364,11 @@ class Fp8Ops:
         check("k_fp8_loss_bwd", "dwte", dwte, (V, C), np.float32)
         fmt = dlogits_fmt or ops.fp8_dlogits
         stochastic = fp8_rounding(rounding or ops.fp8_dlogits_rounding) == "stochastic"
-        defs = self._defs(fmt) + (f"-DFP8_SR={int(stochastic)}",)
+        from ..numpy_ref import FP8_SR_HASHES  # ("pairs", "group"): FP8_SR_HASH 0 and 1
+        if ops.fp8_sr_hash not in FP8_SR_HASHES:
+            raise ValueError(f"CudaOps.fp8_sr_hash = {ops.fp8_sr_hash!r}: expected 'pairs' or 'group'")
+        sr_hash = (f"-DFP8_SR_HASH={FP8_SR_HASHES.index(ops.fp8_sr_hash)}",) if stochastic else ()
+        defs = self._defs(fmt) + (f"-DFP8_SR={int(stochastic)}",) + sr_hash
         dl = _dloss_args("k_fp8_loss_bwd", dloss)
         meta = self._classifier_input("k_fp8_loss_bwd", x, V)
         dz_meta = self._meta("dz")

@@ -227,6 +227,12 @@ class CudaOps:
     # how dlogits meet the FP8 grid: "stochastic" (loss.cu -DFP8_SR=1, random bits hashed from the
     # logits: no state) or "nearest"
     fp8_dlogits_rounding = FP8_DLOGITS_ROUNDING
+    # stochastic dlogits: how each 16-byte group's key becomes its random bits (loss.cu
+    # FP8_SR_HASH, numpy_ref.fp8_sr_bits): "pairs" (0), one murmur3 finaliser per two values;
+    # "group" (1), one per group, each value the top 16 bits of it times its own odd constant
+    # (other bits, as unbiased; fewer instructions in the row pass). The default is to be chosen by
+    # measurement on the H200 (figures to come)
+    fp8_sr_hash = "pairs"
     # train.precision=fp8: k_fp8_amax / k_fp8_gelu_amax run this many blocks an SM, each thread
     # taking many 16-byte vectors four at a time; 0: one block per 256 vectors up to MAX_BLOCKS,
     # one or two vectors a thread (the grid before; the same amax either way)
@@ -234,6 +240,10 @@ class CudaOps:
     # train.precision=fp8: k_fp8_gelu_amax takes the GELU of every value of pre (True: its first
     # version) instead of the maximum of max(pre, 0) and one GELU a thread (the same bits; fp8.cu)
     fp8_gelu_amax_full = False
+    # train.precision=fp8: the cast-and-transpose kernels (fp8.cu fp8_tile_transpose_out) read
+    # their shared tile back as 32-bit words, eight rows by four columns a thread, turned around
+    # with byte permutes (-DFP8_T_WORDS=1), instead of one byte a load; the same bytes
+    fp8_transpose_words = False
     # train.precision=fp8: the FP8 MLP's GELU and its slope in gelu.cuh's folded form (-DGELU_FMA=1:
     # 14 instructions a value in the dGELU pass against 22; the same function within float32's
     # rounding, other bits); False: the sigmoid form. ANDREA-120M fp8 on an H200: the two GELU
