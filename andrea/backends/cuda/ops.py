@@ -230,8 +230,9 @@ class CudaOps:
     # stochastic dlogits: how each 16-byte group's key becomes its random bits (loss.cu
     # FP8_SR_HASH, numpy_ref.fp8_sr_bits): "pairs" (0), one murmur3 finaliser per two values;
     # "group" (1), one per group, each value the top 16 bits of it times its own odd constant
-    # (other bits, as unbiased; fewer instructions in the row pass). The default is to be chosen by
-    # measurement on the H200 (figures to come)
+    # (other bits, as unbiased; 2,744 SASS instructions in loss_bwd_fp8_regs against 2,808). Kept
+    # "pairs": on an H200 the step's graphs replayed no faster with "group" (paired median -0.001
+    # ms, 15 rounds), and other bits would need their own parity runs
     fp8_sr_hash = "pairs"
     # train.precision=fp8: k_fp8_amax / k_fp8_gelu_amax run this many blocks an SM, each thread
     # taking many 16-byte vectors four at a time; 0: one block per 256 vectors up to MAX_BLOCKS,
@@ -242,8 +243,11 @@ class CudaOps:
     fp8_gelu_amax_full = False
     # train.precision=fp8: the cast-and-transpose kernels (fp8.cu fp8_tile_transpose_out) read
     # their shared tile back as 32-bit words, eight rows by four columns a thread, turned around
-    # with byte permutes (-DFP8_T_WORDS=1), instead of one byte a load; the same bytes
-    fp8_transpose_words = False
+    # with byte permutes (-DFP8_T_WORDS=1), instead of one byte a load; the same bytes. On an
+    # H200 (Nsight Compute, ANDREA-120M): act's cast 37.2 us a call against 41.1 (its shared loads
+    # 2-way bank conflicts instead of 4); the step's graphs replayed 0.075 ms faster (paired
+    # median of 15 rounds, within the spread)
+    fp8_transpose_words = True
     # train.precision=fp8: the FP8 MLP's GELU and its slope in gelu.cuh's folded form (-DGELU_FMA=1:
     # 14 instructions a value in the dGELU pass against 22; the same function within float32's
     # rounding, other bits); False: the sigmoid form. ANDREA-120M fp8 on an H200: the two GELU
