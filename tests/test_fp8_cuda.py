@@ -1213,6 +1213,63 @@ def test_fp8_sr_hash_reaches_the_row_pass(be, monkeypatch):
         dw("murmur")
 
 
+def test_transpose_beside_the_product_same_bits(be, monkeypatch):
+    """CudaOps.fp8_transpose_side: the classifier's dlogits transpose on a stream of its own beside
+    its dX product (1; 2 at the highest priority) gives k_loss_bwd's losses, lse, dX and dW the bits
+    of one stream (0), over two chunks (the second chunk's logits product waits for the first's
+    transpose); the side stream ran one transpose a chunk. Another value is a ValueError naming the
+    switch."""
+    import cupy as cp
+    monkeypatch.setattr(be, "fp8_classifier", 2)
+    B, T, C, V, R = 2, 48, 80, 96, 48
+    rng = np.random.default_rng(21)
+    xd, wd = on_dev(rng.normal(0, 1, (B, T, C))), on_dev(rng.normal(0, 0.3, (V, C)))
+    td = cp.asarray(rng.integers(0, V, (B, T)).astype(np.int32))
+
+    def run(side):
+        monkeypatch.setattr(be, "fp8_transpose_side", side)
+        before = be.fp8.transposes_beside
+        out = (cp.zeros((B, T), cp.float32), cp.zeros((B, T), cp.float32), on_dev(np.zeros((B, T, C))),
+               cp.zeros((V, C), cp.float32))
+        be.k_loss_bwd(*out, cp.zeros((R, V), xd.dtype), xd, wd, td, 1.0 / (B * T), accumulate=False)
+        cp.cuda.get_current_stream().synchronize()
+        return [a.get().view(np.uint8) for a in out], be.fp8.transposes_beside - before
+
+    base, n0 = run(0)
+    assert n0 == 0 and np.isfinite(base[3].view(np.float32)).all() and base[3].any()
+    for side in (1, 2):
+        got, n = run(side)
+        assert n == B * T // R, (side, n)
+        for name, a, b in zip(("losses", "lse", "dX", "dW"), got, base):
+            assert np.array_equal(a, b), (side, name)
+    with pytest.raises(ValueError, match=r"CudaOps\.fp8_transpose_side = 3; expected 0, 1 or 2"):
+        run(3)
+
+
+def test_engine_transpose_beside_same_bits(tmp_path):
+    """An fp8 engine with the FP8 classifier (vocabulary 96) and the dlogits transpose beside the dX
+    product (CudaOps.fp8_transpose_side = 2) against one stream: the same records, weights and Adam
+    state bits over five steps (eager, captured, replayed) and an evaluation."""
+    from andrea.backends import get_backend
+    from andrea.config import load_run_config
+    from andrea.engine import Engine
+    runs = []
+    for side in (2, 0):
+        d = small_config(tmp_path, batch_size=4, seq_len=32, precision="fp8")
+        d["model"], d["backend"] = dict(MODEL, vocab_size=96), {"name": "cuda"}
+        be = get_backend("cuda")
+        be.fp8_transpose_side = side
+        eng = Engine(load_run_config(d), backend=be)
+        recs = []
+        for s in range(1, 6):
+            recs.append(dict(eng.train_step(s, [batch(3 * s, V=96), batch(3 * s + 1, V=96)])))
+            if s == 3:
+                recs.append(eng.val_loss([batch(40, V=96)]))
+        assert (be.fp8.transposes_beside > 0) == (side > 0), be.fp8.transposes_beside
+        runs.append((recs, eng.host_state()))
+    assert_same_runs(*runs, what="the transpose beside the product changed the run")
+
+
 def test_engine_fp8_classifier_same_bits_and_resume(tmp_path):
     """An fp8 engine whose vocabulary is a multiple of 16 runs the classifier in FP8 (wte in the
     weight cache, refreshed on its own): two runs bit-identical, a resume from the state after step
