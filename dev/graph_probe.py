@@ -166,6 +166,7 @@ def main(argv=None) -> int:
     import pandas as pd
 
     from andrea.backends import get_backend
+    from andrea.backends.cuda.runtime import priority_stream
     from andrea.bench import bench_config, random_batches, spy_graphs
     from andrea.engine import Engine
     cfg = bench_config(a.exp, a.precision, a.batch, 16)
@@ -191,10 +192,7 @@ def main(argv=None) -> int:
             print(pd.Series(after, name="memsets").sort_values(ascending=False).to_string())
 
     P, O = graphs["passes"], graphs["optimizer"]
-    try:  # the passes at the device's highest priority
-        hi = cp.cuda.Stream(non_blocking=True, priority=cp.cuda.runtime.deviceGetStreamPriorityRange()[1])
-    except (TypeError, AttributeError):
-        hi = cp.cuda.Stream(non_blocking=True)
+    hi = priority_stream(high=True)  # the passes at the device's highest priority
     lo = cp.cuda.Stream(non_blocking=True)
     rows = []
     with hi:

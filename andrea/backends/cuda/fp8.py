@@ -74,7 +74,7 @@ from ...model import loss_chunk_rows
 from ..numpy_ref import FP8_FORMATS, FP8_FWD, FP8_HIST, S_SKIP, fp8_rounding
 from .cublas import cuda_type
 from .cublaslt import WORKSPACE_BYTES
-from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
+from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64, priority_stream
 
 FP8_CUDA_TYPES = {"e4m3": 28, "e5m2": 29}  # cudaDataType_t CUDA_R_8F_E4M3, CUDA_R_8F_E5M2
 FP8_MIN_CC = 89  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) or later
@@ -1320,8 +1320,7 @@ class Fp8Ops:
             self.k_fp8_transpose(dz_t, dz)
             return
         if self._tr_stream is None or self._tr_stream[0] != side:
-            prio = 0 if side == 1 else cp.cuda.runtime.deviceGetStreamPriorityRange()[1]
-            self._tr_stream = (side, cp.cuda.Stream(non_blocking=True, priority=prio))
+            self._tr_stream = (side, priority_stream(high=side == 2))
             self._tr_events = tuple(cp.cuda.Event(block=False, disable_timing=True) for _ in range(2))
         stream, (fork, done) = self._tr_stream[1], self._tr_events
         cur = cp.cuda.get_current_stream()
