@@ -177,6 +177,9 @@ extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_a
 #ifndef FP8_TILE_ROWS
 #define FP8_TILE_ROWS 64
 #endif
+#ifndef FP8_FULL_TILES
+#define FP8_FULL_TILES 0  // whole tiles through a copy of the tile's code without bounds checks (CudaOps.fp8_full_tiles)
+#endif
 #ifndef FP8_T_WORDS
 #define FP8_T_WORDS 0  // fp8_tile_transpose_out's reading of the tile (CudaOps.fp8_transpose_words)
 #endif
@@ -185,7 +188,7 @@ extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_a
 // it adds them in h order (a = x_0 + x_1 + ...); a warp w (rows 4w + l + 32h, l = lane / 8) adds its
 // four row lanes as (a_0 + a_1) + (a_2 + a_3) (two butterfly shuffles: each pair's sum has the same
 // bits in either order); then the 8 warps in order, w = 0 .. 7. Rows past R add nothing. 256 threads.
-template <int H>
+template <int H, bool FULL = false>
 __device__ __forceinline__ void fp8_tile_colsum_warps(const Pack8 (&p)[H], int R, int K, int r0, int c0,
                                                       float (*acc)[FP8_TILE]) {
   int lane = threadIdx.x & 31, w = threadIdx.x >> 5, c8 = (lane & 7) * 8;
@@ -195,7 +198,7 @@ __device__ __forceinline__ void fp8_tile_colsum_warps(const Pack8 (&p)[H], int R
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     int r = (threadIdx.x >> 3) + 32 * h;
-    if (r0 + r < R && c0 + c8 < K) {
+    if (FULL || (r0 + r < R && c0 + c8 < K)) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) a[j] += to_f(p[h].v[j]);
     }
@@ -241,14 +244,14 @@ __device__ __forceinline__ void bytes_transpose4(const unsigned int (&w)[4], uns
 // A warp's word loads fall in 16 banks (two rows 8 apart share one: 2 ways) and each of its four
 // stores is 8 columns x 32 contiguous bytes. Else: TR * 8 units of 8 rows x 1 column, eight 1-byte
 // loads each (rows 8 apart share a bank: 4 ways), a warp's store 4 columns x 64 bytes.
-template <int TR>
+template <int TR, bool FULL = false>
 __device__ __forceinline__ void fp8_tile_transpose_out(unsigned char* out_t, unsigned char (*tile)[FP8_TILE + 8],
                                                        int R, int K, int r0, int c0) {
 #if FP8_T_WORDS
 #pragma unroll
   for (int k = 0; k < (2 * TR + 255) / 256; ++k) {
     int u = threadIdx.x + 256 * k, col = 4 * ((u >> 2) & 15), r8 = 8 * ((u & 3) + 4 * (u >> 6));
-    if (u < 2 * TR && c0 + col < K && r0 + r8 < R) {
+    if (u < 2 * TR && (FULL || (c0 + col < K && r0 + r8 < R))) {
       unsigned int top[4], low[4], lo[4], hi[4];  // rows r8.. and r8 + 4..; out_t's words
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -266,7 +269,7 @@ __device__ __forceinline__ void fp8_tile_transpose_out(unsigned char* out_t, uns
 #pragma unroll
   for (int h = 0; h < TR / 32; ++h) {
     int c = threadIdx.x + h * blockDim.x, col = c / (TR / 8), r8 = (c % (TR / 8)) * 8;
-    if (c0 + col < K && r0 + r8 < R) {
+    if (FULL || (c0 + col < K && r0 + r8 < R)) {
       unsigned int lo = 0u, hi = 0u;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -283,7 +286,7 @@ __device__ __forceinline__ void fp8_tile_transpose_out(unsigned char* out_t, uns
 // dact = dgelu8(x, pre), x the output gradient of act and pre the tile of the same place in pre.
 // AMAX: amax_out (where non-null) = max(that, max |what is cast|) over the tile (block_amax_atomic).
 enum { TILE_CAST = 0, TILE_GELU = 1, TILE_DGELU = 2 };
-template <int MODE, int TR, bool COLSUM = false, bool AMAX = false>
+template <int MODE, int TR, bool COLSUM = false, bool AMAX = false, bool FULL = false>
 __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char* out_t, const CT* x, int R,
                                               int K, int r0, int c0, float s,
                                               unsigned char (*tile)[FP8_TILE + 8], float* partial = nullptr,
@@ -301,7 +304,7 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
-    if (r0 + r < R && c0 + c8 < K) {
+    if (FULL || (r0 + r < R && c0 + c8 < K)) {
       p[h] = *reinterpret_cast<const Pack8*>(x + (i64)(r0 + r) * K + c0 + c8);
       if (MODE == TILE_DGELU) g[h] = *reinterpret_cast<const Pack8*>(pre + (i64)(r0 + r) * K + c0 + c8);
     }
@@ -311,7 +314,7 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
 #pragma unroll
     for (int h = 0; h < H; ++h) {
       int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
-      if (r0 + r < R && c0 + c8 < K) {
+      if (FULL || (r0 + r < R && c0 + c8 < K)) {
         if (MODE == TILE_GELU && EARLY) p[h] = gelu8(p[h]);
         if (MODE == TILE_DGELU) p[h] = dgelu8(p[h], g[MODE == TILE_DGELU ? h : 0]);
         if (AMAX_EARLY) {
@@ -321,11 +324,11 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
       }
     }
   }
-  if (COLSUM) fp8_tile_colsum_warps<H>(p, R, K, r0, c0, acc);
+  if (COLSUM) fp8_tile_colsum_warps<H, FULL>(p, R, K, r0, c0, acc);
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     int c = threadIdx.x + h * blockDim.x, r = c >> 3, c8 = (c & 7) * 8;
-    if (r0 + r < R && c0 + c8 < K) {
+    if (FULL || (r0 + r < R && c0 + c8 < K)) {
       Bytes8 q;
       if (AMAX && !AMAX_EARLY) {
         Pack8 v = MODE == TILE_GELU && !EARLY ? gelu8(p[h]) : p[h];
@@ -347,7 +350,7 @@ __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char*
   }
   if (!out_t && !COLSUM && !AMAX) return;
   __syncthreads();  // the tile's bytes (with COLSUM the warps' column sums, with AMAX their largest) are shared
-  if (out_t) fp8_tile_transpose_out<TR>(out_t, tile, R, K, r0, c0);
+  if (out_t) fp8_tile_transpose_out<TR, FULL>(out_t, tile, R, K, r0, c0);
   if (COLSUM) fp8_tile_colsum_out(partial, K, r0 / TR, c0, acc);
   if (AMAX && amax_out && threadIdx.x == 0) {  // one atomicMax a tile, as block_amax_atomic makes it
     unsigned int b = warp_amax[0];
@@ -368,8 +371,13 @@ __device__ __forceinline__ void fp8_cast_transpose_tiles(unsigned char* out, uns
   __shared__ float acc[COLSUM ? 8 : 1][FP8_TILE];
   float inv, s = fp8_scale(meta[0], &inv);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[inv_at] = inv;
-  fp8_cast_tile<MODE, FP8_TILE_ROWS, COLSUM, AMAX>(out, out_t, x, R, K, blockIdx.y * FP8_TILE_ROWS,
-                                                   blockIdx.x * FP8_TILE, s, tile, partial, acc, pre, amax_out);
+  int r0 = blockIdx.y * FP8_TILE_ROWS, c0 = blockIdx.x * FP8_TILE;
+  if (FP8_FULL_TILES && r0 + FP8_TILE_ROWS <= R && c0 + FP8_TILE <= K)  // no bounds checks: the loops fuse
+    fp8_cast_tile<MODE, FP8_TILE_ROWS, COLSUM, AMAX, true>(out, out_t, x, R, K, r0, c0, s, tile, partial, acc, pre,
+                                                           amax_out);
+  else
+    fp8_cast_tile<MODE, FP8_TILE_ROWS, COLSUM, AMAX>(out, out_t, x, R, K, r0, c0, s, tile, partial, acc, pre,
+                                                     amax_out);
 }
 
 // x (R, K) to out (R, K) and/or out_t (K, R) (a null pointer skips it), as k_fp8_cast.
@@ -419,7 +427,11 @@ extern "C" __global__ void k_fp8_cast_transpose_many(float* meta, int meta_strid
   int tiles_k = (K + FP8_TILE - 1) / FP8_TILE, tiles = tiles_k * ((R + FP8_TILE - 1) / FP8_TILE);
   for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
     __syncthreads();  // the previous tile's bytes are read out of the shared tile
-    fp8_cast_tile<TILE_CAST, FP8_TILE>(out, out_t, x, R, K, (i / tiles_k) * FP8_TILE, (i % tiles_k) * FP8_TILE, s, tile);
+    int r0 = (i / tiles_k) * FP8_TILE, c0 = (i % tiles_k) * FP8_TILE;
+    if (FP8_FULL_TILES && r0 + FP8_TILE <= R && c0 + FP8_TILE <= K)
+      fp8_cast_tile<TILE_CAST, FP8_TILE, false, false, true>(out, out_t, x, R, K, r0, c0, s, tile);
+    else
+      fp8_cast_tile<TILE_CAST, FP8_TILE>(out, out_t, x, R, K, r0, c0, s, tile);
   }
 }
 

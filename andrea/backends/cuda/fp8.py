@@ -297,9 +297,11 @@ class Fp8Ops:
         return ("-DFP8_E5M2=1",) if fmt == "e5m2" else ()
 
     def _transpose_defs(self):
-        """The -D option of fp8.cu's cast-and-transpose kernels for how they read the tile back
-        (CudaOps.fp8_transpose_words; fp8_tile_transpose_out)."""
-        return ("-DFP8_T_WORDS=1",) if self.ops.fp8_transpose_words else ()
+        """The -D options of fp8.cu's cast-and-transpose kernels: how they read the tile back
+        (CudaOps.fp8_transpose_words; fp8_tile_transpose_out) and whole tiles without bounds checks
+        (CudaOps.fp8_full_tiles; fp8_cast_transpose_tiles)."""
+        return ((("-DFP8_T_WORDS=1",) if self.ops.fp8_transpose_words else ())
+                + (("-DFP8_FULL_TILES=1",) if self.ops.fp8_full_tiles else ()))
 
     def _gelu_defs(self):
         """The -D option of fp8.cu's GELU passes for gelu.cuh's form (CudaOps.fp8_gelu_fma)."""

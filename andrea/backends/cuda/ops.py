@@ -248,6 +248,11 @@ class CudaOps:
     # 2-way bank conflicts instead of 4); the step's graphs replayed 0.075 ms faster (paired
     # median of 15 rounds, within the spread)
     fp8_transpose_words = True
+    # train.precision=fp8: a cast-and-transpose block whose tile lies wholly inside the tensor
+    # runs a copy of the tile's code without bounds checks (-DFP8_FULL_TILES=1), whose loops the
+    # compiler can then merge (each value unpacked once: the dGELU pass's code 616 SASS
+    # instructions against 816); the same bytes
+    fp8_full_tiles = False
     # train.precision=fp8: the FP8 MLP's GELU and its slope in gelu.cuh's folded form (-DGELU_FMA=1:
     # 14 instructions a value in the dGELU pass against 22; the same function within float32's
     # rounding, other bits); False: the sigmoid form. ANDREA-120M fp8 on an H200: the two GELU
