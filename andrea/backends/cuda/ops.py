@@ -251,8 +251,9 @@ class CudaOps:
     # train.precision=fp8: a cast-and-transpose block whose tile lies wholly inside the tensor
     # runs a copy of the tile's code without bounds checks (-DFP8_FULL_TILES=1), whose loops the
     # compiler can then merge (each value unpacked once: the dGELU pass's code 616 SASS
-    # instructions against 816); the same bytes
-    fp8_full_tiles = False
+    # instructions against 816); the same bytes. ANDREA-120M on an H200: the step's graphs
+    # replayed 0.26 ms faster (paired median of 15 rounds, every round faster)
+    fp8_full_tiles = True
     # train.precision=fp8: the FP8 MLP's GELU and its slope in gelu.cuh's folded form (-DGELU_FMA=1:
     # 14 instructions a value in the dGELU pass against 22; the same function within float32's
     # rounding, other bits); False: the sigmoid form. ANDREA-120M fp8 on an H200: the two GELU
