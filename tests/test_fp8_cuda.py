@@ -1196,26 +1196,41 @@ def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, level, roundi
     assert np.array_equal(lf2.get(), lf.get()) and np.array_equal(lse2.get(), lse.get())
 
 
+CLASSIFIER_CASE = (2, 48, 80, 96, 48)  # B, T, C, V and R, the rows of a chunk: two chunks
+
+
+def classifier_inputs(seed):
+    """inp (B, T, C) bf16, wte (V, C) bf16 and targets of CLASSIFIER_CASE on the device."""
+    import cupy as cp
+    B, T, C, V, _ = CLASSIFIER_CASE
+    rng = np.random.default_rng(seed)
+    xd, wd = on_dev(rng.normal(0, 1, (B, T, C))), on_dev(rng.normal(0, 0.3, (V, C)))
+    return xd, wd, cp.asarray(rng.integers(0, V, (B, T)).astype(np.int32))
+
+
+def classifier_bwd(be, xd, wd, td):
+    """k_loss_bwd's losses, lse, dX and dW (written, not accumulated) on the host."""
+    import cupy as cp
+    B, T, C, V, R = CLASSIFIER_CASE
+    out = (cp.zeros((B, T), cp.float32), cp.zeros((B, T), cp.float32), on_dev(np.zeros((B, T, C))),
+           cp.zeros((V, C), cp.float32))
+    be.k_loss_bwd(*out, cp.zeros((R, V), xd.dtype), xd, wd, td, 1.0 / (B * T), accumulate=False)
+    return [a.get() for a in out]
+
+
 def test_fp8_sr_hash_reaches_the_row_pass(be, monkeypatch):
     """CudaOps.fp8_sr_hash: k_loss_bwd with the FP8 classifier and stochastic dlogits builds its row
     pass with -DFP8_SR_HASH=0 ("pairs") or 1 ("group"): the two give other dW bits (the dlogits'
     bytes differ), each the same on a rerun; any other value is a ValueError naming the switch
     before anything runs. Each hash's bytes against the reference: the row pass test above."""
-    import cupy as cp
     monkeypatch.setattr(be, "fp8_dlogits", "e4m3")
     monkeypatch.setattr(be, "fp8_classifier", 1)
     monkeypatch.setattr(be, "fp8_dlogits_rounding", "stochastic")
-    B, T, C, V, R = 2, 48, 80, 96, 48
-    rng = np.random.default_rng(12)
-    xd, wd = on_dev(rng.normal(0, 1, (B, T, C))), on_dev(rng.normal(0, 0.3, (V, C)))
-    td = cp.asarray(rng.integers(0, V, (B, T)).astype(np.int32))
+    inputs = classifier_inputs(12)
 
     def dw(sr_hash):
         monkeypatch.setattr(be, "fp8_sr_hash", sr_hash)
-        lf, lse, dx, w = (cp.zeros((B, T), cp.float32), cp.zeros((B, T), cp.float32), on_dev(np.zeros((B, T, C))),
-                          cp.zeros((V, C), cp.float32))
-        be.k_loss_bwd(lf, lse, dx, w, cp.zeros((R, V), xd.dtype), xd, wd, td, 1.0 / (B * T), accumulate=False)
-        return w.get()
+        return classifier_bwd(be, *inputs)[3]
 
     pairs, group = dw("pairs"), dw("group")
     assert np.array_equal(pairs, dw("pairs")) and np.array_equal(group, dw("group"))
@@ -1231,21 +1246,15 @@ def test_transpose_beside_the_product_same_bits(be, monkeypatch):
     of one stream (0), over two chunks (the second chunk's logits product waits for the first's
     transpose); the side stream ran one transpose a chunk. Another value is a ValueError naming the
     switch."""
-    import cupy as cp
     monkeypatch.setattr(be, "fp8_classifier", 2)
-    B, T, C, V, R = 2, 48, 80, 96, 48
-    rng = np.random.default_rng(21)
-    xd, wd = on_dev(rng.normal(0, 1, (B, T, C))), on_dev(rng.normal(0, 0.3, (V, C)))
-    td = cp.asarray(rng.integers(0, V, (B, T)).astype(np.int32))
+    B, T, _, _, R = CLASSIFIER_CASE
+    inputs = classifier_inputs(21)
 
     def run(side):
         monkeypatch.setattr(be, "fp8_transpose_side", side)
         before = be.fp8.transposes_beside
-        out = (cp.zeros((B, T), cp.float32), cp.zeros((B, T), cp.float32), on_dev(np.zeros((B, T, C))),
-               cp.zeros((V, C), cp.float32))
-        be.k_loss_bwd(*out, cp.zeros((R, V), xd.dtype), xd, wd, td, 1.0 / (B * T), accumulate=False)
-        cp.cuda.get_current_stream().synchronize()
-        return [a.get().view(np.uint8) for a in out], be.fp8.transposes_beside - before
+        out = classifier_bwd(be, *inputs)
+        return [a.view(np.uint8) for a in out], be.fp8.transposes_beside - before
 
     base, n0 = run(0)
     assert n0 == 0 and np.isfinite(base[3].view(np.float32)).all() and base[3].any()
