@@ -57,16 +57,8 @@ def record(lt, blas):
 
 
 def elapsed_us(fn, reps):
-    import cupy as cp
-    for _ in range(3):
-        fn()
-    a, b = cp.cuda.Event(), cp.cuda.Event()
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    b.synchronize()
-    return cp.cuda.get_elapsed_time(a, b) * 1e3 / reps
+    from andrea.backends.cuda.graphs import event_ms
+    return event_ms(fn, reps, warmup=3) * 1e3
 
 
 def algos(lt, plan, n):

@@ -137,18 +137,6 @@ def hoist_memsets(drv, g, labels):
     return moved
 
 
-def timed(cp, fn, reps):
-    """Milliseconds per call of fn (which queues work), between events on the current stream."""
-    fn()
-    a, b = cp.cuda.Event(), cp.cuda.Event()
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    b.synchronize()
-    return cp.cuda.get_elapsed_time(a, b) / reps
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python dev/graph_probe.py", description=__doc__.splitlines()[0])
     ap.add_argument("--exp", default="ANDREA-120M")
@@ -166,6 +154,7 @@ def main(argv=None) -> int:
     import pandas as pd
 
     from andrea.backends import get_backend
+    from andrea.backends.cuda.graphs import event_ms
     from andrea.backends.cuda.runtime import priority_stream
     from andrea.bench import bench_config, random_batches, spy_graphs
     from andrea.engine import Engine
@@ -196,9 +185,9 @@ def main(argv=None) -> int:
     lo = cp.cuda.Stream(non_blocking=True)
     rows = []
     with hi:
-        rows.append(("passes", timed(cp, lambda: P.launch(stream=hi), a.reps)))
-        rows.append(("optimizer", timed(cp, lambda: O.launch(stream=hi), a.reps)))
-        rows.append(("passes then optimizer (a step)", timed(cp, lambda: (P.launch(stream=hi), O.launch(stream=hi)),
+        rows.append(("passes", event_ms(lambda: P.launch(stream=hi), a.reps)))
+        rows.append(("optimizer", event_ms(lambda: O.launch(stream=hi), a.reps)))
+        rows.append(("passes then optimizer (a step)", event_ms(lambda: (P.launch(stream=hi), O.launch(stream=hi)),
                                                              a.reps)))
     if a.hoist:
         drv = Driver()
@@ -216,9 +205,9 @@ def main(argv=None) -> int:
         print("--hoist: grads and losses " + ("the same bits" if bits["plain"] == bits["hoisted"] else "DIFFER"))
         with hi:
             for _ in range(3):  # alternated: CuPy's instance of the captured graph, ours, ours hoisted
-                rows.append(("passes (CuPy's instance)", timed(cp, lambda: P.launch(stream=hi), a.reps)))
-                rows.append(("passes (captured, own instance)", timed(cp, lambda: drv.launch(ex_plain, hi.ptr), a.reps)))
-                rows.append(("passes, memsets hoisted", timed(cp, lambda: drv.launch(ex_edited, hi.ptr), a.reps)))
+                rows.append(("passes (CuPy's instance)", event_ms(lambda: P.launch(stream=hi), a.reps)))
+                rows.append(("passes (captured, own instance)", event_ms(lambda: drv.launch(ex_plain, hi.ptr), a.reps)))
+                rows.append(("passes, memsets hoisted", event_ms(lambda: drv.launch(ex_edited, hi.ptr), a.reps)))
     # the same graphs as training queues them: Engine.train_step (uploads, both graphs, the
     # record's download; the host runs ahead), alternated with the bare replays of the two graphs
     step = [4]
@@ -229,7 +218,7 @@ def main(argv=None) -> int:
             rec = eng.train_step(step[0], [batches[step[0] % 4]])
         return rec
     for _ in range(3):
-        rows.append(("passes then optimizer (a step)", timed(cp, lambda: (P.launch(), O.launch()), a.reps)))
+        rows.append(("passes then optimizer (a step)", event_ms(lambda: (P.launch(), O.launch()), a.reps)))
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         e0.record()
         rec = steps()
@@ -247,7 +236,7 @@ def main(argv=None) -> int:
             f = cp.cuda.Event()
             f.record(lo)
             hi.wait_event(f)
-        rows.append(("both at once (racing: a bound only)", timed(cp, both, a.reps)))
+        rows.append(("both at once (racing: a bound only)", event_ms(both, a.reps)))
     df = pd.DataFrame(rows, columns=["replay", "ms"]).reset_index(drop=True)
     serial = float(df.loc[df.replay == "passes then optimizer (a step)", "ms"].iloc[0])
     df["vs a step (ms)"] = df["ms"] - serial

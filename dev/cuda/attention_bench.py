@@ -383,16 +383,8 @@ def check(v: Variant, name, hs, T, rng, B=2, NH=2):
 
 
 def cuda_ms(fn, reps):
-    import cupy as cp
-    for _ in range(3):
-        fn()
-    s, e = cp.cuda.Event(), cp.cuda.Event()
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    e.synchronize()
-    return cp.cuda.get_elapsed_time(s, e) / reps
+    from andrea.backends.cuda.graphs import event_ms
+    return event_ms(fn, reps, warmup=3)
 
 
 SHAPES = {"120M": (8, 12, 1024, 64, 12), "12M": (32, 6, 256, 64, 6)}

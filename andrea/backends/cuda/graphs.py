@@ -5,6 +5,8 @@ of the passes it was asked to run, by key.
 """
 from __future__ import annotations
 
+import contextlib
+
 from .runtime import cp
 
 
@@ -22,18 +24,26 @@ def capture(fn, stream, blas):
     return graph
 
 
+def event_ms(fn, reps: int, warmup: int = 1, stream=None) -> float:
+    """Device milliseconds per call of fn (which queues work on the current stream, or on stream):
+    warmup calls, then reps calls between two CUDA events. The timing of the benchmarks and the
+    dev scripts."""
+    with stream if stream is not None else contextlib.nullcontext():
+        for _ in range(warmup):
+            fn()
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+    return cp.cuda.get_elapsed_time(a, b) / reps
+
+
 def replay_ms(graph, stream, reps: int) -> float:
     """Device milliseconds per replay of a captured graph on stream: one launch to warm up, then
     reps launches between two CUDA events (no Python launch overhead in the figure)."""
-    with stream:
-        graph.launch(stream=stream)
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(stream)
-        for _ in range(reps):
-            graph.launch(stream=stream)
-        b.record(stream)
-        b.synchronize()
-    return cp.cuda.get_elapsed_time(a, b) / reps
+    return event_ms(lambda: graph.launch(stream=stream), reps, stream=stream)
 
 
 class GraphRunner:
