@@ -30,10 +30,10 @@ EXP="--exp ANDREA-120M --precision fp8 --batch 8"
 # 1. the GPU tests: the attention's FP8 kernels bit for bit against the kernel and the cast, a run
 #    with them on and off, k_layernorm_fwd_fp8 at every block shape, the delayed scales, two runs
 #    bit-identical, the amax in the update, the folded GELU, programmatic launches, the casts'
-#    tiles (by words, whole tiles), the transpose beside its product; and the sm_90a builds (ptxas)
+#    tiles (by words, whole tiles); and the sm_90a builds (ptxas)
 if want 1; then
   run tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8_cuda.py \
-    -k "attention or layernorm_fwd_fp8 or delayed or layernorm_cast or two_runs or wgrad or adamw or weight_cache or gelu or pdl or cast_kernels or many_kernels or beside"
+    -k "attention or layernorm_fwd_fp8 or delayed or layernorm_cast or two_runs or wgrad or adamw or weight_cache or gelu or pdl or cast_kernels or many_kernels"
   run hopper_compile python3 -m pytest -q -p no:cacheprovider tests/test_hopper_compile.py
 fi
 

@@ -1196,41 +1196,26 @@ def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, level, roundi
     assert np.array_equal(lf2.get(), lf.get()) and np.array_equal(lse2.get(), lse.get())
 
 
-CLASSIFIER_CASE = (2, 48, 80, 96, 48)  # B, T, C, V and R, the rows of a chunk: two chunks
-
-
-def classifier_inputs(seed):
-    """inp (B, T, C) bf16, wte (V, C) bf16 and targets of CLASSIFIER_CASE on the device."""
-    import cupy as cp
-    B, T, C, V, _ = CLASSIFIER_CASE
-    rng = np.random.default_rng(seed)
-    xd, wd = on_dev(rng.normal(0, 1, (B, T, C))), on_dev(rng.normal(0, 0.3, (V, C)))
-    return xd, wd, cp.asarray(rng.integers(0, V, (B, T)).astype(np.int32))
-
-
-def classifier_bwd(be, xd, wd, td):
-    """k_loss_bwd's losses, lse, dX and dW (written, not accumulated) on the host."""
-    import cupy as cp
-    B, T, C, V, R = CLASSIFIER_CASE
-    out = (cp.zeros((B, T), cp.float32), cp.zeros((B, T), cp.float32), on_dev(np.zeros((B, T, C))),
-           cp.zeros((V, C), cp.float32))
-    be.k_loss_bwd(*out, cp.zeros((R, V), xd.dtype), xd, wd, td, 1.0 / (B * T), accumulate=False)
-    return [a.get() for a in out]
-
-
 def test_fp8_sr_hash_reaches_the_row_pass(be, monkeypatch):
     """CudaOps.fp8_sr_hash: k_loss_bwd with the FP8 classifier and stochastic dlogits builds its row
     pass with -DFP8_SR_HASH=0 ("pairs") or 1 ("group"): the two give other dW bits (the dlogits'
     bytes differ), each the same on a rerun; any other value is a ValueError naming the switch
     before anything runs. Each hash's bytes against the reference: the row pass test above."""
+    import cupy as cp
     monkeypatch.setattr(be, "fp8_dlogits", "e4m3")
     monkeypatch.setattr(be, "fp8_classifier", 1)
     monkeypatch.setattr(be, "fp8_dlogits_rounding", "stochastic")
-    inputs = classifier_inputs(12)
+    B, T, C, V, R = 2, 48, 80, 96, 48
+    rng = np.random.default_rng(12)
+    xd, wd = on_dev(rng.normal(0, 1, (B, T, C))), on_dev(rng.normal(0, 0.3, (V, C)))
+    td = cp.asarray(rng.integers(0, V, (B, T)).astype(np.int32))
 
     def dw(sr_hash):
         monkeypatch.setattr(be, "fp8_sr_hash", sr_hash)
-        return classifier_bwd(be, *inputs)[3]
+        lf, lse, dx, w = (cp.zeros((B, T), cp.float32), cp.zeros((B, T), cp.float32), on_dev(np.zeros((B, T, C))),
+                          cp.zeros((V, C), cp.float32))
+        be.k_loss_bwd(lf, lse, dx, w, cp.zeros((R, V), xd.dtype), xd, wd, td, 1.0 / (B * T), accumulate=False)
+        return w.get()
 
     pairs, group = dw("pairs"), dw("group")
     assert np.array_equal(pairs, dw("pairs")) and np.array_equal(group, dw("group"))
@@ -1238,57 +1223,6 @@ def test_fp8_sr_hash_reaches_the_row_pass(be, monkeypatch):
     assert rel(group, pairs) < 0.1  # two draws of one unbiased rounding (about 0.025 apart in the reference)
     with pytest.raises(ValueError, match=r"CudaOps\.fp8_sr_hash = 'murmur': expected 'pairs' or 'group'"):
         dw("murmur")
-
-
-def test_transpose_beside_the_product_same_bits(be, monkeypatch):
-    """CudaOps.fp8_transpose_side: the classifier's dlogits transpose on a stream of its own beside
-    its dX product (1; 2 at the highest priority) gives k_loss_bwd's losses, lse, dX and dW the bits
-    of one stream (0), over two chunks (the second chunk's logits product waits for the first's
-    transpose); the side stream ran one transpose a chunk. Another value is a ValueError naming the
-    switch."""
-    monkeypatch.setattr(be, "fp8_classifier", 2)
-    B, T, _, _, R = CLASSIFIER_CASE
-    inputs = classifier_inputs(21)
-
-    def run(side):
-        monkeypatch.setattr(be, "fp8_transpose_side", side)
-        before = be.fp8.transposes_beside
-        out = classifier_bwd(be, *inputs)
-        return [a.view(np.uint8) for a in out], be.fp8.transposes_beside - before
-
-    base, n0 = run(0)
-    assert n0 == 0 and np.isfinite(base[3].view(np.float32)).all() and base[3].any()
-    for side in (1, 2):
-        got, n = run(side)
-        assert n == B * T // R, (side, n)
-        for name, a, b in zip(("losses", "lse", "dX", "dW"), got, base):
-            assert np.array_equal(a, b), (side, name)
-    with pytest.raises(ValueError, match=r"CudaOps\.fp8_transpose_side = 3; expected 0, 1 or 2"):
-        run(3)
-
-
-def test_engine_transpose_beside_same_bits(tmp_path):
-    """An fp8 engine with the FP8 classifier (vocabulary 96) and the dlogits transpose beside the dX
-    product (CudaOps.fp8_transpose_side = 2) against one stream: the same records, weights and Adam
-    state bits over five steps (eager, captured, replayed) and an evaluation."""
-    from andrea.backends import get_backend
-    from andrea.config import load_run_config
-    from andrea.engine import Engine
-    runs = []
-    for side in (2, 0):
-        d = small_config(tmp_path, batch_size=4, seq_len=32, precision="fp8")
-        d["model"], d["backend"] = dict(MODEL, vocab_size=96), {"name": "cuda"}
-        be = get_backend("cuda")
-        be.fp8_transpose_side = side
-        eng = Engine(load_run_config(d), backend=be)
-        recs = []
-        for s in range(1, 6):
-            recs.append(dict(eng.train_step(s, [batch(3 * s, V=96), batch(3 * s + 1, V=96)])))
-            if s == 3:
-                recs.append(eng.val_loss([batch(40, V=96)]))
-        assert (be.fp8.transposes_beside > 0) == (side > 0), be.fp8.transposes_beside
-        runs.append((recs, eng.host_state()))
-    assert_same_runs(*runs, what="the transpose beside the product changed the run")
 
 
 def test_engine_fp8_classifier_same_bits_and_resume(tmp_path):

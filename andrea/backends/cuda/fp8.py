@@ -74,7 +74,7 @@ from ...model import loss_chunk_rows
 from ..numpy_ref import FP8_FORMATS, FP8_FWD, FP8_HIST, S_SKIP, fp8_rounding
 from .cublas import cuda_type
 from .cublaslt import WORKSPACE_BYTES
-from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64, priority_stream
+from .runtime import MAX_BLOCKS, THREADS, blocks, check, cp, i32, i64
 
 FP8_CUDA_TYPES = {"e4m3": 28, "e5m2": 29}  # cudaDataType_t CUDA_R_8F_E4M3, CUDA_R_8F_E5M2
 FP8_MIN_CC = 89  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) or later
@@ -281,11 +281,6 @@ class Fp8Ops:
         self._wg_stream, self._ring_next, self._ring_busy, self._ring_of, self._wg_last = None, 0, {}, {}, None
         self._wg_events = None  # (the fork event, one "done" event a buffer), made with the stream, reused
         self.wgrad_side_products = 0  # products the stream ran (tests and benchmarks count them)
-        # the classifier's dlogits transpose beside its dX product (CudaOps.fp8_transpose_side;
-        # _transpose_beside): (the switch's value, the stream) and its (fork, done) events, made on
-        # first use, reused
-        self._tr_stream, self._tr_events = None, None
-        self.transposes_beside = 0  # transposes the side stream ran (tests count them)
 
     # ------------------------------------------------------------ the quantisation kernels
     @staticmethod
@@ -1309,32 +1304,6 @@ class Fp8Ops:
         self.ops.rt.launch("fp8.cu", "k_fp8_transpose", np.float32, (-(-K // TILE), -(-R // TILE)), THREADS,
                            (out_t, x, i32(R), i32(K)))
 
-    def _transpose_beside(self, dz_t, dz, product):
-        """k_fp8_transpose(dz_t, dz) and product() (the classifier's dX, which reads dz but not
-        dz_t): one after the other, or with CudaOps.fp8_transpose_side the transpose on a stream of
-        its own beside the product (2: at the highest stream priority), the current stream waiting
-        for it before it goes on. The same kernels and bytes."""
-        side = int(self.ops.fp8_transpose_side)
-        if side not in (0, 1, 2):
-            raise ValueError(f"CudaOps.fp8_transpose_side = {side}; expected 0, 1 or 2")
-        if not side:
-            product()
-            self.k_fp8_transpose(dz_t, dz)
-            return
-        if self._tr_stream is None or self._tr_stream[0] != side:
-            self._tr_stream = (side, priority_stream(high=side == 2))
-            self._tr_events = tuple(cp.cuda.Event(block=False, disable_timing=True) for _ in range(2))
-        stream, (fork, done) = self._tr_stream[1], self._tr_events
-        cur = cp.cuda.get_current_stream()
-        fork.record(cur)
-        stream.wait_event(fork)
-        with stream:
-            self.k_fp8_transpose(dz_t, dz)
-        done.record(stream)
-        product()
-        cur.wait_event(done)
-        self.transposes_beside += 1
-
     def _classifier_input(self, kernel, x, V):
         """x (N, C), lnf's output, gets one amax for all its rows (meta "cx"); each chunk is then
         cast with it (_classifier_logits)."""
@@ -1417,7 +1386,7 @@ class Fp8Ops:
             ops._loss_rows(True, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V))
                            + dl + (dz, dz_inv, i64(r0)), fp8_defs=defs)
             wq_t, w_inv = self._weight(wte, transpose=True)
+            self._product(dx[r0:r0 + n], dz, fmt, dz_inv, wq_t, FP8_FWD, w_inv, beta=beta)
             dz_t = cp.ndarray((V, n), dtype=np.uint8, memptr=z.data)  # the logits are spent
-            self._transpose_beside(dz_t, dz, lambda: self._product(dx[r0:r0 + n], dz, fmt, dz_inv, wq_t, FP8_FWD,
-                                                                    w_inv, beta=beta))
+            self.k_fp8_transpose(dz_t, dz)
             self._product(dwte, dz_t, fmt, dz_inv, xq_t, FP8_FWD, x_inv, beta=beta_w if r0 == 0 else 1.0)

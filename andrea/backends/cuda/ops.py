@@ -309,11 +309,6 @@ class CudaOps:
     # A/Bs of whole steps: +0.06, -0.06 and -0.09); the wgrad products take the SMs the chain's
     # memory-bound kernels would leave idle, but slow the chain more than they save
     fp8_wgrad_stream = False
-    # train.precision=fp8 with the classifier's backward in FP8: the transpose of dlogits
-    # (k_fp8_transpose, memory-bound) on a stream of its own beside the dX product (compute-bound),
-    # joined before the dW product that reads it: 1, at the default priority; 2, at the highest;
-    # 0, one after the other. The same kernels and bytes (cuda/fp8.py _transpose_beside)
-    fp8_transpose_side = 0
 
     @property
     def pdl(self) -> bool:
