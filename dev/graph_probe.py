@@ -155,7 +155,6 @@ def main(argv=None) -> int:
 
     from andrea.backends import get_backend
     from andrea.backends.cuda.graphs import event_ms
-    from andrea.backends.cuda.runtime import priority_stream
     from andrea.bench import bench_config, random_batches, spy_graphs
     from andrea.engine import Engine
     cfg = bench_config(a.exp, a.precision, a.batch, 16)
@@ -181,7 +180,10 @@ def main(argv=None) -> int:
             print(pd.Series(after, name="memsets").sort_values(ascending=False).to_string())
 
     P, O = graphs["passes"], graphs["optimizer"]
-    hi = priority_stream(high=True)  # the passes at the device's highest priority
+    # the passes at the device's highest priority: a number below every device's range, which
+    # cudaStreamCreateWithPriority clamps to its greatest (CuPy's runtime module has no
+    # deviceGetStreamPriorityRange)
+    hi = cp.cuda.Stream(non_blocking=True, priority=-(1 << 20))
     lo = cp.cuda.Stream(non_blocking=True)
     rows = []
     with hi:

@@ -188,13 +188,6 @@ class Runtime:
         return kernel in ready
 
 
-def priority_stream(high: bool):
-    """A non-blocking stream at the device's highest priority (high) or at the default one. The
-    number asked for lies below every device's range, and cudaStreamCreateWithPriority clamps it to
-    the range's greatest (CuPy's runtime module has no deviceGetStreamPriorityRange)."""
-    return cp.cuda.Stream(non_blocking=True, priority=-(1 << 20) if high else 0)
-
-
 def blocks(n: int, per_block: int = THREADS) -> int:
     return max(1, min(MAX_BLOCKS, -(-n // per_block)))
 
