@@ -1090,18 +1090,16 @@ def fp8_neighbours_at_midpoint(got, want, exact, fmt):
     return bool(np.all((step == 1) & (np.abs(exact - mid) <= 1e-5 * np.abs(mid))))
 
 
-@pytest.mark.parametrize("rounding,sr_hash", [("nearest", "pairs"), ("stochastic", "pairs"), ("stochastic", "group")],
-                         ids=["nearest", "stochastic", "stochastic-group"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("version", ["regs", "v1"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("V", [96, 1008, 99])
-def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, sr_hash, monkeypatch):
+def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, monkeypatch):
     """loss_bwd_fp8(_regs): losses and lse bit-equal to the 16-bit row pass (loss_bwd(_regs)) on
     the same logits, the logits left as they were, *q8_inv = dloss / 2^k, and the FP8 dlogits
     numpy_ref.loss_bwd_fp8's bytes (rounded to nearest, or stochastically with its random bits for
-    rows from row0 = 5, either hash: -DFP8_SR_HASH=0 "pairs", 1 "group") but for values at a
-    rounding midpoint, or at the random threshold (fewer than 1 in 1000, and then the neighbouring
-    byte). V = 99: rows of no whole vectors, byte by byte (sr_one, the same bits as sr_vec's)."""
+    rows from row0 = 5) but for values at a rounding midpoint, or at the random threshold (fewer than
+    1 in 1000, and then the neighbouring byte). V = 99: rows of no whole vectors, byte by byte."""
     import cupy as cp
     from andrea.backends.cuda.fp8 import Fp8Ops
     from andrea.backends.cuda.ops import _dloss_args
@@ -1116,11 +1114,8 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, s
     q8, meta = cp.zeros((n, V), cp.uint8), cp.zeros(2, cp.float32)
     lf, lse = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32)
     z0 = z.copy()
-    stochastic = rounding == "stochastic"
-    defs = Fp8Ops._defs(fmt) + (f"-DFP8_SR={int(stochastic)}",)
-    defs += (f"-DFP8_SR_HASH={int(sr_hash == 'group')}",) if stochastic else ()
     be._loss_rows(True, n, z, ct, (lf, lse, z, t, np.int64(n), np.int32(V)) + _dloss_args("t", dloss)
-                  + (q8, meta[1:], np.int64(5)), fp8_defs=defs)
+                  + (q8, meta[1:], np.int64(5)), fp8_defs=Fp8Ops._defs(fmt) + (f"-DFP8_SR={int(rounding == 'stochastic')}",))
     assert np.array_equal(z.get().view(np.uint16), z0.get().view(np.uint16)), "the logits were changed"
     lf16, lse16, z16 = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32), z0.copy()
     be._loss_rows(True, n, z16, ct, (lf16, lse16, z16, t, np.int64(n), np.int32(V)) + _dloss_args("t", dloss))
@@ -1129,8 +1124,7 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, s
     assert meta.get()[1] == np.float32(1.0 / 384 * 2.0 ** -k)
     want, m_ref = np.zeros((n, V), np.uint8), np.zeros(2, np.float32)
     zh = host(z0)
-    ref.loss_bwd_fp8(np.zeros(n), np.zeros(n), want, m_ref, z0.get(), t.get(), dloss.get(), fmt, rounding, row0=5,
-                     sr_hash=sr_hash)
+    ref.loss_bwd_fp8(np.zeros(n), np.zeros(n), want, m_ref, z0.get(), t.get(), dloss.get(), fmt, rounding, row0=5)
     got = q8.get()
     bad = got != want
     assert bad.mean() < 1e-3, f"{bad.sum()} of {bad.size} bytes differ"
@@ -1143,10 +1137,6 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, s
         near = np.zeros((n, V), np.uint8)  # and the bits were used: not the bytes of nearest
         ref.loss_bwd_fp8(np.zeros(n), np.zeros(n), near, m_ref, z0.get(), t.get(), dloss.get(), fmt, "nearest")
         assert (near != got).mean() > 0.05
-        other = np.zeros((n, V), np.uint8)  # the hash asked for: not the other hash's bytes
-        ref.loss_bwd_fp8(np.zeros(n), np.zeros(n), other, m_ref, z0.get(), t.get(), dloss.get(), fmt, rounding,
-                         row0=5, sr_hash="pairs" if sr_hash == "group" else "group")
-        assert (other != got).mean() > 0.05
 
 
 # Stochastic rounding is compared with the reference at level 1 only: its random bits are keyed by
@@ -1154,23 +1144,20 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, s
 # reference's (a float64 product rounded to bf16) differ in some last bits, so the two draw
 # different bits there and differ by two roundings' noise. Level 2's logits are checked with
 # rounding to nearest, stochastic rounding's bytes by test_dlogits_row_pass_matches_the_reference.
-@pytest.mark.parametrize("level,rounding,sr_hash", [(1, "nearest", "pairs"), (2, "nearest", "pairs"),
-                                                    (1, "stochastic", "pairs"), (1, "stochastic", "group")],
-                         ids=["backward", "all", "backward-sr", "backward-sr-group"])
+@pytest.mark.parametrize("level,rounding", [(1, "nearest"), (2, "nearest"), (1, "stochastic")],
+                         ids=["backward", "all", "backward-sr"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
-def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, level, rounding, sr_hash, monkeypatch):
+def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, level, rounding, monkeypatch):
     """k_loss_bwd / k_loss_fwd with the FP8 classifier (V a multiple of 16; CudaOps.fp8_classifier
-    1: the backward's products in FP8, 2: the logits too; CudaOps.fp8_sr_hash the stochastic
-    rounding's bits) against numpy_ref.k_fp8_loss_bwd / k_fp8_loss_fwd (bf16 logits, as the GPU's)
-    within TOL, in chunks of 48 rows; against the float64 classifier without quantisation within 0.1
-    and not equal to it. k_loss_fwd gives the losses and lse of k_loss_bwd, bit for bit (its logits
-    in FP8 at level 2, in bf16 at level 1)."""
+    1: the backward's products in FP8, 2: the logits too) against numpy_ref.k_fp8_loss_bwd /
+    k_fp8_loss_fwd (bf16 logits, as the GPU's) within TOL, in chunks of 48 rows; against the float64
+    classifier without quantisation within 0.1 and not equal to it. k_loss_fwd gives the losses
+    and lse of k_loss_bwd, bit for bit (its logits in FP8 at level 2, in bf16 at level 1)."""
     import cupy as cp
     monkeypatch.setattr(be, "fp8_dlogits", fmt)
     monkeypatch.setattr(be, "fp8_classifier", level)
     monkeypatch.setattr(be, "fp8_dlogits_rounding", rounding)
-    monkeypatch.setattr(be, "fp8_sr_hash", sr_hash)
     B, T, C, V, R = 4, 48, 80, 96, 48
     rng = np.random.default_rng(7)
     x = rng.normal(0, 1, (B, T, C))
@@ -1184,7 +1171,7 @@ def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, level, roundi
     be.k_loss_bwd(lf, lse, dx, dw, cp.zeros((R, V), xd.dtype), xd, wd, td, dloss, accumulate=accumulate)
     want = [np.zeros((B, T)), np.zeros((B, T)), host(on_dev(base)), np.zeros((V, C))]
     ref.k_fp8_loss_bwd(*want[:2], want[2], want[3], np.zeros((R, V), bf16()), xh, wh, t, dloss, fmt, accumulate,
-                       fp8_logits=level == 2, rounding=rounding, sr_hash=sr_hash)
+                       fp8_logits=level == 2, rounding=rounding)
     for what, a, b in zip(("losses", "lse", "dinp", "dwte"), (lf, lse, dx, dw), want):
         assert rel(host(a), b) < TOL, what
     exact = [np.zeros((B, T)), np.zeros((B, T)), host(on_dev(base)), np.zeros((V, C))]
@@ -1194,35 +1181,6 @@ def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, level, roundi
     lf2, lse2 = cp.zeros((B, T), cp.float32), cp.zeros((B, T), cp.float32)
     be.k_loss_fwd(lf2, lse2, cp.zeros((R, V), xd.dtype), xd, wd, td)
     assert np.array_equal(lf2.get(), lf.get()) and np.array_equal(lse2.get(), lse.get())
-
-
-def test_fp8_sr_hash_reaches_the_row_pass(be, monkeypatch):
-    """CudaOps.fp8_sr_hash: k_loss_bwd with the FP8 classifier and stochastic dlogits builds its row
-    pass with -DFP8_SR_HASH=0 ("pairs") or 1 ("group"): the two give other dW bits (the dlogits'
-    bytes differ), each the same on a rerun; any other value is a ValueError naming the switch
-    before anything runs. Each hash's bytes against the reference: the row pass test above."""
-    import cupy as cp
-    monkeypatch.setattr(be, "fp8_dlogits", "e4m3")
-    monkeypatch.setattr(be, "fp8_classifier", 1)
-    monkeypatch.setattr(be, "fp8_dlogits_rounding", "stochastic")
-    B, T, C, V, R = 2, 48, 80, 96, 48
-    rng = np.random.default_rng(12)
-    xd, wd = on_dev(rng.normal(0, 1, (B, T, C))), on_dev(rng.normal(0, 0.3, (V, C)))
-    td = cp.asarray(rng.integers(0, V, (B, T)).astype(np.int32))
-
-    def dw(sr_hash):
-        monkeypatch.setattr(be, "fp8_sr_hash", sr_hash)
-        lf, lse, dx, w = (cp.zeros((B, T), cp.float32), cp.zeros((B, T), cp.float32), on_dev(np.zeros((B, T, C))),
-                          cp.zeros((V, C), cp.float32))
-        be.k_loss_bwd(lf, lse, dx, w, cp.zeros((R, V), xd.dtype), xd, wd, td, 1.0 / (B * T), accumulate=False)
-        return w.get()
-
-    pairs, group = dw("pairs"), dw("group")
-    assert np.array_equal(pairs, dw("pairs")) and np.array_equal(group, dw("group"))
-    assert not np.array_equal(pairs, group)
-    assert rel(group, pairs) < 0.1  # two draws of one unbiased rounding (about 0.025 apart in the reference)
-    with pytest.raises(ValueError, match=r"CudaOps\.fp8_sr_hash = 'murmur': expected 'pairs' or 'group'"):
-        dw("murmur")
 
 
 def test_engine_fp8_classifier_same_bits_and_resume(tmp_path):

@@ -529,113 +529,6 @@ def test_sr_bits_are_a_function_of_the_logits_and_the_row():
     assert f32.shape == z.shape and not np.array_equal(f32, b)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["16-bit", "float32"])
-def test_sr_bits_of_the_group_hash_are_a_function_of_the_logits_and_the_row(dtype):
-    """fp8_sr_bits(sr_hash="group") (loss.cu FP8_SR_HASH=1) on odd sizes: the same logits give the
-    same bits (and the same in chunks: row0), other bits than "pairs", a one-unit change of one
-    logit changes bits of its group of 16 bytes only (each of them but by chance; the last group of
-    a row partly past V too), and equal rows draw different bits. An unknown sr_hash is an error."""
-    rng = np.random.default_rng(16)
-    R, V = 3, 37
-    per = 16 // np.dtype(dtype).itemsize
-    word = np.uint16 if per == 8 else np.uint32
-    z = rng.normal(0, 2, (R, V)).astype(dtype)  # float16: 2 bytes an element, as bf16
-    b = K.fp8_sr_bits(z, sr_hash="group")
-    assert b.shape == z.shape and b.max() < 65536
-    np.testing.assert_array_equal(b, K.fp8_sr_bits(z.copy(), sr_hash="group"))
-    np.testing.assert_array_equal(b[1:], K.fp8_sr_bits(z[1:], row0=1, sr_hash="group"))
-    assert (b != K.fp8_sr_bits(z)).mean() > 0.9  # "pairs", the default
-    for r, j in ((0, 0), (1, 20), (2, V - 1)):  # the first group, one inside, the last (partial) one
-        z2 = z.copy()
-        z2.view(word)[r, j] += 1
-        changed = set(map(tuple, np.argwhere(K.fp8_sr_bits(z2, sr_hash="group") != b)))
-        group = {(r, k) for k in range(j // per * per, min(j // per * per + per, V))}
-        assert changed <= group and len(changed) >= max(len(group) - 1, 1), (r, j, changed)
-    same = K.fp8_sr_bits(np.repeat(z[:1], 3, axis=0), sr_hash="group")
-    assert (same[1] != same[0]).mean() > 0.9 and (same[2] != same[1]).mean() > 0.9
-    with pytest.raises(ValueError, match="sr_hash 'one'"):
-        K.fp8_sr_bits(z, sr_hash="one")
-
-
-@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["16-bit", "float32"])
-def test_sr_bits_of_the_group_hash_are_even_and_near_independent(dtype):
-    """Over n groups (n = 38400 of 8 elements, or 76800 of 4), for each place i in the group, each
-    of the 16 bits is set with frequency 1/2 within 0.015 (the standard error is 0.5/sqrt(n) <=
-    0.0026: about 6 of them), and the bits of two places are uncorrelated within 0.03 (standard
-    error 1/sqrt(n) <= 0.0051). A zero or broken multiplier fails the first (a constant with 17 or
-    more trailing zero bits leaves low bits at 0), two equal multipliers or one a small multiple of
-    another the second (correlation 1, or about 1/k)."""
-    rng = np.random.default_rng(17)
-    z = rng.normal(0, 2, (512, 600)).astype(dtype)
-    per = 16 // np.dtype(dtype).itemsize
-    u = K.fp8_sr_bits(z, sr_hash="group").reshape(-1, per).astype(np.int64)  # (groups, place)
-    n = u.shape[0]
-    assert n == 512 * 600 // per
-    freq = ((u[:, :, None] >> np.arange(16)) & 1).mean(0)  # (place, bit)
-    assert np.all(np.abs(freq - 0.5) < 0.015), freq
-    c = np.corrcoef(u.T.astype(np.float64))
-    off = c[~np.eye(per, dtype=bool)]
-    assert np.all(np.abs(off) < 0.03), c
-
-
-def test_sr_multipliers_are_odd_distinct_and_pass_the_spectral_test():
-    """numpy_ref.FP8_SR_MULS, loss.cu's sr_mul: eight distinct odd 32-bit constants (odd: h -> h * C
-    a bijection, so each element's bits stay uniform); for every two, C_j * C_i^-1 mod 2^32 has no
-    lattice vector (x, y), y = x * C_j * C_i^-1 mod 2^32, shorter than 0.5 * 2^16 (the 2-D spectral
-    test loss.cu's comment states, by Gauss's reduction of the basis (1, D), (0, 2^32)); and
-    loss.cu's sr_mul returns the same constants in the same order."""
-    import re
-    from andrea.paths import KERNEL_DIR
-    M = 1 << 32
-    C = K.FP8_SR_MULS
-    assert len(C) == 8 and len(set(C)) == 8 and all(0 < c < M and c % 2 == 1 for c in C)
-
-    def shortest(d):
-        a, b = (1, d), (0, M)
-        while True:
-            if a[0] ** 2 + a[1] ** 2 > b[0] ** 2 + b[1] ** 2:
-                a, b = b, a
-            mu = round((a[0] * b[0] + a[1] * b[1]) / (a[0] ** 2 + a[1] ** 2))
-            if mu == 0:
-                return (a[0] ** 2 + a[1] ** 2) ** 0.5
-            b = (b[0] - mu * a[0], b[1] - mu * a[1])
-
-    for i, ci in enumerate(C):
-        for j, cj in enumerate(C):
-            if i != j:
-                assert shortest(cj * pow(ci, -1, M) % M) >= 0.5 * 2 ** 16, (i, j)
-    assert shortest(3) < 4  # the test tells a bad multiplier: (1, 3) is in its lattice
-    src = (KERNEL_DIR / "loss.cu").read_text()
-    body = re.search(r"unsigned int sr_mul\(int i\) \{(.*?)\n\}", src, re.S).group(1)
-    assert [int(h, 16) for h in re.findall(r"return (0x[0-9a-fA-F]+)u;", body)] == list(C)
-
-
-@pytest.mark.parametrize("sr_hash", K.FP8_SR_HASHES)
-@pytest.mark.parametrize("fmt", FMTS)
-def test_stochastic_rounding_with_the_sr_bits_is_unbiased(fmt, sr_hash):
-    """One value v at every element of logits-shaped (256, 512) arrays (n = 131072), rounded with
-    the bits fp8_sr_bits draws from random logits: each result is one of v's two grid neighbours
-    lo, hi, and the mean is v within 5 standard errors |hi - lo| * sqrt(p (1 - p) / n) (p = the
-    probability of hi, (v - lo) / (hi - lo)) plus the 2^-16 of a quantum the 16 bits resolve; the
-    same for each place in the 16-byte group alone (n / 8 values). Values from the subnormals (and
-    below the smallest) to the top binade."""
-    rng = np.random.default_rng(18)
-    M, bias, top = K.FP8_FORMATS[fmt]
-    z = rng.normal(0, 3, (256, 512)).astype(np.float16)
-    u = K.fp8_sr_bits(z, sr_hash=sr_hash)
-    sub = 2.0 ** (1 - bias - M)  # the smallest subnormal
-    for v in (sub * 0.37, -sub * 2.71, 2.0 ** (1 - bias) * 0.6, -0.3, 1.1, 5.3, top * 0.93):
-        v = np.float32(v)
-        lo, hi = (float(x) for x in grid_neighbours(v, fmt))
-        assert lo != hi
-        r = K.fp8_round_stochastic(np.full(z.shape, v, np.float32), u, fmt).astype(np.float64)
-        assert set(np.unique(r)) <= {lo, hi}, (v, lo, hi)
-        p = (float(v) - lo) / (hi - lo)
-        for part in (r.ravel(), r.reshape(256, -1, 8)[:, :, 3].ravel()):
-            se = abs(hi - lo) * np.sqrt(p * (1 - p) / part.size)
-            assert abs(part.mean() - float(v)) <= 5 * se + abs(hi - lo) * 2.0 ** -16, (v, part.mean(), se)
-
-
 def test_stochastic_dlogits_keep_the_small_probabilities():
     """E4M3 dlogits with the bound's scale 2^8: probabilities under 2^-18 round to 0 to nearest,
     so their push on the logits is lost; rounded stochastically the sum of the many small entries
@@ -664,26 +557,25 @@ def test_stochastic_dlogits_keep_the_small_probabilities():
     assert np.all((s == lo) | (s == hi))
 
 
-def dlogits_on_grid(g, scale, fmt, rounding, logits, sr_hash="pairs"):
+def dlogits_on_grid(g, scale, fmt, rounding, logits):
     """The FP8 values of dlogits g times the bound's scale: rounded to nearest, or stochastically
-    with the random bits of the workspace's logits (fp8_sr_bits' sr_hash)."""
+    with the random bits of the workspace's logits."""
     y = (g * float(scale)).astype(np.float32)
     if rounding == "stochastic":
-        y = K.fp8_round_stochastic(y, K.fp8_sr_bits(logits, sr_hash=sr_hash), fmt)
+        y = K.fp8_round_stochastic(y, K.fp8_sr_bits(logits), fmt)
     return K.fp8_decode(K.fp8_encode(K.fp8_round(y, fmt), fmt), fmt)
 
 
-@pytest.mark.parametrize("rounding,sr_hash", [("nearest", "pairs"), ("stochastic", "pairs"), ("stochastic", "group")],
-                         ids=["nearest", "stochastic", "stochastic-group"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("fmt,tol", [("e4m3", 0.08), ("e5m2", 0.15)])
 @pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
-def test_fp8_classifier_against_autograd(fmt, tol, accumulate, rounding, sr_hash):
+def test_fp8_classifier_against_autograd(fmt, tol, accumulate, rounding):
     """k_fp8_loss_bwd against PyTorch autograd of dloss * sum(cross-entropy) over the
     FP8-rounded operands (float64): the same losses; gradients that differ from autograd's only by
     dlogits' quantisation, each element of dinp and dwte within the bound |dq - g| @ |w| (and
     |dq - g|.T @ |x|) of what the rounding of dlogits can change, and the whole within tol; in
     chunks of R rows (2 here) as one chunk. k_fp8_loss_fwd gives the same losses and lse. Rounded
-    stochastically (either sr_hash), each dlogit is within one step of the grid of its value."""
+    stochastically, each dlogit is within one step of the grid of its value."""
     rng = np.random.default_rng(2)
     x, w, t = classifier_case(rng)
     N, C = x.shape
@@ -697,7 +589,7 @@ def test_fp8_classifier_against_autograd(fmt, tol, accumulate, rounding, sr_hash
     g = torch.softmax(torch.from_numpy(xf @ wf.T), -1).numpy()
     g[np.arange(N), t] -= 1.0
     scale, inv = K.fp8_bound_scale(fmt)
-    dq = dlogits_on_grid(g, scale, fmt, rounding, xf @ wf.T, sr_hash) * float(inv) * dloss
+    dq = dlogits_on_grid(g, scale, fmt, rounding, xf @ wf.T) * float(inv) * dloss
     err = np.abs(dq - g * dloss)
     lo, hi = grid_neighbours((g * float(scale)).astype(np.float32), fmt)
     assert np.all(err <= np.abs(hi - lo) * float(inv) * dloss * (1 if rounding == "stochastic" else 0.5) + 1e-15)
@@ -705,8 +597,7 @@ def test_fp8_classifier_against_autograd(fmt, tol, accumulate, rounding, sr_hash
     out = {}
     for R in (2, N):
         losses, lse, dinp, dwte = np.zeros(N), np.zeros(N), base.copy(), np.zeros((V, C))
-        K.k_fp8_loss_bwd(losses, lse, dinp, dwte, np.zeros((R, V)), x, w, t, dloss, fmt, accumulate, rounding=rounding,
-                         sr_hash=sr_hash)
+        K.k_fp8_loss_bwd(losses, lse, dinp, dwte, np.zeros((R, V)), x, w, t, dloss, fmt, accumulate, rounding=rounding)
         out[R] = losses, dinp, dwte
         np.testing.assert_allclose(losses, ce.detach().numpy(), rtol=1e-10)
         want_dx = xt.grad.numpy() + (base if accumulate else 0)
@@ -722,14 +613,14 @@ def test_fp8_classifier_against_autograd(fmt, tol, accumulate, rounding, sr_hash
     # fp8_logits=False: the logits of the unquantised operands, the backward's products as above
     losses, lse, dinp, dwte = np.zeros(N), np.zeros(N), base.copy(), np.zeros((V, C))
     K.k_fp8_loss_bwd(losses, lse, dinp, dwte, np.zeros((N, V)), x, w, t, dloss, fmt, accumulate, fp8_logits=False,
-                     rounding=rounding, sr_hash=sr_hash)
+                     rounding=rounding)
     z = x.astype(np.float64) @ w.astype(np.float64).T
     ce = torch.nn.functional.cross_entropy(torch.from_numpy(z), torch.from_numpy(t), reduction="none").numpy()
     np.testing.assert_allclose(losses, ce, rtol=1e-10)
     g = torch.softmax(torch.from_numpy(z), -1).numpy()
     g[np.arange(N), t] -= 1.0
     inv_dl = float(np.float32(dloss * float(inv)))  # the float32 1/scale the products get
-    dq = dlogits_on_grid(g, scale, fmt, rounding, z, sr_hash).astype(np.float64) * inv_dl
+    dq = dlogits_on_grid(g, scale, fmt, rounding, z).astype(np.float64) * inv_dl
     np.testing.assert_allclose(dinp, dq @ wf + (base if accumulate else 0), rtol=1e-10, atol=1e-14)
     np.testing.assert_allclose(dwte, dq.T @ xf, rtol=1e-10, atol=1e-14)
     q = np.arange(12, dtype=np.uint8).reshape(3, 4)

@@ -501,26 +501,15 @@ def _sr_mix(x):
     return x ^ (x >> np.uint32(16))
 
 
-# The two ways of turning a group's key into its elements' 16 random bits (loss.cu FP8_SR_HASH 0 and
-# 1, CudaOps.fp8_sr_hash): "pairs", one _sr_mix per two elements; "group", one per group, element i
-# the top 16 bits of the hash times FP8_SR_MULS[i] (odd: a bijection of the 32-bit words, so each
-# element's bits stay uniform; loss.cu sr_mul).
-FP8_SR_HASHES = ("pairs", "group")
-FP8_SR_MULS = (0xB227FA13, 0xECC1AFCD, 0x85A8B6B5, 0xC48610FB, 0xB2F1CBB9, 0xB22E0BFF, 0xB33CF7D5, 0xECAEF681)
-
-
-def fp8_sr_bits(logits, row0=0, sr_hash="pairs"):
+def fp8_sr_bits(logits, row0=0):
     """The 16 random bits of each element of logits (R, V) for the classifier's stochastic rounding
-    (loss.cu sr_key / sr_bits): rows cut into 16-byte groups of the logits as they lie in memory
+    (loss.cu sr_key / sr_round): rows cut into 16-byte groups of the logits as they lie in memory
     (past V, zero bits); key = w0 * 0x9e3779b1 + w1 * 0x85ebca77 + w2 * 0xc2b2ae3d + w3 * 0x27d4eb2f
     + row * 0x165667b1 + group (uint32; row = row0 + the row's index here, its index in the
-    microbatch). sr_hash "pairs" (FP8_SR_HASH 0): element i of its group takes the low (i even) or
-    high (i odd) half of _sr_mix(key + (i // 2) * 0x9e3779b9); "group" (FP8_SR_HASH 1): the top 16
-    bits of _sr_mix(key) * FP8_SR_MULS[i] (uint32, wrapping). A function of the logits' bits and
-    positions only, so reruns agree, whatever the chunks, and every step draws new bits. Logits
-    wider than 4 bytes (the reference's float64 workspaces) are taken as float32."""
-    if sr_hash not in FP8_SR_HASHES:
-        raise ValueError(f"fp8_sr_bits: sr_hash {sr_hash!r}: expected one of {', '.join(FP8_SR_HASHES)}")
+    microbatch); element i of its group takes the low (i even) or high (i odd) half of
+    _sr_mix(key + (i // 2) * 0x9e3779b9). A function of the logits' bits and positions only, so
+    reruns agree, whatever the chunks, and every step draws new bits. Logits wider than 4 bytes
+    (the reference's float64 workspaces) are taken as float32."""
     z = np.ascontiguousarray(logits)
     if z.dtype.itemsize > 4:
         z = z.astype(np.float32)
@@ -535,12 +524,9 @@ def fp8_sr_bits(logits, row0=0, sr_hash="pairs"):
                + w[..., 2] * np.uint32(0xC2B2AE3D) + w[..., 3] * np.uint32(0x27D4EB2F)
                + (np.arange(R, dtype=np.uint64) + row0).astype(np.uint32)[:, None] * np.uint32(0x165667B1)
                + np.arange(G, dtype=np.uint32)[None, :])
-        if sr_hash == "group":
-            u = (_sr_mix(key)[..., None] * np.array(FP8_SR_MULS[:per], np.uint32)) >> np.uint32(16)
-        else:
-            i = np.arange(per, dtype=np.uint32)
-            word = _sr_mix(key[..., None] + (i // np.uint32(2)) * np.uint32(0x9E3779B9))
-            u = np.where(i % 2 == 1, word >> np.uint32(16), word & np.uint32(0xFFFF))
+        i = np.arange(per, dtype=np.uint32)
+        word = _sr_mix(key[..., None] + (i // np.uint32(2)) * np.uint32(0x9E3779B9))
+    u = np.where(i % 2 == 1, word >> np.uint32(16), word & np.uint32(0xFFFF))
     return u.reshape(R, G * per)[:, :V]
 
 
@@ -849,11 +835,11 @@ def _dloss_value(dloss):
     return float(np.asarray(dloss, dtype=np.float64).reshape(-1)[0])
 
 
-def loss_bwd_fp8(losses, lse, q8, meta, logits, targets, dloss, fmt, rounding=None, row0=0, sr_hash="pairs"):
+def loss_bwd_fp8(losses, lse, q8, meta, logits, targets, dloss, fmt, rounding=None, row0=0):
     """The FP8 classifier's row pass over logits (R, V) (loss.cu's loss_bwd_fp8 and
     loss_bwd_fp8_regs): losses, lse (R,) as k_loss_fwd writes them; q8 (R, V) uint8 = fp8 bytes
     of (softmax(logits) - onehot(targets)) * scale, scale = fp8_bound_scale(fmt)[0], rounded to
-    nearest (rounding "nearest") or stochastically with fp8_sr_bits(logits, row0, sr_hash) ("stochastic";
+    nearest (rounding "nearest") or stochastically with fp8_sr_bits(logits, row0) ("stochastic";
     None: FP8_DLOGITS_ROUNDING; row0 the chunk's first row in the microbatch); meta[1] = dloss / scale, what the products multiply back (dloss: a
     float or a (1,) array). logits are not changed."""
     rounding = fp8_rounding(rounding)
@@ -864,7 +850,7 @@ def loss_bwd_fp8(losses, lse, q8, meta, logits, targets, dloss, fmt, rounding=No
     scale, inv = fp8_bound_scale(fmt)
     g = (g * float(scale)).astype(np.float32)
     if rounding == "stochastic":
-        g = fp8_round_stochastic(g, fp8_sr_bits(logits, row0, sr_hash), fmt)
+        g = fp8_round_stochastic(g, fp8_sr_bits(logits, row0), fmt)
     q8[...] = fp8_encode(fp8_round(g, fmt), fmt)
     meta[1] = np.float32(_dloss_value(dloss) * float(inv))
 
@@ -891,14 +877,13 @@ def k_fp8_loss_fwd(losses, lse, logits, inp, wte, targets):
 
 
 def k_fp8_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, dlogits_fmt, accumulate=True,
-                   fp8_logits=True, rounding=None, sr_hash="pairs"):
+                   fp8_logits=True, rounding=None):
     """k_loss_bwd with its three products in FP8: per chunk logits = fp8(inp) @ fp8(wte).T (as
     k_fp8_loss_fwd), loss_bwd_fp8's row pass (dlogits in dlogits_fmt with its bound scale), then
     dinp += dlogits @ fp8(wte) and dwte += dlogits.T @ fp8(inp) with dlogits = decoded q8 times
     meta[1] (accumulate=False writes dinp). The quantisation's derivative is taken as 1.
     fp8_logits False: logits = inp @ wte.T unquantised (the bf16 product), the backward's two
-    products as above. rounding: how dlogits meet the grid, sr_hash: the random bits of stochastic
-    rounding (loss_bwd_fp8, fp8_sr_bits)."""
+    products as above. rounding: how dlogits meet the grid (loss_bwd_fp8)."""
     x, tg, z_all, N = _loss_rows("k_fp8_loss_bwd", logits, inp, wte, targets)
     xf, wf = fp8_fake(x, FP8_FWD), fp8_fake(wte, FP8_FWD)
     lf, lsef, dx = losses.reshape(N), lse.reshape(N), dinp.reshape(N, -1)
@@ -908,7 +893,7 @@ def k_fp8_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, dl
         z = z_all[:r1 - r0]
         z[...] = xf[r0:r1] @ wf.T if fp8_logits else np.asarray(x[r0:r1], np.float64) @ np.asarray(wte, np.float64).T
         q8, meta = np.empty(z.shape, np.uint8), np.zeros(2, np.float32)
-        loss_bwd_fp8(lf[r0:r1], lsef[r0:r1], q8, meta, z, tg[r0:r1], dloss, dlogits_fmt, rounding, r0, sr_hash)
+        loss_bwd_fp8(lf[r0:r1], lsef[r0:r1], q8, meta, z, tg[r0:r1], dloss, dlogits_fmt, rounding, r0)
         g = fp8_decode(q8, dlogits_fmt).astype(np.float64) * float(meta[1])
         _put(dx[r0:r1], g @ wf, accumulate)
         dwte += g.T @ xf[r0:r1]

@@ -48,27 +48,13 @@ __device__ __forceinline__ unsigned char fp8_byte(float v) { return (unsigned ch
 // before the conversion, else to nearest. The random bits are a function of the data, no state:
 // for the 16-byte group q of a row (elements q * CT_VEC ..., as the vectors lie in memory, the
 // elements past V taken as zero bits), key = its four 32-bit words of logits, the row's index in
-// the microbatch (row0 + the row in the chunk) and q mixed linearly (sr_key); sr_bits turns key and
-// the element's place i in the group into its 16 bits, as FP8_SR_HASH says (below). The logits
-// change every step, so do the bits; a rerun gives the same bytes, whatever the chunks
-// (numpy_ref.fp8_sr_bits). The row's index keeps rows of equal logits (a prompt every sequence
-// starts with) from rounding alike.
+// the microbatch (row0 + the row in the chunk) and q mixed linearly (sr_key); element i of the
+// group takes the low (i even) or high (i odd) 16 bits of sr_mix(key + (i / 2) * SR_STEP),
+// murmur3's 32-bit finaliser. The logits change every step, so do the bits; a rerun gives the same
+// bytes, whatever the chunks (numpy_ref.fp8_sr_bits). The row's index keeps rows of equal logits
+// (a prompt every sequence starts with) from rounding alike.
 #ifndef FP8_SR
 #define FP8_SR 0
-#endif
-// FP8_SR_HASH (CudaOps.fp8_sr_hash), how the 16 bits of element i come from key:
-// 0 ("pairs"): the low (i even) or high (i odd) 16 bits of sr_mix(key + (i / 2) * SR_STEP),
-//   murmur3's 32-bit finaliser: one hash per two elements.
-// 1 ("group"): one hash per group, h = sr_mix(key); element i takes the top 16 bits of h * SR_MUL_i
-//   (32-bit product, wrapping). Each SR_MUL_i is odd, so h -> h * SR_MUL_i is a bijection of the
-//   32-bit words: where h is uniform, so is h * SR_MUL_i, and with it its top 16 bits, which is all
-//   the rounding needs to be unbiased (each element's expected value is itself, whatever the
-//   other elements of its group draw). The elements of a group are not independent (all are
-//   functions of h); the eight constants were drawn at random and kept for the 2-D spectral test:
-//   for every two, the lattice of the points (x, x * SR_MUL_j * SR_MUL_i^-1 mod 2^32) has no
-//   vector shorter than 0.5 * 2^16, so the top 16 bits of two elements are near independent.
-#ifndef FP8_SR_HASH
-#define FP8_SR_HASH 0
 #endif
 #define SR_STEP 0x9e3779b9u
 __device__ __forceinline__ unsigned int sr_mix(unsigned int x) {
@@ -83,38 +69,9 @@ __device__ __forceinline__ unsigned int sr_key(const vec16& r, i64 row, int q) {
   return r.w[0] * 0x9e3779b1u + r.w[1] * 0x85ebca77u + r.w[2] * 0xc2b2ae3du + r.w[3] * 0x27d4eb2fu +
          (unsigned int)row * 0x165667b1u + (unsigned int)q;
 }
-// SR_MUL_i (FP8_SR_HASH 1; numpy_ref.FP8_SR_MULS): an immediate where i is known at compile time
-// (sr_vec's unrolled loop), a selection where it is not (sr_one). Float groups use the first four.
-__device__ __forceinline__ unsigned int sr_mul(int i) {
-  switch (i) {
-    case 0: return 0xb227fa13u;
-    case 1: return 0xecc1afcdu;
-    case 2: return 0x85a8b6b5u;
-    case 3: return 0xc48610fbu;
-    case 4: return 0xb2f1cbb9u;
-    case 5: return 0xb22e0bffu;
-    case 6: return 0xb33cf7d5u;
-    default: return 0xecaef681u;
-  }
-}
-// The 16 random bits of element i (0 <= i < CT_VEC) of the group of key. A pure function of
-// (key, i): sr_vec's unrolled loop computes each hash once (the same sr_mix for the two elements of
-// a pair, or for the whole group), and sr_one, which calls it for one element, gets the same bits.
-// FP8_SR_HASH 1 takes the product's top half as a 16-bit register (one PRMT), so the rounding's
-// shift and add of it stay one IMAD; written (x >> 16) the compiler turns them into a shift, a
-// mask and an add (64 instructions more in loss_bwd_fp8_regs, bf16 at LOSS_NV=8).
-__device__ __forceinline__ unsigned int sr_bits(unsigned int key, int i) {
-#if FP8_SR_HASH
-  unsigned short top;
-  asm("{ .reg .b16 low; mov.b32 {low, %0}, %1; }" : "=h"(top) : "r"(sr_mix(key) * sr_mul(i)));
-  return top;
-#else
-  unsigned int w = sr_mix(key + (unsigned int)(i >> 1) * SR_STEP);
-  return i & 1 ? w >> 16 : w & 0xffffu;
-#endif
-}
 __device__ __forceinline__ float sr_round(float v, unsigned int key, int i) {
-  return fp8_round_stochastic(v, sr_bits(key, i));
+  unsigned int w = sr_mix(key + (unsigned int)(i >> 1) * SR_STEP);
+  return fp8_round_stochastic(v, i & 1 ? w >> 16 : w);
 }
 // CT_VEC values of group q (its logits r) rounded in place, FP8_SR only.
 __device__ __forceinline__ void sr_vec(float* p, const vec16& r, i64 row, int q) {

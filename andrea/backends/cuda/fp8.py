@@ -1357,8 +1357,7 @@ class Fp8Ops:
         dwte += dlogits.T @ fp8(inp). dlogits_fmt: "e4m3" or "e5m2" (None: CudaOps.fp8_dlogits).
         fp8_logits False: the logits product in bf16 (cuBLAS, as the 16-bit path), the two
         backward products in FP8. rounding: dlogits' rounding, "nearest" or "stochastic" (None:
-        CudaOps.fp8_dlogits_rounding; loss.cu -DFP8_SR), stochastic with the random bits
-        CudaOps.fp8_sr_hash says ("pairs" or "group": -DFP8_SR_HASH=0 or 1; numpy_ref.fp8_sr_bits)."""
+        CudaOps.fp8_dlogits_rounding; loss.cu -DFP8_SR)."""
         from .ops import _dloss_args, _loss_checks
         ops = self.ops
         x, tg, lf, lsef, z_all, N, V, C, ct = _loss_checks("k_fp8_loss_bwd", losses, lse, logits, inp, wte, targets)
@@ -1366,11 +1365,7 @@ class Fp8Ops:
         check("k_fp8_loss_bwd", "dwte", dwte, (V, C), np.float32)
         fmt = dlogits_fmt or ops.fp8_dlogits
         stochastic = fp8_rounding(rounding or ops.fp8_dlogits_rounding) == "stochastic"
-        from ..numpy_ref import FP8_SR_HASHES  # ("pairs", "group"): FP8_SR_HASH 0 and 1
-        if ops.fp8_sr_hash not in FP8_SR_HASHES:
-            raise ValueError(f"CudaOps.fp8_sr_hash = {ops.fp8_sr_hash!r}: expected 'pairs' or 'group'")
-        sr_hash = (f"-DFP8_SR_HASH={FP8_SR_HASHES.index(ops.fp8_sr_hash)}",) if stochastic else ()
-        defs = self._defs(fmt) + (f"-DFP8_SR={int(stochastic)}",) + sr_hash
+        defs = self._defs(fmt) + (f"-DFP8_SR={int(stochastic)}",)
         dl = _dloss_args("k_fp8_loss_bwd", dloss)
         meta = self._classifier_input("k_fp8_loss_bwd", x, V)
         dz_meta = self._meta("dz")

@@ -227,13 +227,6 @@ class CudaOps:
     # how dlogits meet the FP8 grid: "stochastic" (loss.cu -DFP8_SR=1, random bits hashed from the
     # logits: no state) or "nearest"
     fp8_dlogits_rounding = FP8_DLOGITS_ROUNDING
-    # stochastic dlogits: how each 16-byte group's key becomes its random bits (loss.cu
-    # FP8_SR_HASH, numpy_ref.fp8_sr_bits): "pairs" (0), one murmur3 finaliser per two values;
-    # "group" (1), one per group, each value the top 16 bits of it times its own odd constant
-    # (other bits, as unbiased; 2,744 SASS instructions in loss_bwd_fp8_regs against 2,808). Kept
-    # "pairs": on an H200 the step's graphs replayed no faster with "group" (paired median -0.001
-    # ms, 15 rounds), and other bits would need their own parity runs
-    fp8_sr_hash = "pairs"
     # train.precision=fp8: k_fp8_amax / k_fp8_gelu_amax run this many blocks an SM, each thread
     # taking many 16-byte vectors four at a time; 0: one block per 256 vectors up to MAX_BLOCKS,
     # one or two vectors a thread (the grid before; the same amax either way)
