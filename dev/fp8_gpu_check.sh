@@ -30,7 +30,7 @@ EXP="--exp ANDREA-120M --precision fp8 --batch 8"
 # 1. the GPU tests: the attention's FP8 kernels bit for bit against the kernel and the cast, a run
 #    with them on and off, k_layernorm_fwd_fp8 at every block shape, the delayed scales, two runs
 #    bit-identical, the amax in the update, the folded GELU, programmatic launches, the casts'
-#    tiles (by words, whole tiles); and the sm_90a builds (ptxas)
+#    tiles (partial and whole); and the sm_90a builds (ptxas)
 if want 1; then
   run tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8_cuda.py \
     -k "attention or layernorm_fwd_fp8 or delayed or layernorm_cast or two_runs or wgrad or adamw or weight_cache or gelu or pdl or cast_kernels or many_kernels"
@@ -45,8 +45,7 @@ if want 2; then
     --variant base: --variant noattn:fp8_attention_cast=0 \
     --variant ln16x8:fp8_layernorm_rows=16,fp8_layernorm_warps=8 \
     --variant wgrad:fp8_wgrad_stream=1 --variant noadamw:fp8_adamw_amax=0 \
-    --variant sigmoid:fp8_gelu_fma=0 --variant nearest:fp8_dlogits_rounding=nearest --variant nopdl:pdl=0 \
-    --variant nowords:fp8_transpose_words=0 --variant nofull:fp8_full_tiles=0
+    --variant sigmoid:fp8_gelu_fma=0 --variant nearest:fp8_dlogits_rounding=nearest --variant nopdl:pdl=0
   run graph_probe python3 dev/graph_probe.py $EXP --out "$OUT/dot"
 fi
 

@@ -56,20 +56,15 @@ def host(a):
     return a.get().astype(np.float64)
 
 
-@pytest.mark.parametrize("full", [False, True], ids=["checked", "full"])  # CudaOps.fp8_full_tiles
-@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])  # CudaOps.fp8_transpose_words
 @pytest.mark.parametrize("rows", [64, 128, 256])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16), (400, 96)])  # partial tiles of every height
-def test_cast_kernels_match_the_reference_bytes(be, fmt, R, K, rows, words, full, monkeypatch):
-    """k_fp8_amax, k_fp8_cast_transpose (tiles of 64, 128 and 256 rows: CudaOps.fp8_tile_rows; the
-    tile read back by bytes or by words: CudaOps.fp8_transpose_words; whole tiles through the copy
-    without bounds checks or not: CudaOps.fp8_full_tiles) and k_fp8_cast byte for byte against the
-    reference; a NaN makes the amax NaN."""
+def test_cast_kernels_match_the_reference_bytes(be, fmt, R, K, rows, monkeypatch):
+    """k_fp8_amax, k_fp8_cast_transpose (tiles of 64, 128 and 256 rows: CudaOps.fp8_tile_rows;
+    whole tiles and partial ones, which take fp8_cast_tile's two copies) and k_fp8_cast byte for
+    byte against the reference; a NaN makes the amax NaN."""
     import cupy as cp
     monkeypatch.setattr(be, "fp8_tile_rows", rows)
-    monkeypatch.setattr(be, "fp8_transpose_words", words)
-    monkeypatch.setattr(be, "fp8_full_tiles", full)
     rng = np.random.default_rng(R * K)
     x = (rng.standard_normal((R, K)) * np.exp2(rng.integers(-12, 6, (R, K)))).astype(bf16())
     xd = cp.asarray(x)
@@ -91,17 +86,14 @@ def test_cast_kernels_match_the_reference_bytes(be, fmt, R, K, rows, words, full
     assert np.isnan(meta.get()[0])
 
 
-@pytest.mark.parametrize("full", [False, True], ids=["checked", "full"])  # CudaOps.fp8_full_tiles
 @pytest.mark.parametrize("rows", [64, 128, 256])
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16), (400, 96), (272, 2320)])
-def test_cast_transpose_colsum_matches_the_reference_bits(be, R, K, rows, full, monkeypatch):
+def test_cast_transpose_colsum_matches_the_reference_bits(be, R, K, rows, monkeypatch):
     """k_fp8_cast_transpose_colsum: the bytes and 1/scale of k_fp8_cast_transpose, and each tile's
     column sums bit for bit as numpy_ref.fp8_tile_colsum adds them (partial tiles of every height,
-    columns past the last whole tile; whole tiles with or without bounds checks:
-    CudaOps.fp8_full_tiles); without out or out_t too."""
+    columns past the last whole tile, whole tiles); without out or out_t too."""
     import cupy as cp
     monkeypatch.setattr(be, "fp8_tile_rows", rows)
-    monkeypatch.setattr(be, "fp8_full_tiles", full)
     rng = np.random.default_rng(R * K + rows)
     x = (rng.standard_normal((R, K)) * np.exp2(rng.integers(-12, 6, (R, K)))).astype(bf16())
     xd, n = cp.asarray(x), -(-R // rows)
@@ -147,19 +139,13 @@ def test_linear_bias_gradient_from_the_cast(be, IC, OC, monkeypatch):
     assert not np.array_equal(got[True][2], np.full(OC, 0.25, np.float32))
 
 
-@pytest.mark.parametrize("full", [False, True], ids=["checked", "full"])  # CudaOps.fp8_full_tiles
-@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])  # CudaOps.fp8_transpose_words
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_many_kernels_are_each_tensor_alone(be, fmt, words, full, monkeypatch):
+def test_many_kernels_are_each_tensor_alone(be, fmt):
     """k_fp8_amax_many + k_fp8_cast_transpose_many over tensors of several shapes (partial tiles,
     one with more tiles and more values than its blocks take at once, so the blocks stride; a zero
     tensor, a NaN; an output skipped) against k_fp8_amax + k_fp8_cast_transpose on each tensor
-    alone and against numpy_ref's *_many: the same bytes and meta, the rest of meta zeroed. The
-    tile read back by bytes or by words (CudaOps.fp8_transpose_words), whole tiles with or without
-    bounds checks (CudaOps.fp8_full_tiles)."""
+    alone and against numpy_ref's *_many: the same bytes and meta, the rest of meta zeroed."""
     import cupy as cp
-    monkeypatch.setattr(be, "fp8_transpose_words", words)
-    monkeypatch.setattr(be, "fp8_full_tiles", full)
     from andrea.backends.cuda.fp8 import MANY_BLOCKS, META_STRIDE, TILE
     rng = np.random.default_rng(11)
     shapes = [(48, 80), (112, 208), (16, 16), (1040, 592), (240, 80), (80, 320)]
@@ -309,23 +295,20 @@ def fp8_steps_apart(a, b):
     return np.abs(ordinal(a) - ordinal(b))
 
 
-@pytest.mark.parametrize("full", [False, True], ids=["checked", "full"])  # CudaOps.fp8_full_tiles
 @pytest.mark.parametrize("gelu_fma", [False, True], ids=["sigmoid", "folded"])  # CudaOps.fp8_gelu_fma
 @pytest.mark.parametrize("rows", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16), (400, 96)])  # partial tiles
-def test_gelu_kernels_match_the_reference(be, dtype, R, K, rows, gelu_fma, full, monkeypatch):
+def test_gelu_kernels_match_the_reference(be, dtype, R, K, rows, gelu_fma, monkeypatch):
     """k_fp8_gelu_amax and k_fp8_gelu_cast_transpose of pre against numpy_ref's (both formats;
     both outputs or out_t alone, the same bytes; a NaN in pre makes the amax NaN). The GPU's act
     is gelu.cuh's sigmoid form in float32, the reference's the tanh form in float64: the same
     function, rounded to the dtype, so a few elements land one unit of the dtype apart, and so at
     most one FP8 code apart in under 1% of the bytes (the reference cast with the GPU's amax);
-    the amax within one unit of the dtype. Either form of gelu.cuh (CudaOps.fp8_gelu_fma); whole
-    tiles with or without bounds checks (CudaOps.fp8_full_tiles)."""
+    the amax within one unit of the dtype. Either form of gelu.cuh (CudaOps.fp8_gelu_fma)."""
     import cupy as cp
     monkeypatch.setattr(be, "fp8_tile_rows", rows)
     monkeypatch.setattr(be, "fp8_gelu_fma", gelu_fma)
-    monkeypatch.setattr(be, "fp8_full_tiles", full)
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     unit = 2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10
     rng = np.random.default_rng(R + K)
@@ -1233,9 +1216,7 @@ def test_engine_fp8_classifier_same_bits_and_resume(tmp_path):
 @pytest.mark.parametrize("gelu_fma", [False, True], ids=["sigmoid", "folded"])  # CudaOps.fp8_gelu_fma
 @pytest.mark.parametrize("rows", [64, 128])
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (400, 96)])  # partial tiles
-@pytest.mark.parametrize("full", [False, True], ids=["checked", "full"])  # CudaOps.fp8_full_tiles
-@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])  # CudaOps.fp8_transpose_words
-def test_delayed_kernels_are_the_current_passes(be, R, K, rows, gelu_fma, words, full, monkeypatch):
+def test_delayed_kernels_are_the_current_passes(be, R, K, rows, gelu_fma, monkeypatch):
     """k_fp8_gelu_cast_transpose_amax: the bytes and 1/scale of k_fp8_gelu_cast_transpose with the
     same meta, and the amax it reduces (into a value already there) that of k_fp8_gelu_amax;
     k_fp8_cast_transpose_amax and k_fp8_cast_transpose_colsum_amax those of their casts without it
@@ -1244,13 +1225,10 @@ def test_delayed_kernels_are_the_current_passes(be, R, K, rows, gelu_fma, words,
     in place, on a copy) followed by k_fp8_cast_transpose with the same meta; its column sums
     numpy_ref.fp8_tile_colsum of that dact bit for bit, its amax k_fp8_amax of it; dact not
     written. A scale from a smaller amax (a delayed one) saturates, as the cast does. Either form
-    of gelu.cuh (CudaOps.fp8_gelu_fma); the tile read back by bytes or by words
-    (CudaOps.fp8_transpose_words); whole tiles with or without bounds checks (CudaOps.fp8_full_tiles)."""
+    of gelu.cuh (CudaOps.fp8_gelu_fma)."""
     import cupy as cp
     monkeypatch.setattr(be, "fp8_tile_rows", rows)
     monkeypatch.setattr(be, "fp8_gelu_fma", gelu_fma)
-    monkeypatch.setattr(be, "fp8_transpose_words", words)
-    monkeypatch.setattr(be, "fp8_full_tiles", full)
     rng = np.random.default_rng(R + K + rows)
     pre = cp.asarray((rng.standard_normal((R, K)) * 2).astype(bf16()))
     dact = cp.asarray((rng.standard_normal((R, K)) * np.exp2(rng.integers(-10, 2, (R, K)))).astype(bf16()))

@@ -177,12 +177,6 @@ extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_a
 #ifndef FP8_TILE_ROWS
 #define FP8_TILE_ROWS 64
 #endif
-#ifndef FP8_FULL_TILES
-#define FP8_FULL_TILES 0  // whole tiles through a copy of the tile's code without bounds checks (CudaOps.fp8_full_tiles)
-#endif
-#ifndef FP8_T_WORDS
-#define FP8_T_WORDS 0  // fp8_tile_transpose_out's reading of the tile (CudaOps.fp8_transpose_words)
-#endif
 // The column sums of a cast tile (k_fp8_cast_transpose_colsum), in this order (fp8_tile_colsum in
 // numpy_ref): thread t of the 256 holds rows 32h + t / 8 (h = 0 .. H-1) of the 8 columns 8 (t % 8)..;
 // it adds them in h order (a = x_0 + x_1 + ...); a warp w (rows 4w + l + 32h, l = lane / 8) adds its
@@ -238,16 +232,15 @@ __device__ __forceinline__ void bytes_transpose4(const unsigned int (&w)[4], uns
 
 // out_t (K, R) rows c0.., bytes r0.. = the shared tile (TR x 64 bytes, rows FP8_TILE + 8 apart)
 // turned around. R % 8 == K % 8 == 0; 256 threads, after the barrier that made the tile.
-// -DFP8_T_WORDS=1 (CudaOps.fp8_transpose_words): 2 * TR units of 8 rows x 4 columns; unit u reads
-// its 8 rows as one 32-bit word each (rows 8 * (u % 4 + 4 * (u / 64)).., columns 4 * ((u / 4) % 16)..),
-// turns the two 4 x 4 byte blocks around in registers and writes four 8-byte runs, one a column.
-// A warp's word loads fall in 16 banks (two rows 8 apart share one: 2 ways) and each of its four
-// stores is 8 columns x 32 contiguous bytes. Else: TR * 8 units of 8 rows x 1 column, eight 1-byte
-// loads each (rows 8 apart share a bank: 4 ways), a warp's store 4 columns x 64 bytes.
+// 2 * TR units of 8 rows x 4 columns; unit u reads its 8 rows as one 32-bit word each (rows
+// 8 * (u % 4 + 4 * (u / 64)).., columns 4 * ((u / 4) % 16)..), turns the two 4 x 4 byte blocks
+// around in registers and writes four 8-byte runs, one a column. A warp's word loads fall in 16
+// banks (two rows 8 apart share one: 2 ways) and each of its four stores is 8 columns x 32
+// contiguous bytes. (Eight 1-byte loads a run, 4-way bank conflicts, took act's cast 41.1 us a
+// call against 37.2 at ANDREA-120M on an H200: docs/FP8.md.)
 template <int TR, bool FULL = false>
 __device__ __forceinline__ void fp8_tile_transpose_out(unsigned char* out_t, unsigned char (*tile)[FP8_TILE + 8],
                                                        int R, int K, int r0, int c0) {
-#if FP8_T_WORDS
 #pragma unroll
   for (int k = 0; k < (2 * TR + 255) / 256; ++k) {
     int u = threadIdx.x + 256 * k, col = 4 * ((u >> 2) & 15), r8 = 8 * ((u & 3) + 4 * (u >> 6));
@@ -265,26 +258,14 @@ __device__ __forceinline__ void fp8_tile_transpose_out(unsigned char* out_t, uns
         *reinterpret_cast<Bytes8*>(out_t + (i64)(c0 + col + c) * R + r0 + r8) = Bytes8{lo[c], hi[c]};
     }
   }
-#else
-#pragma unroll
-  for (int h = 0; h < TR / 32; ++h) {
-    int c = threadIdx.x + h * blockDim.x, col = c / (TR / 8), r8 = (c % (TR / 8)) * 8;
-    if (FULL || (c0 + col < K && r0 + r8 < R)) {
-      unsigned int lo = 0u, hi = 0u;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        lo |= (unsigned int)tile[r8 + j][col] << (8 * j);
-        hi |= (unsigned int)tile[r8 + 4 + j][col] << (8 * j);
-      }
-      *reinterpret_cast<Bytes8*>(out_t + (i64)(c0 + col) * R + r0 + r8) = Bytes8{lo, hi};
-    }
-  }
-#endif
 }
 
 // MODE: what the tile casts. TILE_CAST x itself; TILE_GELU act = gelu8(x); TILE_DGELU
 // dact = dgelu8(x, pre), x the output gradient of act and pre the tile of the same place in pre.
 // AMAX: amax_out (where non-null) = max(that, max |what is cast|) over the tile (block_amax_atomic).
+// FULL: the tile lies wholly inside x, so no value is checked against R and K. Without the checks
+// the compiler merges the loops below and unpacks each value once (the dGELU pass: 616 SASS
+// instructions against 816; ANDREA-120M on an H200, 0.26 ms a step faster: docs/FP8.md).
 enum { TILE_CAST = 0, TILE_GELU = 1, TILE_DGELU = 2 };
 template <int MODE, int TR, bool COLSUM = false, bool AMAX = false, bool FULL = false>
 __device__ __forceinline__ void fp8_cast_tile(unsigned char* out, unsigned char* out_t, const CT* x, int R,
@@ -372,7 +353,7 @@ __device__ __forceinline__ void fp8_cast_transpose_tiles(unsigned char* out, uns
   float inv, s = fp8_scale(meta[0], &inv);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) meta[inv_at] = inv;
   int r0 = blockIdx.y * FP8_TILE_ROWS, c0 = blockIdx.x * FP8_TILE;
-  if (FP8_FULL_TILES && r0 + FP8_TILE_ROWS <= R && c0 + FP8_TILE <= K)  // no bounds checks: the loops fuse
+  if (r0 + FP8_TILE_ROWS <= R && c0 + FP8_TILE <= K)  // a whole tile: no bounds checks, the loops merge
     fp8_cast_tile<MODE, FP8_TILE_ROWS, COLSUM, AMAX, true>(out, out_t, x, R, K, r0, c0, s, tile, partial, acc, pre,
                                                            amax_out);
   else
@@ -428,7 +409,7 @@ extern "C" __global__ void k_fp8_cast_transpose_many(float* meta, int meta_strid
   for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
     __syncthreads();  // the previous tile's bytes are read out of the shared tile
     int r0 = (i / tiles_k) * FP8_TILE, c0 = (i % tiles_k) * FP8_TILE;
-    if (FP8_FULL_TILES && r0 + FP8_TILE <= R && c0 + FP8_TILE <= K)
+    if (r0 + FP8_TILE <= R && c0 + FP8_TILE <= K)
       fp8_cast_tile<TILE_CAST, FP8_TILE, false, false, true>(out, out_t, x, R, K, r0, c0, s, tile);
     else
       fp8_cast_tile<TILE_CAST, FP8_TILE>(out, out_t, x, R, K, r0, c0, s, tile);

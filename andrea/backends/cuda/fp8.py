@@ -291,13 +291,6 @@ class Fp8Ops:
             raise ValueError(f"FP8 format {fmt!r}: expected one of {', '.join(FP8_FORMATS)}")
         return ("-DFP8_E5M2=1",) if fmt == "e5m2" else ()
 
-    def _transpose_defs(self):
-        """The -D options of fp8.cu's cast-and-transpose kernels: how they read the tile back
-        (CudaOps.fp8_transpose_words; fp8_tile_transpose_out) and whole tiles without bounds checks
-        (CudaOps.fp8_full_tiles; fp8_cast_transpose_tiles)."""
-        return ((("-DFP8_T_WORDS=1",) if self.ops.fp8_transpose_words else ())
-                + (("-DFP8_FULL_TILES=1",) if self.ops.fp8_full_tiles else ()))
-
     def _gelu_defs(self):
         """The -D option of fp8.cu's GELU passes for gelu.cuh's form (CudaOps.fp8_gelu_fma)."""
         return ("-DGELU_FMA=1",) if self.ops.fp8_gelu_fma else ()
@@ -376,7 +369,7 @@ class Fp8Ops:
         return ((-(-K // TILE), -(-R // rows)),
                 (out if out is not None else null, out_t if out_t is not None else null, meta, inv_at, x, i32(R),
                  i32(K)),
-                self._defs(fmt) + (f"-DFP8_TILE_ROWS={rows}",) + self._transpose_defs())
+                self._defs(fmt) + (f"-DFP8_TILE_ROWS={rows}",))
 
     def k_fp8_cast_transpose(self, out, out_t, meta, x, fmt):
         """x (R, K) to out (R, K) and/or out_t (K, R) (None skips one), as k_fp8_cast."""
@@ -635,8 +628,7 @@ class Fp8Ops:
         self._check_many("k_fp8_cast_transpose_many", meta, table)
         tiles = [(-(-R // TILE) * -(-K // TILE), 1) for R, K in sizes]
         self.ops.rt.launch("fp8.cu", "k_fp8_cast_transpose_many", dtype, self._many_grid(tiles, 1), THREADS,
-                           (meta, i32(meta.shape[1]), i32(meta.shape[1] // 2), table),
-                           defs=self._defs(fmt) + self._transpose_defs())
+                           (meta, i32(meta.shape[1]), i32(meta.shape[1] // 2), table), defs=self._defs(fmt))
 
     # ------------------------------------------------------------ the FP8 weight cache
     def use_weight_cache(self, weights, data, meta, table, alone=0):

@@ -234,19 +234,6 @@ class CudaOps:
     # train.precision=fp8: k_fp8_gelu_amax takes the GELU of every value of pre (True: its first
     # version) instead of the maximum of max(pre, 0) and one GELU a thread (the same bits; fp8.cu)
     fp8_gelu_amax_full = False
-    # train.precision=fp8: the cast-and-transpose kernels (fp8.cu fp8_tile_transpose_out) read
-    # their shared tile back as 32-bit words, eight rows by four columns a thread, turned around
-    # with byte permutes (-DFP8_T_WORDS=1), instead of one byte a load; the same bytes. On an
-    # H200 (Nsight Compute, ANDREA-120M): act's cast 37.2 us a call against 41.1 (its shared loads
-    # 2-way bank conflicts instead of 4); the step's graphs replayed 0.075 ms faster (paired
-    # median of 15 rounds, within the spread)
-    fp8_transpose_words = True
-    # train.precision=fp8: a cast-and-transpose block whose tile lies wholly inside the tensor
-    # runs a copy of the tile's code without bounds checks (-DFP8_FULL_TILES=1), whose loops the
-    # compiler can then merge (each value unpacked once: the dGELU pass's code 616 SASS
-    # instructions against 816); the same bytes. ANDREA-120M on an H200: the step's graphs
-    # replayed 0.26 ms faster (paired median of 15 rounds, every round faster)
-    fp8_full_tiles = True
     # train.precision=fp8: the FP8 MLP's GELU and its slope in gelu.cuh's folded form (-DGELU_FMA=1:
     # 14 instructions a value in the dGELU pass against 22; the same function within float32's
     # rounding, other bits); False: the sigmoid form. ANDREA-120M fp8 on an H200: the two GELU
