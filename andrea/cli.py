@@ -2,10 +2,10 @@
 
     python -m andrea.cli engine --config RUN/config.yaml --run-dir RUN [--resume]
     python -m andrea.cli params [ANDREA-tiny ANDREA-12M ANDREA-120M]   # parameter counts
-    python -m andrea.cli generate RUN --prompt "What is 12 + 7?"      # andrea/generate.py
+    python -m andrea.cli generate RUN --prompt "What is 12 + 7?"      # andrea/use/generate.py
     python -m andrea.cli chat RUN
-    python -m andrea.cli export RUN --format safetensors|hf            # andrea/export.py
-    python -m andrea.cli import GPT2_FOLDER --config CONFIG.yaml       # andrea/importer.py
+    python -m andrea.cli export RUN --format safetensors|hf            # andrea/use/export.py
+    python -m andrea.cli import GPT2_FOLDER --config CONFIG.yaml       # andrea/use/importer.py
 
 `python -m andrea.train experiment=...` (Hydra, the proxy) is the usual way in; `engine` is the
 process the proxy supervises, and can be run alone on a resolved config.
@@ -18,7 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .protocol import EXIT_BAD_INPUT, EXIT_NO_SPACE, PROXY_PID_ENV
+from .run.protocol import EXIT_BAD_INPUT, EXIT_NO_SPACE, PROXY_PID_ENV
 
 # how long a starting engine waits for .engine.lock (an engine killed a moment ago is on its way out)
 ENGINE_LOCK_WAIT_S = float(os.environ.get("ANDREA_ENGINE_LOCK_WAIT_S", "15"))
@@ -27,8 +27,8 @@ ENGINE_LOCK_WAIT_S = float(os.environ.get("ANDREA_ENGINE_LOCK_WAIT_S", "15"))
 def _report(message: str) -> None:
     """A fatal error: on stderr for the terminal, and as an event for the proxy's state.json
     (rank 0's; the other ranks of a data-parallel run say nothing on stdout)."""
-    from .comm import launch_rank
-    from .protocol import emit
+    from .core.comm import launch_rank
+    from .run.protocol import emit
 
     rank, size = launch_rank()
     print(f"engine{f' (rank {rank} of {size})' if size > 1 else ''}: {message}", file=sys.stderr)
@@ -38,7 +38,7 @@ def _report(message: str) -> None:
 
 def cmd_engine(args) -> int:
     if os.environ.get(PROXY_PID_ENV):
-        from .runner import die_with_parent
+        from .run.runner import die_with_parent
 
         die_with_parent(int(os.environ[PROXY_PID_ENV]))
     return run_engine(args.config, args.run_dir, args.resume, args.resume_at_most)
@@ -46,19 +46,19 @@ def cmd_engine(args) -> int:
 
 def run_engine(config, run_dir=None, resume=False, resume_at_most=None) -> int:
     """The engine on a resolved config (a config.yaml path, or the AndreaConfig itself); returns
-    its exit code. Under a launcher of several ranks (andrea/comm.py) this process is one rank:
+    its exit code. Under a launcher of several ranks (andrea/core/comm.py) this process is one rank:
     rank 0 holds the run folder's engine lock and writes; the others only train."""
     import contextlib
 
     from omegaconf.errors import OmegaConfBaseException
 
-    from .atomic import NoSpace
-    from .checkpoint import CheckpointError
-    from .comm import make_comm, select_gpu, zero1_requested
+    from .util.atomic import NoSpace
+    from .core.checkpoint import CheckpointError
+    from .core.comm import make_comm, select_gpu, zero1_requested
     from .config import load_run_config
     from .data.shards import ShardError
-    from .lock import LockHeld, run_lock
-    from .runner import Run
+    from .util.lock import LockHeld, run_lock
+    from .run.runner import Run
 
     try:
         cfg = load_run_config(config) if isinstance(config, (str, Path)) else config
@@ -94,7 +94,7 @@ def cmd_params(args) -> int:
     from omegaconf import OmegaConf
 
     from .config import ModelConfig
-    from .model import count_params
+    from .core.model import count_params
 
     from .paths import model_config
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("params", help="print parameter counts of model configs")
     p.add_argument("models", nargs="*", default=["ANDREA-tiny", "ANDREA-12M", "ANDREA-120M"])
     p.set_defaults(fn=cmd_params)
-    from . import export, generate, importer
+    from .use import export, generate, importer
     generate.add_arguments(sub.add_parser("generate", help="answer one prompt from a trained model"), chat=False)
     generate.add_arguments(sub.add_parser("chat", help="talk to a trained model (REPL)"), chat=True)
     export.add_arguments(sub.add_parser("export", help="write safetensors or a Hugging Face GPT-2 folder"))

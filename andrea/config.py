@@ -149,7 +149,7 @@ class ProxyConfig:
 
 @dataclass
 class AndreaConfig:
-    exp: str = "ANDREA-tiny"  # run name = results/<exp>: the experiment, + its overrides (andrea/runs.py)
+    exp: str = "ANDREA-tiny"  # run name = results/<exp>: the experiment, + its overrides (andrea/pipeline/runs.py)
     results_dir: str = "results"
     overrides: List[str] = field(default_factory=list)  # command-line overrides of the run (set by andrea.train)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -1,15 +1,25 @@
 """Where the package's data files live: CUDA kernel sources, Hydra configs, the dashboard page.
 
-They ship inside the package (pyproject.toml's package-data), so an editable checkout and a plain
-`pip install .` find them the same way: next to this module, wherever the package is installed.
-Nothing here depends on the current directory or on a source tree.
+In the repository the kernels and configs sit at the top level (`kernels/`, `conf/`), beside the
+package; a built wheel maps them into it (pyproject.toml's package-dir: `andrea.kernels` is
+`kernels/`, `andrea.conf` is `conf/`). So a source checkout (an editable install) finds them one
+folder up, an installed package next to this module. Nothing here depends on the current
+directory.
 """
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-KERNEL_DIR = PACKAGE_DIR / "kernels"  # <op>.cu and common.cuh, compiled at run time by NVRTC
-CONF_DIR = PACKAGE_DIR / "conf"  # Hydra: config.yaml, groups model/data/train/backend/eval/proxy, experiment/
-DASHBOARD_PAGE = PACKAGE_DIR / "web" / "dashboard.html"  # the live loss page andrea.dashboard serves
+
+
+def _data_dir(name: str) -> Path:
+    """PACKAGE_DIR/name in an installed wheel, else the repository's top-level name/."""
+    inside = PACKAGE_DIR / name
+    return inside if inside.is_dir() else PACKAGE_DIR.parent / name
+
+
+KERNEL_DIR = _data_dir("kernels")  # <op>.cu and common.cuh, compiled at run time by NVRTC
+CONF_DIR = _data_dir("conf")  # Hydra: config.yaml, groups model/data/train/backend/eval/proxy, experiment/
+DASHBOARD_PAGE = PACKAGE_DIR / "web" / "dashboard.html"  # the live loss page andrea.pipeline.dashboard serves
 
 
 def model_config(exp: str) -> Path:

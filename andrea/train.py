@@ -14,14 +14,14 @@ With --zero1 (first arguments, as --ranks) each rank keeps the Adam moments of i
 weights only (ZeRO-1); it is not part of the config, so a run resumes with or without it:
     python -m andrea.train --ranks 2 --zero1 experiment=ANDREA-120M train.grad_accum=2
 
-A run with overrides gets its own folder, named after them (andrea/runs.py says which overrides
+A run with overrides gets its own folder, named after them (andrea/pipeline/runs.py says which overrides
 name a run: data paths, proxy and eval settings do not); that name is also its `exp`.
 
 The config comes from conf/ (config.yaml, one option per group, conf/experiment/<EXP>.yaml), typed
 by the dataclasses of andrea/config.py: an unknown key, a wrong type or a missing experiment stops
 before anything runs, with Hydra's message naming the key. The resolved config is written to
-`<run folder>/config.yaml`, then `andrea.proxy.supervise` runs the engine on it. Exit status
-(andrea/protocol.py): 0
+`<run folder>/config.yaml`, then `andrea.run.proxy.supervise` runs the engine on it. Exit status
+(andrea/run/protocol.py): 0
 only when the run finished (then `<run folder>/trained/` holds final.bin and final.json, links to
 the final checkpoint and its sidecar, the completed `<exp>.loss.json` and `config.yaml`); 75 when
 it stopped before its last step (SIGTERM, Ctrl-C, a preemption: the same command resumes it); 3
@@ -49,21 +49,21 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from . import runs
-from .atomic import atomic_write
+from .pipeline import runs
+from .util.atomic import atomic_write
 # composing also registers the config schemas that hydra.main below needs
-from .comm import ZERO1_ENV, launch_rank
-from .compose import ConfigError, compose_config, one_line, recorded_overrides, resolve  # noqa: F401 (compose_config: public here too)
+from .core.comm import ZERO1_ENV, launch_rank
+from .pipeline.compose import ConfigError, compose_config, one_line, recorded_overrides, resolve  # noqa: F401 (compose_config: public here too)
 from .config import AndreaConfig, config_hash
 from .data.sizing import check_shards
 from .paths import CONF_DIR
-from .protocol import EXIT_BAD_INPUT, EXIT_STOPPED
+from .run.protocol import EXIT_BAD_INPUT, EXIT_STOPPED
 
 TRAINED_DIR = "trained"  # what a finished run produces (the workflow's train outputs)
 SET_ASIDE_DIR = "previous"  # runs of other settings, moved aside by --new-run-on-change
 NEW_RUN_FLAG = "--new-run-on-change"
 NEW_RUN_ON_CHANGE = False  # set by NEW_RUN_FLAG (the workflow passes it)
-RANKS_FLAG = "--ranks"  # data parallelism on this host: python -m andrea.train --ranks N ... (andrea/launch.py)
+RANKS_FLAG = "--ranks"  # data parallelism on this host: python -m andrea.train --ranks N ... (andrea/run/launch.py)
 ZERO1_FLAG = "--zero1"  # ZeRO-1: sets comm.ZERO1_ENV for the engine (every rank runs the same command)
 MAX_TAG = 200  # sweep folder names stay under the usual 255-byte file-name limit
 
@@ -91,7 +91,7 @@ def write_config(path: Path, cfg: AndreaConfig) -> None:
 def check_run_folder(cfg: AndreaConfig, run_dir: Path, new_run_on_change: bool = False) -> None:
     """Refuse a run folder whose newest checkpoint belongs to other model/training settings; with
     new_run_on_change, move that run aside (set_aside) instead, so this one starts afresh."""
-    from .checkpoint import latest_checkpoint, read_sidecar
+    from .core.checkpoint import latest_checkpoint, read_sidecar
 
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
@@ -130,8 +130,8 @@ def publish_trained(cfg: AndreaConfig, run_dir: Path, final: Path) -> Path:
     name and renamed, so it is complete or absent; resume state never lives there."""
     import shutil
 
-    from .atomic import atomic_copy
-    from .checkpoint import sidecar_path
+    from .util.atomic import atomic_copy
+    from .core.checkpoint import sidecar_path
 
     out = run_dir / TRAINED_DIR
     tmp = run_dir / f".{TRAINED_DIR}.{os.getpid()}.tmp"
@@ -196,7 +196,7 @@ def train(cfg: DictConfig) -> int:
 
         run_cfg = resolve(cfg)
         run_dir = run_folder()
-        run_cfg.exp = run_dir.name  # the run's name: its folder (see andrea/runs.py)
+        run_cfg.exp = run_dir.name  # the run's name: its folder (see andrea/pipeline/runs.py)
         run_cfg.overrides = recorded_overrides(HydraConfig.get().overrides.task)
         check_backend(run_cfg)
         # too few windows for one batch: stop and say which setting; fewer than a step's or a
@@ -209,9 +209,9 @@ def train(cfg: DictConfig) -> int:
     rank, size = launch_rank()
     if rank > 0:
         return follow(run_cfg, run_dir)
-    from .checkpoint import CheckpointError
-    from .lock import LockHeld, run_lock
-    from .proxy import RecordError, refuse_unusable_checkpoints, supervise  # late: composing needs no engine
+    from .core.checkpoint import CheckpointError
+    from .util.lock import LockHeld, run_lock
+    from .run.proxy import RecordError, refuse_unusable_checkpoints, supervise  # late: composing needs no engine
 
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -222,7 +222,7 @@ def train(cfg: DictConfig) -> int:
             write_config(run_dir / "config.yaml", run_cfg)
             ov = " ".join(run_cfg.overrides) or "none"
             print(f"andrea.train: {run_cfg.exp} -> {run_dir} (config_hash {config_hash(run_cfg)[:12]}, "
-                  f"overrides: {ov})\nandrea.train: watch it live: python -m andrea.dashboard {run_dir}",
+                  f"overrides: {ov})\nandrea.train: watch it live: python -m andrea.pipeline.dashboard {run_dir}",
                   file=sys.stderr)
             if size > 1:
                 print(f"andrea.train: data parallel over {size} ranks; this is rank 0, which keeps the "
@@ -249,7 +249,7 @@ def follow(cfg: AndreaConfig, run_dir: Path) -> int:
 def finish(cfg: AndreaConfig, run_dir: Path, rc: int) -> int:
     """0 only when the run finished (a valid checkpoint at train.steps; trained/ is then written);
     75 when it stopped before its last step (a signal, a preemption): the same command resumes it."""
-    from .checkpoint import bin_path, is_valid, latest_checkpoint
+    from .core.checkpoint import bin_path, is_valid, latest_checkpoint
 
     if rc != 0:
         return rc
@@ -349,7 +349,7 @@ def cli() -> None:
         print(f"andrea.train: config error: {problem}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     if ranks is not None and ranks > 1:
-        from .launch import launch
+        from .run.launch import launch
 
         sys.exit(launch(ranks, passed))  # every rank runs this command, without --ranks
     try:

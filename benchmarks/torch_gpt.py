@@ -3,7 +3,7 @@
     python benchmarks/torch_gpt.py --shape 120m --batch 8 --dtype float16 --compile 1 --mode reduce-overhead
     python benchmarks/torch_gpt.py --shape 120m --dtype bfloat16 --fp8 torchao --compile 1 --mode reduce-overhead
 
-The model is ANDREA's architecture, parameter for parameter (andrea/model.py): learned token and
+The model is ANDREA's architecture, parameter for parameter (andrea/core/model.py): learned token and
 position embeddings, pre-norm blocks (LayerNorm -> causal self-attention -> residual, LayerNorm ->
 MLP 4x with tanh GELU -> residual), a final LayerNorm, the output projection tied to the token
 embedding, biases on every linear layer and LayerNorm. Training: AdamW (weight decay on the
@@ -20,7 +20,7 @@ The tied output projection (a product with the token embedding, not a torch.nn.L
 bf16, as ANDREA's fp8 path keeps it in 16 bits; autocast bf16 and torch.compile as usual.
 
 Timing: --warmup steps, then --steps steps on fixed random tokens between device syncs. FLOPs per
-token are 6N + 6*L*T*d (N parameters, L layers, T tokens, d width), the count andrea.bench uses.
+token are 6N + 6*L*T*d (N parameters, L layers, T tokens, d width), the count andrea.bench.step uses.
 The last line of stdout is one JSON object: shape, dtype, fp8 ("torchao <version> <recipe>" or
 null), batch, T, compile, mode, device, n_params, tok_s, ms_step, tflops, loss.
 `python -m andrea.bench --anchor` runs this file.
@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# (layers, width, heads, context, vocabulary) of each ANDREA model (andrea/conf/model/)
+# (layers, width, heads, context, vocabulary) of each ANDREA model (conf/model/)
 SHAPES = {"tiny": (2, 64, 4, 64, 512), "12m": (6, 384, 6, 256, 8192), "120m": (12, 768, 12, 1024, 50304)}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FP8_LAYERS = ("qkv", "proj", "up", "down")  # the linear layers of a Block that --fp8 converts

@@ -6,11 +6,11 @@
 
 A difference of 0.5 % in a 13 ms step is below what separate jobs (or separate runs of
 `python -m andrea.bench` in one job) resolve: clocks and the machine drift between them. Here
-every variant (NAME:ATTR=VALUE,...; the same ATTRs as `andrea.bench --set`) gets its own backend
+every variant (NAME:ATTR=VALUE,...; the same ATTRs as `andrea.bench.step --set`) gets its own backend
 and Engine in this one process, is warmed up, and then the variants take turns: each round times
 --steps training steps of every variant between CUDA events, in an order rotated round by round.
 The host queues a round's steps as training does, without waiting for each step's record (only the
-last one's loss is read), so the figures are those of `andrea.bench`. The table gives each variant's
+last one's loss is read), so the figures are those of `andrea.bench.step`. The table gives each variant's
 median, fastest and slowest round (ms a step), tokens/s at the median, and its difference from the
 first variant's median, with the spread of the paired per-round differences. Every variant runs the
 same batches in the same order, so settings that claim the same bits must end with the same loss:
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def parse_variant(text: str):
     """"NAME:ATTR=VALUE,ATTR=VALUE" (NAME: for none) -> (NAME, {ATTR: VALUE})."""
-    from andrea.bench import parse_settings
+    from andrea.bench.step import parse_settings
     name, colon, rest = text.partition(":")
     if not colon or not name.strip():
         raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME:ATTR=VALUE,... (NAME: for the defaults)")
@@ -46,8 +46,8 @@ def parse_variant(text: str):
 def build(cfg, settings):
     """An Engine of cfg on a backend of its own with settings applied."""
     from andrea.backends import get_backend
-    from andrea.bench import apply_settings
-    from andrea.engine import Engine
+    from andrea.bench.step import apply_settings
+    from andrea.core.engine import Engine
     be = get_backend("cuda")
     apply_settings(be, settings)
     return Engine(cfg, backend=be)
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     import cupy as cp
     import pandas as pd
 
-    from andrea.bench import bench_config, random_batches, spy_graphs
+    from andrea.bench.step import bench_config, random_batches, spy_graphs
     cfg = bench_config(a.exp, a.precision, a.batch, a.warmup + a.rounds * a.steps)
     engines, used = {}, {}
     for name, settings in a.variant:

@@ -140,8 +140,8 @@ def main(argv=None) -> int:
 
     from andrea.backends import get_backend
     from andrea.backends.cuda.cublas import cuda_type
-    from andrea.bench import bench_config
-    from andrea.engine import Engine
+    from andrea.bench.step import bench_config
+    from andrea.core.engine import Engine
 
     cfg = bench_config(args.exp, args.precision, args.batch, 4)
     m, T = cfg.model, cfg.model.context

@@ -4,7 +4,7 @@
     mpirun -n 2 python dev/ddp_bench.py --exp ANDREA-120M --precision bf16 --batch 8  # 2 GPUs
     mpirun -n 2 python dev/ddp_bench.py --exp ANDREA-120M --precision bf16 --batch 8 --zero1  # ZeRO-1
 
-Each rank builds the engine for the experiment's model shape at T = context (as andrea.bench) with
+Each rank builds the engine for the experiment's model shape at T = context (as andrea.bench.step) with
 --batch sequences per microbatch and one microbatch per rank (train.grad_accum = ranks, so the
 global batch grows with the ranks, as PyTorch DDP's does), runs warm-up steps on fixed random
 tokens, then times --steps steps (host clock around synchronised steps, rank 0). Printed: ranks,
@@ -26,10 +26,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from andrea.bench import model_dict  # noqa: E402
-from andrea.comm import make_comm, select_gpu  # noqa: E402
+from andrea.bench.step import model_dict  # noqa: E402
+from andrea.core.comm import make_comm, select_gpu  # noqa: E402
 from andrea.config import load_run_config  # noqa: E402
-from andrea.engine import Engine  # noqa: E402
+from andrea.core.engine import Engine  # noqa: E402
 
 
 def main():

@@ -155,8 +155,8 @@ def main(argv=None) -> int:
 
     from andrea.backends import get_backend
     from andrea.backends.cuda.graphs import event_ms
-    from andrea.bench import bench_config, random_batches, spy_graphs
-    from andrea.engine import Engine
+    from andrea.bench.step import bench_config, random_batches, spy_graphs
+    from andrea.core.engine import Engine
     cfg = bench_config(a.exp, a.precision, a.batch, 16)
     eng = Engine(cfg, backend=get_backend("cuda"))
     batches = random_batches(cfg.model.vocab_size, a.batch, cfg.model.context)

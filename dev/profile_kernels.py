@@ -4,7 +4,7 @@ kernels one `k_*` call launches, how long each runs, and at what rate the matrix
     python dev/profile_kernels.py --exp ANDREA-120M --precision fp16 --batch 8 [--torch bf16] [--csv out.csv]
         [--set defer_colsums=0]
 
-andrea.bench gives one figure per backend call; this splits a call into the kernels it launches
+andrea.bench.step gives one figure per backend call; this splits a call into the kernels it launches
 (CUPTI, through torch.profiler, which records every kernel of the process, CuPy's included). The
 engine runs its steps eagerly here (no CUDA graphs) and waits after every backend call, so each
 kernel is attributed to the call that launched it by time; device durations are those the kernels
@@ -63,7 +63,7 @@ class Annotated:
         import cupy as cp
         from torch.profiler import record_function
 
-        from andrea.bench import pass_closed_by
+        from andrea.bench.step import pass_closed_by
 
         def closer(close):
             with record_function("param_grad_pass"):
@@ -91,8 +91,8 @@ def profile_andrea(exp, precision, B, steps, settings=None):
     from torch.profiler import ProfilerActivity, profile
 
     from andrea.backends import get_backend
-    from andrea.bench import apply_settings, bench_config
-    from andrea.engine import Engine
+    from andrea.bench.step import apply_settings, bench_config
+    from andrea.core.engine import Engine
 
     cfg = bench_config(exp, precision, B, 2 + steps)
     m, T = cfg.model, cfg.model.context
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="ATTR=VALUE",
                     help="set an attribute of the backend first, e.g. --set defer_colsums=0 (repeatable)")
     a = ap.parse_args(argv)
-    from andrea.bench import parse_settings
+    from andrea.bench.step import parse_settings
     settings = parse_settings(a.set)
     ours, n_params = profile_andrea(a.exp, a.precision, a.batch, a.steps, settings)
     title = f"andrea {a.exp} {a.precision} B={a.batch}" + "".join(f" {s}" for s in a.set)

@@ -10,7 +10,7 @@ fixed seed) of the --shape model with the CUDA graphs off (every pass runs eager
 arrays can be read after it) and records, for every k_* call of the backend object (the engine's
 calls and the backend's calls to itself), its name and a sha256 of each array argument after the
 call: inputs and outputs alike, so an array that a call changed shows up at that call. --set
-ATTR=VALUE sets a backend switch first (andrea.bench's parsing and checks).
+ATTR=VALUE sets a backend switch first (andrea.bench.step's parsing and checks).
 --backend numpy runs it on the CPU (fp32 only): how the tests check the tool.
 
 --diff prints the first differing calls as a table (call index, name, the arguments that differ)
@@ -64,13 +64,13 @@ def trace(shape: str, precision: str, batch: int, steps: int, grad_accum: int, b
     """The calls of `steps` optimizer steps (see the module's doc)."""
     from andrea.backends import get_backend
     from andrea.config import load_run_config
-    from andrea.engine import Engine
+    from andrea.core.engine import Engine
     m = SHAPES[shape]
     T = m["context"]
     cfg = load_run_config({"exp": m["name"], "model": dict(m), "backend": {"name": backend},
                            "train": {"batch_size": batch, "seq_len": T, "precision": precision, "steps": steps,
                                      "warmup_steps": 2, "grad_accum": grad_accum, "seed": 1337}})
-    from andrea.bench import apply_settings
+    from andrea.bench.step import apply_settings
     be = get_backend(backend)
     apply_settings(be, sets)
     eng = Engine(cfg, backend=be)
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         return 1
     if not a.out:
         raise SystemExit("--out: where to write the trace (or --diff A B)")
-    from andrea.bench import parse_settings
+    from andrea.bench.step import parse_settings
     calls = trace(a.shape, a.precision, a.batch, a.steps, a.grad_accum, a.backend, parse_settings(a.set))
     with open(a.out, "w") as f:
         json.dump({"args": vars(a), "calls": calls}, f)

@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from andrea.atomic import sha256_file as sha256
-from andrea.checkpoint import bin_path, latest_checkpoint, sidecar_path, why_invalid
+from andrea.util.atomic import sha256_file as sha256
+from andrea.core.checkpoint import bin_path, latest_checkpoint, sidecar_path, why_invalid
 from andrea.config import load_run_config
 
 REPO = Path(__file__).resolve().parent.parent

@@ -143,7 +143,7 @@ def plot(mixes: pd.DataFrame, path: Path, noise: str) -> None:
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    from andrea.atomic import atomic_savefig
+    from andrea.util.atomic import atomic_savefig
     atomic_savefig(fig, path, dpi=110)
     plt.close(fig)
 
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--machine", default="", help="stored with --write-published")
     ap.add_argument("--commit", default="", help="stored with --write-published")
     a = ap.parse_args(argv)
-    from andrea.atomic import atomic_write
+    from andrea.util.atomic import atomic_write
     runs, mixes = load_runs(a.runs)
     table = summary(runs, a.noise)
     text = markdown(table)

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from andrea.atomic import ParquetStream, atomic_write_json
+from andrea.util.atomic import ParquetStream, atomic_write_json
 from andrea.data.chat import ConversationError, normalize, render_conversation
 
 SCHEMA = pa.schema([

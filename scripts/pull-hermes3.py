@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from andrea.atomic import ParquetStream, atomic_write_json
+from andrea.util.atomic import ParquetStream, atomic_write_json
 
 SCHEMA = pa.schema([
     ("conversations", pa.list_(pa.struct([("from", pa.string()), ("value", pa.string())]))),

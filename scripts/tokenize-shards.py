@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from andrea.atomic import atomic_write_json, sha256_file as sha256
+from andrea.util.atomic import atomic_write_json, sha256_file as sha256
 
 SHARD_TOKENS = 100_000_000  # as llm.c's FineWeb shards: 200 MB of uint16 per file
 ENCODE_ROWS = 4096  # rows per encode_batch call: enough to keep every thread busy

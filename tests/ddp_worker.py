@@ -2,7 +2,7 @@
 
     mpirun -n N python tests/ddp_worker.py CONFIG.json OUT_PREFIX DTYPE STEPS [ZERO1]
 
-Every rank builds the same engine (andrea.comm.make_comm; ZERO1=1: with the Adam state sharded),
+Every rank builds the same engine (andrea.core.comm.make_comm; ZERO1=1: with the Adam state sharded),
 draws the same global batches from a fixed seed, runs its own microbatches (rank r: r*k .. r*k+k-1
 of grad_accum = N*k) and writes OUT_PREFIX.<rank>.npz: the weights, the Adam moments and the step
 records after STEPS steps (under ZeRO-1 rank 0 holds the moments gathered from every shard, the
@@ -14,9 +14,9 @@ import sys
 
 import numpy as np
 
-from andrea.comm import make_comm, select_gpu
+from andrea.core.comm import make_comm, select_gpu
 from andrea.config import load_run_config
-from andrea.engine import Engine
+from andrea.core.engine import Engine
 
 
 def global_batches(cfg, step, seed=11):

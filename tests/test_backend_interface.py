@@ -107,8 +107,8 @@ def test_numpy_backend_is_a_runtime_backend():
 
 
 # callers of the backend: the object is named be, self.be, eng.be or e.be there
-CALLERS = ["andrea/engine.py", "andrea/model.py", "andrea/bench.py", "andrea/runner.py",
-           "andrea/evaluate.py", "andrea/train.py", "andrea/inference.py", "andrea/generate.py"]
+CALLERS = ["andrea/core/engine.py", "andrea/core/model.py", "andrea/bench/step.py", "andrea/run/runner.py",
+           "andrea/pipeline/evaluate.py", "andrea/train.py", "andrea/use/inference.py", "andrea/use/generate.py"]
 
 
 @pytest.mark.parametrize("path", [p for p in CALLERS if (ROOT / p).is_file()])

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea.model import count_params
+from andrea.core.model import count_params
 from andrea.train import compose_config
 from conftest import load_script
 
@@ -70,14 +70,14 @@ def test_bench_without_gpu_is_one_line():
     from andrea.backends import cuda_available
     if cuda_available():
         pytest.skip("a GPU is here")
-    r = subprocess.run([sys.executable, "-m", "andrea.bench", "--anchor"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "andrea.bench.step", "--anchor"], capture_output=True, text=True,
                        timeout=120, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
     assert "needs a CUDA GPU" in r.stderr
 
 
 def test_bench_table_ratio_is_ours_over_theirs():
-    from andrea.bench import table
+    from andrea.bench.step import table
     ours = dict(precision="fp16", attention="fused", tok_s=300_000, ms_step=20.0, tflops=100.0, planned_gb=1.0,
                 plan_arena_gb=0.9, pool_used_gb=1.0, device_used_gb=1.1)
     anchors = [dict(dtype="bf16", anchor_mode="eager", tok_s=600_000, ms_step=10.0, tflops=200.0),
@@ -95,7 +95,7 @@ def test_bench_settings_parse_and_refuse():
     error naming it."""
     import pytest
 
-    from andrea.bench import apply_settings, parse_settings
+    from andrea.bench.step import apply_settings, parse_settings
     assert parse_settings(["ln_blocks=528", " loss_vectors = 16", "fp8_dlogits_rounding=nearest"]) == {
         "ln_blocks": 528, "loss_vectors": 16, "fp8_dlogits_rounding": "nearest"}
     for bad in ("ln_blocks", "ln_blocks=", "=3"):
@@ -121,7 +121,7 @@ def test_settings_for_block_sets_and_restores():
     after it, an exception included; names the backend lacks are left alone."""
     import pytest
 
-    from andrea.bench import settings_for_block
+    from andrea.bench.step import settings_for_block
 
     class Be:
         fp8_wgrad_stream = True
@@ -142,7 +142,7 @@ def test_pass_closed_by_hands_the_close_over():
 
     import pytest
 
-    from andrea.bench import pass_closed_by
+    from andrea.bench.step import pass_closed_by
     log = []
 
     class Be:
@@ -280,7 +280,7 @@ def test_bench_anchor_precisions_run_the_anchor_once_each(monkeypatch, capsys):
     """python -m andrea.bench --precision fp8 --anchor ...: the bf16 anchor by default; with
     --anchor-precision bf16,fp8 the anchor once in bf16 and once with torchao's FP8, a ratio each."""
     import andrea.backends
-    import andrea.bench as bench
+    import andrea.bench.step as bench
     calls = []
     monkeypatch.setattr(andrea.backends, "cuda_available", lambda: True)
     monkeypatch.setattr(bench.subprocess, "run", _fake_anchor_run(calls))
@@ -307,7 +307,7 @@ def test_bench_anchor_precisions_run_the_anchor_once_each(monkeypatch, capsys):
 
 
 def test_bench_anchor_precision_refuses_unknown_names(capsys):
-    from andrea.bench import anchor_precisions, main
+    from andrea.bench.step import anchor_precisions, main
     assert anchor_precisions("bf16, fp8") == ["bf16", "fp8"] and anchor_precisions("fp16") == ["fp16"]
     for bad in ("bf16,fp9", "", ","):
         with pytest.raises(SystemExit) as e:
@@ -320,7 +320,7 @@ def test_bench_anchor_precision_refuses_unknown_names(capsys):
 def test_spy_graphs_keeps_the_last_key_of_each_kind():
     """dev/ab_settings.py --replay and dev/graph_probe.py find a step's graphs by the keys its last
     step ran: spy_graphs records them by kind (the key's first item) and still runs every call."""
-    from andrea.bench import spy_graphs
+    from andrea.bench.step import spy_graphs
 
     class Eng:
         def __init__(self):

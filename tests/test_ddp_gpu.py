@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from andrea.backends import cuda_available
-from andrea.comm import MpiComm
+from andrea.core.comm import MpiComm
 from andrea.config import load_run_config
-from andrea.engine import Engine
+from andrea.core.engine import Engine
 from conftest import small_config
 
 pytestmark = [pytest.mark.gpu,

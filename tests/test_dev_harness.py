@@ -63,7 +63,7 @@ def test_unknown_variant_is_named(harness):
 
 
 def test_exp_size_is_the_experiments_step(harness):
-    from andrea.compose import compose_config
+    from andrea.pipeline.compose import compose_config
     size = harness.exp_size("ANDREA-12M")
     assert size["B"] * size["T"] == 8192 and size["C"] == 384  # the 12M step: 32 sequences of 256 tokens
     cfg = compose_config("ANDREA-120M")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from andrea.config import load_run_config
-from andrea.engine import Engine, lr_at
+from andrea.core.engine import Engine, lr_at
 
 MODEL = {"n_layer": 2, "d_model": 32, "n_head": 4, "context": 32, "vocab_size": 61}
 
@@ -153,7 +153,7 @@ def test_classifier_in_chunks_matches_one_chunk(monkeypatch):
     """The engine's logits workspace holds loss_chunk_rows rows, not B*T: with a budget of 5
     rows (chunks 5, 5, ..., 2 of the 32 positions) three steps give the losses, norms and weights
     of the one-chunk run (float64: to rounding, 1e-12), and the plan holds no (B,T,V) buffer."""
-    from andrea import model
+    from andrea.core import model
     x, y = batch(np.random.default_rng(3), 2)
     one = Engine(make_cfg(), dtype="float64")
     monkeypatch.setattr(model, "LOSS_CHUNK_ELEMENTS", 5 * MODEL["vocab_size"] + 7)
@@ -184,7 +184,7 @@ def test_backward_needs_no_zeroed_workspace(dtype):
     """model.backward zeroes nothing: the first kernel to write each activation gradient (dres,
     dln, datty, dqkv) overwrites it, so a workspace full of NaN gives the same gradient bits as
     one full of zeros."""
-    from andrea import model
+    from andrea.core import model
     x, y = batch(np.random.default_rng(16), 2)
     eng = Engine(make_cfg(), dtype=dtype)
     grads = []

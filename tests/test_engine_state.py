@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from andrea import checkpoint as ck
+from andrea.core import checkpoint as ck
 from andrea.config import config_hash, load_run_config
 from andrea.data.loader import val_windows
-from andrea.engine import Engine
-from andrea.evaluate import held_out_loss
+from andrea.core.engine import Engine
+from andrea.pipeline.evaluate import held_out_loss
 
 
 def batch(rng, B=2, T=16, V=61):

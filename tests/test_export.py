@@ -16,10 +16,10 @@ from andrea import cli
 from andrea.config import load_run_config
 from andrea.data.chat import render_prompt
 from andrea.data.tokenizer import load_tokenizer
-from andrea.engine import Engine
-from andrea.export import export
-from andrea.importer import import_weights
-from andrea.locate import locate
+from andrea.core.engine import Engine
+from andrea.use.export import export
+from andrea.use.importer import import_weights
+from andrea.use.locate import locate
 
 from conftest import make_shards
 from trained_model import make_run
@@ -124,7 +124,7 @@ def test_round_trip_export_import_is_byte_identical(run, fmt, tmp_path):
 
 
 def test_imported_checkpoint_starts_training(run, hf_dir, tmp_path):
-    from andrea.runner import Run
+    from andrea.run.runner import Run
     config = start_config(run, tmp_path)
     ckpt = import_weights(hf_dir, config)
     cfg = load_run_config(config)

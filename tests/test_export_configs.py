@@ -1,9 +1,9 @@
-"""experiments/<EXP>-TRAIN.json: one per experiment, each the resolved config of andrea/conf/."""
+"""experiments/<EXP>-TRAIN.json: one per experiment, each the resolved config of conf/."""
 import json
 import shutil
 from pathlib import Path
 
-from andrea import export_configs
+from andrea.pipeline import export_configs
 from andrea.config import to_dict
 from andrea.paths import experiments
 from andrea.train import compose_config
@@ -12,7 +12,7 @@ OUT = Path(__file__).resolve().parent.parent / "experiments"
 
 
 def test_checked_in_files_match_conf():
-    assert export_configs.stale(OUT) == [], "run: python -m andrea.export_configs"
+    assert export_configs.stale(OUT) == [], "run: python -m andrea.pipeline.export_configs"
     names = sorted(p.name for p in OUT.glob("*-TRAIN.json"))
     assert names == sorted(f"{e}-TRAIN.json" for e in experiments())
 

@@ -154,7 +154,7 @@ def test_mlp_close_to_float64_and_consistent(grad_fmt, tol):
 
 def test_numpy_backend_refuses_fp8_clearly(tmp_path):
     from andrea.config import load_run_config
-    from andrea.engine import Engine
+    from andrea.core.engine import Engine
     from conftest import small_config
     with pytest.raises(ValueError, match="precision=fp8 needs backend=cuda"):
         Engine(load_run_config(small_config(tmp_path, precision="fp8")))
@@ -270,9 +270,9 @@ def test_memory_plan_lists_the_fp8_weight_cache():
     """fp8 plans an FP8 copy of every linear weight and of its transpose (one byte an element each,
     each copy 256-byte aligned), a 64-float (amax, 1/scale) row and a table row per weight; the
     switch off plans none; at ANDREA-120M with B=8 the cache adds less than 10% to the plan."""
-    from andrea import model
-    from andrea.compose import compose_config
-    from andrea.engine import fp8_cached_weights, make_plan
+    from andrea.core import model
+    from andrea.pipeline.compose import compose_config
+    from andrea.core.engine import fp8_cached_weights, make_plan
     for exp, B in (("ANDREA-tiny", 4), ("ANDREA-120M", 8)):
         cfgs = {p: compose_config(exp, [f"train.precision={p}", f"train.batch_size={B}"]) for p in ("bf16", "fp8")}
         m = cfgs["fp8"].model
@@ -331,8 +331,8 @@ def test_memory_plan_lists_the_fp8_input_slots():
     with either switch, and with fp8_keep_xt FP8 X^T of each (IC x B*T bytes, 256-byte aligned:
     C for the first three, 4C for act); none with both off or in 16 bits. At ANDREA-120M with
     B=8 the kept X^T are (3 + 4) x 12 x 768 x 8192 bytes (528.5 MB)."""
-    from andrea.compose import compose_config
-    from andrea.engine import fp8_input_slots, make_plan
+    from andrea.pipeline.compose import compose_config
+    from andrea.core.engine import fp8_input_slots, make_plan
     for exp, B in (("ANDREA-tiny", 4), ("ANDREA-120M", 8)):
         cfg = compose_config(exp, ["train.precision=fp8", f"train.batch_size={B}"])
         m, N = cfg.model, B * cfg.train.seq_len
@@ -364,8 +364,8 @@ def test_memory_plan_of_bf16_and_fp8_needs_no_ml_dtypes():
     import sys
     code = (
         "import sys; sys.modules['ml_dtypes'] = None\n"
-        "from andrea.compose import compose_config\n"
-        "from andrea.engine import make_plan\n"
+        "from andrea.pipeline.compose import compose_config\n"
+        "from andrea.core.engine import make_plan\n"
         "for p in ('bf16', 'fp8'):\n"
         "    plan = make_plan(compose_config('ANDREA-tiny', [f'train.precision={p}']))\n"
         "    rows = {r.name: r for r in plan.rows}\n"
@@ -635,9 +635,9 @@ def test_memory_plan_and_workspace_of_the_fp8_classifier():
     input in both forms (R x C each) and room for wte in fp8_w. Where V or B*T is no multiple of
     16 the classifier stays in bf16 (fp8_classifier_runs False) and nothing is added."""
     from andrea.backends.cuda.fp8 import classifier_in_fp8, fp8_rows
-    from andrea.compose import compose_config
-    from andrea.engine import fp8_cached_weights, fp8_classifier_runs, make_plan
-    from andrea.model import loss_chunk_rows
+    from andrea.pipeline.compose import compose_config
+    from andrea.core.engine import fp8_cached_weights, fp8_classifier_runs, make_plan
+    from andrea.core.model import loss_chunk_rows
     cfg = compose_config("ANDREA-120M", ["train.precision=fp8", "train.batch_size=8"])
     m, N = cfg.model, 8 * cfg.train.seq_len
     assert fp8_classifier_runs(cfg, True) and not fp8_classifier_runs(cfg, False)
@@ -664,9 +664,9 @@ def test_fp8_classifier_settings_in_the_run_config():
     import json
     from types import SimpleNamespace
 
-    from andrea.compose import compose_config
+    from andrea.pipeline.compose import compose_config
     from andrea.config import config_hash, to_dict
-    from andrea.engine import apply_fp8_settings
+    from andrea.core.engine import apply_fp8_settings
     base = compose_config("ANDREA-tiny", ["train.precision=fp8"])
     d = to_dict(base)
     old = {k: v for k, v in d["train"].items() if k not in ("ckpt_every", "keep_last", "log_every", "sample_every",
@@ -798,8 +798,8 @@ def test_memory_plan_and_state_of_the_delayed_scales():
     defaults: a checkpoint without one starts over)."""
     from types import SimpleNamespace
 
-    from andrea.compose import compose_config
-    from andrea.engine import EngineState, make_plan
+    from andrea.pipeline.compose import compose_config
+    from andrea.core.engine import EngineState, make_plan
     cfg = compose_config("ANDREA-120M", ["train.precision=fp8", "train.batch_size=8"])
     on, off = make_plan(cfg, fp8_delayed=True), make_plan(cfg)
     assert on.by_group()["fp8 delayed scales"] == 8 * 12 * 64 * 4
@@ -935,8 +935,8 @@ def test_load_checkpoint_starts_another_sets_history_over(tmp_path, capsys):
     naming the sidecar and the field, before anything is loaded."""
     from types import SimpleNamespace
 
-    from andrea.checkpoint import CheckpointError, write_checkpoint
-    from andrea.engine import Engine, EngineState
+    from andrea.core.checkpoint import CheckpointError, write_checkpoint
+    from andrea.core.engine import Engine, EngineState
     n = 5
     z = np.zeros(n, np.float32)
     loaded = []

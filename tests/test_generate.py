@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from andrea import cli
-from andrea.checkpoint import sidecar_path
+from andrea.core.checkpoint import sidecar_path
 from andrea.data.chat import render_prompt
 from andrea.data.tokenizer import load_tokenizer
-from andrea.engine import Engine
-from andrea.generate import Sampler, TextStream, complete, fit_conversation, load
-from andrea.locate import locate
+from andrea.core.engine import Engine
+from andrea.use.generate import Sampler, TextStream, complete, fit_conversation, load
+from andrea.use.locate import locate
 
 from trained_model import QA, make_run
 
@@ -102,7 +102,7 @@ def test_cached_sampling_matches_engine_generate(run):
 
 
 def test_chat_repl(run):
-    from andrea.generate import add_arguments
+    from andrea.use.generate import add_arguments
     import argparse
 
     ap = argparse.ArgumentParser()

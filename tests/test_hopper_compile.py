@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELS = ROOT / "andrea" / "kernels"
+KERNELS = ROOT / "kernels"
 DEV = ROOT / "dev" / "cuda"
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")

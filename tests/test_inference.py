@@ -1,4 +1,4 @@
-"""KV-cache decoding (andrea/inference.py) against the full forward pass of the training engine.
+"""KV-cache decoding (andrea/use/inference.py) against the full forward pass of the training engine.
 
 float64: the cached logits equal the full forward's at every position to rounding (relative
 1e-12). They are not bit-identical: a one-row product and a T-row product are summed in different
@@ -10,8 +10,8 @@ import pytest
 from andrea.backends import numpy_ref as K
 from andrea.backends.numpy_backend import NumpyBackend
 from andrea.config import load_run_config
-from andrea.engine import Engine
-from andrea.inference import Decoder, decode_plan
+from andrea.core.engine import Engine
+from andrea.use.inference import Decoder, decode_plan
 
 V, CTX = 37, 13
 

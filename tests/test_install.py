@@ -27,7 +27,8 @@ def installed(tmp_path_factory):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)
-    shutil.copytree(REPO / "andrea", src / "andrea", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for tree in ("andrea", "kernels", "conf"):  # the package and the two top-level folders mapped into it
+        shutil.copytree(REPO / tree, src / tree, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     site = tmp / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                         "--no-index", "--disable-pip-version-check", "--target", str(site), str(src)],
@@ -53,8 +54,8 @@ def test_the_installed_package_is_the_one_imported(installed):
 
 def test_package_data_is_installed_whole(installed):
     site = installed[0]
-    for sub in ("kernels", "conf", "web"):
-        mine = sorted(p.relative_to(REPO / "andrea" / sub) for p in (REPO / "andrea" / sub).rglob("*")
+    for sub, here in (("kernels", REPO / "kernels"), ("conf", REPO / "conf"), ("web", REPO / "andrea" / "web")):
+        mine = sorted(p.relative_to(here) for p in here.rglob("*")
                       if p.is_file() and "__pycache__" not in p.parts)
         theirs = sorted(p.relative_to(site / "andrea" / sub) for p in (site / "andrea" / sub).rglob("*")
                         if p.is_file() and "__pycache__" not in p.parts)
@@ -62,7 +63,18 @@ def test_package_data_is_installed_whole(installed):
     r = run(installed, sys.executable, "-c",
             "from andrea.paths import KERNEL_DIR; print(' '.join(sorted(p.name for p in KERNEL_DIR.iterdir())))")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == sorted(p.name for p in (REPO / "andrea" / "kernels").iterdir())
+    assert r.stdout.split() == sorted(p.name for p in (REPO / "kernels").iterdir())
+
+
+def test_every_subpackage_is_listed():
+    """pyproject.toml lists the packages by hand (two of them are mapped from the top level): a
+    subpackage missing from the list would be missing from the wheel."""
+    import tomllib
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "andrea").rglob("__init__.py")}
+    found |= {"andrea.kernels", "andrea.conf"}
+    assert listed == found, f"pyproject.toml [tool.setuptools] packages: missing {sorted(found - listed)}, " \
+                            f"extra {sorted(listed - found)}"
 
 
 def test_hydra_composes_the_default_experiment(installed):

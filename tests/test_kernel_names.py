@@ -26,7 +26,7 @@ def test_launched_kernels_exist():
     assert ("fp8.cu", "k_fp8_cast_transpose", "fp8.py") in found
     missing = []
     for f, k, py in sorted(found):
-        src = (ROOT / "andrea" / "kernels" / f).read_text()
+        src = (ROOT / "kernels" / f).read_text()
         if not re.search(rf"__global__\s+void\s+(__launch_bounds__\([^)]*\)\s+)?{k}\s*\(", src):
             missing.append(f"{py} launches {k} from {f}, which has no such kernel")
     assert missing == []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-KERNELS = Path(__file__).resolve().parent.parent / "andrea" / "kernels"
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 SOURCES = sorted(KERNELS.glob("*.cu"))
 VARIANTS = sorted((Path(__file__).resolve().parent.parent / "dev" / "cuda").glob("*.cu"))  # dev/cuda
 NVCC = shutil.which("nvcc")

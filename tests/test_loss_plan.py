@@ -1,4 +1,4 @@
-"""The launch plan of the classifier's row pass (andrea/kernels/loss.cu, version 2: the row held in
+"""The launch plan of the classifier's row pass (kernels/loss.cu, version 2: the row held in
 registers) and what ptxas makes of it (CPU only).
 
     python -m pytest tests/test_loss_plan.py -q
@@ -20,7 +20,7 @@ import pytest
 
 from andrea.backends.cuda.ops import LOSS_ROW_REGS, loss_row_plan
 
-KERNELS = Path(__file__).resolve().parent.parent / "andrea" / "kernels"
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 NVCC = shutil.which("nvcc")
 SMEM_MAX = 232448  # an H100/H200's opt-in shared memory per block
 

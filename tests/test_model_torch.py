@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from andrea.config import load_run_config
-from andrea.engine import Engine
+from andrea.core.engine import Engine
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional

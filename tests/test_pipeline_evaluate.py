@@ -1,4 +1,4 @@
-"""andrea.evaluate and scripts/archive.py: metrics, baselines, published comparison, manifest."""
+"""andrea.pipeline.evaluate and scripts/archive.py: metrics, baselines, published comparison, manifest."""
 import json
 import math
 import os
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from andrea import evaluate as ev
+from andrea.pipeline import evaluate as ev
 from andrea.data.shards import write_shard
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def test_same_losses_counts_bit_identical_steps():
 
 
 def test_publish_freezes_metrics_and_history(tmp_path):
-    from andrea import publish
+    from andrea.pipeline import publish
     res = tmp_path / "results" / "X"
     (res / "eval").mkdir(parents=True)
     (res / "trained").mkdir()
@@ -158,7 +158,7 @@ def test_evaluate_writes_report_and_metrics(trained, tmp_path):
     t, run, d = trained
     pub = tmp_path / "published.json"
     out = tmp_path / "out"
-    sh("-m", "andrea.evaluate", "--config", run / "config.yaml", "--checkpoint-dir", run / "archive" / "final",
+    sh("-m", "andrea.pipeline.evaluate", "--config", run / "config.yaml", "--checkpoint-dir", run / "archive" / "final",
        "--loss", run / "ANDREA-tiny.loss.json", "--val-conversations", d / "megachat" / "val.parquet",
        "--train-conversations", d / "megachat" / "train.parquet", "--out-dir", out, "--write-published", pub,
        "--machine", "test")
@@ -176,7 +176,7 @@ def test_evaluate_writes_report_and_metrics(trained, tmp_path):
     assert len(m["samples"]) == 4 and (out / "eval" / "loss.png").stat().st_size > 1000
     # this run has overrides (train.steps=20, ...): listed, and never judged against the published run
     assert "train.steps=20" in m["overrides"]
-    sh("-m", "andrea.evaluate", "--config", run / "config.yaml", "--checkpoint-dir", run / "archive" / "final",
+    sh("-m", "andrea.pipeline.evaluate", "--config", run / "config.yaml", "--checkpoint-dir", run / "archive" / "final",
        "--loss", run / "ANDREA-tiny.loss.json", "--val-conversations", d / "megachat" / "val.parquet",
        "--out-dir", out, "--published", pub, "--log-scale")
     m1, report = json.loads((out / "eval" / "metrics.json").read_text()), (out / "report.md").read_text()
@@ -186,13 +186,13 @@ def test_evaluate_writes_report_and_metrics(trained, tmp_path):
     pinned = yaml.safe_load((run / "config.yaml").read_text())
     pinned["overrides"] = ["backend=numpy", "eval.batches=2"]  # where it runs does not count; eval does
     (tmp_path / "pinned.yaml").write_text(yaml.safe_dump(pinned))
-    sh("-m", "andrea.evaluate", "--config", tmp_path / "pinned.yaml", "--checkpoint-dir", run / "archive" / "final",
+    sh("-m", "andrea.pipeline.evaluate", "--config", tmp_path / "pinned.yaml", "--checkpoint-dir", run / "archive" / "final",
        "--loss", run / "ANDREA-tiny.loss.json", "--val-conversations", d / "megachat" / "val.parquet",
        "--out-dir", out, "--published", pub)
     assert "eval.batches=2" in json.loads((out / "eval" / "metrics.json").read_text())["not_compared"]
     pinned["overrides"] = ["backend=numpy", f"data.dir={t / 'data'}"]
     (tmp_path / "pinned.yaml").write_text(yaml.safe_dump(pinned))
-    sh("-m", "andrea.evaluate", "--config", tmp_path / "pinned.yaml", "--checkpoint-dir", run / "archive" / "final",
+    sh("-m", "andrea.pipeline.evaluate", "--config", tmp_path / "pinned.yaml", "--checkpoint-dir", run / "archive" / "final",
        "--loss", run / "ANDREA-tiny.loss.json", "--val-conversations", d / "megachat" / "val.parquet",
        "--out-dir", out, "--published", pub)
     m2 = json.loads((out / "eval" / "metrics.json").read_text())

@@ -1,12 +1,11 @@
-"""andrea.protocol: the engine's event lines and exit codes, written and read by one module."""
+"""andrea.run.protocol: the engine's event lines and exit codes, written and read by one module."""
 import io
 import re
 from pathlib import Path
 
 import pytest
 
-from andrea import protocol
-
+from andrea.run import protocol
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -43,7 +42,7 @@ def test_exit_codes_are_the_documented_ones():
 def test_the_engine_emits_only_protocol_events():
     """Every emit("...") in the engine process names an event the protocol defines, and every
     protocol event is emitted somewhere (no stale names on either side)."""
-    src = "".join((REPO / "andrea" / name).read_text() for name in ("runner.py", "cli.py"))
+    src = "".join((REPO / "andrea" / name).read_text() for name in ("run/runner.py", "cli.py"))
     emitted = set(re.findall(r'\bemit\("([a-z_]+)"', src))
     assert emitted == set(protocol.EVENTS)
 

@@ -17,7 +17,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from andrea.config import load_run_config
-from andrea.proxy import supervise
+from andrea.run.proxy import supervise
 from conftest import wait_for
 
 
@@ -45,8 +45,8 @@ def state_step(run: Path) -> int:
 
 @contextmanager
 def running_proxy(run: Path, *extra: str):
-    """`python -m andrea.proxy run` as a process; killed on the way out if a test left it running."""
-    proc = subprocess.Popen([sys.executable, "-m", "andrea.proxy", str(run), "--no-progress", "--flush", "0",
+    """`python -m andrea.run.proxy run` as a process; killed on the way out if a test left it running."""
+    proc = subprocess.Popen([sys.executable, "-m", "andrea.run.proxy", str(run), "--no-progress", "--flush", "0",
                              *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -225,7 +225,7 @@ def test_progress_bar_on_stderr(tiny_run):
     cfg, tmp = tiny_run
     cfg["train"].update(steps=20)
     _, run = write_run(cfg, tmp)
-    r = subprocess.run([sys.executable, "-m", "andrea.proxy", str(run)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "andrea.run.proxy", str(run)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     final = r.stderr.replace("\r", "\n").splitlines()
     bars = [ln for ln in final if ln.startswith("t: ") and "20/20" in ln]

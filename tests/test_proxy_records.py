@@ -6,8 +6,8 @@ import subprocess
 import sys
 import pytest
 
-from andrea.atomic import atomic_write_json
-from andrea.proxy import RecordError, RunRecords, supervise
+from andrea.util.atomic import atomic_write_json
+from andrea.run.proxy import RecordError, RunRecords, supervise
 from test_proxy import read, running_proxy, finish, state_step, wait_for, write_run
 
 GOOD = {"format": "andrea-loss/1", "exp": "t", "total_steps": 12,
@@ -41,7 +41,7 @@ def test_corrupt_history_cli_exits_2_naming_the_file(tiny_run):
     cfg, tmp = tiny_run
     _, run = write_run(cfg, tmp)
     (run / "t.loss.json").write_text('{"exp": "t", "history": [{"step": 1, "lo')
-    r = subprocess.run([sys.executable, "-m", "andrea.proxy", str(run), "--no-progress"],
+    r = subprocess.run([sys.executable, "-m", "andrea.run.proxy", str(run), "--no-progress"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert str(run / "t.loss.json") in r.stderr and "not valid JSON" in r.stderr

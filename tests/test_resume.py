@@ -11,7 +11,7 @@ import time
 import numpy as np
 from omegaconf import OmegaConf
 
-from andrea import checkpoint as ck
+from andrea.core import checkpoint as ck
 from conftest import make_shards, small_config
 
 

@@ -150,7 +150,7 @@ def test_slurm_profile_dry_run(checkout):
     block = block[:block.index("resources:") + 400].split("\n")
     res = next(line for line in block if "resources:" in line)
     assert "gpu=1" in res and "slurm_partition=gpu" in res and "runtime=2880" in res, res
-    from andrea.engine import make_plan
+    from andrea.core.engine import make_plan
     from andrea.train import compose_config
     assert f"mem_mb={make_plan(compose_config('ANDREA-12M')).total() // 2**20 + 2048}" in res
     t = smk(checkout, "-n", "--workflow-profile", "profiles/slurm", "results/ANDREA-tiny")
@@ -231,7 +231,7 @@ def test_offline_default_end_to_end(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     run = work / "results" / "ANDREA-tiny"
     m = json.loads((run / "eval" / "metrics.json").read_text())
-    pinned = OmegaConf.load(REPO / "andrea" / "conf" / "experiment" / "ANDREA-tiny.yaml").train.steps
+    pinned = OmegaConf.load(REPO / "conf" / "experiment" / "ANDREA-tiny.yaml").train.steps
     assert m["step"] == pinned  # the archived checkpoint is the run's last step
     assert m["val_loss"] < 0.5 * math.log(512), m["val_loss"]  # well below a uniform guess, ln V
     assert m["tasks"]["n"] >= 100 and m["tasks"]["accuracy"] > m["tasks"]["chance"], m["tasks"]
@@ -261,8 +261,8 @@ def test_offline_default_end_to_end(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert set(job_stats(r.stdout + r.stderr)) == {"experiment_stage_config", "train", "archive", "evaluate", "all"}
     shown = r.stdout + r.stderr  # the train and evaluate steps tee their output to the terminal
-    assert "20/20" in shown and "loss=" in shown and "python -m andrea.dashboard" in shown
-    assert "andrea.evaluate: ANDREA-tiny+" in shown and "not compared: overrides" in shown
+    assert "20/20" in shown and "loss=" in shown and "python -m andrea.pipeline.dashboard" in shown
+    assert "andrea.pipeline.evaluate: ANDREA-tiny+" in shown and "not compared: overrides" in shown
     other = work / "results" / "ANDREA-tiny+train.eval_every=10,train.steps=20"
     rep = (other / "report.md").read_text()
     assert "`train.steps=20`" in rep and "Not compared: overrides" in rep and "PASS" not in rep

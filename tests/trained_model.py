@@ -6,12 +6,12 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from andrea.checkpoint import write_checkpoint
+from andrea.core.checkpoint import write_checkpoint
 from andrea.config import config_hash, load_run_config, to_dict
 from andrea.data.chat import render_conversation
 from andrea.data.synthetic import generate as synthetic_conversations
 from andrea.data.tokenizer import train_tokenizer
-from andrea.engine import Engine
+from andrea.core.engine import Engine
 
 # Learnt by heart: greedy decoding after each question gives its answer, then <|end|>.
 QA = [("hi", "hello there"), ("Name a colour", "blue é")]

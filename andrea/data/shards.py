@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic import atomic_write
+from ..util.atomic import atomic_write
 
 MAGIC = 20240520
 VERSION = 1

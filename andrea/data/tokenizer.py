@@ -17,7 +17,7 @@ from typing import Iterable, List, Optional
 
 import numpy as np
 
-from ..atomic import replace_synced, tmp_path
+from ..util.atomic import replace_synced, tmp_path
 from .chat import DOC, END, SPECIAL_TOKENS
 
 MAX_VOCAB = 65535  # token shards store uint16 ids (andrea/data/shards.py)

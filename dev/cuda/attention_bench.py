@@ -4,11 +4,11 @@
 
 Each variant is a kernel source compiled by NVRTC (CuPy RawModule) per compute dtype and head
 size: v3 is dev/cuda/attention_v3.cu (the fused path before version 4), v4 is the promoted
-andrea/kernels/attention.cu, v5 and v6 are candidates (v6: the wgmma forward of
+kernels/attention.cu, v5 and v6 are candidates (v6: the wgmma forward of
 dev/cuda/attention_v6.cu on compute capability 9.0, built for sm_90a by attention_v6.py), v8 is the
 package's wgmma forward (attention_hopper.cu through attention_v8.py; its v8* entries: other -D
 settings) with version 7's backward, v7 is
-version 4's forward with the wgmma backward of the package's andrea/kernels/attention_hopper.cu,
+version 4's forward with the wgmma backward of the package's kernels/attention_hopper.cu,
 built and launched by attention_v7.py (its v7* entries: other -D settings of that file), v9 is
 version 8's forward with the one-pass backward of dev/cuda/attention_v9.cu at head size 64
 (attention_v9.py; its v9* entries: other -D settings); a later candidate dev/cuda/attention_vN.cu

@@ -1,4 +1,4 @@
-// attention_v3.cu: andrea/kernels/attention.cu as it was before version 4 (kept to time
+// attention_v3.cu: kernels/attention.cu as it was before version 4 (kept to time
 // against it until version 4 has won, measured). Two versions; the launcher (andrea/backends/cuda.py)
 // picks version 3 (fused, further down) for 16-bit dtypes and head sizes 16..64, version 1 else.
 //

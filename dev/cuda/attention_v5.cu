@@ -1,4 +1,4 @@
-// attention_v5.cu: andrea/kernels/attention.cu (version 4) plus the candidate one-pass backward at the
+// attention_v5.cu: kernels/attention.cu (version 4) plus the candidate one-pass backward at the
 // end (dev/cuda/attention_bench.py checks and times it). Measured on an H200 (fp16, 120M attention
 // shape, 12 layers): correct and bit-reproducible, but its backward took 6.13 ms against version
 // 4's 3.02 ms (12M shape: 0.57 against 0.41): every block waits for its predecessor's dQ addition

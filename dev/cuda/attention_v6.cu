@@ -1,4 +1,4 @@
-// attention_v6.cu: andrea/kernels/attention.cu (version 4, included below) with a Hopper forward. On
+// attention_v6.cu: kernels/attention.cu (version 4, included below) with a Hopper forward. On
 // compute capability 9.0, k_attn_flash_fwd computes S = Q K^T and O += P V with wgmma.mma_async (built
 // for sm_90a by attention_v6.py, the launch that goes with it); everywhere else, and for every other
 // kernel (version 1, k_attn_flash_D, version 4's backward), this is the package's code itself.
@@ -27,7 +27,7 @@
 //      python3 dev/cuda/harness.py attention main v6 --dtype fp16,bf16 2>&1 | tee $OUT/harness.log;
 //      python3 dev/cuda/attention_bench.py --variants v4,v6 --out $OUT 2>&1 | tee $OUT/bench.log
 //   If the probes fail, steps 2 and 3 will too: stop there and fix the block they name.
-//   ptxas figures: nvcc -std=c++17 -arch=sm_90a --cubin -Xptxas -v -Iandrea/kernels -DCT=f16
+//   ptxas figures: nvcc -std=c++17 -arch=sm_90a --cubin -Xptxas -v -Ikernels -DCT=f16
 //      -DV6_SM90A -DHS=64 dev/cuda/attention_v6.cu -o /tmp/v6.cubin
 //
 
@@ -96,7 +96,7 @@
 // "ping-pong"), swizzled layouts, an intra-warpgroup pipeline of S(j+1) against softmax(j), and
 // any change to the backward. Each is a later step once this one is checked on the GPU.
 
-// tiles, descriptors, wgmma and the pipeline step (andrea/kernels/wgmma.cuh)
+// tiles, descriptors, wgmma and the pipeline step (kernels/wgmma.cuh)
 #include "wgmma.cuh"
 
 #if V6_WGMMA

@@ -42,7 +42,7 @@ def geometry(hs: int) -> dict:
 
 def source(path: Path) -> str:
     """The text NVRTC compiles: path with its includes pasted in, as the Runtime does (NVRTC is
-    given no include path): dev/cuda files beside it, common.cuh from andrea/kernels."""
+    given no include path): dev/cuda files beside it, common.cuh from kernels."""
     return kernel_source(path)
 
 

@@ -1,5 +1,5 @@
 """Version 7's backward (k_attn_flash_bwd_dq, k_attn_flash_bwd_dkv on wgmma), now the package's
-andrea/kernels/attention_hopper.cu, built for sm_90a with other -D settings than the package's
+kernels/attention_hopper.cu, built for sm_90a with other -D settings than the package's
 defaults, so that dev/cuda/attention_bench.py times the settings against each other (tune). The
 package launches the default settings itself (ops.hopper_geometry); this file's geometry() must
 give the same figures for them (tests/test_hopper_compile.py checks both against the macros).
@@ -19,7 +19,7 @@ from andrea.backends.cuda.runtime import i32
 import attention_v6 as v6
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE.parent.parent / "andrea" / "kernels" / "attention_hopper.cu"
+SOURCE = HERE.parent.parent / "kernels" / "attention_hopper.cu"
 V7_WG = 2  # warpgroups per dQ block (V7_WG in attention_hopper.cu); dK/dV: tune "kwg", default 2
 
 

@@ -1,4 +1,4 @@
-"""Version 8's forward (k_attn_flash_fwd on wgmma), now the package's andrea/kernels/attention_hopper.cu,
+"""Version 8's forward (k_attn_flash_fwd on wgmma), now the package's kernels/attention_hopper.cu,
 built for sm_90a with other -D settings than the package's defaults, so that
 dev/cuda/attention_bench.py times the settings against each other (tune). The package launches the
 default settings itself (ops.hopper_geometry); this file's geometry() must give the same figures
@@ -20,7 +20,7 @@ from andrea.backends.cuda.runtime import i32
 import attention_v6 as v6
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE.parent.parent / "andrea" / "kernels" / "attention_hopper.cu"
+SOURCE = HERE.parent.parent / "kernels" / "attention_hopper.cu"
 
 
 is_hopper = v6.is_hopper

@@ -8,7 +8,7 @@
 //
 // Built for sm_90a (attention_v9.py: NVRTC, -DV6_SM90A), head size 64 only (the 128-byte
 // swizzled tiles of version 7); elsewhere the file is attention_hopper.cu.
-//   nvcc -std=c++17 -arch=sm_90a --cubin -Xptxas -v -Iandrea/kernels -DCT=f16 -DHS=64 dev/cuda/attention_v9.cu
+//   nvcc -std=c++17 -arch=sm_90a --cubin -Xptxas -v -Ikernels -DCT=f16 -DHS=64 dev/cuda/attention_v9.cu
 //   ptxas (nvcc 13.0): 168 registers at launch (384 threads), no spills, no wgmma serialised;
 //   setmaxnreg then gives the dQ warpgroup V9_REG_DQ = 64 and the consumers 216
 //   (tests/test_hopper_compile.py checks every setting attention_bench.py times).

@@ -34,8 +34,8 @@ sys.path.insert(0, str(HERE.parent.parent))
 def shapes(exp: str, batch: int):
     """[(layer, rows, OC, IC)]: the four linear layers over B*T rows and the classifier over one
     chunk of rows (model.loss_chunk_rows), its weight the embedding (V, C)."""
-    from andrea.bench import model_dict
-    from andrea.model import loss_chunk_rows
+    from andrea.bench.step import model_dict
+    from andrea.core.model import loss_chunk_rows
     m = model_dict(exp)
     C, N, V = m["d_model"], batch * m["context"], m["vocab_size"]
     return [("qkv", N, 3 * C, C), ("attn_out", N, C, C), ("mlp_up", N, 4 * C, C), ("mlp_down", N, C, 4 * C),

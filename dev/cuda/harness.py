@@ -1,12 +1,12 @@
 """Kernel variants: check a dev/cuda/<op>_vN.cu against the NumPy reference, then time it.
 
-    python dev/cuda/harness.py layernorm                # andrea/kernels/layernorm.cu and every layernorm_v*.cu here
+    python dev/cuda/harness.py layernorm                # kernels/layernorm.cu and every layernorm_v*.cu here
     python dev/cuda/harness.py attention v4 --dtype fp16,bf16 --reps 50
-    python dev/cuda/harness.py mlp main v1 --no-time    # "main" is the file in andrea/kernels/ today
+    python dev/cuda/harness.py mlp main v1 --no-time    # "main" is the file in kernels/ today
     python dev/cuda/harness.py layernorm main v2 --exp ANDREA-12M   # timed at ANDREA-12M's step shapes
 
-OP is a kernel file of andrea/kernels/ (embed, layernorm, linear, attention, mlp, residual, loss, optim).
-A variant <op>_vN.cu is a drop-in replacement of andrea/kernels/<op>.cu: the CUDA backend's launchers
+OP is a kernel file of kernels/ (embed, layernorm, linear, attention, mlp, residual, loss, optim).
+A variant <op>_vN.cu is a drop-in replacement of kernels/<op>.cu: the CUDA backend's launchers
 run it in place of that file (same kernel names and arguments). Where a variant needs another
 launch, <op>_vN.py next to it defines functions k_*(be, *args) that replace those launchers for
 that variant. For every variant, compute dtype and kernel of the op, the harness runs the kernel
@@ -153,10 +153,10 @@ def time_case(be, case, precision: str, reps: int, rng, size=None) -> float:
 def exp_size(exp: str, batch=None) -> dict:
     """The timing size of an experiment's training step: B = its train.batch_size (or batch),
     T = its train.seq_len, C, NH and V from its model."""
-    from andrea.compose import compose_config
+    from andrea.pipeline.compose import compose_config
     from andrea.paths import experiments
     if exp not in experiments():
-        raise SystemExit(f"--exp {exp}: no such experiment (andrea/conf/experiment/ has {', '.join(experiments())})")
+        raise SystemExit(f"--exp {exp}: no such experiment (conf/experiment/ has {', '.join(experiments())})")
     cfg = compose_config(exp)
     m = cfg.model
     return {"B": batch or cfg.train.batch_size, "T": cfg.train.seq_len, "C": m.d_model, "NH": m.n_head,
@@ -164,7 +164,7 @@ def exp_size(exp: str, batch=None) -> dict:
 
 
 def variants(op: str, names):
-    """[(label, path or None for andrea/kernels/<op>.cu, sidecar path or None)]."""
+    """[(label, path or None for kernels/<op>.cu, sidecar path or None)]."""
     found = sorted(HERE.glob(f"{op}_v*.cu"), key=lambda p: int(p.stem.rsplit("_v", 1)[1]))
     wanted = names or ["main"] + [p.stem.rsplit("_", 1)[1] for p in found]
     out = []
@@ -175,7 +175,7 @@ def variants(op: str, names):
         path = HERE / f"{op}_{n}.cu"
         if not path.is_file():
             have = ", ".join(p.stem for p in found) or "none"
-            raise SystemExit(f"{path}: no such variant of {op} (variants here: {have}; 'main' is andrea/kernels/{op}.cu)")
+            raise SystemExit(f"{path}: no such variant of {op} (variants here: {have}; 'main' is kernels/{op}.cu)")
         side = path.with_suffix(".py")
         out.append((n, path, side if side.is_file() else None))
     return out
@@ -224,7 +224,7 @@ def run(op, names, precisions, reps, timing, attention="fused", seed=0, backend=
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python dev/cuda/harness.py", description=__doc__.splitlines()[0])
     ap.add_argument("op", help="kernel file: " + ", ".join(cases.CASES))
-    ap.add_argument("variants", nargs="*", help="main (andrea/kernels/<op>.cu) and/or vN (dev/cuda/<op>_vN.cu); "
+    ap.add_argument("variants", nargs="*", help="main (kernels/<op>.cu) and/or vN (dev/cuda/<op>_vN.cu); "
                                                 "default: main and every variant here")
     ap.add_argument("--dtype", default="fp32,fp16", help="comma list of fp32, fp16, bf16 (the GPU tests "
                                                        "check bf16 for attention only)")
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
         except ValueError:
             raise SystemExit(f"--time-size {a.time_size}: expected five integers B,T,C,NH,V")
         time_size = {"B": B, "T": T, "C": C, "NH": NH, "V": V}
-    from andrea.bench import apply_settings, parse_settings
+    from andrea.bench.step import apply_settings, parse_settings
     settings = parse_settings(a.set)
 
     def backend(label, path, side):

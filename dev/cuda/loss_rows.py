@@ -1,4 +1,4 @@
-"""The classifier's row pass alone (andrea/kernels/loss.cu without the three matrix products of
+"""The classifier's row pass alone (kernels/loss.cu without the three matrix products of
 k_loss_bwd): version 1 (the package's loss_fwd / loss_bwd, one block of 512 threads per row, the
 row read twice; forced for every row by loss_vectors=0) against the package's version 2 (the row
 held in registers, read once) under launch settings.

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from andrea.dashboard import DashboardServer
-from andrea.atomic import atomic_write_json
-from andrea.proxy import supervise
+from andrea.pipeline.dashboard import DashboardServer
+from andrea.util.atomic import atomic_write_json
+from andrea.run.proxy import supervise
 from test_proxy import write_run
 
 CHROMIUM = os.environ.get("ANDREA_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"

@@ -48,7 +48,7 @@ def snapshot(folder: Path) -> dict:
 
 
 def proxy_cmd(run: Path, *extra: str):
-    return [sys.executable, "-m", "andrea.proxy", str(run), "--no-progress", *extra]
+    return [sys.executable, "-m", "andrea.run.proxy", str(run), "--no-progress", *extra]
 
 
 def run_proxy(run: Path, *extra: str, timeout: float = 120):

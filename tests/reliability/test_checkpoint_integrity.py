@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from andrea import checkpoint as ck
+from andrea.core import checkpoint as ck
 from andrea.config import load_run_config
 from relkit import make_shards, read, run_proxy, snapshot, write_run
 
@@ -26,7 +26,7 @@ def test_write_checkpoint_refuses_non_finite_state(tmp_path):
 def test_weights_going_non_finite_mid_run_never_reach_a_checkpoint(tmp_path, capsys):
     """The weights turn NaN at step 6 (as an overflowing update would make them): steps 6-8 are
     non-finite, the run aborts (exit 3) and the newest checkpoint is step 4's finite one."""
-    from andrea.runner import EXIT_ABORTED, Run
+    from andrea.run.runner import EXIT_ABORTED, Run
 
     make_shards(tmp_path)
     run_dir = write_run(tmp_path, steps=12, ckpt_every=4, max_bad_steps=3)

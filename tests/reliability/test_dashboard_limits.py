@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from andrea.atomic import atomic_write_json
-from andrea.dashboard import DashboardServer
+from andrea.util.atomic import atomic_write_json
+from andrea.pipeline.dashboard import DashboardServer
 
 
 @pytest.fixture

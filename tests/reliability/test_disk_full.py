@@ -10,10 +10,10 @@ import uuid
 import numpy as np
 import pytest
 
-from andrea import checkpoint as ck
-from andrea.atomic import NoSpace, atomic_write_json
+from andrea.core import checkpoint as ck
+from andrea.util.atomic import NoSpace, atomic_write_json
 from andrea.config import load_run_config
-from andrea.model import ParamLayout
+from andrea.core.model import ParamLayout
 from relkit import make_shards, read, run_proxy, write_run
 
 PAGE = 4096
@@ -108,7 +108,7 @@ def test_space_gone_during_the_write_leaves_nothing_half_written(small_disk, mon
 
 
 def test_record_writes_survive_a_full_disk(small_disk, capsys):
-    from andrea.proxy import RunRecords
+    from andrea.run.proxy import RunRecords
 
     disk = small_disk(64 * 1024)
     run = disk / "t"

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from andrea import checkpoint as ck
+from andrea.core import checkpoint as ck
 from relkit import TRIALS, env, make_shards, pid_alive, proxy_cmd, read, run_proxy, wait_for, write_run
 
 STEPS, EVAL, SAMPLE = 100, 4, 6
@@ -202,7 +202,7 @@ def test_progress_rate_is_never_negative_after_a_resume(tmp_path, capsys):
     from tqdm import tqdm
 
     from andrea.config import load_run_config
-    from andrea.proxy import Supervisor
+    from andrea.run.proxy import Supervisor
 
     make_shards(tmp_path)
     run = write_run(tmp_path, steps=200)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from andrea.runs import run_name
+from andrea.pipeline.runs import run_name
 from relkit import REPO, TRIALS, wait_for
 
 RUNS = max(1, TRIALS // 2)  # a pipeline run costs a minute or more: one interruption per kind by default
@@ -31,7 +31,7 @@ STEPS = 40
 OVERRIDES = (f"train.steps={STEPS} train.ckpt_every=5 train.eval_every=10 train.sample_every=20 "
              "train.batch_size=4 train.seq_len=32 data.n_synthetic=400 "
              "eval.n_tasks=8 eval.batches=2 eval.max_new_tokens=8")
-NAME = run_name("ANDREA-tiny", OVERRIDES.split())  # a run with overrides has its own folder (andrea/runs.py)
+NAME = run_name("ANDREA-tiny", OVERRIDES.split())  # a run with overrides has its own folder (andrea/pipeline/runs.py)
 RUN = Path("results") / NAME
 FINAL = RUN / "archive" / "final" / f"step_{STEPS:08d}.bin"
 

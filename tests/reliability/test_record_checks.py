@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from andrea.proxy import RecordError, RunRecords
+from andrea.run.proxy import RecordError, RunRecords
 from relkit import make_shards, run_proxy, write_run
 
 

@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 
-from andrea import checkpoint as ck
+from andrea.core import checkpoint as ck
 from relkit import REPO, env, make_shards, pid_alive, wait_for
 
 

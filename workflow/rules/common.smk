@@ -5,7 +5,7 @@
 # workflow/schemas/config.schema.yaml; `--config overrides='[train.lr=1e-3]'` changes them.
 # Every experiment's config is composed with Hydra exactly as `python -m andrea.train` does
 # (the installed package's conf/, see andrea/paths.py, + the overrides). A run with overrides that
-# change what is trained lives in its own folder, results/<EXP>+<overrides> (andrea/runs.py), so
+# change what is trained lives in its own folder, results/<EXP>+<overrides> (andrea/pipeline/runs.py), so
 # the pinned run in results/<EXP> is never overwritten; {exp} in the rules is that run name. Each
 # step gets the part of that config it depends on as a small YAML "stage file" (rules/config.smk
 # writes them). A stage file's text is also a param of the rule that writes it, so Snakemake's
@@ -23,8 +23,8 @@ from omegaconf import OmegaConf
 from snakemake.utils import validate
 
 import andrea.config as andrea_config
-from andrea import runs
-from andrea.compose import ConfigError, compose_config
+from andrea.pipeline import runs
+from andrea.pipeline.compose import ConfigError, compose_config
 from andrea.config import to_dict
 from andrea.data.sizing import DataSizeError, synthetic_conversations
 from andrea.paths import experiments
@@ -71,7 +71,7 @@ def exp_config(name):
     exp = EXP_OF_RUN.get(name, name)
     if exp not in _CONFIGS:
         if exp not in EXPERIMENTS:
-            raise WorkflowError(f"experiment {exp!r}: no andrea/conf/experiment/{exp}.yaml (known: {EXPERIMENTS})")
+            raise WorkflowError(f"experiment {exp!r}: no conf/experiment/{exp}.yaml (known: {EXPERIMENTS})")
         try:
             _CONFIGS[exp] = compose_config(exp, OVERRIDES)
         except ConfigError as e:
@@ -227,7 +227,7 @@ def train_resources(cfg):
     allocate) plus 2 GiB for the interpreter, data loader and records. Both per rank, times the
     ranks (config ranks: every rank holds the whole plan, under ZeRO-1 with its shard of the Adam
     moments)."""
-    from andrea.engine import make_plan
+    from andrea.core.engine import make_plan
 
     gpus = 1 if cfg.backend.name == "cuda" or cfg.train.precision != "fp32" else 0
     plan = make_plan(cfg, shards=RANKS if ZERO1 and RANKS > 1 else 0)  # ZeRO-1: each rank its shard of Adam

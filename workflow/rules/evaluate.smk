@@ -30,6 +30,6 @@ rule evaluate:
     conda:
         ENV
     shell:
-        "python3 -m andrea.evaluate --config {input.config} --checkpoint-dir {input.archive} --loss {input.loss} "
+        "python3 -m andrea.pipeline.evaluate --config {input.config} --checkpoint-dir {input.archive} --loss {input.loss} "
         "--val-conversations {input.val} --train-conversations {input.train} {params.published} "
         "--out-dir {params.out_dir} 2>&1 | tee {log}"

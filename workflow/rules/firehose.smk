@@ -68,7 +68,7 @@ rule firehose_evaluate:
     conda:
         ENV
     shell:
-        "python3 -m andrea.evaluate --config {input.config} --checkpoint-dir {params.run}/trained "
+        "python3 -m andrea.pipeline.evaluate --config {input.config} --checkpoint-dir {params.run}/trained "
         "--loss {input.loss} --val-conversations {input.val} --train-conversations {input.train} "
         "--out-dir {params.run} > {log} 2>&1"
 

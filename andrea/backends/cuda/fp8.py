@@ -70,7 +70,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ...model import loss_chunk_rows
+from ...core.model import loss_chunk_rows
 from ..numpy_ref import FP8_FORMATS, FP8_FWD, FP8_HIST, S_SKIP, fp8_rounding
 from .cublas import cuda_type
 from .cublaslt import WORKSPACE_BYTES

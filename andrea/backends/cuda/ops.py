@@ -39,7 +39,7 @@ STEP_CHECK_THREADS = 96  # SC_THREADS in optim.cu: the summing warp and the two 
 EMBED_RANK_MAX = 1 << 16  # see CudaOps.embed_rank_max
 EMBED_RANK_KEYS = 32  # keys a block of k_embed_sort_rank ranks (ER_KEYS in embed.cu)
 EMBED_WTE_WARPS = 8  # sorted slots (one warp each) a block of k_embed_bwd_wte takes (EW_WARPS in embed.cu)
-# Attention version 4 (fused, andrea/kernels/attention.cu) runs for 16-bit compute dtypes, head
+# Attention version 4 (fused, kernels/attention.cu) runs for 16-bit compute dtypes, head
 # sizes that are multiples of 16 up to 128, on GPUs of compute capability 8.0 or later (cp.async,
 # ldmatrix, bf16 mma.sync) whose per-block shared-memory limit holds its tiles; float32, other
 # head sizes and older GPUs take version 1 (scores materialised, cuBLAS). The backend's
@@ -50,7 +50,7 @@ FLASH_MIN_CC = 80
 
 
 def flash_geometry(hs: int) -> dict:
-    """Version 4's launch geometry for head size hs, as andrea/kernels/attention.cu defines it
+    """Version 4's launch geometry for head size hs, as kernels/attention.cu defines it
     (each kernel traps if given less dynamic shared memory than it needs): query rows per forward
     block ("fwd_rows") and bytes of dynamic shared memory per kernel."""
     lds, bn = hs + 8, 64
@@ -204,7 +204,7 @@ class CudaOps:
     # weights' amax as it writes their compute copy (optim.cu k_adamw_step_amax), so the cache's
     # refresh casts without its amax pass over them (the same amax: a maximum; docs/FP8.md)
     fp8_adamw_amax = True
-    # train.precision=fp8, read when an Engine is made (dev/profile_kernels.py and andrea.bench
+    # train.precision=fp8, read when an Engine is made (dev/profile_kernels.py and andrea.bench.step
     # --set NAME=0): fp8_keep_xt, the forward product of each layer whose input the model saves
     # (ln1, the attention output, ln2) quantises it into X and X^T at once and keeps X^T (the
     # arena's "fp8 input slots") for the backward's weight-gradient product, which then does not

@@ -1,4 +1,4 @@
-"""Compiling and launching the kernels of andrea/kernels/*.cu: one Runtime per backend object.
+"""Compiling and launching the kernels of kernels/*.cu: one Runtime per backend object.
 
 Each kernels/<op>.cu (andrea.paths.KERNEL_DIR) is compiled at run time by NVRTC (cupy.RawModule),
 once per compute dtype (-DCT=float|f16|bf16, picked from the arrays) and set of extra -D options,

@@ -1,0 +1,342 @@
+"""The run's records: three JSON files in the run folder, their formats, and the pivot archive.
+
+The proxy (andrea.run.proxy.supervision) feeds the engine's events into RunRecords; readers such as the
+dashboard and the report read the files. Each file is rewritten atomically (temporary file, fsync,
+os.replace), so a reader never sees half a file.
+
+`<exp>.loss.json`, the whole training history, never truncated and never archived:
+    {"format": "andrea-loss/1", "exp": str, "total_steps": int, "log_every": int or null,
+     "history": [record, ...]}
+    one record per logged optimizer step, in increasing step order, each step once; every multiple
+    of log_every up to the last record is there (log_every is the least common multiple of the
+    train.log_every values the run used; null for a history older than the field):
+      step          optimizer steps completed (from 1)
+      phase         training phase of the step (train.phases[].name, "pretrain" without phases)
+      loss          mean training loss of the step (null when not finite)
+      val_loss      validation loss, only on steps where it was measured
+      lr            learning rate used by the step
+      grad_norm     global gradient norm before clipping (null when not finite)
+      loss_scale    dynamic loss scale (1.0 in fp32)
+      tokens_per_s  training throughput of the step
+      wall_s        engine wall time since its run started, as the engine reports it
+      skipped       true when the update was skipped (non-finite gradients)
+      t             unix time the proxy received the record
+      group, mix, group_loss, group_val_loss
+                    only in runs with data groups (docs/FIREHOSE-BANDIT.md): the group the step
+                    was drawn from, {group: probability} it was drawn with, {group: smoothed
+                    training loss} after it (null: never drawn), {group: held-out loss} where
+                    measured
+    A record holding only step, phase and val_loss marks a validation at a step that was not logged.
+    After an engine restart, records past the resume point are dropped before the engine's replay
+    of those steps is appended, so each step appears exactly once and the losses are the ones of
+    the checkpointed trajectory.
+
+`<exp>.samples.json`: {"exp": str, "samples": [{"step", "phase", "t", "samples": [{"prompt",
+    "completion"}]}]}, generations from fixed prompts at train.sample_every.
+
+`<exp>.state.json`: {"exp", "status" (running | stopped | finished | failed), "step", "total_steps",
+    "phase", "last_checkpoint" (path relative to the run folder), "last_checkpoint_step",
+    "restarts" (engine restarts after a crash, counted over the run's whole life), "pid" (proxy),
+    "engine_pid", "engine_exit" (last exit code), "n_params", "plan_bytes" (the engine's memory plan,
+    bytes), "archives" (list of {"phase",
+    "step", "dir"}), "skipped_checkpoints" (list of {"file", "reason"}: checkpoints the engine
+    found damaged and did not resume from), "message", "started_at", "updated_at"}.
+
+Pivot archive: on the engine's `pivot` event (a checkpoint at a train.phases boundary),
+archive_pivot copies `<exp>.samples.json`, `<exp>.state.json` and that checkpoint (.bin and its
+.json sidecar) into `archive/<from-phase>-<step>/`; `<exp>.loss.json` stays whole in the run folder.
+
+A history, samples or state file that does not parse, holds a field of the wrong type or (history)
+misses a logged step raises RecordError at start-up, naming the file, the entry and what was
+expected; it is never silently reset. A rewrite that fails (a full disk) is reported once and
+retried at the next flush; the old files stay whole and the records in memory are kept.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from andrea.util.atomic import atomic_copy, atomic_write_json
+from andrea.config import ProxyConfig
+
+LOSS_FORMAT = "andrea-loss/1"
+FLUSH_S = ProxyConfig.record_flush_s  # default when a config carries no proxy group
+STEP_FIELDS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "wall_s")
+MIX_FIELDS = ("mix", "group_loss")  # {group: number} maps, present only in runs with data groups
+
+
+class RecordError(ValueError):
+    """A run record file (history, samples, state) that is corrupt or does not match the run."""
+
+
+def _finite(x) -> Optional[float]:
+    """JSON has no NaN/Inf (and browsers refuse them), so a non-finite number is recorded as null."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _finite_map(d: dict) -> dict:
+    return {str(k): _finite(v) for k, v in d.items()}
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _num_or_null(x) -> bool:
+    return x is None or _number(x)
+
+
+def _str_or_null(x) -> bool:
+    return x is None or isinstance(x, str)
+
+
+def _int_or_null(x) -> bool:
+    return x is None or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def _number_map(x) -> bool:
+    return isinstance(x, dict) and all(_num_or_null(v) for v in x.values())
+
+
+def _sample_list(x) -> bool:
+    return isinstance(x, list) and all(isinstance(s, dict) and isinstance(s.get("prompt"), str)
+                                       and isinstance(s.get("completion"), str) for s in x)
+
+
+def _archive(x) -> bool:
+    return (isinstance(x, dict) and isinstance(x.get("phase"), str) and isinstance(x.get("dir"), str)
+            and isinstance(x.get("step"), int))
+
+
+# field -> (test, what is expected), for the fields a record may hold (absent is fine)
+ENTRY_FIELDS = {
+    "history": {"phase": (_str_or_null, "a string or null"), "skipped": (lambda x: isinstance(x, bool), "true or false"),
+                **{k: (_num_or_null, "a number or null") for k in STEP_FIELDS + ("val_loss", "t")},
+                "group": (_str_or_null, "a string"),
+                **{k: (_number_map, "an object of numbers or nulls") for k in MIX_FIELDS + ("group_val_loss",)}},
+    "samples": {"phase": (_str_or_null, "a string or null"), "t": (_num_or_null, "a number or null"),
+                "samples": (_sample_list, "a list of {prompt, completion} strings")},
+    "archives": {"phase": (lambda x: isinstance(x, str), "a string"), "dir": (lambda x: isinstance(x, str), "a string")},
+}
+STATE_FIELDS = {
+    "status": (lambda x: x in ("running", "stopped", "finished", "failed"), "running, stopped, finished or failed"),
+    "step": (_int_or_null, "an integer or null"), "total_steps": (_int_or_null, "an integer or null"),
+    "phase": (_str_or_null, "a string or null"), "last_checkpoint": (_str_or_null, "a string or null"),
+    "last_checkpoint_step": (_int_or_null, "an integer or null"),
+    "restarts": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0, "an integer >= 0"),
+    "n_params": (_int_or_null, "an integer or null"), "plan_bytes": (_int_or_null, "an integer or null"),
+    "message": (_str_or_null, "a string"),
+    "skipped_checkpoints": (lambda x: isinstance(x, list) and all(isinstance(e, dict) for e in x),
+                            "a list of {file, reason}"),
+}
+
+
+def _load_record(path: Path, key: str, exp: str) -> Optional[dict]:
+    """The parsed record file at path (None when absent), or a RecordError saying what is wrong:
+    not JSON, another experiment, a step out of order, a field of the wrong type, or (history)
+    a logged step missing."""
+    if not path.exists():
+        return None
+    hint = "It was left untouched: repair it, or move it away to start a new record."
+    try:
+        obj = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise RecordError(f"{path}: not valid JSON ({e}); the file is corrupt or half-written. {hint}")
+    if not isinstance(obj, dict) or not isinstance(obj.get(key, []), list):
+        raise RecordError(f"{path}: expected a JSON object with a list under {key!r}. {hint}")
+    if obj.get("exp", exp) != exp:
+        raise RecordError(f"{path}: exp is {obj.get('exp')!r} but this run is {exp!r}; "
+                          f"a record of another experiment? {hint}")
+    prev = 0
+    fields = ENTRY_FIELDS[key]
+    for i, rec in enumerate(obj.get(key, [])):
+        step = rec.get("step") if isinstance(rec, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step <= prev:
+            raise RecordError(f"{path}: {key}[{i}].step is {step!r} but expected an integer > {prev} "
+                              f"(steps strictly increasing). {hint}")
+        for name, (ok, expected) in fields.items():
+            if name in rec and not ok(rec[name]):
+                raise RecordError(f"{path}: {key}[{i}].{name} is {rec[name]!r} (step {step}) but expected "
+                                  f"{expected}. {hint}")
+        if key == "archives" and not _archive(rec):
+            raise RecordError(f"{path}: archives[{i}] is {rec!r} but expected {{phase, step, dir}}. {hint}")
+        prev = step
+    if key == "archives":  # the state file
+        for name, (ok, expected) in STATE_FIELDS.items():
+            if name in obj and not ok(obj[name]):
+                raise RecordError(f"{path}: {name} is {obj[name]!r} but expected {expected}. {hint}")
+    if key == "history":
+        every = obj.get("log_every")
+        if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+            raise RecordError(f"{path}: log_every is {every!r} but expected an integer >= 1. {hint}")
+        logged = {r["step"] for r in obj["history"] if "loss" in r} if "history" in obj else set()
+        if every and obj.get("history"):
+            last = obj["history"][-1]["step"]
+            missing = [s for s in range(every, last + 1, every) if s not in logged]
+            if missing:
+                some = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+                raise RecordError(f"{path}: {len(missing)} logged step(s) missing ({some}); every multiple of "
+                                  f"log_every={every} up to step {last} is expected, each once. {hint}")
+    return obj
+
+
+class RunRecords:
+    """The three JSON files of one run folder, kept in memory and flushed atomically."""
+
+    def __init__(self, exp: str, run_dir: Path, total_steps: int, flush_s: float = FLUSH_S, log_every: int = 1):
+        self.run_dir, self.flush_s = run_dir, flush_s
+        self.loss_path = run_dir / f"{exp}.loss.json"
+        self.samples_path = run_dir / f"{exp}.samples.json"
+        self.state_path = run_dir / f"{exp}.state.json"
+        loss = _load_record(self.loss_path, "history", exp)
+        samples = _load_record(self.samples_path, "samples", exp)
+        state = _load_record(self.state_path, "archives", exp)
+        self.history: list = loss["history"] if loss else []
+        self.state_loaded = state is not None
+        self.samples: list = samples["samples"] if samples else []
+        # the multiples of log_every are always logged; a resume may change train.log_every, and the
+        # multiples of both the old and the new one are logged in both parts of the history
+        every = math.lcm(loss["log_every"], log_every) if loss and loss.get("log_every") else log_every
+        if loss and loss.get("history") and not loss.get("log_every"):
+            every = None  # written before the field existed: which steps were logged is not known
+        self.loss_meta = {"format": LOSS_FORMAT, "exp": exp, "total_steps": total_steps, "log_every": every}
+        self.state = {"exp": exp, "status": "running", "step": self.last_step(), "total_steps": total_steps,
+                      "phase": None, "last_checkpoint": None, "last_checkpoint_step": None,
+                      "restarts": 0, "pid": os.getpid(), "engine_pid": None, "engine_exit": None,
+                      "n_params": None, "plan_bytes": None, "archives": [], "message": ""}
+        for k in ("phase", "last_checkpoint", "last_checkpoint_step", "restarts", "n_params", "plan_bytes", "archives",
+                  "skipped_checkpoints"):
+            if state and k in state:
+                self.state[k] = state[k]
+        self.state["started_at"] = self.state["updated_at"] = time.time()
+        self._last_flush = 0.0
+        self._write_s = 0.0  # how long the last flush took
+        self.write_error: Optional[str] = None  # the last failed rewrite, until one succeeds
+
+    def last_step(self) -> int:
+        return self.history[-1]["step"] if self.history else 0
+
+    def _steps(self) -> list:
+        return [r["step"] for r in self.history]
+
+    def drop_from(self, step: int) -> int:
+        """Forget records of steps >= step (a restarted engine replays them); returns how many."""
+        i = bisect.bisect_left(self._steps(), step)
+        dropped = len(self.history) - i
+        del self.history[i:]
+        self.samples = [s for s in self.samples if s["step"] < step]
+        return dropped
+
+    def add_step(self, ev: dict) -> dict:
+        n = int(ev["step"])
+        rec = {"step": n, "phase": ev.get("phase", self.state["phase"])}
+        rec.update({k: _finite(ev.get(k)) for k in STEP_FIELDS})
+        rec["skipped"] = bool(ev.get("skipped", False))
+        if "group" in ev:
+            rec["group"] = str(ev["group"])
+        for k in MIX_FIELDS:
+            if isinstance(ev.get(k), dict):
+                rec[k] = _finite_map(ev[k])
+        rec["t"] = time.time()
+        if self.history and self.history[-1]["step"] == n and "loss" not in self.history[-1]:
+            rec["val_loss"] = self.history[-1].get("val_loss")  # a validation arrived first
+            if "group_val_loss" in self.history[-1]:
+                rec["group_val_loss"] = self.history[-1]["group_val_loss"]
+            self.history[-1] = rec
+        else:
+            if self.history and self.history[-1]["step"] >= n:
+                self.drop_from(n)  # a replay without a resume event: keep each step once
+            self.history.append(rec)
+        self.state.update(step=n, phase=rec["phase"])
+        return rec
+
+    def add_val(self, ev: dict) -> None:
+        n, v = int(ev["step"]), _finite(ev.get("val_loss"))
+        steps = self._steps()
+        i = bisect.bisect_left(steps, n)
+        if i < len(steps) and steps[i] == n:
+            self.history[i]["val_loss"] = v
+        else:
+            self.history.insert(i, {"step": n, "phase": self.state["phase"], "val_loss": v})
+        if isinstance(ev.get("group_val_loss"), dict):
+            self.history[i]["group_val_loss"] = _finite_map(ev["group_val_loss"])
+
+    def add_samples(self, ev: dict) -> None:
+        n = int(ev["step"])
+        self.samples = [s for s in self.samples if s["step"] < n]
+        self.samples.append({"step": n, "phase": self.state["phase"], "t": time.time(),
+                             "samples": list(ev.get("samples", []))})
+        self.write_samples()
+
+    def set_checkpoint(self, path: str, step: int) -> None:
+        p = Path(path)
+        try:
+            p = p.resolve().relative_to(self.run_dir.resolve())
+        except ValueError:
+            pass  # outside the run folder: keep it as the engine gave it
+        self.state.update(last_checkpoint=str(p), last_checkpoint_step=int(step))
+
+    def write_samples(self) -> None:
+        atomic_write_json(self.samples_path, {"exp": self.loss_meta["exp"], "samples": self.samples})
+
+    def flush(self, force: bool = False) -> None:
+        """Rewrite history and state; unforced rewrites at most once per flush_s seconds, and rarer
+        when the history is so long that writing it would take more than 5% of the time."""
+        now = time.time()
+        if not force and now - self._last_flush < max(self.flush_s, 20 * self._write_s):
+            return
+        self.state["updated_at"] = now
+        try:
+            atomic_write_json(self.loss_path, {**self.loss_meta, "history": self.history})
+            atomic_write_json(self.state_path, self.state)
+        except OSError as e:  # a full disk: the old files stay whole, the records stay in memory
+            first = self.write_error is None
+            self.write_error = str(e)
+            self._last_flush = time.time()
+            if first:
+                print(f"andrea.run.proxy: cannot rewrite the run records: {e}; retrying at the next flush",
+                      file=sys.stderr)
+            return
+        if self.write_error is not None:
+            print("andrea.run.proxy: the run records are written again", file=sys.stderr)
+        self.write_error = None
+        self._last_flush = time.time()
+        self._write_s = self._last_flush - now
+
+
+def _safe_name(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", str(s)) or "phase"
+
+
+def archive_pivot(rec: RunRecords, ev: dict) -> Path:
+    """Copy samples, state and the pivot checkpoint into archive/<from>-<step>/ (never the history)."""
+    step, src_phase = int(ev["step"]), ev.get("from") or rec.state["phase"] or "phase"
+    ckpt = Path(ev["checkpoint"])
+    if not ckpt.is_absolute() and not ckpt.exists():
+        ckpt = rec.run_dir / ckpt
+    rec.set_checkpoint(str(ckpt), step)
+    rec.state.update(step=max(rec.state["step"] or 0, step), phase=src_phase)
+    dest = rec.run_dir / "archive" / f"{_safe_name(src_phase)}-{step}"
+    rec.state["archives"] = [a for a in rec.state["archives"] if a["dir"] != str(dest.relative_to(rec.run_dir))]
+    rec.state["archives"].append({"phase": src_phase, "step": step, "dir": str(dest.relative_to(rec.run_dir))})
+    rec.write_samples()
+    rec.flush(force=True)
+    dest.mkdir(parents=True, exist_ok=True)
+    for src in (rec.samples_path, rec.state_path, ckpt, ckpt.with_suffix(".json")):
+        if not src.is_file():
+            raise FileNotFoundError(f"pivot at step {step}: {src} does not exist; cannot archive it")
+        atomic_copy(src, dest / src.name)
+    rec.state["phase"] = ev.get("to", rec.state["phase"])
+    rec.flush(force=True)
+    return dest
+

@@ -1,0 +1,1 @@
+"""Files that survive a crash: atomic writes and run-folder locks."""
