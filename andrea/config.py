@@ -44,9 +44,14 @@ class GroupConfig:
     val_shards: str = ""  # optional glob of its held-out shards (per-group validation loss)
 
 
+# data.mixer's allowed values (andrea/data/mixer.py makes the mixers)
+MIXER_KINDS = ("uniform", "fixed", "bandit")
+MIXER_REWARDS = ("loss", "progress")
+
+
 @dataclass
 class MixerConfig:
-    kind: str = "uniform"  # uniform | fixed | bandit: which group each step is drawn from
+    kind: str = "uniform"  # uniform | fixed | bandit (MIXER_KINDS): which group each step is drawn from
     reward: str = "loss"  # bandit reward: loss (Online Data Mixing) | progress (smoothed-loss decrease)
     alpha: float = 0.99  # bandit: decay of the importance-weighted rewards per step (1 = plain EXP3)
     beta: float = 0.9  # smoothing of each group's training loss over its visits
@@ -296,13 +301,11 @@ def validate(cfg: AndreaConfig) -> None:
 
 def validate_mix(d: DataConfig) -> None:
     """data.groups and data.mixer (docs/FIREHOSE-BANDIT.md)."""
-    from .data.mixer import KINDS, REWARDS
-
     mx, names = d.mixer, [g.name for g in d.groups]
-    if mx.kind not in KINDS:
-        raise ValueError(f"data.mixer.kind={mx.kind!r}: expected one of {', '.join(KINDS)}")
-    if mx.reward not in REWARDS:
-        raise ValueError(f"data.mixer.reward={mx.reward!r}: expected one of {', '.join(REWARDS)}")
+    if mx.kind not in MIXER_KINDS:
+        raise ValueError(f"data.mixer.kind={mx.kind!r}: expected one of {', '.join(MIXER_KINDS)}")
+    if mx.reward not in MIXER_REWARDS:
+        raise ValueError(f"data.mixer.reward={mx.reward!r}: expected one of {', '.join(MIXER_REWARDS)}")
     if not 0.0 < mx.alpha <= 1.0:
         raise ValueError(f"data.mixer.alpha={mx.alpha}: expected a number in (0, 1]")
     if not 0.0 <= mx.beta < 1.0:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .common import model_dict
+
 OUTLIER_FRACTION, OUTLIER_SCALE = 0.01, 20.0
 
 
 def layer_shapes(exp: str, B: int):
-    from .step import model_dict
     m = model_dict(exp)
     C, N = m["d_model"], B * m["context"]
     return N, {"qkv": (C, 3 * C), "attn_out": (C, C), "mlp_up": (C, 4 * C), "mlp_down": (4 * C, C)}

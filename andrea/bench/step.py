@@ -29,22 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .common import model_dict
+
 ANCHOR_SHAPES = {"ANDREA-120M": "120m", "ANDREA-12M": "12m", "ANDREA-tiny": "tiny"}  # torch_gpt.py's --shape names
 # the repository's PyTorch anchor (a clone or an editable install has it; a wheel does not)
 DEFAULT_ANCHOR = Path(__file__).resolve().parent.parent / "benchmarks" / "torch_gpt.py"
 # the anchor's precision -> torch_gpt.py's arguments; fp8: bf16 with torchao's float8 linear layers
 ANCHOR_ARGS = {"fp32": ["--dtype", "float32"], "fp16": ["--dtype", "float16"], "bf16": ["--dtype", "bfloat16"],
                "fp8": ["--dtype", "bfloat16", "--fp8", "torchao"]}
-
-
-def model_dict(exp: str) -> dict:
-    from omegaconf import OmegaConf
-
-    from ..paths import model_config
-    path = model_config(exp)
-    if not path.is_file():
-        raise SystemExit(f"--exp {exp}: no model config {path}")
-    return OmegaConf.to_container(OmegaConf.load(path))
 
 
 @contextlib.contextmanager

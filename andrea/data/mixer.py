@@ -17,8 +17,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-KINDS = ("uniform", "fixed", "bandit")
-REWARDS = ("loss", "progress")
+from ..config import MIXER_KINDS as KINDS, MIXER_REWARDS as REWARDS  # the config schema's allowed values
 RNG_TAG = 0x6D6978  # "mix": the mixer's stream differs from the data order's and the weights'
 
 

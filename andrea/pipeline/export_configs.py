@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from .compose import compose_config
 from ..util.atomic import atomic_write
 from ..config import to_dict
 from ..paths import experiments
@@ -27,9 +28,7 @@ def file_name(exp: str) -> str:
 
 
 def resolved(exp: str) -> dict:
-    from ..train import compose_config  # Hydra: imported only when a config is composed
-
-    return to_dict(compose_config(exp))
+    return to_dict(compose_config(exp))  # Hydra is imported when the first config is composed
 
 
 def render(exp: str) -> str:
