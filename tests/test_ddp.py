@@ -21,8 +21,9 @@ from omegaconf import OmegaConf
 from andrea.core import checkpoint as ck
 from andrea.core.comm import ZERO1_ENV, launch_rank, shard_bounds, zero1_requested
 from andrea.config import load_run_config
-from andrea.core.engine import Engine, make_plan
+from andrea.core.engine import Engine
 from andrea.core.model import count_params
+from andrea.core.plan import make_plan
 from conftest import make_shards, small_config, wait_for
 
 pytest.importorskip("mpi4py")

@@ -597,7 +597,7 @@ def check_cache(eng, when):
     k_fp8_cast_transpose make of the weight as it is now (the per-product path), and to numpy_ref."""
     import cupy as cp
     from andrea.backends.cuda.fp8 import META_STRIDE
-    from andrea.core.engine import fp8_cached_weights
+    from andrea.core.plan import fp8_cached_weights
     be = eng.be
     names = fp8_cached_weights(eng.cfg.model, eng.fp8_classifier)
     assert len(be.fp8.cache) == len(names)
@@ -787,7 +787,7 @@ def test_adamw_step_amax_is_the_update_then_its_amax(skip):
 def test_weight_cache_plan_and_switch(tmp_path):
     """The engine's memory plan holds the cache (fp8 weight cache rows) with the switch on, none
     off; the products read the arena's copies, not the workspace's weight slot."""
-    from andrea.core.engine import fp8_cached_weights
+    from andrea.core.plan import fp8_cached_weights
     on, off = fp8_engine(tmp_path, True), fp8_engine(tmp_path, False)
     assert "fp8 weight cache" in on.plan.by_group() and "fp8 weight cache" not in off.plan.by_group()
     assert off.be.fp8.cache == {} and off.be.fp8.cached(off.p["h0.qkv_w"]) is None
@@ -951,7 +951,7 @@ def check_slots(eng, when):
     k_fp8_gelu_amax + k_fp8_gelu_cast_transpose of the layer's saved pre)."""
     import cupy as cp
     from andrea.backends.cuda.fp8 import META_STRIDE
-    from andrea.core.engine import fp8_input_slots
+    from andrea.core.plan import fp8_input_slots
     for w, l, x in fp8_input_slots(eng.cfg.model):
         slot = eng.be.fp8.slots[eng.p[w].data.ptr]
         if x == "act":  # made from the layer's saved pre by the FP8 GELU kernels
@@ -1036,7 +1036,7 @@ def test_input_slots_plan_and_views(tmp_path):
     view inside fp8_xt (IC = C, and 4C for act); amax only: meta rows, no X^T. The layer-norm
     launchers find a slot by the input they write (ln1, ln2; the attention output's is never
     asked for); act, the workspace every layer's slot names, is found by none."""
-    from andrea.core.engine import fp8_input_slots
+    from andrea.core.plan import fp8_input_slots
     both, amax_only = slot_engine(tmp_path, True, True), slot_engine(tmp_path, False, True)
     assert "fp8_xt" in both.bufs and "fp8_xt" not in amax_only.bufs and "fp8_xmeta" in amax_only.bufs
     data = both.bufs["fp8_xt"]
@@ -1172,7 +1172,8 @@ def test_engine_fp8_classifier_same_bits_and_resume(tmp_path):
     3 bit-exact with the copies matching the weights, and close to (not equal to) the classifier in
     bf16 (CudaOps.fp8_classifier off)."""
     from andrea.backends import get_backend
-    from andrea.core.engine import Engine, fp8_cached_weights
+    from andrea.core.engine import Engine
+    from andrea.core.plan import fp8_cached_weights
     model = dict(MODEL, vocab_size=96)
 
     def make(classifier=True, seed=None):

@@ -150,7 +150,7 @@ def test_slurm_profile_dry_run(checkout):
     block = block[:block.index("resources:") + 400].split("\n")
     res = next(line for line in block if "resources:" in line)
     assert "gpu=1" in res and "slurm_partition=gpu" in res and "runtime=2880" in res, res
-    from andrea.core.engine import make_plan
+    from andrea.core.plan import make_plan
     from andrea.train import compose_config
     assert f"mem_mb={make_plan(compose_config('ANDREA-12M')).total() // 2**20 + 2048}" in res
     t = smk(checkout, "-n", "--workflow-profile", "profiles/slurm", "results/ANDREA-tiny")

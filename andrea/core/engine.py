@@ -1,4 +1,4 @@
-"""The engine: memory plan, one arena allocated at start-up, the train step, AdamW and clipping.
+"""The engine: one arena allocated at start-up, the train step, AdamW and clipping.
 
     eng = Engine(cfg)                 # plans, allocates every buffer once, initialises weights
     eng.print_plan()                  # the memory plan as a table (stderr)
@@ -18,6 +18,9 @@ as CUDA graphs. The optimizer state (loss scale, streaks, skipped count, the las
 lives on the device (numpy_ref.STATE_SLOTS); train_step returns a StepRecord that reads the step's
 copy of it when first used, so the host need not wait for the step to finish.
 
+The memory plan and the arena are in plan.py (make_plan, Arena); EngineState, StepRecord and the
+Engine's accessors of its optimizer state and resumable state (StateMixin) are in state.py.
+
 Data parallelism (comm, docs/DISTRIBUTED.md): the gradients are summed over the ranks before the
 norm; with zero1 (ZeRO-1) each rank keeps the Adam moments of its own shard of the flat buffers,
 updates that shard and all-gathers the weights (Engine._optimizer).
@@ -26,20 +29,18 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Optional
 
 import numpy as np
 
 from . import model
 from ..backends import get_backend
-from ..backends.numpy_ref import (S_BAD, S_GOOD, S_LOSS, S_LOSS_SUM, S_LR, S_NORM, S_REC_SCALE, S_SCALE,
-                                 S_SKIP, S_SKIPPED, S_STEP, STATE_LEN)
+from ..backends.numpy_ref import S_LOSS_SUM, S_LR, S_STEP
 from .comm import SINGLE, shard_bounds
 from ..config import FP8_RUN_SETTINGS, AndreaConfig
+from .plan import Arena, fp8_cached_weights, fp8_delayed_tensors, fp8_input_slots, make_plan
+from .state import EngineState, StateMixin, StepRecord
 
-ALIGN = 256  # bytes; cuBLAS and vector loads want aligned starts
 SCALE_GROWTH_INTERVAL = 2000  # good fp16 steps before the loss scale doubles (as torch's GradScaler)
 MAX_LOSS_SCALE = 2.0 ** 24
 
@@ -67,72 +68,6 @@ def lr_at(cfg: AndreaConfig, step: int) -> float:
     frac = min(1.0, (step - t.warmup_steps) / span)
     floor = t.min_lr * peak / t.lr if t.lr else t.min_lr
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * frac))
-
-
-@dataclass
-class PlanRow:
-    name: str
-    shape: tuple
-    dtype: str
-    group: str  # weights, grads, adam_m, adam_v, activations, workspace, ...
-
-    @property
-    def nbytes(self) -> int:
-        n = dtype_name_size(self.dtype)[1]
-        for s in self.shape:
-            n *= s
-        return n
-
-
-# Formats numpy knows by name only once ml_dtypes is imported (the CUDA backend imports it); the plan
-# is also made where it is not, e.g. by the workflow sizing a bf16 or fp8 run's memory before it starts.
-EXTRA_DTYPES = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-
-
-def dtype_name_size(dtype) -> tuple:
-    """(name, bytes per element) of a numpy dtype or a dtype name, including EXTRA_DTYPES's names."""
-    if isinstance(dtype, str) and dtype in EXTRA_DTYPES:
-        return dtype, EXTRA_DTYPES[dtype]
-    d = np.dtype(dtype)
-    return d.name, d.itemsize
-
-
-@dataclass
-class MemoryPlan:
-    rows: List[PlanRow] = field(default_factory=list)
-
-    def add(self, name, shape, dtype, group):
-        self.rows.append(PlanRow(name, tuple(shape), dtype_name_size(dtype)[0], group))
-
-    def total(self) -> int:
-        return sum(-(-r.nbytes // ALIGN) * ALIGN for r in self.rows)
-
-    def by_group(self) -> Dict[str, int]:
-        out: Dict[str, int] = {}
-        for r in self.rows:
-            out[r.group] = out.get(r.group, 0) + r.nbytes
-        return out
-
-    def table(self) -> str:
-        lines = [f"{'buffer group':<22}{'bytes':>16}{'MiB':>12}"]
-        for g, b in self.by_group().items():
-            lines.append(f"{g:<22}{b:>16,}{b / 2**20:>12.1f}")
-        t = self.total()
-        lines.append(f"{'total (aligned)':<22}{t:>16,}{t / 2**20:>12.1f}")
-        return "\n".join(lines)
-
-
-def compute_dtype(precision: str, base: str) -> str:
-    """The dtype of activations and of the weights' compute copy. fp8 computes in bf16 outside the
-    linear layers' FP8 products (docs/FP8.md)."""
-    return {"fp32": base, "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}[precision]
-
-
-def fp8_cached_weights(m, classifier: bool = False) -> List[str]:
-    """The parameters the FP8 weight cache keeps copies of: every linear layer's weight, in the
-    order of the flat buffer (model.LAYER_MATRICES of each layer), and with the classifier in FP8
-    the tied embedding wte (V, C) first."""
-    return (["wte"] if classifier else []) + [f"h{l}.{n}" for l in range(m.n_layer) for n in model.LAYER_MATRICES]
 
 
 def apply_fp8_settings(be, t) -> None:
@@ -163,121 +98,7 @@ def fp8_classifier_runs(cfg: AndreaConfig, switch: bool) -> bool:
     return classifier_in_fp8(t.batch_size * t.seq_len, m.vocab_size)
 
 
-# train.precision=fp8: the products whose input X the model saves for the backward pass (the
-# same tensor in both passes), and the MLP's second one, whose input act = gelu(pre) both passes
-# make from the saved pre, by weight: these have input slots (cuda/fp8.Fp8Ops.use_input_slots).
-# act is the workspace of that name, shared by every layer (the slot only names it).
-FP8_SLOT_INPUTS = {"qkv_w": "ln1", "attn_out_w": "atty", "mlp_w1": "ln2", "mlp_w2": "act"}
-
-
-# train.precision=fp8 with delayed scaling (cuda/fp8.Fp8Ops.use_delayed_scales): the tensors whose
-# scale comes from an amax history, as (role, weight) of the product that reads them: the MLP's act
-# (the second product's input) and dact (the first's output gradient), the attention output (the
-# projection's input), the output gradients of QKV, the projection and the MLP's second product
-# (dqkv and the residual stream's two), and ln1 and ln2 (the inputs of QKV and of the MLP's first
-# product, which their layer norms write as FP8 operands: k_layernorm_fwd_fp8). Their amax is taken
-# by the pass that casts them.
-FP8_DELAYED = (("act", "mlp_w2"), ("dy", "mlp_w1"), ("x", "attn_out_w"), ("dy", "qkv_w"), ("dy", "attn_out_w"),
-               ("dy", "mlp_w2"), ("x", "qkv_w"), ("x", "mlp_w1"))
-
-
-def fp8_delayed_tensors(m, slots: bool = True) -> List[tuple]:
-    """(role, weight name) of every delayed scale, layer by layer: a row of the arena each. Without
-    input slots (slots False) the inputs (role x: the attention output, ln1, ln2) keep current
-    scaling (an input's delayed scale's 1/scale lives in its slot)."""
-    return [(role, f"h{l}.{w}") for l in range(m.n_layer) for role, w in FP8_DELAYED if slots or role != "x"]
-
-
-def fp8_input_slots(m) -> List[tuple]:
-    """(weight name, layer, saved activation name) of every product with an FP8 input slot, in
-    the order of the forward pass (layer 0's ln1 first: its quantisation starts a pass)."""
-    return [(f"h{l}.{w}", l, x) for l in range(m.n_layer) for w, x in FP8_SLOT_INPUTS.items()]
-
-
-def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, shards: int = 0,
-              fp8_weight_cache: bool = True, fp8_keep_xt: bool = True,
-              fp8_producer_amax: bool = True, fp8_classifier: bool = False,
-              fp8_delayed: bool = False) -> MemoryPlan:
-    """Every buffer the engine will ever use, from the config alone. shards = N > 0: ZeRO-1 over N
-    ranks (Engine): the flat buffers padded to a multiple of N, the Adam moments one rank's shard
-    of padded/N, and the norm's partials one block per rank. fp8_weight_cache: with
-    train.precision=fp8, the FP8 copies of the linear weights and their scales (the backend's
-    fp8_weight_cache switch; cuda/fp8.weight_cache_rows). fp8_keep_xt, fp8_producer_amax: the
-    backend's switches of those names; with either, the (amax, 1/scale) rows of the FP8 input
-    slots, with fp8_keep_xt also the kept FP8 X^T of each (cuda/fp8.input_slot_rows).
-    fp8_classifier: the classifier runs in FP8 (fp8_classifier_runs), so the cache holds wte too.
-    fp8_delayed: the delayed scales of the MLP's act and dact (cuda/fp8.delayed_rows)."""
-    m, t = cfg.model, cfg.train
-    B, T = t.batch_size, t.seq_len
-    act = compute_dtype(t.precision, dtype)
-    f32 = "float32" if dtype == "float32" else dtype  # float64 in gradient checks
-    n = model.ParamLayout.from_config(m).n_params
-    flat, moments = n, n
-    if shards:
-        flat, _, per = shard_bounds(n, shards, 0)
-        moments, n_partials = per, n_partials * shards
-    plan = MemoryPlan()
-    plan.add("params", (flat,), dtype, "weights")
-    if act != dtype:
-        plan.add("params_c", (flat,), act, "weights (compute copy)")
-    plan.add("grads", (flat,), dtype, "grads")
-    plan.add("adam_m", (moments,), dtype, "adam_m")
-    plan.add("adam_v", (moments,), dtype, "adam_v")
-    kinds = {"act": act, "f32": f32, "i32": "int32"}
-    for l in range(m.n_layer):
-        for name, (shape, kind) in model.activation_shapes(m, B, T).items():
-            plan.add(f"h{l}.{name}", shape, kinds[kind], "activations (layers)")
-    for name, (shape, kind) in model.global_shapes(m, B, T).items():
-        group = "workspace" if name in model.WORKSPACE else "activations (other)"
-        plan.add(name, shape, kinds[kind], group)
-    plan.add("norm_partials", (n_partials,), f32, "workspace")
-    plan.add("optim_state", (STATE_LEN,), "float64", "workspace")
-    plan.add("dloss", (1,), f32, "workspace")
-    if t.precision == "fp8" and fp8_weight_cache:
-        from ..backends.cuda.fp8 import weight_cache_rows
-        shapes = dict(model.param_shapes(m)[0])
-        for name, shape, dt in weight_cache_rows([shapes[w] for w in fp8_cached_weights(m, fp8_classifier)]):
-            plan.add(name, shape, dt, "fp8 weight cache")
-    if t.precision == "fp8" and (fp8_keep_xt or fp8_producer_amax):
-        from ..backends.cuda.fp8 import input_slot_rows
-        shapes = dict(model.param_shapes(m)[0])
-        for name, shape, dt in input_slot_rows([shapes[w] for w, _, _ in fp8_input_slots(m)], B * T, fp8_keep_xt):
-            plan.add(name, shape, dt, "fp8 input slots")
-    if t.precision == "fp8" and fp8_delayed:
-        from ..backends.cuda.fp8 import delayed_rows
-        for name, shape, dt in delayed_rows(len(fp8_delayed_tensors(m, fp8_keep_xt or fp8_producer_amax))):
-            plan.add(name, shape, dt, "fp8 delayed scales")
-    return plan
-
-
-class Arena:
-    """One allocation carved into aligned views. After seal(), asking for more is an error:
-    the step loop cannot allocate a buffer."""
-
-    def __init__(self, xp, nbytes: int):
-        self.xp = xp
-        self.buf = xp.zeros(nbytes, dtype=np.uint8)
-        self.offset = 0
-        self.sealed = False
-        self.n_views = 0
-
-    def take(self, shape, dtype):
-        if self.sealed:
-            raise RuntimeError("Arena.take after seal(): the step loop must not allocate buffers")
-        dt = np.dtype(dtype)
-        n = int(np.prod(shape)) * dt.itemsize
-        if self.offset + n > self.buf.size:
-            raise RuntimeError(f"arena overflow: {self.offset + n} > {self.buf.size} bytes; plan is wrong")
-        view = self.buf[self.offset:self.offset + n].view(dt).reshape(shape)
-        self.offset += -(-n // ALIGN) * ALIGN
-        self.n_views += 1
-        return view
-
-    def seal(self):
-        self.sealed = True
-
-
-class Engine:
+class Engine(StateMixin):
     """Owns every buffer and the optimizer state of one model; runs steps on one backend."""
 
     def __init__(self, cfg: AndreaConfig, backend=None, dtype: str = "float32", comm=None, zero1: bool = False):
@@ -440,41 +261,6 @@ class Engine:
         if self.fp8_cache:
             self.be.refresh_fp8_weight_cache()
 
-    def host_state(self):
-        """(params, m, v) as host float32 arrays of n_params, the checkpoint's three blocks. Under
-        ZeRO-1 on several ranks a collective (every rank calls it): m and v are gathered from the
-        ranks' shards on rank 0, and are None on the other ranks."""
-        n = self.layout.n_params
-        params = np.ascontiguousarray(self.be.to_numpy(self.params[:n]), dtype=np.float32)
-        if not self.zero1:
-            return (params, *(np.ascontiguousarray(self.be.to_numpy(a), dtype=np.float32) for a in (self.m, self.v)))
-        m, v = (self.comm.gather(np.ascontiguousarray(self.be.to_numpy(a), dtype=np.float32)) for a in (self.m, self.v))
-        return params, *((None if a is None else a[:n]) for a in (m, v))
-
-    def state(self) -> "EngineState":
-        """Everything a checkpoint keeps of this engine, as host copies (the engine goes on). Under
-        ZeRO-1 on several ranks a collective, whose m and v are rank 0's alone (host_state)."""
-        # the NumPy backend's host view is the buffer itself: copy it, so the state stays put
-        params, m, v = (h.copy() if isinstance(a, np.ndarray) and h is not None and np.shares_memory(h, a) else h
-                        for h, a in zip(self.host_state(), (self.params, self.m, self.v)))
-        return EngineState(params, m, v, self.loss_scale, self.good_streak, self.bad_streak, self.skipped,
-                           self.fp8_history())
-
-    def state_counters(self, history: bool = True) -> dict:
-        """The loss scale and the step counters, as in a checkpoint's sidecar (EngineState.counters),
-        and (history) the delayed FP8 scales' amax history, which waits for the device."""
-        c = {"loss_scale": self.loss_scale, "good_streak": self.good_streak, "bad_streak": self.bad_streak,
-             "skipped": self.skipped}
-        return {**c, "fp8_amax_history": self.fp8_history()} if history else c
-
-    def load_state(self, st: "EngineState") -> None:
-        """Continue from st: weights, Adam moments, loss scale, step counters and the delayed FP8
-        scales' amax history (none: the next step takes its amax first) (no new buffers)."""
-        self.set_state(st.params, st.m, st.v)
-        self.loss_scale = float(st.loss_scale)
-        self.good_streak, self.bad_streak, self.skipped = int(st.good_streak), int(st.bad_streak), int(st.skipped)
-        self._load_fp8_history(st.fp8_amax_history)
-
     def print_plan(self, file=sys.stderr):
         t = self.cfg.train
         mc = self.cfg.model
@@ -506,31 +292,6 @@ class Engine:
             print(f"data parallel: {self.comm.describe()}; the bytes above are per rank (each rank holds "
                   f"the whole model, its gradients and Adam state), {self.comm.size} ranks hold "
                   f"{self.comm.size * (self.plan.total() + ws):,} bytes in all", file=file, flush=True)
-
-    # ------------------------------------------------------------ the optimizer state (on the device)
-    def _get(self, slot) -> float:
-        return float(self.be.to_numpy(self.optim_state[slot:slot + 1])[0])
-
-    def _set(self, slot, value):
-        self.be.write(self.optim_state[slot:slot + 1], [value])
-
-    @property
-    def loss_scale(self) -> float:
-        """The dynamic loss scale (1.0 unless fp16); setting it also sets the loss gradient."""
-        return self._get(S_SCALE)
-
-    @loss_scale.setter
-    def loss_scale(self, value):
-        self._set(S_SCALE, value)
-        t = self.cfg.train
-        self.be.write(self.dloss, [float(value) / (t.batch_size * t.seq_len)])
-
-    good_streak = property(lambda self: int(self._get(S_GOOD)), lambda self, v: self._set(S_GOOD, v),
-                           doc="consecutive finite steps, for loss-scale growth")
-    bad_streak = property(lambda self: int(self._get(S_BAD)), lambda self, v: self._set(S_BAD, v),
-                          doc="consecutive non-finite steps, for the abort policy")
-    skipped = property(lambda self: int(self._get(S_SKIPPED)), lambda self, v: self._set(S_SKIPPED, v),
-                       doc="total skipped steps")
 
     # ------------------------------------------------------------ the step
     def zero_grads(self):
@@ -695,74 +456,13 @@ class Engine:
                 rows = delayed_history_array(st.fp8_amax_history).shape[0]
             except ValueError as e:
                 raise CheckpointError(f"checkpoint sidecar {sidecar_path(path)}: field {e}") from None
-            if rows != n:  # written for another set of delayed scales (engine.FP8_DELAYED)
+            if rows != n:  # written for another set of delayed scales (plan.FP8_DELAYED)
                 print(f"checkpoint sidecar {sidecar_path(path)}: fp8_amax_history has {rows} rows, written for "
                       f"another set of delayed FP8 scales (this engine has {n}); the histories start over: the "
                       "next step takes each amax first", file=sys.stderr, flush=True)
                 st.fp8_amax_history = None
         self.load_state(st)
         return c
-
-
-@dataclass
-class EngineState:
-    """An engine's resumable state: host float32 weights and Adam moments, the dynamic loss scale
-    and the counters of its growth and of the abort policy. A checkpoint holds exactly this (the
-    arrays in its .bin, the counters in its sidecar)."""
-    params: np.ndarray
-    m: np.ndarray
-    v: np.ndarray
-    loss_scale: float
-    good_streak: int
-    bad_streak: int
-    skipped: int
-    # train.precision=fp8 with delayed scales: the amax history (n, 16), newest first; None where
-    # there are none or no step recorded one (the next step takes its amax first)
-    fp8_amax_history: Optional[list] = None
-
-    def counters(self) -> dict:
-        """The sidecar fields of this state (fp8_amax_history only where there is one)."""
-        c = {"loss_scale": self.loss_scale, "good_streak": self.good_streak, "bad_streak": self.bad_streak,
-             "skipped": self.skipped}
-        if self.fp8_amax_history is not None:
-            c["fp8_amax_history"] = self.fp8_amax_history
-        return c
-
-    @classmethod
-    def from_checkpoint(cls, c, counters: dict) -> "EngineState":
-        """The state checkpoint c holds; a counter its sidecar lacks (a checkpoint written by
-        `andrea import` or by a test, not by a training run) is taken from counters."""
-        s = {**counters, **{k: c.sidecar[k] for k in counters if k in c.sidecar}}
-        return cls(c.params, c.m, c.v, float(s["loss_scale"]), int(s["good_streak"]), int(s["bad_streak"]),
-                   int(s["skipped"]), c.sidecar.get("fp8_amax_history"))
-
-
-class StepRecord(Mapping):
-    """The record of one step: step, loss, lr, grad_norm, loss_scale (the scale the step ran
-    with), skipped. The values come from the step's copy of the optimizer state, read when the
-    record is first used."""
-
-    KEYS = ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped")
-
-    def __init__(self, step, lr, pending):
-        self._step, self._lr, self._pending, self._rec = step, lr, pending, None
-
-    def _values(self) -> dict:
-        if self._rec is None:
-            st = self._pending.get()
-            self._rec = {"step": self._step, "loss": float(st[S_LOSS]), "lr": self._lr,
-                         "grad_norm": float(st[S_NORM]), "loss_scale": float(st[S_REC_SCALE]),
-                         "skipped": bool(st[S_SKIP])}
-        return self._rec
-
-    def __getitem__(self, key):
-        return self._values()[key]
-
-    def __iter__(self):
-        return iter(self.KEYS)
-
-    def __len__(self):
-        return len(self.KEYS)
 
 
 def _pick(logits, temperature, rng) -> int:
@@ -773,4 +473,3 @@ def _pick(logits, temperature, rng) -> int:
     p = np.exp(z)
     p /= p.sum()
     return int(rng.choice(len(p), p=p))
-

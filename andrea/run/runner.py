@@ -29,7 +29,8 @@ from ..core import checkpoint as ck
 from ..core.comm import SINGLE
 from ..config import AndreaConfig, config_hash
 from ..data.loader import train_loader, val_windows
-from ..core.engine import Engine, EngineState, phase_of
+from ..core.engine import Engine, phase_of
+from ..core.state import EngineState
 from .protocol import EXIT_ABORTED, EXIT_ORPHANED, emit, reader_gone
 
 

@@ -100,7 +100,7 @@ def load(path, backend: str = "auto", tokenizer=None, precision: str = ""):
     """(cfg, tokenizer, Decoder with the weights loaded, checkpoint path) for a run folder, an
     archive or a checkpoint."""
     from ..backends import get_backend
-    from ..core.engine import compute_dtype
+    from ..core.plan import compute_dtype
     from .inference import Decoder
     from .locate import load_tokenizer_for, locate
 
@@ -133,7 +133,7 @@ def bench_random_init(a) -> int:
 
     from ..backends import get_backend
     from ..config import AndreaConfig, ModelConfig
-    from ..core.engine import compute_dtype
+    from ..core.plan import compute_dtype
     from .inference import Decoder
     from ..paths import model_config
 

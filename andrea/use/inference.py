@@ -26,7 +26,7 @@ import numpy as np
 
 from ..core import model
 from ..config import ModelConfig
-from ..core.engine import Arena, MemoryPlan
+from ..core.plan import Arena, MemoryPlan
 
 
 def decode_plan(m: ModelConfig, context: int, dtype: str = "float32") -> MemoryPlan:

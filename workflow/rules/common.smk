@@ -227,7 +227,7 @@ def train_resources(cfg):
     allocate) plus 2 GiB for the interpreter, data loader and records. Both per rank, times the
     ranks (config ranks: every rank holds the whole plan, under ZeRO-1 with its shard of the Adam
     moments)."""
-    from andrea.core.engine import make_plan
+    from andrea.core.plan import make_plan
 
     gpus = 1 if cfg.backend.name == "cuda" or cfg.train.precision != "fp32" else 0
     plan = make_plan(cfg, shards=RANKS if ZERO1 and RANKS > 1 else 0)  # ZeRO-1: each rank its shard of Adam
