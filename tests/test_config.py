@@ -11,7 +11,7 @@ from andrea.core.model import count_params
 from andrea.train import ConfigError, compose_config
 
 REPO = Path(__file__).resolve().parent.parent
-SHAPES = {  # docs/DESIGN.md, "The model"
+SHAPES = {  # docs/ARCHITECTURE.md, "The model"
     "ANDREA-tiny": (2, 64, 4, 64, 512),
     "ANDREA-12M": (6, 384, 6, 256, 8192),
     "ANDREA-120M": (12, 768, 12, 1024, 50304),
