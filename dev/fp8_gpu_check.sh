@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The FP8 path's checks and measurements on an H200 (docs/FP8.md): the GPU tests of the attention's
-# FP8 forms, k_layernorm_fwd_fp8's block shapes, the amax in the optimizer's update, the
-# weight-gradient stream and the folded GELU, the step with each of those switches flipped against
-# the defaults in one process, what the step's graphs hold, and the step against PyTorch.
+# FP8 forms, k_layernorm_fwd_fp8's block shapes, the amax in the optimizer's update and the
+# folded GELU, the step with other settings against the defaults in one process, what the step's
+# graphs hold, and the step against PyTorch.
 #
 #   bash dev/fp8_gpu_check.sh [OUT_DIR] [STEPS]     # from the repository root
 #
@@ -33,18 +33,18 @@ EXP="--exp ANDREA-120M --precision fp8 --batch 8"
 #    tiles (partial and whole); and the sm_90a builds (ptxas)
 if want 1; then
   run tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8_cuda.py \
-    -k "attention or layernorm_fwd_fp8 or delayed or layernorm_cast or two_runs or wgrad or adamw or weight_cache or gelu or pdl or cast_kernels or many_kernels"
+    -k "attention or layernorm_fwd_fp8 or delayed or layernorm_cast or two_runs or adamw or weight_cache or gelu or pdl or cast_kernels or many_kernels"
   run hopper_compile python3 -m pytest -q -p no:cacheprovider tests/test_hopper_compile.py
 fi
 
-# 2. each switch against the defaults, in one process, interleaved, the step's graphs replayed
+# 2. other settings against the defaults, in one process, interleaved, the step's graphs replayed
 #    (dev/ab_settings.py --replay: the device's time alone), and the step's graphs as DOT with the
 #    node census (dev/graph_probe.py)
 if want 2; then
   run ab_switches python3 dev/ab_settings.py $EXP --replay --rounds 15 --steps 20 --json "$OUT/ab_switches.json" \
     --variant base: --variant noattn:fp8_attention_cast=0 \
     --variant ln16x8:fp8_layernorm_rows=16,fp8_layernorm_warps=8 \
-    --variant wgrad:fp8_wgrad_stream=1 --variant noadamw:fp8_adamw_amax=0 \
+    --variant noadamw:fp8_adamw_amax=0 \
     --variant sigmoid:fp8_gelu_fma=0 --variant nearest:fp8_dlogits_rounding=nearest --variant nopdl:pdl=0
   run graph_probe python3 dev/graph_probe.py $EXP --out "$OUT/dot"
 fi

@@ -1,7 +1,6 @@
 """The Hopper kernels compile to sm_90a machine code, with the wgmma path in, and build without it for
 plain sm_90 (CPU only): the package's attention_hopper.cu (forward version 8, backward versions 10 and 7),
-dev/cuda's first forward variant (attention_v6.cu) and probes (wgmma_probe.cu), and the one-pass
-backward candidate (attention_v9.cu: no spills, no serialised wgmma, no atomics, its sidecar's geometry).
+dev/cuda's first forward variant (attention_v6.cu) and probes (wgmma_probe.cu).
 
     python -m pytest tests/test_hopper_compile.py -q
 
@@ -203,39 +202,3 @@ def test_backend_hopper_geometry_is_the_kernels(hs, tmp_path):
                     "V7_QM": geo["rows"], "V7_DKV_SMEM": geo["k_attn_flash_bwd_dkv"],
                     "V7_DQ_SMEM": geo["k_attn_flash_bwd_dq"], "V8_THREADS": geo["threads"],
                     "V8_BM": geo["fwd_rows"], "V8_SMEM": geo["k_attn_flash_fwd"]})
-
-
-# dev/cuda/attention_v9.cu (the one-pass backward, head size 64): every setting attention_bench.py
-# times assembles without spills or serialised wgmma, and the consumers' setmaxnreg fits the block
-@pytest.mark.parametrize("ct, defs", [("f16", ()), ("bf16", ()), ("f16", ("-DV9_BUFS=2",)), ("f16", ("-DV9_UNROLL=4",))])
-def test_v9_assembles_for_sm90a_without_spills(ct, defs, tmp_path):
-    log = nvcc(DEV / "attention_v9.cu", "sm_90a", ct, 64, tmp_path / "v9.cubin", "--cubin", "-Xptxas", "-v",
-               "-DV6_SM90A", *defs)
-    regs, st, ld = ptxas_figures(log, "k_attn_flash_bwd9")
-    assert (st, ld) == (0, 0), f"k_attn_flash_bwd9 spills (CT={ct}, {defs}): {st} bytes stored, {ld} loaded"
-    assert regs <= 168  # 384 threads: what setmaxnreg redistributes
-    # (the package's kernels the file includes are held to their own rules above)
-    assert "for the function 'k_attn_flash_bwd9'" not in log, log
-
-
-def test_v9_is_only_built_at_head_size_64_for_sm90a(tmp_path):
-    for arch, hs, present in (("sm_90a", 64, True), ("sm_90a", 80, False), ("sm_90", 64, False)):
-        nvcc(DEV / "attention_v9.cu", arch, "f16", hs, tmp_path / "v9.ptx", "--ptx")
-        ptx = (tmp_path / "v9.ptx").read_text()
-        assert (".entry k_attn_flash_bwd9(" in ptx) == present, (arch, hs)
-        if present:
-            body = ptx[ptx.index(".entry k_attn_flash_bwd9("):]
-            body = body[:body.index("\n}\n")]
-            assert "setmaxnreg.inc" in body and "ld.acquire.gpu" in body and "st.release.gpu" in body
-            # the dQ additions are ordered, not atomic: no atom.* / red.* instruction
-            assert not re.search(r"^\s*(@%p\d+\s+)?(atom|red)\.", body, re.M)
-
-
-@pytest.mark.parametrize("tune", [{}, {"bufs": 1}, {"bufs": 2}, {"bufs": 3}])
-def test_v9_sidecar_geometry_is_the_kernels(tune, tmp_path):
-    v9 = load_dev("attention_v9")
-    geo = v9.geometry(64, tune)
-    ptx = check_geometry(tmp_path, DEV / "attention_v9.cu", 64,
-                         {"V9_THREADS": geo["threads"], "V9_BK": geo["keys"], "V9_BQ": geo["rows"], "V9_SMEM": geo["smem"]},
-                         {v9.TUNABLE[k]: v for k, v in tune.items()}, device_only=True)
-    assert ".entry k_attn_flash_bwd9(" in ptx

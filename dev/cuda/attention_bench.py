@@ -1,18 +1,18 @@
 """Check, then time, the numbered fused-attention variants against PyTorch SDPA in one process.
 
-    PYTHONPATH=. python dev/cuda/attention_bench.py [--variants v3,v4] [--no-check] [--no-time] [--reps 20]
+    PYTHONPATH=. python dev/cuda/attention_bench.py [--variants v8,v8old] [--no-check] [--no-time] [--reps 20]
 
 Each variant is a kernel source compiled by NVRTC (CuPy RawModule) per compute dtype and head
-size: v3 is dev/cuda/attention_v3.cu (the fused path before version 4), v4 is the promoted
-kernels/attention.cu, v5 and v6 are candidates (v6: the wgmma forward of
-dev/cuda/attention_v6.cu on compute capability 9.0, built for sm_90a by attention_v6.py), v8 is the
-package's wgmma forward (attention_hopper.cu through attention_v8.py; its v8* entries: other -D
-settings) with version 7's backward, v7 is
-version 4's forward with the wgmma backward of the package's kernels/attention_hopper.cu,
-built and launched by attention_v7.py (its v7* entries: other -D settings of that file), v9 is
-version 8's forward with the one-pass backward of dev/cuda/attention_v9.cu at head size 64
-(attention_v9.py; its v9* entries: other -D settings); a later candidate dev/cuda/attention_vN.cu
-is added to VARIANTS below.
+size: v4 is kernels/attention.cu (version 4, mma.sync, every GPU of compute capability 8.0 or
+later); v6 is the first wgmma forward, dev/cuda/attention_v6.cu on compute capability 9.0, built
+for sm_90a by attention_v6.py (superseded by version 8; kept as the base of wgmma_probe.cu), with
+version 4's backward; v7 is version 4's forward with the wgmma backward of the package's
+kernels/attention_hopper.cu, built and launched by attention_v7.py (its v7* entries: other -D
+settings of that file); v8 is the package's Hopper path, the wgmma forward of attention_hopper.cu
+through attention_v8.py with its backward (its v8* entries: other -D settings, v8old the settings
+before version 10). A new candidate dev/cuda/attention_vN.cu is added to VARIANTS below, and
+leaves with its entry once it has won or lost (git history keeps both, docs/BENCHMARKS.md the
+figures).
 Check (before any timing): every variant against the float64 NumPy reference
 (andrea.backends.numpy_ref k_attn_fwd / k_attn_bwd) at T = 77 and 1000, head sizes 32/64/80/128
 where the variant supports them, fp16 and bf16; outputs poisoned with NaN before the launch;
@@ -94,8 +94,7 @@ class Variant:
                                               (D, dout, out, np.int32(B), np.int32(T), np.int32(NH)))}
         for k in ("k_attn_flash_bwd_dq", "k_attn_flash_bwd_dkv"):
             f, smem = self.fn(ct, hs, k)
-            # the last argument, accumulate = 1 (add into dqkv), is read by the kernels of v4, v6, v7
-            # (attention.cu's); v3 and v5 copy versions from before it and take one argument fewer
+            # the last argument, accumulate = 1 (add into dqkv), as attention.cu's kernels take it
             parts[k] = (lambda f=f, smem=smem, k=k: f(
                 self.grid(k, B * NH, T, hs), (128,), (dqkv, qkv, dout, lse, D, np.int32(B), np.int32(T),
                                                       np.int32(NH), np.float32(1 / math.sqrt(hs)), np.int32(1)),
@@ -105,35 +104,6 @@ class Variant:
     def bwd(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):
         for launch in self.bwd_parts(ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs).values():
             launch()
-
-
-class FusedBackward(Variant):
-    """Version 5 candidate: the one-pass backward k_attn_flash_bwd for head sizes up to 64 (the
-    dQ accumulator and the counters it orders the additions with are kept per shape)."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self._scratch = {}
-
-    def bwd_parts(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):
-        return None
-
-    def bwd(self, ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs):
-        if hs > 64:
-            return super().bwd(ct, dqkv, dout, qkv, out, lse, D, B, T, NH, hs)
-        import cupy as cp
-        n_q = -(-T // 64)
-        key = (B * NH, n_q, hs)
-        if key not in self._scratch:
-            self._scratch[key] = (cp.empty((B * NH * n_q * 64 * hs,), dtype=cp.float32),
-                                  cp.zeros((B * NH * n_q,), dtype=cp.int32))
-        acc, counters = self._scratch[key]
-        fD, _ = self.fn(ct, hs, "k_attn_flash_D")
-        fD((-(-(B * NH * T) // 8),), (256,), (D, dout, out, np.int32(B), np.int32(T), np.int32(NH)))
-        counters.fill(0)
-        f, smem = self.fn(ct, hs, "k_attn_flash_bwd")
-        f((B * NH, n_q), (128,), (dqkv, acc, counters, qkv, dout, lse, D, np.int32(B), np.int32(T),
-                                  np.int32(NH), np.float32(1 / math.sqrt(hs))), shared_mem=smem)
 
 
 class HopperForward(Variant):
@@ -210,13 +180,6 @@ class HopperForward8(HopperBackward):
         return out
 
 
-class OnePassBackward(HopperForward8):
-    """Version 9: version 8's forward and, on compute capability 9.0 at head size 64, the one-pass
-    backward k_attn_flash_bwd9 of dev/cuda/attention_v9.cu (built and launched by attention_v9.py,
-    tune: its -D settings, e.g. {"bufs": 3}); version 7's backward at other head sizes."""
-    sidecar_path = ROOT / "dev" / "cuda" / "attention_v9.py"
-
-
 def _compile_job(job):
     """One sm_90a build in a worker process (attention_v6.compile_sm90a): (key, cubin bytes)."""
     key, path, ct, defs = job
@@ -249,12 +212,6 @@ def prebuild(names, dtypes):
     print(f"prebuilt {len(jobs)} sm_90a modules", flush=True)
 
 
-def v5_smem(kernel, hs):
-    if kernel == "k_attn_flash_bwd":
-        return (2 * 64 + 4 * 64) * (hs + 8) * 2 + 64 * 72 * 2 + 4 * 64 * 4
-    return v4_smem(kernel, hs)
-
-
 def v4_smem(kernel, hs):
     lds, bq = hs + 8, (64 if hs <= 64 else 32)
     return {"k_attn_flash_fwd": ((128 if hs <= 64 else 64) + 4 * 64) * lds * 2,
@@ -264,11 +221,8 @@ def v4_smem(kernel, hs):
 
 DEV = ROOT / "dev" / "cuda"
 VARIANTS = {
-    "v3": Variant("v3", DEV / "attention_v3.cu", (32, 64), lambda hs: 64, lambda k, hs: 0, False),
     "v4": Variant("v4", lambda: kernel_dir() / "attention.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
                   v4_smem, True),
-    "v5": FusedBackward("v5", DEV / "attention_v5.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
-                        v5_smem, True),
     "v6": HopperForward("v6", DEV / "attention_v6.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
                         v4_smem, True),
     "v7": HopperBackward("v7", lambda: kernel_dir() / "attention_hopper.cu", (32, 64, 80, 128), lambda hs: 128 if hs <= 64 else 64,
@@ -299,12 +253,6 @@ VARIANTS = {
                           ("v8w3n128", {"wg": 3, "bn": 128, "blocks": 1, "overlap": 1}),
                           ("v8w3n128s", {"wg": 3, "bn": 128, "blocks": 1}),
                           ("v8w1b4", {"wg": 1, "blocks": 4}), ("v8cm", {"swizzle": 0}))},
-    "v9": OnePassBackward("v9", lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128, v4_smem, True),
-    # v9 with other -D settings (attention_v9.py's TUNABLE): two dQ partial buffers (and dQ warps);
-    # four float4 loads in flight a dQ lane
-    **{name: OnePassBackward(name, lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128, v4_smem, True,
-                             tune=tune)
-       for name, tune in (("v9b2", {"bufs": 2}), ("v9u4", {"unroll": 4}))},
     # the package's settings before version 10 (dK/dV two warpgroups a block, one block a
     # multiprocessor; version 7's tile copies in both directions), with version 10's dQ kernel; the
     # dQ kernel with one warpgroup a block and four blocks a multiprocessor
@@ -388,8 +336,7 @@ def cuda_ms(fn, reps):
 
 
 SHAPES = {"120M": (8, 12, 1024, 64, 12), "12M": (32, 6, 256, 64, 6)}
-PART_COLUMNS = {"k_attn_flash_D": "D_ms", "k_attn_flash_bwd_dq": "dq_ms", "k_attn_flash_bwd_dkv": "dkv_ms",
-                "k_attn_flash_bwd9": "onepass_ms"}
+PART_COLUMNS = {"k_attn_flash_D": "D_ms", "k_attn_flash_bwd_dq": "dq_ms", "k_attn_flash_bwd_dkv": "dkv_ms"}
 
 
 def time_ours(v: Variant, name, shape, reps):

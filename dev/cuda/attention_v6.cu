@@ -2,11 +2,15 @@
 // compute capability 9.0, k_attn_flash_fwd computes S = Q K^T and O += P V with wgmma.mma_async (built
 // for sm_90a by attention_v6.py, the launch that goes with it); everywhere else, and for every other
 // kernel (version 1, k_attn_flash_D, version 4's backward), this is the package's code itself.
-// Design, and what is and is not done: "version 6" further down. Status: compiled only (nvcc 13,
-// sm_90a, fp16 and bf16, every head size: 127-128 registers, no spills; 20-96 KB of dynamic shared
-// memory); never run on a GPU yet.
+// Design, and what is and is not done: "version 6" further down. Status: superseded by version 8
+// (the forward of kernels/attention_hopper.cu, on the same building blocks of kernels/wgmma.cuh);
+// measured on an H200 at 0.85 ms a step's forward at 120M (docs/BENCHMARKS.md).
+// Kept because wgmma_probe.cu builds on its functions (the first check of those building blocks on
+// a new GPU or toolkit) and attention_bench.py's v6 entry times it. Built by nvcc 13 for sm_90a,
+// fp16 and bf16, every head size: 127-128 registers, no spills; 20-96 KB of dynamic shared memory.
+// The steps below run it (the probes, the harness, the bench).
 //
-// How to run it next time (an H200; repository root, package importable; minutes in all):
+// How to run it (an H200; repository root, package importable; minutes in all):
 //   1. python dev/cuda/wgmma_probe.py
 //      Expect "all probes passed": build, layout, ss, rs and pipeline for fp16/bf16 x hs 64/80/128.
 //      A FAIL names the block: layout -> load_tile6; ss or rs -> the descriptors (the line says

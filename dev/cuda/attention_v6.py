@@ -11,10 +11,11 @@ built for sm_90, where attention_v6.cu compiles version 4's forward instead (V6_
 Where the device is not compute capability 9.0, or version 4's fused path does not apply, the
 backend's own launcher runs (version 4's forward from this file).
 
-What the package would need to run this forward itself: Runtime.function taking an optional
-architecture per file (a `-arch=sm_90a` option in place of CuPy's, i.e. compiling through NVRTC as
-compile_sm90a does, since RawModule appends its own -arch), and CudaOps.k_attn_fwd launching
-geometry(hs) when compute capability is 9.0.
+The package has since taken the same road for kernels/attention_hopper.cu (Runtime.function with
+arch="sm_90a", andrea/backends/cuda/runtime.py), and version 8 superseded this forward. The file
+stays for its sm_90a build and load pieces (compile_sm90a, Sm90aModule, tuned_module, is_hopper),
+which attention_v7.py, attention_v8.py and attention_bench.py's parallel prebuild use, and as the
+launcher of attention_v6.cu, on which wgmma_probe.cu builds.
 """
 from __future__ import annotations
 

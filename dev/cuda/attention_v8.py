@@ -1,7 +1,7 @@
 """Version 8's forward (k_attn_flash_fwd on wgmma), now the package's kernels/attention_hopper.cu,
 built for sm_90a with other -D settings than the package's defaults, so that
 dev/cuda/attention_bench.py times the settings against each other (tune). The package launches the
-default settings itself (ops.hopper_geometry); this file's geometry() must give the same figures
+default settings itself (andrea/backends/cuda/geometry.py, hopper_geometry); this file's geometry() must give the same figures
 for them (tests/test_hopper_compile.py checks both against the macros). Compiling and loading are
 attention_v6.py's (NVRTC, -arch=sm_90a, a cubin loaded with the driver); the module holds version
 7's backward too.

@@ -237,7 +237,8 @@ def main(argv=None) -> int:
                                   "and model), e.g. ANDREA-12M")
     ap.add_argument("--batch", type=int, help="with --exp: B instead of the experiment's batch_size")
     ap.add_argument("--set", action="append", default=[], metavar="ATTR=VALUE",
-                    help="set an attribute of every backend first, e.g. --set dgelu_epilogue=1 (repeatable)")
+                    help="a tuning value of every backend, as python -m andrea.bench --set takes it, "
+                         "e.g. --set ln_blocks=528 (repeatable)")
     a = ap.parse_args(argv)
     precisions = a.dtype.split(",")
     for p in precisions:
