@@ -37,21 +37,20 @@ if want 1; then
   run hopper_compile python3 -m pytest -q -p no:cacheprovider tests/test_hopper_compile.py
 fi
 
-# 2. other settings against the defaults, in one process, interleaved, the step's graphs replayed
+# 2. other tuning values, the dlogits rounded to nearest and the launch without programmatic
+#    dependence against the defaults, in one process, interleaved, the step's graphs replayed
 #    (dev/ab_settings.py --replay: the device's time alone), and the step's graphs as DOT with the
 #    node census (dev/graph_probe.py)
 if want 2; then
   run ab_switches python3 dev/ab_settings.py $EXP --replay --rounds 15 --steps 20 --json "$OUT/ab_switches.json" \
-    --variant base: --variant noattn:fp8_attention_cast=0 \
-    --variant ln16x8:fp8_layernorm_rows=16,fp8_layernorm_warps=8 \
-    --variant noadamw:fp8_adamw_amax=0 \
-    --variant sigmoid:fp8_gelu_fma=0 --variant nearest:fp8_dlogits_rounding=nearest --variant nopdl:pdl=0
+    --variant base: --variant ln16x8:fp8_layernorm_rows=16,fp8_layernorm_warps=8 \
+    --variant tile128:fp8_tile_rows=128 --variant nearest:fp8_dlogits_rounding=nearest --variant nopdl:pdl=0
   run graph_probe python3 dev/graph_probe.py $EXP --out "$OUT/dot"
 fi
 
 # 3. the step against PyTorch's best 16-bit configuration (bf16, torch.compile reduce-overhead) in
 #    this job, with the per-kernel table, and the device time per kernel; BENCH_SET (e.g. "--set
-#    fp8_attention_cast=0") adds settings to both
+#    fp8_tile_rows=128") adds settings to both
 if want 3; then
   run bench python3 -m andrea.bench $EXP --steps 50 --anchor benchmarks/torch_gpt.py ${BENCH_SET:-} \
     --anchor-modes reduce-overhead --anchor-precision bf16 --json "$OUT/bench.json"

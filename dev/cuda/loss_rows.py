@@ -8,7 +8,8 @@ held in registers, read once) under launch settings.
 
 A shape is R,V: a chunk of R rows of V logits (ANDREA-120M trains in chunks of 4,096 rows of 50,304,
 ANDREA-12M in one chunk of B*T = 8,192 rows of 8,192 at B=32). A setting is v1, or a comma list of
-the backend's loss_* attributes without the prefix (vectors=16,prefetch=0). Per dtype, shape and
+the backend's loss_* tuning fields without the prefix (vectors=16,prefetch=0; Tuning in
+andrea/backends/cuda/tuning.py). Per dtype, shape and
 setting: the forward row pass (lse, loss) and the backward one (also dlogits in place), each
 captured as a CUDA graph and replayed --reps times between CUDA events; GB/s counts the row read
 once and, backward, written once. The outputs of one backward launch on the same random logits
@@ -26,13 +27,16 @@ HERE = Path(__file__).resolve().parent
 
 
 def backend(setting: str):
-    from andrea.backends.cuda import CudaBackend
-    be = CudaBackend()
+    """A CUDA backend whose Tuning has this setting's loss_* values (set as python -m andrea.bench
+    --set sets them)."""
+    from andrea.bench.step import cuda_backend
+    values = {}
     for item in ("vectors=0" if setting == "v1" else setting).split(","):
         name, _, value = item.partition("=")
-        if not hasattr(be, "loss_" + name) or not value.isdigit():
-            raise SystemExit(f"--setting {setting}: expected v1 or NAME=INT with loss_NAME an attribute of the backend")
-        setattr(be, "loss_" + name, int(value))
+        if not name or not value.isdigit():
+            raise SystemExit(f"--setting {setting}: expected v1 or NAME=INT with loss_NAME a tuning field of the backend")
+        values["loss_" + name] = int(value)
+    be = cuda_backend(values)
     return be
 
 
