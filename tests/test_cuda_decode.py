@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from andrea.backends import cuda_available
-from andrea.backends import numpy_ref as ref
+from andrea.backends import ref
 from test_cuda_kernels import be, prec, rng  # noqa: F401  (the fixtures: backend, fp32/fp16, seeded rng)
 
 pytestmark = [pytest.mark.gpu,

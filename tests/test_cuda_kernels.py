@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from andrea.backends import cuda_available
-from andrea.backends import numpy_ref as ref
+from andrea.backends import ref
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and CuPy")]

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea.backends import numpy_ref as ref
+from andrea.backends import ref
 from andrea.backends.interface import Backend
 from andrea.backends.numpy_backend import NumpyBackend
 from conftest import load_script

@@ -17,7 +17,7 @@ the FP8 path is seen to be in use.
 import numpy as np
 import pytest
 
-from andrea.backends import numpy_ref as ref
+from andrea.backends import ref
 from conftest import fp8_gpu, small_config
 
 
@@ -1306,7 +1306,7 @@ def test_delayed_roll_matches_the_reference(be):
     leaves), a skipped one (nothing moves), a non-finite amax (not entered), an empty history."""
     import cupy as cp
     from andrea.backends.cuda.fp8 import META_STRIDE
-    from andrea.backends.numpy_ref import S_SKIP, STATE_LEN
+    from andrea.backends.interface import S_SKIP, STATE_LEN
     rng = np.random.default_rng(3)
     rows = (rng.random((37, META_STRIDE)) * np.exp2(rng.integers(-20, 8, (37, META_STRIDE)))).astype(np.float32)
     rows[5, 1], rows[6, 1] = np.inf, np.nan

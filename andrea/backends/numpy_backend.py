@@ -1,6 +1,6 @@
-"""NumpyBackend: the backend interface (interface.py) on the CPU, with numpy_ref's kernels.
+"""NumpyBackend: the backend interface (interface.py) on the CPU, with the reference kernels (ref/).
 
-The kernels are numpy_ref's functions themselves; the rest is trivial: nothing is queued, the
+The kernels are ref's functions themselves; the rest is trivial: nothing is queued, the
 kernels need no scratch beyond their arguments, and a "graph" is the function run again.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import contextlib
 
 import numpy as np
 
-from . import numpy_ref as ref
+from . import ref
 
 
 class NoWorkspace:
@@ -52,17 +52,12 @@ class Pending:
 
 
 class NumpyBackend:
-    """The reference kernels of numpy_ref; fp32 (or float64 in gradient checks) only."""
+    """The reference kernels of ref/; fp32 (or float64 in gradient checks) only."""
 
     name = "numpy"
     precisions = ("fp32",)
     grad_norm_partials = ref.GRAD_NORM_PARTIALS
     attention = "materialised"  # the reference has one attention path
-    fp8_weight_cache = False  # no fp8 here
-    fp8_keep_xt = False
-    fp8_producer_amax = False
-    fp8_classifier = 0
-    fp8_scaling = "current"
     xp = np
 
     def attention_variant(self, dtype, head_size: int) -> str:
@@ -98,27 +93,15 @@ class NumpyBackend:
 
     # ------------------------------------------------------------ workspace and graphs
     def workspace_rows(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False, n_layer: int = 0,
-                       vocab: int = 0):
+                       vocab: int = 0, chunk_rows: int = 0):
         return []
 
     def reserve_workspace(self, B: int, T: int, C: int, n_head: int, act_dtype, fp8: bool = False,
-                          n_layer: int = 0, vocab: int = 0):
+                          n_layer: int = 0, vocab: int = 0, chunk_rows: int = 0):
         if fp8:
             raise ValueError("train.precision=fp8 needs backend=cuda on a GPU with FP8 tensor cores; the NumPy "
-                             "backend runs fp32 (numpy_ref's k_fp8_* functions are the FP8 reference, for tests)")
+                             "backend runs fp32 (ref's k_fp8_* functions are the FP8 reference, for tests)")
         return NoWorkspace()
-
-    def use_fp8_weight_cache(self, weights, data, meta, table, alone=0):
-        raise ValueError("use_fp8_weight_cache: the NumPy backend runs no fp8 (backend=cuda does)")
-
-    def use_fp8_input_slots(self, weights, inputs, meta, xt=None, producer_amax=False):
-        raise ValueError("use_fp8_input_slots: the NumPy backend runs no fp8 (backend=cuda does)")
-
-    def use_fp8_delayed_scales(self, tensors, block):
-        raise ValueError("use_fp8_delayed_scales: the NumPy backend runs no fp8 (backend=cuda does)")
-
-    def refresh_fp8_weight_cache(self):
-        """Nothing: the NumPy backend keeps no FP8 copies."""
 
     def graph_runner(self):
         return EagerRunner()
@@ -133,7 +116,7 @@ class NumpyBackend:
             start.fill(0)
         return contextlib.nullcontext()
 
-    # ------------------------------------------------------------ kernels, in numpy_ref's order
+    # ------------------------------------------------------------ kernels, in the interface's order
     k_embed_fwd = staticmethod(ref.k_embed_fwd)
     k_embed_bwd = staticmethod(ref.k_embed_bwd)
     k_layernorm_fwd = staticmethod(ref.k_layernorm_fwd)
@@ -153,6 +136,8 @@ class NumpyBackend:
     k_loss_fwd = staticmethod(ref.k_loss_fwd)
     k_loss_bwd = staticmethod(ref.k_loss_bwd)
     k_grad_norm_partial = staticmethod(ref.k_grad_norm_partial)
+    k_grad_norm_final = staticmethod(ref.k_grad_norm_final)
+    k_grad_scale = staticmethod(ref.k_grad_scale)
     k_loss_accum = staticmethod(ref.k_loss_accum)
     k_step_check = staticmethod(ref.k_step_check)
     k_adamw_step = staticmethod(ref.k_adamw_step)

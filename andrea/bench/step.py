@@ -142,7 +142,7 @@ def _profile_calls(eng, be, x, y, model):
     gt.k_step_check(eng.optim_state, eng.dloss, parts, 1, x.size, t.beta1, t.beta2, t.weight_decay,
                     t.grad_clip, t.precision == "fp16", 2000, 2.0 ** 24)
     # the replays above may leave a non-finite norm (a skipped step): time a full update
-    from ..backends.numpy_ref import S_CLIP, S_DECAY, S_SKIP, S_STEP_SIZE, S_VHAT
+    from ..backends.interface import S_CLIP, S_DECAY, S_SKIP, S_STEP_SIZE, S_VHAT
     for slot, value in ((S_SKIP, 0.0), (S_CLIP, 1e-3), (S_DECAY, 1.0), (S_STEP_SIZE, 1e-8), (S_VHAT, 1.0)):
         eng._set(slot, value)
     gt.k_adamw_step(eng.params, eng.params_c, eng.grads, eng.m, eng.v, eng.optim_state, t.beta1,

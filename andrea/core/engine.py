@@ -35,7 +35,7 @@ import numpy as np
 
 from . import model
 from ..backends import get_backend
-from ..backends.numpy_ref import S_LOSS_SUM, S_LR, S_STEP
+from ..backends.interface import S_LOSS_SUM, S_LR, S_STEP
 from .comm import SINGLE, shard_bounds
 from ..config import FP8_RUN_SETTINGS, AndreaConfig
 from .plan import Arena, fp8_cached_weights, fp8_delayed_tensors, fp8_input_slots, make_plan

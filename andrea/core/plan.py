@@ -18,7 +18,7 @@ from typing import Dict, List
 import numpy as np
 
 from . import model
-from ..backends.numpy_ref import STATE_LEN
+from ..backends.interface import STATE_LEN
 from .comm import shard_bounds
 from ..config import AndreaConfig
 

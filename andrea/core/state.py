@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..backends.numpy_ref import S_BAD, S_GOOD, S_LOSS, S_NORM, S_REC_SCALE, S_SCALE, S_SKIP, S_SKIPPED
+from ..backends.interface import S_BAD, S_GOOD, S_LOSS, S_NORM, S_REC_SCALE, S_SCALE, S_SKIP, S_SKIPPED
 
 
 @dataclass

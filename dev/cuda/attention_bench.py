@@ -14,7 +14,7 @@ before version 10). A new candidate dev/cuda/attention_vN.cu is added to VARIANT
 leaves with its entry once it has won or lost (git history keeps both, docs/BENCHMARKS.md the
 figures).
 Check (before any timing): every variant against the float64 NumPy reference
-(andrea.backends.numpy_ref k_attn_fwd / k_attn_bwd) at T = 77 and 1000, head sizes 32/64/80/128
+(andrea.backends.ref k_attn_fwd / k_attn_bwd) at T = 77 and 1000, head sizes 32/64/80/128
 where the variant supports them, fp16 and bf16; outputs poisoned with NaN before the launch;
 gradients added into a random pre-filled buffer; two reruns compared bit for bit. A variant that
 fails a check is not timed. Time: forward (k_attn_flash_fwd) and backward (k_attn_flash_D +
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.backends import numpy_ref as ref
+from andrea.backends import ref
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from andrea.backends import numpy_ref as ref
+from andrea.backends import ref
 
 
 @dataclass
@@ -261,7 +261,7 @@ N_OPT = 100_003  # not a multiple of the partial count: the last chunk is short
 
 
 def state(**slots):
-    """An optimizer state vector (numpy_ref.STATE_SLOTS) with these slots set."""
+    """An optimizer state vector (interface.STATE_SLOTS) with these slots set."""
     x = np.zeros(ref.STATE_LEN)
     for name, value in slots.items():
         x[getattr(ref, name)] = value

@@ -10,7 +10,7 @@ A variant <op>_vN.cu is a drop-in replacement of kernels/<op>.cu: the CUDA backe
 run it in place of that file (same kernel names and arguments). Where a variant needs another
 launch, <op>_vN.py next to it defines functions k_*(be, *args) that replace those launchers for
 that variant. For every variant, compute dtype and kernel of the op, the harness runs the kernel
-on random odd-sized inputs against numpy_ref in float64 (the error is norm(got - ref) / norm(ref)
+on random odd-sized inputs against backends.ref in float64 (the error is norm(got - ref) / norm(ref)
 of every output it writes or adds to, the largest one shown), then times it at ANDREA-120M's
 step shapes, or another experiment's with --exp (the call captured as a CUDA graph, replayed
 --reps times between CUDA events).
@@ -69,8 +69,8 @@ def device_array(be, x, dtype):
 
 def check_case(be, case, precision: str, rng):
     """(largest relative error over the outputs, its tolerance, which output) of one kernel
-    call on be against numpy_ref in float64."""
-    from andrea.backends import numpy_ref as ref
+    call on be against backends.ref in float64."""
+    from andrea.backends import ref
     dt = np_dtype(precision)
     size = case.size or cases.CHECK_SIZE
     args = case.make(rng, dt, size)
