@@ -11,14 +11,15 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-def _data_dir(name: str) -> Path:
-    """PACKAGE_DIR/name in an installed wheel, else the repository's top-level name/."""
+def _data_dir(name: str, marker: str) -> Path:
+    """PACKAGE_DIR/name in an installed wheel (where it holds marker: a folder left empty there by
+    an older checkout does not count), else the repository's top-level name/."""
     inside = PACKAGE_DIR / name
-    return inside if inside.is_dir() else PACKAGE_DIR.parent / name
+    return inside if (inside / marker).is_file() else PACKAGE_DIR.parent / name
 
 
-KERNEL_DIR = _data_dir("kernels")  # <op>.cu and common.cuh, compiled at run time by NVRTC
-CONF_DIR = _data_dir("conf")  # Hydra: config.yaml, groups model/data/train/backend/eval/proxy, experiment/
+KERNEL_DIR = _data_dir("kernels", "common.cuh")  # <op>.cu and common.cuh, compiled at run time by NVRTC
+CONF_DIR = _data_dir("conf", "config.yaml")  # Hydra: config.yaml, groups model/data/train/backend/eval/proxy, experiment/
 DASHBOARD_PAGE = PACKAGE_DIR / "web" / "dashboard.html"  # the live loss page andrea.pipeline.dashboard serves
 
 

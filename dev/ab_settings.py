@@ -45,11 +45,9 @@ def parse_variant(text: str):
 
 def build(cfg, settings):
     """An Engine of cfg on a backend of its own with settings applied."""
-    from andrea.backends import get_backend
-    from andrea.bench.step import apply_settings
+    from andrea.bench.step import cuda_backend
     from andrea.core.engine import Engine
-    be = get_backend("cuda")
-    apply_settings(be, settings)
+    be = cuda_backend(settings)
     return Engine(cfg, backend=be)
 
 

@@ -48,7 +48,10 @@ def final_state(eng):
 
 def run(shape: str, precision: str, attention: str, steps: int) -> dict:
     from andrea.config import load_run_config
-    from andrea.core.engine import Engine
+    try:
+        from andrea.core.engine import Engine
+    except ImportError:  # trees before the layout of andrea/core
+        from andrea.engine import Engine
     B, T = BATCH[shape]
     m = SHAPES[shape]
     cfg = load_run_config({"exp": m["name"], "model": dict(m), "backend": {"name": "cuda"},

@@ -2,7 +2,7 @@
 kernels one `k_*` call launches, how long each runs, and at what rate the matrix products go.
 
     python dev/profile_kernels.py --exp ANDREA-120M --precision fp16 --batch 8 [--torch bf16] [--csv out.csv]
-        [--set defer_colsums=0]
+        [--set ln_blocks=528]
 
 andrea.bench.step gives one figure per backend call; this splits a call into the kernels it launches
 (CUPTI, through torch.profiler, which records every kernel of the process, CuPy's included). The
@@ -90,14 +90,12 @@ def profile_andrea(exp, precision, B, steps, settings=None):
     import cupy as cp
     from torch.profiler import ProfilerActivity, profile
 
-    from andrea.backends import get_backend
-    from andrea.bench.step import apply_settings, bench_config
+    from andrea.bench.step import bench_config, cuda_backend
     from andrea.core.engine import Engine
 
     cfg = bench_config(exp, precision, B, 2 + steps)
     m, T = cfg.model, cfg.model.context
-    be = get_backend("cuda")
-    apply_settings(be, settings)
+    be = cuda_backend(settings)
     eng = Engine(cfg, backend=be)
     eng._run = lambda key, fn: fn()  # eager: the kernels are those the graphs hold
     rng = np.random.default_rng(0)
@@ -185,7 +183,7 @@ def main(argv=None) -> int:
     ap.add_argument("--torch", choices=["bf16", "fp16"], help="also profile the PyTorch anchor (eager)")
     ap.add_argument("--csv", help="write every kernel event (ours, and the anchor's) here")
     ap.add_argument("--set", action="append", default=[], metavar="ATTR=VALUE",
-                    help="set an attribute of the backend first, e.g. --set defer_colsums=0 (repeatable)")
+                    help="a setting of the backend first, as python -m andrea.bench --set takes it, e.g. --set ln_blocks=528 (repeatable)")
     a = ap.parse_args(argv)
     from andrea.bench.step import parse_settings
     settings = parse_settings(a.set)

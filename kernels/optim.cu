@@ -52,6 +52,36 @@ extern "C" __global__ void k_loss_accum(double* state, const float* losses, i64 
 
 __device__ __forceinline__ bool finite_d(double x) { return x - x == 0.0; }
 
+// Global-norm clipping under the seed's names, as separate kernels (ref/optim.py k_grad_norm_final,
+// k_grad_scale): the engine's step runs the fused form (k_step_check, then k_adamw_step), which
+// computes the same values. k_grad_norm_final: state[S_NORM] = sqrt of the partials' sum, added in
+// order in float64 as k_step_check adds them, rounded to float32 (k_step_check's norm when
+// n_micro * scale is 1); one thread.
+extern "C" __global__ void k_grad_norm_final(double* state, const float* partials, int P) {
+  pdl_wait();
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  double ss = 0.0;
+  for (int i = 0; i < P; ++i) ss = __dadd_rn(ss, (double)partials[i]);
+  state[S_NORM] = (double)(float)sqrt(ss);
+}
+
+// grads (n) *= f, f = min(1, max_norm / (state[S_NORM] + 1e-6)) in float64 rounded to float32 (1
+// where max_norm <= 0): the clip factor k_step_check writes and k_adamw_step multiplies by. A
+// non-finite norm leaves grads as they are (the fused step skips such a step).
+extern "C" __global__ void k_grad_scale(float* grads, const double* state, i64 n, double max_norm) {
+  pdl_wait();
+  double norm = state[S_NORM];
+  if (!finite_d(norm)) return;
+  double clip = 1.0;
+  if (max_norm > 0.0) {
+    double c = __ddiv_rn(max_norm, __dadd_rn(norm, 1e-6));
+    clip = c < 1.0 ? c : 1.0;
+  }
+  float f = (float)clip;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+    grads[i] = __fmul_rn(grads[i], f);
+}
+
 // The end-of-step bookkeeping of numpy_ref.k_step_check, in the same float64 order, by one thread
 // (thread 0) of a block of SC_THREADS: the block first copies the partials into shared memory (all
 // loads in flight at once, not one dependent load per term), then thread 0 adds them in order

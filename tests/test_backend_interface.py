@@ -1,10 +1,13 @@
 """The backend interface (andrea/backends/interface.py) against both backends, on the CPU.
 
 Every member of the Protocol exists in NumpyBackend and CudaBackend with the same parameters
-(names, kinds, defaults); neither backend has public methods the Protocol does not list; the
-engine, the model, the runner, evaluation and the benchmark reach a backend only through
-members of the Protocol.
+(names, kinds, defaults), and CudaBackend, which runs fp8, has Fp8Backend's members too; neither
+backend has public methods its Protocol does not list; the engine, the model, the runner,
+evaluation and the benchmark reach a backend only through members of the Protocol, and the
+engine's modules import no backend module but the interface (and andrea.backends' get_backend /
+backend_class).
 """
+import ast
 import inspect
 import re
 from pathlib import Path
@@ -12,16 +15,22 @@ from pathlib import Path
 import pytest
 
 from andrea.backends.cuda import CudaBackend
-from andrea.backends.interface import Backend
+from andrea.backends.interface import Backend, Fp8Backend
 from andrea.backends.numpy_backend import NumpyBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = [NumpyBackend, CudaBackend]
+PROTOCOL = {NumpyBackend: Backend, CudaBackend: Fp8Backend}  # the Protocol each implements
 
 
 def protocol_members(proto):
-    methods = {n for n, v in vars(proto).items() if inspect.isfunction(v) and not n.startswith("_")}
-    attributes = set(proto.__annotations__)
+    """(methods, attributes) of a Protocol and the Protocols it extends."""
+    methods, attributes = set(), set()
+    for klass in proto.__mro__:
+        if klass in (Backend, Fp8Backend) and (klass is proto or klass in proto.__mro__):
+            methods |= {n for n, v in vars(klass).items()
+                        if (inspect.isfunction(v) or isinstance(v, staticmethod)) and not n.startswith("_")}
+            attributes |= set(vars(klass).get("__annotations__", {}))
     return methods, attributes
 
 
@@ -55,6 +64,9 @@ def mismatches(cls, proto=Backend):
         elif params(impl) != params(getattr(proto, name)):
             out.append(f"{cls.__name__}.{name}{inspect.signature(impl)} differs from the interface's "
                        f"{inspect.signature(getattr(proto, name))}")
+        elif isinstance(inspect.getattr_static(proto, name), staticmethod) and \
+                not isinstance(inspect.getattr_static(cls, name), staticmethod):
+            out.append(f"{cls.__name__}.{name} must be a staticmethod (the plan asks the class)")
     for name in sorted(attributes):
         if not hasattr(cls, name):
             out.append(f"{cls.__name__} lacks attribute {name}")
@@ -65,7 +77,16 @@ def mismatches(cls, proto=Backend):
 
 @pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
 def test_backend_implements_the_interface(cls):
-    assert mismatches(cls) == []
+    assert mismatches(cls, PROTOCOL[cls]) == []
+
+
+def test_only_fp8_backends_have_fp8_members():
+    """The FP8 members are Fp8Backend's: the NumPy backend (no fp8) has none of them, not even
+    ones that raise."""
+    fp8_only = protocol_members(Fp8Backend)[0] - protocol_members(Backend)[0]
+    assert {"fp8_arena_rows", "use_fp8_weight_cache", "k_fp8_linear_fwd"} <= fp8_only
+    assert "fp8" in CudaBackend.precisions and "fp8" not in NumpyBackend.precisions
+    assert not [n for n in fp8_only if hasattr(NumpyBackend, n)]
 
 
 def test_both_backends_have_the_same_kernels():
@@ -113,6 +134,51 @@ CALLERS = ["andrea/core/engine.py", "andrea/core/model.py", "andrea/bench/step.p
 
 @pytest.mark.parametrize("path", [p for p in CALLERS if (ROOT / p).is_file()])
 def test_callers_use_only_interface_members(path):
-    methods, attributes = protocol_members(Backend)
+    methods, attributes = protocol_members(Fp8Backend)
     used = set(re.findall(r"\bbe\.(\w+)(?![\w*])", (ROOT / path).read_text()))  # not `be.k_*` in prose
     assert used - methods - attributes == set(), f"{path} uses backend members outside the interface"
+
+
+# the engine's modules: they reach a backend through the Protocol only
+ENGINE = ["andrea/core/engine.py", "andrea/core/plan.py", "andrea/core/state.py", "andrea/core/model.py"]
+ALLOWED = {"andrea.backends", "andrea.backends.interface"}
+
+
+def backend_imports(path: Path, package: str) -> set:
+    """The andrea.backends modules a file imports (anywhere in it, relative imports resolved)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - (node.level - 1)] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            names = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name == "andrea.backends" or name.startswith("andrea.backends."):
+                out.add(name)
+    return out
+
+
+def offending(imports: set) -> set:
+    """Imports of backend modules beyond the interface: a name counts as the module it names, or,
+    for `from andrea.backends import get_backend`, the package itself."""
+    return {n for n in imports if n not in ALLOWED and not any(n == a + "." + x for a in ALLOWED
+                                                                for x in ("get_backend", "backend_class", "cuda_available"))
+            and not n.startswith("andrea.backends.interface.")}
+
+
+@pytest.mark.parametrize("path", ENGINE)
+def test_engine_imports_no_backend_module(path):
+    assert offending(backend_imports(ROOT / path, "andrea.core")) == set(), \
+        f"{path} imports backend modules past the interface"
+
+
+def test_the_import_check_catches_a_backend_module(tmp_path):
+    src = tmp_path / "mod.py"
+    src.write_text("from ..backends.cuda.fp8 import META_STRIDE\nfrom ..backends import get_backend\n"
+                   "from ..backends.interface import STATE_LEN\n")
+    assert offending(backend_imports(src, "andrea.core")) == {"andrea.backends.cuda.fp8",
+                                                              "andrea.backends.cuda.fp8.META_STRIDE"}

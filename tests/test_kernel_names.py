@@ -2,7 +2,7 @@
 
     python -m pytest tests/test_kernel_names.py -q
 
-The launchers (andrea/backends/cuda/*.py) name kernels as strings, `rt.launch("mlp.cu",
+The launchers (andrea/backends/cuda/**/*.py) name kernels as strings, `rt.launch("mlp.cu",
 "k_mlp_bwd_gelu", ...)`; a renamed kernel would otherwise only fail on a GPU, and only on the path
 that launches it (a fallback may run rarely).
 """
@@ -15,15 +15,17 @@ LAUNCH = re.compile(r'launch\(\s*"(\w+\.cu)",\s*"(\w+)"')
 
 def launched():
     out = set()
-    for py in sorted((ROOT / "andrea" / "backends" / "cuda").glob("*.py")):
-        out |= {(f, k, py.name) for f, k in LAUNCH.findall(py.read_text())}
+    cuda = ROOT / "andrea" / "backends" / "cuda"
+    for py in sorted(cuda.rglob("*.py")):
+        out |= {(f, k, str(py.relative_to(cuda))) for f, k in LAUNCH.findall(py.read_text())}
     return out
 
 
 def test_launched_kernels_exist():
     found = launched()
     assert len(found) > 20  # the pattern still matches the launchers
-    assert ("fp8.cu", "k_fp8_cast_transpose", "fp8.py") in found
+    assert ("fp8.cu", "k_fp8_cast_transpose", "fp8/quant.py") in found
+    assert ("optim.cu", "k_grad_norm_final", "ops/optim.py") in found
     missing = []
     for f, k, py in sorted(found):
         src = (ROOT / "kernels" / f).read_text()

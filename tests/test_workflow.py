@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parent.parent
 ALL_RULES = {"data_stage_config", "pull_hermes3", "prep_megachat", "train_tokenizer", "tokenize",
              "experiment_stage_config", "train", "archive", "evaluate"}
-COPY = ("andrea", "config", "profiles", "workflow", "scripts", "docs", "pyproject.toml", "data/fixtures")
+COPY = ("andrea", "kernels", "conf", "config", "profiles", "workflow", "scripts", "docs", "pyproject.toml", "data/fixtures")
 
 
 def copy_repo(dst: Path) -> Path:

@@ -16,6 +16,18 @@ def cuda_available() -> bool:
         return False
 
 
+def backend_class(name: str):
+    """The class of backend `name` ("numpy" or "cuda"), imported but not made: what its class-level
+    members (interface.Fp8Backend's plan rows and size checks) answer needs no device."""
+    if name == "numpy":
+        from .numpy_backend import NumpyBackend
+        return NumpyBackend
+    if name == "cuda":
+        from .cuda import CudaBackend
+        return CudaBackend
+    raise ValueError(f"backend {name!r}: expected numpy or cuda")
+
+
 def get_backend(name: str = "auto", **options):
     if name == "auto":
         name = "cuda" if cuda_available() else "numpy"

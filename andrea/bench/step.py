@@ -122,11 +122,7 @@ def graph_step_ms(eng, x, y, reps=5):
 def profile_step(eng, x, y):
     """Per-kernel device time of one full step (forward, backward, the optimizer kernels)."""
     from ..core import model
-    be = eng.be
-    # one call a graph: a product on the weight-gradient stream would be joined in another call's
-    # graph (the pass's close), which no capture of one call may leave open; here they run in turn
-    with settings_for_block(be, {"fp8_wgrad_stream": False}):
-        return _profile_calls(eng, be, x, y, model)
+    return _profile_calls(eng, eng.be, x, y, model)
 
 
 def _profile_calls(eng, be, x, y, model):
@@ -163,36 +159,49 @@ def bench_config(exp, precision, B, steps):
                                       "steps": steps, "warmup_steps": 0}})
 
 
-def apply_settings(be, settings) -> None:
-    """Set attributes of the CUDA backend (its tuning knobs, e.g. ln_blocks, and switches such as
-    fp8_dlogits_rounding) before the engine is built, each value taken as the attribute's type (an
-    int for int and bool knobs, the text for text ones); an unknown name, or a value the type does
-    not take, is an error naming it."""
-    for name, value in (settings or {}).items():
-        if not hasattr(be, name):
-            raise SystemExit(f"--set {name}: the CUDA backend has no attribute {name}")
-        kind = type(getattr(be, name))
-        if kind is str:
-            setattr(be, name, str(value))
-            continue
-        try:
-            setattr(be, name, kind(int(value)))
-        except (TypeError, ValueError):
-            raise SystemExit(f"--set {name}={value}: expected an integer ({name} is {kind.__name__})") from None
+def backend_settings(settings) -> tuple:
+    """--set's settings as (options of the CUDA backend's constructor, the run's FP8 settings): a
+    field of its Tuning (the launch geometry, e.g. ln_blocks=528) goes into its tuning, pdl (0 or 1:
+    programmatic dependent launch) is its own option, and fp8_classifier, fp8_dlogits,
+    fp8_dlogits_rounding or fp8_scaling are the run's FP8 settings (be.set_fp8_run). An unknown
+    name, or a value its field does not take, is an error naming it."""
+    import dataclasses
 
+    from ..backends.cuda.backend import FP8_RUN_DEFAULTS
+    from ..backends.cuda.tuning import Tuning
 
-@contextlib.contextmanager
-def settings_for_block(be, settings):
-    """The backend's tuning attributes named in settings (those it has) set for the block, then
-    set back to what they were."""
-    saved = {name: getattr(be, name) for name in settings if hasattr(be, name)}
-    for name in saved:
-        setattr(be, name, settings[name])
+    settings = dict(settings or {})
+    fields = [f.name for f in dataclasses.fields(Tuning)]
+    tuning = {k: str(settings.pop(k)) for k in list(settings) if k in fields}
+    run = {k: settings.pop(k) for k in list(settings) if k in FP8_RUN_DEFAULTS}
+    options = {}
+    if "pdl" in settings:
+        pdl = str(settings.pop("pdl"))
+        if pdl not in ("0", "1"):
+            raise SystemExit(f"--set pdl={pdl}: expected 0 or 1")
+        options["pdl"] = pdl == "1"
+    if settings:
+        raise SystemExit(f"--set {', '.join(settings)}: not a setting of the CUDA backend; expected one of "
+                         f"{', '.join(fields + list(FP8_RUN_DEFAULTS) + ['pdl'])}")
     try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(be, name, value)
+        options["tuning"] = Tuning().with_settings(tuning)
+    except ValueError as e:
+        raise SystemExit(f"--set: {e}") from None
+    return options, run
+
+
+def cuda_backend(settings=None, **options):
+    """A CUDA backend made with --set's settings (backend_settings) and constructor options
+    (attention, cublaslt, sources, ...): the benchmark's and the dev/ tools' one way to make one."""
+    from ..backends import get_backend
+
+    extra, run = backend_settings(settings)
+    be = get_backend("cuda", **options, **extra)
+    try:
+        be.set_fp8_run(**run)
+    except ValueError as e:
+        raise SystemExit(f"--set: {e}") from None
+    return be
 
 
 def parse_settings(items) -> dict:
@@ -222,17 +231,14 @@ def random_batches(vocab: int, B: int, T: int, n: int = 4):
     return out
 
 
-def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=True, fp8_weight_cache=True,
-               settings=None):
+def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=True, settings=None):
     import cupy as cp
 
-    from ..backends import get_backend
     from ..core.engine import Engine
 
     cfg = bench_config(exp, precision, B, warmup + 2 * steps)
     m, T = cfg.model, cfg.model.context
-    be = get_backend("cuda", attention=attention, cublaslt=cublaslt, fp8_weight_cache=fp8_weight_cache)
-    apply_settings(be, settings)
+    be = cuda_backend(settings, attention=attention, cublaslt=cublaslt)
     free0, total = cp.cuda.runtime.memGetInfo()
     eng = Engine(cfg, backend=be)
     batches = random_batches(m.vocab_size, B, T)
@@ -343,8 +349,6 @@ def main(argv=None) -> int:
                          "fp16, per product (andrea/bench/fp8.py), and exit")
     ap.add_argument("--cublaslt", choices=["on", "off"], default="on",
                     help="matrix-product epilogues through cuBLASLt, or cuBLAS + separate kernels")
-    ap.add_argument("--fp8-weight-cache", choices=["on", "off"], default="on",
-                    help="fp8: FP8 copies of the weights made once per step (on), or cast by each product (off)")
     ap.add_argument("--anchor", nargs="?", const=str(DEFAULT_ANCHOR),
                     help="run the PyTorch anchor in this job and print the ratio (default benchmarks/torch_gpt.py)")
     ap.add_argument("--anchor-modes", default="eager,reduce-overhead",
@@ -352,9 +356,9 @@ def main(argv=None) -> int:
     ap.add_argument("--anchor-precision", type=anchor_precisions, metavar="LIST",
                     help="comma list of the anchor's precisions, each run in turn: fp32, fp16, bf16 (its best "
                          "16-bit), fp8 (bf16 + torchao's float8 training); default --precision, bf16 for fp8")
-    ap.add_argument("--set", action="append", default=[], metavar="ATTR=VALUE",
-                    help="set a tuning attribute of the CUDA backend first, e.g. --set ln_blocks=528 or "
-                         "--set fp8_dlogits_rounding=nearest (repeatable)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a setting of the CUDA backend first: a Tuning field (e.g. --set ln_blocks=528), an FP8 "
+                         "run setting (e.g. --set fp8_dlogits_rounding=nearest) or pdl=0 (repeatable)")
     ap.add_argument("--json", help="also write all figures here")
     a = ap.parse_args(argv)
     settings = parse_settings(a.set)
@@ -377,8 +381,7 @@ def main(argv=None) -> int:
         from .fp8 import report as fp8_report
         print(fp8_report(a.exp, a.batch, a.steps))
         return 0
-    ours = run_engine(a.exp, a.precision, a.batch, a.steps, a.warmup, a.attention, a.cublaslt == "on",
-                      a.fp8_weight_cache == "on", settings)
+    ours = run_engine(a.exp, a.precision, a.batch, a.steps, a.warmup, a.attention, a.cublaslt == "on", settings)
     if settings:
         ours["settings"] = settings
     print("per-kernel device time (ms/step; each call captured as a CUDA graph and replayed):")

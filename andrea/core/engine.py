@@ -15,7 +15,7 @@ the loss scale) and the loss-scale growth, and k_adamw_step unscales, clips, upd
 compute copy in one pass (it leaves the grads, with or without ZeRO-1: the next step's first pass
 writes them). On CUDA each microbatch and the optimizer part run
 as CUDA graphs. The optimizer state (loss scale, streaks, skipped count, the last step's record)
-lives on the device (numpy_ref.STATE_SLOTS); train_step returns a StepRecord that reads the step's
+lives on the device (interface.STATE_SLOTS); train_step returns a StepRecord that reads the step's
 copy of it when first used, so the host need not wait for the step to finish.
 
 The memory plan and the arena are in plan.py (make_plan, Arena); EngineState, StepRecord and the
@@ -38,7 +38,7 @@ from ..backends import get_backend
 from ..backends.interface import S_LOSS_SUM, S_LR, S_STEP
 from .comm import SINGLE, shard_bounds
 from ..config import FP8_RUN_SETTINGS, AndreaConfig
-from .plan import Arena, fp8_cached_weights, fp8_delayed_tensors, fp8_input_slots, make_plan
+from .plan import Arena, fp8_backend, fp8_cached_weights, fp8_delayed_tensors, fp8_input_slots, make_plan
 from .state import EngineState, StateMixin, StepRecord
 
 SCALE_GROWTH_INTERVAL = 2000  # good fp16 steps before the loss scale doubles (as torch's GradScaler)
@@ -70,32 +70,15 @@ def lr_at(cfg: AndreaConfig, step: int) -> float:
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * frac))
 
 
-def apply_fp8_settings(be, t) -> None:
-    """The run's train.fp8_classifier, fp8_dlogits and fp8_dlogits_rounding (config.FP8_RUN_SETTINGS),
-    where set (not None), become the backend's switches of those names before the engine reads
-    them; unset, the backend's stand."""
-    for key in FP8_RUN_SETTINGS:
-        value = getattr(t, key)
-        if value is not None and t.precision == "fp8":
-            setattr(be, key, value)
-
-
-def fp8_scaling(be) -> str:
-    """The backend's fp8_scaling switch ("current" or "delayed"; a backend without FP8: current)."""
-    value = getattr(be, "fp8_scaling", "current")
-    if value not in ("current", "delayed"):
-        raise ValueError(f"fp8_scaling = {value!r}: expected current or delayed")
-    return value
-
-
-def fp8_classifier_runs(cfg: AndreaConfig, switch: bool) -> bool:
-    """Whether a train.precision=fp8 run's classifier runs in FP8: the backend's fp8_classifier
-    switch, and sizes its FP8 products take (cuda/fp8.classifier_in_fp8: V and B*T multiples of 16)."""
+def fp8_classifier_runs(cfg: AndreaConfig, level: int) -> bool:
+    """Whether a train.precision=fp8 run's classifier runs in FP8: its fp8_classifier level (the
+    backend's fp8_run(), from train.fp8_classifier), and sizes its FP8 products take
+    (interface.Fp8Backend.fp8_classifier_fits: V, B*T and the logits chunk's rows multiples of 16)."""
     m, t = cfg.model, cfg.train
-    if t.precision != "fp8" or not switch:
+    if t.precision != "fp8" or not level:
         return False
-    from ..backends.cuda.fp8 import classifier_in_fp8
-    return classifier_in_fp8(t.batch_size * t.seq_len, m.vocab_size)
+    N = t.batch_size * t.seq_len
+    return fp8_backend().fp8_classifier_fits(N, m.vocab_size, model.loss_chunk_rows(N, m.vocab_size))
 
 
 class Engine(StateMixin):
@@ -116,23 +99,24 @@ class Engine(StateMixin):
                              f"runs {', '.join(self.be.precisions)} (the NumPy reference: fp32, or "
                              "float64 in checks)")
         self.layout = model.ParamLayout.from_config(cfg.model)
-        # fp8: FP8 copies of the linear weights, refreshed whenever the weights change (the
-        # backend's switch, read once here)
-        self.fp8_cache = t.precision == "fp8" and bool(self.be.fp8_weight_cache)
-        # fp8: X^T of the saved inputs kept from the forward for the backward, and the amax of ln1
-        # and ln2 from their layer norms (the backend's switches, read once here)
-        self.fp8_keep_xt = t.precision == "fp8" and bool(self.be.fp8_keep_xt)
-        self.fp8_producer_amax = t.precision == "fp8" and bool(self.be.fp8_producer_amax)
-        # fp8: the classifier's products in FP8 as well (train.fp8_classifier / fp8_dlogits where the
-        # run sets them, else the backend's switches; and sizes they take)
-        apply_fp8_settings(self.be, t)
-        self.fp8_classifier = fp8_classifier_runs(cfg, bool(self.be.fp8_classifier))
-        # fp8: the MLP's act and dact scaled from an amax history (train.fp8_scaling, else the
-        # backend's switch); _fp8_first: the record of a step that took the amax first, until read
-        self.fp8_delayed = t.precision == "fp8" and fp8_scaling(self.be) == "delayed" and cfg.model.n_layer > 0
+        # fp8 (the backend's interface.Fp8Backend members): FP8 copies of the linear weights,
+        # refreshed whenever the weights change, and input slots (the inputs' amax, X^T kept from
+        # the forward for the backward); the run's FP8 settings (train.fp8_classifier, fp8_dlogits,
+        # fp8_dlogits_rounding, fp8_scaling; unset: the backend's defaults) given to the backend
+        fp8 = t.precision == "fp8"
+        self.fp8_cache = fp8
+        run = {}
+        if fp8:
+            self.be.set_fp8_run(**{key: getattr(t, key) for key in FP8_RUN_SETTINGS})
+            run = self.be.fp8_run()
+        # the classifier's products in FP8 as well where the run's level and the sizes say so
+        self.fp8_classifier = fp8 and fp8_classifier_runs(cfg, run["fp8_classifier"])
+        # the tensors scaled from an amax history (fp8_scaling delayed); _fp8_first: the record of a
+        # step that took the amax first, until read
+        self.fp8_delayed = fp8 and run["fp8_scaling"] == "delayed" and cfg.model.n_layer > 0
         self.fp8_scales, self._fp8_first = None, None  # the backend's DelayedScales (_allocate)
         self.plan = make_plan(cfg, dtype, self.be.grad_norm_partials, self.comm.size if self.zero1 else 0,
-                              **self._fp8_switches())
+                              fp8_classifier=self.fp8_classifier, fp8_delayed=self.fp8_delayed)
         self.dtype = dtype
         self.mixed = t.precision != "fp32"
         self._allocate()
@@ -168,34 +152,28 @@ class Engine(StateMixin):
         # is allocated here too, not during step 1; the graph runner replays whole passes (CUDA
         # graphs; the CPU runs them as they are)
         m, t = self.cfg.model, self.cfg.train
+        N = t.batch_size * t.seq_len
         self.workspace = self.be.reserve_workspace(t.batch_size, t.seq_len, m.d_model, m.n_head,
                                                    self.params_c.dtype, fp8=t.precision == "fp8",
-                                                   n_layer=m.n_layer, vocab=m.vocab_size)
+                                                   n_layer=m.n_layer, vocab=m.vocab_size,
+                                                   chunk_rows=model.loss_chunk_rows(N, m.vocab_size))
         if self.fp8_cache:  # the products of the listed weights read these copies from now on
             self.be.use_fp8_weight_cache([self.p[w] for w in fp8_cached_weights(m, self.fp8_classifier)],
                                          bufs["fp8_wcache"], bufs["fp8_wmeta"], bufs["fp8_wtable"],
                                          alone=int(self.fp8_classifier))  # wte, refreshed on its own
-        if (self.fp8_keep_xt or self.fp8_producer_amax) and m.n_layer:  # the inputs' amax and X^T live here
+        if self.fp8_cache and m.n_layer:  # the inputs' amax and X^T live here
             slots = fp8_input_slots(m)
             self.be.use_fp8_input_slots([self.p[w] for w, _, _ in slots], [self.slot_input(l, x) for _, l, x in slots],
-                                        bufs["fp8_xmeta"], bufs.get("fp8_xt"), self.fp8_producer_amax)
+                                        bufs["fp8_xmeta"], bufs.get("fp8_xt"), True)
         if self.fp8_delayed:  # after the slots: act's slots take their 1/scale from these rows
-            from ..backends.cuda.fp8 import META_STRIDE
-            slots = self.fp8_keep_xt or self.fp8_producer_amax
-            tensors = [(role, self.p[w]) for role, w in fp8_delayed_tensors(m, slots)]
-            self.fp8_scales = self.be.use_fp8_delayed_scales(tensors, bufs["fp8_delayed"].reshape(-1, META_STRIDE))
+            tensors = [(role, self.p[w]) for role, w in fp8_delayed_tensors(m)]
+            self.fp8_scales = self.be.use_fp8_delayed_scales(tensors, bufs["fp8_delayed"])
         self.graphs = self.be.graph_runner()
 
     def slot_input(self, layer: int, name: str):
         """The array an FP8 input slot names (fp8_input_slots): layer's saved activation, or the
         global workspace of that name (act)."""
         return self.layers[layer][name] if name in self.layers[layer] else self.g[name]
-
-    def _fp8_switches(self) -> dict:
-        """make_plan's fp8 arguments: this engine's switches."""
-        return {"fp8_weight_cache": self.fp8_cache, "fp8_keep_xt": self.fp8_keep_xt,
-                "fp8_producer_amax": self.fp8_producer_amax, "fp8_classifier": self.fp8_classifier,
-                "fp8_delayed": self.fp8_delayed}
 
     def init_params(self, seed: int):
         """Normal(0, init_std) matrices and embeddings, zero biases, unit layer-norm gains."""
@@ -450,10 +428,9 @@ class Engine(StateMixin):
         c = read_checkpoint(path, self.layout.n_params, config_hash)
         st = EngineState.from_checkpoint(c, self.state_counters(history=False))  # the sidecar's history only
         if self.fp8_delayed and st.fp8_amax_history is not None:  # the sidecar's, checked before any load
-            from ..backends.cuda.fp8 import delayed_history_array
             n = self.fp8_scales.block.shape[0]
             try:
-                rows = delayed_history_array(st.fp8_amax_history).shape[0]
+                rows = self.be.fp8_history_rows(st.fp8_amax_history)
             except ValueError as e:
                 raise CheckpointError(f"checkpoint sidecar {sidecar_path(path)}: field {e}") from None
             if rows != n:  # written for another set of delayed scales (plan.FP8_DELAYED)

@@ -18,6 +18,7 @@ from typing import Dict, List
 import numpy as np
 
 from . import model
+from ..backends import backend_class
 from ..backends.interface import STATE_LEN
 from .comm import shard_bounds
 from ..config import AndreaConfig
@@ -78,6 +79,12 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def fp8_backend():
+    """The class of the backend that runs train.precision=fp8 (interface.Fp8Backend: CUDA): its
+    plan rows and size checks are pure arithmetic, asked of the class (no GPU, no instance)."""
+    return backend_class("cuda")
+
+
 def compute_dtype(precision: str, base: str) -> str:
     """The dtype of activations and of the weights' compute copy. fp8 computes in bf16 outside the
     linear layers' FP8 products (docs/FP8.md)."""
@@ -93,12 +100,12 @@ def fp8_cached_weights(m, classifier: bool = False) -> List[str]:
 
 # train.precision=fp8: the products whose input X the model saves for the backward pass (the
 # same tensor in both passes), and the MLP's second one, whose input act = gelu(pre) both passes
-# make from the saved pre, by weight: these have input slots (cuda/fp8.Fp8Ops.use_input_slots).
+# make from the saved pre, by weight: these have input slots (the backend's use_fp8_input_slots).
 # act is the workspace of that name, shared by every layer (the slot only names it).
 FP8_SLOT_INPUTS = {"qkv_w": "ln1", "attn_out_w": "atty", "mlp_w1": "ln2", "mlp_w2": "act"}
 
 
-# train.precision=fp8 with delayed scaling (cuda/fp8.Fp8Ops.use_delayed_scales): the tensors whose
+# train.precision=fp8 with delayed scaling (the backend's use_fp8_delayed_scales): the tensors whose
 # scale comes from an amax history, as (role, weight) of the product that reads them: the MLP's act
 # (the second product's input) and dact (the first's output gradient), the attention output (the
 # projection's input), the output gradients of QKV, the projection and the MLP's second product
@@ -109,11 +116,10 @@ FP8_DELAYED = (("act", "mlp_w2"), ("dy", "mlp_w1"), ("x", "attn_out_w"), ("dy", 
                ("dy", "mlp_w2"), ("x", "qkv_w"), ("x", "mlp_w1"))
 
 
-def fp8_delayed_tensors(m, slots: bool = True) -> List[tuple]:
-    """(role, weight name) of every delayed scale, layer by layer: a row of the arena each. Without
-    input slots (slots False) the inputs (role x: the attention output, ln1, ln2) keep current
-    scaling (an input's delayed scale's 1/scale lives in its slot)."""
-    return [(role, f"h{l}.{w}") for l in range(m.n_layer) for role, w in FP8_DELAYED if slots or role != "x"]
+def fp8_delayed_tensors(m) -> List[tuple]:
+    """(role, weight name) of every delayed scale, layer by layer: a row of the arena each (an
+    input's delayed scale, role x, takes its 1/scale in the input's slot)."""
+    return [(role, f"h{l}.{w}") for l in range(m.n_layer) for role, w in FP8_DELAYED]
 
 
 def fp8_input_slots(m) -> List[tuple]:
@@ -123,18 +129,15 @@ def fp8_input_slots(m) -> List[tuple]:
 
 
 def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, shards: int = 0,
-              fp8_weight_cache: bool = True, fp8_keep_xt: bool = True,
-              fp8_producer_amax: bool = True, fp8_classifier: bool = False,
-              fp8_delayed: bool = False) -> MemoryPlan:
+              fp8_classifier: bool = False, fp8_delayed: bool = False) -> MemoryPlan:
     """Every buffer the engine will ever use, from the config alone. shards = N > 0: ZeRO-1 over N
     ranks (Engine): the flat buffers padded to a multiple of N, the Adam moments one rank's shard
-    of padded/N, and the norm's partials one block per rank. fp8_weight_cache: with
-    train.precision=fp8, the FP8 copies of the linear weights and their scales (the backend's
-    fp8_weight_cache switch; cuda/fp8.weight_cache_rows). fp8_keep_xt, fp8_producer_amax: the
-    backend's switches of those names; with either, the (amax, 1/scale) rows of the FP8 input
-    slots, with fp8_keep_xt also the kept FP8 X^T of each (cuda/fp8.input_slot_rows).
-    fp8_classifier: the classifier runs in FP8 (fp8_classifier_runs), so the cache holds wte too.
-    fp8_delayed: the delayed scales of the MLP's act and dact (cuda/fp8.delayed_rows)."""
+    of padded/N, and the norm's partials one block per rank. With train.precision=fp8, the rows
+    the FP8 backend asks for (interface.Fp8Backend.fp8_arena_rows, on the CUDA backend's class, so
+    no GPU is needed): the FP8 copies of the linear weights and their scales, the input slots
+    with their kept FP8 X^T, and with fp8_delayed the delayed scales (fp8_delayed_tensors).
+    fp8_classifier: the classifier runs in FP8 (engine.fp8_classifier_runs), so the cache holds
+    wte too."""
     m, t = cfg.model, cfg.train
     B, T = t.batch_size, t.seq_len
     act = compute_dtype(t.precision, dtype)
@@ -161,20 +164,13 @@ def make_plan(cfg: AndreaConfig, dtype: str = "float32", n_partials: int = 64, s
     plan.add("norm_partials", (n_partials,), f32, "workspace")
     plan.add("optim_state", (STATE_LEN,), "float64", "workspace")
     plan.add("dloss", (1,), f32, "workspace")
-    if t.precision == "fp8" and fp8_weight_cache:
-        from ..backends.cuda.fp8 import weight_cache_rows
+    if t.precision == "fp8":
         shapes = dict(model.param_shapes(m)[0])
-        for name, shape, dt in weight_cache_rows([shapes[w] for w in fp8_cached_weights(m, fp8_classifier)]):
-            plan.add(name, shape, dt, "fp8 weight cache")
-    if t.precision == "fp8" and (fp8_keep_xt or fp8_producer_amax):
-        from ..backends.cuda.fp8 import input_slot_rows
-        shapes = dict(model.param_shapes(m)[0])
-        for name, shape, dt in input_slot_rows([shapes[w] for w, _, _ in fp8_input_slots(m)], B * T, fp8_keep_xt):
-            plan.add(name, shape, dt, "fp8 input slots")
-    if t.precision == "fp8" and fp8_delayed:
-        from ..backends.cuda.fp8 import delayed_rows
-        for name, shape, dt in delayed_rows(len(fp8_delayed_tensors(m, fp8_keep_xt or fp8_producer_amax))):
-            plan.add(name, shape, dt, "fp8 delayed scales")
+        rows = fp8_backend().fp8_arena_rows([shapes[w] for w in fp8_cached_weights(m, fp8_classifier)],
+                                            [shapes[w] for w, _, _ in fp8_input_slots(m)], B * T,
+                                            len(fp8_delayed_tensors(m)) if fp8_delayed else 0)
+        for name, shape, dt, group in rows:
+            plan.add(name, shape, dt, group)
     return plan
 
 

@@ -78,7 +78,7 @@ class StepRecord(Mapping):
 
 
 class StateMixin:
-    """The Engine's base: its optimizer state on the device (numpy_ref.STATE_SLOTS: the loss scale,
+    """The Engine's base: its optimizer state on the device (interface.STATE_SLOTS: the loss scale,
     the streaks, the skipped count) and its resumable state as host copies (EngineState). The
     Engine supplies what these read: cfg, be, comm, zero1, layout, the buffers (params, m, v,
     optim_state, dloss), its shard (lo, hi), set_state, fp8_history and _load_fp8_history."""

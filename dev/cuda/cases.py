@@ -272,6 +272,16 @@ def grad_norm_partial(rng, dt, s):
     return [Out((64,), "f32", 1e-5), In(rnd(rng, (N_OPT,), np.float32, 0.3), "f32")]
 
 
+def grad_norm_final(rng, dt, s):
+    """The global norm from the 1024 partials the CUDA backend's k_grad_norm_partial fills."""
+    return [InOut(state(S_SCALE=1.0), "f64", 1e-6), In(np.abs(rnd(rng, (1024,), np.float32, 1e5)), "f32")]
+
+
+def grad_scale(rng, dt, s):
+    """A clip (norm 4 above max_norm 1) of a flat float32 gradient."""
+    return [InOut(rnd(rng, (N_OPT,), np.float32, 0.3), "f32", 1e-6), In(state(S_NORM=4.0), "f64"), 1.0]
+
+
 def loss_accum(rng, dt, s):
     return [InOut(state(S_LOSS_SUM=3.5, S_SCALE=1.0), "f64", 1e-6),
             In(np.abs(rnd(rng, (s["B"], s["T"]), np.float32)), "f32")]
@@ -313,7 +323,8 @@ CASES: Dict[str, List[Case]] = {
     "loss": [Case("k_loss_fwd", loss_fwd), Case("k_loss_bwd", loss_bwd), written("k_loss_bwd", loss_bwd),
              Case("k_loss_fwd", loss_fwd, VEC_SIZE), Case("k_loss_bwd", loss_bwd, VEC_SIZE),
              written("k_loss_bwd", loss_bwd, VEC_SIZE)],
-    "optim": [Case("k_grad_norm_partial", grad_norm_partial), Case("k_loss_accum", loss_accum),
+    "optim": [Case("k_grad_norm_partial", grad_norm_partial), Case("k_grad_norm_final", grad_norm_final),
+              Case("k_grad_scale", grad_scale), Case("k_loss_accum", loss_accum),
               Case("k_step_check", step_check), Case("k_adamw_step", adamw_step),
               Case("k_cast_params", cast_params)],
 }

@@ -181,9 +181,9 @@ def variants(op: str, names):
     return out
 
 
-def make_backend(op: str, path, sidecar, attention: str):
-    from andrea.backends.cuda import CudaBackend
-    be = CudaBackend(attention=attention, sources={f"{op}.cu": path} if path else None)
+def make_backend(op: str, path, sidecar, attention: str, settings=None):
+    from andrea.bench.step import cuda_backend
+    be = cuda_backend(settings, attention=attention, sources={f"{op}.cu": path} if path else None)
     if sidecar is not None:
         mod = load(sidecar, f"dev_cuda_{sidecar.stem}")
         for name in dir(mod):
@@ -255,13 +255,11 @@ def main(argv=None) -> int:
         except ValueError:
             raise SystemExit(f"--time-size {a.time_size}: expected five integers B,T,C,NH,V")
         time_size = {"B": B, "T": T, "C": C, "NH": NH, "V": V}
-    from andrea.bench.step import apply_settings, parse_settings
+    from andrea.bench.step import parse_settings
     settings = parse_settings(a.set)
 
     def backend(label, path, side):
-        be = make_backend(a.op, path, side, a.attention)
-        apply_settings(be, settings)
-        return be
+        return make_backend(a.op, path, side, a.attention, settings)
     df = run(a.op, a.variants, precisions, a.reps, not a.no_time, a.attention,
              backend=backend, time_size=time_size)
     if not a.no_time:

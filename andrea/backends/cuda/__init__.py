@@ -1,19 +1,22 @@
-"""The CUDA backend: kernels/*.cu launched through CuPy, matrix products on cuBLAS.
+"""The CUDA backend: kernels/*.cu launched through CuPy, matrix products on cuBLAS and cuBLASLt.
 
     from andrea.backends.cuda import CudaBackend
     be = CudaBackend(attention="fused")      # or get_backend("cuda"); one object per engine
 
-Modules, one job each:
-    runtime.py    NVRTC compile cache and kernel launching (Runtime), argument checks
-    cublas.py     the cuBLAS ctypes binding (Cublas) and library loading shared with siblings
-    workspace.py  the kernels' scratch buffers (Workspace), an object the engine holds
-    colsum.py     the final column sums of bias / layer-norm weight gradients, at once or at the
-                  close of a param_grad_pass in one launch (DeferredColsums)
+Layers, each importing only those below it:
+    runtime.py    NVRTC compile cache and kernel launching (Runtime), argument checks;
+                  pdl.py programmatic dependent launch through cuLaunchKernelEx
+    cublas.py     the cuBLAS binding (Cublas); cublaslt.py the cuBLASLt one (epilogues, FP8)
     graphs.py     capturing passes as CUDA graphs, and the per-engine GraphRunner
-    ops.py        the k_* launchers, in numpy_ref's order (CudaOps)
+    workspace.py  the kernels' scratch buffers (Workspace), an object the engine holds
+    geometry.py   the launch geometry, written once; tuning.py the frozen Tuning of its knobs
+    colsum.py     the deferred final column sums; gradpass.py the parameter-gradient pass
+    fp8/          the FP8 layer: plan rows, quantisation launchers, weight cache, scales, state
+    ops/          the k_* launchers, one file an operation beside kernels/<op>.cu, each with its
+                  16-bit launcher and its FP8 form side by side
     backend.py    CudaBackend: the interface of andrea/backends/interface.py, built from the above
 
-    python -m pytest -m gpu tests/test_cuda_kernels.py     # every kernel against numpy_ref
+    python -m pytest -m gpu tests/test_cuda_kernels.py     # every kernel against the NumPy reference
 """
 from .backend import CudaBackend
 

@@ -3,7 +3,7 @@
 Each of those gradients is the column sum of a (rows, C) array, in two fixed-order passes: a
 kernel writes column partials (n_chunks, C) float32, then k_colsum_final (linear.cu) adds the
 chunks in order into the float32 gradient. Outside a parameter-gradient pass
-(CudaOps.param_grad_pass) the partials go to the workspace slots colsum_a / colsum_b, which the
+(CudaBackend.param_grad_pass, gradpass.py) the partials go to the workspace slots colsum_a / colsum_b, which the
 next call reuses, so each final sum runs at once. Inside one, each set of partials gets its own
 slice of the workspace buffer DEFERRED (reserved at start-up for the model's layers,
 `deferred_floats`) and the final sums wait for the end of the pass, where k_colsum_final_many does
@@ -13,7 +13,7 @@ instead of about eight per layer. A set that does not fit in what is left of the
 once, in the workspace slot, as outside a pass; a second sum into a gradient that still waits for
 one flushes the waiting ones first, so the order of the additions into each gradient is always
 that of the calls. A sum may write its gradient instead of adding into it (`write`: the first
-contribution in a pass that starts the gradients, CudaOps.param_grad_pass(start=...)).
+contribution in a pass that starts the gradients, param_grad_pass(start=...)).
 
 The launch reads a table of segments (gradient, partials, chunks, columns, first block) in device
 memory. Each distinct table is uploaded once, outside graph capture, and kept for the life of the

@@ -123,7 +123,7 @@ class Runtime:
         self.modules: dict = {}
         self.funcs: dict = {}
         self.smem_granted: dict = {}  # id(kernel) -> dynamic shared memory allowed (arch_module kernels)
-        # programmatic dependent launch (cuda/pdl.py, CudaOps.pdl): kernels whose body starts with
+        # programmatic dependent launch (cuda/pdl.py, CudaBackend(pdl=...)): kernels whose body starts with
         # pdl_wait() launched through cuLaunchKernelEx with the programmatic attribute, on sm_90
         # and newer. On by default: ANDREA-120M fp8 on an H200, the step's graphs replayed 0.19 ms
         # faster (12.44 against 12.62 ms, 15 rounds), the same bits (docs/ARCHITECTURE.md "Launch")
