@@ -120,7 +120,7 @@ extern "C" __global__ void k_attn_dscores(CT* P, const float* dP, const CT* dout
 // ================================================================ version 4: fused (flash) path
 // Causal flash attention on tensor cores through mma.sync (sm_80 and later),
 // laid out as FlashAttention-2 lays out its kernels; the scores never reach global memory.
-// Versions 2 and 3 are in git history (3 also in dev/cuda/attention_v3.cu; dev/cuda/attention_bench.py
+// Versions 2 and 3 are in git history (dev/cuda/attention_bench.py
 // checks and times the versions against PyTorch SDPA). What changed from version 3:
 // - Shared-memory fragments come through ldmatrix (x4: four 8x8 matrices per instruction; the
 //   .trans form gives the B operand of P V, dS K and P^T dO straight from row-major tiles), not

@@ -1,5 +1,5 @@
 // attention_hopper.cu: attention on Hopper's wgmma, the forward (version 8) and the backward (versions
-// 10 and 7). Built for sm_90a (CudaOps launches it on compute capability 9.0 through the Runtime's
+// 10 and 7). Built for sm_90a (ops/attention.py launches it on compute capability 9.0 through the Runtime's
 // arch="sm_90a" build, since CuPy's own build targets plain sm_90, where wgmma does not exist),
 // k_attn_flash_fwd, k_attn_flash_bwd_dq and k_attn_flash_bwd_dkv take every product through
 // wgmma.mma_async. The file includes attention.cu: there, version 4's three kernels are renamed out
@@ -332,7 +332,7 @@ __device__ __forceinline__ void two_scores(float* s, float* t, u64 a1, u64 b1, u
 }
 
 // ---------------------------------------------------------------- FP8 epilogues
-// The _fp8 kernels (train.precision=fp8 with delayed scaling, CudaOps.fp8_attention_cast;
+// The _fp8 kernels (train.precision=fp8 with delayed scaling;
 // docs/FP8.md) are the forward and the backward of this file with an output written as the FP8
 // operand of the product that reads it, scaled by the delayed scale its row holds: the forward's
 // out also as the attention projection's input (E4M3, row-major and transposed), the backward's
@@ -476,7 +476,7 @@ __device__ __forceinline__ float f8_scale(float* meta, int inv_at) {
 // One query tile of one warpgroup: its 64 keys (this thread: keys key0 + g and key0 + g + 8, key0
 // the warp's first) against queries [q0, q0 + V7_BQ). dk, dv: 64 x HS accumulators. Issues dV's and
 // dK's products and returns with them still running (the caller waits); sf: dS^T's A fragments,
-// which dev/cuda/attention_v9.cu also multiplies by K for dQ.
+// which a one-pass backward (a measured loser, in git history) also multiplied by K for dQ.
 template <bool MASK>
 __device__ __forceinline__ void dkv7_issue(float* dk, float* dv, unsigned (*sf)[4], u64 dkey, u64 dval, const u16* Q,
                                            const u16* dO, const float* L, const float* Dt, int key0, int q0, int T,

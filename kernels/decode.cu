@@ -1,5 +1,5 @@
 // decode.cu: attention of one new position against a key/value cache. Inference only, so there is
-// no backward twin; the NumPy reference of the same name is andrea/backends/numpy_ref.py's.
+// no backward twin; the NumPy reference of the same name is andrea/backends/ref/decode.py's.
 //
 // k_attn_decode_fwd: grid (NH, B), one block per head of each sequence. The block first writes
 // the position's k and v (its head's slice of qkv) into row pos of the caches, then computes the

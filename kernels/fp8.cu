@@ -5,7 +5,7 @@
 // 2^-k for the product to multiply back. meta is float32 (2m,), amax first and 1/scale at m: the
 // reference's (2,) pair, or wider where cuBLASLt reads 1/scale (the FP8 path's slots put it 128
 // bytes in, aligned as cuBLASLt's scale pointers want). The product itself is
-// cuBLASLt's (andrea/backends/cuda/fp8.py). Reference: numpy_ref's FP8 section, same names.
+// cuBLASLt's (andrea/backends/cuda/fp8/). Reference: andrea/backends/ref/fp8.py, same names.
 // k_fp8_amax_many and k_fp8_cast_transpose_many do the same for many tensors in one launch each
 // (the FP8 copies of the weights, rewritten once per optimizer step), with the same code per tile.
 //
@@ -15,7 +15,7 @@
 // partials in one pass (cuBLASLt's dGELU epilogue for FP8 products measured 166 us a call at
 // ANDREA-120M, against about 30 for the product without it; docs/FP8.md).
 //
-// Delayed scaling (cuda/fp8.py DelayedScales): the *_amax forms of the tile casts scale by meta[0]
+// Delayed scaling (cuda/fp8/scales.py DelayedScales): the *_amax forms of the tile casts scale by meta[0]
 // as it is (a delayed scale's row: the largest amax of the last steps) and reduce the amax of what
 // they cast into amax_out for the steps after; k_fp8_dgelu_cast_transpose_colsum_amax makes dact *=
 // gelu'(pre) and casts it in the same pass; k_fp8_delayed_roll moves the histories once a step.
@@ -170,7 +170,7 @@ extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_a
 // hoist them itself), write them to out and to a shared byte tile, from which
 // fp8_tile_transpose_out writes out_t. R % 8 == K % 8 == 0. The caller syncs before reusing tile.
 // GELU: the tile of gelu8(x) instead (k_fp8_gelu_cast_transpose). TR: 64 (the weights' *_many
-// kernel) or FP8_TILE_ROWS (the single-tensor kernels: the launcher's CudaOps.fp8_tile_rows).
+// kernel) or FP8_TILE_ROWS (the single-tensor kernels: the launcher's Tuning.fp8_tile_rows).
 // partial (non-null: k_fp8_cast_transpose_colsum): partial[r0 / TR][c0 + j] = the sum of x's column
 // c0 + j over the tile's rows, in fp8_tile_colsum's order; acc is its shared scratch.
 #define FP8_TILE 64
@@ -178,7 +178,7 @@ extern "C" __global__ void k_fp8_cast(unsigned char* out, float* meta, int inv_a
 #define FP8_TILE_ROWS 64
 #endif
 // The column sums of a cast tile (k_fp8_cast_transpose_colsum), in this order (fp8_tile_colsum in
-// numpy_ref): thread t of the 256 holds rows 32h + t / 8 (h = 0 .. H-1) of the 8 columns 8 (t % 8)..;
+// ref/fp8.py): thread t of the 256 holds rows 32h + t / 8 (h = 0 .. H-1) of the 8 columns 8 (t % 8)..;
 // it adds them in h order (a = x_0 + x_1 + ...); a warp w (rows 4w + l + 32h, l = lane / 8) adds its
 // four row lanes as (a_0 + a_1) + (a_2 + a_3) (two butterfly shuffles: each pair's sum has the same
 // bits in either order); then the 8 warps in order, w = 0 .. 7. Rows past R add nothing. 256 threads.
@@ -416,7 +416,7 @@ extern "C" __global__ void k_fp8_cast_transpose_many(float* meta, int meta_strid
   }
 }
 
-// ---- the FP8 MLP's passes over pre and dact (N, H), H = 4C (cuda/fp8.py k_fp8_mlp_fwd / _bwd)
+// ---- the FP8 MLP's passes over pre and dact (N, H), H = 4C (cuda/ops/mlp.py k_fp8_mlp_fwd / _bwd)
 
 // meta[0] = max(meta[0], max |act|), act = gelu(pre) rounded to CT (gelu8; n values, n % 8 == 0),
 // without writing act, and without a GELU per value (fp8_amax_block).
@@ -536,7 +536,7 @@ extern "C" __global__ void k_fp8_dgelu_colsum_amax(float* __restrict__ partial, 
   colsum_block_partials(partial, acc, a, tx, ty, threadIdx.x, H);  // common.cuh
 }
 
-// ---- the FP8 classifier's dlogits (cuda/fp8.py classifier): already FP8 (loss.cu's row pass)
+// ---- the FP8 classifier's dlogits (cuda/fp8/ classifier): already FP8 (loss.cu's row pass)
 
 // out_t (K, R) = x^T, of bytes: x (R, K) is FP8 already, so nothing is converted. One block of
 // 256 threads a 64 x 64 tile: thread t copies 16 bytes of row t / 4 into a shared tile of 32-bit

@@ -51,7 +51,7 @@ __device__ __forceinline__ unsigned int fp8x2(float lo, float hi) {
 //   0 or to it.
 // The result is a float on the grid (or above the largest value, which the saturating conversion
 // then clamps); sign kept; infinities and NaN are returned as they are. Its expected value is v to 2^-16 of a quantum: no bias on the many small values that
-// rounding to nearest sends the same way every time. numpy_ref.fp8_round_stochastic.
+// rounding to nearest sends the same way every time. ref.fp8_round_stochastic.
 __device__ __forceinline__ float fp8_round_stochastic(float v, unsigned int u) {
   const unsigned int drop = 23 - FP8_MANT, keep = ~((1u << drop) - 1u), r = (u & 0xffffu) << (drop - 16);
   const float lo = __uint_as_float((unsigned int)(127 + FP8_EMIN) << 23);  // 2^FP8_EMIN
@@ -65,7 +65,7 @@ __device__ __forceinline__ float fp8_round_stochastic(float v, unsigned int u) {
 // The per-tensor scale (fp8.cu's casts, layernorm.cu's k_layernorm_fwd_fp8).
 #define FP8_MAX_SHIFT 126  // |k| at most this: 2^k and 2^-k stay normal float32 numbers
 
-// scale = 2^k from the float32 bits of amax (numpy_ref.fp8_scale); *inv = 2^-k. NaN for a
+// scale = 2^k from the float32 bits of amax (ref.fp8_scale); *inv = 2^-k. NaN for a
 // non-finite amax, 1 for zero.
 __device__ __forceinline__ float fp8_scale(float amax, float* inv) {
   unsigned int u = __float_as_uint(amax) & 0x7fffffffu;

@@ -1,10 +1,10 @@
-// gelu.cuh: GELU, tanh form as GPT-2 (numpy_ref.GELU_K, _gelu, _gelu_grad), for the kernels that
+// gelu.cuh: GELU, tanh form as GPT-2 (ref.GELU_K, _gelu, _gelu_grad), for the kernels that
 // apply it: mlp.cu (the 16-bit MLP: gelu, gelu_and_slope) and fp8.cu (the FP8 MLP's act and dact
 // passes: gelu_sigmoid_and_slope). One definition per path, so that act = gelu(pre) has the same
 // bits whichever kernel of that path computes it.
 #pragma once
 
-#define GELU_K 0.7978845608028654f  // sqrt(2 / pi), as numpy_ref.GELU_K
+#define GELU_K 0.7978845608028654f  // sqrt(2 / pi), as ref.GELU_K
 
 __device__ __forceinline__ float gelu(float x) {
   return 0.5f * x * (1.0f + tanhf(GELU_K * (x + 0.044715f * x * x * x)));
@@ -25,7 +25,7 @@ __device__ __forceinline__ void gelu_and_slope(float x, float& g, float& dg) {
 // 1e-6, far below bf16's 2^-9 and E4M3's 2^-4. exp's argument is capped at 80 (e^80 < 2^126, where
 // the fast reciprocal would flush to 0): beyond it g and dg are x * e^-80 and below, which round
 // to 0 in bf16 as the exact values do; a NaN x stays NaN (fminf's cap takes 80, x carries the NaN).
-// -DGELU_FMA=1 (CudaOps.fp8_gelu_fma): the same function with its constants folded, the exponent
+// -DGELU_FMA=1 (the FP8 path always): the same function with its constants folded, the exponent
 // as one product x (A + B x^2) = -2u log2(e) for ex2.approx.ftz (no range fix-up: a result under
 // 2^-126 is 0, where s is 1 to float32's precision anyway) and the slope as two fused
 // multiply-adds, s + x s (1 - s) (C + D x^2): 14 instructions a value in the dGELU pass where the

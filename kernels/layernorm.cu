@@ -13,7 +13,7 @@
 #include "common.cuh"
 #include "fp8.cuh"
 
-#define LN_EPS 1e-5f  // torch.nn.LayerNorm's default, as numpy_ref.LN_EPS
+#define LN_EPS 1e-5f  // torch.nn.LayerNorm's default, as ref.LN_EPS
 
 // The normalisation of one row x by one warp, given the lane's partial sum s of the row; returns
 // the largest abs_bits (common.cuh) of the values the lane wrote.
@@ -332,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd_vec(
 // (fp8_scale: a delayed scale's row) as E4M3 bytes, to q (N, C) and its transpose q_t (C, N), the
 // bytes k_fp8_cast_transpose_amax makes of out; meta[inv_at] = 1/scale, and amax_out[0] = max(that,
 // max |out|) where amax_out is not null. One block of LN_FP8_WARPS warps (the launcher's
-// CudaOps.fp8_layernorm_warps: 4, 8, 16 or 32) a tile of LN_FP8_ROWS rows (fp8_layernorm_rows: 8,
+// Tuning.fp8_layernorm_warps: 4, 8, 16 or 32) a tile of LN_FP8_ROWS rows (fp8_layernorm_rows: 8,
 // 16 or 32): warp w normalises rows w, w + LN_FP8_WARPS, ... of it, writing q's bytes and a shared
 // copy of the tile; then each thread writes 8 bytes of a column of q_t at a time (LN_FP8_ROWS
 // bytes a column a block: 32 fill a sector). N a multiple of 8.

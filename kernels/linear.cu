@@ -1,4 +1,4 @@
-// linear.cu: the kernels of the linear layers besides cuBLAS's products (andrea/backends/cuda/ops.py
+// linear.cu: the kernels of the linear layers besides cuBLAS's products (andrea/backends/cuda/ops/
 // _linear_fwd / _linear_bwd, used by k_attn_qkv_fwd/_bwd, k_attn_out_fwd/_bwd and k_mlp_fwd/_bwd when
 // cuBLASLt's epilogues do not apply): the bias add after the forward product, and the column sums of
 // every bias gradient (and of the layer norms' weight gradients), in two fixed-order passes; the

@@ -1,5 +1,5 @@
 // loss.cu: cross-entropy over the tied projection, the fused classifier. The launchers
-// (andrea/backends/cuda/ops.py) go over the N = B*T rows in chunks the size of the logits
+// (andrea/backends/cuda/ops/) go over the N = B*T rows in chunks the size of the logits
 // workspace: per chunk cuBLAS makes logits (R, V) = inp @ wte^T, then the row pass reduces each row
 // to its log-sum-exp and loss. k_loss_fwd stops there (evaluation); k_loss_bwd goes on in the same
 // pass, turning the row in place into dlogits = (softmax - onehot(target)) * dloss for the two
@@ -16,7 +16,7 @@
 //   exp is ex2.approx of (x - m) * log2(e) (one MUFU op per element and pass).
 // - loss_fwd / loss_bwd (version 1): one block of 512 threads per row, the row read twice (lse,
 //   then dlogits), with expf. Every row that is no whole 16-byte vectors or too long for the
-//   registers (float32 at V = 50304) takes it; CudaOps.loss_vectors = 0 sends every row to it.
+//   registers (float32 at V = 50304) takes it; Tuning.loss_vectors = 0 sends every row to it.
 //
 // The FP8 classifier (train.precision=fp8, docs/FP8.md "The classifier") uses loss_bwd_fp8 and
 // loss_bwd_fp8_regs: the same row passes, but dlogits goes out of place to q8 (R, V) as FP8 bytes
@@ -51,7 +51,7 @@ __device__ __forceinline__ unsigned char fp8_byte(float v) { return (unsigned ch
 // the microbatch (row0 + the row in the chunk) and q mixed linearly (sr_key); element i of the
 // group takes the low (i even) or high (i odd) 16 bits of sr_mix(key + (i / 2) * SR_STEP),
 // murmur3's 32-bit finaliser. The logits change every step, so do the bits; a rerun gives the same
-// bytes, whatever the chunks (numpy_ref.fp8_sr_bits). The row's index keeps rows of equal logits
+// bytes, whatever the chunks (ref.fp8_sr_bits). The row's index keeps rows of equal logits
 // (a prompt every sequence starts with) from rounding alike.
 #ifndef FP8_SR
 #define FP8_SR 0

@@ -1,4 +1,4 @@
-// mlp.cu: the elementwise parts of k_mlp_fwd / k_mlp_bwd (andrea/backends/cuda/ops.py), around the
+// mlp.cu: the elementwise parts of k_mlp_fwd / k_mlp_bwd (andrea/backends/cuda/ops/), around the
 // two products, named by the operation they belong to: k_mlp_fwd_bias_gelu (the first bias fused
 // with GELU, tanh form as GPT-2; only when cuBLASLt's bias + GELU epilogue does not apply),
 // k_mlp_bwd_gelu (GELU recomputed from the saved pre-activation, and the GELU derivative applied

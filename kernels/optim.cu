@@ -5,11 +5,11 @@
 // writes the step's scalars;
 // k_adamw_step then makes one pass over params, grads, m and v: unscale and clip the gradient,
 // AdamW, the cast to the compute copy, and (if asked) zero the gradient for the next step. Every float32
-// operation is rounded as NumPy's expression in numpy_ref (the _rn intrinsics forbid fused
+// operation is rounded as NumPy's expression in ref/optim.py (the _rn intrinsics forbid fused
 // multiply-adds), and every float64 one as Python's, so both backends agree to the bit.
 #include "common.cuh"
 
-// Slots of the optimizer state; numpy_ref.STATE_SLOTS lists the same names in the same order.
+// Slots of the optimizer state; interface.STATE_SLOTS lists the same names in the same order.
 enum {
   S_SCALE, S_GOOD, S_BAD, S_SKIPPED, S_LOSS_SUM,  // carried from step to step (and checkpointed)
   S_LOSS, S_NORM, S_REC_SCALE, S_SKIP,            // the record of the last step
@@ -82,7 +82,7 @@ extern "C" __global__ void k_grad_scale(float* grads, const double* state, i64 n
     grads[i] = __fmul_rn(grads[i], f);
 }
 
-// The end-of-step bookkeeping of numpy_ref.k_step_check, in the same float64 order, by one thread
+// The end-of-step bookkeeping of ref.k_step_check, in the same float64 order, by one thread
 // (thread 0) of a block of SC_THREADS: the block first copies the partials into shared memory (all
 // loads in flight at once, not one dependent load per term), then thread 0 adds them in order
 // while warps 1 and 2 compute beta1^t and beta2^t (float64 pow, hundreds of cycles each, which do
@@ -157,7 +157,7 @@ extern "C" __global__ void __launch_bounds__(SC_THREADS) k_step_check(
   *dloss = (float)__ddiv_rn(scale, n_pos);
 }
 
-// The update of numpy_ref.k_adamw_step for one element: g = grads * clip; m = m*b1 + (1-b1)*g;
+// The update of ref.k_adamw_step for one element: g = grads * clip; m = m*b1 + (1-b1)*g;
 // v = v*b2 + ((1-b2)*g)*g; p *= decay (decay = 1 beyond n_decay is not used: the multiply is
 // skipped there, as NumPy's slice skips it); p -= (step_size * m) / (sqrt(v * vhat) + eps).
 struct AdamW {
@@ -204,13 +204,13 @@ __device__ __forceinline__ Vec4<CT> to_ct4(float4 x) {
   return c;
 }
 
-// The whole update of numpy_ref.k_adamw_step in one pass: AdamW (above) on every element, the
+// The whole update of ref.k_adamw_step in one pass: AdamW (above) on every element, the
 // cast to the compute copy pc (when cast), and grads = 0 (when zero; the engine leaves them: the
 // next step's first backward pass writes every gradient). A skipped step does nothing else.
 // Version 2: with every buffer 16-byte aligned (pc: 4 elements aligned) each thread moves float4
 // vectors (one 16-byte load or store per buffer and 4 elements), the last n % 4 elements one at a
 // time; the arithmetic per element is the same, so are the bits (version 1, one element per
-// thread and iteration, is dev/cuda/optim_v1.cu).
+// thread and iteration, is in git history).
 extern "C" __global__ void k_adamw_step(float* p, CT* pc, float* g, float* m, float* v,
                                         const double* state, i64 n, i64 n_decay, float beta1,
                                         float omb1, float beta2, float omb2, float eps, int cast,
@@ -248,13 +248,13 @@ extern "C" __global__ void k_adamw_step(float* p, CT* pc, float* g, float* m, fl
   }
 }
 
-// The FP8 weight cache's amax from the update itself (train.precision=fp8, CudaOps.fp8_adamw_amax):
-// k_adamw_step, and for each weight t of the cache's table (cuda/fp8.py make_table: row t =
+// The FP8 weight cache's amax from the update itself (train.precision=fp8):
+// k_adamw_step, and for each weight t of the cache's table (cuda/fp8/quant.py make_table: row t =
 // {its compute copy's address, ..., R, K}, nt rows, in increasing address order) meta[t *
 // meta_stride] = max(that, max |pc| over the weight's R * K elements) as fp8.cu's k_fp8_amax_many
 // takes it (the bits of |value| in the compute dtype, an unsigned maximum, so NaN wins; the
 // launcher zeroes meta first). A skipped step leaves the weights and still reads them for their
-// amax. The refresh of the cache then casts without its amax pass (numpy_ref.k_adamw_step_amax).
+// amax. The refresh of the cache then casts without its amax pass (ref.k_adamw_step_amax).
 // The launcher asks: every buffer 16-byte aligned (pc: 4 elements), n % 4 == 0, every weight
 // inside pc at a multiple of 4 elements (so no float4 straddles two), nt <= ADAMW_AMAX_MAX.
 // The same grid-stride walk over float4s as k_adamw_step, made warp-uniform (lane l of a warp

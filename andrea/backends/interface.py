@@ -39,7 +39,7 @@ STATE_SLOTS = ("S_SCALE", "S_GOOD", "S_BAD", "S_SKIPPED", "S_LOSS_SUM",
  S_CLIP, S_DECAY, S_STEP_SIZE, S_VHAT, S_LR, S_STEP) = range(len(STATE_SLOTS))
 STATE_LEN = 16  # one spare slot
 
-# The FP8 formats of train.precision=fp8 (ref/fp8.py, kernels/fp8.cu, cuda/fp8.py; docs/FP8.md)
+# The FP8 formats of train.precision=fp8 (ref/fp8.py, kernels/fp8.cu, cuda/fp8/; docs/FP8.md)
 # and which tensors take which by default.
 FP8_FORMATS = {  # name: (mantissa bits, exponent bias, largest finite value)
     "e4m3": (3, 7, 448.0),
@@ -50,7 +50,7 @@ FP8_GRAD = "e4m3"  # output gradients (the backend's default; "e5m2" the alterna
 FP8_DLOGITS = "e4m3"  # the classifier's dlogits (the backend's default, docs/FP8.md "The classifier")
 FP8_DLOGITS_ROUNDING = "stochastic"  # how dlogits meet the grid: "stochastic" or "nearest" (the same)
 FP8_ROUNDINGS = ("nearest", "stochastic")
-# Delayed scaling (cuda/fp8.py, docs/FP8.md): a tensor's scale comes from the largest amax of the
+# Delayed scaling (cuda/fp8/, docs/FP8.md): a tensor's scale comes from the largest amax of the
 # last FP8_HIST optimizer steps (a row of the engine's "fp8_delayed" block: [0] that amax, [1] the
 # amax of the step under way, [2, 2 + FP8_HIST) the history, newest first), and the kernel that
 # makes the tensor casts it and reduces its amax into [1].

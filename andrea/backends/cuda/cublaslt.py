@@ -11,7 +11,7 @@ Row-major convention as Cublas.gemm: D (M, N) = epilogue(op(A) (M, K) @ op(B) (K
 cuBLASLt is column-major, so it computes D^T = op(B)^T op(A)^T: a bias over D's columns is a bias
 over the rows of D^T, which is what cuBLASLt's epilogues broadcast. The GELU is the tanh form.
 
-FP8 products (train.precision=fp8, cuda/fp8.py): A and B in CUDA_R_8F_E4M3 / CUDA_R_8F_E5M2
+FP8 products (train.precision=fp8, cuda/fp8/): A and B in CUDA_R_8F_E4M3 / CUDA_R_8F_E5M2
 (not both E5M2), each with a device pointer to its float32 scale that cuBLASLt multiplies the
 product by; cuBLASLt wants them in its "TN" form, both operands contiguous along K, which in our
 row-major convention is D = A @ B.T (ta=False, tb=True). D (and C, for beta) in bf16 or float32.

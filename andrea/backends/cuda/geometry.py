@@ -35,7 +35,7 @@ EMBED_WTE_WARPS = 8  # sorted slots (one warp each) a block of k_embed_bwd_wte t
 # ldmatrix, bf16 mma.sync) whose per-block shared-memory limit holds its tiles; float32, other
 # head sizes and older GPUs take version 1 (scores materialised, cuBLAS). The backend's
 # attention="materialised" forces version 1. (Versions 2 and 3 are in git history;
-# dev/cuda/attention_bench.py times 3 against 4.)
+# dev/cuda/attention_bench.py times the versions against PyTorch SDPA.)
 FLASH_HEAD_SIZES = (16, 32, 48, 64, 80, 96, 112, 128)
 FLASH_MIN_CC = 80
 

@@ -3,7 +3,7 @@ kernels of kernels/fp8.cu (amax, casts, transposes, their forms over many tensor
 scales' roll, the passes over the MLP's act and dact). The FP8 forms of the layers live beside
 their 16-bit forms (layernorm.py, linear.py, attention.py, mlp.py, loss.py, optim.py).
 
-The linear layers' matrix products with FP8 operands (kernels/fp8.cu, cuda/fp8.py; docs/FP8.md).
+The linear layers' matrix products with FP8 operands (kernels/fp8.cu, cuda/fp8/; docs/FP8.md).
 A tensor x is quantised with one scale for the whole tensor, taken from its own amax (current
 scaling): scale = 2^k, the largest power of two with amax * scale <= the format's largest value,
 and q = fp8(x * scale), rounded to nearest even and saturated to the largest finite value. The
@@ -195,7 +195,7 @@ def k_fp8_cast_transpose_colsum(out, out_t, meta, x, fmt, partial, tile_rows=64)
 
 
 def k_fp8_amax_many(meta, xs):
-    """Many tensors at once (the FP8 copies of the weights, cuda/fp8.py): meta (n, 2m) float32 =
+    """Many tensors at once (the FP8 copies of the weights, cuda/fp8/): meta (n, 2m) float32 =
     0, then meta[t, 0] = max |xs[t]| (k_fp8_amax of each)."""
     meta[...] = 0
     for t, x in enumerate(xs):

@@ -1,6 +1,6 @@
 """The linear layers (kernels/linear.cu for the bias and column sums, the products on cuBLAS): the
 shared math, the attention's input (QKV) and output projections, and their FP8 forms
-(cuda/fp8.py): E4M3 operands, each with its own scale, output gradients in a grad format."""
+(cuda/fp8/): E4M3 operands, each with its own scale, output gradients in a grad format."""
 from __future__ import annotations
 
 import numpy as np

@@ -63,7 +63,7 @@ def k_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, accumu
 
 
 # ---------------------------------------------------------------- FP8 (train.precision=fp8)
-# The classifier in FP8 (kernels/loss.cu loss_bwd_fp8, cuda/fp8.py): logits = fp8(inp) @ fp8(wte).T,
+# The classifier in FP8 (kernels/loss.cu loss_bwd_fp8, cuda/fp8/): logits = fp8(inp) @ fp8(wte).T,
 # and dlogits = softmax - onehot(target) quantised with a scale from its bound instead of its amax:
 # every |softmax - onehot| <= 1, so the scale is fp8_scale(1) (2^8 for E4M3, 2^15 for E5M2) and
 # dloss moves into the products' 1/scale. No pass over dlogits for its amax.

@@ -10,7 +10,7 @@ at the next step boundary and exits 0; the proxy then writes status `stopped` an
 is forwarded as is (checkpoint and go on). The engine runs in its own process group, so a Ctrl-C in
 the terminal reaches it only once, through the proxy.
 
-Crash recovery: an engine exit other than 0, 2 and 3 (killed, out of memory, a CUDA error) restarts
+Crash recovery: an engine exit other than 0, 2, 3 and 4 (killed, out of memory, a CUDA error) restarts
 it with --resume from its newest good checkpoint, after a back-off that doubles with each failure in
 a row (backoff_s, 2*backoff_s, ..., at most backoff_max_s); max_restarts failures in a row without a
 new checkpoint give up with status `failed`. Exit 2 (bad input: config, shards or checkpoint, which

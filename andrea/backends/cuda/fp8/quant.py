@@ -1,6 +1,6 @@
 """The FP8 quantisation launchers: every kernel of kernels/fp8.cu (amax, casts, cast-and-transpose
 with their fused column sums and amax, the *_many launches of the weight cache, the delayed
-scales' roll, the FP8 transpose), behind numpy_ref's names and arguments.
+scales' roll, the FP8 transpose), behind the reference's names and arguments.
 
 A scale lives in a meta row (float32 (2m,): amax at 0, 1/scale at m; META_STRIDE floats a tensor
 in the engine's rows). The layers' FP8 forms (ops/) and the FP8 state (state.py) call these.
@@ -77,7 +77,7 @@ class Quant:
 
     def k_fp8_cast(self, out, meta, x, fmt):
         """out (uint8, x's size) = fp8 bytes of x * scale (scale from meta[0]); 1/scale into meta
-        (meta[1] of a (2,) pair, as numpy_ref; meta[m] of a (2m,) slot)."""
+        (meta[1] of a (2,) pair, as the reference; meta[m] of a (2m,) slot)."""
         inv_at = self.inv_at("k_fp8_cast", meta)
         self.check_x("k_fp8_cast", x)
         check("k_fp8_cast", "out", out, dtype=np.uint8)
@@ -113,7 +113,7 @@ class Quant:
 
     def k_fp8_cast_transpose_colsum(self, out, out_t, meta, x, fmt, partial):
         """k_fp8_cast_transpose, and partial (ceil(R / rows), K) float32 = the column sums of x
-        over each tile of rows = Tuning.fp8_tile_rows rows (numpy_ref.fp8_tile_colsum's order):
+        over each tile of rows = Tuning.fp8_tile_rows rows (ref.fp8_tile_colsum's order):
         the first pass of a bias gradient, k_colsum_final of them the second."""
         kernel = "k_fp8_cast_transpose_colsum"
         grid, args, defs = self.cast_transpose_launch(kernel, out, out_t, meta, x, fmt)
@@ -177,8 +177,8 @@ class Quant:
         return amax_out
 
     def k_fp8_delayed_roll(self, rows, state):
-        """The delayed scales' rows (n, META_STRIDE) at the end of an optimizer step (numpy_ref
-        k_fp8_delayed_roll; the step's skip flag read from the optimizer state on the device)."""
+        """The delayed scales' rows (n, META_STRIDE) at the end of an optimizer step
+        (ref.k_fp8_delayed_roll; the step's skip flag read from the optimizer state on the device)."""
         check("k_fp8_delayed_roll", "rows", rows, dtype=np.float32)
         check("k_fp8_delayed_roll", "state", state, dtype=np.float64)
         if rows.ndim != 2 or rows.shape[1] < DELAYED_HIST_AT + FP8_HIST:

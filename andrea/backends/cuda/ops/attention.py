@@ -206,7 +206,7 @@ class AttentionOps:
         return B, T, C, NH, hs
 
     def k_attn_fwd_fp8(self, out, lse, q, q_t, meta, amax_out, qkv, n_head):
-        """numpy_ref.k_attn_fwd_fp8 (attention_hopper.cu k_attn_flash_fwd_fp8): out (B,T,C) and lse
+        """ref.k_attn_fwd_fp8 (attention_hopper.cu k_attn_flash_fwd_fp8): out (B,T,C) and lse
         (B,NH,T) as k_attn_fwd writes them, and out as E4M3 bytes q (B*T, C) and q_t (C, B*T) with
         the scale of meta[0]; meta[inv_at] = 1/scale; amax_out (1,) or None."""
         kernel = "k_attn_fwd_fp8"
@@ -224,7 +224,7 @@ class AttentionOps:
                            shared_mem=geo["k_attn_flash_fwd"], hs=hs, arch="sm_90a")
 
     def k_attn_bwd_fp8(self, q, q_t, partial, meta, amax_out, dout, qkv, out, lse, n_head, fmt):
-        """numpy_ref.k_attn_bwd_fp8 (attention_hopper.cu k_attn_flash_bwd_dq_fp8, then
+        """ref.k_attn_bwd_fp8 (attention_hopper.cu k_attn_flash_bwd_dq_fp8, then
         k_attn_flash_bwd_dkv_fp8): dqkv as k_attn_bwd writes it (accumulate=False), but only as
         bytes of format fmt q (B*T, 3C) and q_t (3C, B*T) with the scale of meta[0], its column
         sums over each 64-row tile into partial (B*T / 64, 3C) float32 or None, its amax into

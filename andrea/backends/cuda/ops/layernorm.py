@@ -145,7 +145,7 @@ class LayerNormOps:
 
     # ------------------------------------------------------------ the FP8 form
     def k_layernorm_fwd_fp8(self, out, out_t, res, mean, rstd, a, b, weight, bias, meta, amax_out):
-        """numpy_ref.k_layernorm_fwd_fp8 (layernorm.cu): the layer norm of a (N, C) (b None), or of
+        """ref.k_layernorm_fwd_fp8 (layernorm.cu): the layer norm of a (N, C) (b None), or of
         res = a + b, written as E4M3 bytes out (N, C) and out_t (C, N) with the scale of meta[0];
         mean, rstd (N,) float32; meta[inv_at] = 1/scale; amax_out (1,) or None. C a multiple of
         16 / itemsize up to the one-pass layer norm's widest row, N a multiple of 8, arrays 16-byte

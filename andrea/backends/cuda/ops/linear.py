@@ -114,7 +114,7 @@ class LinearOps:
         self.rt.launch("linear.cu", "k_bias_add", out.dtype, min(N, MAX_BLOCKS), THREADS, (out, b, i64(N), i32(OC)))
 
     def k_fp8_linear_bwd(self, dinp, dw, db, dout, inp, w, grad_fmt=None, accumulate=True):
-        """Adds into dinp (B,T,IC), dw (OC,IC) float32, db (OC,) float32 (numpy_ref.k_fp8_linear_bwd;
+        """Adds into dinp (B,T,IC), dw (OC,IC) float32, db (OC,) float32 (ref.k_fp8_linear_bwd;
         accumulate=False writes dinp); grad_fmt: this call's gradient format (default the backend's)."""
         with self.fp8.grad_format(grad_fmt):
             self._fp8_linear_bwd(dinp, dw, db, dout, inp, w, accumulate)

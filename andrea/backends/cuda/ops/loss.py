@@ -93,7 +93,7 @@ class LossOps:
             self._loss_rows(False, n, z, ct, (lf[r0:r0 + n], lsef[r0:r0 + n], z, tg[r0:r0 + n], i64(n), i32(V)))
 
     def k_loss_bwd(self, losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, accumulate=True):
-        """The fused classifier (numpy_ref.k_loss_bwd): per chunk of R rows the logits product, loss,
+        """The fused classifier (ref.k_loss_bwd): per chunk of R rows the logits product, loss,
         lse and dlogits in place, then dinp (B,T,C) += dlogits @ wte (accumulate=False: =, beta 0;
         each chunk writes its own rows) and dwte (V,C) += dlogits.T @ inp. dloss: a float, or a (1,)
         float32 device array read when the kernel runs. With the FP8 classifier, k_fp8_loss_bwd."""
@@ -149,7 +149,7 @@ class LossOps:
         return xq_t, x_inv
 
     def k_fp8_loss_fwd(self, losses, lse, logits, inp, wte, targets):
-        """numpy_ref.k_fp8_loss_fwd: per chunk logits = fp8(inp) @ fp8(wte).T (E4M3, the forward's
+        """ref.k_fp8_loss_fwd: per chunk logits = fp8(inp) @ fp8(wte).T (E4M3, the forward's
         fast accumulation), then the 16-bit path's row pass."""
         x, tg, lf, lsef, z_all, N, V, C, ct = loss_checks("k_fp8_loss_fwd", losses, lse, logits, inp, wte, targets)
         meta = self._fp8_classifier_input("k_fp8_loss_fwd", x, V, z_all.shape[0])
@@ -162,7 +162,7 @@ class LossOps:
 
     def k_fp8_loss_bwd(self, losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, dlogits_fmt=None,
                        accumulate=True, fp8_logits=True, rounding=None):
-        """numpy_ref.k_fp8_loss_bwd: per chunk of R rows the logits product in FP8, the row pass
+        """ref.k_fp8_loss_bwd: per chunk of R rows the logits product in FP8, the row pass
         writing loss, lse and FP8 dlogits (loss.cu loss_bwd_fp8*, the bound's scale: no amax pass),
         dinp = dlogits @ fp8(wte) (accumulate=False: written, each chunk its own rows), dlogits
         transposed (k_fp8_transpose, into the logits workspace, which the chunk no longer needs) and

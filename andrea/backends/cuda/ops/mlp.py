@@ -79,7 +79,7 @@ class MlpOps:
 
     # ------------------------------------------------------------ the FP8 form
     def k_fp8_mlp_fwd(self, out, pre, act, inp, w1, b1, w2, b2):
-        """numpy_ref.k_fp8_mlp_fwd: pre = fp8(inp) @ fp8(w1).T + b1 (saved), then out = fp8(act)
+        """ref.k_fp8_mlp_fwd: pre = fp8(inp) @ fp8(w1).T + b1 (saved), then out = fp8(act)
         @ fp8(w2).T + b2 with act = gelu(pre): fp8(act) made from pre (k_fp8_gelu_amax,
         k_fp8_gelu_cast_transpose; with w2's input slot X^T kept too). act (workspace) is not
         written: the FP8 path never stores act in 16 bits."""
@@ -91,7 +91,7 @@ class MlpOps:
 
     def k_fp8_mlp_bwd(self, dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact, grad_fmt=None,
                       accumulate=True):
-        """numpy_ref.k_fp8_mlp_bwd: adds into dinp (accumulate=False: writes it), dw1, db1, dw2,
+        """ref.k_fp8_mlp_bwd: adds into dinp (accumulate=False: writes it), dw1, db1, dw2,
         db2; dact workspace, act unused. fp8(act)^T for dw2 is the one the forward kept, or else
         made again from pre (k_fp8_gelu_amax, k_fp8_gelu_cast_transpose: the same bytes); dact =
         fp8(dout) @ fp8(w2), then dact *= gelu'(pre) with its amax and db1's column partials in one

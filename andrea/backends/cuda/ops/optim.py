@@ -60,7 +60,7 @@ class OptimOps:
 
     def k_step_check(self, state, dloss, partials, n_micro, n_pos, beta1, beta2, weight_decay, max_norm,
                      fp16, growth_interval, max_scale):
-        """The end-of-step bookkeeping of numpy_ref.k_step_check, by one device thread (its block
+        """The end-of-step bookkeeping of ref.k_step_check, by one device thread (its block
         loads the partials and computes the bias corrections' powers alongside)."""
         check("k_step_check", "state", state, (STATE_LEN,), np.float64)
         check("k_step_check", "dloss", dloss, (1,), np.float32)
@@ -72,7 +72,7 @@ class OptimOps:
                         f64(growth_interval), f64(max_scale)))
 
     def k_adamw_step(self, params, params_c, grads, m, v, state, beta1, beta2, eps, n_decay, zero_grads=True):
-        """Clip + AdamW + cast (+ zeroing of grads) in one pass, as numpy_ref.k_adamw_step."""
+        """Clip + AdamW + cast (+ zeroing of grads) in one pass, as ref.k_adamw_step."""
         for n, a in (("params", params), ("grads", grads), ("m", m), ("v", v)):
             check("k_adamw_step", n, a, params.shape, np.float32)
         check("k_adamw_step", "state", state, (STATE_LEN,), np.float64)
@@ -95,7 +95,7 @@ class OptimOps:
 
     # ------------------------------------------------------------ the FP8 form
     def k_adamw_step_amax(self, args, zero_grads=True):
-        """numpy_ref.k_adamw_step_amax with the cached weights as the segments: the cache's meta
+        """ref.k_adamw_step_amax with the cached weights as the segments: the cache's meta
         zeroed, then optim.cu's update, which also takes their amax into it; the next
         refresh_weight_cache casts without its amax pass. args: adamw_args (the caller checked
         the buffers and WeightCache.adamw_amax_fits)."""
