@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from andrea.backends.cuda.ops import attn_scale
+from andrea.backends.cuda.geometry import attn_scale
 
 
 @pytest.mark.parametrize("hs", [1, 7, 16, 48, 64, 97, 128])

@@ -99,6 +99,16 @@ def zeros_like64(*arrays):
     return [np.zeros(a.shape) for a in arrays]
 
 
+def use_tuning(monkeypatch, be, **settings):
+    """The backend's launch geometry with settings changed for this test (cuda/tuning.Tuning, a
+    frozen copy; the FP8 state keeps its own reference, set here too where there is one)."""
+    tuning = be.tuning.with_settings(settings)
+    monkeypatch.setattr(be, "tuning", tuning)
+    if be.fp8 is not None:
+        monkeypatch.setattr(be.fp8, "tuning", tuning)
+    return tuning
+
+
 @pytest.fixture(params=[True, False], ids=["add", "write"])
 def accumulate(request):
     """The backward kernels' two modes for the activation gradient: add into it (the default), or
@@ -165,7 +175,7 @@ def test_embed_sort_rank(be, rng, N, V, monkeypatch):
     want[:N] = np.sort((tokens.reshape(-1).astype(np.uint64) << shift | np.arange(N, dtype=np.uint64)).astype(np.uint32))
     got = {}
     for name, rank_max in (("rank", 1 << 30), ("bitonic", 0)):
-        monkeypatch.setattr(be, "embed_rank_max", rank_max)
+        use_tuning(monkeypatch, be, embed_rank_max=rank_max)
         launched = []
         launch = be.rt.launch
         monkeypatch.setattr(be.rt, "launch", lambda f, k, *a, **kw: (launched.append(k), launch(f, k, *a, **kw))[1])
@@ -217,7 +227,7 @@ def test_layernorm(be, prec, rng, C, accumulate):
 
 # The one-pass backward (version 3) at widths from one vector a lane to 1024 columns in fp32 (one
 # block a SM), row counts that do not divide into the blocks (8191, 3001, 999, 77) and fewer rows
-# than blocks (5); 8192 x 384 is the ANDREA-12M step. blocks: ln_blocks (0: the default grid).
+# than blocks (5); 8192 x 384 is the ANDREA-12M step. blocks: Tuning.ln_blocks (0: the default grid).
 LN_BWD_SHAPES = [(8192, 384, "float16", 0), (8191, 384, "bfloat16", 0), (77, 64, "float16", 0),
                  (3001, 768, "float16", 0), (3001, 768, "bfloat16", 0), (1025, 768, "float32", 0),
                  (5, 1024, "float16", 0), (999, 384, "float16", 7), (999, 200, "float32", 6)]
@@ -233,7 +243,7 @@ def test_layernorm_bwd_one_pass(be, rng, N, Cq, dt_name, blocks, monkeypatch, ac
     dt = np.dtype(dt_name)
     tol = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 3e-2}[dt_name]
     if blocks:
-        monkeypatch.setattr(be, "ln_blocks", blocks)
+        use_tuning(monkeypatch, be, ln_blocks=blocks)
     inp = rnd(rng, (N, Cq), dt, 2.0, 0.5)
     w, b = rnd(rng, (Cq,), dt, 0.5, 1.0), rnd(rng, (Cq,), dt, 0.1)
     out, mean, rstd = np.zeros((N, Cq)), np.zeros(N), np.zeros(N)
@@ -349,7 +359,7 @@ def fused_path(be, monkeypatch, hopper: bool, hs: int) -> list:
     on wgmma from attention_hopper.cu (compute capability 9.0 only, else the case is skipped), or
     version 4's (mma.sync). Returns the list the Runtime's launches are recorded in from here on,
     as (file, kernel, arch)."""
-    monkeypatch.setattr(be, "hopper_attention", hopper)
+    use_tuning(monkeypatch, be, hopper_attention=hopper)
     if hopper:
         import cupy as cp
         if int(cp.cuda.Device().compute_capability) != 90:
@@ -454,10 +464,8 @@ def check_attention(be, prec, rng, n_head, B, T, C, accumulate=True):
 # ---------------------------------------------------------------- MLP
 # (2, 77, 200): B*T*4C in whole 16-byte vectors, k_mlp_bwd_gelu's vector path; (1, 77, 201): not
 @pytest.mark.parametrize("shape", [(B, T, C), (1, T, 201)])
-@pytest.mark.parametrize("dgelu_epilogue", [False, True])
-def test_mlp(be, prec, rng, lt, shape, dgelu_epilogue, monkeypatch, accumulate):
+def test_mlp(be, prec, rng, lt, shape, accumulate):
     dt, tol = prec
-    monkeypatch.setattr(be, "dgelu_epilogue", dgelu_epilogue)
     b, t, c = shape
     H = 4 * c
     inp = rnd(rng, (b, t, c), dt)
@@ -481,27 +489,6 @@ def test_mlp(be, prec, rng, lt, shape, dgelu_epilogue, monkeypatch, accumulate):
                  dev(w2, dt), nan_buf((b, t, H), dt), nan_buf((b, t, H), dt), accumulate=accumulate)
     for g, n in zip(gs, ("dinp", "dw1", "db1", "dw2", "db2")):
         g.check(f"k_mlp_bwd {n}", tol)
-    assert lt_used(be, "dgelu") or not (lt and dgelu_epilogue)
-
-
-def test_mlp_bwd_gelu_colsum_bits(be, prec, rng, monkeypatch):
-    """k_mlp_bwd_gelu_colsum (the GELU pass that also writes db1's column partials) gives the bits of
-    k_mlp_bwd_gelu followed by k_colsum_partial, in every output of k_mlp_bwd."""
-    dt, _ = prec
-    b, t, c = 3, 77, 200  # N = 231 rows: chunks of 4 rows, the last one short
-    H = 4 * c
-    inp, dout, pre = rnd(rng, (b, t, c), dt), rnd(rng, (b, t, c), dt), rnd(rng, (b, t, H), dt)
-    w1, w2 = rnd(rng, (H, c), dt, 0.07), rnd(rng, (c, H), dt, 0.035)
-    outs = {}
-    for fused in (True, False):
-        monkeypatch.setattr(be, "gelu_colsum", fused)
-        gs = [dev(np.full((b, t, c), 0.5), dt)] + [dev(np.full(s, 0.25), np.float32)
-                                                  for s in ((H, c), (H,), (c, H), (c,))]
-        act, dact = nan_buf((b, t, H), dt), nan_buf((b, t, H), dt)
-        be.k_mlp_bwd(*gs, dev(dout, dt), dev(inp, dt), dev(pre, dt), dev(w1, dt), dev(w2, dt), act, dact)
-        outs[fused] = [host(x) for x in gs + [act, dact]]
-    for n, x, y in zip(("dinp", "dw1", "db1", "dw2", "db2", "act", "dact"), outs[True], outs[False]):
-        assert np.array_equal(x, y, equal_nan=True), f"k_mlp_bwd {n}: the fused GELU pass changed the bits"
 
 
 # ---------------------------------------------------------------- the parameter-gradient pass
@@ -586,8 +573,7 @@ def assert_same_bits(got, want, what):
 def test_param_grad_pass_same_bits(rng, dt_name, c):
     """Inside a param_grad_pass the column sums wait and run as ONE k_colsum_final_many at its end:
     every gradient (and activation gradient) has the bits of the sums run at once; a second sum into
-    a gradient still waiting flushes the waiting ones first (same bits again); defer_colsums=False
-    runs each at once inside the pass."""
+    a gradient still waiting flushes the waiting ones first (same bits again)."""
     import ml_dtypes  # noqa: F401  (registers bfloat16)
     case = PassCase(rng, np.dtype(dt_name), c)
     now, launched_now = case.run(False)
@@ -601,10 +587,6 @@ def test_param_grad_pass_same_bits(rng, dt_name, c):
     twice, launched = case.run(True, reps=2)
     assert_same_bits(twice, twice_now, "deferring two sums into each gradient")
     assert launched.count("k_colsum_final_many") == 2 and "k_colsum_final" not in launched
-    case.be.defer_colsums = False
-    off, launched = case.run(True)
-    assert_same_bits(off, now, "a pass with deferral off")
-    assert launched.count("k_colsum_final") == 8 and "k_colsum_final_many" not in launched
 
 
 @pytest.mark.parametrize("dt_name,c", [("float16", 200), ("float32", 201)])
@@ -726,11 +708,10 @@ def test_loss_rows(be, rng, dt_name, Vr, vectors, prefetch, blocks, monkeypatch)
     error in the softmax), dinp (written) and dwte; lse the same bits in both; a rerun the same
     bits; the version that ran is the one the plan names."""
     import ml_dtypes  # noqa: F401  (registers bfloat16)
-    from andrea.backends.cuda.ops import loss_row_plan
+    from andrea.backends.cuda.geometry import loss_row_plan
     dt = np.dtype(dt_name)
     tol = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 3e-2}[dt_name]
-    for name, value in (("loss_vectors", vectors), ("loss_prefetch", prefetch), ("loss_blocks", blocks)):
-        monkeypatch.setattr(be, name, value)
+    use_tuning(monkeypatch, be, loss_vectors=vectors, loss_prefetch=prefetch, loss_blocks=blocks)
     assert (loss_row_plan(Vr, dt.itemsize, vectors) is None) == (dt_name == "float32" and Vr == 50304)
     Cq, N = 64, B * T
     inp, wte = rnd(rng, (B, T, Cq), dt), rnd(rng, (Vr, Cq), dt, 0.3)

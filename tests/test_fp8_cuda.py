@@ -1,9 +1,8 @@
 """The FP8 path on the GPU (train.precision=fp8): the quantisation kernels byte for byte and the
 FP8 linear layers against numpy_ref's FP8 section, two fp8 runs bit-identical, and the FP8 weight
 cache (copies of the weights made once per optimizer step) byte for byte what each product's own
-quantisation writes, with the same steps bit for bit on and off (skipped without a GPU of compute
-capability 8.9 or later). SIGTERM + resume of an fp8 run is
-tests/test_cuda_engine.py::test_sigterm_resume_bit_exact_on_gpu[fp8].
+quantisation writes (skipped without a GPU of compute capability 8.9 or later). SIGTERM + resume
+of an fp8 run is tests/test_cuda_engine.py::test_sigterm_resume_bit_exact_on_gpu[fp8].
 
     python -m pytest -m gpu tests/test_fp8_cuda.py -q
 
@@ -41,6 +40,16 @@ def be():
     return b
 
 
+def use_tuning(monkeypatch, be, **settings):
+    """The backend's launch geometry with settings changed for this test (cuda/tuning.Tuning, a
+    frozen copy), on the backend and on its FP8 state, which keeps its own reference."""
+    tuning = be.tuning.with_settings(settings)
+    monkeypatch.setattr(be, "tuning", tuning)
+    if be.fp8 is not None:
+        monkeypatch.setattr(be.fp8, "tuning", tuning)
+    return tuning
+
+
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert np.all(np.isfinite(a)), "non-finite values"
@@ -60,11 +69,11 @@ def host(a):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16), (400, 96)])  # partial tiles of every height
 def test_cast_kernels_match_the_reference_bytes(be, fmt, R, K, rows, monkeypatch):
-    """k_fp8_amax, k_fp8_cast_transpose (tiles of 64, 128 and 256 rows: CudaOps.fp8_tile_rows;
+    """k_fp8_amax, k_fp8_cast_transpose (tiles of 64, 128 and 256 rows: Tuning.fp8_tile_rows;
     whole tiles and partial ones, which take fp8_cast_tile's two copies) and k_fp8_cast byte for
     byte against the reference; a NaN makes the amax NaN."""
     import cupy as cp
-    monkeypatch.setattr(be, "fp8_tile_rows", rows)
+    use_tuning(monkeypatch, be, fp8_tile_rows=rows)
     rng = np.random.default_rng(R * K)
     x = (rng.standard_normal((R, K)) * np.exp2(rng.integers(-12, 6, (R, K)))).astype(bf16())
     xd = cp.asarray(x)
@@ -93,7 +102,7 @@ def test_cast_transpose_colsum_matches_the_reference_bits(be, R, K, rows, monkey
     column sums bit for bit as numpy_ref.fp8_tile_colsum adds them (partial tiles of every height,
     columns past the last whole tile, whole tiles); without out or out_t too."""
     import cupy as cp
-    monkeypatch.setattr(be, "fp8_tile_rows", rows)
+    use_tuning(monkeypatch, be, fp8_tile_rows=rows)
     rng = np.random.default_rng(R * K + rows)
     x = (rng.standard_normal((R, K)) * np.exp2(rng.integers(-12, 6, (R, K)))).astype(bf16())
     xd, n = cp.asarray(x), -(-R // rows)
@@ -119,24 +128,21 @@ def test_cast_transpose_colsum_matches_the_reference_bits(be, R, K, rows, monkey
 
 @pytest.mark.parametrize("IC,OC", [(80, 240), (320, 80)])
 def test_linear_bias_gradient_from_the_cast(be, IC, OC, monkeypatch):
-    """With CudaOps.fp8_cast_colsum the bias gradient comes from dY's cast (k_fp8_cast_transpose_colsum
-    and k_colsum_final): dinp and dw bit for bit those of the two-pass column sums (the products
-    are the same), db within float32's rounding of the same sum in another order."""
+    """The bias gradient comes from dY's cast (k_fp8_cast_transpose_colsum and k_colsum_final; no
+    two-pass column sums of dY): db within float32's rounding of the sum of dY."""
     import cupy as cp
     rng = np.random.default_rng(IC * OC)
     x, w = on_dev(rng.standard_normal((4, 48, IC))), on_dev(0.05 * rng.standard_normal((OC, IC)))
     dy = on_dev(rng.standard_normal((4, 48, OC)))
-    got = {}
-    for on in (True, False):
-        monkeypatch.setattr(be, "fp8_cast_colsum", on)
-        g = [cp.zeros((4, 48, IC), bf16()), cp.zeros((OC, IC), cp.float32), cp.full(OC, 0.25, cp.float32)]
-        be.fp8.k_fp8_linear_bwd(*g, dy, x, w)
-        got[on] = [a.get() for a in g]
-    for name, a, b in zip(("dinp", "dw"), got[True][:2], got[False][:2]):
-        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), name
+    launched, launch = [], be.rt.launch
+    monkeypatch.setattr(be.rt, "launch", lambda f, k, *a, **kw: (launched.append(k), launch(f, k, *a, **kw))[1])
+    g = [cp.zeros((4, 48, IC), bf16()), cp.zeros((OC, IC), cp.float32), cp.full(OC, 0.25, cp.float32)]
+    be.k_fp8_linear_bwd(*g, dy, x, w)
+    got = [a.get() for a in g]
+    assert "k_fp8_cast_transpose_colsum" in launched and not any(k.startswith("k_colsum_partial") for k in launched)
     db = 0.25 + host(dy).reshape(-1, OC).sum(0)
-    assert np.abs(got[True][2] - db).max() < 1e-5 * np.abs(host(dy)).sum(0).max()
-    assert not np.array_equal(got[True][2], np.full(OC, 0.25, np.float32))
+    assert np.abs(got[2] - db).max() < 1e-5 * np.abs(host(dy)).sum(0).max()
+    assert not np.array_equal(got[2], np.full(OC, 0.25, np.float32))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -146,7 +152,7 @@ def test_many_kernels_are_each_tensor_alone(be, fmt):
     tensor, a NaN; an output skipped) against k_fp8_amax + k_fp8_cast_transpose on each tensor
     alone and against numpy_ref's *_many: the same bytes and meta, the rest of meta zeroed."""
     import cupy as cp
-    from andrea.backends.cuda.fp8 import MANY_BLOCKS, META_STRIDE, TILE
+    from andrea.backends.cuda.fp8.plan import MANY_BLOCKS, META_STRIDE, TILE
     rng = np.random.default_rng(11)
     shapes = [(48, 80), (112, 208), (16, 16), (1040, 592), (240, 80), (80, 320)]
     assert (1040 // TILE + 1) * (592 // TILE + 1) > MANY_BLOCKS and 1040 * 592 > 8 * 256 * MANY_BLOCKS
@@ -197,15 +203,14 @@ def test_make_table_refuses_what_the_kernels_cannot_take(be):
         be.fp8.make_table([x], [cp.zeros((32, 48), cp.int8)], [None])
 
 
-def test_cast_refuses_sizes_cublaslt_cannot_take(be, monkeypatch):
+def test_cast_refuses_sizes_cublaslt_cannot_take(be):
     import cupy as cp
     with pytest.raises(ValueError, match="multiples of 16"):
         be.fp8.k_fp8_cast_transpose(None, cp.zeros(40 * 24, cp.uint8), cp.zeros(2, cp.float32),
                                     on_dev(np.ones((40, 24))), "e4m3")
-    monkeypatch.setattr(be, "fp8_tile_rows", 96)
-    with pytest.raises(ValueError, match="fp8_tile_rows = 96; expected one of"):
-        be.fp8.k_fp8_cast_transpose(None, cp.zeros(48 * 32, cp.uint8), cp.zeros(2, cp.float32),
-                                    on_dev(np.ones((48, 32))), "e4m3")
+    # tile rows the kernels are not built for: refused where the tuning is made
+    with pytest.raises(ValueError, match="fp8_tile_rows = 96: expected one of"):
+        be.tuning.with_settings({"fp8_tile_rows": 96})
 
 
 @pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
@@ -220,7 +225,7 @@ def test_linear_layer_matches_the_fp8_reference(be, grad_fmt, IC, OC, accumulate
     dy = on_dev(rng.standard_normal((Bn, T, OC)))
     X, W, Bv, DY = (host(a) for a in (x, w, b, dy))
     out = cp.full((Bn, T, OC), np.nan, bf16())
-    be.fp8.k_fp8_linear_fwd(out, x, w, b)
+    be.k_fp8_linear_fwd(out, x, w, b)
     # backward ADDS: pre-filled, dinp small enough that its bf16 rounding stays below TOL; in the
     # write mode dinp starts as NaN and is compared as it is
     pre = [0.1 * rng.standard_normal(s) for s in ((Bn, T, IC), (OC, IC), (OC,))]
@@ -228,7 +233,7 @@ def test_linear_layer_matches_the_fp8_reference(be, grad_fmt, IC, OC, accumulate
     pre[0] = host(dx)
     if not accumulate:
         dx, pre[0] = cp.full(dx.shape, np.nan, bf16()), np.zeros_like(pre[0])
-    be.fp8.k_fp8_linear_bwd(dx, dw, db, dy, x, w, grad_fmt=grad_fmt, accumulate=accumulate)
+    be.k_fp8_linear_bwd(dx, dw, db, dy, x, w, grad_fmt=grad_fmt, accumulate=accumulate)
     o_ref = np.zeros((Bn, T, OC))
     ref.k_fp8_linear_fwd(o_ref, X, W, Bv)
     g_ref = [np.zeros_like(p) for p in pre]
@@ -242,17 +247,15 @@ def test_linear_layer_matches_the_fp8_reference(be, grad_fmt, IC, OC, accumulate
     assert 1e-3 < rel(host(out), f64) < 0.1
 
 
-@pytest.mark.parametrize("dgelu_epilogue", [False, True], ids=["dgelu_pass", "dgelu_epilogue"])
 @pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
-def test_mlp_matches_the_fp8_reference(be, accumulate, dgelu_epilogue, monkeypatch):
+def test_mlp_matches_the_fp8_reference(be, accumulate):
     """Stage by stage, each reference stage fed the GPU's bf16 intermediates (pre, act, dact), as
     every kernel test feeds the reference the inputs rounded to the compute dtype: an intermediate
     rounded to bf16 and then to FP8 lands on the other side of an FP8 rounding boundary now and
     then (double rounding), which the float64 reference of the whole MLP would not see. The
     forward does not write act (its FP8 operand comes from pre); the backward's dact *= gelu'(pre)
-    by k_fp8_dgelu_colsum_amax (default) or cuBLASLt's dGELU epilogue (CudaOps.dgelu_epilogue)."""
+    by k_fp8_dgelu_colsum_amax."""
     import cupy as cp
-    monkeypatch.setattr(be, "dgelu_epilogue", dgelu_epilogue)
     rng = np.random.default_rng(5)
     Bn, T, C, H = 4, 48, 80, 320
     x, dy = on_dev(rng.standard_normal((Bn, T, C))), on_dev(1e-3 * rng.standard_normal((Bn, T, C)))
@@ -260,7 +263,7 @@ def test_mlp_matches_the_fp8_reference(be, accumulate, dgelu_epilogue, monkeypat
     w2, b2 = on_dev(0.05 * rng.standard_normal((C, H))), on_dev(0.05 * rng.standard_normal(C))
     out, pre = cp.full((Bn, T, C), np.nan, bf16()), cp.full((Bn, T, H), np.nan, bf16())
     act, dact = cp.full((Bn, T, H), 7, bf16()), cp.empty((Bn, T, H), bf16())
-    be.fp8.k_fp8_mlp_fwd(out, pre, act, x, w1, b1, w2, b2)
+    be.k_fp8_mlp_fwd(out, pre, act, x, w1, b1, w2, b2)
     assert bool((act == 7).all()), "the fp8 forward wrote act"
     X, DY, W1, B1, W2, B2 = (host(a) for a in (x, dy, w1, b1, w2, b2))
     P = host(pre)
@@ -273,7 +276,7 @@ def test_mlp_matches_the_fp8_reference(be, accumulate, dgelu_epilogue, monkeypat
          cp.zeros((C, H), cp.float32), cp.zeros(C, cp.float32)]
     if not accumulate:  # dinp written: NaN before
         g[0] = cp.full((Bn, T, C), np.nan, bf16())
-    be.fp8.k_fp8_mlp_bwd(*g, dy, x, pre, w1, w2, act, dact, accumulate=accumulate)
+    be.k_fp8_mlp_bwd(*g, dy, x, pre, w1, w2, act, dact, accumulate=accumulate)
     assert bool((act == 7).all()), "the fp8 backward wrote act"
     A, D = ref._act(pre.get()).astype(np.float64), host(dact)  # act = gelu(pre) in bf16; the GPU's dact
     d2 = [np.zeros((Bn, T, H)), np.zeros((C, H)), np.zeros(C)]
@@ -295,20 +298,19 @@ def fp8_steps_apart(a, b):
     return np.abs(ordinal(a) - ordinal(b))
 
 
-@pytest.mark.parametrize("gelu_fma", [False, True], ids=["sigmoid", "folded"])  # CudaOps.fp8_gelu_fma
 @pytest.mark.parametrize("rows", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16), (400, 96)])  # partial tiles
-def test_gelu_kernels_match_the_reference(be, dtype, R, K, rows, gelu_fma, monkeypatch):
+def test_gelu_kernels_match_the_reference(be, dtype, R, K, rows, monkeypatch):
     """k_fp8_gelu_amax and k_fp8_gelu_cast_transpose of pre against numpy_ref's (both formats;
     both outputs or out_t alone, the same bytes; a NaN in pre makes the amax NaN). The GPU's act
     is gelu.cuh's sigmoid form in float32, the reference's the tanh form in float64: the same
     function, rounded to the dtype, so a few elements land one unit of the dtype apart, and so at
     most one FP8 code apart in under 1% of the bytes (the reference cast with the GPU's amax);
-    the amax within one unit of the dtype. Either form of gelu.cuh (CudaOps.fp8_gelu_fma)."""
+    the amax within one unit of the dtype. gelu.cuh's folded form (-DGELU_FMA=1), the one fp8.cu is
+    built with."""
     import cupy as cp
-    monkeypatch.setattr(be, "fp8_tile_rows", rows)
-    monkeypatch.setattr(be, "fp8_gelu_fma", gelu_fma)
+    use_tuning(monkeypatch, be, fp8_tile_rows=rows)
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     unit = 2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10
     rng = np.random.default_rng(R + K)
@@ -342,19 +344,17 @@ def test_gelu_kernels_match_the_reference(be, dtype, R, K, rows, gelu_fma, monke
             assert apart.max() <= 1 and (apart > 0).mean() < 0.01, (fmt, int(apart.max()), (apart > 0).mean())
 
 
-@pytest.mark.parametrize("gelu_fma", [False, True], ids=["sigmoid", "folded"])  # CudaOps.fp8_gelu_fma
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("N,H", [(53, 208), (256, 1024), (16, 8)])  # partial chunks and column strips
-def test_dgelu_colsum_amax_matches_the_reference(be, dtype, N, H, gelu_fma, monkeypatch):
+def test_dgelu_colsum_amax_matches_the_reference(be, dtype, N, H):
     """k_fp8_dgelu_colsum_amax: dact *= gelu'(pre) within one unit of the dtype of numpy_ref's
     (the sigmoid form in float32 against the tanh form in float64; near the derivative's zero,
     within float32's absolute error of it); the column sums (k_colsum_final
-    of its partials) the bits of _colsum_add of the dact it wrote, its amax that of k_fp8_amax
-    of that dact (a NaN: NaN); the column sums within rounding of the reference's. Either form of
-    gelu.cuh (CudaOps.fp8_gelu_fma)."""
+    of its partials) the bits of the two-pass column sums (GradPass.add) of the dact it wrote, its
+    amax that of k_fp8_amax of that dact (a NaN: NaN); the column sums within rounding of the
+    reference's. gelu.cuh's folded form (-DGELU_FMA=1), the one fp8.cu is built with."""
     import cupy as cp
-    from andrea.backends.cuda.ops import colsum_chunks
-    monkeypatch.setattr(be, "fp8_gelu_fma", gelu_fma)
+    from andrea.backends.cuda.geometry import colsum_chunks
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     unit = 2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10
     half_subnormal = 2.0 ** -134 if dtype == "bfloat16" else 2.0 ** -25
@@ -369,14 +369,14 @@ def test_dgelu_colsum_amax_matches_the_reference(be, dtype, N, H, gelu_fma, monk
         part = cp.full(chunks * H, np.nan, cp.float32)
         be.fp8.k_fp8_dgelu_colsum_amax(part, m, d, pre, rpc)
         db = cp.full(H, 0.25, cp.float32)
-        be._colsum_final(db, part, chunks, H)
+        be.grads.final(db, part, chunks, H)
         m_sep, db_sep = cp.zeros(64, cp.float32), cp.full(H, 0.25, cp.float32)
         be.fp8.k_fp8_amax(m_sep, d)
         a, b = m_sep.get()[0], m.get()[0]
         if nan:
             assert np.isnan(a) and np.isnan(b)
             continue
-        be._colsum_add(db_sep, d, N, H)
+        be.grads.add(db_sep, d, N, H)
         assert a == b > 0 and m.get()[1] == 9, "amax, or a write beyond it"
         assert np.array_equal(db_sep.get().view(np.uint32), db.get().view(np.uint32)), "column sums"
         r_d, r_db, r_m = d0.astype(dt).astype(np.float64), np.full(H, 0.25), np.zeros(2, np.float32)
@@ -391,39 +391,10 @@ def test_dgelu_colsum_amax_matches_the_reference(be, dtype, N, H, gelu_fma, monk
         assert rel(db.get(), r_db) < 1e-3
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_gelu_fma_switch_reaches_the_kernel(be, dtype, monkeypatch):
-    """CudaOps.fp8_gelu_fma picks gelu.cuh's form in the kernels the engine launches: over 2^20
-    values, k_fp8_dgelu_colsum_amax's dact (written in the dtype) with the folded form differs from
-    the sigmoid form's in some values (the forms' roundings differ; in a 16-bit dtype that shows in
-    a fraction of the values, about 1e-3 at gelu' = 2e-6 of error against 2^-10), and in no value
-    by more than one unit of the dtype; the same form twice gives the same bits."""
-    import cupy as cp
-    from andrea.backends.cuda.ops import colsum_chunks
-    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
-    N, H = 256, 4096
-    rng = np.random.default_rng(11)
-    p0, d0 = (rng.standard_normal((N, H)) * 2).astype(dt), rng.standard_normal((N, H)).astype(dt)
-    rpc, chunks = colsum_chunks(N)
-    out = {}
-    for name, fma in (("sigmoid", False), ("folded", True), ("again", True)):
-        monkeypatch.setattr(be, "fp8_gelu_fma", fma)
-        d = cp.asarray(d0)
-        be.fp8.k_fp8_dgelu_colsum_amax(cp.zeros(chunks * H, cp.float32), cp.zeros(64, cp.float32), d,
-                                       cp.asarray(p0), rpc)
-        out[name] = d.get()
-    a, b = out["sigmoid"].astype(np.float64), out["folded"].astype(np.float64)
-    assert np.array_equal(out["folded"].view(np.uint16), out["again"].view(np.uint16)), "folded form twice"
-    differ = (out["sigmoid"].view(np.uint16) != out["folded"].view(np.uint16)).mean()
-    assert 0 < differ < 0.05, f"{differ:.2e} of the values differ between the forms: the switch did not reach"
-    unit = 2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10
-    assert np.all(np.abs(a - b) <= unit * np.maximum(np.abs(a), np.abs(b)) + 2.0 ** -24), "more than one unit apart"
-
-
 @pytest.mark.parametrize("where", [0, 1234567, -1], ids=["first", "middle", "last"])
 def test_amax_of_a_large_tensor_either_grid(be, where, monkeypatch):
     """k_fp8_amax and k_fp8_gelu_amax over 4.6M values (enough that each thread of the default
-    grid, CudaOps.fp8_amax_blocks blocks an SM, takes its vectors four at a time, with a remainder)
+    grid, Tuning.fp8_amax_blocks blocks an SM, takes its vectors four at a time, with a remainder)
     with the largest value first, in the middle or last: the amax of the reference, the same with
     the old grid (fp8_amax_blocks = 0), and NaN with a NaN there."""
     import cupy as cp
@@ -436,7 +407,7 @@ def test_amax_of_a_large_tensor_either_grid(be, where, monkeypatch):
         x = cp.asarray(x0.astype(bf16()))
         got = {}
         for grid in (4, 0):
-            monkeypatch.setattr(be, "fp8_amax_blocks", grid)
+            use_tuning(monkeypatch, be, fp8_amax_blocks=grid)
             for kernel in ("k_fp8_amax", "k_fp8_gelu_amax"):
                 m = cp.full(64, 5, cp.float32)
                 getattr(be.fp8, kernel)(m, x)
@@ -454,19 +425,16 @@ def test_amax_of_a_large_tensor_either_grid(be, where, monkeypatch):
                 assert v == got[0, kernel] and abs(v - g_want[0]) <= 2 ** -8 * g_want[0], (grid, v, g_want[0])
 
 
-@pytest.mark.parametrize("gelu_fma", [False, True], ids=["sigmoid", "folded"])  # CudaOps.fp8_gelu_fma
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_gelu_amax_without_a_gelu_per_value_same_bits(be, dtype, gelu_fma, monkeypatch):
+def test_gelu_amax_same_bits_either_grid(be, dtype, monkeypatch):
     """k_fp8_gelu_amax (the maximum of max(pre, 0), one GELU a thread, the GELU of every value only
-    where a thread's values are all small) gives the bits of its first version (the GELU of every
-    value, CudaOps.fp8_gelu_amax_full), with either grid: on mixed scales and signs, on all-negative
-    pre and pre below 0.25 (every thread takes the full pass), with the largest value in one
-    place, with zeros, with -3e4 (bfloat16: -1e36) among them (where the GPU's capped exponential
-    makes |gelu| large in bfloat16), and with a NaN (NaN) or -inf (infinite: gelu8(-inf) is -inf);
-    and, but for the last three, within one unit of the dtype of the reference. Either form of
-    gelu.cuh (CudaOps.fp8_gelu_fma)."""
+    where a thread's values are all small) gives the same bits with either grid: on mixed scales
+    and signs, on all-negative pre and pre below 0.25 (every thread takes the full pass), with the
+    largest value in one place, with zeros, with -3e4 (bfloat16: -1e36) among them (where the
+    GPU's capped exponential makes |gelu| large in bfloat16), and with a NaN (NaN) or -inf
+    (infinite: gelu8(-inf) is -inf); and, but for the last three, within one unit of the dtype of
+    the reference. gelu.cuh's folded form (-DGELU_FMA=1), the one fp8.cu is built with."""
     import cupy as cp
-    monkeypatch.setattr(be, "fp8_gelu_fma", gelu_fma)
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng(11)
     shape = (1000, 2056)
@@ -487,14 +455,12 @@ def test_gelu_amax_without_a_gelu_per_value_same_bits(be, dtype, gelu_fma, monke
         x = cp.asarray(x0.astype(dt))
         got = {}
         for grid in (4, 0):
-            monkeypatch.setattr(be, "fp8_amax_blocks", grid)
-            for full in (False, True):
-                monkeypatch.setattr(be, "fp8_gelu_amax_full", full)
-                m = cp.full(64, 5, cp.float32)
-                be.fp8.k_fp8_gelu_amax(m, x)
-                got[grid, full] = m.get()[:1].view(np.uint32)[0]
+            use_tuning(monkeypatch, be, fp8_amax_blocks=grid)
+            m = cp.full(64, 5, cp.float32)
+            be.fp8.k_fp8_gelu_amax(m, x)
+            got[grid] = m.get()[:1].view(np.uint32)[0]
         assert len(set(got.values())) == 1, (name, {k: hex(v) for k, v in got.items()})
-        a = np.uint32(got[4, False]).view(np.float32)
+        a = np.uint32(got[4]).view(np.float32)
         want = np.zeros(2, np.float32)
         ref.k_fp8_gelu_amax(want, x.get().astype(np.float32))
         if name == "nan":
@@ -553,29 +519,6 @@ def test_engine_fp8_uses_fp8_and_two_runs_same_bits(tmp_path):
     assert max(abs(a - b) for a, b in zip(l_bf, runs[0][0])) < 0.05 * l_bf[0]
 
 
-def test_gelu_fma_runs_same_bits_twice_and_near_the_sigmoid_form(tmp_path):
-    """CudaOps.fp8_gelu_fma (gelu.cuh's folded form): two fp8 runs with it give the same records
-    and state bits; the engine built fp8.cu with -DGELU_FMA=1 (the sigmoid form's engine without);
-    its losses lie within 0.5% of the sigmoid form's over 7 steps. (At this size the losses may
-    keep the sigmoid form's bits: the forms differ in about 1e-3 of the 16-bit GELU values, and
-    few of those change an FP8 operand; test_gelu_fma_switch_reaches_the_kernel shows the kernels
-    apart.)"""
-    from andrea.backends import get_backend
-    from andrea.core.engine import Engine
-    runs = {}
-    for name, fma in (("folded", True), ("again", True), ("sigmoid", False)):
-        be = get_backend("cuda")
-        be.fp8_gelu_fma = fma
-        eng = Engine(cfg_for(tmp_path, batch_size=4, seq_len=32, precision="fp8"), backend=be)
-        recs = [dict(eng.train_step(s, [batch(s)])) for s in range(1, 8)]
-        runs[name] = recs, eng.host_state()
-        built = {defs for fname, _, defs, _ in be.rt.modules if fname == "fp8.cu"}
-        assert any("-DGELU_FMA=1" in d for d in built) == fma, (name, built)
-    assert_same_runs(runs["folded"], runs["again"], "two runs with the folded GELU differ")
-    a, b = [r["loss"] for r in runs["folded"][0]], [r["loss"] for r in runs["sigmoid"][0]]
-    assert all(np.isfinite(a)) and max(abs(x - y) / y for x, y in zip(a, b)) < 5e-3, (a, b)
-
-
 def test_fp8_refuses_sizes_it_cannot_run(tmp_path):
     from andrea.core.engine import Engine
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -583,12 +526,10 @@ def test_fp8_refuses_sizes_it_cannot_run(tmp_path):
 
 
 # ---------------------------------------------------------------- the FP8 weight cache
-def fp8_engine(tmp_path, cache, **train):
-    from andrea.backends import get_backend
+def fp8_engine(tmp_path, **train):
     from andrea.core.engine import Engine
-    be = get_backend("cuda", fp8_weight_cache=cache)
-    eng = Engine(cfg_for(tmp_path, batch_size=4, seq_len=32, precision="fp8", **train), backend=be)
-    assert eng.fp8_cache is cache and be.fp8 is not None
+    eng = Engine(cfg_for(tmp_path, batch_size=4, seq_len=32, precision="fp8", **train))
+    assert eng.be.fp8 is not None and eng.be.fp8.cache.copies, "no FP8 weight cache in use"
     return eng
 
 
@@ -600,7 +541,7 @@ def check_cache(eng, when):
     from andrea.core.plan import fp8_cached_weights
     be = eng.be
     names = fp8_cached_weights(eng.cfg.model, eng.fp8_classifier)
-    assert len(be.fp8.cache) == len(names)
+    assert len(be.fp8.cache.copies) == len(names)
     for name in names:
         w = eng.p[name]
         q, q_t, row = be.fp8.cached(w)
@@ -648,77 +589,65 @@ def launches(be):
 
 
 def test_weight_cache_same_bits_as_per_product_casts(tmp_path):
-    """Steps of two microbatches with the FP8 weight cache on and off: the same losses, records,
-    weights and Adam state bits, a skipped (non-finite) step among them, and a resume from a
-    state. With the cache on the copies match the weights after start-up, after updates, after the
-    skipped step and after load_state; a step's products quantise no weight themselves (8 amax
-    passes fewer per layer and microbatch) and the optimizer's graph rewrites every copy with one
-    k_fp8_cast_transpose_many, the amax taken by the update (k_adamw_step_amax) or, with
-    CudaOps.fp8_adamw_amax off, by one k_fp8_amax_many. (The MLP's act and dact take their amax in
-    k_fp8_gelu_amax and k_fp8_dgelu_colsum_amax, so 9 k_fp8_amax passes a layer remain with the
-    cache and without the input slots: 3 inputs, 3 output gradients, the 3 inputs again.)"""
+    """Steps of two microbatches with the FP8 weight cache, a skipped (non-finite) step among them,
+    and a resume from a state: the copies match what each product's own quantisation makes of the
+    weights (check_cache) after start-up, after updates, after the skipped step and after
+    load_state; a step's products quantise no weight themselves and the optimizer's graph rewrites
+    every copy with one k_fp8_cast_transpose_many, the amax taken by the update
+    (k_adamw_step_amax). (The MLP's act and dact take their amax in k_fp8_gelu_amax and
+    k_fp8_dgelu_colsum_amax, so 9 k_fp8_amax passes a layer remain with the cache and without the
+    input slots: 3 inputs, 3 output gradients, the 3 inputs again.)"""
+    from andrea.backends.cuda import CudaBackend
     n_layer, n_micro = MODEL["n_layer"], 2
-    runs, mid = {}, {}
-    for cache in (True, False):
-        eng = fp8_engine(tmp_path, cache)
-        if cache:
-            check_cache(eng, "start-up")
-        recs, log = [], None
-        for s in range(1, 8):
-            if s == 1:
-                log = launches(eng.be)
-            if s == 5:  # a non-finite loss gradient: the step is skipped, the weights stay
-                eng.loss_scale = float("inf")
-            rec = dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)]))
-            if s == 1:
-                eng.be.synchronize()
-                counts = {k: log.count(k) for k in ("k_fp8_amax", "k_fp8_amax_many", "k_fp8_cast_transpose_many")}
-                del eng.be.rt.launch  # the recording off again
-            if s == 5:
-                eng.loss_scale = 1.0
-                if cache:
-                    check_cache(eng, "skipped step")
-            if s == 3:
-                mid[cache] = eng.state()
-            recs.append(rec)
-        if cache:
-            check_cache(eng, "after 7 steps")
-        runs[cache] = recs, counts, eng.host_state()
-    on, off = runs[True], runs[False]
+    mid = None
+    eng = fp8_engine(tmp_path)
+    check_cache(eng, "start-up")
+    recs, log = [], None
+    for s in range(1, 8):
+        if s == 1:
+            log = launches(eng.be)
+        if s == 5:  # a non-finite loss gradient: the step is skipped, the weights stay
+            eng.loss_scale = float("inf")
+        rec = dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)]))
+        if s == 1:
+            eng.be.synchronize()
+            counts = {k: log.count(k) for k in ("k_fp8_amax", "k_fp8_amax_many", "k_fp8_cast_transpose_many")}
+            del eng.be.rt.launch  # the recording off again
+        if s == 5:
+            eng.loss_scale = 1.0
+            check_cache(eng, "skipped step")
+        if s == 3:
+            mid = eng.state()
+        recs.append(rec)
+    check_cache(eng, "after 7 steps")
+    on = recs, counts, eng.host_state()
     assert [r["skipped"] for r in on[0]] == [False] * 4 + [True] + [False] * 2, on[0]
     assert all(np.isfinite(r["loss"]) for r in on[0] if not r["skipped"])
-    # repr: every float to the bit, and a NaN (the skipped step's norm) equal to a NaN
-    assert repr(on[0]) == repr(off[0]), "losses or records differ with the FP8 weight cache on and off"
-    for what, a, b in zip(("weights", "adam m", "adam v"), on[2], off[2]):
-        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{what} differ with the cache on and off"
-    # the input slots (at the backend's defaults) take 3 (X^T kept) and 2 (amax in the layer norms)
-    # more amax passes a layer away, with the cache on or off (test_input_slots_same_bits_as_without)
+    # the input slots take 3 (X^T kept) and, under current scaling, 2 (amax in the layer norms)
+    # more amax passes a layer away (test_input_slots_in_the_engine)
     # (with delayed scaling ln1 and ln2 are delayed tensors: their layer norms reduce no amax, and
     # step 1 takes it first with k_fp8_amax, as for every delayed tensor)
-    from andrea.backends.cuda.ops import CudaOps
-    slots = 3 * CudaOps.fp8_keep_xt + 2 * (CudaOps.fp8_producer_amax and CudaOps.fp8_scaling != "delayed")
-    assert off[1] == {"k_fp8_amax": (17 - slots) * n_layer * n_micro, "k_fp8_amax_many": 0,
-                      "k_fp8_cast_transpose_many": 0}
-    # the optimizer takes the cached weights' amax in its update (CudaOps.fp8_adamw_amax), or
-    # k_fp8_amax_many takes it before the cast
-    assert on[1] == {"k_fp8_amax": (9 - slots) * n_layer * n_micro, "k_fp8_amax_many": int(not CudaOps.fp8_adamw_amax),
+    slots = 3 + 2 * (CudaBackend.fp8_scaling != "delayed")
+    # the optimizer takes the cached weights' amax in its update (k_adamw_step_amax): no
+    # k_fp8_amax_many before the cast
+    assert on[1] == {"k_fp8_amax": (9 - slots) * n_layer * n_micro, "k_fp8_amax_many": 0,
                      "k_fp8_cast_transpose_many": 1}
     # resume: a fresh engine (its copies made from its own initial weights) loads the state after
     # step 3 and runs steps 4..7: the same bits as the straight run
-    check_resume(fp8_engine(tmp_path, True, seed=99), mid[True], on, check_cache)
+    check_resume(fp8_engine(tmp_path, seed=99), mid, on, check_cache)
 
 
 @pytest.mark.parametrize("skip", [False, True])
 def test_adamw_step_amax_is_the_update_then_its_amax(skip):
-    """k_adamw_step_amax (CudaOps.fp8_adamw_amax) on weights laid in a flat compute copy with gaps
-    between them (8 to 40 elements), one of them (512 x 1024) across many blocks, one holding a
-    NaN, the decay boundary inside a weight: the
-    update's bits those of k_adamw_step, each weight's amax that of numpy_ref.k_adamw_step_amax
-    (the reference update, then k_fp8_amax of each weight) before the refresh, and the refresh
-    after it the same copies and (amax, 1/scale) as the refresh that takes its own amax passes. A
-    skipped step still takes the amax. A buffer of n % 4 == 2 elements, the weights given to the
-    cache out of address order, or m one element off 16-byte alignment: the plain update and the
-    amax passes run."""
+    """k_adamw_step_amax on weights laid in a flat compute copy with gaps between them (8 to 40
+    elements), one of them (512 x 1024) across many blocks, one holding a NaN, the decay boundary
+    inside a weight: the update's bits those of k_adamw_step, each weight's amax that of
+    numpy_ref.k_adamw_step_amax (the reference update, then k_fp8_amax of each weight) before the
+    refresh, and the refresh after it the same copies and (amax, 1/scale) as the refresh that
+    takes its own amax passes (after the plain update: the weight cache's adamw_amax_fits stood in
+    for by False). A skipped step still takes the amax. A buffer of n % 4 == 2 elements, the
+    weights given to the cache out of address order, or m one element off 16-byte alignment: the
+    plain update and the amax passes run."""
     import cupy as cp
     from andrea.backends import get_backend
     from andrea.backends.cuda.fp8 import META_STRIDE, weight_cache_rows
@@ -744,7 +673,6 @@ def test_adamw_step_amax_is_the_update_then_its_amax(skip):
     def run(on, size, order=(0, 1, 2, 3, 4), m_off=0):
         be = get_backend("cuda")
         be.reserve_workspace(4, 48, 80, 5, bf16(), fp8=True)
-        be.fp8_adamw_amax = on
         bufs = [cp.asarray(x[:size]) for x in (p, g)]
         bufs.append(cp.asarray(np.concatenate([np.zeros(m_off, np.float32), m[:size]]))[m_off:])
         bufs.append(cp.asarray(v[:size]))
@@ -752,10 +680,12 @@ def test_adamw_step_amax_is_the_update_then_its_amax(skip):
         ws = [pc[offs[i]:offs[i] + R * K].reshape(R, K) for i, (R, K) in enumerate(shapes)]
         rows = {name: cp.zeros(shape, dt) for name, shape, dt in weight_cache_rows([shapes[i] for i in order])}
         be.fp8.use_weight_cache([ws[i] for i in order], rows["fp8_wcache"], rows["fp8_wmeta"], rows["fp8_wtable"])
-        fits = be.fp8.adamw_amax_fits(pc, bufs)
+        fits = be.fp8.cache.adamw_amax_fits(pc, bufs)
+        if not on:  # the plain update and the refresh's own amax passes
+            be.fp8.cache.adamw_amax_fits = lambda params_c, floats: False
         be.k_adamw_step(bufs[0], pc, bufs[1], bufs[2], bufs[3], cp.asarray(st), 0.9, 0.95, 1e-8, n_decay,
                         zero_grads=False)
-        taken = be.fp8._amax_taken
+        taken = be.fp8.cache.amax_taken
         amax = rows["fp8_wmeta"].reshape(-1, META_STRIDE)[:, 0].get()
         be.fp8.refresh_weight_cache()
         out = [x.get().view(np.uint32) for x in bufs] + [pc.get().view(np.uint16)]
@@ -784,13 +714,12 @@ def test_adamw_step_amax_is_the_update_then_its_amax(skip):
                 assert np.array_equal(a, b), f"{name} differ with m misaligned"
 
 
-def test_weight_cache_plan_and_switch(tmp_path):
-    """The engine's memory plan holds the cache (fp8 weight cache rows) with the switch on, none
-    off; the products read the arena's copies, not the workspace's weight slot."""
+def test_weight_cache_plan_and_views(tmp_path):
+    """The engine's memory plan holds the cache (fp8 weight cache rows); the products read the
+    arena's copies, not the workspace's weight slot."""
     from andrea.core.plan import fp8_cached_weights
-    on, off = fp8_engine(tmp_path, True), fp8_engine(tmp_path, False)
-    assert "fp8 weight cache" in on.plan.by_group() and "fp8 weight cache" not in off.plan.by_group()
-    assert off.be.fp8.cache == {} and off.be.fp8.cached(off.p["h0.qkv_w"]) is None
+    on = fp8_engine(tmp_path)
+    assert "fp8 weight cache" in on.plan.by_group()
     data = on.bufs["fp8_wcache"]
     lo, hi = data.data.ptr, data.data.ptr + data.nbytes
     for name in fp8_cached_weights(on.cfg.model):
@@ -852,8 +781,7 @@ def test_layernorm_fwd_fp8_is_the_layer_norm_then_its_cast(be, dtype, N, C, resi
     with the same meta; a scale from a quarter of the amax (a delayed one) saturates, as the cast
     does; a NaN makes the amax NaN. The bytes also within one FP8 step of numpy_ref's."""
     import cupy as cp
-    monkeypatch.setattr(be, "fp8_layernorm_rows", rows)
-    monkeypatch.setattr(be, "fp8_layernorm_warps", warps)
+    use_tuning(monkeypatch, be, fp8_layernorm_rows=rows, fp8_layernorm_warps=warps)
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng(N + C)
     a0 = rng.normal(0, 2, (N, C)) * np.exp2(rng.integers(-3, 4, (N, C)))
@@ -873,7 +801,7 @@ def test_layernorm_fwd_fp8_is_the_layer_norm_then_its_cast(be, dtype, N, C, resi
         got = [cp.full((N, C), 0xAA, cp.uint8), cp.full((C, N), 0xAA, cp.uint8)]
         g_res, g_mean, g_rstd = cp.full((N, C), 5, dt), cp.full(N, 5, cp.float32), cp.full(N, 5, cp.float32)
         rec = cp.asarray(np.array([1e-3], np.float32))
-        be.fp8.k_layernorm_fwd_fp8(*got, g_res if residual else None, g_mean, g_rstd, a, b, w, bias, meta, rec)
+        be.k_layernorm_fwd_fp8(*got, g_res if residual else None, g_mean, g_rstd, a, b, w, bias, meta, rec)
         for g, x in zip(got, want):
             np.testing.assert_array_equal(g.get(), x.get(), err_msg=case)
         assert meta.get()[1].tobytes() == np.float32(inv).tobytes(), case
@@ -929,19 +857,18 @@ def test_layernorm_fwd_fp8_refuses_what_it_cannot_take(be):
         a = cp.zeros((N, C), cp.float32)
         w = cp.zeros(C, cp.float32)
         with pytest.raises(ValueError, match="k_layernorm_fwd_fp8: rows of"):
-            be.fp8.k_layernorm_fwd_fp8(cp.zeros((N, C), cp.uint8), cp.zeros((C, N), cp.uint8), None,
-                                       cp.zeros(N, cp.float32), cp.zeros(N, cp.float32), a, None, w, w,
-                                       cp.zeros(2, cp.float32), None)
+            be.k_layernorm_fwd_fp8(cp.zeros((N, C), cp.uint8), cp.zeros((C, N), cp.uint8), None,
+                                   cp.zeros(N, cp.float32), cp.zeros(N, cp.float32), a, None, w, w,
+                                   cp.zeros(2, cp.float32), None)
 
 
-def slot_engine(tmp_path, keep, amax, **train):
+def slot_engine(tmp_path, **train):
     from andrea.backends import get_backend
     from andrea.core.engine import Engine
     be = get_backend("cuda")
-    be.fp8_keep_xt, be.fp8_producer_amax = keep, amax
     be.fp8_scaling = "current"  # act's slot as current scaling fills it (check_slots); delayed: below
     eng = Engine(cfg_for(tmp_path, batch_size=4, seq_len=32, precision="fp8", **train), backend=be)
-    assert (eng.fp8_keep_xt, eng.fp8_producer_amax) == (keep, amax)
+    assert be.fp8.slots, "no FP8 input slots in use"
     return eng
 
 
@@ -970,62 +897,52 @@ def check_slots(eng, when):
             np.testing.assert_array_equal(slot.xt.get(), xt.get(), err_msg=f"{when}: {w} X^T")
 
 
-def test_input_slots_same_bits_as_without(tmp_path):
-    """Steps of two microbatches with fp8_keep_xt and fp8_producer_amax on and off (each alone and
-    both): the same losses, records, weights and Adam state bits as with both off, a skipped step
-    among them and a resume from a state (both on). On, the slots hold what the per-product
-    quantisation makes of each saved input, the backward quantises no kept input again and the
-    products of ln1 and ln2 run no k_fp8_amax: per layer and microbatch the 9 k_fp8_amax passes
-    (3 inputs in the forward, 3 output gradients and the 3 inputs again in the backward; act's
-    and dact's amax come from k_fp8_gelu_amax and k_fp8_dgelu_colsum_amax) become 6 (X^T kept),
-    7 (amax in the layer norms) or 4 (both); k_fp8_cast (3 a layer) goes with X^T kept, where
-    the forward's casts transpose too, and so does the backward's second k_fp8_gelu_amax and
-    k_fp8_gelu_cast_transpose (fp8(act)^T made again from pre)."""
+def test_input_slots_in_the_engine(tmp_path):
+    """Steps of two microbatches (current scaling), a skipped step among them and a resume from a
+    state: the slots hold what the per-product quantisation makes of each saved input, the
+    backward quantises no kept input again and the products of ln1 and ln2 run no k_fp8_amax: per
+    layer and microbatch 4 k_fp8_amax passes (of the 9 without slots: 3 inputs in the forward, 3
+    output gradients and the 3 inputs again in the backward; act's and dact's amax come from
+    k_fp8_gelu_amax and k_fp8_dgelu_colsum_amax); no k_fp8_cast (the forward's casts transpose
+    too), and no second k_fp8_gelu_amax and k_fp8_gelu_cast_transpose in the backward (fp8(act)^T
+    kept)."""
     n_layer, n_micro = MODEL["n_layer"], 2
-    runs, mid = {}, None
-    for keep, amax in ((False, False), (True, False), (False, True), (True, True)):
-        eng = slot_engine(tmp_path, keep, amax)
-        recs, counts = [], None
-        for s in range(1, 8):
-            if s == 1:
-                log = launches(eng.be)
-            if s == 5:
-                eng.loss_scale = float("inf")
-            recs.append(dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)])))
-            if s == 1:
-                eng.be.synchronize()
-                counts = {k: log.count(k) for k in ("k_fp8_amax", "k_fp8_cast", "k_fp8_cast_transpose",
-                                                    "k_fp8_cast_transpose_colsum", "k_fp8_gelu_amax",
-                                                    "k_fp8_gelu_cast_transpose", "k_fp8_dgelu_colsum_amax",
-                                                    "k_mlp_bwd_gelu")}
-                del eng.be.rt.launch
-                if keep or amax:
-                    check_slots(eng, f"step 1, keep={keep} amax={amax}")
-            if s == 5:
-                eng.loss_scale = 1.0
-            if s == 3 and keep and amax:
-                mid = eng.state()
-        runs[keep, amax] = recs, counts, eng.host_state()
-    base = runs[False, False]
+    mid = None
+    eng = slot_engine(tmp_path)
+    recs, counts = [], None
+    for s in range(1, 8):
+        if s == 1:
+            log = launches(eng.be)
+        if s == 5:
+            eng.loss_scale = float("inf")
+        recs.append(dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)])))
+        if s == 1:
+            eng.be.synchronize()
+            counts = {k: log.count(k) for k in ("k_fp8_amax", "k_fp8_cast", "k_fp8_cast_transpose",
+                                                "k_fp8_cast_transpose_colsum", "k_fp8_gelu_amax",
+                                                "k_fp8_gelu_cast_transpose", "k_fp8_dgelu_colsum_amax",
+                                                "k_mlp_bwd_gelu")}
+            del eng.be.rt.launch
+            check_slots(eng, "step 1")
+        if s == 5:
+            eng.loss_scale = 1.0
+        if s == 3:
+            mid = eng.state()
+    base = recs, counts, eng.host_state()
     assert [r["skipped"] for r in base[0]] == [False] * 4 + [True] + [False] * 2, base[0]
     assert all(np.isfinite(r["loss"]) for r in base[0] if not r["skipped"])
     per = n_layer * n_micro
-    want = {(False, False): (9, 3, 4), (True, False): (6, 0, 4), (False, True): (7, 3, 4), (True, True): (4, 0, 4)}
-    for key, (recs, counts, state) in runs.items():
-        assert repr(recs) == repr(base[0]), f"keep_xt, producer_amax = {key}: records differ from both off"
-        for what, a, b in zip(("weights", "adam m", "adam v"), state, base[2]):
-            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{key}: {what} differ from both off"
-        # cast_transpose: dact, and 3 X^T in the backward or 3 kept X^T in the forward; the 3 dY
-        # of the layers with a bias (QKV, the projection, the MLP's second) cast with their column
-        # sums; act's are k_fp8_gelu_cast_transpose's, once a layer, twice without X^T kept
-        n_amax, n_cast, n_ct = want[key]
-        n_gelu = 1 if key[0] else 2
-        assert counts == {"k_fp8_amax": n_amax * per, "k_fp8_cast": n_cast * per,
-                          "k_fp8_cast_transpose": n_ct * per, "k_fp8_cast_transpose_colsum": 3 * per,
-                          "k_fp8_gelu_amax": n_gelu * per,
-                          "k_fp8_gelu_cast_transpose": n_gelu * per, "k_fp8_dgelu_colsum_amax": per,
-                          "k_mlp_bwd_gelu": 0}, (key, counts)
-    eng = slot_engine(tmp_path, True, True, seed=99)
+    # cast_transpose: dact, and 3 kept X^T in the forward; the 3 dY of the layers with a bias (QKV,
+    # the projection, the MLP's second) cast with their column sums; act's are
+    # k_fp8_gelu_cast_transpose's, once a layer
+    n_amax, n_cast, n_ct = 4, 0, 4
+    n_gelu = 1
+    assert counts == {"k_fp8_amax": n_amax * per, "k_fp8_cast": n_cast * per,
+                      "k_fp8_cast_transpose": n_ct * per, "k_fp8_cast_transpose_colsum": 3 * per,
+                      "k_fp8_gelu_amax": n_gelu * per,
+                      "k_fp8_gelu_cast_transpose": n_gelu * per, "k_fp8_dgelu_colsum_amax": per,
+                      "k_mlp_bwd_gelu": 0}, counts
+    eng = slot_engine(tmp_path, seed=99)
     check_resume(eng, mid, base)
     eng.val_loss([batch(40)])  # a forward pass outside the step's graphs: the slots follow it
     check_slots(eng, "after val_loss")
@@ -1033,12 +950,12 @@ def test_input_slots_same_bits_as_without(tmp_path):
 
 def test_input_slots_plan_and_views(tmp_path):
     """The plan's input-slot rows are the arena's, each kept X^T a 256-byte aligned (IC, B*T)
-    view inside fp8_xt (IC = C, and 4C for act); amax only: meta rows, no X^T. The layer-norm
-    launchers find a slot by the input they write (ln1, ln2; the attention output's is never
-    asked for); act, the workspace every layer's slot names, is found by none."""
+    view inside fp8_xt (IC = C, and 4C for act). The layer-norm launchers find a slot by the
+    input they write (ln1, ln2; the attention output's is never asked for); act, the workspace
+    every layer's slot names, is found by none."""
     from andrea.core.plan import fp8_input_slots
-    both, amax_only = slot_engine(tmp_path, True, True), slot_engine(tmp_path, False, True)
-    assert "fp8_xt" in both.bufs and "fp8_xt" not in amax_only.bufs and "fp8_xmeta" in amax_only.bufs
+    both = slot_engine(tmp_path)
+    assert "fp8_xt" in both.bufs and "fp8_xmeta" in both.bufs
     data = both.bufs["fp8_xt"]
     lo, hi = data.data.ptr, data.data.ptr + data.nbytes
     for w, l, x in fp8_input_slots(both.cfg.model):
@@ -1047,7 +964,6 @@ def test_input_slots_plan_and_views(tmp_path):
         assert slot.xt.shape == (IC, 4 * 32) and lo <= slot.xt.data.ptr < hi and slot.xt.data.ptr % 256 == 0, w
         want = None if x == "act" else slot
         assert both.be.fp8.slot_of_input.get(both.slot_input(l, x).data.ptr) is want, w
-        assert amax_only.be.fp8.slots[amax_only.p[w].data.ptr].xt is None
 
 
 # ---------------------------------------------------------------- the classifier in FP8
@@ -1084,10 +1000,10 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, m
     rows from row0 = 5) but for values at a rounding midpoint, or at the random threshold (fewer than
     1 in 1000, and then the neighbouring byte). V = 99: rows of no whole vectors, byte by byte."""
     import cupy as cp
-    from andrea.backends.cuda.fp8 import Fp8Ops
-    from andrea.backends.cuda.ops import _dloss_args
+    from andrea.backends.cuda.fp8.quant import Quant
+    from andrea.backends.cuda.ops.loss import dloss_args
     if version == "v1":
-        monkeypatch.setattr(be, "loss_vectors", 0)
+        use_tuning(monkeypatch, be, loss_vectors=0)
     n = 48
     rng = np.random.default_rng(V)
     z = on_dev(rng.normal(0, 4, (n, V)))
@@ -1097,11 +1013,11 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, m
     q8, meta = cp.zeros((n, V), cp.uint8), cp.zeros(2, cp.float32)
     lf, lse = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32)
     z0 = z.copy()
-    be._loss_rows(True, n, z, ct, (lf, lse, z, t, np.int64(n), np.int32(V)) + _dloss_args("t", dloss)
-                  + (q8, meta[1:], np.int64(5)), fp8_defs=Fp8Ops._defs(fmt) + (f"-DFP8_SR={int(rounding == 'stochastic')}",))
+    be._loss_rows(True, n, z, ct, (lf, lse, z, t, np.int64(n), np.int32(V)) + dloss_args("t", dloss)
+                  + (q8, meta[1:], np.int64(5)), fp8_defs=Quant.fmt_defs(fmt) + (f"-DFP8_SR={int(rounding == 'stochastic')}",))
     assert np.array_equal(z.get().view(np.uint16), z0.get().view(np.uint16)), "the logits were changed"
     lf16, lse16, z16 = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32), z0.copy()
-    be._loss_rows(True, n, z16, ct, (lf16, lse16, z16, t, np.int64(n), np.int32(V)) + _dloss_args("t", dloss))
+    be._loss_rows(True, n, z16, ct, (lf16, lse16, z16, t, np.int64(n), np.int32(V)) + dloss_args("t", dloss))
     assert np.array_equal(lf.get(), lf16.get()) and np.array_equal(lse.get(), lse16.get())
     k = {"e4m3": 8, "e5m2": 15}[fmt]
     assert meta.get()[1] == np.float32(1.0 / 384 * 2.0 ** -k)
@@ -1132,11 +1048,12 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, m
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
 def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, level, rounding, monkeypatch):
-    """k_loss_bwd / k_loss_fwd with the FP8 classifier (V a multiple of 16; CudaOps.fp8_classifier
-    1: the backward's products in FP8, 2: the logits too) against numpy_ref.k_fp8_loss_bwd /
-    k_fp8_loss_fwd (bf16 logits, as the GPU's) within TOL, in chunks of 48 rows; against the float64
-    classifier without quantisation within 0.1 and not equal to it. k_loss_fwd gives the losses
-    and lse of k_loss_bwd, bit for bit (its logits in FP8 at level 2, in bf16 at level 1)."""
+    """k_loss_bwd / k_loss_fwd with the FP8 classifier (V a multiple of 16; the backend's
+    fp8_classifier 1: the backward's products in FP8, 2: the logits too) against
+    numpy_ref.k_fp8_loss_bwd / k_fp8_loss_fwd (bf16 logits, as the GPU's) within TOL, in chunks of
+    48 rows; against the float64 classifier without quantisation within 0.1 and not equal to it.
+    k_loss_fwd gives the losses and lse of k_loss_bwd, bit for bit (its logits in FP8 at level 2,
+    in bf16 at level 1)."""
     import cupy as cp
     monkeypatch.setattr(be, "fp8_dlogits", fmt)
     monkeypatch.setattr(be, "fp8_classifier", level)
@@ -1170,7 +1087,7 @@ def test_engine_fp8_classifier_same_bits_and_resume(tmp_path):
     """An fp8 engine whose vocabulary is a multiple of 16 runs the classifier in FP8 (wte in the
     weight cache, refreshed on its own): two runs bit-identical, a resume from the state after step
     3 bit-exact with the copies matching the weights, and close to (not equal to) the classifier in
-    bf16 (CudaOps.fp8_classifier off)."""
+    bf16 (the backend's fp8_classifier 0)."""
     from andrea.backends import get_backend
     from andrea.core.engine import Engine
     from andrea.core.plan import fp8_cached_weights
@@ -1214,10 +1131,9 @@ def test_engine_fp8_classifier_same_bits_and_resume(tmp_path):
 
 
 # ---------------------------------------------------------------- delayed scaling (act and dact)
-@pytest.mark.parametrize("gelu_fma", [False, True], ids=["sigmoid", "folded"])  # CudaOps.fp8_gelu_fma
 @pytest.mark.parametrize("rows", [64, 128])
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (400, 96)])  # partial tiles
-def test_delayed_kernels_are_the_current_passes(be, R, K, rows, gelu_fma, monkeypatch):
+def test_delayed_kernels_are_the_current_passes(be, R, K, rows, monkeypatch):
     """k_fp8_gelu_cast_transpose_amax: the bytes and 1/scale of k_fp8_gelu_cast_transpose with the
     same meta, and the amax it reduces (into a value already there) that of k_fp8_gelu_amax;
     k_fp8_cast_transpose_amax and k_fp8_cast_transpose_colsum_amax those of their casts without it
@@ -1225,11 +1141,10 @@ def test_delayed_kernels_are_the_current_passes(be, R, K, rows, gelu_fma, monkey
     k_fp8_dgelu_cast_transpose_colsum_amax: the bytes of k_fp8_dgelu_colsum_amax (dact *= gelu'(pre)
     in place, on a copy) followed by k_fp8_cast_transpose with the same meta; its column sums
     numpy_ref.fp8_tile_colsum of that dact bit for bit, its amax k_fp8_amax of it; dact not
-    written. A scale from a smaller amax (a delayed one) saturates, as the cast does. Either form
-    of gelu.cuh (CudaOps.fp8_gelu_fma)."""
+    written. A scale from a smaller amax (a delayed one) saturates, as the cast does. gelu.cuh's
+    folded form (-DGELU_FMA=1), the one fp8.cu is built with."""
     import cupy as cp
-    monkeypatch.setattr(be, "fp8_tile_rows", rows)
-    monkeypatch.setattr(be, "fp8_gelu_fma", gelu_fma)
+    use_tuning(monkeypatch, be, fp8_tile_rows=rows)
     rng = np.random.default_rng(R + K + rows)
     pre = cp.asarray((rng.standard_normal((R, K)) * 2).astype(bf16()))
     dact = cp.asarray((rng.standard_normal((R, K)) * np.exp2(rng.integers(-10, 2, (R, K)))).astype(bf16()))
@@ -1340,15 +1255,14 @@ def assert_same_runs(one, other, what="the two runs differ"):
         assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), what
 
 
-def engine_t64(tmp_path, **settings):
+def engine_t64(tmp_path, pdl=True):
     """An fp8 engine of MODEL at T = 64, B = 2 (the FP8 attention kernels want T % 64 == 0) on a
-    backend of its own with settings (CudaOps attributes) set."""
+    backend of its own, programmatic dependent launch on or off (Runtime.pdl)."""
     from andrea.backends import get_backend
     from andrea.config import load_run_config
     from andrea.core.engine import Engine
     be = get_backend("cuda")
-    for name, value in settings.items():
-        setattr(be, name, value)
+    be.rt.pdl = pdl
     d = small_config(tmp_path, batch_size=2, seq_len=64, precision="fp8")
     d["model"], d["backend"] = {**MODEL, "context": 64}, {"name": "cuda"}
     return Engine(load_run_config(d), backend=be)
@@ -1366,7 +1280,7 @@ def test_delayed_scales_in_the_engine(tmp_path):
     bit for bit, a state without one starts over with the amax taken first. The same steps with
     current scaling end close to these."""
     import cupy as cp
-    from andrea.backends.cuda.fp8 import DELAYED_HIST_AT
+    from andrea.backends.cuda.fp8.plan import DELAYED_HIST_AT
     n_layer = MODEL["n_layer"]
     runs, mid = [], None
     for run in range(2):
@@ -1457,33 +1371,6 @@ def test_delayed_scales_in_the_engine(tmp_path):
     assert repr(a[1:4]) != repr(c[1:4])
 
 
-def test_layernorm_cast_same_bits_as_the_cast_after(tmp_path):
-    """Delayed scaling with the layer norms writing ln1 and ln2 as FP8 operands
-    (CudaOps.fp8_layernorm_cast, the default) and with the layer norm, then its cast
-    (k_fp8_cast_transpose_amax): the same records, weights and Adam state bits over steps of two
-    microbatches and one, a skipped step and an evaluation; the switch is seen in the launches."""
-    runs = []
-    for on in (True, False):
-        eng = delayed_engine(tmp_path)
-        eng.be.fp8_layernorm_cast = on
-        recs, fused = [], 0
-        for s in range(1, 6):
-            log = launches(eng.be)
-            if s == 4:
-                eng.loss_scale = float("inf")
-            recs.append(dict(eng.train_step(s, [batch(3 * s)] if s == 2 else [batch(3 * s), batch(3 * s + 1)])))
-            eng.be.synchronize()
-            fused += log.count("k_layernorm_fwd_fp8")
-            del eng.be.rt.launch
-            eng.loss_scale = 1.0
-            if s == 3:
-                recs.append(eng.val_loss([batch(50)]))
-        eng.be.fp8_layernorm_cast = True
-        assert (fused > 0) == on, fused
-        runs.append((recs, eng.host_state()))
-    assert_same_runs(*runs)
-
-
 # ---------------------------------------------------------------- the attention's FP8 epilogues
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("hs,NH", [(64, 2), (16, 3), (128, 1)])
@@ -1499,7 +1386,7 @@ def test_attention_fp8_kernels_are_the_attention_then_its_cast(be, hs, NH, fmt, 
     import cupy as cp
     if not be._hopper(hs):
         pytest.skip("the FP8 attention kernels are the wgmma ones (compute capability 9.0)")
-    monkeypatch.setattr(be, "fp8_tile_rows", 64)
+    use_tuning(monkeypatch, be, fp8_tile_rows=64)
     B, T = 2, 192
     C, N = NH * hs, B * T
     rng = np.random.default_rng(hs + NH)
@@ -1518,10 +1405,10 @@ def test_attention_fp8_kernels_are_the_attention_then_its_cast(be, hs, NH, fmt, 
             rec, part = cp.asarray(np.array([1e-3], np.float32)), cp.full((N // 64, W), np.nan, cp.float32)
             if name == "fwd":
                 o2, l2 = cp.full_like(out, 7), cp.full_like(lse, 7)
-                be.fp8.k_attn_fwd_fp8(o2, l2, *got, meta, rec, qkv, NH)
+                be.k_attn_fwd_fp8(o2, l2, *got, meta, rec, qkv, NH)
                 assert o2.get().tobytes() == out.get().tobytes() and l2.get().tobytes() == lse.get().tobytes()
             else:
-                be.fp8.k_attn_bwd_fp8(*got, part, meta, rec, dout, qkv, out, lse, NH, f)
+                be.k_attn_bwd_fp8(*got, part, meta, rec, dout, qkv, out, lse, NH, f)
                 assert part.get().tobytes() == want_part.get().tobytes(), (case, name, "column partials")
             for g, w in zip(got, want):
                 np.testing.assert_array_equal(g.get(), w.get(), err_msg=f"{case} {name}")
@@ -1546,53 +1433,46 @@ def test_attention_fp8_kernels_refuse_what_they_cannot_take(be):
     qkv, out = cp.zeros((B, T, 3 * C), bf16()), cp.zeros((B, T, C), bf16())
     lse, meta = cp.zeros((B, NH, T), cp.float32), cp.zeros(2, cp.float32)
     with pytest.raises(ValueError, match="k_attn_fwd_fp8: .*T a multiple of 64"):
-        be.fp8.k_attn_fwd_fp8(out, lse, cp.zeros((B * T, C), cp.uint8), cp.zeros((C, B * T), cp.uint8), meta,
-                              None, qkv, NH)
+        be.k_attn_fwd_fp8(out, lse, cp.zeros((B * T, C), cp.uint8), cp.zeros((C, B * T), cp.uint8), meta,
+                          None, qkv, NH)
     with pytest.raises(ValueError, match="k_attn_bwd_fp8: .*T a multiple of 64"):
-        be.fp8.k_attn_bwd_fp8(cp.zeros((B * T, 3 * C), cp.uint8), cp.zeros((3 * C, B * T), cp.uint8), None, meta,
-                              None, out, qkv, out, lse, NH, "e4m3")
+        be.k_attn_bwd_fp8(cp.zeros((B * T, 3 * C), cp.uint8), cp.zeros((3 * C, B * T), cp.uint8), None, meta,
+                          None, out, qkv, out, lse, NH, "e4m3")
 
 
-def test_attention_cast_same_bits_as_the_casts_after(tmp_path):
-    """Delayed scaling with the attention writing its output and dqkv as FP8 operands
-    (CudaOps.fp8_attention_cast) and with the casts after it (T = 64, head size 16): the same
-    records, weights and Adam state bits over steps of two microbatches and one, a skipped step
-    and an evaluation; with it on, step 2 (the first with a history) runs the _fp8 kernels (a
-    forward and a backward a layer) and no cast of the attention output or dqkv, step 1 none."""
+def test_attention_cast_in_the_engine(tmp_path):
+    """Delayed scaling with the attention writing its output and dqkv as FP8 operands (T = 64,
+    head size 16), over steps of two microbatches and one, a skipped step and an evaluation: step
+    2 (the first with a history) runs the _fp8 kernels (a forward and a backward a layer) and no
+    cast of the attention output or dqkv, step 1 none."""
     n_layer = MODEL["n_layer"]
-    runs = []
-    for on in (True, False):
-        eng = engine_t64(tmp_path, fp8_attention_cast=on)
-        recs, counts = [], []
-        for s in range(1, 6):
-            log = launches(eng.be)
-            if s == 4:
-                eng.loss_scale = float("inf")
-            micro = [batch(3 * s, B=2, T=64)] if s == 2 else [batch(3 * s, B=2, T=64), batch(3 * s + 1, B=2, T=64)]
-            recs.append(dict(eng.train_step(s, micro)))
-            eng.be.synchronize()
-            counts.append((len(micro), {k: log.count(k) for k in ("k_attn_flash_fwd_fp8", "k_attn_flash_bwd_dq_fp8",
-                                                                  "k_attn_flash_bwd_dkv_fp8",
-                                                                  "k_fp8_cast_transpose_amax",
-                                                                  "k_fp8_cast_transpose_colsum_amax")}))
-            del eng.be.rt.launch
-            eng.loss_scale = 1.0
-            if s == 3:
-                recs.append(eng.val_loss([batch(50, B=2, T=64)]))
-        if on:  # step 2 (one microbatch, eager: its graphs' first run with a history); the residual
-            # stream's two gradients are still cast
-            assert counts[1][1] == {"k_attn_flash_fwd_fp8": n_layer, "k_attn_flash_bwd_dq_fp8": n_layer,
-                                    "k_attn_flash_bwd_dkv_fp8": n_layer, "k_fp8_cast_transpose_amax": 0,
-                                    "k_fp8_cast_transpose_colsum_amax": 2 * n_layer}, counts[1]
-            assert counts[0][1]["k_attn_flash_fwd_fp8"] == 0, "step 1 (no history yet) took the FP8 attention"
-        else:
-            assert all(c["k_attn_flash_fwd_fp8"] == c["k_attn_flash_bwd_dq_fp8"] == 0 for _, c in counts)
-        runs.append((recs, eng.host_state()))
-    assert_same_runs(*runs)
+    eng = engine_t64(tmp_path)
+    recs, counts = [], []
+    for s in range(1, 6):
+        log = launches(eng.be)
+        if s == 4:
+            eng.loss_scale = float("inf")
+        micro = [batch(3 * s, B=2, T=64)] if s == 2 else [batch(3 * s, B=2, T=64), batch(3 * s + 1, B=2, T=64)]
+        recs.append(dict(eng.train_step(s, micro)))
+        eng.be.synchronize()
+        counts.append((len(micro), {k: log.count(k) for k in ("k_attn_flash_fwd_fp8", "k_attn_flash_bwd_dq_fp8",
+                                                              "k_attn_flash_bwd_dkv_fp8",
+                                                              "k_fp8_cast_transpose_amax",
+                                                              "k_fp8_cast_transpose_colsum_amax")}))
+        del eng.be.rt.launch
+        eng.loss_scale = 1.0
+        if s == 3:
+            recs.append(eng.val_loss([batch(50, B=2, T=64)]))
+    # step 2 (one microbatch, eager: its graphs' first run with a history); the residual stream's
+    # two gradients are still cast
+    assert counts[1][1] == {"k_attn_flash_fwd_fp8": n_layer, "k_attn_flash_bwd_dq_fp8": n_layer,
+                            "k_attn_flash_bwd_dkv_fp8": n_layer, "k_fp8_cast_transpose_amax": 0,
+                            "k_fp8_cast_transpose_colsum_amax": 2 * n_layer}, counts[1]
+    assert counts[0][1]["k_attn_flash_fwd_fp8"] == 0, "step 1 (no history yet) took the FP8 attention"
 
 
 def test_pdl_same_bits_t64(tmp_path):
-    """Programmatic dependent launch (CudaOps.pdl) at T = 64, where the attention runs its FP8
+    """Programmatic dependent launch (Runtime.pdl) at T = 64, where the attention runs its FP8
     forms (attention_hopper.cu) and the scales are delayed: the same records, weights and Adam
     state bits as ordinary launches over steps of two microbatches and one (eager, then from CUDA
     graphs), a skipped step and an evaluation; the attention's kernels went through
@@ -1620,39 +1500,3 @@ def test_pdl_same_bits_t64(tmp_path):
         assert (eng.be.rt.pdl_launches > 0) == on, eng.be.rt.pdl_launches
         runs.append((recs, eng.host_state()))
     assert_same_runs(*runs, what="programmatic launches changed the run")
-
-
-@pytest.mark.parametrize("attention_cast", [False, True], ids=["casts", "attention_cast"])
-def test_wgrad_stream_same_bits_as_one_stream(tmp_path, attention_cast):
-    """The weight-gradient products on a stream of their own (CudaOps.fp8_wgrad_stream, delayed
-    scaling, T = 64) against one stream: the same records, weights and Adam state bits over steps
-    of two microbatches and one (eager, then from CUDA graphs), a skipped step and an evaluation,
-    with the attention's FP8 forms off and on; the stream took the products whose dY has its own
-    delayed scale and X^T a slot (all four of a layer, once the scales hold a history: at least
-    three a layer at step 2, the first such step, eager), none with it off; the memory plan holds
-    its buffers."""
-    n_layer = MODEL["n_layer"]
-    runs = []
-    for on in (True, False):
-        eng = engine_t64(tmp_path, fp8_wgrad_stream=on, fp8_attention_cast=attention_cast)
-        names = {r[0] for r in eng.be.workspace_rows(2, 64, MODEL["d_model"], MODEL["n_head"], eng.params_c.dtype,
-                                                 fp8=True)}
-        assert ({"fp8_dyt1", "cublaslt_wgrad"} <= names) == on, names
-        recs, side = [], []
-        for s in range(1, 7):
-            if s == 5:
-                eng.loss_scale = float("inf")
-            before = eng.be.fp8.wgrad_side_products
-            micro = [batch(5 * s, B=2, T=64)] if s == 2 else [batch(5 * s, B=2, T=64), batch(5 * s + 1, B=2, T=64)]
-            recs.append(dict(eng.train_step(s, micro)))
-            eng.be.synchronize()
-            side.append(eng.be.fp8.wgrad_side_products - before)
-            eng.loss_scale = 1.0
-            if s == 3:
-                recs.append(eng.val_loss([batch(60, B=2, T=64)]))
-        if on:
-            assert side[1] >= 3 * n_layer, side  # step 2: eager, one microbatch, with a history
-        else:
-            assert not any(side), side
-        runs.append((recs, eng.host_state()))
-    assert_same_runs(*runs)

@@ -9,7 +9,7 @@ wgmma code is compiled out; here ptxas assembles the sm_90a build (cubin), so an
 descriptor or fence operand fails on a machine without a GPU, and no kernel of attention_hopper.cu
 may spill at any head size (nor attention_v6.cu's forward at its two tile shapes), nor may ptxas
 serialise their wgmma, but for the one measured exception (ACCEPTED below); the launch geometry of attention_v6.py, dev/cuda/attention_v7.py and
-attention_v8.py and the backend's (ops.hopper_geometry) is checked against the kernels' macros at
+attention_v8.py and the backend's (geometry.hopper_geometry) is checked against the kernels' macros at
 compile time. -DV6_SM90A is what dev/cuda/attention_v6.py passes to NVRTC with -arch=sm_90a.
 Skipped where nvcc is absent.
 """
@@ -193,9 +193,9 @@ def test_v7_sidecar_geometry_is_the_kernels(hs, tune, tmp_path):
 
 @pytest.mark.parametrize("hs", [16, 32, 64, 80, 128])
 def test_backend_hopper_geometry_is_the_kernels(hs, tmp_path):
-    # what CudaOps launches on compute capability 9.0 (ops.hopper_geometry) is what the package's
+    # what CudaBackend launches on compute capability 9.0 (geometry.hopper_geometry) is what the package's
     # attention_hopper.cu defines with its default settings (the kernels trap otherwise)
-    from andrea.backends.cuda.ops import hopper_geometry
+    from andrea.backends.cuda.geometry import hopper_geometry
     geo = hopper_geometry(hs)
     check_geometry(tmp_path, KERNELS / "attention_hopper.cu", hs,
                    {"V7_DKV_THREADS": geo["dkv_threads"], "V7_DQ_THREADS": geo["threads"], "V7_BK": geo["keys"],

@@ -3,7 +3,7 @@ registers) and what ptxas makes of it (CPU only).
 
     python -m pytest tests/test_loss_plan.py -q
 
-ops.loss_row_plan picks, from V and the element size, the vectors a thread holds (-DLOSS_NV) and
+geometry.loss_row_plan picks, from V and the element size, the vectors a thread holds (-DLOSS_NV) and
 the block size (-DLOSS_THREADS); the kernel is then compiled with __launch_bounds__ of that block,
 so ptxas has 65536 / threads registers a thread. Here: every plan covers the row with whole
 warps and no idle warp, stays within the register file and shared memory, and refuses exactly the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from andrea.backends.cuda.ops import LOSS_ROW_REGS, loss_row_plan
+from andrea.backends.cuda.geometry import LOSS_ROW_REGS, loss_row_plan
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 NVCC = shutil.which("nvcc")
@@ -73,6 +73,6 @@ def test_planned_kernels_do_not_spill(V, ct, vectors, tmp_path):
 
 
 def test_no_vectors_means_version_1():
-    """loss_vectors = 0 sends every row to version 1 (how version 1 is timed against version 2)."""
+    """Tuning.loss_vectors = 0 sends every row to version 1 (how version 1 is timed against version 2)."""
     assert loss_row_plan(50304, 2, vectors=0) is None and loss_row_plan(8192, 2, vectors=0) is None
     assert loss_row_plan(50304, 2, vectors=8) is not None
