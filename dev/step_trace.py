@@ -71,6 +71,8 @@ def trace(shape: str, precision: str, batch: int, steps: int, grad_accum: int, b
                            "train": {"batch_size": batch, "seq_len": T, "precision": precision, "steps": steps,
                                      "warmup_steps": 2, "grad_accum": grad_accum, "seed": 1337}})
     from andrea.bench.step import cuda_backend
+    if sets and backend != "cuda":
+        raise SystemExit(f"--set {', '.join(sets)}: settings of the CUDA backend; this trace runs --backend {backend}")
     be = cuda_backend(sets) if backend == "cuda" else get_backend(backend)
     eng = Engine(cfg, backend=be)
     eng.graphs.run = lambda key, fn: fn()  # every pass eagerly: the arrays can be read after each call

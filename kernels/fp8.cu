@@ -113,9 +113,6 @@ __device__ __forceinline__ unsigned int fp8_thread_max(const CT* x, i64 n, i64 f
 // -9.7 gelu8's capped exponential gives |x| e^-80, under 4e-16 there), rounded to a 16-bit CT at
 // most 0.16992: below this bound (0.17f).
 #define GELU_NEG_BOUND 0x3e2e147bu
-#ifndef FP8_GELU_AMAX_FULL
-#define FP8_GELU_AMAX_FULL 0  // 1: gelu8 of every value (the first version, kept for the tests)
-#endif
 
 // meta[0] = max(meta[0], max |x|) over the block's share (GELU: max |gelu8(x)|). The maximum is
 // taken on the float bits as unsigned integers, which order non-negative floats as their values
@@ -132,7 +129,7 @@ __device__ __forceinline__ void fp8_amax_block(float* meta, const CT* x, i64 n, 
   unsigned int m;
   if (!GELU) {
     m = fp8_thread_max<AMAX_ABS>(x, n, first, step);
-  } else if (FP8_GELU_AMAX_FULL || sizeof(CT) == 4) {
+  } else if (sizeof(CT) == 4) {  // float32: gelu8 of every value
     m = fp8_thread_max<AMAX_GELU>(x, n, first, step);
   } else {
     unsigned int mp = fp8_thread_max<AMAX_POS>(x, n, first, step);

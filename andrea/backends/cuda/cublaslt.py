@@ -29,7 +29,7 @@ DESC_AUX_POINTER, DESC_AUX_LD, DESC_BIAS_DATA_TYPE = 11, 12, 26
 DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_ACCUM = 17, 18, 25
 PREF_MAX_WORKSPACE_BYTES = 1
 # cublasLtEpilogue_t
-EPILOGUES = {"none": 1, "bias": 4, "gelu_aux_bias": 164, "dgelu": 192}
+EPILOGUES = {"none": 1, "bias": 4, "gelu_aux_bias": 164}
 COMPUTE_32F, SCALE_32F = 68, 0
 WORKSPACE_BYTES = 32 << 20
 
@@ -133,13 +133,11 @@ class CublasLt:
 
     def matmul(self, D, A, B, ta, tb, M, N, K, lda, ldb, ldd, ab_type, d_type, epilogue="none",
                bias=None, bias_type=None, aux=None, aux_ld=0, beta=0.0, b_type=None, scales=None,
-               fast_accum=False, workspace=None):
+               fast_accum=False):
         """D (M, N) = epilogue(op(A) @ op(B) [+ bias]) (+ beta D). aux: the GELU pre-activation
-        (written by gelu_aux_bias, read by dgelu), row-major (M, N) with row stride aux_ld.
+        (written by gelu_aux_bias), row-major (M, N) with row stride aux_ld.
         FP8: b_type B's type (A's is ab_type), scales (A's, B's) float32 (1,) device arrays that
-        multiply the product, fast_accum cuBLASLt's faster, less precise FP8 accumulation.
-        workspace: WORKSPACE_BYTES of device memory for this call (None: the binding's own; a
-        product on another stream at the same time needs one of its own)."""
+        multiply the product, fast_accum cuBLASLt's faster, less precise FP8 accumulation."""
         bias_ptr = bias.data.ptr if bias is not None else 0
         aux_ptr = aux.data.ptr if aux is not None else 0
         scale_ptrs = None if scales is None else tuple(s.data.ptr for s in scales)
@@ -162,7 +160,7 @@ class CublasLt:
             self.handle, desc, ctypes.byref(self.alpha), ctypes.c_void_p(B.data.ptr), lay_b,
             ctypes.c_void_p(A.data.ptr), lay_a, ctypes.byref(self.beta), ctypes.c_void_p(D.data.ptr),
             lay_d, ctypes.c_void_p(D.data.ptr), lay_d, ctypes.byref(res.algo),
-            ctypes.c_void_p((self.workspace if workspace is None else workspace).data.ptr), WORKSPACE_BYTES,
+            ctypes.c_void_p(self.workspace.data.ptr), WORKSPACE_BYTES,
             ctypes.c_void_p(cp.cuda.get_current_stream().ptr))
         if st != 0 and key not in self.ran:  # refused on its first run: as good as no algorithm
             del self.plans[key]

@@ -69,7 +69,7 @@ def fp8_rows(B: int, T: int, C: int, vocab: int = 0, chunk_rows: int = 0):
 
 def delayed_rows(n: int):
     """The engine's arena rows of n delayed scales (the run's fp8_scaling "delayed"), one
-    META_STRIDE row each (engine.fp8_delayed_tensors lists them)."""
+    META_STRIDE row each (core.plan.fp8_delayed_tensors lists them)."""
     return [("fp8_delayed", (n * META_STRIDE,), "float32")] if n else []
 
 

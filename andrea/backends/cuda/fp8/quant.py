@@ -191,7 +191,7 @@ class Quant:
     def k_fp8_dgelu_colsum_amax(self, partial, meta, dact, pre, rows_per_chunk):
         """dact (N, H) *= gelu'(pre) in place (k_mlp_bwd_gelu's derivative); partial (chunks, H)
         float32 = the column sums of the new dact over each chunk of rows_per_chunk rows, in
-        k_colsum_partial's order (k_colsum_final of them gives _colsum_add's bits); meta[0] =
+        k_colsum_partial's order (k_colsum_final of them gives GradPass.add's bits); meta[0] =
         max |new dact| (zeroed first: a memset). H a multiple of 8, rows 16-byte aligned."""
         kernel = "k_fp8_dgelu_colsum_amax"
         check(kernel, "meta", meta, dtype=np.float32)

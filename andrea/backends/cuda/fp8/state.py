@@ -31,8 +31,9 @@ from .scales import DelayedScales, InputSlot
 
 class Fp8(Quant):
     """The FP8 state of one CudaBackend: its Runtime, Tuning, cuBLASLt binding (lt), workspace and
-    parameter-gradient pass (grads). grad_fmt: the format of the output gradients ("e4m3" or
-    "e5m2")."""
+    parameter-gradient pass (grads), handed over by reserve_workspace(fp8=True). The Tuning is the
+    backend's, fixed at its construction (a test that times another value sets both). grad_fmt:
+    the format of the output gradients ("e4m3" or "e5m2")."""
 
     def __init__(self, rt, tuning, lt, workspace, grads, grad_fmt: str):
         if grad_fmt not in FP8_FORMATS:

@@ -1,7 +1,7 @@
 """The classifier: cross-entropy over the tied projection (kernels/loss.cu, cuBLAS): k_loss_fwd,
 k_loss_bwd, and their FP8 forms k_fp8_loss_fwd / k_fp8_loss_bwd (train.precision=fp8).
 
-Per chunk of R rows (the logits workspace, interface.loss_chunk_rows): the logits product, then
+Per chunk of R rows (the logits workspace, core.model.loss_chunk_rows): the logits product, then
 one row pass writes the loss and lse (and, backward, dlogits in place), then dinp and dwte. The
 row pass holds a row in registers (version 2, geometry.loss_row_plan) or walks it (version 1).
 
