@@ -1,7 +1,7 @@
 """Settings of the CUDA backend timed against each other in one process, interleaved.
 
     python dev/ab_settings.py --exp ANDREA-120M --precision fp8 --batch 8 \
-        --variant base: --variant attn:fp8_attention_cast=1 \
+        --variant base: --variant t128:fp8_tile_rows=128 \
         --variant ln32:fp8_layernorm_rows=32,fp8_layernorm_warps=16 [--rounds 7 --steps 20] [--json f]
 
 A difference of 0.5 % in a 13 ms step is below what separate jobs (or separate runs of

@@ -19,26 +19,26 @@ def ab():
 
 
 def test_variant_syntax(ab):
-    assert ab.parse_variant("attn:fp8_attention_cast=1,fp8_layernorm_rows=32") == (
-        "attn", {"fp8_attention_cast": 1, "fp8_layernorm_rows": 32})
+    assert ab.parse_variant("t:fp8_tile_rows=128,fp8_layernorm_rows=32") == (
+        "t", {"fp8_tile_rows": 128, "fp8_layernorm_rows": 32})
     assert ab.parse_variant("base:") == ("base", {})
     assert ab.parse_variant("sr:fp8_dlogits_rounding=nearest") == ("sr", {"fp8_dlogits_rounding": "nearest"})
-    for bad in ("noname", ":fp8_attention_cast=1"):
+    for bad in ("noname", ":fp8_tile_rows=128"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected NAME:ATTR=VALUE"):
             ab.parse_variant(bad)
     with pytest.raises(SystemExit, match="expected ATTR=VALUE"):
-        ab.parse_variant("x:fp8_attention_cast")
+        ab.parse_variant("x:fp8_tile_rows")
 
 
 def test_repeated_names_are_refused(ab):
     with pytest.raises(SystemExit, match="names repeat"):
-        ab.main(["--variant", "a:", "--variant", "a:fp8_attention_cast=1"])
+        ab.main(["--variant", "a:", "--variant", "a:fp8_tile_rows=128"])
 
 
 def test_without_a_gpu_it_says_so(ab, capsys):
     from andrea.backends import cuda_available
     if cuda_available():
         pytest.skip("a GPU is here")
-    assert ab.main(["--variant", "base:", "--variant", "attn:fp8_attention_cast=1"]) == 2
+    assert ab.main(["--variant", "base:", "--variant", "t:fp8_tile_rows=128"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 

@@ -1,5 +1,5 @@
 """The FP8 path on the GPU (train.precision=fp8): the quantisation kernels byte for byte and the
-FP8 linear layers against numpy_ref's FP8 section, two fp8 runs bit-identical, and the FP8 weight
+FP8 linear layers against the reference's FP8 section, two fp8 runs bit-identical, and the FP8 weight
 cache (copies of the weights made once per optimizer step) byte for byte what each product's own
 quantisation writes (skipped without a GPU of compute capability 8.9 or later). SIGTERM + resume
 of an fp8 run is tests/test_cuda_engine.py::test_sigterm_resume_bit_exact_on_gpu[fp8].
@@ -99,7 +99,7 @@ def test_cast_kernels_match_the_reference_bytes(be, fmt, R, K, rows, monkeypatch
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16), (400, 96), (272, 2320)])
 def test_cast_transpose_colsum_matches_the_reference_bits(be, R, K, rows, monkeypatch):
     """k_fp8_cast_transpose_colsum: the bytes and 1/scale of k_fp8_cast_transpose, and each tile's
-    column sums bit for bit as numpy_ref.fp8_tile_colsum adds them (partial tiles of every height,
+    column sums bit for bit as ref.fp8_tile_colsum adds them (partial tiles of every height,
     columns past the last whole tile, whole tiles); without out or out_t too."""
     import cupy as cp
     use_tuning(monkeypatch, be, fp8_tile_rows=rows)
@@ -150,7 +150,7 @@ def test_many_kernels_are_each_tensor_alone(be, fmt):
     """k_fp8_amax_many + k_fp8_cast_transpose_many over tensors of several shapes (partial tiles,
     one with more tiles and more values than its blocks take at once, so the blocks stride; a zero
     tensor, a NaN; an output skipped) against k_fp8_amax + k_fp8_cast_transpose on each tensor
-    alone and against numpy_ref's *_many: the same bytes and meta, the rest of meta zeroed."""
+    alone and against the reference's *_many: the same bytes and meta, the rest of meta zeroed."""
     import cupy as cp
     from andrea.backends.cuda.fp8.plan import MANY_BLOCKS, META_STRIDE, TILE
     rng = np.random.default_rng(11)
@@ -302,7 +302,7 @@ def fp8_steps_apart(a, b):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16), (400, 96)])  # partial tiles
 def test_gelu_kernels_match_the_reference(be, dtype, R, K, rows, monkeypatch):
-    """k_fp8_gelu_amax and k_fp8_gelu_cast_transpose of pre against numpy_ref's (both formats;
+    """k_fp8_gelu_amax and k_fp8_gelu_cast_transpose of pre against the reference's (both formats;
     both outputs or out_t alone, the same bytes; a NaN in pre makes the amax NaN). The GPU's act
     is gelu.cuh's sigmoid form in float32, the reference's the tanh form in float64: the same
     function, rounded to the dtype, so a few elements land one unit of the dtype apart, and so at
@@ -347,7 +347,7 @@ def test_gelu_kernels_match_the_reference(be, dtype, R, K, rows, monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("N,H", [(53, 208), (256, 1024), (16, 8)])  # partial chunks and column strips
 def test_dgelu_colsum_amax_matches_the_reference(be, dtype, N, H):
-    """k_fp8_dgelu_colsum_amax: dact *= gelu'(pre) within one unit of the dtype of numpy_ref's
+    """k_fp8_dgelu_colsum_amax: dact *= gelu'(pre) within one unit of the dtype of the reference's
     (the sigmoid form in float32 against the tanh form in float64; near the derivative's zero,
     within float32's absolute error of it); the column sums (k_colsum_final
     of its partials) the bits of the two-pass column sums (GradPass.add) of the dact it wrote, its
@@ -535,7 +535,7 @@ def fp8_engine(tmp_path, **train):
 
 def check_cache(eng, when):
     """Every cached copy (W, W^T) and its (amax, 1/scale) byte-equal to what k_fp8_amax +
-    k_fp8_cast_transpose make of the weight as it is now (the per-product path), and to numpy_ref."""
+    k_fp8_cast_transpose make of the weight as it is now (the per-product path), and to ref."""
     import cupy as cp
     from andrea.backends.cuda.fp8 import META_STRIDE
     from andrea.core.plan import fp8_cached_weights
@@ -642,7 +642,7 @@ def test_adamw_step_amax_is_the_update_then_its_amax(skip):
     """k_adamw_step_amax on weights laid in a flat compute copy with gaps between them (8 to 40
     elements), one of them (512 x 1024) across many blocks, one holding a NaN, the decay boundary
     inside a weight: the update's bits those of k_adamw_step, each weight's amax that of
-    numpy_ref.k_adamw_step_amax (the reference update, then k_fp8_amax of each weight) before the
+    ref.k_adamw_step_amax (the reference update, then k_fp8_amax of each weight) before the
     refresh, and the refresh after it the same copies and (amax, 1/scale) as the refresh that
     takes its own amax passes (after the plain update: the weight cache's adamw_amax_fits stood in
     for by False). A skipped step still takes the amax. A buffer of n % 4 == 2 elements, the
@@ -703,7 +703,7 @@ def test_adamw_step_amax_is_the_update_then_its_amax(skip):
     ref.k_adamw_step_amax(hp, hc, g[:n].copy(), hm, hv, st, 0.9, 0.95, 1e-8, n_decay, segs, meta, zero_grads=False)
     np.testing.assert_array_equal(amax, meta[:, 0])
     assert np.isnan(amax[3]) and np.all(np.delete(amax, 3) > 0)
-    # numpy_ref's update, the same values (NaN's bits aside: ml_dtypes and the kernel write
+    # the reference's update, the same values (NaN's bits aside: ml_dtypes and the kernel write
     # different NaNs)
     np.testing.assert_array_equal(got[4].view(bf16()).astype(np.float32), hc.astype(np.float32))
     for size, order, m_off in ((n2, (0, 1, 2, 3, 4), 0), (n, (0, 2, 1, 3, 4), 0), (n, (0, 1, 2, 3, 4), 1)):
@@ -735,7 +735,7 @@ def test_weight_cache_plan_and_views(tmp_path):
 def test_layernorm_amax_is_k_fp8_amax_of_its_output(be, dtype, C, residual):
     """The layer norms' amax (53 rows: a partial block; a NaN) equal to k_fp8_amax of the output
     they wrote (padded with zeros to a multiple of 16 values, which k_fp8_amax's launcher wants),
-    and to numpy_ref's; the outputs' bits the same as without it."""
+    and to the reference's; the outputs' bits the same as without it."""
     import cupy as cp
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng(C)
@@ -779,7 +779,7 @@ def test_layernorm_fwd_fp8_is_the_layer_norm_then_its_cast(be, dtype, N, C, resi
     k_layernorm_fwd (the vector kernel), and its FP8 bytes, transpose, 1/scale and amax (reduced
     into a smaller value already there) those of k_fp8_cast_transpose_amax of that kernel's output
     with the same meta; a scale from a quarter of the amax (a delayed one) saturates, as the cast
-    does; a NaN makes the amax NaN. The bytes also within one FP8 step of numpy_ref's."""
+    does; a NaN makes the amax NaN. The bytes also within one FP8 step of the reference's."""
     import cupy as cp
     use_tuning(monkeypatch, be, fp8_layernorm_rows=rows, fp8_layernorm_warps=warps)
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
@@ -996,7 +996,7 @@ def fp8_neighbours_at_midpoint(got, want, exact, fmt):
 def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, monkeypatch):
     """loss_bwd_fp8(_regs): losses and lse bit-equal to the 16-bit row pass (loss_bwd(_regs)) on
     the same logits, the logits left as they were, *q8_inv = dloss / 2^k, and the FP8 dlogits
-    numpy_ref.loss_bwd_fp8's bytes (rounded to nearest, or stochastically with its random bits for
+    ref.loss_bwd_fp8's bytes (rounded to nearest, or stochastically with its random bits for
     rows from row0 = 5) but for values at a rounding midpoint, or at the random threshold (fewer than
     1 in 1000, and then the neighbouring byte). V = 99: rows of no whole vectors, byte by byte."""
     import cupy as cp
@@ -1050,7 +1050,7 @@ def test_dlogits_row_pass_matches_the_reference(be, fmt, V, version, rounding, m
 def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, level, rounding, monkeypatch):
     """k_loss_bwd / k_loss_fwd with the FP8 classifier (V a multiple of 16; the backend's
     fp8_classifier 1: the backward's products in FP8, 2: the logits too) against
-    numpy_ref.k_fp8_loss_bwd / k_fp8_loss_fwd (bf16 logits, as the GPU's) within TOL, in chunks of
+    ref.k_fp8_loss_bwd / k_fp8_loss_fwd (bf16 logits, as the GPU's) within TOL, in chunks of
     48 rows; against the float64 classifier without quantisation within 0.1 and not equal to it.
     k_loss_fwd gives the losses and lse of k_loss_bwd, bit for bit (its logits in FP8 at level 2,
     in bf16 at level 1)."""
@@ -1140,7 +1140,7 @@ def test_delayed_kernels_are_the_current_passes(be, R, K, rows, monkeypatch):
     and the amax of k_fp8_amax.
     k_fp8_dgelu_cast_transpose_colsum_amax: the bytes of k_fp8_dgelu_colsum_amax (dact *= gelu'(pre)
     in place, on a copy) followed by k_fp8_cast_transpose with the same meta; its column sums
-    numpy_ref.fp8_tile_colsum of that dact bit for bit, its amax k_fp8_amax of it; dact not
+    ref.fp8_tile_colsum of that dact bit for bit, its amax k_fp8_amax of it; dact not
     written. A scale from a smaller amax (a delayed one) saturates, as the cast does. gelu.cuh's
     folded form (-DGELU_FMA=1), the one fp8.cu is built with."""
     import cupy as cp
@@ -1381,7 +1381,7 @@ def test_attention_fp8_kernels_are_the_attention_then_its_cast(be, hs, NH, fmt, 
     the column partials of its 64-row tiles bit for bit what k_fp8_cast_transpose_amax /
     k_fp8_cast_transpose_colsum_amax (64-row tiles) make of k_attn_fwd's out and of k_attn_bwd's
     dqkv (accumulate=False), with the same meta; a delayed scale of a quarter of the amax saturates
-    as the cast does. Against numpy_ref.k_attn_bwd_fp8 in float32: the decoded values within the
+    as the cast does. Against ref.k_attn_bwd_fp8 in float32: the decoded values within the
     FP8 layers' 0.1."""
     import cupy as cp
     if not be._hopper(hs):

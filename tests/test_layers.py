@@ -29,7 +29,6 @@ RANKS = {
     # 2: the backends
     "andrea.backends.interface": (2, 0),
     "andrea.backends.ref": (2, 1),  # the NumPy reference kernels
-    "andrea.backends.numpy_ref": (2, 1),  # the same, before its split into ref/
     "andrea.backends.numpy_backend": (2, 2),
     "andrea.backends.cuda": (2, 3, 3),  # a module of cuda/ not named below: an op's level
     "andrea.backends.cuda.runtime": (2, 3, 0),
