@@ -23,7 +23,7 @@ def test_memory_plan_lists_the_fp8_weight_cache():
     plans none; at ANDREA-120M with B=8 the cache adds less than 10% to the plan."""
     from andrea.core import model
     from andrea.pipeline.compose import compose_config
-    from andrea.core.engine import fp8_cached_weights, make_plan
+    from andrea.core.plan import fp8_cached_weights, make_plan
     for exp, B in (("ANDREA-tiny", 4), ("ANDREA-120M", 8)):
         cfgs = {p: compose_config(exp, [f"train.precision={p}", f"train.batch_size={B}"]) for p in ("bf16", "fp8")}
         m = cfgs["fp8"].model
@@ -54,7 +54,7 @@ def test_memory_plan_lists_the_fp8_input_slots():
     256-byte aligned: C for the first three, 4C for act); none in 16 bits. At ANDREA-120M with
     B=8 the kept X^T are (3 + 4) x 12 x 768 x 8192 bytes (528.5 MB)."""
     from andrea.pipeline.compose import compose_config
-    from andrea.core.engine import fp8_input_slots, make_plan
+    from andrea.core.plan import fp8_input_slots, make_plan
     for exp, B in (("ANDREA-tiny", 4), ("ANDREA-120M", 8)):
         cfg = compose_config(exp, ["train.precision=fp8", f"train.batch_size={B}"])
         m, N = cfg.model, B * cfg.train.seq_len
@@ -84,7 +84,7 @@ def test_memory_plan_of_bf16_and_fp8_needs_no_ml_dtypes():
     code = (
         "import sys; sys.modules['ml_dtypes'] = None\n"
         "from andrea.pipeline.compose import compose_config\n"
-        "from andrea.core.engine import make_plan\n"
+        "from andrea.core.plan import make_plan\n"
         "for p in ('bf16', 'fp8'):\n"
         "    plan = make_plan(compose_config('ANDREA-tiny', [f'train.precision={p}']))\n"
         "    rows = {r.name: r for r in plan.rows}\n"
@@ -104,7 +104,8 @@ def test_memory_plan_and_workspace_of_the_fp8_classifier():
     (fp8_classifier_runs False) and nothing is added."""
     from andrea.backends.cuda.fp8 import classifier_in_fp8, fp8_rows
     from andrea.pipeline.compose import compose_config
-    from andrea.core.engine import fp8_cached_weights, fp8_classifier_runs, make_plan
+    from andrea.core.engine import fp8_classifier_runs
+    from andrea.core.plan import fp8_cached_weights, make_plan
     from andrea.core.model import loss_chunk_rows
     cfg = compose_config("ANDREA-120M", ["train.precision=fp8", "train.batch_size=8"])
     m, N = cfg.model, 8 * cfg.train.seq_len
@@ -188,7 +189,8 @@ def test_memory_plan_and_state_of_the_delayed_scales():
     from types import SimpleNamespace
 
     from andrea.pipeline.compose import compose_config
-    from andrea.core.engine import EngineState, make_plan
+    from andrea.core.plan import make_plan
+    from andrea.core.state import EngineState
     cfg = compose_config("ANDREA-120M", ["train.precision=fp8", "train.batch_size=8"])
     on, off = make_plan(cfg, fp8_delayed=True), make_plan(cfg)
     assert on.by_group()["fp8 delayed scales"] == 8 * 12 * 64 * 4
@@ -249,7 +251,8 @@ def test_load_checkpoint_starts_another_sets_history_over(tmp_path, capsys):
     from types import SimpleNamespace
 
     from andrea.core.checkpoint import CheckpointError, write_checkpoint
-    from andrea.core.engine import Engine, EngineState
+    from andrea.core.engine import Engine
+    from andrea.core.state import EngineState
     n = 5
     z = np.zeros(n, np.float32)
     loaded = []
