@@ -254,13 +254,16 @@ class Engine(StateMixin):
         if t.precision == "fp8":  # the FP8 operands and their scales, part of that workspace
             m = self.cfg.model
             for name, shape, dtype in self.be.workspace_rows(t.batch_size, t.seq_len, m.d_model, m.n_head,
-                                                             self.params_c.dtype, fp8=True, vocab=m.vocab_size):
+                                                             self.params_c.dtype, fp8=True, vocab=m.vocab_size,
+                                                             chunk_rows=model.loss_chunk_rows(t.batch_size * t.seq_len,
+                                                                                              m.vocab_size)):
                 if name.startswith("fp8_"):
                     b = int(np.prod(shape)) * np.dtype(dtype).itemsize
                     print(f"  {name:<20}{b:>16,}{b / 2**20:>12.1f}  {dtype} {shape}", file=file, flush=True)
         if self.comm.size > 1 and self.zero1:
-            saved = make_plan(self.cfg, self.dtype, self.be.grad_norm_partials,
-                              **self._fp8_switches()).total() - self.plan.total()
+            unsharded = make_plan(self.cfg, self.dtype, self.be.grad_norm_partials,
+                                  fp8_classifier=self.fp8_classifier, fp8_delayed=self.fp8_delayed)
+            saved = unsharded.total() - self.plan.total()
             print(f"data parallel: {self.comm.describe()}, ZeRO-1; the bytes above are per rank (each rank "
                   f"holds the whole model and its gradients, padded to {self.params.size:,} elements, and the "
                   f"Adam moments of its shard of {self.hi - self.lo:,}: {saved:,} bytes fewer than without "

@@ -19,7 +19,7 @@ quantisation kernels they all use. Conventions shared by both backends:
   no buffer is zeroed in the backward pass; parameter gradients always add (microbatches).
 - Dtype follows the arrays: float32 in training, float64 in the gradient checks.
 NumPy creates temporaries inside these functions; the engine's own buffers are all preallocated
-(see engine.Arena). Every reduction runs in a fixed order, so results are bit-reproducible.
+(see core.plan.Arena). Every reduction runs in a fixed order, so results are bit-reproducible.
 
     from andrea.backends import ref
     ref.k_embed_fwd(out, tokens, wte, wpe)

@@ -218,10 +218,10 @@ class AttentionOps:
         check(kernel, "q_t", q_t, (C, B * T), np.uint8)
         geo = hopper_geometry(hs)
         self.rt.launch("attention_hopper.cu", "k_attn_flash_fwd_fp8", ct, (B * NH, -(-T // geo["fwd_rows"])),
-                           geo["threads"], (out, lse, q, q_t, meta, self.fp8.inv_at(kernel, meta),
-                                            self.fp8.amax_out(kernel, amax_out), qkv, i32(B), i32(T), i32(NH),
-                                            attn_scale(hs)),
-                           shared_mem=geo["k_attn_flash_fwd"], hs=hs, arch="sm_90a")
+                       geo["threads"], (out, lse, q, q_t, meta, self.fp8.inv_at(kernel, meta),
+                                        self.fp8.amax_out(kernel, amax_out), qkv, i32(B), i32(T), i32(NH),
+                                        attn_scale(hs)),
+                       shared_mem=geo["k_attn_flash_fwd"], hs=hs, arch="sm_90a")
 
     def k_attn_bwd_fp8(self, q, q_t, partial, meta, amax_out, dout, qkv, out, lse, n_head, fmt):
         """ref.k_attn_bwd_fp8 (attention_hopper.cu k_attn_flash_bwd_dq_fp8, then
@@ -244,8 +244,8 @@ class AttentionOps:
         scale, dims = attn_scale(hs), (i32(B), i32(T), i32(NH))
         part, amax = (np.uint64(0) if partial is None else partial), self.fp8.amax_out(kernel, amax_out)
         self.rt.launch("attention_hopper.cu", "k_attn_flash_bwd_dq_fp8", ct, (B * NH, -(-T // geo["rows"])),
-                           geo["threads"], (q, q_t, part, meta, self.fp8.inv_at(kernel, meta), amax, qkv, dout, out, lse,
-                                            D) + dims + (scale,), shared_mem=geo["k_attn_flash_bwd_dq"], **hop)
+                       geo["threads"], (q, q_t, part, meta, self.fp8.inv_at(kernel, meta), amax, qkv, dout, out, lse,
+                                        D) + dims + (scale,), shared_mem=geo["k_attn_flash_bwd_dq"], **hop)
         self.rt.launch("attention_hopper.cu", "k_attn_flash_bwd_dkv_fp8", ct, (B * NH, -(-T // geo["keys"])),
-                           geo["dkv_threads"], (q, q_t, part, meta, amax, qkv, dout, lse, D) + dims + (scale,),
-                           shared_mem=geo["k_attn_flash_bwd_dkv"], **hop)
+                       geo["dkv_threads"], (q, q_t, part, meta, amax, qkv, dout, lse, D) + dims + (scale,),
+                       shared_mem=geo["k_attn_flash_bwd_dkv"], **hop)

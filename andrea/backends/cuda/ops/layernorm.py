@@ -169,6 +169,6 @@ class LayerNormOps:
         null = np.uint64(0)
         defs = (f"-DLN_MAXC={-(-C // (32 * vec)) * 32 * vec}", f"-DLN_FP8_ROWS={rows}")
         self.rt.launch("layernorm.cu", "k_layernorm_fwd_fp8", ct, -(-N // rows), 32 * warps,
-                           (out, out_t, null if b is None else res, mean, rstd, a, null if b is None else b, weight,
-                            bias, i64(N), i32(C), meta, self.fp8.inv_at(kernel, meta), self.fp8.amax_out(kernel, amax_out)),
-                           defs=defs + ((f"-DLN_FP8_WARPS={warps}",) if warps != 8 else ()))
+                       (out, out_t, null if b is None else res, mean, rstd, a, null if b is None else b, weight,
+                        bias, i64(N), i32(C), meta, self.fp8.inv_at(kernel, meta), self.fp8.amax_out(kernel, amax_out)),
+                       defs=defs + ((f"-DLN_FP8_WARPS={warps}",) if warps != 8 else ()))

@@ -100,7 +100,7 @@ class LossOps:
         level = self._fp8_classifier(inp, wte, logits)
         if level:
             return self.k_fp8_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss,
-                                           accumulate=accumulate, fp8_logits=level == 2)
+                                       accumulate=accumulate, fp8_logits=level == 2)
         x, tg, lf, lsef, z_all, N, V, C, ct = loss_checks("k_loss_bwd", losses, lse, logits, inp, wte, targets)
         check("k_loss_bwd", "dinp", dinp, inp.shape, ct)
         check("k_loss_bwd", "dwte", dwte, (V, C), np.float32)

@@ -48,7 +48,7 @@ class MlpOps:
         dact (B,T,4C) are workspace."""
         if self.fp8 is not None:
             return self.k_fp8_mlp_bwd(dinp, dw1, db1, dw2, db2, dout, inp, pre, w1, w2, act, dact,
-                                          accumulate=accumulate)
+                                      accumulate=accumulate)
         H, C = w1.shape
         ct = w1.dtype
         for n, a in (("pre", pre), ("act", act), ("dact", dact)):

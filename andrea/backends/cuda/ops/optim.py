@@ -104,5 +104,5 @@ class OptimOps:
         params, pc = args[0], args[1]
         cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, meta.nbytes, cp.cuda.get_current_stream().ptr)
         self.rt.launch("optim.cu", "k_adamw_step_amax", pc.dtype, blocks(params.size), THREADS,
-                           args + (i32(int(bool(zero_grads))), table, i32(len(shapes)), meta, i32(META_STRIDE)))
+                       args + (i32(int(bool(zero_grads))), table, i32(len(shapes)), meta, i32(META_STRIDE)))
         cache.amax_taken = True
