@@ -202,3 +202,11 @@ def test_backend_hopper_geometry_is_the_kernels(hs, tmp_path):
                     "V7_QM": geo["rows"], "V7_DKV_SMEM": geo["k_attn_flash_bwd_dkv"],
                     "V7_DQ_SMEM": geo["k_attn_flash_bwd_dq"], "V8_THREADS": geo["threads"],
                     "V8_BM": geo["fwd_rows"], "V8_SMEM": geo["k_attn_flash_fwd"]})
+
+
+def test_hopper_geometry_tune_names_are_checked():
+    """The one geometry takes the sidecars' settings by its own names and refuses others."""
+    from andrea.backends.cuda.geometry import hopper_geometry
+    assert hopper_geometry(64, {"fwd_wg": 3})["fwd_threads"] == 384 and hopper_geometry(64)["fwd_threads"] == 256
+    with pytest.raises(ValueError, match="tune \\['wg'\\]"):
+        hopper_geometry(64, {"wg": 3})

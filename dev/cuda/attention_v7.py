@@ -1,8 +1,9 @@
 """Version 7's backward (k_attn_flash_bwd_dq, k_attn_flash_bwd_dkv on wgmma), now the package's
 kernels/attention_hopper.cu, built for sm_90a with other -D settings than the package's
 defaults, so that dev/cuda/attention_bench.py times the settings against each other (tune). The
-package launches the default settings itself (andrea/backends/cuda/geometry.py, hopper_geometry); this file's geometry() must
-give the same figures for them (tests/test_hopper_compile.py checks both against the macros).
+package launches the default settings itself; the launch geometry of any settings is the package's
+(andrea/backends/cuda/geometry.py, hopper_geometry with tune), written once (tests/test_hopper_compile.py
+checks it against the macros).
 Compiling and loading are attention_v6.py's (NVRTC, -arch=sm_90a, a cubin loaded with the driver).
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from andrea.backends.cuda.geometry import hopper_geometry
 from andrea.backends.cuda.runtime import i32
 
 # dev/cuda on sys.path (the running script's folder, or put there by attention_bench.load_sidecar
@@ -40,14 +42,12 @@ TUNABLE = {"kwg": "V7_KWG", "bq": "V7_BQ", "bn": "V7_BN", "dkv_blocks": "V7_DKV_
 def geometry(hs: int, tune=None) -> dict:
     """Version 7's backward launch for head size hs, as attention_hopper.cu defines it (V7_DKV_THREADS,
     V7_DQ_THREADS, V7_BK, V7_QM, V7_DKV_SMEM, V7_DQ_SMEM; the kernels trap on another block size or
-    less shared memory); tune as module's."""
+    less shared memory): the package's geometry.hopper_geometry with tune's settings (as module's)."""
     tune = tune or {}
-    kwg, dqwg = tune.get("kwg", 1 if hs == 64 else 2), tune.get("dqwg", V7_WG)
-    keys, rows = 64 * kwg, 64 * dqwg
-    bq, bn = tune.get("bq", 64 if hs <= 64 else 32), tune.get("bn", 64)
-    return {"dkv_threads": 128 * kwg, "dq_threads": 128 * dqwg, "keys": keys, "rows": rows,
-            "dkv_smem": 2 * keys * hs * 2 + 4 * bq * hs * 2 + 4 * bq * 4,
-            "dq_smem": 2 * rows * hs * 2 + 4 * bn * hs * 2}
+    names = {"kwg": "kwg", "dqwg": "dqwg", "bq": "bq", "bn": "dq_bn"}  # the rest do not change the launch
+    geo = hopper_geometry(hs, {names[k]: v for k, v in tune.items() if k in names})
+    return {"dkv_threads": geo["dkv_threads"], "dq_threads": geo["dq_threads"], "keys": geo["keys"],
+            "rows": geo["rows"], "dkv_smem": geo["k_attn_flash_bwd_dkv"], "dq_smem": geo["k_attn_flash_bwd_dq"]}
 
 
 def build(ct: str, hs: int, tune=None):

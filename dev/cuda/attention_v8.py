@@ -1,8 +1,9 @@
 """Version 8's forward (k_attn_flash_fwd on wgmma), now the package's kernels/attention_hopper.cu,
 built for sm_90a with other -D settings than the package's defaults, so that
 dev/cuda/attention_bench.py times the settings against each other (tune). The package launches the
-default settings itself (andrea/backends/cuda/geometry.py, hopper_geometry); this file's geometry() must give the same figures
-for them (tests/test_hopper_compile.py checks both against the macros). Compiling and loading are
+default settings itself; the launch geometry of any settings is the package's (andrea/backends/cuda/
+geometry.py, hopper_geometry with tune), written once (tests/test_hopper_compile.py checks it against
+the macros). Compiling and loading are
 attention_v6.py's (NVRTC, -arch=sm_90a, a cubin loaded with the driver); the module holds version
 7's backward too.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from andrea.backends.cuda.geometry import hopper_geometry
 from andrea.backends.cuda.runtime import i32
 
 # dev/cuda on sys.path (the running script's folder, or put there by attention_bench.load_sidecar
@@ -35,11 +37,13 @@ TUNABLE = {"wg": "V8_WG", "bn": "V8_BN", "overlap": "V8_OVERLAP", "blocks": "V8_
 
 def geometry(hs: int, tune=None) -> dict:
     """Version 8's forward launch for head size hs, as attention_hopper.cu's macros define it (V8_BM,
-    V8_BN, V8_THREADS, V8_SMEM; the kernel traps on another block size or less shared memory)."""
+    V8_BN, V8_THREADS, V8_SMEM; the kernel traps on another block size or less shared memory): the
+    package's geometry.hopper_geometry with tune's settings."""
     tune = tune or {}
-    wg, bn = tune.get("wg", 2), tune.get("bn", 64)
-    rows, stages = 64 * wg, tune.get("stages", 3)
-    return {"rows": rows, "keys": bn, "threads": 128 * wg, "smem": rows * hs * 2 + 2 * stages * bn * hs * 2}
+    names = {"wg": "fwd_wg", "bn": "fwd_bn", "stages": "stages"}  # the rest do not change the launch
+    geo = hopper_geometry(hs, {names[k]: v for k, v in tune.items() if k in names})
+    return {"rows": geo["fwd_rows"], "keys": geo["fwd_keys"], "threads": geo["fwd_threads"],
+            "smem": geo["k_attn_flash_fwd"]}
 
 
 def build(ct: str, hs: int, tune=None):

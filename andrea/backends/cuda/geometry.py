@@ -53,17 +53,32 @@ def flash_geometry(hs: int) -> dict:
             "k_attn_flash_bwd_dkv": (2 * bn + 4 * bq) * lds * 2 + 4 * bq * 4}
 
 
-def hopper_geometry(hs: int) -> dict:
+# the -D settings of attention_hopper.cu that change its launch, by the names hopper_geometry's tune
+# takes: warpgroups of 64 keys a dK/dV block, of 64 query rows a dQ block and a forward block, query
+# rows a dK/dV tile, keys a dQ tile and a forward tile, forward key tiles staged at once
+HOPPER_TUNABLE = {"kwg": "V7_KWG", "dqwg": "V7_WG", "bq": "V7_BQ", "dq_bn": "V7_BN", "fwd_wg": "V8_WG",
+                  "fwd_bn": "V8_BN", "stages": "V8_STAGES"}
+
+
+def hopper_geometry(hs: int, tune=None) -> dict:
     """The launch of attention_hopper.cu's wgmma kernels for head size hs, as its macros define them
-    by default (each kernel traps on another block size or less shared memory). Forward (version
-    8): two warpgroups of 64 query rows a block ("fwd_rows"), key tiles of 64 staged three deep.
-    Backward: dQ (version 10), two warpgroups of 64 query rows a block, key tiles of 64; dK/dV
-    (version 7), one warpgroup of 64 keys a block at head size 64 (three blocks a multiprocessor),
-    two elsewhere; query tiles of 64 (32 above head size 64) streamed by dK/dV."""
-    kwg = 1 if hs == 64 else 2
-    keys, rows, bq, bn = 64 * kwg, 128, (64 if hs <= 64 else 32), 64
-    fwd_rows, fwd_bn, stages = 128, 64, 3
-    return {"keys": keys, "rows": rows, "threads": 256, "dkv_threads": 128 * kwg, "fwd_rows": fwd_rows,
+    (each kernel traps on another block size or less shared memory); tune ({HOPPER_TUNABLE name:
+    value}) for a build with other -D settings (dev/cuda's sidecars time them). By default: forward
+    (version 8) two warpgroups of 64 query rows a block ("fwd_rows"), key tiles of 64 staged three
+    deep; backward: dQ (version 10) two warpgroups of 64 query rows a block, key tiles of 64; dK/dV
+    (version 7) one warpgroup of 64 keys a block at head size 64 (three blocks a multiprocessor),
+    two elsewhere, query tiles of 64 (32 above head size 64) streamed by dK/dV. "threads" is the
+    forward's and dQ's block (the same by default; "fwd_threads", "dq_threads" each apart)."""
+    tune = dict(tune or {})
+    unknown = set(tune) - set(HOPPER_TUNABLE)
+    if unknown:
+        raise ValueError(f"hopper_geometry: tune {sorted(unknown)}; expected names of {sorted(HOPPER_TUNABLE)}")
+    kwg, dqwg = tune.get("kwg", 1 if hs == 64 else 2), tune.get("dqwg", 2)
+    keys, rows, bq, bn = 64 * kwg, 64 * dqwg, tune.get("bq", 64 if hs <= 64 else 32), tune.get("dq_bn", 64)
+    fwd_wg, fwd_bn, stages = tune.get("fwd_wg", 2), tune.get("fwd_bn", 64), tune.get("stages", 3)
+    fwd_rows = 64 * fwd_wg
+    return {"keys": keys, "rows": rows, "threads": 128 * dqwg, "dq_threads": 128 * dqwg,
+            "fwd_threads": 128 * fwd_wg, "dkv_threads": 128 * kwg, "fwd_rows": fwd_rows, "fwd_keys": fwd_bn,
             "k_attn_flash_fwd": fwd_rows * hs * 2 + 2 * stages * fwd_bn * hs * 2,
             "k_attn_flash_bwd_dkv": 2 * keys * hs * 2 + 4 * bq * hs * 2 + 4 * bq * 4,
             "k_attn_flash_bwd_dq": 2 * rows * hs * 2 + 4 * bn * hs * 2}
