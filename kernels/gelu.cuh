@@ -25,17 +25,13 @@ __device__ __forceinline__ void gelu_and_slope(float x, float& g, float& dg) {
 // 1e-6, far below bf16's 2^-9 and E4M3's 2^-4. exp's argument is capped at 80 (e^80 < 2^126, where
 // the fast reciprocal would flush to 0): beyond it g and dg are x * e^-80 and below, which round
 // to 0 in bf16 as the exact values do; a NaN x stays NaN (fminf's cap takes 80, x carries the NaN).
-// -DGELU_FMA=1 (the FP8 path always): the same function with its constants folded, the exponent
-// as one product x (A + B x^2) = -2u log2(e) for ex2.approx.ftz (no range fix-up: a result under
-// 2^-126 is 0, where s is 1 to float32's precision anyway) and the slope as two fused
-// multiply-adds, s + x s (1 - s) (C + D x^2): 14 instructions a value in the dGELU pass where the
-// form below compiles to 22 (SASS, sm_90: k_fp8_dgelu_cast_transpose_colsum_amax 840 against 968
-// instructions, k_fp8_gelu_cast_transpose_amax 520 against 616). Other roundings, so other bits; the cap is the same (80 for -2u).
-#ifndef GELU_FMA
-#define GELU_FMA 0
-#endif
+// Its constants are folded: the exponent as one product x (A + B x^2) = -2u log2(e) for
+// ex2.approx.ftz (no range fix-up: a result under 2^-126 is 0, where s is 1 to float32's precision
+// anyway) and the slope as two fused multiply-adds, s + x s (1 - s) (C + D x^2): 14 instructions a
+// value in the dGELU pass where the unfolded form (in git history) compiled to 22 (SASS, sm_90:
+// k_fp8_dgelu_cast_transpose_colsum_amax 840 against 968 instructions,
+// k_fp8_gelu_cast_transpose_amax 520 against 616); the cap is the same (80 for -2u).
 __device__ __forceinline__ void gelu_sigmoid_and_slope(float x, float& g, float& dg) {
-#if GELU_FMA
   const float A = -2.0f * GELU_K * 1.4426950408889634f, B = A * 0.044715f;  // -2u log2(e) = x (A + B x^2)
   const float C = 2.0f * GELU_K, D = C * 3.0f * 0.044715f;                 // the slope's C + D x^2
   float x2 = x * x;
@@ -44,11 +40,4 @@ __device__ __forceinline__ void gelu_sigmoid_and_slope(float x, float& g, float&
   float s = __fdividef(1.0f, 1.0f + e);  // sigmoid(2u)
   g = x * s;
   dg = fmaf(g * (1.0f - s), fmaf(D, x2, C), s);
-#else
-  float x2 = x * x;
-  float u = GELU_K * (x + 0.044715f * x2 * x);
-  float s = __fdividef(1.0f, 1.0f + __expf(fminf(-2.0f * u, 80.0f)));  // sigmoid(2u)
-  g = x * s;
-  dg = s + 2.0f * x * s * (1.0f - s) * GELU_K * (1.0f + 3.0f * 0.044715f * x2);
-#endif
 }

@@ -30,12 +30,6 @@ class Quant:
         return ("-DFP8_E5M2=1",) if fmt == "e5m2" else ()
 
     @staticmethod
-    def gelu_defs():
-        """The -D option of fp8.cu's GELU passes: gelu.cuh's folded form (GELU_FMA), the one the FP8
-        path measured fastest and ran its parity runs with (docs/FP8.md)."""
-        return ("-DGELU_FMA=1",)
-
-    @staticmethod
     def inv_at(kernel, meta):
         """Where 1/scale goes in meta: float32 (2m,) holds amax at 0 and 1/scale at m."""
         check(kernel, "meta", meta, dtype=np.float32)
@@ -72,8 +66,7 @@ class Quant:
         without writing act (and, for 16-bit pre, without a GELU per value: fp8.cu
         fp8_amax_block); zeroes meta[0] first unless zeroed."""
         grid = self.amax_grid("k_fp8_gelu_amax", meta, pre, zeroed)
-        self.rt.launch("fp8.cu", "k_fp8_gelu_amax", pre.dtype, grid, THREADS, (meta, pre, i64(pre.size)),
-                       defs=self.gelu_defs())
+        self.rt.launch("fp8.cu", "k_fp8_gelu_amax", pre.dtype, grid, THREADS, (meta, pre, i64(pre.size)))
 
     def k_fp8_cast(self, out, meta, x, fmt):
         """out (uint8, x's size) = fp8 bytes of x * scale (scale from meta[0]); 1/scale into meta
@@ -127,7 +120,7 @@ class Quant:
         k_fp8_cast_transpose casts it (scale from meta[0]: k_fp8_gelu_amax), without writing act."""
         grid, args, defs = self.cast_transpose_launch("k_fp8_gelu_cast_transpose", out, out_t, meta, pre, fmt)
         self.rt.launch("fp8.cu", "k_fp8_gelu_cast_transpose", pre.dtype, grid, THREADS, args,
-                       defs=defs + self.gelu_defs())
+                       defs=defs)
 
     def k_fp8_cast_transpose_amax(self, out, out_t, meta, x, fmt, amax_out):
         """k_fp8_cast_transpose, and amax_out (a (1,) float32 view, or None: not taken) =
@@ -152,7 +145,7 @@ class Quant:
         kernel = "k_fp8_gelu_cast_transpose_amax"
         grid, args, defs = self.cast_transpose_launch(kernel, out, out_t, meta, pre, fmt)
         self.rt.launch("fp8.cu", "k_fp8_gelu_cast_transpose_amax", pre.dtype, grid, THREADS,
-                       args + (self.amax_out(kernel, amax_out),), defs=defs + self.gelu_defs())
+                       args + (self.amax_out(kernel, amax_out),), defs=defs)
 
     def k_fp8_dgelu_cast_transpose_colsum_amax(self, out, out_t, meta, dact, pre, fmt, partial, amax_out):
         """d = dact * gelu'(pre) (R, K) rounded to dact's dtype (not stored), cast as
@@ -167,7 +160,7 @@ class Quant:
         out_, out_t_, meta_, inv_at, x, R, K = args
         self.rt.launch("fp8.cu", "k_fp8_dgelu_cast_transpose_colsum_amax", dact.dtype, grid, THREADS,
                        (out_, out_t_, meta_, inv_at, x, pre, R, K, partial, self.amax_out(kernel, amax_out)),
-                       defs=defs + self.gelu_defs())
+                       defs=defs)
 
     @staticmethod
     def amax_out(kernel, amax_out):
@@ -207,7 +200,7 @@ class Quant:
         cp.cuda.runtime.memsetAsync(meta.data.ptr, 0, 4, cp.cuda.get_current_stream().ptr)
         self.rt.launch("fp8.cu", "k_fp8_dgelu_colsum_amax", dact.dtype, (-(-H // (32 * vec)), chunks),
                        THREADS, (partial, meta, dact, pre, i64(N), i32(H), i32(rows_per_chunk)),
-                       defs=self.fmt_defs(FP8_FWD) + self.gelu_defs())
+                       defs=self.fmt_defs(FP8_FWD))
 
     @staticmethod
     def check_many(kernel, meta, table):
