@@ -153,15 +153,33 @@ def read_parquet(path: Path, w: Writer, skips: Skips) -> None:
         raise PullError(f"{path}: no 'conversations' column (columns: {pf.schema_arrow.names}); expected the "
                         "Hermes 3 schema conversations: [{from, value}, ...]")
     cols = [c for c in ("conversations", "task") if c in pf.schema_arrow.names]
-    row_no = 0
+    row_no, groups = 0, pf.metadata.num_row_groups
     with tqdm(total=pf.metadata.num_rows, desc=path.name, unit="row", file=sys.stderr) as bar:
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=cols):
-            for row in batch.to_pylist():
-                row_no += 1
-                if w.full():
-                    return
-                add_checked(w, skips, row, f"{path}:row {row_no}")
-            bar.update(batch.num_rows)
+        for g in range(groups):  # one row group at a time, so a corrupt page is named by its group
+            for batch in parquet_batches(pf, g, cols, path, row_no):
+                for row in batch.to_pylist():
+                    row_no += 1
+                    if w.full():
+                        return
+                    add_checked(w, skips, row, f"{path}:row {row_no}")
+                bar.update(batch.num_rows)
+
+
+def parquet_batches(pf, g: int, cols, path: Path, first_row: int):
+    """The batches of row group g; a page that does not decode (corrupt compressed data, a bad
+    encoding: the footer read fine) is a PullError naming the file and the group. Only the reading
+    is guarded: a failure to write the output (a full disk) is not reported as a damaged mirror."""
+    it = pf.iter_batches(batch_size=BATCH_ROWS, columns=cols, row_groups=[g])
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except (OSError, pa.ArrowException) as e:
+            raise PullError(f"{path}: row group {g} of {pf.metadata.num_row_groups} (rows from {first_row + 1}) "
+                            f"cannot be read: {type(e).__name__}: {str(e).strip().rstrip('.')[:300]}; the file is "
+                            "damaged: fetch it again or remove it from data.local_path") from e
+        yield batch
 
 
 def pull_local(d, w: Writer, skips: Skips) -> dict:
