@@ -96,15 +96,16 @@ class TextStream:
         return self.tok.decode(self.ids)
 
 
-def load(path, backend: str = "auto", tokenizer=None, precision: str = ""):
+def load(path, backend: str = "auto", tokenizer=None, precision: str = "", prog: str = "andrea generate"):
     """(cfg, tokenizer, Decoder with the weights loaded, checkpoint path) for a run folder, an
-    archive or a checkpoint."""
+    archive or a checkpoint; a damaged checkpoint passed over for an older one is named on stderr
+    with its reason (one line each, prefixed with prog)."""
     from ..backends import get_backend
     from ..core.plan import compute_dtype
     from .inference import Decoder
     from .locate import load_tokenizer_for, locate
 
-    located = locate(path, tokenizer)
+    located = locate(path, tokenizer, prog=prog)
     cfg, params = located.load()
     tok = load_tokenizer_for(located, cfg)
     be = get_backend(backend)
@@ -187,7 +188,7 @@ def cmd_chat(a, inp=None, out=None) -> int:
     from ..data.chat import ASSISTANT, DOC, END, SYSTEM, USER, sanitize
 
     inp, out = inp or sys.stdin, out or sys.stdout
-    cfg, tok, dec, ckpt = load(a.path, a.backend, a.tokenizer, a.precision)
+    cfg, tok, dec, ckpt = load(a.path, a.backend, a.tokenizer, a.precision, prog="andrea chat")
     if a.max_tokens < 1:
         raise ValueError(f"--max-tokens {a.max_tokens}: expected at least 1")
     sampler = _sampler(a)
@@ -278,5 +279,6 @@ def add_arguments(p, chat: bool) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
     p.add_argument("--precision", default="", choices=("", "fp32", "fp16", "bf16"),
                    help="compute dtype (default: fp32 on NumPy, the training precision on CUDA)")
-    p.add_argument("--tokenizer", help="tokenizer.json (default: the archive's, else the config's data.tokenizer)")
+    p.add_argument("--tokenizer", help="tokenizer.json, or a folder holding one (default: the archive's, else the "
+                   "config's data.tokenizer)")
     p.set_defaults(fn=cmd_chat if chat else cmd_generate)

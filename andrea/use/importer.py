@@ -110,10 +110,11 @@ def to_flat(tensors: Dict[str, np.ndarray], cfg, where: Path) -> np.ndarray:
 def import_weights(src, config, run_dir=None) -> Path:
     from ..util.atomic import atomic_copy
     from ..core.checkpoint import latest_checkpoint, write_checkpoint
-    from ..config import config_hash, load_run_config
+    from ..config import config_hash
     from ..data.loader import ShardLoader
+    from .locate import load_config
 
-    cfg = load_run_config(config)
+    cfg = load_config(config)  # a bad config is one line naming the file and what was expected
     tensors, hf, where = read_source(src)
     if hf:
         check_hf_config(hf, cfg, Path(src) / "config.json")

@@ -184,3 +184,45 @@ class ParquetStream:
             pass  # closing may fail the same way the write did; the file goes anyway
         finally:
             _drop(self.tmp)
+
+
+RENAME_EXCHANGE = 2  # linux/fs.h: renameat2 swaps the two paths in one step
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one rename (Linux renameat2 RENAME_EXCHANGE); False where the
+    system or file system has no such rename (nothing changed then)."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def swap_in_folder(new: Path, dst: Path) -> None:
+    """Put the finished folder new at dst (a sibling in the same file system). When dst exists,
+    it is exchanged with new in one rename where the system allows (a reader sees the old folder or
+    the new one), else moved aside and back on failure; either way the previous dst ends at new's
+    path, for the caller to remove. Nothing is deleted here."""
+    new, dst = Path(new), Path(dst)
+    if not os.path.lexists(dst):
+        os.rename(new, dst)
+        return
+    if _exchange(new, dst):
+        return
+    aside = dst.with_name(f".{dst.name}.{os.getpid()}.old")
+    os.rename(dst, aside)
+    try:
+        os.rename(new, dst)
+    except BaseException:
+        os.rename(aside, dst)
+        raise
+    os.rename(aside, new)
