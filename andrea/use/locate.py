@@ -8,9 +8,10 @@
 A run folder resolves to its `archive/final` when there is one, else to the newest valid
 checkpoint of its `checkpoints/`; each newer checkpoint passed over is named on stderr with
 the reason it is not valid (core/checkpoint.why_invalid, as training reports it). The config is
-`config.yaml` beside the checkpoint (an archive) or in the run folder; the tokenizer is `tokenizer.json` beside the checkpoint when archived, else
-the config's data.tokenizer (--tokenizer: a tokenizer.json or a folder holding one). Every failure
-is one line naming the path and what was expected there (load_config: a bad config file).
+`config.yaml` beside the checkpoint (an archive) or in the run folder; the tokenizer is
+`tokenizer.json` beside the checkpoint when archived, else the config's data.tokenizer
+(--tokenizer: a tokenizer.json or a folder holding one). Every failure is one line naming the
+path and what was expected there (load_config: a bad config file).
 """
 from __future__ import annotations
 

@@ -97,6 +97,19 @@ def test_export_replaces_its_own_earlier_export(run, tmp_path, capsys):
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize("exchange", [True, False], ids=["one rename", "moved aside"])
+def test_reexport_replaces_in_place_either_way(run, tmp_path, capsys, monkeypatch, exchange):
+    """Where the system has no exchanging rename, the earlier export is moved aside, then removed."""
+    from andrea.util import atomic
+    out = tmp_path / "out"
+    assert main(capsys, "export", run, "--format", "hf", "--out", out)[0] == 0
+    if not exchange:
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    assert main(capsys, "export", run, "--format", "safetensors", "--out", out)[0] == 0
+    assert {p.name for p in out.iterdir()} == {"andrea-export.json", "model.safetensors", "tokenizer.json"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_export_into_an_empty_folder(run, tmp_path, capsys):
     out = tmp_path / "empty"
     out.mkdir()
