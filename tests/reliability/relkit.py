@@ -66,3 +66,18 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def group_alive(pgid: int) -> list:
+    """The pids of the live (not zombie) processes of process group pgid (Linux /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # state, ppid, pgrp
+            out.append(int(d.name))
+    return out

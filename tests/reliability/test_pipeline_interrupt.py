@@ -3,6 +3,9 @@ workflow (ANDREA-tiny with few steps) at a random point of training by signallin
 process group, run the same command again, and compare the final checkpoint's sha256 and the
 report with a straight run. A preempted train job (SIGTERM to it alone) resumes by itself under
 `--retries`; a changed training setting starts afresh in its own run folder, the old run untouched.
+SIGKILL of the whole process group (kill -9, a power loss) leaves Snakemake's lock behind: the same
+command stops on it (exit 1, touching nothing), and after `snakemake --unlock` it resumes to the
+same bytes.
 
 Runs in a copy of the checkout (the real data/ and results/ are never touched)."""
 import hashlib
@@ -20,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from andrea.pipeline.runs import run_name
-from relkit import REPO, TRIALS, wait_for
+from relkit import REPO, TRIALS, group_alive, wait_for
 
 RUNS = max(1, TRIALS // 2)  # a pipeline run costs a minute or more: one interruption per kind by default
 
@@ -166,3 +169,63 @@ def test_changed_training_setting_starts_afresh_and_keeps_the_old_run(straight):
     assert new != NAME
     hist = json.loads((work / "results" / new / "trained" / f"{new}.loss.json").read_text())["history"]
     assert [h["step"] for h in hist] == list(range(1, STEPS + 1))
+
+
+KILL_AT = 12  # a step after the checkpoints of steps 5 and 10, 28 steps before the end
+
+
+def history_steps(work):
+    """The steps of the live loss history (the run folder's <exp>.loss.json), [] until it is there."""
+    try:
+        return [h["step"] for h in json.loads((work / RUN / f"{NAME}.loss.json").read_text())["history"]]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_process_group_needs_unlock_then_resumes_to_the_same_bytes(straight):
+    """kill -9 of Snakemake's process group once the loss history shows step KILL_AT: nothing gets
+    to clean up, so Snakemake's lock stays; the same command refuses to start (LockException,
+    exit 1) and changes nothing; `snakemake --unlock`, then the same command, resumes from the
+    newest checkpoint and ends with the straight run's checkpoint bytes and report."""
+    work, ref = straight
+    fresh_results(work)
+    p = subprocess.Popen(smk_cmd(), cwd=work, env=smk_env(work), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: KILL_AT in history_steps(work), f"step {KILL_AT} in the loss history", timeout=600, proc=p)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=60)
+        wait_for(lambda: not group_alive(p.pid), "every process of the group to be gone", timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    hist = history_steps(work)
+    assert KILL_AT in hist and max(hist) < STEPS, f"killed after the last step: {max(hist)}"
+    trained = work / RUN / "trained"  # Snakemake made the folder for the job's outputs; none is there
+    assert not (trained.exists() and any(trained.iterdir())) and not (work / FINAL).exists()
+    assert list((work / ".snakemake" / "locks").iterdir()), "SIGKILL left no lock to test"
+    ckpts = sorted((work / RUN / "checkpoints").glob("step_*.bin"))
+    assert ckpts, "the killed run kept its checkpoints"
+    kept = int(ckpts[-1].stem.split("_")[1])
+    before = {q.name: q.read_bytes() for q in (work / RUN / "checkpoints").iterdir() if q.is_file()}
+
+    r = smk(work)  # the same command: stopped by the stale lock
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-4000:]
+    assert "LockException" in out and "--unlock" in out, out[-4000:]
+    assert {q.name: q.read_bytes() for q in (work / RUN / "checkpoints").iterdir() if q.is_file()} == before
+    assert not (trained.exists() and any(trained.iterdir()))
+
+    u = subprocess.run([sys.executable, "-m", "snakemake", "--unlock"], cwd=work, env=smk_env(work),
+                       capture_output=True, text=True, timeout=300)  # the README's command, as it is
+    assert u.returncode == 0, (u.stdout + u.stderr)[-4000:]
+    locks = work / ".snakemake" / "locks"
+    assert not (locks.exists() and any(locks.iterdir())), "--unlock left the stale lock"
+    t_again = time.time()
+    r = smk(work)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert outcome(work) == ref
+    hist = json.loads((work / RUN / "trained" / f"{NAME}.loss.json").read_text())["history"]
+    assert all(h["t"] < t_again for h in hist if h["step"] <= kept), "resumed, not trained again"
