@@ -414,12 +414,6 @@ def stop_rank_1(tmp_path, run, zero1=False):
     return evs, err
 
 
-SIGNAL_LOST = ("andrea/run/runner.py: `self.sig.stop, self.sig.save = self.comm.any(...)` overwrites a flag "
-               "that the handler sets while the rank waits in that collective, so a SIGTERM reaching a rank "
-               "other than 0 there is lost and the run trains on to its end")
-
-
-@pytest.mark.xfail(strict=True, reason=SIGNAL_LOST)
 def test_sigterm_to_rank_1_mid_run_stops_every_rank(tmp_path):
     """SIGTERM to rank 1 once rank 0 has reported step 5, the run held there (the test reads no
     further, so rank 0 blocks in its event FIFO within `bound` steps and rank 1 waits for it at the

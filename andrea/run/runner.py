@@ -126,6 +126,19 @@ class Run:
         self.sig = Signals()
         self.tokenizer = None
 
+    def _tidy_checkpoints(self) -> None:
+        """Before anything is read or written: refuse a checkpoints folder that cannot be listed
+        or written, remove the temporary files of dead writers (a SIGKILL leaves them), and move
+        aside anything named like a checkpoint that is not a file (its save would fail)."""
+        ck.check_folder(self.ckpt_dir)
+        gone = ck.remove_stale_tmp(self.ckpt_dir)
+        if gone:
+            print(f"engine: removed {len(gone)} temporary file(s) of dead processes' checkpoint writes in "
+                  f"{self.ckpt_dir}: {', '.join(p.name for p in gone)}", file=sys.stderr)
+        for old, new in ck.move_obstacles(self.ckpt_dir):
+            print(f"engine: {old} is not a file (a checkpoint is written there); moved it aside to {new.name}",
+                  file=sys.stderr)
+
     def resume(self, at_most=None) -> bool:
         """Load the newest valid checkpoint (of step <= at_most when given: the proxy recorded
         the run's history up to that checkpoint, so a newer one would leave a gap in it)."""
@@ -146,6 +159,7 @@ class Run:
         self.loader.load_state(s["data"], source=str(ck.sidecar_path(path)))
         self.step = c.step
         self.resumed_reason = s.get("reason")
+        print(f"engine: resuming from step {c.step} (checkpoint {path}, config hash {self.hash})", file=sys.stderr)
         self.emit("resume", step=c.step, checkpoint=str(path))
         return True
 
@@ -226,6 +240,8 @@ class Run:
         plan = self.eng.plan
         self.emit("plan", n_params=self.eng.layout.n_params, total_bytes=plan.total(),
              rows=[{"name": g, "bytes": b} for g, b in plan.by_group().items()])
+        if self.root:
+            self._tidy_checkpoints()
         if resume and self.root:
             self.resume(resume_at_most)
         self._share_start()
@@ -257,12 +273,14 @@ class Run:
                 return EXIT_ABORTED
             self._cadence()
             # a signal on any rank holds for all of them (one small collective per step)
-            self.sig.stop, self.sig.save = self.comm.any(self.sig.stop, self.sig.save)
-            if self.sig.stop:
+            # (the agreed flags decide; a flag this rank's handler raised while the collective ran
+            # stays set, so the next step's agreement carries it: assigning the result would lose it)
+            stop, save = self.comm.any(self.sig.stop, self.sig.save)
+            if stop:
                 self.save("signal")
                 self._done("stopped")
                 return 0
-            if self.sig.save:
+            if save:
                 self.sig.save = False
                 self.save("signal")
         # a signal save may have just written the final checkpoint
