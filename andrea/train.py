@@ -104,8 +104,9 @@ def check_run_folder(cfg: AndreaConfig, run_dir: Path, new_run_on_change: bool =
     elif theirs != ours:
         raise ConfigError(
             f"{ckpt} was written with other model/training settings (config_hash {str(theirs)[:12]}… but "
-            f"this config gives {ours[:12]}…). Resuming would continue another run. Move "
-            f"{run_dir / 'checkpoints'} away (or delete it) to start afresh, or restore the old settings "
+            f"this config gives {ours[:12]}…). Resuming would continue another run. Move that one "
+            f"checkpoint ({ckpt} and its sidecar {ckpt.with_suffix('.json').name}) out of the folder, "
+            f"or pass --new-run-on-change to set the old run aside, or restore the old settings "
             f"(see {run_dir / 'config.yaml'}) to resume it.")
 
 

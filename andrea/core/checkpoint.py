@@ -221,3 +221,82 @@ def prune(ckpt_dir, keep_last: int, protect=()) -> List[Path]:
                 f.unlink()
         removed.append(p)
     return removed
+
+
+TMP_RE = re.compile(r"^\..+\.(\d+)\.tmp$")  # util.atomic.tmp_path: .<name>.<pid>.tmp
+
+
+def check_folder(ckpt_dir) -> None:
+    """CheckpointError (one line: the path and what was expected) when ckpt_dir exists but is not
+    a folder this process can list and write (a file, a symlink loop, a dangling link, no
+    permission). A folder that does not exist yet is fine: the first save makes it."""
+    d = Path(ckpt_dir)
+    if not os.path.lexists(d):
+        return
+    what = "a folder this user can list and write, holding step_XXXXXXXX.bin checkpoints"
+    try:
+        os.listdir(d)
+    except NotADirectoryError:
+        raise CheckpointError(f"{d}: not a folder; expected {what}. Nothing was started or changed") from None
+    except OSError as e:
+        raise CheckpointError(f"{d}: cannot be listed ({e.strerror or e}); expected {what}. "
+                              "Nothing was started or changed") from None
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{d}: cannot be written (permission); expected {what}. "
+                              "Nothing was started or changed")
+
+
+def remove_stale_tmp(ckpt_dir) -> List[Path]:
+    """Remove the temporary files (.<name>.<pid>.tmp) of checkpoint writes whose process is dead
+    (a SIGKILL cannot run cleanup); a live process's are never touched. Returns those removed."""
+    d = Path(ckpt_dir)
+    removed = []
+    if not d.is_dir():
+        return removed
+    for p in sorted(d.iterdir()):
+        m = TMP_RE.match(p.name)
+        if not m or not p.is_file() or p.is_symlink():
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        try:
+            p.unlink()
+            removed.append(p)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    try:  # a zombie has finished writing
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+    return True
+
+
+def move_obstacles(ckpt_dir) -> List[Tuple[Path, Path]]:
+    """A step_XXXXXXXX.bin or .json that is not a plain file (a directory, say) would make the
+    save at that step fail: rename each aside to <name>.obstacle-<time> and return (old, new)."""
+    d = Path(ckpt_dir)
+    moved = []
+    if not d.is_dir():
+        return moved
+    import time
+    for p in sorted(d.iterdir()):
+        if not re.match(r"^step_\d{8}\.(bin|json)$", p.name) or p.is_symlink() or p.is_file():
+            continue
+        dest = p.with_name(f"{p.name}.obstacle-{time.strftime('%Y%m%dT%H%M%S')}")
+        while os.path.lexists(dest):
+            dest = dest.with_name(dest.name + "+")
+        os.rename(p, dest)
+        moved.append((p, dest))
+    return moved
