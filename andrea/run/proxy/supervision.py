@@ -304,8 +304,9 @@ class Supervisor:
 def refuse_unusable_checkpoints(run_dir: Path) -> None:
     """CheckpointError when run_dir/checkpoints holds checkpoints but none is valid: a fresh start
     would replace the history and overwrite them, so nothing is started and nothing written."""
-    from andrea.core.checkpoint import CheckpointError, scan
+    from andrea.core.checkpoint import CheckpointError, check_folder, scan
 
+    check_folder(run_dir / "checkpoints")  # a symlink loop, a file, no permission: refused, one line
     best, skipped = scan(run_dir)
     if best is None and skipped:
         names = "; ".join(f"{p.name}: {reason}" for p, reason in skipped)
