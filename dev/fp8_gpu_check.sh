@@ -32,7 +32,7 @@ EXP="--exp ANDREA-120M --precision fp8 --batch 8"
 #    bit-identical, the amax in the update, the folded GELU, programmatic launches, the casts'
 #    tiles (partial and whole); and the sm_90a builds (ptxas)
 if want 1; then
-  run tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8_cuda.py \
+  run tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/cuda/test_fp8_cuda.py tests/cuda/test_engine_cuda.py \
     -k "attention or layernorm_fwd_fp8 or delayed or layernorm_cast or two_runs or adamw or weight_cache or gelu or pdl or cast_kernels or many_kernels"
   run hopper_compile python3 -m pytest -q -p no:cacheprovider tests/test_hopper_compile.py
 fi

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-TOL = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 3e-2}  # as tests/test_cuda_kernels.py
+TOL = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 3e-2}  # as the kernel tests in tests/cuda/
 
 
 def load(path: Path, name: str):

@@ -16,7 +16,7 @@ Layers, each importing only those below it:
                   16-bit launcher and its FP8 form side by side
     backend.py    CudaBackend: the interface of andrea/backends/interface.py, built from the above
 
-    python -m pytest -m gpu tests/test_cuda_kernels.py     # every kernel against the NumPy reference
+    python -m pytest -m gpu tests/cuda/                # every kernel against the NumPy reference
 """
 from .backend import CudaBackend
 

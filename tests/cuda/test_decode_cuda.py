@@ -1,9 +1,9 @@
 """KV-cache decoding on the GPU: k_attn_decode_fwd against the NumPy reference, and the CUDA
 Decoder's logits against the full forward pass at every position (skipped without a GPU).
 
-    python -m pytest -m gpu tests/test_cuda_decode.py -q
+    python -m pytest -m gpu tests/cuda/test_decode_cuda.py -q
 
-Same method as tests/test_cuda_kernels.py: odd sizes (head sizes 40 and 25, a 77-row cache),
+Same method as the kernel tests of tests/cuda/: odd sizes (head sizes 40 and 25, a 77-row cache),
 inputs rounded to the compute dtype before the float64 reference sees them, outputs NaN-filled
 before the launch. Tolerances: fp32 1e-5, fp16 1e-2 (relative to the largest reference value).
 """
@@ -12,7 +12,6 @@ import pytest
 
 from andrea.backends import cuda_available
 from andrea.backends import ref
-from test_cuda_kernels import be, prec, rng  # noqa: F401  (the fixtures: backend, fp32/fp16, seeded rng)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and CuPy")]

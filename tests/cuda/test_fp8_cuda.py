@@ -1,35 +1,16 @@
-"""The FP8 path on the GPU (train.precision=fp8): the quantisation kernels byte for byte and the
-FP8 linear layers against the reference's FP8 section, two fp8 runs bit-identical, and the FP8 weight
-cache (copies of the weights made once per optimizer step) byte for byte what each product's own
-quantisation writes (skipped without a GPU of compute capability 8.9 or later). SIGTERM + resume
-of an fp8 run is tests/test_cuda_engine.py::test_sigterm_resume_bit_exact_on_gpu[fp8].
+"""CUDA: the FP8 quantisation kernels and the FP8 layers against the reference's FP8 section, on the GPU (skipped without one); moved from tests/test_fp8_cuda.py.
 
-    python -m pytest -m gpu tests/test_fp8_cuda.py -q
-
-Tolerances of the layers: GPU and reference quantise the same bf16 inputs to the same FP8 bytes
-(checked exactly below), so what differs is the product's float32 accumulation order, cuBLASLt's
-fast FP8 accumulation in the forward product, and the bf16 rounding of outputs (2^-9 relative per
-element): 1e-2 relative (Frobenius) for every output, against the FP8 reference. Against the float64
-layers without quantisation the E4M3 error is a few percent: asserted below 0.1, and above 1e-3 so
-the FP8 path is seen to be in use.
+    python -m pytest -m gpu tests/cuda/test_fp8_cuda.py -q
 """
 import numpy as np
 import pytest
 
 from andrea.backends import ref
-from conftest import fp8_gpu, small_config
-
+from fp8kit import TOL, bf16, cast_reference, fp8_neighbours_at_midpoint, fp8_steps_apart, host, on_dev, rel, use_tuning
+from cudakit import fp8_gpu
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA GPU with FP8 tensor cores and CuPy")]
-
-TOL = 1e-2
-MODEL = {"n_layer": 2, "d_model": 48, "n_head": 3, "context": 40, "vocab_size": 97}  # head size 16
-
-
-def bf16():
-    import ml_dtypes
-    return np.dtype(ml_dtypes.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -38,31 +19,6 @@ def be():
     b = get_backend("cuda")
     b.reserve_workspace(4, 48, 80, 5, bf16(), fp8=True)
     return b
-
-
-def use_tuning(monkeypatch, be, **settings):
-    """The backend's launch geometry with settings changed for this test (cuda/tuning.Tuning, a
-    frozen copy), on the backend and on its FP8 state, which keeps its own reference."""
-    tuning = be.tuning.with_settings(settings)
-    monkeypatch.setattr(be, "tuning", tuning)
-    if be.fp8 is not None:
-        monkeypatch.setattr(be.fp8, "tuning", tuning)
-    return tuning
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.all(np.isfinite(a)), "non-finite values"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def on_dev(x):
-    import cupy as cp
-    return cp.asarray(np.ascontiguousarray(x).astype(bf16()))
-
-
-def host(a):
-    return a.get().astype(np.float64)
 
 
 @pytest.mark.parametrize("rows", [64, 128, 256])
@@ -290,14 +246,6 @@ def test_mlp_matches_the_fp8_reference(be, accumulate):
         assert e < TOL, f"{name}: {e:.3g}"
 
 
-def fp8_steps_apart(a, b):
-    """Per element, how many FP8 codes apart two byte arrays of one format are (-0 as +0)."""
-    def ordinal(q):
-        q = q.astype(np.int32)
-        return np.where(q & 0x80, -(q & 0x7F), q & 0x7F)
-    return np.abs(ordinal(a) - ordinal(b))
-
-
 @pytest.mark.parametrize("rows", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("R,K", [(48, 80), (112, 208), (16, 16), (400, 96)])  # partial tiles
@@ -485,158 +433,6 @@ def test_gelu_kernels_refuse_what_they_cannot_take(be):
                                        cp.zeros((16, 8), bf16()), 1)
 
 
-# ---------------------------------------------------------------- the engine in fp8
-def cfg_for(tmp_path, **train):
-    from andrea.config import load_run_config
-    d = small_config(tmp_path, **train)
-    d["model"], d["backend"] = dict(MODEL), {"name": "cuda"}
-    return load_run_config(d)
-
-
-def batch(seed, B=4, T=32, V=97):
-    rng = np.random.default_rng(seed)
-    xy = rng.integers(0, V, (B, T + 1)).astype(np.int32)
-    return xy[:, :-1], xy[:, 1:]
-
-
-def test_engine_fp8_uses_fp8_and_two_runs_same_bits(tmp_path):
-    from andrea.core.engine import Engine
-    runs = []
-    for _ in range(2):
-        eng = Engine(cfg_for(tmp_path, batch_size=4, seq_len=32, precision="fp8"))
-        assert eng.be.fp8 is not None and str(eng.params_c.dtype) == "bfloat16"
-        assert {"fp8_x", "fp8_dy", "fp8_dyt", "fp8_w", "fp8_meta"} <= {r[0] for r in eng.be.workspace_rows(
-            4, 32, 48, 3, eng.params_c.dtype, fp8=True)}
-        losses = [eng.train_step(s, [batch(s)])["loss"] for s in range(1, 8)]
-        runs.append((losses, eng.host_state()))
-    assert all(np.isfinite(runs[0][0])), runs[0][0]
-    assert runs[0][0] == runs[1][0], "losses differ between two identical fp8 runs"
-    for a, b in zip(runs[0][1], runs[1][1]):
-        assert np.array_equal(a, b), "weights or Adam state differ between two identical fp8 runs"
-    bf = Engine(cfg_for(tmp_path, batch_size=4, seq_len=32, precision="bf16"))
-    l_bf = [bf.train_step(s, [batch(s)])["loss"] for s in range(1, 8)]
-    assert l_bf != runs[0][0], "fp8 gave the bf16 losses: the FP8 products did not run"
-    assert max(abs(a - b) for a, b in zip(l_bf, runs[0][0])) < 0.05 * l_bf[0]
-
-
-def test_fp8_refuses_sizes_it_cannot_run(tmp_path):
-    from andrea.core.engine import Engine
-    with pytest.raises(ValueError, match="multiple of 16"):
-        Engine(cfg_for(tmp_path, batch_size=3, seq_len=37, precision="fp8"))
-
-
-# ---------------------------------------------------------------- the FP8 weight cache
-def fp8_engine(tmp_path, **train):
-    from andrea.core.engine import Engine
-    eng = Engine(cfg_for(tmp_path, batch_size=4, seq_len=32, precision="fp8", **train))
-    assert eng.be.fp8 is not None and eng.be.fp8.cache.copies, "no FP8 weight cache in use"
-    return eng
-
-
-def check_cache(eng, when):
-    """Every cached copy (W, W^T) and its (amax, 1/scale) byte-equal to what k_fp8_amax +
-    k_fp8_cast_transpose make of the weight as it is now (the per-product path), and to ref."""
-    import cupy as cp
-    from andrea.backends.cuda.fp8 import META_STRIDE
-    from andrea.core.plan import fp8_cached_weights
-    be = eng.be
-    names = fp8_cached_weights(eng.cfg.model, eng.fp8_classifier)
-    assert len(be.fp8.cache.copies) == len(names)
-    for name in names:
-        w = eng.p[name]
-        q, q_t, row = be.fp8.cached(w)
-        pair = cp.zeros(2, cp.float32)
-        be.fp8.k_fp8_amax(pair, w)
-        o, ot = cp.zeros(w.shape, cp.uint8), cp.zeros(w.shape[::-1], cp.uint8)
-        be.fp8.k_fp8_cast_transpose(o, ot, pair, w, "e4m3")
-        r = row.get()
-        np.testing.assert_array_equal(r[[0, META_STRIDE // 2]], pair.get(), err_msg=f"{when}: {name} meta")
-        np.testing.assert_array_equal(q.get(), o.get(), err_msg=f"{when}: {name} W")
-        np.testing.assert_array_equal(q_t.get(), ot.get(), err_msg=f"{when}: {name} W^T")
-        m_ref, o_ref = np.zeros(2, np.float32), np.zeros(w.shape, np.uint8)
-        w32 = w.get().astype(np.float32)
-        ref.k_fp8_amax(m_ref, w32)
-        ref.k_fp8_cast(o_ref, m_ref, w32, "e4m3")
-        np.testing.assert_array_equal(q.get(), o_ref, err_msg=f"{when}: {name} W (reference)")
-        np.testing.assert_array_equal(r[[0, META_STRIDE // 2]], m_ref, err_msg=f"{when}: {name} meta (reference)")
-
-
-def check_resume(eng, state, straight, check=None):
-    """eng (a fresh engine) loads state, the straight run's after step 3, and runs steps 4..7 of
-    two microbatches (step 5 skipped: a non-finite loss gradient); check(eng, "load_state") first
-    where given. Its records and final weights and Adam state are the straight run's (records,
-    counts, host state), bit for bit."""
-    eng.load_state(state)
-    if check is not None:
-        check(eng, "load_state")
-    recs = []
-    for s in range(4, 8):
-        if s == 5:
-            eng.loss_scale = float("inf")
-        recs.append(dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)])))
-        if s == 5:
-            eng.loss_scale = 1.0
-    assert repr(recs) == repr(straight[0][3:]), "resumed run's records differ"
-    for a, b in zip(eng.host_state(), straight[2]):
-        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), "resumed run differs from the straight run"
-
-
-def launches(be):
-    """Kernel names be launches from now on, in order."""
-    got, launch = [], be.rt.launch
-    be.rt.launch = lambda f, k, *a, **kw: (got.append(k), launch(f, k, *a, **kw))[1]
-    return got
-
-
-def test_weight_cache_same_bits_as_per_product_casts(tmp_path):
-    """Steps of two microbatches with the FP8 weight cache, a skipped (non-finite) step among them,
-    and a resume from a state: the copies match what each product's own quantisation makes of the
-    weights (check_cache) after start-up, after updates, after the skipped step and after
-    load_state; a step's products quantise no weight themselves and the optimizer's graph rewrites
-    every copy with one k_fp8_cast_transpose_many, the amax taken by the update
-    (k_adamw_step_amax). (The MLP's act and dact take their amax in k_fp8_gelu_amax and
-    k_fp8_dgelu_colsum_amax, so 9 k_fp8_amax passes a layer remain with the cache and without the
-    input slots: 3 inputs, 3 output gradients, the 3 inputs again.)"""
-    from andrea.backends.cuda import CudaBackend
-    n_layer, n_micro = MODEL["n_layer"], 2
-    mid = None
-    eng = fp8_engine(tmp_path)
-    check_cache(eng, "start-up")
-    recs, log = [], None
-    for s in range(1, 8):
-        if s == 1:
-            log = launches(eng.be)
-        if s == 5:  # a non-finite loss gradient: the step is skipped, the weights stay
-            eng.loss_scale = float("inf")
-        rec = dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)]))
-        if s == 1:
-            eng.be.synchronize()
-            counts = {k: log.count(k) for k in ("k_fp8_amax", "k_fp8_amax_many", "k_fp8_cast_transpose_many")}
-            del eng.be.rt.launch  # the recording off again
-        if s == 5:
-            eng.loss_scale = 1.0
-            check_cache(eng, "skipped step")
-        if s == 3:
-            mid = eng.state()
-        recs.append(rec)
-    check_cache(eng, "after 7 steps")
-    on = recs, counts, eng.host_state()
-    assert [r["skipped"] for r in on[0]] == [False] * 4 + [True] + [False] * 2, on[0]
-    assert all(np.isfinite(r["loss"]) for r in on[0] if not r["skipped"])
-    # the input slots take 3 (X^T kept) and, under current scaling, 2 (amax in the layer norms)
-    # more amax passes a layer away (test_input_slots_in_the_engine)
-    # (with delayed scaling ln1 and ln2 are delayed tensors: their layer norms reduce no amax, and
-    # step 1 takes it first with k_fp8_amax, as for every delayed tensor)
-    slots = 3 + 2 * (CudaBackend.fp8_scaling != "delayed")
-    # the optimizer takes the cached weights' amax in its update (k_adamw_step_amax): no
-    # k_fp8_amax_many before the cast
-    assert on[1] == {"k_fp8_amax": (9 - slots) * n_layer * n_micro, "k_fp8_amax_many": 0,
-                     "k_fp8_cast_transpose_many": 1}
-    # resume: a fresh engine (its copies made from its own initial weights) loads the state after
-    # step 3 and runs steps 4..7: the same bits as the straight run
-    check_resume(fp8_engine(tmp_path, seed=99), mid, on, check_cache)
-
-
 @pytest.mark.parametrize("skip", [False, True])
 def test_adamw_step_amax_is_the_update_then_its_amax(skip):
     """k_adamw_step_amax on weights laid in a flat compute copy with gaps between them (8 to 40
@@ -712,20 +508,6 @@ def test_adamw_step_amax_is_the_update_then_its_amax(skip):
         if m_off:  # the plain update on the misaligned m: the same bits
             for name, a, b in zip(("params", "grads", "m", "v", "params_c"), out, want):
                 assert np.array_equal(a, b), f"{name} differ with m misaligned"
-
-
-def test_weight_cache_plan_and_views(tmp_path):
-    """The engine's memory plan holds the cache (fp8 weight cache rows); the products read the
-    arena's copies, not the workspace's weight slot."""
-    from andrea.core.plan import fp8_cached_weights
-    on = fp8_engine(tmp_path)
-    assert "fp8 weight cache" in on.plan.by_group()
-    data = on.bufs["fp8_wcache"]
-    lo, hi = data.data.ptr, data.data.ptr + data.nbytes
-    for name in fp8_cached_weights(on.cfg.model):
-        q, q_t, row = on.be.fp8.cached(on.p[name])
-        for a in (q, q_t):
-            assert lo <= a.data.ptr and a.data.ptr + a.nbytes <= hi and a.data.ptr % 256 == 0, name
 
 
 # ---------------------------------------------------------------- amax in the layer norms, X^T kept
@@ -826,29 +608,6 @@ def test_layernorm_fwd_fp8_is_the_layer_norm_then_its_cast(be, dtype, N, C, resi
         np.testing.assert_allclose(r_rec[0], top, rtol=2 ** -7)
 
 
-def cast_reference(be, x, fmt, saturate, partial=None):
-    """What the delayed tile casts make of x (R, K) in format fmt, with meta[0] its amax (a quarter
-    of it where saturate): the bytes and their transpose, the amax reduced into a record holding
-    1e-3 (k_fp8_cast_transpose_amax; with partial, k_fp8_cast_transpose_colsum_amax, its column
-    partials there). Returns (meta, its 1/scale zeroed again for the kernel under test, [bytes,
-    transpose], the record, 1/scale, the amax)."""
-    import cupy as cp
-    R, K = x.shape
-    am = cp.zeros(2, cp.float32)
-    be.fp8.k_fp8_amax(am, x)
-    top = float(am.get()[0])
-    meta = cp.asarray(np.array([top * (0.25 if saturate else 1.0), 0], np.float32))
-    want = [cp.zeros((R, K), cp.uint8), cp.zeros((K, R), cp.uint8)]
-    rec = cp.asarray(np.array([1e-3], np.float32))
-    if partial is None:
-        be.fp8.k_fp8_cast_transpose_amax(*want, meta, x, fmt, rec)
-    else:
-        be.fp8.k_fp8_cast_transpose_colsum_amax(*want, meta, x, fmt, partial, rec)
-    inv = meta.get()[1]
-    meta[1] = 0
-    return meta, want, rec, inv, top
-
-
 def test_layernorm_fwd_fp8_refuses_what_it_cannot_take(be):
     """Rows that are no whole 16-byte vectors, wider than the vector kernels hold, or a row count
     that is not a multiple of 8: a ValueError naming the kernel and what it expected."""
@@ -860,110 +619,6 @@ def test_layernorm_fwd_fp8_refuses_what_it_cannot_take(be):
             be.k_layernorm_fwd_fp8(cp.zeros((N, C), cp.uint8), cp.zeros((C, N), cp.uint8), None,
                                    cp.zeros(N, cp.float32), cp.zeros(N, cp.float32), a, None, w, w,
                                    cp.zeros(2, cp.float32), None)
-
-
-def slot_engine(tmp_path, **train):
-    from andrea.backends import get_backend
-    from andrea.core.engine import Engine
-    be = get_backend("cuda")
-    be.fp8_scaling = "current"  # act's slot as current scaling fills it (check_slots); delayed: below
-    eng = Engine(cfg_for(tmp_path, batch_size=4, seq_len=32, precision="fp8", **train), backend=be)
-    assert be.fp8.slots, "no FP8 input slots in use"
-    return eng
-
-
-def check_slots(eng, when):
-    """After a forward pass: each input slot's amax, 1/scale and kept X^T byte-equal to what
-    k_fp8_amax + k_fp8_cast_transpose make of the saved input as it is now (for act,
-    k_fp8_gelu_amax + k_fp8_gelu_cast_transpose of the layer's saved pre)."""
-    import cupy as cp
-    from andrea.backends.cuda.fp8 import META_STRIDE
-    from andrea.core.plan import fp8_input_slots
-    for w, l, x in fp8_input_slots(eng.cfg.model):
-        slot = eng.be.fp8.slots[eng.p[w].data.ptr]
-        if x == "act":  # made from the layer's saved pre by the FP8 GELU kernels
-            pre = eng.layers[l]["pre"]
-            x2 = pre.reshape(-1, pre.shape[-1])
-            amax, cast = eng.be.fp8.k_fp8_gelu_amax, eng.be.fp8.k_fp8_gelu_cast_transpose
-        else:
-            x2 = eng.layers[l][x].reshape(-1, eng.cfg.model.d_model)
-            amax, cast = eng.be.fp8.k_fp8_amax, eng.be.fp8.k_fp8_cast_transpose
-        pair, xt = cp.zeros(2, cp.float32), cp.zeros(x2.shape[::-1], cp.uint8)
-        amax(pair, x2)
-        cast(None, xt, pair, x2, "e4m3")
-        np.testing.assert_array_equal(slot.meta.get()[[0, META_STRIDE // 2]], pair.get(), err_msg=f"{when}: {w} meta")
-        if slot.xt is not None:
-            assert slot.ready, f"{when}: {w}"
-            np.testing.assert_array_equal(slot.xt.get(), xt.get(), err_msg=f"{when}: {w} X^T")
-
-
-def test_input_slots_in_the_engine(tmp_path):
-    """Steps of two microbatches (current scaling), a skipped step among them and a resume from a
-    state: the slots hold what the per-product quantisation makes of each saved input, the
-    backward quantises no kept input again and the products of ln1 and ln2 run no k_fp8_amax: per
-    layer and microbatch 4 k_fp8_amax passes (of the 9 without slots: 3 inputs in the forward, 3
-    output gradients and the 3 inputs again in the backward; act's and dact's amax come from
-    k_fp8_gelu_amax and k_fp8_dgelu_colsum_amax); no k_fp8_cast (the forward's casts transpose
-    too), and no second k_fp8_gelu_amax and k_fp8_gelu_cast_transpose in the backward (fp8(act)^T
-    kept)."""
-    n_layer, n_micro = MODEL["n_layer"], 2
-    mid = None
-    eng = slot_engine(tmp_path)
-    recs, counts = [], None
-    for s in range(1, 8):
-        if s == 1:
-            log = launches(eng.be)
-        if s == 5:
-            eng.loss_scale = float("inf")
-        recs.append(dict(eng.train_step(s, [batch(2 * s), batch(2 * s + 1)])))
-        if s == 1:
-            eng.be.synchronize()
-            counts = {k: log.count(k) for k in ("k_fp8_amax", "k_fp8_cast", "k_fp8_cast_transpose",
-                                                "k_fp8_cast_transpose_colsum", "k_fp8_gelu_amax",
-                                                "k_fp8_gelu_cast_transpose", "k_fp8_dgelu_colsum_amax",
-                                                "k_mlp_bwd_gelu")}
-            del eng.be.rt.launch
-            check_slots(eng, "step 1")
-        if s == 5:
-            eng.loss_scale = 1.0
-        if s == 3:
-            mid = eng.state()
-    base = recs, counts, eng.host_state()
-    assert [r["skipped"] for r in base[0]] == [False] * 4 + [True] + [False] * 2, base[0]
-    assert all(np.isfinite(r["loss"]) for r in base[0] if not r["skipped"])
-    per = n_layer * n_micro
-    # cast_transpose: dact, and 3 kept X^T in the forward; the 3 dY of the layers with a bias (QKV,
-    # the projection, the MLP's second) cast with their column sums; act's are
-    # k_fp8_gelu_cast_transpose's, once a layer
-    n_amax, n_cast, n_ct = 4, 0, 4
-    n_gelu = 1
-    assert counts == {"k_fp8_amax": n_amax * per, "k_fp8_cast": n_cast * per,
-                      "k_fp8_cast_transpose": n_ct * per, "k_fp8_cast_transpose_colsum": 3 * per,
-                      "k_fp8_gelu_amax": n_gelu * per,
-                      "k_fp8_gelu_cast_transpose": n_gelu * per, "k_fp8_dgelu_colsum_amax": per,
-                      "k_mlp_bwd_gelu": 0}, counts
-    eng = slot_engine(tmp_path, seed=99)
-    check_resume(eng, mid, base)
-    eng.val_loss([batch(40)])  # a forward pass outside the step's graphs: the slots follow it
-    check_slots(eng, "after val_loss")
-
-
-def test_input_slots_plan_and_views(tmp_path):
-    """The plan's input-slot rows are the arena's, each kept X^T a 256-byte aligned (IC, B*T)
-    view inside fp8_xt (IC = C, and 4C for act). The layer-norm launchers find a slot by the
-    input they write (ln1, ln2; the attention output's is never asked for); act, the workspace
-    every layer's slot names, is found by none."""
-    from andrea.core.plan import fp8_input_slots
-    both = slot_engine(tmp_path)
-    assert "fp8_xt" in both.bufs and "fp8_xmeta" in both.bufs
-    data = both.bufs["fp8_xt"]
-    lo, hi = data.data.ptr, data.data.ptr + data.nbytes
-    for w, l, x in fp8_input_slots(both.cfg.model):
-        slot = both.be.fp8.slots[both.p[w].data.ptr]
-        IC = 4 * 48 if x == "act" else 48
-        assert slot.xt.shape == (IC, 4 * 32) and lo <= slot.xt.data.ptr < hi and slot.xt.data.ptr % 256 == 0, w
-        want = None if x == "act" else slot
-        assert both.be.fp8.slot_of_input.get(both.slot_input(l, x).data.ptr) is want, w
 
 
 # ---------------------------------------------------------------- the classifier in FP8
@@ -978,15 +633,6 @@ def test_fp8_transpose_is_the_transpose(be, R, K):
     np.testing.assert_array_equal(out.get(), want)
     with pytest.raises(ValueError, match="multiples of 16"):
         be.fp8.k_fp8_transpose(cp.zeros((K, R - 8), cp.uint8), x[:R - 8])
-
-
-def fp8_neighbours_at_midpoint(got, want, exact, fmt):
-    """Where bytes differ: adjacent codes of one sign with the exact value within 1e-5 (relative)
-    of the midpoint between them (the GPU's ex2.approx and float32 against float64)."""
-    g, w = ref.fp8_decode(got, fmt).astype(np.float64), ref.fp8_decode(want, fmt).astype(np.float64)
-    step = np.abs(got.astype(np.int64) - want.astype(np.int64))
-    mid = (g + w) / 2
-    return bool(np.all((step == 1) & (np.abs(exact - mid) <= 1e-5 * np.abs(mid))))
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
@@ -1081,53 +727,6 @@ def test_fp8_classifier_matches_the_reference(be, fmt, accumulate, level, roundi
     lf2, lse2 = cp.zeros((B, T), cp.float32), cp.zeros((B, T), cp.float32)
     be.k_loss_fwd(lf2, lse2, cp.zeros((R, V), xd.dtype), xd, wd, td)
     assert np.array_equal(lf2.get(), lf.get()) and np.array_equal(lse2.get(), lse.get())
-
-
-def test_engine_fp8_classifier_same_bits_and_resume(tmp_path):
-    """An fp8 engine whose vocabulary is a multiple of 16 runs the classifier in FP8 (wte in the
-    weight cache, refreshed on its own): two runs bit-identical, a resume from the state after step
-    3 bit-exact with the copies matching the weights, and close to (not equal to) the classifier in
-    bf16 (the backend's fp8_classifier 0)."""
-    from andrea.backends import get_backend
-    from andrea.core.engine import Engine
-    from andrea.core.plan import fp8_cached_weights
-    model = dict(MODEL, vocab_size=96)
-
-    def make(classifier=True, seed=None):
-        from andrea.config import load_run_config
-        d = small_config(tmp_path, batch_size=4, seq_len=32, precision="fp8", **({"seed": seed} if seed else {}))
-        d["model"], d["backend"] = model, {"name": "cuda"}
-        be = get_backend("cuda")
-        be.fp8_classifier = 2 if classifier else 0  # level 2 (the logits too), dlogits rounded stochastically
-        eng = Engine(load_run_config(d), backend=be)
-        assert eng.fp8_classifier is classifier
-        return eng
-
-    def run(eng, steps=range(1, 8), mid=None):
-        recs = []
-        for s in steps:
-            recs.append(dict(eng.train_step(s, [batch(2 * s, V=96), batch(2 * s + 1, V=96)])))
-            if s == 3 and mid is not None:
-                mid.append(eng.state())
-        return recs, eng.host_state()
-
-    mid = []
-    a = run(make(), mid=mid)
-    b = run(make())
-    assert all(np.isfinite(r["loss"]) for r in a[0])
-    assert repr(a[0]) == repr(b[0]), "two fp8 runs with the FP8 classifier differ"
-    eng = make(seed=99)
-    assert fp8_cached_weights(eng.cfg.model, eng.fp8_classifier)[0] == "wte"
-    eng.load_state(mid[0])
-    check_cache(eng, "load_state")
-    c = run(eng, range(4, 8))
-    assert repr(c[0]) == repr(a[0][3:]), "resumed run differs"
-    for x, y in zip(c[1], a[1]):
-        assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), "resumed run's state differs"
-    check_cache(eng, "after the resumed steps")
-    off = run(make(classifier=False))
-    la, lo = [r["loss"] for r in a[0]], [r["loss"] for r in off[0]]
-    assert la != lo and max(abs(p - q) for p, q in zip(la, lo)) < 0.05 * lo[0]
 
 
 # ---------------------------------------------------------------- delayed scaling (act and dact)
@@ -1237,140 +836,6 @@ def test_delayed_roll_matches_the_reference(be):
     assert want[7, 0] == 0 and want[0, 0] == want[0, 2:18].max()
 
 
-def delayed_engine(tmp_path, scaling="delayed", **train):
-    from andrea.backends import get_backend
-    from andrea.core.engine import Engine
-    be = get_backend("cuda")
-    be.fp8_scaling = scaling
-    eng = Engine(cfg_for(tmp_path, batch_size=4, seq_len=32, precision="fp8", **train), backend=be)
-    assert eng.fp8_delayed is (scaling == "delayed")
-    return eng
-
-
-def assert_same_runs(one, other, what="the two runs differ"):
-    """Two runs' (records, host state) bit for bit: the records' text, every weight and Adam state."""
-    (a, sa), (b, sb) = one, other
-    assert repr(a) == repr(b), (what, a, b)
-    for x, y in zip(sa, sb):
-        assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), what
-
-
-def engine_t64(tmp_path, pdl=True):
-    """An fp8 engine of MODEL at T = 64, B = 2 (the FP8 attention kernels want T % 64 == 0) on a
-    backend of its own, programmatic dependent launch on or off (Runtime.pdl)."""
-    from andrea.backends import get_backend
-    from andrea.config import load_run_config
-    from andrea.core.engine import Engine
-    be = get_backend("cuda")
-    be.rt.pdl = pdl
-    d = small_config(tmp_path, batch_size=2, seq_len=64, precision="fp8")
-    d["model"], d["backend"] = {**MODEL, "context": 64}, {"name": "cuda"}
-    return Engine(load_run_config(d), backend=be)
-
-
-def test_delayed_scales_in_the_engine(tmp_path):
-    """fp8_scaling="delayed" (eight tensors a layer: act, dact, the attention output, dqkv, the
-    residual stream's two gradients, ln1 and ln2): step 1 takes their amax first (k_fp8_gelu_amax,
-    the dGELU pass once more, k_fp8_amax), the steps after take none (no amax pass at all: the
-    classifier is in bf16 at this vocabulary) and the layer norms write ln1 and ln2 as FP8
-    operands (k_layernorm_fwd_fp8, no cast after); after a step of one microbatch each history's
-    newest entry is that step's amax (act, the attention output, ln1 and ln2 of every layer, dact
-    of layer 0, whose raw gradient the workspace still holds), the older ones moved one place; a skipped step leaves them. Two runs are bit-identical, and an evaluation
-    pass between steps changes nothing; a resume from a state (its history in it) repeats the steps
-    bit for bit, a state without one starts over with the amax taken first. The same steps with
-    current scaling end close to these."""
-    import cupy as cp
-    from andrea.backends.cuda.fp8.plan import DELAYED_HIST_AT
-    n_layer = MODEL["n_layer"]
-    runs, mid = [], None
-    for run in range(2):
-        eng = delayed_engine(tmp_path)
-        fp8, sc = eng.be.fp8, eng.fp8_scales
-        assert not sc.live and eng.state().fp8_amax_history is None
-        recs, counts = [], []
-        for s in range(1, 8):
-            log = launches(eng.be)
-            if s == 5:
-                eng.loss_scale = float("inf")
-            micro = [batch(2 * s)] if s in (2, 3) else [batch(2 * s), batch(2 * s + 1)]
-            before = sc.block.get()
-            ln_w = {n: eng.p[n].copy() for n in eng.p if ".ln1_" in n or ".ln2_" in n}  # as the step's forward had them
-            recs.append(dict(eng.train_step(s, micro)))
-            eng.be.synchronize()
-            counts.append({k: log.count(k) for k in ("k_fp8_amax", "k_fp8_gelu_amax", "k_fp8_dgelu_colsum_amax",
-                                                     "k_fp8_dgelu_cast_transpose_colsum_amax",
-                                                     "k_fp8_gelu_cast_transpose_amax", "k_fp8_cast_transpose_amax",
-                                                     "k_fp8_cast_transpose_colsum_amax", "k_fp8_cast_transpose",
-                                                     "k_fp8_delayed_roll", "k_layernorm_fwd_fp8")})
-            del eng.be.rt.launch
-            after = sc.block.get()
-            h0, h1 = before[:, DELAYED_HIST_AT:DELAYED_HIST_AT + 16], after[:, DELAYED_HIST_AT:DELAYED_HIST_AT + 16]
-            if s == 5:
-                eng.loss_scale = 1.0
-                np.testing.assert_array_equal(h1, h0, err_msg="a skipped step moved the history")
-            else:
-                np.testing.assert_array_equal(h1[:, 1:], h0[:, :-1], err_msg=f"step {s}: the history did not move")
-                assert np.all(h1[:, 0] > 0) and np.all(after[:, 0] == h1.max(axis=1)) and np.all(after[:, 1] == 0)
-            if s in (2, 3):  # one microbatch: its amax is the newest entry
-                for l in range(n_layer):
-                    m, a = cp.zeros(2, cp.float32), cp.zeros(2, cp.float32)
-                    fp8.k_fp8_gelu_amax(m, eng.layers[l]["pre"].reshape(-1, 4 * 48))
-                    fp8.k_fp8_amax(a, eng.layers[l]["atty"].reshape(-1, 48))
-                    assert h1[8 * l, 0] == m.get()[0], f"step {s}: act amax of layer {l}"
-                    assert h1[8 * l + 2, 0] == a.get()[0], f"step {s}: attention output amax of layer {l}"
-                    # ln1 and ln2 (never written in bf16): their layer norms again, with an amax
-                    src1 = eng.g["x0"] if l == 0 else eng.layers[l - 1]["res_out"]
-                    for k, (src, name) in enumerate(((src1, "ln1"), (eng.layers[l]["xmid"], "ln2"))):
-                        out, am = cp.empty_like(src), cp.zeros(2, cp.float32)
-                        stats = [cp.empty(src.shape[:-1], cp.float32) for _ in range(2)]
-                        eng.be.k_layernorm_fwd(out, *stats, src, ln_w[f"h{l}.{name}_w"], ln_w[f"h{l}.{name}_b"],
-                                               amax=am)
-                        assert h1[8 * l + 6 + k, 0] == am.get()[0], f"step {s}: {name} amax of layer {l}"
-                d, m = eng.g["dact"].reshape(-1, 4 * 48).copy(), cp.zeros(2, cp.float32)
-                fp8.k_fp8_dgelu_colsum_amax(cp.zeros(64 * 4 * 48, cp.float32), m, d,
-                                            eng.layers[0]["pre"].reshape(-1, 4 * 48), 2)
-                assert h1[1, 0] == m.get()[0], f"step {s}: dact amax of layer 0"
-            if run == 0 and s in (1, 4):  # evaluation (right after the first step too): records nothing
-                eng.val_loss([batch(40)])
-            if s == 3:
-                mid = eng.state()
-                assert np.array(mid.fp8_amax_history).shape == (8 * n_layer, 16)
-        runs.append((recs, eng.host_state()))
-        # step 1: two microbatches, eager (ln1 and ln2 written in bf16, their amax taken, then cast);
-        # step 2: one, eager (its graphs' first run with a history): ln1 and ln2 from their layer norms
-        per = n_layer * 2
-        assert counts[0] == {"k_fp8_amax": 6 * per, "k_fp8_gelu_amax": per, "k_fp8_dgelu_colsum_amax": 0,
-                             "k_fp8_dgelu_cast_transpose_colsum_amax": 2 * per,
-                             "k_fp8_gelu_cast_transpose_amax": per, "k_fp8_cast_transpose_amax": 3 * per,
-                             "k_fp8_cast_transpose_colsum_amax": 3 * per, "k_fp8_cast_transpose": 0,
-                             "k_fp8_delayed_roll": 1, "k_layernorm_fwd_fp8": 0}, counts[0]
-        assert counts[1] == {"k_fp8_amax": 0, "k_fp8_gelu_amax": 0, "k_fp8_dgelu_colsum_amax": 0,
-                             "k_fp8_dgelu_cast_transpose_colsum_amax": n_layer,
-                             "k_fp8_gelu_cast_transpose_amax": n_layer, "k_fp8_cast_transpose_amax": n_layer,
-                             "k_fp8_cast_transpose_colsum_amax": 3 * n_layer, "k_fp8_cast_transpose": 0,
-                             "k_fp8_delayed_roll": 1, "k_layernorm_fwd_fp8": 2 * n_layer}, counts[1]
-        assert sc.live
-    (a, sa), (b, sb) = runs
-    assert [r["skipped"] for r in a] == [False] * 4 + [True] + [False] * 2, a
-    assert_same_runs((a, sa), (b, sb), "two delayed runs (one with an evaluation between steps) differ")
-    # resume from the state after step 3 (with its history): steps 4..7 as straight
-
-    def live(e, when):
-        assert e.fp8_scales.live, when
-    eng = delayed_engine(tmp_path, seed=99)
-    check_resume(eng, mid, (a, None, sa), live)
-    # a state without a history (a checkpoint of current scaling): the next step takes its amax first
-    mid.fp8_amax_history = None
-    eng.load_state(mid)
-    assert not eng.fp8_scales.live
-    # current scaling, the same steps: close, not equal
-    cur = delayed_engine(tmp_path, "current")
-    c = [dict(cur.train_step(s, [batch(2 * s)] if s in (2, 3) else [batch(2 * s), batch(2 * s + 1)]))
-         for s in range(1, 5)]
-    assert all(abs(x["loss"] - y["loss"]) < 0.02 * y["loss"] for x, y in zip(a[:4], c)), (a[:4], c)
-    assert repr(a[1:4]) != repr(c[1:4])
-
-
 # ---------------------------------------------------------------- the attention's FP8 epilogues
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("hs,NH", [(64, 2), (16, 3), (128, 1)])
@@ -1439,64 +904,3 @@ def test_attention_fp8_kernels_refuse_what_they_cannot_take(be):
         be.k_attn_bwd_fp8(cp.zeros((B * T, 3 * C), cp.uint8), cp.zeros((3 * C, B * T), cp.uint8), None, meta,
                           None, out, qkv, out, lse, NH, "e4m3")
 
-
-def test_attention_cast_in_the_engine(tmp_path):
-    """Delayed scaling with the attention writing its output and dqkv as FP8 operands (T = 64,
-    head size 16), over steps of two microbatches and one, a skipped step and an evaluation: step
-    2 (the first with a history) runs the _fp8 kernels (a forward and a backward a layer) and no
-    cast of the attention output or dqkv, step 1 none."""
-    n_layer = MODEL["n_layer"]
-    eng = engine_t64(tmp_path)
-    recs, counts = [], []
-    for s in range(1, 6):
-        log = launches(eng.be)
-        if s == 4:
-            eng.loss_scale = float("inf")
-        micro = [batch(3 * s, B=2, T=64)] if s == 2 else [batch(3 * s, B=2, T=64), batch(3 * s + 1, B=2, T=64)]
-        recs.append(dict(eng.train_step(s, micro)))
-        eng.be.synchronize()
-        counts.append((len(micro), {k: log.count(k) for k in ("k_attn_flash_fwd_fp8", "k_attn_flash_bwd_dq_fp8",
-                                                              "k_attn_flash_bwd_dkv_fp8",
-                                                              "k_fp8_cast_transpose_amax",
-                                                              "k_fp8_cast_transpose_colsum_amax")}))
-        del eng.be.rt.launch
-        eng.loss_scale = 1.0
-        if s == 3:
-            recs.append(eng.val_loss([batch(50, B=2, T=64)]))
-    # step 2 (one microbatch, eager: its graphs' first run with a history); the residual stream's
-    # two gradients are still cast
-    assert counts[1][1] == {"k_attn_flash_fwd_fp8": n_layer, "k_attn_flash_bwd_dq_fp8": n_layer,
-                            "k_attn_flash_bwd_dkv_fp8": n_layer, "k_fp8_cast_transpose_amax": 0,
-                            "k_fp8_cast_transpose_colsum_amax": 2 * n_layer}, counts[1]
-    assert counts[0][1]["k_attn_flash_fwd_fp8"] == 0, "step 1 (no history yet) took the FP8 attention"
-
-
-def test_pdl_same_bits_t64(tmp_path):
-    """Programmatic dependent launch (Runtime.pdl) at T = 64, where the attention runs its FP8
-    forms (attention_hopper.cu) and the scales are delayed: the same records, weights and Adam
-    state bits as ordinary launches over steps of two microbatches and one (eager, then from CUDA
-    graphs), a skipped step and an evaluation; the attention's kernels went through
-    cuLaunchKernelEx."""
-    runs = []
-    for on in (True, False):
-        eng = engine_t64(tmp_path, pdl=on)
-        launched = []
-        launch = eng.be.rt.launch
-        eng.be.rt.launch = lambda f, k, *a, **kw: (launched.append((k, eng.be.rt._pdl_launchable(f, k))),
-                                                   launch(f, k, *a, **kw))[1]
-        recs = []
-        for s in range(1, 6):
-            if s == 4:
-                eng.loss_scale = float("inf")
-            micro = [batch(7 * s, B=2, T=64)] if s == 2 else [batch(7 * s, B=2, T=64), batch(7 * s + 1, B=2, T=64)]
-            recs.append(dict(eng.train_step(s, micro)))
-            eng.be.synchronize()
-            eng.loss_scale = 1.0
-            if s == 3:
-                recs.append(eng.val_loss([batch(70, B=2, T=64)]))
-        del eng.be.rt.launch
-        ready = {k for k, ok in launched if ok}
-        assert {"k_attn_flash_fwd_fp8", "k_attn_flash_bwd_dq_fp8", "k_attn_flash_bwd_dkv_fp8"} <= ready, ready
-        assert (eng.be.rt.pdl_launches > 0) == on, eng.be.rt.pdl_launches
-        runs.append((recs, eng.host_state()))
-    assert_same_runs(*runs, what="programmatic launches changed the run")

@@ -1,0 +1,100 @@
+"""CUDA: the classifier loss against the NumPy reference, on the GPU (skipped without one); moved from tests/test_cuda_kernels.py.
+
+    python -m pytest -m gpu tests/cuda/test_loss_cuda.py -q
+"""
+import numpy as np
+import pytest
+
+from andrea.backends import cuda_available
+from andrea.backends import ref
+from cudakit import B, C, Grad, LOSS_ROWS, T, V, assert_close, dev, host, nan_buf, rnd, use_tuning, zeros_like64
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and CuPy")]
+
+
+# ---------------------------------------------------------------- loss
+@pytest.mark.parametrize("rows", [B * T, 64])  # one chunk; chunks of 64 rows, the last short
+@pytest.mark.parametrize("V", [V, 1000])  # rows of 1000 are whole 16-byte vectors: the kernels' vector path
+def test_loss(be, prec, rng, rows, V, accumulate):
+    dt, tol = prec
+    inp, wte = rnd(rng, (B, T, C), dt), rnd(rng, (V, C), dt, 0.1)
+    targets = rng.integers(0, V, (B, T)).astype(np.int32)
+    losses, lse, logits = np.zeros((B, T)), np.zeros((B, T)), np.zeros((B * T, V))
+    ref.k_loss_fwd(losses, lse, logits, inp, wte, targets)
+    g_losses, g_lse, g_logits = nan_buf((B, T), np.float32), nan_buf((B, T), np.float32), nan_buf((rows, V), dt)
+    be.k_loss_fwd(g_losses, g_lse, g_logits, dev(inp, dt), dev(wte, dt), dev(targets, np.int32))
+    if rows == B * T:
+        assert_close("k_loss_fwd logits", host(g_logits), logits.reshape(rows, V), tol)
+    assert_close("k_loss_fwd losses", host(g_losses), losses, tol)
+    assert_close("k_loss_fwd lse", host(g_lse), lse, tol)
+
+    dloss = 1.0 / 7  # any scale; the engine passes loss_scale / (B*T)
+    dinp, dwte = zeros_like64(inp, wte)
+    r_losses, r_lse = np.zeros((B, T)), np.zeros((B, T))
+    ref.k_loss_bwd(r_losses, r_lse, dinp, dwte, logits, inp, wte, targets, dloss)
+    gi, gw = Grad(rng, dinp, dt, accumulate), Grad(rng, dwte, np.float32)
+    b_losses, b_lse = nan_buf((B, T), np.float32), nan_buf((B, T), np.float32)
+    args = (dev(inp, dt), dev(wte, dt), dev(targets, np.int32))
+    be.k_loss_bwd(b_losses, b_lse, gi.d, gw.d, nan_buf((rows, V), dt), *args, dloss, accumulate=accumulate)
+    assert_close("k_loss_bwd losses", host(b_losses), r_losses, tol)
+    assert np.array_equal(host(b_lse), host(g_lse))  # the same row reduction as k_loss_fwd
+    gi.check("k_loss_bwd dinp", tol)
+    gw.check("k_loss_bwd dwte", tol)
+    # dloss read from the device (the engine's, written by k_step_check): the same bits
+    d2, w2 = dev(gi.pre, dt) if accumulate else nan_buf((B, T, C), dt), dev(gw.pre, np.float32)
+    be.k_loss_bwd(b_losses, b_lse, d2, w2, nan_buf((rows, V), dt), *args, dev([dloss], np.float32),
+                  accumulate=accumulate)
+    assert np.array_equal(host(d2), host(gi.d)) and np.array_equal(host(w2), host(gw.d))
+
+
+@pytest.mark.parametrize("dt_name,Vr,vectors,prefetch,blocks", LOSS_ROWS)
+def test_loss_rows(be, rng, dt_name, Vr, vectors, prefetch, blocks, monkeypatch):
+    """k_loss_fwd and k_loss_bwd (one chunk of 154 rows) against the reference: losses, lse, the
+    dlogits left in the workspace (also without the target entries, where the -1 would hide an
+    error in the softmax), dinp (written) and dwte; lse the same bits in both; a rerun the same
+    bits; the version that ran is the one the plan names."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16)
+    from andrea.backends.cuda.geometry import loss_row_plan
+    dt = np.dtype(dt_name)
+    tol = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 3e-2}[dt_name]
+    use_tuning(monkeypatch, be, loss_vectors=vectors, loss_prefetch=prefetch, loss_blocks=blocks)
+    assert (loss_row_plan(Vr, dt.itemsize, vectors) is None) == (dt_name == "float32" and Vr == 50304)
+    Cq, N = 64, B * T
+    inp, wte = rnd(rng, (B, T, Cq), dt), rnd(rng, (Vr, Cq), dt, 0.3)
+    targets = rng.integers(0, Vr, (B, T)).astype(np.int32)
+    losses, lse, logits = np.zeros((B, T)), np.zeros((B, T)), np.zeros((N, Vr))
+    ref.k_loss_fwd(losses, lse, logits, inp, wte, targets)
+    args = (dev(inp, dt), dev(wte, dt), dev(targets, np.int32))
+    g_losses, g_lse = nan_buf((B, T), np.float32), nan_buf((B, T), np.float32)
+    launched = []
+    launch = be.rt.launch
+    monkeypatch.setattr(be.rt, "launch", lambda f, k, *a, **kw: (launched.append(k), launch(f, k, *a, **kw))[1])
+    be.k_loss_fwd(g_losses, g_lse, nan_buf((N, Vr), dt), *args)
+    assert launched == (["loss_fwd"] if dt_name == "float32" and Vr == 50304 else ["loss_fwd_regs"])
+    assert_close("k_loss_fwd losses", host(g_losses), losses, tol)
+    assert_close("k_loss_fwd lse", host(g_lse), lse, tol)
+
+    dloss = 1.0 / 7
+    dinp, dwte = zeros_like64(inp, wte)
+    ref.k_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss)
+    runs = []
+    for _ in range(2):
+        b_losses, b_lse, ws = nan_buf((B, T), np.float32), nan_buf((B, T), np.float32), nan_buf((N, Vr), dt)
+        d_inp, d_wte = nan_buf((B, T, Cq), dt), dev(np.zeros((Vr, Cq)), np.float32)
+        be.k_loss_bwd(b_losses, b_lse, d_inp, d_wte, ws, *args, dloss, accumulate=False)
+        runs.append([host(a) for a in (b_losses, b_lse, ws, d_inp, d_wte)])
+    got = runs[0]
+    assert_close("k_loss_bwd losses", got[0], losses, tol)
+    assert np.array_equal(got[1], host(g_lse))
+    assert_close("k_loss_bwd dlogits", got[2], logits, tol)
+    rows = np.arange(N)
+    off = [a.copy() for a in (got[2], logits)]
+    for a in off:
+        a[rows, targets.reshape(N)] = 0.0
+    assert_close("k_loss_bwd dlogits off the targets", off[0], off[1], tol)
+    assert_close("k_loss_bwd dinp", got[3], dinp, tol)
+    assert_close("k_loss_bwd dwte", got[4], dwte, tol)
+    for a, b in zip(runs[0], runs[1]):
+        assert np.array_equal(a, b)  # the same bits again
+
