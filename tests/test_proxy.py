@@ -192,10 +192,21 @@ def test_abort_exit_3_is_failed_without_restart(tiny_run):
     assert hist[-1]["skipped"] is True and hist[-1]["loss"] is None  # NaN is stored as null
 
 
-def test_crashing_engine_gives_up_after_bounded_restarts(tiny_run):
+@pytest.fixture
+def crashing_engine(tmp_path, monkeypatch):
+    """Every engine process started from here on exits 1 at once (a sitecustomize on PYTHONPATH that
+    ends `python -m andrea.cli engine ...` before it imports anything): an engine that keeps crashing.
+    (A checkpoints path that is a file no longer serves: the engine refuses it at start with exit 2.)"""
+    site = tmp_path / "crash-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os, sys\nif sys.argv[1:2] == ['engine']:\n    os._exit(1)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    return site
+
+
+def test_crashing_engine_gives_up_after_bounded_restarts(tiny_run, crashing_engine):
     cfg, tmp = tiny_run
     c, run = write_run(cfg, tmp)
-    (run / "checkpoints").write_text("not a folder")  # the engine crashes at its first checkpoint
     t0 = time.monotonic()
     assert supervise(c, run, flush_s=0, progress=False, max_restarts=2, backoff_s=0.05) == 1
     state = read(run, "state")
@@ -205,10 +216,9 @@ def test_crashing_engine_gives_up_after_bounded_restarts(tiny_run):
     assert time.monotonic() - t0 >= 0.05 + 0.1  # back-off doubles: 0.05 s then 0.1 s
 
 
-def test_sigterm_during_restart_backoff_stops_at_once(tiny_run):
+def test_sigterm_during_restart_backoff_stops_at_once(tiny_run, crashing_engine):
     cfg, tmp = tiny_run
     _, run = write_run(cfg, tmp)
-    (run / "checkpoints").write_text("not a folder")  # the engine crashes at its first checkpoint
     with running_proxy(run, "--backoff", "60") as proc:
         wait_for(lambda: (run / "t.state.json").exists() and "restart 1 in 60.0 s" in read(run, "state")["message"],
                  "the first back-off", proc=proc)
