@@ -99,6 +99,8 @@ class Engine(StateMixin):
                              f"runs {', '.join(self.be.precisions)} (the NumPy reference: fp32, or "
                              "float64 in checks)")
         self.layout = model.ParamLayout.from_config(cfg.model)
+        # rows of the classifier's logits workspace (the plan's "logits"; the backend's FP8 rows too)
+        self.chunk_rows = model.loss_chunk_rows(t.batch_size * t.seq_len, cfg.model.vocab_size)
         # fp8 (the backend's interface.Fp8Backend members): FP8 copies of the linear weights,
         # refreshed whenever the weights change, and input slots (the inputs' amax, X^T kept from
         # the forward for the backward); the run's FP8 settings (train.fp8_classifier, fp8_dlogits,
@@ -152,11 +154,10 @@ class Engine(StateMixin):
         # is allocated here too, not during step 1; the graph runner replays whole passes (CUDA
         # graphs; the CPU runs them as they are)
         m, t = self.cfg.model, self.cfg.train
-        N = t.batch_size * t.seq_len
         self.workspace = self.be.reserve_workspace(t.batch_size, t.seq_len, m.d_model, m.n_head,
                                                    self.params_c.dtype, fp8=t.precision == "fp8",
                                                    n_layer=m.n_layer, vocab=m.vocab_size,
-                                                   chunk_rows=model.loss_chunk_rows(N, m.vocab_size))
+                                                   chunk_rows=self.chunk_rows)
         if self.fp8_cache:  # the products of the listed weights read these copies from now on
             self.be.use_fp8_weight_cache([self.p[w] for w in fp8_cached_weights(m, self.fp8_classifier)],
                                          bufs["fp8_wcache"], bufs["fp8_wmeta"], bufs["fp8_wtable"],
@@ -255,8 +256,7 @@ class Engine(StateMixin):
             m = self.cfg.model
             for name, shape, dtype in self.be.workspace_rows(t.batch_size, t.seq_len, m.d_model, m.n_head,
                                                              self.params_c.dtype, fp8=True, vocab=m.vocab_size,
-                                                             chunk_rows=model.loss_chunk_rows(t.batch_size * t.seq_len,
-                                                                                              m.vocab_size)):
+                                                             chunk_rows=self.chunk_rows):
                 if name.startswith("fp8_"):
                     b = int(np.prod(shape)) * np.dtype(dtype).itemsize
                     print(f"  {name:<20}{b:>16,}{b / 2**20:>12.1f}  {dtype} {shape}", file=file, flush=True)

@@ -16,13 +16,14 @@ import ctypes
 
 import numpy as np
 
-from ..interface import FP8_DLOGITS, FP8_DLOGITS_ROUNDING, FP8_GRAD
+from ..interface import FP8_DLOGITS, FP8_DLOGITS_ROUNDING, FP8_FORMATS, FP8_GRAD, FP8_ROUNDINGS
 from . import graphs
 from .colsum import DEFERRED, DeferredColsums, deferred_floats
 from .cublas import CUBLAS_WORKSPACE, Cublas
 from .cublaslt import WORKSPACE_BYTES
 from .fp8 import (META_STRIDE, Fp8, check_fp8_device, classifier_in_fp8, delayed_history_array, delayed_rows,
                   fp8_rows, input_slot_rows, weight_cache_rows)
+from .fp8.plan import FP8_SCALINGS
 from .geometry import ATTENTION_PATHS, COLSUM_CHUNKS
 from .gradpass import GradPass
 from .ops import AttentionOps, DecodeOps, EmbedOps, LayerNormOps, LinearOps, LossOps, MlpOps, OptimOps, ResidualOps
@@ -91,8 +92,8 @@ class CudaBackend(EmbedOps, LayerNormOps, LinearOps, AttentionOps, MlpOps, Resid
         """The run's FP8 settings (FP8_RUN_DEFAULTS' names; a value None leaves the setting as it is:
         the default unless set before), before an engine reads them; an unknown name or value is
         an error naming it."""
-        allowed = {"fp8_classifier": (0, 1, 2), "fp8_dlogits": ("e4m3", "e5m2"),
-                   "fp8_dlogits_rounding": ("stochastic", "nearest"), "fp8_scaling": ("current", "delayed")}
+        allowed = {"fp8_classifier": (0, 1, 2), "fp8_dlogits": tuple(FP8_FORMATS), "fp8_dlogits_rounding": FP8_ROUNDINGS,
+                   "fp8_scaling": FP8_SCALINGS}
         for name, value in settings.items():
             if name not in allowed:
                 raise ValueError(f"set_fp8_run: {name!r}; expected one of {', '.join(allowed)}")
