@@ -1,7 +1,7 @@
 """Benchmark: time training steps of the engine on the GPU, with a per-kernel breakdown.
 
     python -m andrea.bench --exp ANDREA-120M --precision fp16 --batch 8 --steps 20 \
-        [--anchor [path/to/torch_gpt.py]] [--json out.json]
+        [--anchor [path/to/torch_gpt.py]] [--floor] [--json out.json]
 
 Builds the Engine for the experiment's model shape (conf/model/<exp>.yaml) at T = context, runs
 warm-up steps on fixed random tokens, then times --steps steps between CUDA events and prints
@@ -359,6 +359,10 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="a setting of the CUDA backend first: a Tuning field (e.g. --set ln_blocks=528), an FP8 "
                          "run setting (e.g. --set fp8_dlogits_rounding=nearest) or pdl=0 (repeatable)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also print each kernel's floor (products at cuBLAS's rate for their shapes, attention at "
+                         "the dense peak, other bytes at copy bandwidth) beside ours, largest gap first "
+                         "(andrea/bench/floor.py; 16-bit precisions)")
     ap.add_argument("--json", help="also write all figures here")
     a = ap.parse_args(argv)
     settings = parse_settings(a.set)
@@ -388,6 +392,12 @@ def main(argv=None) -> int:
     total = sum(ours["per_kernel_ms"].values())
     for k, v in ours["per_kernel_ms"].items():
         print(f"  {k:<22}{v:>9.3f}{100 * v / total:>7.1f}%")
+    if a.floor and a.precision in ("fp16", "bf16"):
+        from . import floor
+        m = bench_config(a.exp, a.precision, a.batch, 1).model
+        print(floor.report(m, a.batch, m.context, ours["params"], ours["per_kernel_ms"], ours["ms_step"]))
+    elif a.floor:
+        print(f"--floor: the floor table is of 16-bit steps; --precision {a.precision} has none", file=sys.stderr)
     anchors = []
     if a.anchor:
         precisions = a.anchor_precision or [{"fp8": "bf16"}.get(a.precision, a.precision)]
