@@ -50,6 +50,7 @@ RANKS = {
     "andrea.core": (3,),
     "andrea.use": (4,),
     "andrea.run": (5,),
+    "andrea.tasks": (5,),  # standard benchmarks: reads andrea.use (locate), read by the pipeline
     "andrea.pipeline": (6,),
     "andrea.bench": (7,),
     "andrea.cli": (8,),

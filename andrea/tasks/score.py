@@ -1,0 +1,145 @@
+"""Batched scoring of Requests on the engine's own forward kernels (NumPy or CUDA).
+
+    sc = Scorer(cfg.model, backend, params, window, dtype, batch_tokens=16384)
+    loss_sum, n_tokens, greedy = sc.score(requests, argmax=True)   # one value per request
+
+Memory is planned once, for batch_tokens positions, as the engine plans its own: the weights (the
+compute dtype), one layer's activations (inference keeps none for a backward pass, so every layer
+reuses the same buffers: model.forward reads a layer's input before it writes its output), the
+classifier's buffers and a logits workspace of model.loss_chunk_rows rows (at least one window).
+Each batch is a (B, T) view of those buffers, B * T <= batch_tokens: the requests sorted by length,
+longest first, T their longest rounded up to a multiple of T_MULTIPLE (at most the window), B as
+many as fit. Sequences are right-padded: attention is causal, so padding after a sequence changes
+none of its positions, and the host reads only the positions it asked for.
+
+Per position the classifier (k_loss_fwd) gives the loss of the next token. It runs a chunk of whole
+sequences at a time, so that after each call the logits workspace holds that chunk's logits; with
+argmax=True the target's logit is compared with the row's maximum there, on the device: a
+continuation is a greedy match when every one of its tokens is the argmax (a tie counts as a match).
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..core import model
+from ..core.plan import Arena, MemoryPlan
+
+T_MULTIPLE = 64  # batch lengths are rounded up to this (at most the window): few shapes, aligned tiles
+FORWARD_GLOBALS = ("tokens", "targets", "x0", "lnf", "lnf_mean", "lnf_rstd", "losses", "loss_lse",
+                   "attproj", "mlpout", "act")
+
+
+def score_plan(m: ModelConfig, window: int, batch_tokens: int, dtype: str) -> Tuple[MemoryPlan, int]:
+    """Every buffer a Scorer uses, and the logits workspace's rows."""
+    N, V = batch_tokens, m.vocab_size
+    rows = max(window, model.loss_chunk_rows(N, V))
+    kinds = {"act": dtype, "f32": "float32", "i32": "int32"}
+    plan = MemoryPlan()
+    plan.add("params", (model.count_params(m),), dtype, "weights")
+    for name, (shape, kind) in model.activation_shapes(m, 1, N).items():
+        plan.add("layer." + name, shape, kinds[kind], "activations (one layer)")
+    g = model.global_shapes(m, 1, N)
+    for name in FORWARD_GLOBALS:
+        plan.add(name, g[name][0], kinds[g[name][1]], "activations (other)")
+    plan.add("logits", (rows, V), dtype, "workspace")
+    return plan, rows
+
+
+def view(buf, shape):
+    """A (shape) view of the first elements of a planned buffer."""
+    n = int(np.prod(shape))
+    return buf.reshape(-1)[:n].reshape(shape)
+
+
+def batches(lengths: Sequence[int], window: int, batch_tokens: int) -> List[Tuple[List[int], int]]:
+    """[(request indices, T)]: longest first, T = the first one's length rounded up to T_MULTIPLE
+    (at most window), as many as fit in batch_tokens."""
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    out, k = [], 0
+    while k < len(order):
+        T = min(window, -(-lengths[order[k]] // T_MULTIPLE) * T_MULTIPLE)
+        B = max(1, batch_tokens // T)
+        out.append((order[k:k + B], T))
+        k += B
+    return out
+
+
+class Scorer:
+    """The model's forward pass over batches of token sequences, on one backend."""
+
+    def __init__(self, m: ModelConfig, backend, params, window: int, dtype: str = "float32",
+                 batch_tokens: int = 8192):
+        if not 1 <= window <= m.context:
+            raise ValueError(f"scoring window {window}: expected 1..model.context={m.context}")
+        self.m, self.be, self.window = m, backend, window
+        self.N = max(batch_tokens, window)
+        self.plan, self.rows = score_plan(m, window, self.N, dtype)
+        self.arena = Arena(backend, self.plan.total())
+        self.b = {r.name: self.arena.take(r.shape, r.dtype) for r in self.plan.rows}
+        self.arena.seal()
+        layout = model.ParamLayout.from_config(m)
+        params = np.asarray(params)
+        if params.shape != (layout.n_params,):
+            raise ValueError(f"Scorer: {params.shape} weights, the model has ({layout.n_params},)")
+        backend.write(self.b["params"], params)
+        self.p = layout.views(self.b["params"])
+        self.workspace = backend.reserve_workspace(self.N // window, window, m.d_model, m.n_head,
+                                                   self.b["params"].dtype, vocab=m.vocab_size,
+                                                   chunk_rows=self.rows)
+
+    def _views(self, B: int, T: int):
+        """The buffers as one (B, T) batch: views of their first B * T positions."""
+        layer, glob = model.activation_shapes(self.m, B, T), model.global_shapes(self.m, B, T)
+        a = {k: view(self.b["layer." + k], s) for k, (s, _) in layer.items()}
+        g = {k: view(self.b[k], glob[k][0]) for k in FORWARD_GLOBALS}
+        g["logits"] = self.b["logits"]
+        return a, g
+
+    def _batch(self, seqs: List[List[int]], T: int, argmax: bool):
+        """(losses (B, T), greedy (B, T) or None) of right-padded sequences, on the host."""
+        B = len(seqs)
+        x = np.zeros((B, T), dtype=np.int32)
+        y = np.zeros((B, T), dtype=np.int32)
+        for r, s in enumerate(seqs):
+            x[r, :len(s) - 1] = s[:-1]
+            y[r, :len(s) - 1] = s[1:]
+        a, g = self._views(B, T)
+        self.be.upload(g["tokens"], x)
+        self.be.upload(g["targets"], y)
+        model.forward(self.be, self.p, [a] * self.m.n_layer, g, self.m.n_head, loss=False)
+        per = max(1, self.rows // T)  # whole sequences per classifier call
+        hits = []
+        for b0 in range(0, B, per):
+            b1 = min(B, b0 + per)
+            self.be.k_loss_fwd(g["losses"][b0:b1], g["loss_lse"][b0:b1], g["logits"], g["lnf"][b0:b1],
+                               self.p["wte"], g["targets"][b0:b1])
+            if argmax:
+                hits.append(self.be.to_numpy(self._greedy(g["logits"], g["targets"][b0:b1])))
+        losses = self.be.to_numpy(g["losses"]).astype(np.float64)
+        return losses, (np.concatenate(hits).reshape(B, T) if argmax else None)
+
+    def _greedy(self, logits, targets):
+        """Per row of the chunk: is the target's logit the row's largest (on the device)."""
+        xp, n = self.be.xp, targets.size
+        z = logits[:n]
+        zt = z[xp.arange(n), targets.reshape(n)]
+        return zt >= z.max(axis=1)
+
+    def score(self, reqs, argmax: bool = False):
+        """Per request: the continuation's summed loss (nats), its token count, and whether every
+        one of its tokens is the argmax (argmax=True; else None)."""
+        n = len(reqs)
+        loss = np.zeros(n)
+        count = np.array([r.n_cont for r in reqs])
+        greedy = np.zeros(n, dtype=bool) if argmax else None
+        for idx, T in batches([len(r.tokens) - 1 for r in reqs], self.window, self.N):
+            losses, hits = self._batch([reqs[r].tokens for r in idx], T, argmax)
+            for row, r in enumerate(idx):
+                L, k = len(reqs[r].tokens) - 1, reqs[r].n_cont
+                loss[r] = losses[row, L - k:L].sum()
+                if argmax:
+                    greedy[r] = bool(hits[row, L - k:L].all())
+        return loss, count, greedy
