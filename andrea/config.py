@@ -144,12 +144,19 @@ class EvalConfig:
     log_scale: bool = False  # report's loss plot on a logarithmic axis
 
 
+TRACKERS = ("tensorboard", "mlflow", "wandb")  # proxy.trackers' allowed values
+OBJECTIVES = ("val_loss", "loss", "tokens_per_s", "grad_norm", "wall_s")  # objective's allowed values
+
+
 @dataclass
 class ProxyConfig:
     max_restarts: int = 5  # engine crashes in a row (no new checkpoint between) before giving up
     restart_backoff_s: float = 2.0  # first wait before a restart; doubles per failure in a row
     restart_backoff_max_s: float = 60.0  # ceiling of that wait
     record_flush_s: float = 1.0  # least seconds between rewrites of <exp>.loss.json
+    # experiment trackers fed from the records, offline, under <run>/trackers/ (opt-in, any subset of
+    # TRACKERS; a missing package is one warning line, andrea/run/proxy/trackers.py)
+    trackers: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -163,6 +170,9 @@ class AndreaConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    # what a sweep's task returns (Optuna, Nevergrad, Ax sweepers minimise or maximise it): the last
+    # value of this field of the loss history (OBJECTIVES); it never names a run
+    objective: str = "val_loss"
 
 
 def register_configs() -> None:
@@ -282,6 +292,12 @@ def validate(cfg: AndreaConfig) -> None:
     if t.eval_every > 0 and t.eval_batches < 1:
         raise ValueError(f"train.eval_batches={t.eval_batches}: expected an integer >= 1 when "
                          f"train.eval_every={t.eval_every} > 0 (a validation loss needs a batch)")
+    for name in cfg.proxy.trackers:
+        if name not in TRACKERS:
+            raise ValueError(f"proxy.trackers={list(cfg.proxy.trackers)}: {name!r} is no tracker; expected any of "
+                             f"{', '.join(TRACKERS)}")
+    if cfg.objective not in OBJECTIVES:
+        raise ValueError(f"objective={cfg.objective!r}: expected one of {', '.join(OBJECTIVES)} (a field of the loss history)")
     if cfg.proxy.restart_backoff_max_s < cfg.proxy.restart_backoff_s:
         raise ValueError(f"proxy.restart_backoff_max_s={cfg.proxy.restart_backoff_max_s!r} is below "
                          f"proxy.restart_backoff_s={cfg.proxy.restart_backoff_s!r}: expected the ceiling >= the first wait")

@@ -2,8 +2,11 @@
 
 A run of an experiment with its pinned config lives in `results/<EXP>/`. A run with overrides that
 change what is trained lives beside it in `results/<EXP>+<overrides>/`, the overrides sorted and
-joined with commas as Hydra's multirun names its jobs (`results/ANDREA-tiny+train.lr=1e-3/`), so
-an override never continues or overwrites the pinned run. The name is also the run's `exp`: its
+joined with commas as Hydra's multirun names its jobs (`results/ANDREA-tiny+train.lr=0.001/`), so
+an override never continues or overwrites the pinned run. Each override is named by its value as
+parsed and typed (`normalised`): `train.lr=1e-3`, `train.lr=0.001`, `train.lr=.001` and a sweep's
+`train.lr=0.001` are one run, `results/ANDREA-tiny+train.lr=0.001/`, and so are `train.lr=1` and
+`train.lr=1.0` (a float field). The name is also the run's `exp`: its
 records are `<name>.loss.json` and so on. `exp=NAME` on the command line names the run yourself.
 
 Overrides of where things are (data paths, results_dir), of the training proxy and of evaluation
@@ -16,8 +19,11 @@ but is no reason not to compare with the published run; evaluation overrides are
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import re
+import typing
 from typing import Iterable, List
 
 MAX_NAME = 200  # run folder names stay under the usual 255-byte file-name limit
@@ -27,8 +33,8 @@ PLACE_KEYS = ("experiment", "exp", "results_dir", "data.dir", "data.tokenizer", 
               "data.val_shards", "data.local_path")
 # where it runs: names a run, but the published comparison still applies (same numbers up to rounding)
 BACKEND_KEYS = ("backend", "backend.name", "backend.device")
-# sections that never change the weights
-NON_TRAINING = ("eval", "proxy", "hydra")
+# sections that never change the weights (objective: what a sweep's task returns)
+NON_TRAINING = ("eval", "proxy", "hydra", "objective")
 
 
 def override_key(override: str) -> str:
@@ -41,16 +47,71 @@ def _section(key: str) -> str:
     return key.split(".", 1)[0]
 
 
+@functools.lru_cache(maxsize=None)
+def _parser():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create()
+
+
+def _field_type(key: str):
+    """The annotated type of a dotted key of the config schema (andrea/config.py), None where the
+    key is no field (a config group such as model=, a list element, an unknown key)."""
+    from ..config import AndreaConfig
+
+    cls, hint = AndreaConfig, None
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return None
+        hint = typing.get_type_hints(cls).get(part)
+        if hint is None:
+            return None
+        cls = hint
+    return hint
+
+
+def _as_field(key: str, value):
+    """value as the schema stores it: an integer given for a float field is that float."""
+    hint = _field_type(key)
+    if hint is float or hint == typing.Optional[float]:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+    return value
+
+
+def normalised(override: str) -> str:
+    """An override written as its parsed, typed value (`train.lr=3e-3` and `train.lr=0.003` ->
+    `train.lr=0.003`; `+train.lr=1` -> `train.lr=1.0`), so one config gets one name. A sweep
+    (`a=1,2`, `interval(...)`), a deletion or what does not parse stays as written."""
+    try:
+        o = _parser().parse_override(str(override))
+    except Exception:  # noqa: BLE001 (Hydra reports it when the run composes)
+        return str(override)
+    if o.is_sweep_override() or o.is_delete():
+        return str(override)
+    key = o.key_or_group + (f"@{o.package}" if o.package else "")
+    value = _as_field(o.key_or_group, o.value())
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, float):
+        text = repr(value)
+    elif isinstance(value, int):
+        text = str(value)
+    else:
+        text = o.get_value_element_as_str()
+    return f"{key}={text}"
+
+
 def naming_overrides(overrides: Iterable[str]) -> List[str]:
-    """The overrides that change what is trained, sorted: they name the run."""
-    return sorted(str(o) for o in overrides
+    """The overrides that change what is trained, normalised and sorted: they name the run."""
+    return sorted(normalised(o) for o in overrides
                   if override_key(o) not in PLACE_KEYS and _section(override_key(o)) not in NON_TRAINING)
 
 
 def compared_overrides(overrides: Iterable[str]) -> List[str]:
     """The overrides that make a result differ from the published one's config (training or eval)."""
     return sorted(str(o) for o in overrides if override_key(o) not in PLACE_KEYS + BACKEND_KEYS
-                  and _section(override_key(o)) not in ("proxy", "hydra"))
+                  and _section(override_key(o)) not in ("proxy", "hydra", "objective"))
 
 
 def training_overrides(overrides: Iterable[str]) -> List[str]:
@@ -64,7 +125,7 @@ def names_itself(overrides: Iterable[str]) -> bool:
 
 
 def tag(overrides: Iterable[str]) -> str:
-    """The naming overrides made path-safe (`train.lr=1e-3,train.seed=2`); "" when there are none;
+    """The naming overrides made path-safe (`train.lr=0.001,train.seed=2`); "" when there are none;
     a very long one becomes `run-<hash>`, so names stay unique and short."""
     joined = ",".join(naming_overrides(overrides))
     safe = re.sub(r"[^A-Za-z0-9._=,+-]", "_", joined)
@@ -88,5 +149,5 @@ def run_name(exp: str, overrides: Iterable[str] = (), sweep: bool = False) -> st
 
 
 def base_experiment(name: str) -> str:
-    """The experiment a run name starts with (`ANDREA-tiny+train.lr=1e-3` -> ANDREA-tiny)."""
+    """The experiment a run name starts with (`ANDREA-tiny+train.lr=0.001` -> ANDREA-tiny)."""
     return str(name).split(SEP, 1)[0]
