@@ -51,6 +51,7 @@ RANKS = {
     "andrea.use": (4,),
     "andrea.run": (5,),
     "andrea.tasks": (5,),  # standard benchmarks: reads andrea.use (locate), read by the pipeline
+    "andrea.serve": (5,),  # andrea serve: the HTTP API over andrea.use
     "andrea.pipeline": (6,),
     "andrea.bench": (7,),
     "andrea.cli": (8,),
