@@ -1,10 +1,19 @@
 """Train one experiment: Hydra composes the config, the proxy supervises the engine.
 
     python -m andrea.train experiment=ANDREA-tiny                # one run -> results/ANDREA-tiny/
-    python -m andrea.train experiment=ANDREA-tiny train.lr=1e-3  # -> results/ANDREA-tiny+train.lr=1e-3/
+    python -m andrea.train experiment=ANDREA-tiny train.lr=1e-3  # -> results/ANDREA-tiny+train.lr=0.001/
     python -m andrea.train experiment=ANDREA-tiny train.lr=1e-3 exp=tiny-lr   # -> results/tiny-lr/
     python -m andrea.train -m experiment=ANDREA-tiny train.lr=1e-3,3e-3
         # a sweep: one run per combination, results/ANDREA-tiny+train.lr=0.001/ and so on
+    python -m andrea.train -m experiment=ANDREA-tiny hydra/sweeper=optuna hydra.sweeper.n_trials=8 \
+        'train.lr=interval(0.001,0.01)'   # a sweeper that optimises (pip install hydra-optuna-sweeper)
+    python -m andrea.train experiment=ANDREA-tiny --cfg job      # every key and its value, nothing run
+
+A sweep's task returns the run's objective (config `objective`: the last validation loss by
+default, or the last value of another field of the loss history), which Optuna, Nevergrad and Ax
+sweepers minimise (or maximise: hydra.sweeper.direction=maximize). Each sweep keeps its
+multirun.yaml (and a sweeper's optimization_results.yaml) in results/sweeps/<time>/; its runs
+are results/<run name>/ as always.
 
 Data parallelism (docs/DISTRIBUTED.md): each of N ranks trains on its part of every step's
 microbatches (train.grad_accum must be a multiple of N), rank 0 keeps the records and checkpoints:
@@ -113,15 +122,10 @@ def check_run_folder(cfg: AndreaConfig, run_dir: Path, new_run_on_change: bool =
 def set_aside(cfg: AndreaConfig, run_dir: Path, their_hash: str) -> Path:
     """Move a previous run's checkpoints and records to <run>/previous/<hash>-<time>/ (renames in
     the same folder: nothing is copied, nothing deleted)."""
-    dest = run_dir / SET_ASIDE_DIR / f"{their_hash[:12]}-{time.strftime('%Y%m%dT%H%M%S')}"
-    while dest.exists():
-        dest = dest.with_name(dest.name + "+")
-    dest.mkdir(parents=True)
-    for name in ("checkpoints", "archive", TRAINED_DIR, "config.yaml",
-                 *(f"{cfg.exp}.{kind}.json" for kind in ("loss", "samples", "state"))):
-        if (run_dir / name).exists():
-            os.replace(run_dir / name, dest / name)
-    return dest
+    from .run.proxy.records import record_names, set_aside as move_aside
+
+    return move_aside(run_dir, ("checkpoints", "archive", TRAINED_DIR, "config.yaml", *record_names(cfg.exp)),
+                      their_hash[:12])
 
 
 def publish_trained(cfg: AndreaConfig, run_dir: Path, final: Path) -> Path:
@@ -155,6 +159,14 @@ def publish_trained(cfg: AndreaConfig, run_dir: Path, final: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def in_sweep() -> bool:
+    """True in a job of a sweep (-m), whose task returns the objective."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def run_folder() -> Path:
@@ -203,6 +215,9 @@ def train(cfg: DictConfig) -> int:
         # too few windows for one batch: stop and say which setting; fewer than a step's or a
         # validation's worth: say so and go on (the loader re-reads windows)
         check_shards(run_cfg, warn=lambda msg: print(f"andrea.train: warning: {msg}", file=sys.stderr))
+        if in_sweep() and run_cfg.objective == "val_loss" and not run_cfg.train.eval_every:
+            raise ConfigError("objective=val_loss (what this sweep's task returns) needs train.eval_every > 0; "
+                              "set train.eval_every, or objective=loss")
     except (ConfigError, ValueError) as e:
         print(f"andrea.train: {e}", file=sys.stderr)
         _remove_if_empty(run_folder())
@@ -245,6 +260,21 @@ def follow(cfg: AndreaConfig, run_dir: Path) -> int:
     from .cli import run_engine
 
     return run_engine(cfg, run_dir, resume=True)
+
+
+def objective(run_dir: Path, name: str = "val_loss") -> float:
+    """The run's objective for a sweeper: the last value of field `name` in the finished run's
+    history (<run>/trained/<exp>.loss.json). ConfigError when the history has none (objective=
+    val_loss with train.eval_every=0)."""
+    import json
+
+    path = run_dir / TRAINED_DIR / f"{run_dir.name}.loss.json"
+    history = json.loads(path.read_text())["history"]
+    values = [r[name] for r in history if isinstance(r.get(name), (int, float))]
+    if not values:
+        raise ConfigError(f"{path}: no record holds {name!r}, the objective the sweeper asked for "
+                          f"(objective={name}; val_loss needs train.eval_every > 0)")
+    return float(values[-1])
 
 
 def finish(cfg: AndreaConfig, run_dir: Path, rc: int) -> int:
@@ -296,19 +326,30 @@ def short_help(conf_dir: Path = CONF_DIR) -> str:
     title, body = __doc__.strip("\n").split("\n\n", 1)
     return (f"{title}\n\nusage: python -m andrea.train experiment=<EXP> [key=value ...] [-m for sweeps]\n"
             f"experiments: {', '.join(exps)}\n\n{body.rstrip()}\n\n"
-            "The groups, their options and every field: python -m andrea.train experiment=<EXP> --help\n")
+            "The groups, their options and every field: python -m andrea.train experiment=<EXP> --help\n"
+            "Every key with the value it resolves to (nothing is run): python -m andrea.train experiment=<EXP> "
+            "--cfg job  (add train.lr=... to see an override's effect; the types and comments are in "
+            "andrea/config.py)\n")
 
 
 _task_started = False  # set once Hydra has composed the config and called main
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float:
+    """Hydra's task: train, then return the run's objective (what sweepers optimise)."""
     global _task_started
     _task_started = True
     code = train(cfg)
     if code:
         sys.exit(code)  # in a sweep this stops the sweep: later runs would likely fail the same way
+    if not in_sweep():
+        return None
+    try:
+        return objective(run_folder(), str(cfg.objective))
+    except (ConfigError, OSError, ValueError, KeyError) as e:
+        print(f"andrea.train: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
 
 
 def take_ranks_flag(argv: list) -> Optional[int]:
