@@ -6,6 +6,7 @@
     python -m andrea.cli chat RUN
     python -m andrea.cli export RUN --format safetensors|hf            # andrea/use/export.py
     python -m andrea.cli import GPT2_FOLDER --config CONFIG.yaml       # andrea/use/importer.py
+    python -m andrea.cli tasks RUN --tasks core --task-data DIR        # andrea/tasks/: ARC, PIQA, CORE, ...
 
 `python -m andrea.train experiment=...` (Hydra, the proxy) is the usual way in; `engine` is the
 process the proxy supervises, and can be run alone on a resolved config.
@@ -128,6 +129,8 @@ def main(argv=None) -> int:
     generate.add_arguments(sub.add_parser("chat", help="talk to a trained model (REPL)"), chat=True)
     export.add_arguments(sub.add_parser("export", help="write safetensors or a Hugging Face GPT-2 folder"))
     importer.add_arguments(sub.add_parser("import", help="start a run from GPT-2-layout weights"))
+    from .tasks.__main__ import add_arguments as task_arguments
+    task_arguments(sub.add_parser("tasks", help="score a trained model on standard in-context tasks (ARC, CORE, ...)"))
     args = ap.parse_args(argv)
     if args.cmd in ("engine", "params"):
         return args.fn(args)

@@ -36,7 +36,7 @@ def add_arguments(p) -> None:
 def cmd_tasks(a, out=None) -> int:
     from ..util.atomic import atomic_write
     from .results import table
-    from .run import load_model, run_tasks
+    from .run import load_model, present, run_tasks
     from .suites import resolve
 
     if a.limit < 0:
@@ -48,6 +48,7 @@ def cmd_tasks(a, out=None) -> int:
     entries, suite = resolve(a.tasks, a.fewshot)
     if not a.task_data.is_dir():
         raise ValueError(f"--task-data {a.task_data}: no such folder; expected the folder of the task files")
+    present(entries, a.task_data)  # none there: say so before loading the model
     scorer, tok, meta = load_model(a.path, a.backend, a.tokenizer, a.precision, a.batch_tokens)
     res = run_tasks(scorer, tok, entries, a.task_data, a.limit, suite, meta)
     out = out or sys.stdout

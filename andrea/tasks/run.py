@@ -88,27 +88,38 @@ def why_missing(name: str, data_dir) -> Optional[str]:
     return None
 
 
+def present(entries: List[Tuple[str, int]], data_dir) -> Tuple[List[Tuple[str, int]], List[dict]]:
+    """(the entries this command can score from data_dir, [{"task", "why"}] of the others); a
+    ValueError when none is there."""
+    here, missing = [], []
+    for name, k in entries:
+        why = why_missing(name, data_dir)
+        if why:
+            missing.append({"task": name, "why": why})
+        else:
+            here.append((name, k))
+    if not here:
+        raise ValueError(f"--task-data {data_dir}: none of the tasks asked for is there ("
+                         + "; ".join(f"{m['task']}: {m['why']}" for m in missing) + ")")
+    return here, missing
+
+
 def run_tasks(scorer, tok, entries: List[Tuple[str, int]], data_dir, limit: int = 0, suite: str = "",
               meta: Optional[dict] = None, log=None) -> dict:
     """Every task of entries [(name, few-shot)] present in data_dir, scored; the results dict of
     results.py's format. Progress and items/s per task go to log (stderr)."""
     log = log or sys.stderr
     t0 = time.perf_counter()
-    tasks, missing = {}, []
-    for name, k in entries:
-        why = why_missing(name, data_dir)
-        if why:
-            missing.append({"task": name, "why": why})
-            print(f"andrea tasks: {name}: skipped, {why}", file=log, flush=True)
-            continue
+    here, missing = present(entries, data_dir)
+    for m in missing:
+        print(f"andrea tasks: {m['task']}: skipped, {m['why']}", file=log, flush=True)
+    tasks = {}
+    for name, k in here:
         res, _, _ = score_task(scorer, tok, name, k, data_dir, limit)
         tasks[name] = res
         print(f"andrea tasks: {name:<34} acc {res['accuracy']:.4f}  n {res['n']:>6,}  {k:>2}-shot  "
               f"centered {res['centered']:+.4f}  cut {res['truncated']}  {res['items_per_s']:,.1f} items/s",
               file=log, flush=True)
-    if not tasks:
-        raise ValueError(f"--task-data {data_dir}: none of the tasks asked for is there ("
-                         + "; ".join(f"{m['task']}: {m['why']}" for m in missing) + ")")
     wall = time.perf_counter() - t0
     n = sum(t["n"] for t in tasks.values())
     return {"format": FORMAT, **(meta or {}), "limit": limit, "tasks": tasks,

@@ -1,0 +1,205 @@
+"""andrea/tasks: standard in-context tasks scored in batches on the engine's kernels, each kind
+checked against a float64 one-position reference (the KV-cache Decoder), few-shot drawing,
+left truncation, the suite's JSON, bad task files. The model and the task files are written here
+(tests/tasks_model.py); the real benchmark files are read from ../shared/eval-data when present."""
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from andrea import cli
+from andrea.backends import get_backend
+from andrea.tasks.__main__ import main as tasks_main
+from andrea.tasks.data import TaskDataError, read_items
+from andrea.tasks.prompts import Request, fewshot_indices, pairs, requests
+from andrea.tasks.results import compare_tasks, wilson
+from andrea.tasks.run import load_model, score_task
+from andrea.tasks.suites import CORE, KINDS, LM, MC, SCHEMA, TASKS, resolve
+from andrea.use.inference import Decoder
+from andrea.use.locate import locate
+
+from tasks_model import make_model, write_tasks
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared" / "eval-data"
+WINDOW = 64
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tasks")
+    run = make_model(root, context=WINDOW)
+    files = write_tasks(root / "data")
+    scorer, tok, meta = load_model(run, backend="numpy", batch_tokens=512)
+    cfg, params = locate(run, prog=None).load()
+    ref = Decoder(cfg.model, get_backend("numpy"), WINDOW, "float64")
+    ref.load(params)
+    return run, root / "data", files, scorer, tok, ref
+
+
+def reference(dec, tokens, n_cont):
+    """Summed loss of the last n_cont targets and whether each is the argmax, one position at a
+    time in float64 (no batch, no padding)."""
+    dec.reset()
+    logits = [dec.feed(tokens[:1])] + [dec.step(t) for t in tokens[1:-1]]
+    loss, greedy = 0.0, True
+    for z, y in list(zip(logits, tokens[1:]))[-n_cont:]:
+        m = z.max()
+        loss += m + math.log(np.exp(z - m).sum()) - z[y]
+        greedy &= bool(z[y] >= m)
+    return loss, greedy
+
+
+@pytest.mark.parametrize("name,kind", [("copa", MC), ("winograd", SCHEMA), ("lambada_openai", LM)])
+def test_each_kind_against_the_one_position_reference(setup, name, kind):
+    run, data, files, scorer, tok, ref = setup
+    res, picked, (reqs, loss, count, greedy) = score_task(scorer, tok, name, 1, data)
+    items = read_items(files[name], kind)
+    assert res["n"] == len(items) == 24 and res["fewshot"] == 1 and res["kind"] == kind
+    assert len({len(r.tokens) for r in reqs}) > 5  # odd lengths, several per batch
+    want = np.array([reference(ref, r.tokens, r.n_cont) for r in reqs], dtype=object)
+    ref_loss = want[:, 0].astype(float)
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-5, atol=2e-5)  # fp32 batched vs float64, ~60 positions
+    if kind == LM:
+        assert list(greedy) == list(want[:, 1].astype(bool))
+        assert res["accuracy"] == np.mean(want[:, 1].astype(bool))
+    else:
+        by_item = {}
+        for r, L in zip(reqs, ref_loss / count):
+            by_item.setdefault(r.item, []).append(L)
+        expect = [int(np.argmin(by_item[i])) for i in range(len(items))]
+        assert list(picked) == expect
+        assert res["accuracy"] == pytest.approx(np.mean([e == it["gold"] for e, it in zip(expect, items)]))
+        assert res["chance"] == pytest.approx(np.mean([1 / len(by_item[i]) for i in range(len(items))]))
+
+
+def test_exact_match_reads_the_argmax(setup):
+    """A continuation made of the model's own greedy tokens is a match; one token changed, it is not."""
+    run, data, files, scorer, tok, ref = setup
+    ctx = tok.encode("<|endoftext|>red cat and the")
+    ref.reset()
+    z, cont = ref.feed(ctx), []
+    for _ in range(3):
+        cont.append(int(np.argmax(z)))
+        z = ref.step(cont[-1])
+    other = cont[:2] + [(cont[2] + 1) % 300]
+    reqs = [Request(0, 0, ctx + cont, 3, 0), Request(1, 0, ctx + other, 3, 0), Request(2, 0, ctx + cont[:1], 1, 0)]
+    _, _, greedy = scorer.score(reqs, argmax=True)
+    assert list(greedy) == [True, False, True]
+
+
+def test_fewshot_draws_other_items_with_a_fixed_seed():
+    for n in (2, 5, 11):
+        for i in range(n):
+            for k in (1, 3, 10):
+                got = fewshot_indices(i, n, k)
+                assert i not in got and len(set(got)) == len(got) == min(k, n - 1)
+                assert all(0 <= j < n for j in got) and got == fewshot_indices(i, n, k)
+    assert fewshot_indices(3, 40, 5) != fewshot_indices(4, 40, 5)
+    items = [{"query": f"q{i}", "choices": [f"a{i}", f"b{i}"], "gold": i % 2} for i in range(6)]
+    ctx = pairs(items, 2, MC, " ", 5)[0][0]
+    assert "q2" not in ctx[:-len("q2 ")] and all(f"q{j}" in ctx for j in (0, 1, 3, 4, 5))
+    assert all(f"q{j} {'ab'[j % 2]}{j}\n" in ctx for j in (0, 1, 3, 4, 5))  # each with its right answer
+
+
+def test_items_longer_than_the_window_are_cut_from_the_left_and_counted(setup, tmp_path):
+    run, data, files, scorer, tok, ref = setup
+    long = " ".join(["red cat"] * 60)
+    rows = [{"query": long, "choices": ["sun.", "big old moon."], "gold": 0},
+            {"query": "the dog", "choices": ["sun.", "moon."], "gold": 1}]
+    p = tmp_path / "commonsense_reasoning" / "copa.jsonl"
+    p.parent.mkdir(parents=True)
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res, picked, (reqs, loss, count, _) = score_task(scorer, tok, "copa", 0, tmp_path)
+    assert res["truncated"] == 1
+    assert [r.cut > 0 for r in reqs] == [True, True, False, False]
+    assert all(len(r.tokens) == WINDOW + 1 for r in reqs[:2])
+    full = tok.encode("<|endoftext|>" + long + " big old moon.")
+    assert reqs[1].tokens == full[-(WINDOW + 1):] and reqs[1].cut == len(full) - WINDOW - 1
+    for r, L in zip(reqs, loss):
+        assert L == pytest.approx(reference(ref, r.tokens, r.n_cont)[0], rel=2e-5, abs=2e-5)
+
+
+def test_suite_json_names_the_tasks_averaged_and_missing(setup, tmp_path, capsys):
+    run, data, files, scorer, tok, ref = setup
+    out = tmp_path / "tasks.json"
+    rc = cli.main(["tasks", str(run), "--tasks", "core", "--task-data", str(data), "--backend", "numpy",
+                   "--limit", "5", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0
+    res = json.loads(out.read_text())
+    core = dict(CORE)
+    assert set(res["tasks"]) == {"copa", "winograd", "lambada_openai"}
+    for name, t in res["tasks"].items():
+        assert t["fewshot"] == core[name] and t["n"] == 5
+        assert t["random_baseline"] == TASKS[name].baseline
+        assert t["centered"] == pytest.approx((t["accuracy"] - t["random_baseline"]) / (1 - t["random_baseline"]))
+    s = res["suite"]
+    assert s["name"] == "core" and sorted(s["averaged"]) == sorted(res["tasks"])
+    assert s["score"] == pytest.approx(np.mean([t["centered"] for t in res["tasks"].values()]))
+    missing = {m["task"] for m in s["missing"]}
+    assert missing == set(core) - set(res["tasks"]) and len(missing) == 19
+    assert res["items"] == 15 and res["items_per_s"] > 0 and res["window"] == WINDOW
+    assert "| copa | multiple_choice |" in printed.out and "items/s" in printed.out
+    assert "andrea tasks: arc_easy: skipped, no file" in printed.err
+    assert resolve("core,copa", 1)[0][:2] == [("hellaswag_zeroshot", 1), ("jeopardy", 1)]
+
+
+@pytest.mark.parametrize("line,field", [
+    ('{"query": "q", "gold": 0}', "field choices is missing"),
+    ('{"query": "q", "choices": ["a", "b"], "gold": 2}', "field gold is 2; expected an index into choices (0..1)"),
+    ('{"query": "q", "choices": ["a"], "gold": 0}', "field choices is [\"a\"]; expected a list of two or more"),
+    ('{"query": 3, "choices": ["a", "b"], "gold": 0}', "field query is 3; expected a text"),
+    ('{"query": "q", "choices": ["a", "b"], "gold": true}', "field gold is true; expected an integer"),
+    ('{"query": "q", "choices": ["a", "b"], "gold": 0', "not valid JSON"),
+])
+def test_bad_task_file_is_one_line_naming_file_line_and_field(setup, tmp_path, capsys, line, field):
+    run = setup[0]
+    p = tmp_path / "commonsense_reasoning" / "copa.jsonl"
+    p.parent.mkdir(parents=True)
+    good = '{"query": "q", "choices": ["a", "b"], "gold": 1}\n'
+    p.write_text(good + "\n" + line + "\n" + good)
+    rc = tasks_main([str(run), "--tasks", "copa", "--task-data", str(tmp_path), "--backend", "numpy"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "Traceback" not in err[0]
+    assert err[0].startswith(f"andrea tasks: {p}:3: ") and field in err[0]
+
+
+def test_bad_arguments_exit_2(setup, tmp_path, capsys):
+    run, data = setup[0], setup[1]
+    for argv, says in (([str(run), "--tasks", "nope", "--task-data", str(data)], "unknown task or suite 'nope'"),
+                       ([str(run), "--tasks", "copa", "--task-data", str(tmp_path / "x")], "no such folder"),
+                       ([str(run), "--tasks", "arc_easy", "--task-data", str(data)], "none of the tasks"),
+                       ([str(tmp_path / "none"), "--tasks", "copa", "--task-data", str(data)], "no such file")):
+        assert tasks_main(argv + ["--backend", "numpy"]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_task_scores_compared_with_a_binomial_interval():
+    lo, hi = wilson(0.5, 100)
+    assert 0.37 < lo < 0.38 and 0.62 < hi < 0.63 and wilson(0.0, 50)[0] == pytest.approx(0.0, abs=1e-12)
+    pub = {"tasks": {"copa": {"accuracy": 0.5, "n": 100, "fewshot": 0}, "piqa": {"accuracy": 0.6, "n": 9, "fewshot": 0}}}
+    near = {"tasks": {"copa": {"accuracy": 0.53, "n": 100, "fewshot": 0}}}
+    far = {"tasks": {"copa": {"accuracy": 0.70, "n": 100, "fewshot": 0}}}
+    assert compare_tasks(near, pub)["verdict"] == "PASS" and compare_tasks(far, pub)["verdict"] == "FAIL"
+    assert compare_tasks({"tasks": {"copa": {"accuracy": 0.5, "n": 99, "fewshot": 0}}}, pub) is None
+
+
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"{SHARED} is not here (the benchmark files are "
+                                  "not part of the repository)")
+
+
+@needs_shared
+def test_real_task_files_read_and_score(setup):
+    """Every benchmark file of a scored kind passes the checks; a few items of each kind score."""
+    run, data, files, scorer, tok, ref = setup
+    present = [n for n, t in TASKS.items() if t.kind in KINDS and (SHARED / t.path).is_file()]
+    assert len(present) >= 15
+    for n in present:
+        assert read_items(SHARED / TASKS[n].path, TASKS[n].kind)
+    for n in ("arc_easy", "winogrande", "bigbench_operators"):
+        res, _, _ = score_task(scorer, tok, n, 3, SHARED, limit=4)
+        assert res["n"] == 4 and 0 <= res["accuracy"] <= 1
