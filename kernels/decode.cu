@@ -19,15 +19,14 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return warp_max(v);
 }
 
-// out (B,1,C); kcache, vcache (B,ctx,C); qkv (B,1,3C); 0 <= pos < ctx; blockDim.x a multiple of 32.
-extern "C" __global__ void k_attn_decode_fwd(CT* out, CT* kcache, CT* vcache, const CT* qkv, int NH, int hs,
-                                             int ctx, int pos, float scale) {
-  pdl_wait();
+// The block of head h of sequence b at position pos: see the header.
+__device__ __forceinline__ void attn_decode_block(CT* out, CT* kcache, CT* vcache, const CT* qkv, int NH, int hs,
+                                                  int ctx, int pos, float scale, int h, int b) {
   extern __shared__ float sm[];
   float* s = sm;            // scores, then probabilities (unnormalised), pos + 1 of them
   float* q = sm + ctx;      // the query of this head, hs
   float* scratch = q + hs;  // 32, for the block reductions
-  const int h = blockIdx.x, b = blockIdx.y, C = NH * hs, n = pos + 1;
+  const int C = NH * hs, n = pos + 1;
   const CT* row = qkv + (i64)b * 3 * C;
   CT* kc = kcache + (i64)b * ctx * C + h * hs;
   CT* vc = vcache + (i64)b * ctx * C + h * hs;
@@ -63,5 +62,149 @@ extern "C" __global__ void k_attn_decode_fwd(CT* out, CT* kcache, CT* vcache, co
     float a = 0.f;
     for (int j = 0; j < n; ++j) a += s[j] * to_f(vc[(i64)j * C + d]);
     o[d] = from_f<CT>(a * inv);
+  }
+}
+
+// out (B,1,C); kcache, vcache (B,ctx,C); qkv (B,1,3C); 0 <= pos < ctx; blockDim.x a multiple of 32.
+extern "C" __global__ void k_attn_decode_fwd(CT* out, CT* kcache, CT* vcache, const CT* qkv, int NH, int hs,
+                                             int ctx, int pos, float scale) {
+  pdl_wait();
+  attn_decode_block(out, kcache, vcache, qkv, NH, hs, ctx, pos, scale, blockIdx.x, blockIdx.y);
+}
+
+// ---------------------------------------------------------------- batched decoding (andrea/use/batch.py)
+// N slots, each at its own position lengths[n] (device memory: one captured graph serves them all).
+
+// k_attn_decode_batch_fwd: k_attn_decode_fwd with sequence b at position lengths[b]. Grid (NH, N).
+extern "C" __global__ void k_attn_decode_batch_fwd(CT* out, CT* kcache, CT* vcache, const CT* qkv,
+                                                   const int* lengths, int NH, int hs, int ctx, float scale) {
+  pdl_wait();
+  attn_decode_block(out, kcache, vcache, qkv, NH, hs, ctx, lengths[blockIdx.y], scale, blockIdx.x, blockIdx.y);
+}
+
+// k_decode_embed_fwd: out (N,1,C) = wte[tokens[n]] + wpe[lengths[n]]. Grid N, a block a row.
+extern "C" __global__ void k_decode_embed_fwd(CT* out, const int* tokens, const int* lengths, const CT* wte,
+                                              const CT* wpe, int C) {
+  pdl_wait();
+  const int n = blockIdx.x;
+  const CT* e = wte + (i64)tokens[n] * C;
+  const CT* p = wpe + (i64)lengths[n] * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) out[(i64)n * C + c] = from_f<CT>(to_f(e[c]) + to_f(p[c]));
+}
+
+// k_decode_cache_fill: kcache, vcache (L,N,ctx,C)[l, slot, r] = the k, v thirds of qkv (L,1,T,3C)[l, 0, r]
+// for r < n: the prefill's keys and values of every layer, one launch. Grid-stride over L*n*C.
+extern "C" __global__ void k_decode_cache_fill(CT* kcache, CT* vcache, const CT* qkv, int L, int N, int ctx, int T,
+                                               int C, int slot, int n) {
+  pdl_wait();
+  const i64 total = (i64)L * n * C;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+    const int c = (int)(i % C), r = (int)((i / C) % n), l = (int)(i / ((i64)n * C));
+    const CT* row = qkv + ((i64)l * T + r) * 3 * C;
+    const i64 dst = (((i64)l * N + slot) * ctx + r) * C + c;
+    kcache[dst] = row[C + c];
+    vcache[dst] = row[2 * C + c];
+  }
+}
+
+// ---------------------------------------------------------------- sampling
+// k_sample_fwd: one block (1024 threads) a slot; the token at position pos = lengths[n] + 1 from
+// logits[n] (V floats), as ref.sample_row: greedy (the first largest) at temperature <= 0; else
+// z = logits / temperature, kept = the top_k largest z (0: all) and of those the smallest set of
+// the largest whose softmax mass reaches top_p (ties at a threshold kept); each threshold is the
+// largest order key K of a float whose count (top_k) or mass (top_p) of z with key >= K reaches
+// the bound, found by bisection over the 32-bit keys with fixed-order block sums. Then the
+// Gumbel-max draw: argmax over kept v of z_v - log(-log(u_v)), u_v from splitmix64 of (seed, pos,
+// v) (the first index on ties). Writes tokens[n] and lengths[n] = min(pos, ctx - 1).
+__device__ __forceinline__ unsigned long long splitmix64(unsigned long long z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+// floats as unsigned integers in their order (-inf lowest)
+__device__ __forceinline__ unsigned int order_key(float f) {
+  unsigned int u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+// (value, index) of the block's largest value, the smallest index on ties; every thread gets it
+__device__ __forceinline__ void block_argmax(float& v, int& i, float* sv, int* si) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int o = 16; o > 0; o >>= 1) {
+      float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+      int i2 = __shfl_xor_sync(0xffffffffu, i, o);
+      if (v2 > v || (v2 == v && i2 < i)) { v = v2; i = i2; }
+    }
+    if (pass == 1) break;
+    __syncthreads();
+    if (lane == 0) { sv[warp] = v; si[warp] = i; }
+    __syncthreads();
+    v = lane < nw ? sv[lane] : NEG_INF;
+    i = lane < nw ? si[lane] : 0x7fffffff;
+  }
+}
+// the largest key K >= lo whose measure (count, or mass of exp(z - zmax)) over z with key >= K
+// (and >= lo) is at least bound; every thread calls it
+__device__ unsigned int bisect_key(const float* lg, float t, int V, unsigned int lo, float zmax, bool mass,
+                                   float bound, float* scratch) {
+  unsigned int hi = 0xffffffffu;
+  while (lo < hi) {
+    unsigned int mid = lo + (unsigned int)(((unsigned long long)hi - lo + 1) >> 1);
+    float a = 0.f;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) {
+      float z = lg[v] / t;  // divided as the reference divides: the same keys
+      if (order_key(z) >= mid) a += mass ? expf(z - zmax) : 1.f;
+    }
+    a = block_sum(a, scratch);
+    if (a >= bound) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+extern "C" __global__ void k_sample_fwd(int* tokens, int* lengths, const float* logits, const float* temperature,
+                                        const int* top_k, const float* top_p, const unsigned long long* seeds,
+                                        int V, int ctx) {
+  pdl_wait();
+  __shared__ float scratch[32];
+  __shared__ int iscratch[32];
+  const int n = blockIdx.x, pos = lengths[n] + 1;
+  const float* lg = logits + (i64)n * V;
+  const float t = temperature[n];
+  float best = NEG_INF;
+  int arg = 0x7fffffff;
+  if (!(t > 0.f)) {
+    for (int v = threadIdx.x; v < V; v += blockDim.x)
+      if (lg[v] > best) { best = lg[v]; arg = v; }
+  } else {
+    float zmax = NEG_INF;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) zmax = fmaxf(zmax, lg[v] / t);
+    zmax = block_max(zmax, scratch);
+    unsigned int thr = 0;
+    const int k = top_k[n];
+    if (k > 0 && k < V) thr = bisect_key(lg, t, V, 0u, zmax, false, (float)k, scratch);
+    const float p = top_p[n];
+    if (p < 1.f) {
+      float zs = 0.f;
+      for (int v = threadIdx.x; v < V; v += blockDim.x) {
+        float z = lg[v] / t;
+        if (order_key(z) >= thr) zs += expf(z - zmax);
+      }
+      zs = block_sum(zs, scratch);
+      thr = bisect_key(lg, t, V, thr, zmax, true, p * zs, scratch);
+    }
+    const unsigned long long key = splitmix64(seeds[n] ^ splitmix64((unsigned long long)pos));
+    for (int v = threadIdx.x; v < V; v += blockDim.x) {
+      float z = lg[v] / t;
+      if (order_key(z) < thr) continue;
+      unsigned long long h = splitmix64(key + (unsigned long long)v);
+      float u = ((float)(unsigned int)(h >> 41) + 0.5f) * 1.1920928955078125e-7f;  // 2^-23
+      float s = z - logf(-logf(u));
+      if (s > best) { best = s; arg = v; }
+    }
+  }
+  block_argmax(best, arg, scratch, iscratch);
+  if (threadIdx.x == 0) {
+    tokens[n] = arg;
+    lengths[n] = pos < ctx - 1 ? pos : ctx - 1;
   }
 }

@@ -210,6 +210,26 @@ class Backend(Protocol):
         """Inference: write the new position's k, v (qkv (B,1,3C)) into row pos of kcache,
         vcache (B,context,C); out (B,1,C) = its attention over rows 0..pos."""
 
+    # batched decoding (andrea/use/batch.py): N slots, lengths (N,) int32 on the device, so that
+    # one captured graph serves every position
+    def k_decode_embed_fwd(self, out, tokens, lengths, wte, wpe) -> None:
+        """Inference: out (N,1,C) = wte[tokens[n]] + wpe[lengths[n]]; tokens, lengths (N,) int32."""
+
+    def k_attn_decode_batch_fwd(self, out, kcache, vcache, qkv, lengths, n_head) -> None:
+        """Inference: k_attn_decode_fwd of each slot n at its own position lengths[n]."""
+
+    def k_decode_cache_fill(self, kcache, vcache, qkv, slot, n) -> None:
+        """Inference: kcache, vcache (L,N,ctx,C)[:, slot, :n] = the k and v thirds of the
+        prefill's qkv (L,1,T,3C)[:, 0, :n]."""
+
+    def k_decode_logits_fwd(self, logits, inp, wte) -> None:
+        """Inference: logits (N,V) float32 = inp (N,1,C) @ wte (V,C).T, each row on its own."""
+
+    def k_sample_fwd(self, tokens, lengths, logits, temperature, top_k, top_p, seeds, context) -> None:
+        """Inference: per slot the token at position lengths[n] + 1 drawn from logits[n] (greedy at
+        temperature 0, else top_k / top_p and a Gumbel-max draw keyed by (seeds[n], position):
+        ref.sample_row) into tokens[n]; lengths[n] = min(that position, context - 1)."""
+
     def k_attn_out_fwd(self, out, inp, w, b) -> None:
         """out (B,T,C) = inp (B,T,C) @ w (C,C).T + b."""
 
