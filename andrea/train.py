@@ -169,6 +169,14 @@ def in_sweep() -> bool:
     return HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def sweeper_optimises() -> bool:
+    """True in a job of a sweep whose sweeper uses the objective (Optuna, Nevergrad, Ax: any but
+    Hydra's basic grid sweeper, which ignores it)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return in_sweep() and not str(HydraConfig.get().sweeper.get("_target_", "")).endswith(".BasicSweeper")
+
+
 def run_folder() -> Path:
     """hydra.run.dir for one run, hydra.sweep.dir/subdir for each run of a sweep (conf/config.yaml)."""
     from hydra.core.hydra_config import HydraConfig
@@ -215,7 +223,7 @@ def train(cfg: DictConfig) -> int:
         # too few windows for one batch: stop and say which setting; fewer than a step's or a
         # validation's worth: say so and go on (the loader re-reads windows)
         check_shards(run_cfg, warn=lambda msg: print(f"andrea.train: warning: {msg}", file=sys.stderr))
-        if in_sweep() and run_cfg.objective == "val_loss" and not run_cfg.train.eval_every:
+        if sweeper_optimises() and run_cfg.objective == "val_loss" and not run_cfg.train.eval_every:
             raise ConfigError("objective=val_loss (what this sweep's task returns) needs train.eval_every > 0; "
                               "set train.eval_every, or objective=loss")
     except (ConfigError, ValueError) as e:
@@ -348,6 +356,8 @@ def main(cfg: DictConfig) -> float:
     try:
         return objective(run_folder(), str(cfg.objective))
     except (ConfigError, OSError, ValueError, KeyError) as e:
+        if not sweeper_optimises():
+            return None  # a grid sweep does not need it
         print(f"andrea.train: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
 

@@ -143,7 +143,7 @@ def test_sweep_runs_each_to_its_own_folder(tmp_path):
     r = run_train("-m", "experiment=ANDREA-tiny", *_shard_overrides(tmp_path), "train.lr=1e-3,2e-3", timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     results = tmp_path / "results"
-    names = sorted(p.name for p in results.iterdir() if p.is_dir())
+    names = sorted(p.name for p in results.iterdir() if p.is_dir() and p.name != "sweeps")
     # train.steps etc. of _shard_overrides name the runs too; the paths and the backend do not
     assert len(names) == 2 and all(n.startswith("ANDREA-tiny+") and "train.lr=" in n for n in names), names
     assert not any("shards" in n or "results_dir" in n for n in names), names
@@ -163,7 +163,7 @@ def test_override_run_gets_its_own_folder(tmp_path):
     r = run_train("experiment=ANDREA-tiny", *ov, "train.lr=1e-3")
     assert r.returncode == 0, r.stderr[-2000:]
     (run,) = set(results.iterdir()) - {first}
-    assert run.name.startswith("ANDREA-tiny+") and "train.lr=1e-3" in run.name.split("+", 1)[1].split(",")
+    assert run.name.startswith("ANDREA-tiny+") and "train.lr=0.001" in run.name.split("+", 1)[1].split(",")
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["exp"] == run.name and saved["train"]["lr"] == 1e-3 and "train.lr=1e-3" in saved["overrides"]
     assert (run / f"{run.name}.loss.json").is_file() and f"python -m andrea.pipeline.dashboard {run}" in r.stderr
@@ -177,14 +177,14 @@ def test_override_run_gets_its_own_folder(tmp_path):
 def test_run_names():
     from andrea.pipeline.runs import base_experiment, run_name
     assert run_name("ANDREA-tiny", []) == "ANDREA-tiny"
-    assert run_name("ANDREA-tiny", ["train.seed=2", "train.lr=1e-3"]) == "ANDREA-tiny+train.lr=1e-3,train.seed=2"
+    assert run_name("ANDREA-tiny", ["train.seed=2", "train.lr=1e-3"]) == "ANDREA-tiny+train.lr=0.001,train.seed=2"
     # where things are, evaluation and proxy settings do not name a run; the backend does
     assert run_name("ANDREA-tiny", ["data.local_path=/a/b", "eval.batches=4", "data.dir=d",
                                     "proxy.max_restarts=1", "results_dir=/tmp/r"]) == "ANDREA-tiny"
     assert run_name("ANDREA-tiny", ["backend=cuda"]) == "ANDREA-tiny+backend=cuda"
     assert "/" not in run_name("ANDREA-tiny", ["data.source=local", "model.name=a/b"])
     assert run_name("mine", ["exp=mine", "train.lr=1"]) == "mine"
-    assert run_name("mine", ["exp=mine", "train.lr=1"], sweep=True) == "mine+train.lr=1"
+    assert run_name("mine", ["exp=mine", "train.lr=1"], sweep=True) == "mine+train.lr=1.0"
     long_a = run_name("E", [f"train.k{i}={i}" for i in range(40)])
     long_b = run_name("E", [f"train.k{i}={i}" for i in range(41)])
     assert len(long_a) < 200 and long_a.startswith("E+run-") and long_a != long_b
@@ -193,7 +193,7 @@ def test_run_names():
 
 def test_compose_config_names_the_run():
     cfg = compose_config("ANDREA-tiny", ["train.lr=1e-3", "eval.batches=2"])
-    assert cfg.exp == "ANDREA-tiny+train.lr=1e-3" and cfg.overrides == ["train.lr=1e-3", "eval.batches=2"]
+    assert cfg.exp == "ANDREA-tiny+train.lr=0.001" and cfg.overrides == ["train.lr=1e-3", "eval.batches=2"]
 
 
 def test_backend_cuda_without_gpu_fails_at_once(tmp_path):

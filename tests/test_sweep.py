@@ -65,8 +65,9 @@ def test_objective_is_the_last_value_of_the_chosen_field(tmp_path):
         objective(run, "grad_norm")
 
 
-def test_sweep_without_validation_is_refused_before_training(tmp_path):
+def test_optimising_sweep_without_validation_is_refused_before_training(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     make_shards(tmp_path)
-    r = sweep(tmp_path, "train.seed=1,2", "train.eval_every=0")
+    r = sweep(tmp_path, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "train.seed=1,2", "train.eval_every=0")
     assert r.returncode == 2 and "objective=val_loss" in r.stderr and "Traceback" not in r.stderr
     assert not list((tmp_path / "results").glob("ANDREA-tiny+*/checkpoints"))

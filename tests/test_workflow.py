@@ -109,7 +109,7 @@ def test_overrides_run_in_their_own_folder(checkout):
     r = smk(checkout, "-n", "--cores", "1", "--config", "overrides=[train.lr=1e-3,train.seed=2]")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
-    name = "ANDREA-tiny+train.lr=1e-3,train.seed=2"
+    name = "ANDREA-tiny+train.lr=0.001,train.seed=2"
     assert f"results/{name}/trained/{name}.loss.json" in out and "results/ANDREA-tiny/" not in out
     assert f"exp={name}" in out.replace("'", "")  # the train step is told its run's name
     s = smk(checkout, "-n", "--cores", "1", "--config", "overrides=train.seed=2 train.lr=1e-3")
