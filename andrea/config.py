@@ -82,11 +82,17 @@ class DataConfig:
     mixer: MixerConfig = field(default_factory=MixerConfig)
 
 
+LOSS_ON = ("all", "assistant")  # train.phases[].loss_on
+
+
 @dataclass
 class PhaseConfig:
     name: str = "pretrain"  # phase name, used in archive/<phase>-<step>/
     start_step: int = 0  # first step of this phase
     lr: Optional[float] = None  # peak lr of the phase (None: train.lr)
+    # which targets the phase's loss counts: all | assistant (the tokens of the chat template's
+    # assistant turns, the others ignored; docs/ARCHITECTURE.md "The ignore index")
+    loss_on: str = "all"
 
 
 @dataclass
@@ -311,6 +317,8 @@ def validate(cfg: AndreaConfig) -> None:
             raise ValueError(f"{where}.lr={ph.lr!r}: expected a finite number > 0 (or null for train.lr)")
         if not ph.name:
             raise ValueError(f"{where}.name is empty: expected a phase name")
+        if ph.loss_on not in LOSS_ON:
+            raise ValueError(f"{where}.loss_on={ph.loss_on!r}: expected one of {', '.join(LOSS_ON)}")
         prev = ph.start_step
     validate_mix(cfg.data)
 
@@ -376,6 +384,9 @@ def config_hash(cfg: AndreaConfig) -> str:
              if k not in ("ckpt_every", "keep_last", "log_every", "sample_every", "eval_every",
                           "eval_batches")
              and not (k in FP8_RUN_SETTINGS and v is None)}  # unset: hashes as before
+    # a phase's loss_on=all is the loss every run had before the field existed: hashes as before
+    train["phases"] = [{k: v for k, v in ph.items() if not (k == "loss_on" and v == "all")}
+                       for ph in train["phases"]]
     key = {"model": d["model"], "train": train}
     if d["data"]["groups"]:  # the data mix decides the trajectory too (absent: hashes as before)
         key["mix"] = {"groups": d["data"]["groups"], "mixer": d["data"]["mixer"]}

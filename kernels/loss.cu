@@ -25,11 +25,17 @@
 // fp8.cu gives an amax of 1: no amax pass, and no scale that depends on the data. dloss moves to
 // the product's scale: block 0 writes *q8_inv = dloss / 2^FP8_TOP_EXP. Rounded to nearest, or
 // with -DFP8_SR=1 stochastically (below, at sr_key), which keeps the many small values unbiased.
+//
+// The ignore index: a row whose target is LOSS_IGNORE (-1, andrea/data/chat.py IGNORE_INDEX: the
+// chat loss mask) gets loss 0 and a zero dlogits row (its multiplier is 0), so it adds nothing to
+// any gradient; its lse is written as any row's. Any other target outside [0, V) gives a NaN loss.
+// A row that counts takes exactly the instructions it took before the ignore index existed.
 #include "common.cuh"
 #include "fp8.cuh"
 
 #define FP8_BOUND_SCALE __uint_as_float((unsigned int)(127 + FP8_TOP_EXP) << 23)  // 2^FP8_TOP_EXP
 #define FP8_BOUND_INV __uint_as_float((unsigned int)(127 - FP8_TOP_EXP) << 23)    // 2^-FP8_TOP_EXP
+#define LOSS_IGNORE (-1)  // the target of a position the loss skips
 
 // CT_VEC floats to CT_VEC fp8 bytes at dst (CT_VEC-byte aligned): one 8-byte store for 16-bit CT,
 // one 4-byte store for float.
@@ -160,12 +166,12 @@ __device__ __forceinline__ float row_lse(const CT* x, int V) {
   return block_lse(m, z);
 }
 
-// Thread 0 of the block writes the row's lse and loss. A target outside [0, V) gives a NaN loss
-// rather than a read out of bounds.
+// Thread 0 of the block writes the row's lse and loss. A target of LOSS_IGNORE gives loss 0, any
+// other outside [0, V) a NaN loss rather than a read out of bounds.
 __device__ __forceinline__ void row_loss(float* losses, float* lse, const CT* x, int t, int V, float L) {
   if (threadIdx.x == 0) {
     lse[0] = L;
-    losses[0] = (t >= 0 && t < V) ? L - to_f(x[t]) : __int_as_float(0x7fc00000);
+    losses[0] = (t >= 0 && t < V) ? L - to_f(x[t]) : t == LOSS_IGNORE ? 0.f : __int_as_float(0x7fc00000);
   }
 }
 
@@ -188,11 +194,11 @@ __device__ __forceinline__ void loss_bwd_row(float* losses, float* lse, CT* logi
                                              i64 row0) {
   if (dloss_ptr) dloss = *dloss_ptr;
   if (Q8 && blockIdx.x == 0 && threadIdx.x == 0) *q8_inv = dloss * FP8_BOUND_INV;
-  const float mul = Q8 ? FP8_BOUND_SCALE : dloss;
   i64 row = blockIdx.x;
   CT* x = logits + row * V;
   unsigned char* o8 = Q8 ? q8 + row * V : nullptr;
   int t = targets[row];
+  const float mul = t == LOSS_IGNORE ? 0.f : Q8 ? FP8_BOUND_SCALE : dloss;  // an ignored row: zeros
   float L = row_lse(x, V);
   row_loss(losses + row, lse + row, x, t, V, L);
   __syncthreads();  // thread 0 reads x[t] before it is overwritten
@@ -359,9 +365,10 @@ __device__ __forceinline__ void loss_rows(float* losses, float* lse, CT* logits,
     }
     float L = block_lse(m, z);
     int t = targets[row], qt = t / CT_VEC;
+    const float mrow = t == LOSS_IGNORE ? 0.f : mul;  // an ignored row: loss 0, dlogits zeros
     if (tid == 0) {
       lse[row] = L;
-      if (t < 0 || t >= V) losses[row] = __int_as_float(0x7fc00000);  // NaN, as version 1
+      if (t < 0 || t >= V) losses[row] = t == LOSS_IGNORE ? 0.f : __int_as_float(0x7fc00000);  // as version 1
     }
     // x[t] read again (one element, from L2) by the thread that holds it, before it overwrites
     // it: picking it out of the registers by a run-time index put the row in local memory
@@ -375,7 +382,7 @@ __device__ __forceinline__ void loss_rows(float* losses, float* lse, CT* logits,
         if (q < nv) {
           float p[CT_VEC];
 #pragma unroll
-          for (int i = 0; i < CT_VEC; ++i) p[i] = ex2((VGET(r[k], i) - L) * LOSS_LOG2E) * mul;
+          for (int i = 0; i < CT_VEC; ++i) p[i] = ex2((VGET(r[k], i) - L) * LOSS_LOG2E) * mrow;
           if (Q8) {
             sr_vec(p, r[k], row0 + row, q);
             store_fp8_vec(q8 + row * V + q * CT_VEC, p);
@@ -389,7 +396,7 @@ __device__ __forceinline__ void loss_rows(float* losses, float* lse, CT* logits,
       // the target's element written once more, with the one-hot: same thread, same address,
       // later in program order (a run-time index into p[] put it in local memory)
       if (owner) {
-        float pt = (ex2((xt - L) * LOSS_LOG2E) - 1.f) * mul;
+        float pt = (ex2((xt - L) * LOSS_LOG2E) - 1.f) * mrow;
         if (Q8) q8[row * V + t] = fp8_byte(sr_one(pt, logits + row * V, V, row0 + row, t));
         else logits[row * V + t] = from_f<CT>(pt);
       }

@@ -38,6 +38,7 @@ from ..backends import get_backend
 from ..backends.interface import S_LOSS_SUM, S_LR, S_STEP
 from .comm import SINGLE, shard_bounds
 from ..config import FP8_RUN_SETTINGS, AndreaConfig
+from ..data.chat import IGNORE_INDEX
 from .plan import Arena, fp8_backend, fp8_cached_weights, fp8_delayed_tensors, fp8_input_slots, make_plan
 from .state import EngineState, StateMixin, StepRecord
 
@@ -384,13 +385,37 @@ class Engine(StateMixin):
         self._fp8_settle()
         first_amax = self.fp8_delayed and not self.fp8_scales.live
         self.be.upload(self.optim_state[S_LR:S_STEP + 1], [lr, step])
-        for i, (x, y) in enumerate(batches):
+        ph = phase_of(self.cfg, step)
+        mean = 1.0  # the loss gradient's correction to the mean over the counted targets
+        if ph is not None and ph.loss_on == "assistant":
+            batches, mean = self._answer_targets(batches)
+            self.dloss *= np.float32(mean)  # queued before the passes read it; k_step_check rewrites it
+        for i, (x, y, *_) in enumerate(batches):
             self._passes(x, y, first=i == 0)  # the first microbatch's pass starts the gradients
+        if mean != 1.0:
+            self.optim_state[S_LOSS_SUM:S_LOSS_SUM + 1] *= mean  # the recorded loss: that same mean
         self._optimizer(len(batches))
         rec = StepRecord(step, lr, self.be.download_async(self.optim_state))
         if first_amax:  # the step took its amax first; read its record before the next
             self._fp8_first = rec
         return rec
+
+    def _answer_targets(self, batches):
+        """A loss_on=assistant step: each microbatch's targets outside the answers (the loader's
+        keep) set to IGNORE_INDEX, and the factor that turns the step's mean over all its positions
+        into the mean over the counted ones, on every rank (n_micro * B*T / counted): the gradient
+        is then torch's cross_entropy(ignore_index=-1) over the whole step's batch, whatever its
+        microbatches and ranks. A step with no counted target keeps the factor 1 (zero gradient)."""
+        if any(len(b) < 3 for b in batches):
+            raise ValueError("train.phases[].loss_on=assistant: the batches carry no answer mask; "
+                             "expected the loader of data.loader.train_loader for this config")
+        out = [(x, np.where(keep, y, IGNORE_INDEX).astype(np.int32)) for x, y, keep in batches]
+        counted = sum(int(keep.sum()) for _, _, keep in batches)
+        if self.comm.size > 1:  # every rank's count: rank 0 adds them up and tells the others
+            every = self.comm.gather(np.array([counted], dtype=np.int64))
+            counted = self.comm.bcast(None if every is None else int(every.sum()))
+        n_pos = len(batches) * self.comm.size * self.cfg.train.batch_size * self.cfg.train.seq_len
+        return out, (n_pos / counted if counted else 1.0)
 
     # ------------------------------------------------------------ inference
     def val_loss(self, batches) -> float:

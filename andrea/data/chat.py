@@ -13,10 +13,18 @@ tokens themselves delimit the turns, and ANDREA-tiny's 64-token context has none
 
     from andrea.data.chat import render_conversation, render_prompt
     render_prompt("What is 12 + 7?")   # ends where the assistant's answer starts
+
+The loss mask of chat fine-tuning (train.phases[].loss_on=assistant) comes from the same roles:
+`answer_mask` marks the tokens of the assistant's turns, each answer's text and the `<|end|>` that
+closes it (so the model learns to stop), never the role markers, the system, user or tool turns or
+`<|endoftext|>`. The loader turns the targets of every other token into IGNORE_INDEX, which the
+classifier (k_loss_fwd / k_loss_bwd) skips.
 """
 from __future__ import annotations
 
 from typing import Iterable, List, Tuple
+
+import numpy as np
 
 DOC = "<|endoftext|>"
 SYSTEM = "<|system|>"
@@ -27,6 +35,13 @@ END = "<|end|>"
 # Order matters: the tokenizer trainer gives them ids 0..5 in this order.
 SPECIAL_TOKENS: Tuple[str, ...] = (DOC, SYSTEM, USER, ASSISTANT, TOOL, END)
 ROLE_TOKENS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
+
+# The special tokens' ids, as the tokenizer reserves them (andrea/data/tokenizer.py: ids 0..5 in the
+# order of SPECIAL_TOKENS); token shards hold these ids.
+SPECIAL_IDS = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+# The target of a token the loss skips (torch's cross_entropy(ignore_index=-1)): the classifier
+# gives it no loss and no gradient (kernels/loss.cu, andrea/backends/ref/loss.py).
+IGNORE_INDEX = -1
 
 # Role names met in public chat sets (ShareGPT "human"/"gpt", OpenAI "user"/"assistant", tool
 # outputs under several names), mapped to the four roles of the template.
@@ -118,3 +133,17 @@ def first_exchange(conv) -> Tuple[str, str]:
 
 def render_many(convs: Iterable) -> List[str]:
     return [render_conversation(c) for c in convs]
+
+
+def answer_mask(tokens, before: int = -1) -> np.ndarray:
+    """Which of tokens (a slice of a token stream) belong to an assistant's answer: its text and the
+    <|end|> closing it (bool, same length). before: the id of the last special token ahead of the
+    slice (-1: none, the stream's start), which says whose turn the slice starts in."""
+    toks = np.asarray(tokens)
+    n = toks.size
+    special = toks < len(SPECIAL_TOKENS)
+    last = np.maximum.accumulate(np.where(special, np.arange(n), -1)) if n else np.zeros(0, np.int64)
+    kind = np.where(last >= 0, toks[np.maximum(last, 0)], before)  # the last special at or before each
+    prev = np.concatenate([[before], kind[:-1]]) if n else kind  # ... and the one before the token
+    assistant = SPECIAL_IDS[ASSISTANT]
+    return ((kind == assistant) & ~special) | ((toks == SPECIAL_IDS[END]) & (prev == assistant))

@@ -8,6 +8,13 @@ With data groups (docs/FIREHOSE-BANDIT.md), MixedLoader keeps one ShardLoader pe
 its own order, drawn from (seed, group index, epoch), and its own position; a mixer picks the group
 of each optimizer step and learns from the step's loss. Its state (every group's position and the
 mixer's) goes into the sidecar the same way.
+
+Chat loss mask (train.phases[].loss_on=assistant, docs/ARCHITECTURE.md "The ignore index"): a
+loader made with answers=True returns (x, y, keep) instead of (x, y), keep (B, T) bool marking the
+targets inside an assistant's answer (andrea.data.chat.answer_mask), read from the role markers of
+the token stream itself, the turn a window starts in from the last marker before it in its shard.
+The shards' format is unchanged; the engine turns the other targets into IGNORE_INDEX in the
+steps of such a phase. The batches and the loader's state are the same either way.
 """
 from __future__ import annotations
 
@@ -17,13 +24,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .chat import SPECIAL_TOKENS, answer_mask
 from .mixer import Mixer
 from .shards import read_shard
 
 
 class ShardLoader:
     def __init__(self, pattern: str, B: int, T: int, seed: int = 0, vocab_size: int = 0,
-                 stream: Optional[int] = None):
+                 stream: Optional[int] = None, answers: bool = False):
         self.stream = stream  # a group's index: its order differs from the other groups'
         self.files = sorted(globmod.glob(str(pattern)))
         if not self.files:
@@ -44,27 +52,45 @@ class ShardLoader:
         self.B, self.T, self.seed = B, T, seed
         self.epoch, self.cursor = 0, 0
         self._order = self._permutation(0)
+        # answers: each shard's special-token positions, whose last one before a window says whose
+        # turn the window starts in
+        self.specials = [np.flatnonzero(s < len(SPECIAL_TOKENS)) for s in self.shards] if answers else None
 
     def _permutation(self, epoch):
         key = [self.seed, epoch] if self.stream is None else [self.seed, self.stream, epoch]
         return np.random.default_rng(key).permutation(self.n_windows)
 
-    def _window(self, k):
+    def _where(self, k):
         s = int(np.searchsorted(self.starts, k, side="right") - 1)
-        off = (k - int(self.starts[s])) * self.T
+        return s, (k - int(self.starts[s])) * self.T
+
+    def _window(self, k):
+        s, off = self._where(k)
         return self.shards[s][off:off + self.T + 1]
 
+    def _answer_targets(self, k, window):
+        """keep (T,): which targets of window k lie in an assistant's answer."""
+        s, off = self._where(k)
+        pos = self.specials[s]
+        i = int(np.searchsorted(pos, off)) - 1  # the last special token before the window
+        before = int(self.shards[s][pos[i]]) if i >= 0 else -1
+        return answer_mask(window, before)[1:]
+
     def next_batch(self):
-        """(x, y), each int32 (B, T); y is x shifted by one token."""
+        """(x, y), each int32 (B, T); y is x shifted by one token. With answers: (x, y, keep)."""
         buf = np.empty((self.B, self.T + 1), dtype=np.int32)
+        keep = np.empty((self.B, self.T), dtype=bool) if self.specials is not None else None
         for b in range(self.B):
             if self.cursor == self.n_windows:
                 self.epoch += 1
                 self.cursor = 0
                 self._order = self._permutation(self.epoch)
-            buf[b] = self._window(int(self._order[self.cursor]))
+            k = int(self._order[self.cursor])
+            buf[b] = self._window(k)
+            if keep is not None:
+                keep[b] = self._answer_targets(k, buf[b])
             self.cursor += 1
-        return buf[:, :-1], buf[:, 1:]
+        return (buf[:, :-1], buf[:, 1:]) if keep is None else (buf[:, :-1], buf[:, 1:], keep)
 
     def next_step(self, n_micro: int):
         """The n_micro microbatches of one optimizer step."""
@@ -90,13 +116,15 @@ class ShardLoader:
         other = ShardLoader.__new__(ShardLoader)
         other.__dict__.update(self.__dict__)
         other.epoch, other.cursor, other._order = 0, 0, self._permutation(0)
+        other.specials = None  # validation counts every target
         return [other.next_batch() for _ in range(n)]
 
 
 class MixedLoader:
     """Each optimizer step drawn whole from the group a mixer picks (docs/FIREHOSE-BANDIT.md)."""
 
-    def __init__(self, groups: Sequence, B: int, T: int, seed: int, vocab_size: int, mixer: Mixer):
+    def __init__(self, groups: Sequence, B: int, T: int, seed: int, vocab_size: int, mixer: Mixer,
+                 answers: bool = False):
         """groups: (name, shard glob) pairs, in the mix's order."""
         self.names = [name for name, _ in groups]
         if len(self.names) != mixer.K:
@@ -106,7 +134,7 @@ class MixedLoader:
             try:
                 # one group reads in the order of the ungrouped stream: a mix of one is today's data
                 stream = i if len(groups) > 1 else None
-                self.loaders.append(ShardLoader(pattern, B, T, seed, vocab_size, stream=stream))
+                self.loaders.append(ShardLoader(pattern, B, T, seed, vocab_size, stream=stream, answers=answers))
             except (OSError, ValueError) as e:
                 raise type(e)(f"data.groups[{i}] ({name}): {e}") from e
         self.seed, self.mixer = seed, mixer
@@ -142,19 +170,21 @@ class MixedLoader:
 
 def train_loader(cfg, vocab_size: int = 0):
     """The training data of a run config: one ShardLoader over data.train_shards, or, with
-    data.groups, a MixedLoader driven by data.mixer."""
+    data.groups, a MixedLoader driven by data.mixer. With a phase of loss_on=assistant its batches
+    carry the answer mask (answers=True)."""
     from .mixer import make_mixer
 
     d, t = cfg.data, cfg.train
     V = vocab_size or cfg.model.vocab_size
+    answers = any(ph.loss_on == "assistant" for ph in t.phases)
     if not d.groups:
-        return ShardLoader(d.train_shards, t.batch_size, t.seq_len, t.seed, V)
+        return ShardLoader(d.train_shards, t.batch_size, t.seq_len, t.seed, V, answers=answers)
     mx = d.mixer
     names = [g.name for g in d.groups]
     mixer = make_mixer(mx.kind, len(names), t.seed, mx.weights, mx.reward, mx.alpha, mx.beta,
                        mx.reward_scale, names)
     return MixedLoader([(g.name, g.train_shards) for g in d.groups], t.batch_size, t.seq_len, t.seed,
-                       V, mixer)
+                       V, mixer, answers=answers)
 
 
 def shard_paths(pattern: str):

@@ -98,3 +98,93 @@ def test_loss_rows(be, rng, dt_name, Vr, vectors, prefetch, blocks, monkeypatch)
     for a, b in zip(runs[0], runs[1]):
         assert np.array_equal(a, b)  # the same bits again
 
+
+
+# ---------------------------------------------------------------- the ignore index (chat loss mask)
+def ignored_targets(rng, N, Vr):
+    """Targets with about 40% IGNORE_INDEX (-1), the first and last row among them."""
+    from andrea.data.chat import IGNORE_INDEX
+    t = rng.integers(0, Vr, N).astype(np.int32)
+    t[rng.random(N) < 0.4] = IGNORE_INDEX
+    t[[0, -1]] = IGNORE_INDEX
+    return t
+
+
+@pytest.mark.parametrize("dt_name,Vr", [("float32", 1001), ("float16", 8192), ("bfloat16", 50304)])
+@pytest.mark.parametrize("vectors", [0, 8], ids=["v1", "regs"])
+def test_loss_ignore_index(be, rng, dt_name, Vr, vectors, monkeypatch):
+    """k_loss_fwd / k_loss_bwd with targets of IGNORE_INDEX, row pass version 1 and the row in
+    registers (where the plan has one): losses (exactly 0 where ignored), lse, dlogits (an ignored
+    row all zeros), dinp (zero rows where ignored) and dwte against the reference; the rows that
+    count have the bits they have with every target counted (the 16-bit path unchanged)."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16)
+    dt = np.dtype(dt_name)
+    tol = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 3e-2}[dt_name]
+    use_tuning(monkeypatch, be, loss_vectors=vectors)
+    Cq, N = 64, B * T
+    inp, wte = rnd(rng, (B, T, Cq), dt), rnd(rng, (Vr, Cq), dt, 0.3)
+    t = ignored_targets(rng, N, Vr)
+    keep = t >= 0
+    counted = int(keep.sum())
+    dloss = 1.0 / counted  # torch's cross_entropy(ignore_index=-1) mean
+    losses, lse, dinp, dwte = np.zeros((B, T)), np.zeros((B, T)), *zeros_like64(inp, wte)
+    logits = np.zeros((N, Vr))
+    ref.k_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, t.reshape(B, T), dloss)
+    runs = {}
+    for name, tg in (("masked", t), ("full", np.where(keep, t, 1).astype(np.int32))):
+        b_losses, b_lse, ws = nan_buf((B, T), np.float32), nan_buf((B, T), np.float32), nan_buf((N, Vr), dt)
+        d_inp, d_wte = nan_buf((B, T, Cq), dt), dev(np.zeros((Vr, Cq)), np.float32)
+        be.k_loss_bwd(b_losses, b_lse, d_inp, d_wte, ws, dev(inp, dt), dev(wte, dt), dev(tg.reshape(B, T), np.int32),
+                      dloss, accumulate=False)
+        f_losses, f_lse = nan_buf((B, T), np.float32), nan_buf((B, T), np.float32)
+        be.k_loss_fwd(f_losses, f_lse, nan_buf((N, Vr), dt), dev(inp, dt), dev(wte, dt), dev(tg.reshape(B, T), np.int32))
+        runs[name] = [host(a) for a in (b_losses, b_lse, ws, d_inp, d_wte, f_losses)]
+    got = runs["masked"]
+    assert np.all(got[0].reshape(N)[~keep] == 0.0) and np.all(got[5].reshape(N)[~keep] == 0.0)
+    assert_close("k_loss_bwd losses", got[0], losses, tol)
+    assert_close("k_loss_fwd losses", got[5], losses, tol)
+    assert_close("k_loss_bwd lse", got[1], lse, tol)
+    assert np.all(got[2][~keep] == 0.0), "an ignored row's dlogits are not zero"
+    assert_close("k_loss_bwd dlogits", got[2], logits, tol)
+    assert np.all(got[3].reshape(N, Cq)[~keep] == 0.0)
+    assert_close("k_loss_bwd dinp", got[3], dinp, tol)
+    assert_close("k_loss_bwd dwte", got[4], dwte, tol)
+    full = runs["full"]
+    for i in (0, 2, 3, 5):  # losses, dlogits, dinp rows, fwd losses of the counted rows: the same bits
+        assert np.array_equal(got[i].reshape(N, -1)[keep], full[i].reshape(N, -1)[keep])
+    assert np.array_equal(got[1], full[1])  # lse of every row
+
+
+@pytest.mark.parametrize("version", ["regs", "v1"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_row_pass_ignore_index(be, fmt, version, monkeypatch):
+    """loss_bwd_fp8(_regs) with targets of IGNORE_INDEX: loss 0 and zero bytes of FP8 dlogits on the
+    ignored rows, and on the rows that count the bytes of ref.loss_bwd_fp8 (rounded to nearest; a
+    value at a rounding midpoint may take its neighbour, fewer than 1 in 1000) and the bytes the row
+    has when no row is ignored."""
+    import cupy as cp
+    from andrea.backends.cuda.fp8.quant import Quant
+    from andrea.backends.cuda.ops.loss import dloss_args
+    from fp8kit import on_dev
+    if version == "v1":
+        use_tuning(monkeypatch, be, loss_vectors=0)
+    n, Vr = 48, 1008
+    rng = np.random.default_rng(31)
+    z0 = on_dev(rng.normal(0, 4, (n, Vr)))
+    th = ignored_targets(rng, n, Vr)
+    keep = th >= 0
+    dloss = cp.asarray(np.array([1.0 / keep.sum()], np.float32))
+    out = {}
+    for name, tg in (("masked", th), ("full", np.where(keep, th, 1).astype(np.int32))):
+        z, t = z0.copy(), cp.asarray(tg)
+        q8, meta = cp.zeros((n, Vr), cp.uint8), cp.zeros(2, cp.float32)
+        lf, lse = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32)
+        be._loss_rows(True, n, z, z.dtype, (lf, lse, z, t, np.int64(n), np.int32(Vr)) + dloss_args("t", dloss)
+                      + (q8, meta[1:], np.int64(0)), fp8_defs=Quant.fmt_defs(fmt) + ("-DFP8_SR=0",))
+        out[name] = lf.get(), q8.get()
+    lf, got = out["masked"]
+    assert np.all(lf[~keep] == 0.0) and np.all(got[~keep] == 0)
+    assert np.array_equal(lf[keep], out["full"][0][keep]) and np.array_equal(got[keep], out["full"][1][keep])
+    want = np.zeros((n, Vr), np.uint8)
+    ref.loss_bwd_fp8(np.zeros(n), np.zeros(n), want, np.zeros(2, np.float32), z0.get(), th, dloss.get(), fmt, "nearest")
+    assert (got != want).mean() < 1e-3

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from andrea.backends import ref as K
+from andrea.data.chat import IGNORE_INDEX
 from refkit import FMTS, B, C, T, V, check, check_written, fd_grad, grid_neighbours, rnd, torch_round
 
 
@@ -207,3 +208,97 @@ def test_fp8_classifier_against_autograd(fmt, tol, accumulate, rounding):
     qt = np.zeros((4, 3), np.uint8)
     K.k_fp8_transpose(qt, q)
     np.testing.assert_array_equal(qt, q.T)
+
+
+# ---------------------------------------------------------------- the ignore index (chat loss mask)
+
+
+def ignored_case(rng, N=43, C=11, V=37, share=0.4):
+    """Odd sizes; about `share` of the targets IGNORE_INDEX, the first and last row among them."""
+    x, w = rng.normal(0, 1, (N, C)), rng.normal(0, 0.5, (V, C))
+    t = rng.integers(0, V, N).astype(np.int32)
+    t[rng.random(N) < share] = IGNORE_INDEX
+    t[[0, -1]] = IGNORE_INDEX
+    return x, w, t
+
+
+@pytest.mark.parametrize("rows", [43, 5])  # one chunk; chunks of 5 rows, the last short
+def test_ignore_index_against_torch(rows):
+    """k_loss_fwd / k_loss_bwd with targets of IGNORE_INDEX (-1) and dloss = 1 / (targets that
+    count): the losses are torch's cross_entropy(ignore_index=-1, reduction="none") (0 where
+    ignored), their sum times dloss its reduction="mean", and dinp and dwte the gradients of that
+    mean by autograd; the ignored rows' dinp is exactly zero."""
+    torch = pytest.importorskip("torch")
+    x, w, t = ignored_case(np.random.default_rng(21))
+    N, C = x.shape
+    V = w.shape[0]
+    xt, wt, tt = torch.from_numpy(x).requires_grad_(), torch.from_numpy(w).requires_grad_(), torch.from_numpy(t).long()
+    mean = torch.nn.functional.cross_entropy(xt @ wt.T, tt, ignore_index=-1)
+    mean.backward()
+    per = torch.nn.functional.cross_entropy(xt @ wt.T, tt, ignore_index=-1, reduction="none").detach().numpy()
+    counted = int((t != IGNORE_INDEX).sum())
+    losses, lse = np.full((1, N), np.nan), np.full((1, N), np.nan)
+    K.k_loss_fwd(losses, lse, np.zeros((rows, V)), x[None], w, t[None])
+    np.testing.assert_allclose(losses[0], per, rtol=1e-12, atol=0)
+    assert np.all(losses[0][t == IGNORE_INDEX] == 0.0)
+    np.testing.assert_allclose(lse[0], torch.logsumexp(torch.from_numpy(x @ w.T), -1).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(losses.sum() / counted, mean.item(), rtol=1e-12)
+    dinp, dwte, l2, lse2 = np.zeros((1, N, C)), np.zeros((V, C)), np.zeros((1, N)), np.zeros((1, N))
+    K.k_loss_bwd(l2, lse2, dinp, dwte, np.zeros((rows, V)), x[None], w, t[None], 1.0 / counted)
+    np.testing.assert_array_equal(l2, losses)
+    np.testing.assert_allclose(dinp[0], xt.grad.numpy(), rtol=1e-10, atol=1e-15)
+    np.testing.assert_allclose(dwte, wt.grad.numpy(), rtol=1e-10, atol=1e-15)
+    assert np.all(dinp[0][t == IGNORE_INDEX] == 0.0)
+
+
+def test_ignore_index_keeps_the_counted_rows_bits():
+    """The rows that count give the same bits whether other rows are ignored or not (losses, lse,
+    their dinp rows), and a batch without an ignored target is computed as before the ignore index
+    (the loss of every row, compared with the log-softmax formula bit for bit)."""
+    x, w, t = ignored_case(np.random.default_rng(22))
+    N, C = x.shape
+    V = w.shape[0]
+    full = np.where(t == IGNORE_INDEX, 3, t).astype(np.int32)
+    out = {}
+    for name, tg in (("masked", t), ("full", full)):
+        losses, lse, dinp, dwte = np.zeros((1, N)), np.zeros((1, N)), np.zeros((1, N, C)), np.zeros((V, C))
+        K.k_loss_bwd(losses, lse, dinp, dwte, np.zeros((N, V)), x[None], w, tg[None], 0.25)
+        out[name] = losses[0], lse[0], dinp[0]
+    keep = t != IGNORE_INDEX
+    for a, b in zip(out["masked"], out["full"]):
+        np.testing.assert_array_equal(a[keep], b[keep])
+    np.testing.assert_array_equal(out["masked"][1], out["full"][1])  # lse of every row
+    z = x @ w.T
+    m = z.max(-1)
+    lse = m + np.log(np.exp(z - m[:, None]).sum(-1))
+    np.testing.assert_array_equal(out["full"][0], lse - z[np.arange(N), full])
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_ignore_index_fp8_row_pass(fmt):
+    """loss_bwd_fp8 and k_fp8_loss_bwd: an ignored row has loss 0 and FP8 dlogits of zero bytes;
+    the rows that count have the bytes they have without it; k_fp8_loss_bwd's gradient is that of
+    the counted rows alone (the same as leaving the ignored rows out)."""
+    rng = np.random.default_rng(23)
+    x, w, t = ignored_case(rng)
+    x, w = x.astype(np.float32), w.astype(np.float32)
+    N, V = x.shape[0], w.shape[0]
+    keep = t != IGNORE_INDEX
+    z = rng.normal(0, 3, (N, V))
+    q = {}
+    for name, tg in (("masked", t), ("full", np.where(keep, t, 0))):
+        losses, lse, q8, meta = np.zeros(N), np.zeros(N), np.zeros((N, V), np.uint8), np.zeros(2, np.float32)
+        K.loss_bwd_fp8(losses, lse, q8, meta, z, tg, 0.5, fmt, rounding="stochastic")
+        q[name] = losses, q8
+    assert np.all(q["masked"][0][~keep] == 0.0) and np.all(q["masked"][1][~keep] == 0)
+    np.testing.assert_array_equal(q["masked"][0][keep], q["full"][0][keep])
+    np.testing.assert_array_equal(q["masked"][1][keep], q["full"][1][keep])
+    C = x.shape[1]
+    dinp, dwte = np.zeros((N, C)), np.zeros((V, C))
+    K.k_fp8_loss_bwd(np.zeros(N), np.zeros(N), dinp, dwte, np.zeros((N, V)), x, w, t, 0.5, fmt, rounding="nearest")
+    sub_x, sub_w = np.zeros((keep.sum(), C)), np.zeros((V, C))
+    K.k_fp8_loss_bwd(np.zeros(keep.sum()), np.zeros(keep.sum()), sub_x, sub_w, np.zeros((keep.sum(), V)), x[keep], w,
+                     t[keep], 0.5, fmt, rounding="nearest")
+    assert np.all(dinp[~keep] == 0.0)
+    np.testing.assert_allclose(dinp[keep], sub_x, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(dwte, sub_w, rtol=1e-6, atol=1e-9)

@@ -1,9 +1,16 @@
 """The classifier (kernels/loss.cu): cross-entropy over the tied projection, R rows at a time, and
-its FP8 form."""
+its FP8 form.
+
+The ignore index: a target of IGNORE_INDEX (-1; andrea/data/chat.py, the chat loss mask) gives its
+position a loss of 0 and a zero row of dlogits, so it adds nothing to the loss sum or to any
+gradient; its lse is still written. The mean over the positions that count is the caller's
+normalisation (dloss = 1 / their number is torch's cross_entropy(ignore_index=-1); the engine's
+step does that over all its microbatches, docs/ARCHITECTURE.md "The ignore index")."""
 from __future__ import annotations
 
 import numpy as np
 
+from ...data.chat import IGNORE_INDEX
 from ..interface import FP8_FWD, fp8_rounding
 from .common import _put
 from .fp8 import fp8_decode, fp8_encode, fp8_fake, fp8_round, fp8_round_stochastic, fp8_scale
@@ -19,10 +26,27 @@ def _loss_rows(kernel, logits, inp, wte, targets):
 
 
 def _loss_chunk(z, lse, losses, targets):
-    """Rows z (n, V) of logits: their log-sum-exp and cross-entropy loss."""
+    """Rows z (n, V) of logits: their log-sum-exp and cross-entropy loss (0 where the target is
+    IGNORE_INDEX). Returns the rows to ignore (a bool mask), or None when every target counts."""
     m = z.max(axis=-1)
     lse[...] = m + np.log(np.exp(z - m[:, None]).sum(axis=-1))
-    losses[...] = lse - z[np.arange(z.shape[0]), targets]
+    ignored = targets == IGNORE_INDEX
+    if not ignored.any():
+        losses[...] = lse - z[np.arange(z.shape[0]), targets]
+        return None
+    picked = lse - z[np.arange(z.shape[0]), np.where(ignored, 0, targets)]
+    losses[...] = np.where(ignored, 0.0, picked)
+    return ignored
+
+
+def _onehot_sub(g, targets, ignored):
+    """g (n, V) = softmax rows: g - onehot(targets) in place, ignored rows made zero."""
+    if ignored is None:
+        g[np.arange(g.shape[0]), targets] -= 1.0
+        return
+    keep = ~ignored
+    g[np.flatnonzero(keep), targets[keep]] -= 1.0
+    g[ignored] = 0.0
 
 
 def k_loss_fwd(losses, lse, logits, inp, wte, targets):
@@ -45,8 +69,9 @@ def k_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, accumu
     log-sum-exp and loss, written to lse and losses as k_loss_fwd does; in place
     dlogits = (softmax - onehot(target)) * dloss; then ADDS dinp += dlogits @ wte and
     dwte += dlogits.T @ inp: the gradient of dloss * sum(losses); accumulate=False writes dinp
-    instead (each chunk its own rows). dloss: a float, or a (1,) array read when the kernel runs
-    (the engine's, which k_step_check writes from the loss scale)."""
+    instead (each chunk its own rows). A target of IGNORE_INDEX: loss 0, a zero dlogits row. dloss:
+    a float, or a (1,) array read when the kernel runs (the engine's, which k_step_check writes
+    from the loss scale)."""
     x, tg, z_all, N = _loss_rows("k_loss_bwd", logits, inp, wte, targets)
     lf, lsef, dx = losses.reshape(N), lse.reshape(N), dinp.reshape(N, -1)
     R = z_all.shape[0]
@@ -54,9 +79,9 @@ def k_loss_bwd(losses, lse, dinp, dwte, logits, inp, wte, targets, dloss, accumu
         r1 = min(N, r0 + R)
         z = z_all[:r1 - r0]
         np.matmul(x[r0:r1], wte.T, out=z)
-        _loss_chunk(z, lsef[r0:r1], lf[r0:r1], tg[r0:r1])
+        ignored = _loss_chunk(z, lsef[r0:r1], lf[r0:r1], tg[r0:r1])
         np.exp(z - lsef[r0:r1, None], out=z)
-        z[np.arange(r1 - r0), tg[r0:r1]] -= 1.0
+        _onehot_sub(z, tg[r0:r1], ignored)
         z *= dloss
         _put(dx[r0:r1], z @ wte, accumulate)
         dwte += z.T @ x[r0:r1]
@@ -125,9 +150,9 @@ def loss_bwd_fp8(losses, lse, q8, meta, logits, targets, dloss, fmt, rounding=No
     float or a (1,) array). logits are not changed."""
     rounding = fp8_rounding(rounding)
     z = np.asarray(logits, dtype=np.float64)
-    _loss_chunk(z, lse, losses, targets)
+    ignored = _loss_chunk(z, lse, losses, targets)
     g = np.exp(z - np.asarray(lse, np.float64)[:, None])
-    g[np.arange(z.shape[0]), targets] -= 1.0
+    _onehot_sub(g, np.asarray(targets), ignored)
     scale, inv = fp8_bound_scale(fmt)
     g = (g * float(scale)).astype(np.float32)
     if rounding == "stochastic":
