@@ -4,6 +4,7 @@
     python -m andrea.cli params [ANDREA-tiny ANDREA-12M ANDREA-120M]   # parameter counts
     python -m andrea.cli generate RUN --prompt "What is 12 + 7?"      # andrea/use/generate.py
     python -m andrea.cli chat RUN
+    python -m andrea.cli serve RUN [--port 8000]                       # andrea/serve/: OpenAI's HTTP API
     python -m andrea.cli export RUN --format safetensors|hf            # andrea/use/export.py
     python -m andrea.cli import GPT2_FOLDER --config CONFIG.yaml       # andrea/use/importer.py
     python -m andrea.cli tasks RUN --tasks core --task-data DIR        # andrea/tasks/: ARC, PIQA, CORE, ...
@@ -131,6 +132,8 @@ def main(argv=None) -> int:
     importer.add_arguments(sub.add_parser("import", help="start a run from GPT-2-layout weights"))
     from .tasks.__main__ import add_arguments as task_arguments
     task_arguments(sub.add_parser("tasks", help="score a trained model on standard in-context tasks (ARC, CORE, ...)"))
+    from .serve import command as serve
+    serve.add_arguments(sub.add_parser("serve", help="serve a trained model over OpenAI's HTTP API, with a chat page"))
     args = ap.parse_args(argv)
     if args.cmd in ("engine", "params"):
         return args.fn(args)

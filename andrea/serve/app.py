@@ -2,6 +2,7 @@
 
     GET  /                      the chat page (andrea/web/chat.html)
     GET  /v1/models             the one model served; GET /v1/models/{id}
+    GET  /health                slots, requests active and waiting (503 once the decoder has failed)
     POST /v1/chat/completions   messages through the chat template; "stream": true for server-sent events
     POST /v1/completions        a prompt as it is (text or token ids)
 
@@ -67,6 +68,11 @@ def make_app(s: Served) -> Starlette:
                                        f"{s.model_id!r}", "model", code="model_not_found"))
         return JSONResponse(model_card(s))
 
+    async def health(_):
+        st = s.worker.status()
+        return JSONResponse({"status": "failed" if st["failed"] else "ok", "model": s.model_id, **st},
+                            status_code=503 if st["failed"] else 200)
+
     async def chat(request):
         return await answer(s, request, schemas.parse_chat)
 
@@ -77,7 +83,7 @@ def make_app(s: Served) -> Starlette:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error(ApiError(exc.status_code, str(exc.detail), type=kind))
 
-    routes = [Route("/", page), Route("/v1/models", models), Route("/v1/models/{name:path}", model),
+    routes = [Route("/", page), Route("/health", health), Route("/v1/models", models), Route("/v1/models/{name:path}", model),
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
@@ -128,10 +134,10 @@ async def start(s: Served, request: HttpRequest, parse):
         ids, where = text_ids(s.tok, ask.prompt, s.vocab_size), "prompt"
     if not ids:
         raise schemas.bad("prompt", "text that gives at least one token", ask.prompt)
-    room = s.window - len(ids)
-    if room < 1:
+    if len(ids) > s.window:
         raise ApiError(400, f"{where}: {len(ids)} tokens, the model's window is {s.window}; expected a "
                             f"shorter prompt", where, code="context_length_exceeded")
+    room = s.window + 1 - len(ids)  # the answer ends when the window is full (its last token is not fed)
     max_new = min(ask.max_tokens or room, room)
     seed = ask.seed if ask.seed is not None else secrets.randbits(63)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
@@ -193,6 +199,8 @@ class Server(uvicorn.Server):
             print(self.ready, flush=True)
 
     async def shutdown(self, sockets=None):
+        for server in self.servers:  # closed first, so that once the line is out no connection is taken
+            server.close()
         busy = len(self.server_state.tasks)
         print(f"andrea serve: stopping: the port is closed, finishing {busy} request{'s' if busy != 1 else ''} "
               "in flight", file=sys.stderr, flush=True)

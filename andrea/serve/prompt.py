@@ -54,6 +54,8 @@ class AnswerText:
 
     def push(self, token: int) -> str:
         """The new text that can be given out after token ("" when none); sets stopped at a stop string."""
+        if self.stopped:
+            return ""
         self.text += self.stream.push(token)
         if not self.stops:
             return self._give(len(self.text))

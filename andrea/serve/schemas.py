@@ -127,7 +127,7 @@ def _common(body, kind: str, model_id: str) -> Ask:
     return Ask(kind=kind, model=model, max_tokens=max_tokens,
                temperature=_number(body, "temperature", 0, 2, 1.0), top_p=top_p,
                top_k=_integer(body, "top_k", 0) or 0,
-               seed=_integer(body, "seed", 0),
+               seed=_integer(body, "seed", 0, 2**64 - 1),
                stop=_stop(body.get("stop")), stream=bool(stream),
                include_usage=bool((opts or {}).get("include_usage", False)),
                id=prefix + uuid.uuid4().hex, created=int(time.time()))

@@ -53,6 +53,7 @@ class Worker(threading.Thread):
         self.active: Dict[int, Job] = {}
         self.stopping = threading.Event()
         self.broken: Optional[str] = None  # why the decoder failed; requests are then refused
+        self.cancelled = self.finished = 0  # requests ended by their client, and answered in full
 
     def submit(self, job: Job) -> Job:
         if self.broken:
@@ -63,8 +64,12 @@ class Worker(threading.Thread):
             raise QueueFull(f"{self.pending.maxsize} requests are waiting for a slot") from None
         return job
 
-    def waiting(self) -> int:
-        return self.pending.qsize()
+    def status(self) -> dict:
+        """What the loop holds now (read from another thread: counts only)."""
+        jobs = list(self.active.values())
+        return {"slots": self.dec.slots, "active": len(jobs), "waiting": self.pending.qsize(),
+                "leaving": sum(j.cancelled.is_set() for j in jobs), "cancelled": self.cancelled,
+                "finished": self.finished, "failed": self.broken}
 
     def stop(self) -> None:
         """End the loop once nothing is active or waiting."""
@@ -102,6 +107,7 @@ class Worker(threading.Thread):
 
     def _admit(self, job: Job) -> None:
         if job.cancelled.is_set():
+            self.cancelled += 1
             self._send(job, CANCELLED)
             return
         try:
@@ -116,6 +122,7 @@ class Worker(threading.Thread):
             if job.cancelled.is_set():
                 self.dec.release(slot)
                 del self.active[slot]
+                self.cancelled += 1
                 self._send(job, CANCELLED)
 
     def _step(self) -> None:
@@ -136,6 +143,7 @@ class Worker(threading.Thread):
                 if rest:
                     self._send(job, ("text", rest))
                 stop = job.text.stopped or token in job.request.stop_ids
+                self.finished += 1
                 self._send(job, ("end", "stop" if stop else "length", job.tokens))
 
     def _fail_waiting(self) -> None:
