@@ -59,6 +59,7 @@ from andrea.run.protocol import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_GAVE_UP, EXI
                              parse)
 
 from .records import FLUSH_S, RecordError, RunRecords, archive_pivot
+from .trackers import open_trackers
 
 # defaults when a config carries no proxy group (andrea.config.ProxyConfig documents each)
 MAX_RESTARTS = ProxyConfig.max_restarts
@@ -84,6 +85,7 @@ class Supervisor:
         self.rec = RunRecords(cfg.exp, self.run_dir, int(cfg.train.steps), flush_s, int(cfg.train.log_every))
         self.proc: Optional[subprocess.Popen] = None
         self.stop_requested = False
+        self.trackers = open_trackers(cfg, self.run_dir, self._say)  # proxy.trackers (opt-in), fed below
         self.bar = tqdm(total=int(cfg.train.steps), initial=self.rec.last_step(), desc=cfg.exp, unit="step",
                         file=sys.stderr, disable=not progress, dynamic_ncols=True,
                         # into a log file (the workflow's train rule), a line every 30 s, not per step
@@ -169,6 +171,7 @@ class Supervisor:
             life["error"] = str(ev.get("message", ""))
         elif kind == "done":
             life["done"] = ev.get("status")
+        self.trackers.feed(ev)  # steps and validations to the trackers' queue: never waits, never raises
         if self.on_event is not None:
             self.on_event(ev, self.proc.pid)
 
@@ -295,6 +298,7 @@ class Supervisor:
             self.rec.state.update(status="failed", message=f"proxy error: {error!r}; engine stopped")
         self.rec.state["engine_pid"] = None
         self.rec.flush(force=True)
+        self.trackers.close(self.rec.state["status"])  # waits trackers.CLOSE_WAIT_S at most
         self.bar.close()
         if self.rec.write_error is not None:
             print(f"andrea.run.proxy: the last state could not be written ({self.rec.write_error}); "
