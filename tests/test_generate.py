@@ -160,5 +160,16 @@ def test_archive_is_self_contained(run, tmp_path, capsys):
 
 
 def test_bench_prints_tokens_per_second(run, capsys):
-    rc, _, err = gen(capsys, run, "--bench", "--bench-tokens", 40, "--prompt", "hi")
-    assert rc == 0 and "generation" in err and "tokens/s" in err and "40 tokens" in err
+    """--bench's table: prefill, single stream and each --bench-streams count, every figure a
+    positive number; the new tokens capped by the window less the 16-token prompt."""
+    rc, _, err = gen(capsys, run, "--bench", "--bench-tokens", 40, "--bench-streams", "1,3", "--temperature", 0)
+    assert rc == 0
+    rows = dict(line.strip("|").split("|") for line in err.splitlines() if line.startswith("|"))
+    rows = {k.strip(): float(v.strip().replace(",", "")) for k, v in rows.items()}
+    assert set(rows) == {"prefill 23 tokens (ms)", "prefill tokens/s", "single stream decode tokens/s",
+                         "single stream end-to-end tokens/s", "1 streams tokens/s (total)",
+                         "3 streams tokens/s (total)"}, rows
+    assert min(rows.values()) > 0
+    assert "8 new tokens" in err  # the window of 24 less the prompt of 16
+    rc, _, err = gen(capsys, run, "--bench", "--bench-streams", "1,x")
+    assert rc == 2 and "--bench-streams" in err

@@ -2,20 +2,23 @@
 
     andrea generate RUN_OR_CHECKPOINT --prompt "What is 12 + 7?" [--temperature 0.8] [--top-k 40]
                     [--top-p 0.95] [--seed 0] [--max-tokens 128] [--raw] [--backend auto|numpy|cuda]
-    andrea generate RUN_OR_CHECKPOINT --bench     # tokens/s of the prompt and of generation
-    andrea generate ANDREA-120M --bench --random-init [--backend cuda]   # a model shape, random weights
+    andrea generate RUN_OR_CHECKPOINT --bench     # prefill, single-stream and batched tokens/s
+    andrea generate ANDREA-120M --bench --random-init [--backend cuda] [--anchor]   # a model shape,
+                                                  # random weights; --anchor: HF transformers beside
     andrea chat RUN_OR_CHECKPOINT [--system "You are terse."]   # /reset, /quit, or end of input
 
 The prompt goes through the chat template the model was trained on (andrea/data/chat.py) unless
 --raw; the answer streams as it is sampled and ends at the end of the turn (any special token, or
---max-tokens). Special tokens are never printed. Decoding runs through inference.Decoder (KV
-cache, memory planned at start-up); `--temperature 0` is greedy.
+--max-tokens). Special tokens are never printed. Decoding runs through batch.BatchDecoder with one
+slot (the prompt prefilled in one pass, then one step a token; memory planned at start-up) and its
+per-request sampler, so an answer for a seed is the one `andrea serve` gives for that seed;
+`--temperature 0` is greedy. (Sampler and complete below are the one-position Decoder's path, which
+the training samples and the report take.)
 """
 from __future__ import annotations
 
 import sys
-import time
-from typing import Iterable, Iterator, List, Optional
+from typing import Iterable, Iterator, List
 
 import numpy as np
 
@@ -96,13 +99,12 @@ class TextStream:
         return self.tok.decode(self.ids)
 
 
-def load(path, backend: str = "auto", tokenizer=None, precision: str = "", prog: str = "andrea generate"):
-    """(cfg, tokenizer, Decoder with the weights loaded, checkpoint path) for a run folder, an
-    archive or a checkpoint; a damaged checkpoint passed over for an older one is named on stderr
-    with its reason (one line each, prefixed with prog)."""
+def prepare(path, backend: str = "auto", tokenizer=None, precision: str = "", prog: str = "andrea generate"):
+    """(cfg, tokenizer, backend, compute dtype, window, host weights, checkpoint path) for a run
+    folder, an archive or a checkpoint; a damaged checkpoint passed over for an older one is named
+    on stderr with its reason (one line each, prefixed with prog)."""
     from ..backends import get_backend
     from ..core.plan import compute_dtype
-    from .inference import Decoder
     from .locate import load_tokenizer_for, locate
 
     located = locate(path, tokenizer, prog=prog)
@@ -114,9 +116,53 @@ def load(path, backend: str = "auto", tokenizer=None, precision: str = "", prog:
         raise ValueError(f"--precision {precision} needs the CUDA backend; backend {be.name} decodes in "
                          f"{', '.join(be.precisions)}")
     context = min(cfg.model.context, cfg.train.seq_len)  # positions past seq_len were never trained
-    dec = Decoder(cfg.model, be, context, compute_dtype(precision, "float32"))
+    return cfg, tok, be, compute_dtype(precision, "float32"), context, params, located.checkpoint
+
+
+def load(path, backend: str = "auto", tokenizer=None, precision: str = "", prog: str = "andrea generate"):
+    """(cfg, tokenizer, one-position Decoder with the weights loaded, checkpoint path)."""
+    from .inference import Decoder
+
+    cfg, tok, be, dtype, context, params, ckpt = prepare(path, backend, tokenizer, precision, prog)
+    dec = Decoder(cfg.model, be, context, dtype)
     dec.load(params)
-    return cfg, tok, dec, located.checkpoint
+    return cfg, tok, dec, ckpt
+
+
+def load_batch(path, backend: str = "auto", tokenizer=None, precision: str = "", prog: str = "andrea generate",
+               slots: int = 1):
+    """(cfg, tokenizer, BatchDecoder of `slots` slots with the weights loaded, checkpoint path)."""
+    from .batch import BatchDecoder
+
+    cfg, tok, be, dtype, context, params, ckpt = prepare(path, backend, tokenizer, precision, prog)
+    bd = BatchDecoder(cfg.model, be, slots, context, dtype)
+    bd.load(params)
+    return cfg, tok, bd, ckpt
+
+
+def request(a, ids, max_new: int, stop_ids):
+    """The batch.Request of the command's sampling flags (checked with the flags' names first)."""
+    from .batch import Request
+
+    _sampler(a)  # --temperature, --top-k, --top-p checked under their own names
+    return Request(list(ids), max_new, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                   stop_ids=frozenset(stop_ids))
+
+
+def decode(bd, req) -> Iterator[int]:
+    """The tokens of one request on a BatchDecoder (a free slot needed): admitted, then stepped
+    until it finishes; a stop id is yielded last. Closing the iterator early releases the slot."""
+    slot = bd.admit(req)
+    done = False
+    try:
+        while not done:
+            for s, t, finished in bd.step():
+                if s == slot:
+                    done = finished
+                    yield t
+    finally:
+        if not done:
+            bd.release(slot)
 
 
 def _sampler(a) -> Sampler:
@@ -128,46 +174,30 @@ def _emit(text: str, out) -> None:
     out.flush()
 
 
-def bench_random_init(a) -> int:
-    """--bench --random-init: a model shape of conf/model/ with random weights, random prompt ids."""
-    from omegaconf import OmegaConf
-
-    from ..backends import get_backend
-    from ..config import AndreaConfig, ModelConfig
-    from ..core.plan import compute_dtype
-    from .inference import Decoder
-    from ..paths import model_config
-
-    path = model_config(a.path)
-    if not path.is_file():
-        raise ValueError(f"--random-init: {a.path} is not a model of {path.parent} ({path} does not exist)")
-    m = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path)))
-    be = get_backend(a.backend)
-    dec = Decoder(m, be, 0, compute_dtype(a.precision or "fp32", "float32"))
-    rng = np.random.default_rng(a.seed)
-    dec.load(rng.normal(0, 0.02, dec.layout.n_params).astype(np.float32))
-    return bench(AndreaConfig(model=m), dec, list(rng.integers(0, m.vocab_size, 16)), _sampler(a), a.bench_tokens)
-
-
 def cmd_generate(a, out=None) -> int:
     from ..data.chat import render_prompt
+    from .decode_bench import bench_checkpoint, bench_random_init
 
     if a.random_init:
         if not a.bench:
             raise ValueError("--random-init is for --bench only (random weights say nothing)")
         return bench_random_init(a)
+    if a.anchor and not a.bench:
+        raise ValueError("--anchor is for --bench only")
     out = out or sys.stdout
-    cfg, tok, dec, _ = load(a.path, a.backend, a.tokenizer, a.precision)
     if a.max_tokens < 1:
         raise ValueError(f"--max-tokens {a.max_tokens}: expected at least 1")
+    if a.bench:
+        return bench_checkpoint(a)
+    cfg, tok, bd, _ = load_batch(a.path, a.backend, a.tokenizer, a.precision)
     text = a.prompt if a.raw else render_prompt(a.prompt, a.system)
     ids = tok.encode(text)
     if not ids:
         raise ValueError("--prompt is empty and --raw leaves nothing to start from")
-    if a.bench:
-        return bench(cfg, dec, ids, _sampler(a), a.bench_tokens)
+    if len(ids) > bd.context:
+        raise ValueError(f"--prompt: {len(ids)} tokens, the model's window holds {bd.context}")
     stream = TextStream(tok)
-    for t in complete(dec, ids, a.max_tokens, _sampler(a), tok.special_ids.values()):
+    for t in decode(bd, request(a, ids, a.max_tokens, tok.special_ids.values())):
         _emit(stream.push(t), out)
     _emit("\n", out)
     return 0
@@ -188,18 +218,18 @@ def cmd_chat(a, inp=None, out=None) -> int:
     from ..data.chat import ASSISTANT, DOC, END, SYSTEM, USER, sanitize
 
     inp, out = inp or sys.stdin, out or sys.stdout
-    cfg, tok, dec, ckpt = load(a.path, a.backend, a.tokenizer, a.precision, prog="andrea chat")
     if a.max_tokens < 1:
         raise ValueError(f"--max-tokens {a.max_tokens}: expected at least 1")
-    sampler = _sampler(a)
+    request(a, [0], 1, ())  # the sampling flags checked before the model is loaded
+    cfg, tok, bd, ckpt = load_batch(a.path, a.backend, a.tokenizer, a.precision, prog="andrea chat")
     end_id = tok.eot_id
     stops = set(tok.special_ids.values())
     prefix = tok.encode(DOC + (SYSTEM + sanitize(a.system) + END if a.system.strip() else ""))
-    reserve = min(a.max_tokens, dec.context // 2)
+    reserve = min(a.max_tokens, bd.context // 2)
     exchanges: List[List[int]] = []
     tty = inp.isatty() and out.isatty()
     if tty:
-        print(f"{cfg.exp} ({ckpt}), window {dec.context} tokens; "
+        print(f"{cfg.exp} ({ckpt}), window {bd.context} tokens; "
               "/reset starts over, /quit or Ctrl-D ends", file=sys.stderr)
     while True:
         if tty:
@@ -212,20 +242,14 @@ def cmd_chat(a, inp=None, out=None) -> int:
             break
         if line == "/reset":
             exchanges = []
-            dec.reset()
             continue
         if not line:
             continue
         exchanges.append(tok.encode(USER + sanitize(line) + END + ASSISTANT))
-        ids = fit_conversation(prefix, exchanges, dec.context, reserve)
-        held = dec.tokens
-        if len(held) < len(ids) and ids[:len(held)] == held:
-            feed = ids[len(held):]
-        else:
-            dec.reset()
-            feed = ids
+        # the conversation is prefilled again each turn (one pass); the newest part of it fits
+        ids = fit_conversation(prefix, exchanges, bd.context, reserve)[-bd.context:]
         stream, reply = TextStream(tok), []
-        for t in complete(dec, feed, a.max_tokens, sampler, stops):
+        for t in decode(bd, request(a, ids, a.max_tokens, stops)):
             reply.append(t)
             _emit(stream.push(t), out)
         _emit("\n", out)
@@ -235,39 +259,18 @@ def cmd_chat(a, inp=None, out=None) -> int:
     return 0
 
 
-def bench(cfg, dec, prompt: List[int], sampler: Sampler, n_tokens: int, file=None) -> int:
-    """Time prompt feeding and generation (rounds that fill the decoder's window, stop tokens
-    ignored) until n_tokens are generated; prints tokens/s of both."""
-    if len(prompt) >= dec.context:
-        raise ValueError(f"--bench: the prompt has {len(prompt)} tokens, the window {dec.context}")
-    per_round = dec.context - len(prompt)
-    fed = made = 0
-    t_feed = t_gen = 0.0
-    while made < n_tokens:
-        dec.reset()
-        t0 = time.perf_counter()
-        logits = dec.feed(prompt)
-        t1 = time.perf_counter()
-        for n in range(min(per_round, n_tokens - made)):
-            logits = dec.step(sampler.pick(logits))
-            made += 1
-        t_gen += time.perf_counter() - t1
-        t_feed += t1 - t0
-        fed += len(prompt)
-    print(f"decode bench: {cfg.model.name} ({dec.layout.n_params:,} params) backend={dec.be.name} "
-          f"dtype={dec.dtype} window={dec.context}: prompt {fed / t_feed:,.0f} tokens/s, "
-          f"generation {made / t_gen:,.0f} tokens/s ({1e3 * t_gen / made:.2f} ms/token, {made} tokens)",
-          file=file or sys.stderr, flush=True)
-    return 0
-
-
 def add_arguments(p, chat: bool) -> None:
     p.add_argument("path", help="run folder (results/<exp>), archive folder or step_XXXXXXXX.bin checkpoint")
     if not chat:
         p.add_argument("--prompt", default="", help="the question (or text, with --raw)")
         p.add_argument("--raw", action="store_true", help="feed --prompt as it is, without the chat template")
-        p.add_argument("--bench", action="store_true", help="print tokens/s of prompt and generation instead")
-        p.add_argument("--bench-tokens", type=int, default=512, help="tokens generated by --bench")
+        p.add_argument("--bench", action="store_true",
+                       help="print prefill, single-stream and batched (1, 8, 64 streams) tokens/s instead")
+        p.add_argument("--bench-tokens", type=int, default=200,
+                       help="tokens --bench generates per request (at most the window less its 16-token prompt)")
+        p.add_argument("--bench-streams", default="1,8,64", help="--bench's batched stream counts (default 1,8,64)")
+        p.add_argument("--anchor", action="store_true",
+                       help="--bench also runs HF transformers' generate (static cache) on the same shape")
         p.add_argument("--random-init", action="store_true",
                        help="--bench a model shape (path = ANDREA-tiny, ANDREA-12M, ANDREA-120M) with random weights")
     p.add_argument("--system", default="", help="system turn of the chat template")
