@@ -15,7 +15,6 @@ import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -266,19 +265,24 @@ def test_gone_client_frees_its_slot_and_a_full_queue_is_429(gated):
             gate.close()
 
 
-def test_sigterm_finishes_the_streams_in_flight_and_exits_0(gated):
+def test_sigterm_finishes_the_requests_in_flight_and_exits_0(gated):
     s, fifo = gated
     conn, resp = s.open_stream({"model": "mini", "messages": [{"role": "user", "content": "hi"}], "temperature": 0})
     assert next_event(resp)["choices"][0]["delta"]["role"] == "assistant"
-    with open(fifo, "wb", buffering=0) as gate:
+    with ThreadPoolExecutor(1) as pool, open(fifo, "wb", buffering=0) as gate:
+        waiting = pool.submit(s.post, "/v1/completions", {"model": "mini", "prompt": render_prompt("Name a colour"),
+                                                          "temperature": 0, "max_tokens": 20})
+        wait_for(lambda: s.health()["waiting"] == 1, "the second request in the queue", proc=s.proc)
         gate.write(b"xx")  # two tokens of eleven
         text = next_event(resp)["choices"][0]["delta"]["content"] + next_event(resp)["choices"][0]["delta"]["content"]
         s.proc.send_signal(signal.SIGTERM)
         line = s.proc.stderr.readline()
-        assert line == "andrea serve: stopping: the port is closed, finishing 1 request in flight\n"
+        assert line == "andrea serve: stopping: the port is closed, finishing 2 requests in flight\n"
         with pytest.raises(OSError):  # no new connection once the stop has begun
             http.client.HTTPConnection(s.host, int(s.port), timeout=10).connect()
-    # the gate is open: the answer runs to its end
+        gate.close()  # the gate opens: both answers run to their end
+        status, body = waiting.result(timeout=60)
+    assert status == 200 and body["choices"][0]["text"] == "blue é" and body["choices"][0]["finish_reason"] == "stop"
     finish = None
     while (ev := next_event(resp)) != "[DONE]":
         c = ev["choices"][0]

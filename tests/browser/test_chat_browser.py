@@ -8,11 +8,12 @@ tests/browser/artifacts/ (or $ANDREA_TEST_ARTIFACTS) and its path is printed.
 """
 import json
 
-import pytest
-
-from test_dashboard_browser import ARGS, ARTIFACTS, CHROMIUM, pytestmark, sync_playwright, wait_js  # noqa: F401
+import test_dashboard_browser as dashboard
+from test_dashboard_browser import ARGS, ARTIFACTS, CHROMIUM, sync_playwright, wait_js
 from test_serve import serving
 from trained_model import make_run
+
+pytestmark = dashboard.pytestmark  # skipped only where there is no chromium binary
 
 # Every text the answer's bubble is given, in order (each update replaces its text node).
 RECORD = """() => {
