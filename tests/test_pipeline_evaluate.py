@@ -199,7 +199,9 @@ def test_evaluate_writes_report_and_metrics(trained, tmp_path):
     assert m2["val_loss"] == m["val_loss"] and m2["published"]["verdict"] == "PASS"
     assert m2["tasks"]["majority_baseline"] is None and m2["tasks"]["accuracy"] == tasks["accuracy"]
     report = (out / "report.md").read_text()
-    assert "**PASS**" in report and "bit for bit:" in report
+    assert "**PASS**: validation loss" in report and "Bit for bit: **reproduced**, all " in report
+    assert m2["provenance"]["kernels"] == ev.kernel_fingerprint() and m2["provenance"]["numpy"] == np.__version__
+    assert "training's validation loss at step 20 (4 batches, train.eval_batches)" in report
     assert m2["published"]["losses"]["identical"] == m2["published"]["losses"]["steps"] > 0
     published = json.loads(pub.read_text())
     assert published["machine"] == "test" and published["tokens_per_s"] > 0 and published["train_wall_s"] > 0
@@ -229,3 +231,80 @@ def test_task_accuracy_per_kind_against_hand_counts(tmp_path, monkeypatch):
         assert p["chance"] == pytest.approx(sum(synthetic.chance(qs[i]) for i in idx) / len(idx))
         assert 0.0 <= p["majority_baseline"] <= 1.0
     assert t["chance"] == pytest.approx(sum(synthetic.chance(q) for q in qs) / 13)
+
+
+# ---------------------------------------------------------------- what the report says (issue 38)
+def report_metrics(**extra):
+    """The metrics of a report of ANDREA-tiny's shape, as evaluate() writes them."""
+    m = {"exp": "ANDREA-tiny", "checkpoint": "step_00001500.bin", "step": 1500, "config_hash": "ab" * 32,
+         "overrides": [], "val_loss": 1.6198, "uniform_loss": 6.2, "tokenizer_vocab": 512, "model_vocab": 512,
+         "perplexity": 5.05, "bits_per_byte": 0.47, "val_tokens": 2560, "val_batches": 5, "batch_size": 8,
+         "seq_len": 64, "samples": [], "wall_s": 1.0, "backend": "numpy",
+         "tasks": {"n": 185, "accuracy": 0.178, "chance": 0.2, "majority_baseline": 0.25, "per_kind": {
+             "count": {"n": 44, "accuracy": 0.386, "chance": 0.2, "majority_baseline": 0.432},
+             "reverse": {"n": 46, "accuracy": 0.0, "chance": 0.091, "majority_baseline": 0.0},
+             "add": {"n": 47, "accuracy": 0.3, "chance": 0.01, "majority_baseline": 0.02}}}}
+    m.update(extra)
+    return m
+
+
+def test_verdict_says_what_it_compared():
+    m = report_metrics()
+    m["published"] = ev.compare(m, {"val_loss": 1.6035, "machine": "a CPU"}, 0.05, Path("docs/published/x.json"))
+    report = ev.report_md(m)
+    assert ("**PASS**: validation loss 1.6198 (5 batches of 8 x 64 tokens) within 0.05 of the published 1.6035 "
+            "(difference +0.0163)") in report
+    assert "The verdict compares this one figure: not the task accuracy, the samples or the bits." in report
+    m["published"] = ev.compare({**m, "val_loss": 1.7}, {"val_loss": 1.6035}, 0.05, Path("x.json"))
+    assert "**FAIL**: validation loss 1.6198 (5 batches of 8 x 64 tokens) not within 0.05" in ev.report_md(m)
+
+
+def test_tasks_under_their_baselines_are_marked():
+    report = ev.report_md(report_metrics())
+    rows = {line.split(" | ")[0].strip("| "): line for line in report.splitlines() if line.startswith("| ")}
+    assert rows["count"].endswith("| **not above the constant answer (0.432)** |")
+    assert rows["reverse"].endswith("| **not above chance (0.091); not above the constant answer (0.000)** |")
+    assert rows["add"].endswith("| above both |")
+    assert "| task exact match | 0.178 of 185 (**not above chance (0.200); not above the constant answer (0.250)**) |" \
+        in report
+
+
+def test_bitwise_line_says_whether_and_why_not():
+    ls = {"steps": 1500, "identical": 1, "first_difference": 2}
+    here = {"commit": "abc", "numpy": "2.2.6", "python": "3.11.2", "gpu": None, "backend": "numpy", "kernels": "k1"}
+    line = ev.bitwise_line(ls, here, ev.published_provenance({"commit": "abc", "machine": "x"}))
+    assert line.startswith("Bit for bit: **not reproduced**, 1 of 1500 logged training losses equal the published "
+                           "run's (first difference at step 2).")
+    assert "does not record its numpy, python, gpu, backend, kernels, so the cause cannot be named" in line
+    there = {**here, "numpy": "1.26.4", "kernels": "k0"}
+    line = ev.bitwise_line(ls, here, ev.published_provenance({"provenance": there}))
+    assert "What differs: numpy `2.2.6` here, `1.26.4` there; kernels `k1` here, `k0` there." in line
+    assert "does not record its gpu" in line  # a CPU run records no GPU
+    assert ev.bitwise_line({"steps": 9, "identical": 9, "first_difference": None}, here, here) == \
+        "Bit for bit: **reproduced**, all 9 logged training losses equal the published run's."
+    old = ev.published_provenance({"commit": "0123456789abcdef", "environment": {"numpy": "1.26.4"}})
+    assert old["commit"] == "0123456789ab" and old["numpy"] == "1.26.4" and old["kernels"] is None
+
+
+def test_both_validation_figures_carry_their_batch_counts():
+    """The report's validation loss (eval.batches) and training's at the same checkpoint
+    (train.eval_batches) each name their batches."""
+    hist = [{"step": 1500, "loss": 1.6}, {"step": 1500, "val_loss": 1.6550}]
+    tv = ev.training_val(hist, 1500)
+    assert tv == 1.6550 and ev.training_val(hist, 1000) is None
+    report = ev.report_md(report_metrics(training_val={"val_loss": tv, "batches": 4}))
+    assert "| validation loss (nats; 5 batches of 8 x 64 tokens, eval.batches) | 1.6198 |" in report
+    assert "| training's validation loss at step 1500 (4 batches, train.eval_batches) | 1.6550 |" in report
+
+
+def test_kernel_fingerprint_follows_the_sources(tmp_path, monkeypatch):
+    import andrea.paths
+    a = ev.kernel_fingerprint()
+    assert a == ev.kernel_fingerprint() and len(a) == 16
+    k = tmp_path / "kernels"
+    k.mkdir()
+    (k / "loss.cu").write_text("// one kernel")
+    monkeypatch.setattr(andrea.paths, "KERNEL_DIR", k)
+    b = ev.kernel_fingerprint()
+    (k / "loss.cu").write_text("// another kernel")
+    assert len({a, b, ev.kernel_fingerprint()}) == 3

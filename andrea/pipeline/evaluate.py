@@ -23,9 +23,17 @@ Writes `<out>/report.md` and `<out>/eval/{metrics.json, loss.png, samples.json, 
 - Uniform guess: ln V with V the tokenizer's real vocabulary (a small corpus can give fewer
   tokens than model.vocab_size asks; the report then says so).
 - Published (docs/published/<experiment>.json): PASS when |val_loss - published val_loss| <=
-  eval.tolerance, FAIL otherwise; only for the published config itself: a run with overrides
+  eval.tolerance, FAIL otherwise, and the verdict says so: it compares that one figure, not the
+  tasks, the samples or the bits; only for the published config itself: a run with overrides
   (config `overrides`, except where data lives and the backend) is "not compared", naming them.
   The published curve is drawn dashed, over this run's, so it shows where the two coincide.
+- Bit for bit: whether every logged training loss equals the published run's, and if not, what
+  the two records say differs (provenance: commit, numpy, Python, GPU, backend, and a sha256 of the
+  kernel sources, kernels/ and the NumPy reference), or that the published reference does not say.
+- Tasks under a baseline (uniform-guess chance, the best constant answer) are marked as such.
+- Two validation figures exist for the final checkpoint: the report's (eval.batches batches) and
+  training's last (train.eval_batches batches, same windows, fewer or more of them); each is
+  printed with its batch count.
 - Loss plot: linear cross-entropy axis, or logarithmic with eval.log_scale=true (or --log-scale).
 """
 from __future__ import annotations
@@ -44,6 +52,7 @@ from ..util.atomic import atomic_savefig, atomic_write
 from ..config import AndreaConfig, load_run_config
 from ..data.loader import val_windows
 from ..use import sampling
+from ..tasks import report as task_report
 from .runs import compared_overrides
 
 TASK_TOKENS = 16  # the longest synthetic answer ("0 1 2 3 4") is 9 characters, 9 tokens at most
@@ -63,7 +72,8 @@ def held_out_loss(eng, tok, cfg: AndreaConfig) -> dict:
     nbytes = tok.token_bytes(cfg.model.vocab_size)
     n_tok = sum(y.size for _, y in batches)
     n_bytes = int(sum(nbytes[y].sum() for _, y in batches))
-    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)),
+    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "batch_size": t.batch_size,
+            "seq_len": t.seq_len,
             "bits_per_byte": loss / math.log(2) * n_tok / max(1, n_bytes),
             "val_tokens": n_tok, "val_bytes": n_bytes, "val_batches": len(batches), **uniform_guess(tok, cfg)}
 
@@ -213,13 +223,108 @@ def compare(metrics: dict, published: dict, tolerance: float, source: Path, hist
     out = {"file": str(source), "val_loss": ref, "diff": diff, "tolerance": tolerance,
            "verdict": "PASS" if abs(diff) <= tolerance else "FAIL",
            "machine": published.get("machine"), "accuracy": published.get("task_accuracy"),
-           "commit": published.get("commit"), "training": {k: published.get(k) for k in TRAINING_FIELDS}}
+           "commit": published.get("commit"), "training": {k: published.get(k) for k in TRAINING_FIELDS},
+           "provenance": published_provenance(published)}
     if hist:
         out["losses"] = same_losses(hist, published)
     return out
 
 
 TRAINING_FIELDS = ("tokens_per_s", "train_wall_s", "plan_bytes")
+PROVENANCE = ("commit", "numpy", "python", "gpu", "backend", "kernels")  # what a bitwise rerun needs alike
+
+
+def kernel_fingerprint() -> str:
+    """sha256 of the kernel sources a run computes with: kernels/ (the CUDA files) and the NumPy
+    reference (andrea/backends/ref/), each file's name and bytes, in name order."""
+    import hashlib
+
+    from ..backends import ref
+    from ..paths import KERNEL_DIR
+
+    h = hashlib.sha256()
+    files = sorted(Path(KERNEL_DIR).glob("*.cu*")) + sorted(Path(ref.__file__).parent.glob("*.py"))
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def provenance(cfg: AndreaConfig, checkpoint_dir: Path) -> dict:
+    """What this run was computed with (PROVENANCE): the archive's manifest.json environment where
+    there is one (written beside the final checkpoint), the config's backend, the kernel sources."""
+    man = Path(checkpoint_dir) / "manifest.json"
+    env = {}
+    if man.is_file():
+        try:
+            env = json.loads(man.read_text()).get("environment") or {}
+        except (OSError, json.JSONDecodeError):
+            env = {}
+    commit = env.get("git_commit") or git_commit()
+    return {"commit": commit[:12] if commit else None, "numpy": env.get("numpy"), "python": env.get("python"),
+            "gpu": env.get("gpu"), "backend": cfg.backend.name, "kernels": kernel_fingerprint()}
+
+
+def published_provenance(published: dict) -> dict:
+    """The published reference's PROVENANCE fields: its "provenance" object, else the top-level
+    commit and, from an "environment" object, numpy, python and gpu; None where it records none."""
+    got = dict(published.get("provenance") or {})
+    env = published.get("environment") or {}
+    got.setdefault("commit", published.get("commit"))
+    for k in ("numpy", "python", "gpu"):
+        got.setdefault(k, env.get(k))
+    got.setdefault("kernels", published.get("kernels"))
+    return {k: (str(got[k])[:12] if k == "commit" and got.get(k) else got.get(k)) for k in PROVENANCE}
+
+
+def bitwise_line(losses: dict, here: dict, there: dict) -> str:
+    """Whether the run reproduced the published one bit for bit, and if not, what differs."""
+    n, same = losses["steps"], losses["identical"]
+    if same == n:
+        return f"Bit for bit: **reproduced**, all {n} logged training losses equal the published run's."
+    line = (f"Bit for bit: **not reproduced**, {same} of {n} logged training losses equal the published "
+            f"run's (first difference at step {losses['first_difference']}).")
+    differ = [f"{k} `{here[k]}` here, `{there[k]}` there" for k in PROVENANCE
+              if here.get(k) is not None and there.get(k) is not None and here[k] != there[k]]
+    unknown = [k for k in PROVENANCE if there.get(k) is None]
+    if differ:
+        line += " What differs: " + "; ".join(differ) + "."
+    if unknown:
+        line += (" The published reference does not record its " + ", ".join(unknown)
+                 + (", so the cause cannot be named from the records." if not differ else "."))
+    elif not differ:
+        line += " Commit, numpy, Python, GPU, backend and kernel sources are recorded alike: a difference to investigate."
+    return line
+
+
+def verdict_line(m: dict, c: dict) -> str:
+    """The verdict and what it compared: the validation loss alone, its batches, the tolerance."""
+    within = "within" if c["verdict"] == "PASS" else "not within"
+    return (f"**{c['verdict']}**: validation loss {m['val_loss']:.4f} ({batches_words(m)}) {within} "
+            f"{c['tolerance']} of the published {c['val_loss']:.4f} (difference {c['diff']:+.4f}); `{c['file']}`"
+            + (f", measured on {c['machine']}" if c.get("machine") else "")
+            + (f" at commit {c['commit']}" if c.get("commit") else "")
+            + ". The verdict compares this one figure: not the task accuracy, the samples or the bits.")
+
+
+def batches_words(m: dict) -> str:
+    b = f"{m['val_batches']} batches"
+    return b + (f" of {m['batch_size']} x {m['seq_len']} tokens" if m.get("batch_size") else "")
+
+
+def under_baseline(acc: float, chance, constant) -> str:
+    """A mark for an accuracy not above a baseline ("" when above both)."""
+    marks = []
+    if chance is not None and acc <= chance:
+        marks.append(f"not above chance ({chance:.3f})")
+    if constant is not None and acc <= constant:
+        marks.append(f"not above the constant answer ({constant:.3f})")
+    return "; ".join(marks)
+
+
+def training_val(hist: list, step: int) -> Optional[float]:
+    """Training's own validation loss at step (None when it measured none there)."""
+    vals = [r["val_loss"] for r in hist if r.get("step") == step and r.get("val_loss") is not None]
+    return vals[-1] if vals else None
 
 
 def report_md(m: dict) -> str:
@@ -232,21 +337,29 @@ def report_md(m: dict) -> str:
          f"Checkpoint `{m['checkpoint']}` (step {m['step']}), config_hash `{m['config_hash'][:12]}`.", "",
          "Overrides: " + (" ".join(f"`{o}`" for o in ov) if ov else "none (the experiment's pinned config)."), "",
          "| metric | value |", "| --- | --- |",
-         f"| validation loss (nats) | {m['val_loss']:.4f} |",
+         f"| validation loss (nats; {batches_words(m)}, eval.batches) | {m['val_loss']:.4f} |",
          uni,
          f"| perplexity | {m['perplexity']:.3f} |",
          f"| bits per byte | {m['bits_per_byte']:.4f} |",
          f"| held-out tokens | {m['val_tokens']:,} ({m['val_batches']} batches) |"]
+    tv = m.get("training_val")
+    if tv:
+        L.append(f"| training's validation loss at step {m['step']} ({tv['batches']} batches, train.eval_batches) "
+                 f"| {tv['val_loss']:.4f} |")
     t = m.get("tasks")
     if t:
         maj = "n/a" if t["majority_baseline"] is None else f"{t['majority_baseline']:.3f}"
-        L += [f"| task exact match | {t['accuracy']:.3f} of {t['n']} |",
+        mark = under_baseline(t["accuracy"], t["chance"], t["majority_baseline"])
+        L += [f"| task exact match | {t['accuracy']:.3f} of {t['n']}" + (f" (**{mark}**)" if mark else "") + " |",
               f"| uniform-guess chance | {t['chance']:.3f} |",
               f"| best constant answer per kind | {maj} |", "",
-              "| task | n | exact match | chance | constant answer |", "| --- | --- | --- | --- | --- |"]
+              "| task | n | exact match | chance | constant answer | against its baselines |",
+              "| --- | --- | --- | --- | --- | --- |"]
         for k, p in t["per_kind"].items():
             maj = "n/a" if p["majority_baseline"] is None else f"{p['majority_baseline']:.3f}"
-            L.append(f"| {k} | {p['n']} | {p['accuracy']:.3f} | {p['chance']:.3f} | {maj} |")
+            mark = under_baseline(p["accuracy"], p["chance"], p["majority_baseline"])
+            L.append(f"| {k} | {p['n']} | {p['accuracy']:.3f} | {p['chance']:.3f} | {maj} | "
+                     + (f"**{mark}**" if mark else "above both") + " |")
     c = m.get("published")
     tr = m.get("training") or {}
     if any(v is not None for v in tr.values()):
@@ -261,15 +374,10 @@ def report_md(m: dict) -> str:
                      f"{'n/a' if pub.get(k) is None else fmt[k](pub[k])} |")
     L += ["", "## Against the published run", ""]
     if c:
-        L += [f"**{c['verdict']}**: validation loss {m['val_loss']:.4f} vs published {c['val_loss']:.4f} "
-              f"(difference {c['diff']:+.4f}, tolerance ±{c['tolerance']}); `{c['file']}`"
-              + (f", measured on {c['machine']}" if c.get("machine") else "")
-              + (f" at commit {c['commit']}." if c.get("commit") else ".")]
+        L += [verdict_line(m, c)]
         ls = c.get("losses")
         if ls and ls["steps"]:
-            L += ["", f"Training losses identical to the published run's, bit for bit: {ls['identical']} of "
-                      f"{ls['steps']} logged steps"
-                      + (f" (first difference at step {ls['first_difference']})." if ls["first_difference"] else ".")]
+            L += ["", bitwise_line(ls, m.get("provenance") or {}, c.get("provenance") or {})]
     elif m.get("not_compared"):
         L += [f"Not compared: {m['not_compared']}."]
     else:
@@ -319,6 +427,10 @@ def evaluate(a) -> dict:
     state_path = Path(a.loss).with_name(Path(a.loss).name.replace(".loss.json", ".state.json")) if a.loss else None
     state = json.loads(state_path.read_text()) if state_path and state_path.is_file() else None
     m["training"] = training_summary(hist, state)
+    m["provenance"] = provenance(cfg, a.checkpoint_dir)
+    tv = training_val(hist, c.step)
+    if tv is not None:
+        m["training_val"] = {"val_loss": tv, "batches": cfg.train.eval_batches}
     published = None
     if a.published and Path(a.published).is_file():
         published = json.loads(Path(a.published).read_text())
@@ -327,6 +439,8 @@ def evaluate(a) -> dict:
             m["not_compared"] = f"overrides {' '.join(differ)} (the published run `{a.published}` is of the pinned config)"
         else:
             m["published"] = compare(m, published, cfg.eval.tolerance, Path(a.published), hist)
+    # the standard tasks of eval.tasks (docs/EVALUATION.md), compared only where the run is
+    m["benchmarks"] = task_report.for_report(cfg, c.params, tok, published if m.get("published") else None)
     out = Path(a.out_dir)
     plot(out / "eval" / "loss.png", cfg.exp, curves(hist), published, m["uniform_loss"],
          log_scale=a.log_scale or cfg.eval.log_scale)
@@ -334,7 +448,8 @@ def evaluate(a) -> dict:
     atomic_write(out / "eval" / "samples.json", json.dumps(m["samples"], indent=1) + "\n")
     atomic_write(out / "eval" / "tasks.json", json.dumps(tasks["rows"] if tasks else [], indent=1) + "\n")
     atomic_write(out / "eval" / "metrics.json", json.dumps(m, indent=1) + "\n")
-    atomic_write(out / "report.md", report_md(m))
+    atomic_write(out / "eval" / "benchmarks.json", json.dumps(m["benchmarks"], indent=1) + "\n")
+    atomic_write(out / "report.md", report_md(m) + task_report.section(m["benchmarks"]))
     if a.write_published:
         write_published(Path(a.write_published), m, hist, a.machine, a.commit or git_commit())
     return m
@@ -357,6 +472,8 @@ def write_published(path: Path, m: dict, hist: list, machine: str, commit: Optio
     pub = {"exp": m["exp"], "val_loss": m["val_loss"], "perplexity": m["perplexity"],
            "bits_per_byte": m["bits_per_byte"], "step": m["step"], "config_hash": m["config_hash"],
            "task_accuracy": (m.get("tasks") or {}).get("accuracy"), "machine": machine, "commit": commit,
+           **task_report.published_fields(m),
+           "provenance": {**(m.get("provenance") or {}), **({"commit": commit[:12]} if commit else {})},
            **(m.get("training") or {}),
            "history": [{k: r[k] for k in keep if r.get(k) is not None} for r in hist]}
     atomic_write(path, json.dumps(pub, indent=1) + "\n")
