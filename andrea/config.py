@@ -148,6 +148,11 @@ class EvalConfig:
     n_tasks: int = 200  # held-out synthetic tasks for exact-match accuracy
     tolerance: float = 0.05  # allowed |val_loss - published| for PASS
     log_scale: bool = False  # report's loss plot on a logarithmic axis
+    # standard in-context tasks scored for the report (andrea/tasks, docs/EVALUATION.md): task names
+    # or a suite (core, gauntlet), comma-separated; "" none
+    tasks: str = ""
+    task_data: str = ""  # folder of their JSONL files; "" skips them (the report says so)
+    task_limit: int = 0  # score the first N items of each task (0: all)
 
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")  # proxy.trackers' allowed values
@@ -254,6 +259,7 @@ _RULES = [
     ("eval.seed", lambda x: x >= 0, "an integer >= 0"),
     ("eval.n_tasks", lambda x: x >= 0, "an integer >= 0"),
     ("eval.tolerance", lambda x: _finite(x) and x >= 0, "a finite number >= 0"),
+    ("eval.task_limit", lambda x: x >= 0, "an integer >= 0 (0: every item)"),
     ("proxy.max_restarts", lambda x: x >= 0, "an integer >= 0"),
     ("proxy.restart_backoff_s", lambda x: _finite(x) and x >= 0, "a finite number of seconds >= 0"),
     ("proxy.restart_backoff_max_s", lambda x: _finite(x) and x >= 0, "a finite number of seconds >= 0"),

@@ -30,7 +30,7 @@ MAX_NAME = 200  # run folder names stay under the usual 255-byte file-name limit
 SEP = "+"  # between the experiment and its overrides
 # where things are, not what is trained
 PLACE_KEYS = ("experiment", "exp", "results_dir", "data.dir", "data.tokenizer", "data.train_shards",
-              "data.val_shards", "data.local_path")
+              "data.val_shards", "data.local_path", "eval.task_data")
 # where it runs: names a run, but the published comparison still applies (same numbers up to rounding)
 BACKEND_KEYS = ("backend", "backend.name", "backend.device")
 # sections that never change the weights (objective: what a sweep's task returns)

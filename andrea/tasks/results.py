@@ -87,7 +87,7 @@ def compare_tasks(mine: dict, published: Optional[dict]) -> Optional[dict]:
     if not rows:
         return None
     return {"verdict": "PASS" if all(r["inside"] for r in rows) else "FAIL", "z": Z, "tasks": rows,
-            "suite": (published or {}).get("suite_score")}
+            "suite": ((published or {}).get("suite") or {}).get("score")}
 
 
 def comparison_md(c: dict) -> str:

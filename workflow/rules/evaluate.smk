@@ -20,6 +20,7 @@ rule evaluate:
         plot=report("results/{exp}/eval/loss.png", category="{exp}", labels={"run": "{exp}", "file": "loss curve"}),
         samples=report("results/{exp}/eval/samples.json", category="{exp}", labels={"run": "{exp}", "file": "samples"}),
         tasks="results/{exp}/eval/tasks.json",
+        benchmarks="results/{exp}/eval/benchmarks.json",  # eval.tasks from eval.task_data (docs/EVALUATION.md)
     params:
         published=published_arg,
         out_dir=run_dir,
