@@ -83,10 +83,13 @@ def make_app(s: Served) -> Starlette:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error(ApiError(exc.status_code, str(exc.detail), type=kind))
 
+    async def server_error(_, exc):  # a bug: the traceback goes to stderr, the client gets the error object
+        return error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+
     routes = [Route("/", page), Route("/health", health), Route("/v1/models", models), Route("/v1/models/{name:path}", model),
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"])]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
 
 
 def model_card(s: Served) -> dict:
