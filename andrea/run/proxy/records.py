@@ -67,6 +67,7 @@ from andrea.util.atomic import atomic_copy, atomic_write_json
 from andrea.config import ProxyConfig
 
 LOSS_FORMAT = "andrea-loss/1"
+SET_ASIDE_DIR = "previous"  # records (and more) of an earlier run, kept whole: set_aside
 FLUSH_S = ProxyConfig.record_flush_s  # default when a config carries no proxy group
 STEP_FIELDS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "wall_s")
 MIX_FIELDS = ("mix", "group_loss")  # {group: number} maps, present only in runs with data groups
@@ -203,6 +204,8 @@ class RunRecords:
         state = _load_record(self.state_path, "archives", exp)
         self.history: list = loss["history"] if loss else []
         self.state_loaded = state is not None
+        # a history without its state file: whether a checkpoint ever backed it is not known
+        self.orphan = bool(self.history) and state is None
         self.samples: list = samples["samples"] if samples else []
         # the multiples of log_every are always logged; a resume may change train.log_every, and the
         # multiples of both the old and the new one are logged in both parts of the history
@@ -222,6 +225,17 @@ class RunRecords:
         self._last_flush = 0.0
         self._write_s = 0.0  # how long the last flush took
         self.write_error: Optional[str] = None  # the last failed rewrite, until one succeeds
+
+    def keep_aside(self, label: str) -> Path:
+        """Move this run's record files, archive/ and trained/ to previous/<label>-<time>/ (set_aside)
+        and go on with an empty history: the state keeps only what describes the process."""
+        dest = set_aside(self.run_dir, record_names(self.loss_meta["exp"]) + ("archive", "trained"), label)
+        self.history, self.samples, self.orphan = [], [], False
+        self.state.update(step=0, phase=None, last_checkpoint=None, last_checkpoint_step=None, archives=[],
+                          skipped_checkpoints=[])
+        self.write_samples()
+        self.flush(force=True)
+        return dest
 
     def last_step(self) -> int:
         return self.history[-1]["step"] if self.history else 0
@@ -312,6 +326,24 @@ class RunRecords:
         self.write_error = None
         self._last_flush = time.time()
         self._write_s = self._last_flush - now
+
+
+def record_names(exp: str) -> tuple:
+    """The names of a run's record files, as set_aside moves them."""
+    return tuple(f"{exp}.{kind}.json" for kind in ("loss", "samples", "state"))
+
+
+def set_aside(run_dir: Path, names, label: str) -> Path:
+    """Move the named files and folders of run_dir (those that exist) to run_dir/previous/<label>-<time>/:
+    renames in the same folder, nothing copied, nothing deleted. Returns that folder."""
+    dest = Path(run_dir) / SET_ASIDE_DIR / f"{_safe_name(label)}-{time.strftime('%Y%m%dT%H%M%S')}"
+    while dest.exists():
+        dest = dest.with_name(dest.name + "+")
+    dest.mkdir(parents=True)
+    for name in names:
+        if os.path.lexists(Path(run_dir) / name):
+            os.replace(Path(run_dir) / name, dest / name)
+    return dest
 
 
 def _safe_name(s: str) -> str:

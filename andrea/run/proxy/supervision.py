@@ -124,7 +124,7 @@ class Supervisor:
         kind, rec = ev.get("event"), self.rec
         if kind == "step":
             if not life["stepped"] and life["resume"] is None:
-                rec.drop_from(int(ev["step"]))  # fresh start (no checkpoint): replaces any old history
+                self._fresh_start(int(ev["step"]))
             life["stepped"] = True
             r = rec.add_step(ev)
             self._progress(r)
@@ -138,7 +138,7 @@ class Supervisor:
             rec.flush(force=True)
         elif kind == "val":
             if not life["stepped"] and life["resume"] is None:
-                rec.drop_from(int(ev["step"]))
+                self._fresh_start(int(ev["step"]))
             life["stepped"] = True
             rec.add_val(ev)
             rec.flush(force=True)
@@ -174,6 +174,22 @@ class Supervisor:
         self.trackers.feed(ev)  # steps and validations to the trackers' queue: never waits, never raises
         if self.on_event is not None:
             self.on_event(ev, self.proc.pid)
+
+    def _fresh_start(self, step: int) -> None:
+        """The engine started from step 0: no checkpoint at or below the resume limit. A history a
+        checkpoint once backed (or one without its state file) is never truncated: it is kept in
+        previous/ and the run says so in one line. Steps no checkpoint ever covered are replayed
+        with the same bits, so those records are simply replaced."""
+        rec = self.rec
+        said = max(rec.last_step(), rec.state.get("step") or 0)
+        if rec.last_step() and (rec.state.get("last_checkpoint_step") or rec.orphan):
+            dest = rec.keep_aside(f"step{said}")
+            rec.state["message"] = (f"starting over from step 0: no checkpoint found, state says step {said}; "
+                                    f"the old history is kept in {dest.relative_to(self.run_dir)}/")
+            self._say(rec.state["message"])
+            rec.flush(force=True)
+        else:
+            rec.drop_from(step)
 
     def _restart_bar(self, at: int) -> None:
         """Move the bar to step `at` and start its clock and rate afresh: a resume goes back to
