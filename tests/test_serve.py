@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -292,3 +293,19 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(gated):
     conn.close()
     assert s.proc.wait(timeout=60) == 0
     assert s.proc.stderr.read().endswith("andrea serve: stopped\n")
+
+
+def test_bad_input_is_one_line_and_exit_2(run, tmp_path, capsys):
+    assert cli.main(["serve", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"andrea serve: {tmp_path / 'nothing'}: no such file or folder") and err.count("\n") == 1
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli.main(["serve", str(run), "--port", str(port), "--backend", "numpy"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"andrea serve: --host 127.0.0.1 --port {port}: cannot listen there") and err.count("\n") == 1
+    for args, field in ((["--slots", "0"], "--slots"), (["--port", "70000"], "--port"), (["--queue", "-1"], "--queue")):
+        assert cli.main(["serve", str(run), *args]) == 2
+        assert capsys.readouterr().err.startswith(f"andrea serve: {field} ")

@@ -39,24 +39,11 @@ def add_arguments(p) -> None:
 
 
 def load_model(a):
-    """(cfg, tokenizer, BatchDecoder with the weights, window) as `andrea generate` loads them."""
-    from ..backends import get_backend
-    from ..core.plan import compute_dtype
-    from ..use.batch import BatchDecoder
-    from ..use.locate import load_tokenizer_for, locate
+    """(cfg, tokenizer, BatchDecoder of --slots slots with the weights) as `andrea generate` loads them."""
+    from ..use.generate import load_batch
 
-    located = locate(a.path, a.tokenizer, prog="andrea serve")
-    cfg, params = located.load()
-    tok = load_tokenizer_for(located, cfg)
-    be = get_backend(a.backend)
-    precision = a.precision or (cfg.train.precision if cfg.train.precision in be.precisions else "fp32")
-    if precision not in be.precisions:
-        raise ValueError(f"--precision {precision} needs the CUDA backend; backend {be.name} decodes in "
-                         f"{', '.join(be.precisions)}")
-    context = min(cfg.model.context, cfg.train.seq_len)  # positions past seq_len were never trained
-    dec = BatchDecoder(cfg.model, be, a.slots, context, compute_dtype(precision, "float32"))
-    dec.load(params)
-    return cfg, tok, dec, context
+    cfg, tok, dec, _ = load_batch(a.path, a.backend, a.tokenizer, a.precision, prog="andrea serve", slots=a.slots)
+    return cfg, tok, dec
 
 
 def request_maker(tok):
@@ -99,10 +86,10 @@ def cmd_serve(a) -> int:
         raise ValueError(f"--queue {a.queue}: expected 0 or more")
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port {a.port}: expected 0 (any free port) to 65535")
-    cfg, tok, dec, window = load_model(a)
+    cfg, tok, dec = load_model(a)
     sock = listen(a.host, a.port)
     worker = Worker(dec, a.queue)
-    served = Served(model_id=cfg.exp, tok=tok, vocab_size=cfg.model.vocab_size, window=window, worker=worker,
+    served = Served(model_id=cfg.exp, tok=tok, vocab_size=cfg.model.vocab_size, window=dec.context, worker=worker,
                     page=CHAT_PAGE.read_bytes(), make_request=request_maker(tok), created=int(time.time()))
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
