@@ -8,7 +8,8 @@ from andrea.pipeline import compare
 def make_run(root, name, overrides, history, metrics=None):
     d = root / name
     d.mkdir(parents=True)
-    (d / "config.yaml").write_text(yaml.safe_dump({"exp": name, "overrides": overrides, "train": {"steps": 4}}))
+    (d / "config.yaml").write_text(yaml.safe_dump({"exp": name, "overrides": overrides,
+                                                   "train": {"steps": 4, "eval_batches": 4}}))
     (d / f"{name}.loss.json").write_text(json.dumps({"format": "andrea-loss/1", "exp": name, "history": history}))
     if metrics is not None:
         (d / "eval").mkdir()
@@ -25,7 +26,7 @@ def hist(losses, val, tps):
 @pytest.fixture
 def two_runs(tmp_path):
     a = make_run(tmp_path, "E", [], hist([3.0, 2.5, 2.0], 2.2, [100.0, 300.0, 200.0]),
-                 metrics={"val_loss": 2.1, "tasks": {"accuracy": 0.25}})
+                 metrics={"val_loss": 2.1, "val_batches": 5, "tasks": {"accuracy": 0.25}})
     b = make_run(tmp_path, "E+train.lr=1e-3", ["train.lr=1e-3"], hist([3.0, 2.0, 1.5, 1.2], 1.4, [50.0] * 4))
     return a, b
 
@@ -34,12 +35,17 @@ def test_table_of_runs(two_runs, tmp_path, capsys):
     a, b = two_runs
     df = compare.summary([compare.read_run(a), compare.read_run(b)])
     assert list(df.columns) == compare.COLUMNS
-    assert list(df["run"]) == ["E+train.lr=1e-3", "E"]  # sorted by validation loss
     first, second = df.iloc[0], df.iloc[1]
-    assert first["overrides"] == "train.lr=1e-3" and first["val_loss"] == 1.4 and first["val_from"] == "training"
+    # one column per kind of validation loss, each beside its batch count: the evaluated run first
+    # (evaluation 2.1 over 5 batches; training's 2.2 over 4), the other has training's 1.4 only
+    assert list(df["run"]) == ["E", "E+train.lr=1e-3"]
+    first, second = df.iloc[1], df.iloc[0]
+    assert first["overrides"] == "train.lr=1e-3" and pd_isna(first["val_loss"]) and pd_isna(first["val_batches"])
+    assert (first["train_val_loss"], first["train_val_batches"]) == (1.4, 4)
     assert first["steps"] == 4 and first["wall_s"] == 8.0 and first["tokens_per_s"] == 50.0
     assert pd_isna(first["task_accuracy"])
-    assert second["overrides"] == "(pinned)" and second["val_loss"] == 2.1 and second["val_from"] == "evaluation"
+    assert second["overrides"] == "(pinned)" and (second["val_loss"], second["val_batches"]) == (2.1, 5)
+    assert (second["train_val_loss"], second["train_val_batches"]) == (2.2, 4)
     assert second["task_accuracy"] == 0.25 and second["tokens_per_s"] == 200.0  # the median
     plot, csv = tmp_path / "cmp.png", tmp_path / "cmp.csv"
     assert compare.main([str(a), str(b), "--plot", str(plot), "--csv", str(csv), "--log-scale"]) == 0

@@ -212,3 +212,25 @@ def test_run_with_overrides_is_labelled_by_them(tmp_path):
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_validation_loss_carries_its_batch_count(tmp_path):
+    """runs.json gives each run's train.eval_batches, and the page's table cell prints the last
+    validation loss with its step and that count (the report's own figure averages eval.batches)."""
+    import re
+    import shutil
+    run = tmp_path / "ANDREA-v"
+    make_records(run)
+    (run / "config.yaml").write_text("exp: ANDREA-v\ntrain:\n  eval_batches: 4\n")
+    other = tmp_path / "ANDREA-w"
+    make_records(other)
+    index, _ = build_routes([run, other])
+    assert [r["val_batches"] for r in index["runs"]] == [4, None]
+    if shutil.which("node") is None:
+        pytest.skip("needs node to run the page's script")
+    fn = re.search(r"\nfunction valCell\(lastVal, batches\) \{.*?\n\}\n", PAGE.read_text(), re.S).group(0)
+    js = tmp_path / "t.js"
+    js.write_text(fn + "\nconsole.log(JSON.stringify([valCell({step: 1500, val_loss: 1.65504}, 4), "
+                       "valCell({step: 10, val_loss: 2}, null), valCell(undefined, 4)]));\n")
+    out = json.loads(subprocess.run(["node", str(js)], capture_output=True, text=True, check=True).stdout)
+    assert out == ["1.6550 @1500 (4 batches)", "2.0000 @10", ""]

@@ -4,10 +4,12 @@
     python -m andrea.pipeline.compare results/ANDREA-tiny*          # a sweep, every run of an experiment
 
 For each run folder (its config.yaml and <exp>.loss.json, and eval/metrics.json once evaluated)
-the table gives: the run, its overrides, the final validation loss (the evaluation's when there
-is one, else the last one measured during training), synthetic-task accuracy, median tokens/s
-over the logged steps, the steps done and the training wall time. Rows are sorted by validation
-loss. The plot overlays each run's validation loss (training loss faint), labelled by its
+the table gives: the run, its overrides, the two validation losses, each beside its batch count
+(never one column of both: they average different numbers of the same windows): the evaluation's
+(val_loss, eval.batches, blank until evaluated) and the last one measured during training
+(train_val_loss, train.eval_batches), synthetic-task accuracy, median tokens/s over the logged
+steps, the steps done and the training wall time. Rows are sorted by the evaluation's validation
+loss, then training's. The plot overlays each run's validation loss (training loss faint), labelled by its
 overrides; --log-scale puts the loss on a logarithmic axis. --csv writes the table too.
 """
 from __future__ import annotations
@@ -22,7 +24,8 @@ import pandas as pd
 
 from ..util.atomic import atomic_savefig, atomic_write
 
-COLUMNS = ["run", "overrides", "val_loss", "val_from", "task_accuracy", "tokens_per_s", "steps", "wall_s"]
+COLUMNS = ["run", "overrides", "val_loss", "val_batches", "train_val_loss", "train_val_batches", "task_accuracy",
+           "tokens_per_s", "steps", "wall_s"]
 
 
 class RunError(ValueError):
@@ -57,12 +60,14 @@ def read_run(run_dir: Path) -> dict:
                                       columns=["step", "loss", "val_loss", "tokens_per_s", "wall_s"])
     metrics_path = run_dir / "eval" / "metrics.json"
     metrics = _json(metrics_path) if metrics_path.is_file() else None
+    train = cfg.get("train") if isinstance(cfg.get("train"), dict) else {}
     return {"run": run_dir.name, "dir": run_dir, "overrides": list(cfg.get("overrides") or []),
-            "history": frame, "metrics": metrics}
+            "history": frame, "metrics": metrics, "train_val_batches": train.get("eval_batches")}
 
 
 def summary(runs: Sequence[dict]) -> pd.DataFrame:
-    """One row per run (COLUMNS), sorted by validation loss (runs without one last)."""
+    """One row per run (COLUMNS), sorted by the evaluation's validation loss, then training's
+    (runs without one last)."""
     rows = []
     for r in runs:
         h, m = r["history"], r["metrics"] or {}
@@ -70,17 +75,21 @@ def summary(runs: Sequence[dict]) -> pd.DataFrame:
         rows.append({
             "run": r["run"],
             "overrides": " ".join(r["overrides"]) or "(pinned)",
-            "val_loss": m.get("val_loss", val.iloc[-1] if len(val) else None),
-            "val_from": "evaluation" if "val_loss" in m else ("training" if len(val) else ""),
+            "val_loss": m.get("val_loss"),
+            "val_batches": m.get("val_batches") if "val_loss" in m else None,
+            "train_val_loss": val.iloc[-1] if len(val) else None,
+            "train_val_batches": r.get("train_val_batches") if len(val) else None,
             "task_accuracy": (m.get("tasks") or {}).get("accuracy"),
             "tokens_per_s": h["tokens_per_s"].dropna().median() if len(h) else None,
             "steps": int(h["step"].max()) if h["step"].notna().any() else 0,
             "wall_s": h["wall_s"].dropna().max() if len(h) else None,
         })
     df = pd.DataFrame.from_records(rows, columns=COLUMNS)
-    for col in ("val_loss", "task_accuracy", "tokens_per_s", "wall_s"):
+    for col in ("val_loss", "train_val_loss", "task_accuracy", "tokens_per_s", "wall_s"):
         df[col] = pd.to_numeric(df[col])
-    return df.sort_values("val_loss", na_position="last", kind="stable").reset_index(drop=True)
+    for col in ("val_batches", "train_val_batches"):
+        df[col] = pd.to_numeric(df[col]).astype("Int64")
+    return df.sort_values(["val_loss", "train_val_loss"], na_position="last", kind="stable").reset_index(drop=True)
 
 
 def label(r: dict) -> str:
@@ -108,7 +117,9 @@ def plot(path: Path, runs: Sequence[dict], log_scale: bool = False) -> None:
     ax.set_ylabel("cross-entropy (nats" + (", log scale)" if log_scale else ")"))
     if log_scale:
         ax.set_yscale("log")
-    ax.set_title("validation loss (points), training loss (faint)")
+    counts = sorted({str(r.get("train_val_batches")) for r in runs if r.get("train_val_batches") is not None})
+    ax.set_title("validation loss during training (points" + (f", {'/'.join(counts)} batches" if counts else "")
+                 + "), training loss (faint)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -116,9 +127,15 @@ def plot(path: Path, runs: Sequence[dict], log_scale: bool = False) -> None:
     plt.close(fig)
 
 
+def _count(v) -> str:
+    return "-" if pd.isna(v) else str(int(v))
+
+
 def format_table(df: pd.DataFrame) -> str:
+    counts = ("val_batches", "train_val_batches")  # nullable integers, printed as "-" when absent
+    df = df.assign(**{c: df[c].map(_count) for c in counts})
     return df.to_string(index=False, na_rep="-", formatters={
-        "val_loss": "{:.4f}".format, "task_accuracy": "{:.3f}".format,
+        "val_loss": "{:.4f}".format, "train_val_loss": "{:.4f}".format, "task_accuracy": "{:.3f}".format,
         "tokens_per_s": "{:,.0f}".format, "wall_s": "{:.1f}".format})
 
 

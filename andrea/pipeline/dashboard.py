@@ -4,7 +4,8 @@
 
 It binds 127.0.0.1 unless told otherwise, prints the address, and serves exactly:
     /  (and /index.html)              the page, which polls the records every 2 s
-    /runs.json                        the runs given on the command line and the URLs of their files
+    /runs.json                        the runs given on the command line, the URLs of their files and
+                                      the batches of their validation losses (train.eval_batches)
     /runs/<i>/<exp>.loss.json         the proxy's record files of run i (also .samples.json,
     /runs/<i>/<exp>.state.json        .state.json); <exp> is config.yaml's exp, else the folder's name
 Requests are matched against this fixed table before any decoding, so no other path (`/../x`,
@@ -78,7 +79,12 @@ def build_routes(run_dirs: Sequence[Path]) -> tuple:
             raise FileNotFoundError(f"run folder {d}: no such directory")
         d = d.resolve()
         exp = exp_of(d)
-        entry = {"id": i, "name": label_of(d, exp), "exp": exp, "dir": str(d)}
+        # the batches training's validation losses average (train.eval_batches; the report's own
+        # figure uses eval.batches), for the page to print beside them
+        train = _config(d).get("train")
+        batches = train.get("eval_batches") if isinstance(train, dict) else None
+        entry = {"id": i, "name": label_of(d, exp), "exp": exp, "dir": str(d),
+                 "val_batches": batches if isinstance(batches, int) else None}
         for kind in KINDS:
             url = f"/runs/{i}/{exp}.{kind}.json"
             files[url] = (d, f"{exp}.{kind}.json")
