@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (0: any free one, printed when ready)")
     p.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
     p.add_argument("--queue", type=int, default=64,
-                   help="requests that may wait for a slot; more are answered 429 (default 64)")
+                   help="requests that may wait for a slot when all are busy; more are answered 429 (default 64)")
     p.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
     p.add_argument("--precision", default="", choices=("", "fp32", "fp16", "bf16"),
                    help="compute dtype (default: fp32 on NumPy, the training precision on CUDA)")

@@ -1,9 +1,9 @@
 """The one thread that owns the decoder: it takes requests from a bounded queue into free slots and
 steps every active slot at once (continuous batching); each token goes to its request's stream.
 
-    worker = Worker(decoder, tok, queue_size=64)    # decoder: andrea.use.batch.BatchDecoder
+    worker = Worker(decoder, queue_size=64)    # decoder: andrea.use.batch.BatchDecoder
     worker.start()
-    job = worker.submit(Job(request, AnswerText(tok, stops), deliver))   # QueueFull when full
+    job = worker.submit(Job(request, AnswerText(tok, stops), deliver))   # QueueFull: slots and queue full
     ... deliver(("text", "hel")), deliver(("text", "lo")), deliver(("end", "stop", 2)) from the thread
     job.cancel()                       # the client is gone: its slot is released at the next step
     worker.stop(); worker.join()       # once nothing is active or waiting
@@ -28,7 +28,7 @@ CANCELLED = ("error", "the request was cancelled", 499)  # its handler may still
 
 
 class QueueFull(Exception):
-    """No room in the request queue."""
+    """Every slot is busy and queue_size requests already wait."""
 
 
 @dataclass
@@ -49,7 +49,10 @@ class Worker(threading.Thread):
     def __init__(self, decoder, queue_size: int):
         super().__init__(name="andrea-serve-decoder", daemon=True)
         self.dec = decoder
-        self.pending: "queue.Queue[Job]" = queue.Queue(maxsize=queue_size)
+        self.pending: "queue.Queue[Job]" = queue.Queue()
+        self.capacity = decoder.slots + queue_size  # requests held at once: decoding and waiting
+        self.held = 0  # requests submitted and not yet ended (one terminal event each)
+        self.lock = threading.Lock()
         self.active: Dict[int, Job] = {}
         self.stopping = threading.Event()
         self.broken: Optional[str] = None  # why the decoder failed; requests are then refused
@@ -58,10 +61,12 @@ class Worker(threading.Thread):
     def submit(self, job: Job) -> Job:
         if self.broken:
             raise RuntimeError(self.broken)
-        try:
-            self.pending.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(f"{self.pending.maxsize} requests are waiting for a slot") from None
+        with self.lock:
+            if self.held >= self.capacity:
+                raise QueueFull(f"all {self.dec.slots} slots are busy and {self.capacity - self.dec.slots} "
+                                "requests wait for one")
+            self.held += 1
+        self.pending.put_nowait(job)
         return job
 
     def status(self) -> dict:
@@ -154,8 +159,10 @@ class Worker(threading.Thread):
                 return
             self._send(job, ("error", self.broken, 500))
 
-    @staticmethod
-    def _send(job: Job, event: tuple) -> None:
+    def _send(self, job: Job, event: tuple) -> None:
+        if event[0] != "text":  # the job's end
+            with self.lock:
+                self.held -= 1
         try:
             job.deliver(event)
         except RuntimeError:  # the client's event loop is gone (the server is closing)
