@@ -203,3 +203,37 @@ def test_real_task_files_read_and_score(setup):
     for n in ("arc_easy", "winogrande", "bigbench_operators"):
         res, _, _ = score_task(scorer, tok, n, 3, SHARED, limit=4)
         assert res["n"] == 4 and 0 <= res["accuracy"] <= 1
+
+
+def test_evaluation_report_and_published_reference(setup, tmp_path):
+    """The evaluate step's part: skipped with a note without eval.task_data; else the table, and a
+    published reference (andrea.pipeline.publish) that keeps the task scores and compares them."""
+    from andrea.pipeline import publish
+    from andrea.tasks import report
+
+    run, data, files, scorer, tok, ref = setup
+    cfg, params = locate(run, prog=None).load()
+    cfg.eval.tasks = "copa,winograd"
+    b = report.for_report(cfg, params, tok)
+    assert "eval.task_data is empty" in b["skipped"] and "Not scored: eval.task_data is empty" in report.section(b)
+    cfg.eval.task_data, cfg.eval.task_limit = str(data), 7
+    b = report.for_report(cfg, params, tok)
+    assert set(b["tasks"]) == {"copa", "winograd"} and b["tasks"]["copa"]["n"] == 7 and b["published"] is None
+    text = report.section(b)
+    assert "## Standard tasks" in text and "| winograd | schema |" in text and "first 7 items" in text
+    res = tmp_path / "results" / "m"
+    (res / "eval").mkdir(parents=True)
+    (res / "trained").mkdir()
+    metrics = {"exp": "m", "val_loss": 2.0, "perplexity": 7.4, "bits_per_byte": 1.0, "step": 30, "config_hash": "x",
+               "overrides": [], "benchmarks": b}
+    (res / "eval" / "metrics.json").write_text(json.dumps(metrics))
+    (res / "trained" / "m.loss.json").write_text(json.dumps({"history": [{"step": 1, "loss": 3.0}]}))
+    out = publish.publish(res, tmp_path / "m.json", "test machine", "abc")
+    pub = json.loads(out.read_text())
+    assert pub["tasks"]["copa"] == {k: b["tasks"]["copa"][k] for k in report.KEPT}
+    assert pub["suite"]["score"] == b["suite"]["score"] and pub["task_settings"]["limit"] == 7
+    again = report.for_report(cfg, params, tok, pub)
+    assert again["published"]["verdict"] == "PASS" and len(again["published"]["tasks"]) == 2
+    assert "**PASS**" in report.section(again)
+    pub["tasks"]["copa"]["accuracy"] = 1.0 if b["tasks"]["copa"]["accuracy"] < 0.5 else 0.0
+    assert report.for_report(cfg, params, tok, pub)["published"]["verdict"] == "FAIL"

@@ -6,7 +6,10 @@ Reads `<results>/eval/metrics.json` (written by andrea.pipeline.evaluate) and th
 writes `docs/published/<exp>.json` (or --out): the numbers the report of a later run of the same
 experiment is judged against (PASS/FAIL on the validation loss within eval.tolerance), its training
 speed, wall time and memory plan, the machine, the commit, and the logged losses, so a rerun can say
-how many of them it reproduced bit for bit. Nothing is evaluated again.
+how many of them it reproduced bit for bit. Where the evaluation scored standard tasks (eval.tasks,
+eval/benchmarks.json) the reference keeps each task's accuracy, items and few-shot count and the
+suite's score; a later report compares its own with a binomial interval per task
+(andrea/tasks/results.py). Nothing is evaluated again.
 """
 from __future__ import annotations
 
