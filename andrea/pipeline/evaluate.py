@@ -7,7 +7,8 @@
         --train-conversations data/synthetic/megachat/train.parquet \
         --out-dir results/ANDREA-tiny [--published docs/published/ANDREA-tiny.json]
 
-Writes `<out>/report.md` and `<out>/eval/{metrics.json, loss.png, samples.json, tasks.json}`.
+Writes `<out>/report.md` and `<out>/eval/{metrics.json, loss.png, samples.json, tasks.json,
+benchmarks.json}` (the standard tasks of eval.tasks, scored by andrea/tasks/report.py).
 
 - Validation loss: mean cross-entropy over the first eval.batches batches of the validation windows
   (andrea.data.loader.val_windows, the same windows training validates on); perplexity = exp(loss); bits per
