@@ -17,12 +17,14 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from andrea import cli
 from andrea.data.chat import render_prompt
 from andrea.data.tokenizer import load_tokenizer
 from andrea.serve.prompt import AnswerText
+from andrea.use.generate import TextStream
 from conftest import wait_for
 from trained_model import QA, make_run
 
@@ -220,6 +222,17 @@ def test_answer_text_holds_back_a_stop_string(tok):
     assert not t.stopped and shown == "hello t" and t.rest() == "here"
     t = AnswerText(tok)
     assert "".join(t.push(i) for i in tok.encode("blue é") + [tok.eot_id]) + t.rest() == "blue é"
+
+
+def test_answer_text_is_generates_text(tok):
+    """Decoded piece by piece, the answer's text is what andrea generate prints (TextStream decodes
+    every id at each token), also for ids that split and break characters."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ids = [int(i) for i in rng.integers(0, tok.vocab_size, int(rng.integers(1, 30)))]
+        ref, t = TextStream(tok), AnswerText(tok)
+        want = "".join(ref.push(i) for i in ids)
+        assert "".join(t.push(i) for i in ids) == want, ids
 
 
 @pytest.fixture

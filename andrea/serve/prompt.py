@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from ..data.chat import ASSISTANT, DOC, END, ROLE_TOKENS, SYSTEM, sanitize
-from ..use.generate import TextStream
 
 
 def chat_ids(tok, messages: Sequence[Tuple[str, str]], window: int, reserve: int) -> Tuple[List[int], int]:
@@ -42,11 +41,17 @@ def text_ids(tok, prompt, vocab_size: int) -> List[int]:
 
 class AnswerText:
     """The answer's text as tokens arrive: special tokens dropped, a character split over several
-    tokens held until whole (generate.TextStream), and the text held back while it could be the
-    start of a stop string; at a stop string the answer ends before it."""
+    tokens held until whole, and the text held back while it could be the start of a stop string;
+    at a stop string the answer ends before it.
+
+    The same text as generate.TextStream's, which decodes every id so far at each token: here only
+    the ids since the last whole character are decoded (the tokenizer is byte-level, so the text
+    of ids is the text of their bytes), which keeps a long answer's cost per token flat."""
 
     def __init__(self, tok, stops: Sequence[str] = ()):
-        self.stream = TextStream(tok)
+        self.tok = tok
+        self.special = set(tok.special_ids.values())
+        self.ids: List[int] = []  # since the last whole character
         self.stops = tuple(stops)
         self.text = ""      # everything shown so far or held
         self.sent = 0       # how much of text has been given out
@@ -56,7 +61,7 @@ class AnswerText:
         """The new text that can be given out after token ("" when none); sets stopped at a stop string."""
         if self.stopped:
             return ""
-        self.text += self.stream.push(token)
+        self.text += self._decode(token)
         if not self.stops:
             return self._give(len(self.text))
         cut = self._first_stop()
@@ -69,6 +74,16 @@ class AnswerText:
     def rest(self) -> str:
         """What is still held at the end of the answer."""
         return self._give(len(self.text))
+
+    def _decode(self, token: int) -> str:
+        if token in self.special:
+            return ""
+        self.ids.append(token)
+        piece = self.tok.decode(self.ids)
+        if piece.endswith("\ufffd"):  # a character's bytes not all here yet
+            return ""
+        self.ids = []
+        return piece
 
     def _give(self, upto: int) -> str:
         new, self.sent = self.text[self.sent:upto], max(self.sent, upto)
