@@ -24,6 +24,8 @@ from andrea import cli
 from andrea.data.chat import render_prompt
 from andrea.data.tokenizer import load_tokenizer
 from andrea.serve.prompt import AnswerText
+from andrea.serve.worker import Job, Worker
+from andrea.use.batch import Request
 from andrea.use.generate import TextStream
 from conftest import wait_for
 from trained_model import QA, make_run
@@ -233,6 +235,31 @@ def test_answer_text_is_generates_text(tok):
         ref, t = TextStream(tok), AnswerText(tok)
         want = "".join(ref.push(i) for i in ids)
         assert "".join(t.push(i) for i in ids) == want, ids
+
+
+def test_a_failing_decoder_ends_its_requests_and_refuses_new_ones(tok):
+    class Failing:  # admits, then fails at its first step as a broken device would
+        slots = 2
+
+        def free(self):
+            return 2
+
+        def admit(self, req):
+            return 0
+
+        def step(self):
+            raise RuntimeError("device lost")
+
+    events, ended = [], threading.Event()
+    worker = Worker(Failing(), 4)
+    worker.start()
+    worker.submit(Job(Request([1, 2], 4), AnswerText(tok), lambda ev: (events.append(ev), ended.set())))
+    assert ended.wait(60)
+    worker.join(60)
+    assert events == [("error", "the decoder failed: RuntimeError: device lost", 500)] and not worker.is_alive()
+    with pytest.raises(RuntimeError, match="device lost"):
+        worker.submit(Job(Request([1], 4), AnswerText(tok), events.append))
+    assert worker.status()["failed"] and worker.held == 0
 
 
 @pytest.fixture
