@@ -237,3 +237,26 @@ def test_evaluation_report_and_published_reference(setup, tmp_path):
     assert "**PASS**" in report.section(again)
     pub["tasks"]["copa"]["accuracy"] = 1.0 if b["tasks"]["copa"]["accuracy"] < 0.5 else 0.0
     assert report.for_report(cfg, params, tok, pub)["published"]["verdict"] == "FAIL"
+
+
+def test_hub_rows_convert_to_the_jsonl_layout():
+    """Each converter on a row shaped as its hub dataset's (written here: no network)."""
+    from andrea.tasks.hub import HUB, arc, copa, hellaswag, lambada, mmlu, winograd, winogrande
+
+    assert arc({"question": "Which is hot?", "choices": {"text": ["ice", "sun"], "label": ["A", "B"]},
+                "answerKey": "B"}) == {"query": "Question: Which is hot?", "choices": ["ice", "sun"], "gold": 1}
+    assert copa({"premise": "The man turned on the faucet.", "choice1": "The toilet filled with water.",
+                 "choice2": "Water flowed from the spout.", "question": "effect", "label": 1}) == \
+        {"query": "The man turned on the faucet, therefore", "choices": ["the toilet filled with water.",
+                                                                         "water flowed from the spout."], "gold": 1}
+    h = hellaswag({"activity_label": "Baking", "ctx": "A chef [title] mixes", "endings": ["a", "b [step] c"], "label": "1"})
+    assert h["gold"] == 1 and "[" not in h["query"] + "".join(h["choices"])
+    assert mmlu({"question": "2+2?", "choices": ["3", "4"], "answer": 1, "subject": "math"})["choices"] == ["A", "B"]
+    w = winogrande({"sentence": "Sarah beat Maria so _ won.", "option1": "Sarah", "option2": "Maria", "answer": "1"})
+    assert w == {"context_options": ["Sarah beat Maria so Sarah", "Sarah beat Maria so Maria"], "continuation": "won.", "gold": 0}
+    g = winograd({"text": "The cup fell because it was full.", "pronoun": "it", "pronoun_loc": 21,
+                  "options": ["the cup", "the table"], "label": 0})
+    assert g["context_options"][0] == "The cup fell because the cup" and g["continuation"] == "was full."
+    assert lambada({"text": "I don't care about signs"}) == {"context": "I don't care about", "continuation": "signs"}
+    for name, h in HUB.items():
+        assert name in TASKS and h.split in ("test", "validation")

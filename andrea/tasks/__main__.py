@@ -6,8 +6,9 @@
 
 RUN is a run folder, its archive/final or one checkpoint (as for `andrea generate`). --tasks takes
 task names and the suites core and gauntlet (andrea/tasks/suites.py); --task-data the folder of
-the JSONL files. Prints each task's accuracy and items/s as it goes, then the table; --json writes
-the results (andrea/tasks/results.py). Bad input is one line on stderr and exit 2.
+the JSONL files, or `hub` to read them from the Hugging Face hub through `datasets` (network).
+Prints each task's accuracy and items/s as it goes, then the table; --json writes the results
+(andrea/tasks/results.py). Bad input is one line on stderr and exit 2.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from pathlib import Path
 def add_arguments(p) -> None:
     p.add_argument("path", help="run folder (results/<exp>), archive folder or step_XXXXXXXX.bin checkpoint")
     p.add_argument("--tasks", required=True, help="comma-separated task names or a suite: core, gauntlet")
-    p.add_argument("--task-data", required=True, type=Path, help="folder of the task files (JSONL layout)")
+    p.add_argument("--task-data", required=True, type=Path,
+                   help="folder of the task files (JSONL layout), or hub: from the Hugging Face hub (andrea/tasks/hub.py)")
     p.add_argument("--fewshot", type=int, default=None,
                    help="few-shot examples per item for every task (default: the suite's; a task alone: 0)")
     p.add_argument("--limit", type=int, default=0, help="score only the first N items of each task (0: all)")
@@ -46,7 +48,7 @@ def cmd_tasks(a, out=None) -> int:
     if a.batch_tokens < 1:
         raise ValueError(f"--batch-tokens {a.batch_tokens}: expected a positive number of positions")
     entries, suite = resolve(a.tasks, a.fewshot)
-    if not a.task_data.is_dir():
+    if str(a.task_data) != "hub" and not a.task_data.is_dir():
         raise ValueError(f"--task-data {a.task_data}: no such folder; expected the folder of the task files")
     present(entries, a.task_data)  # none there: say so before loading the model
     scorer, tok, meta = load_model(a.path, a.backend, a.tokenizer, a.precision, a.batch_tokens)

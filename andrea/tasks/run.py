@@ -17,6 +17,12 @@ from .prompts import requests
 from .results import FORMAT, centered, suite_summary
 from .suites import KINDS, LM, task_of
 
+HUB_DATA = "hub"  # --task-data hub: the items from the Hugging Face hub (andrea/tasks/hub.py)
+
+
+def from_hub(data_dir) -> bool:
+    return str(data_dir) == HUB_DATA
+
 
 def load_model(path, backend: str = "auto", tokenizer=None, precision: str = "", batch_tokens: int = 8192):
     """(Scorer with the weights loaded, tokenizer, run metadata) for a run folder, an archive or a
@@ -62,7 +68,11 @@ def score_task(scorer, tok, name: str, fewshot: int, data_dir, limit: int = 0):
     task = task_of(name)
     path = Path(data_dir) / task.path
     t0 = time.perf_counter()
-    items = read_items(path, task.kind)  # all of them: the few-shot pool
+    if from_hub(data_dir):
+        from .hub import hub_items
+        items = hub_items(name)
+    else:
+        items = read_items(path, task.kind)  # all of them: the few-shot pool
     n = min(limit, len(items)) if limit else len(items)
     reqs = requests(tok, items, task.kind, task.delimiter, fewshot, scorer.window, range(n))
     loss, count, greedy = scorer.score(reqs, argmax=task.kind == LM)
@@ -73,8 +83,8 @@ def score_task(scorer, tok, name: str, fewshot: int, data_dir, limit: int = 0):
     chance = 0.0 if task.kind == LM else float((1.0 / n_opts).mean())
     cut = len({r.item for r in reqs if r.cut})
     dt = time.perf_counter() - t0
-    res = {"kind": task.kind, "file": task.path, "accuracy": acc, "n": n, "fewshot": fewshot,
-           "random_baseline": task.baseline, "centered": centered(acc, task.baseline), "chance": chance,
+    res = {"kind": task.kind, "file": HUB_DATA if from_hub(data_dir) else task.path, "accuracy": acc, "n": n,
+           "fewshot": fewshot, "random_baseline": task.baseline, "centered": centered(acc, task.baseline), "chance": chance,
            "truncated": cut, "items_per_s": n / dt if dt > 0 else None}
     return res, picked, (reqs, loss, count, greedy)
 
@@ -83,6 +93,10 @@ def why_missing(name: str, data_dir) -> Optional[str]:
     task = task_of(name)
     if task.kind not in KINDS:
         return f"a {task.kind} task (generated answers): not scored by this command"
+    if from_hub(data_dir):
+        from .hub import HUB
+        h = HUB.get(task.name)
+        return None if h and h.convert else "no converter from the hub (andrea/tasks/hub.py)"
     if not (Path(data_dir) / task.path).is_file():
         return f"no file {task.path} in {data_dir}"
     return None
