@@ -53,7 +53,7 @@ def commonsense_qa(row: dict) -> dict:
 def hellaswag(row: dict) -> dict:
     def clean(t: str) -> str:
         return re.sub(r"\s+", " ", re.sub(r"\[[^\]]*\]", " ", t.replace(" [title]", ". "))).strip()
-    return {"query": clean(row["activity_label"] + ": " + row["ctx"]), "choices": [" " + clean(e) for e in row["endings"]],
+    return {"query": clean(row["activity_label"] + ": " + row["ctx"]), "choices": [clean(e) for e in row["endings"]],
             "gold": int(row["label"])}
 
 
