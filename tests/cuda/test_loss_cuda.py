@@ -2,6 +2,8 @@
 
     python -m pytest -m gpu tests/cuda/test_loss_cuda.py -q
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -188,3 +190,43 @@ def test_fp8_row_pass_ignore_index(be, fmt, version, monkeypatch):
     want = np.zeros((n, Vr), np.uint8)
     ref.loss_bwd_fp8(np.zeros(n), np.zeros(n), want, np.zeros(2, np.float32), z0.get(), th, dloss.get(), fmt, "nearest")
     assert (got != want).mean() < 1e-3
+
+
+BEFORE = os.environ.get("ANDREA_LOSS_BEFORE")  # a kernels/loss.cu from before the ignore index
+
+
+@pytest.mark.skipif(not BEFORE, reason="set ANDREA_LOSS_BEFORE to the loss.cu of a commit before the ignore index")
+@pytest.mark.parametrize("dt_name,Vr", [("float32", 1001), ("float16", 8192), ("bfloat16", 50304)])
+@pytest.mark.parametrize("vectors", [0, 8], ids=["v1", "regs"])
+def test_loss_bits_as_before_the_ignore_index(be, rng, dt_name, Vr, vectors, monkeypatch):
+    """With no target ignored, k_loss_fwd and k_loss_bwd (and the FP8 row pass, stochastic rounding)
+    give the bytes the kernels gave before the ignore index existed: losses, lse, dlogits, dinp,
+    dwte, FP8 dlogits."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16)
+    import cupy as cp
+    from andrea.backends import get_backend
+    from andrea.backends.cuda.fp8.quant import Quant
+    from andrea.backends.cuda.ops.loss import dloss_args
+    dt = np.dtype(dt_name)
+    old = get_backend("cuda", sources={"loss.cu": BEFORE})
+    Cq, N = 64, B * T
+    inp, wte = rnd(rng, (B, T, Cq), dt), rnd(rng, (Vr, Cq), dt, 0.3)
+    t = rng.integers(0, Vr, (B, T)).astype(np.int32)
+    got = []
+    for b in (be, old):
+        use_tuning(monkeypatch, b, loss_vectors=vectors)
+        out = [nan_buf((B, T), np.float32), nan_buf((B, T), np.float32), nan_buf((N, Vr), dt),
+               nan_buf((B, T, Cq), dt), dev(np.zeros((Vr, Cq)), np.float32)]
+        b.k_loss_bwd(*out, dev(inp, dt), dev(wte, dt), dev(t, np.int32), 1.0 / 7, accumulate=False)
+        fwd = [nan_buf((B, T), np.float32), nan_buf((B, T), np.float32)]
+        b.k_loss_fwd(*fwd, nan_buf((N, Vr), dt), dev(inp, dt), dev(wte, dt), dev(t, np.int32))
+        z = dev(rng.normal(0, 4, (48, 1008)) if b is be else host(got[0][-1]), np.float16)
+        q8, meta, lf, lse = cp.zeros((48, 1008), cp.uint8), cp.zeros(2, cp.float32), cp.zeros(48, cp.float32), \
+            cp.zeros(48, cp.float32)
+        tz = cp.asarray(np.arange(48, dtype=np.int32) * 13)
+        b._loss_rows(True, 48, z, z.dtype, (lf, lse, z, tz, np.int64(48), np.int32(1008))
+                     + dloss_args("t", cp.asarray(np.array([0.25], np.float32))) + (q8, meta[1:], np.int64(3)),
+                     fp8_defs=Quant.fmt_defs("e4m3") + ("-DFP8_SR=1",))
+        got.append([a.get() for a in out + fwd + [lf, lse, q8, meta]] + [z])
+    for i, (a, b) in enumerate(zip(got[0][:-1], got[1][:-1])):
+        assert a.tobytes() == b.tobytes(), f"output {i} differs from the kernels before the ignore index"
