@@ -103,7 +103,7 @@ async def answer(s: Served, request: HttpRequest, parse):
     except ApiError as e:
         return error(e)
     if ask.stream:
-        return StreamingResponse(stream(ask, job, events), media_type="text/event-stream",
+        return StreamingResponse(stream(request, ask, job, events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watch = asyncio.create_task(cancel_on_disconnect(request, job))
     try:
@@ -166,8 +166,10 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def stream(ask, job: Job, events: asyncio.Queue):
-    """The server-sent events of one answer; the job is cancelled if the client goes away."""
+async def stream(request: HttpRequest, ask, job: Job, events: asyncio.Queue):
+    """The server-sent events of one answer; the job is cancelled if the client goes away (noticed
+    here rather than left to the response, which under ASGI 2.4 sees it only at its next write)."""
+    watch = asyncio.create_task(cancel_on_disconnect(request, job))
     try:
         if ask.kind == schemas.CHAT:
             yield sse(schemas.chunk(ask, role=True))
@@ -177,7 +179,7 @@ async def stream(ask, job: Job, events: asyncio.Queue):
                 yield sse(schemas.chunk(ask, text=ev[1]))
                 continue
             if ev[0] == "error":
-                yield sse(ApiError(ev[2], ev[1], type="server_error").body())
+                yield sse(ApiError(ev[2], ev[1], type="server_error" if ev[2] >= 500 else "invalid_request_error").body())
             else:
                 yield sse(schemas.chunk(ask, finish=ev[1]))
                 if ask.include_usage:
@@ -185,6 +187,7 @@ async def stream(ask, job: Job, events: asyncio.Queue):
             break
         yield "data: [DONE]\n\n"
     finally:
+        watch.cancel()
         job.cancel()
 
 
