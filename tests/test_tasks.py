@@ -260,3 +260,39 @@ def test_hub_rows_convert_to_the_jsonl_layout():
     assert lambada({"text": "I don't care about signs"}) == {"context": "I don't care about", "continuation": "signs"}
     for name, h in HUB.items():
         assert name in TASKS and h.split in ("test", "validation")
+
+
+def test_compare_and_dashboard_show_the_suite_score(tmp_path):
+    """andrea compare's suite_score column and the dashboard's: eval/benchmarks.json served as the
+    run's benchmarks record and the runs table's cell made from it."""
+    import re
+    import shutil
+    import subprocess
+
+    from andrea.pipeline import compare
+    from andrea.pipeline.dashboard import PAGE, build_routes
+
+    bench = {"format": "andrea-tasks/1", "tasks": {"copa": {"centered": 0.04}},
+             "suite": {"name": "core", "score": 0.0123, "averaged": ["copa", "winograd"], "missing": []}}
+    for name, b in (("a", bench), ("b", None)):
+        run = tmp_path / name
+        (run / "eval").mkdir(parents=True)
+        (run / "config.yaml").write_text(f"exp: {name}\n")
+        (run / "eval" / "metrics.json").write_text(json.dumps({"val_loss": 1.0, "val_batches": 2,
+                                                               **({"benchmarks": b} if b else {})}))
+        if b:
+            (run / "eval" / "benchmarks.json").write_text(json.dumps(b))
+    df = compare.summary([compare.read_run(tmp_path / "a"), compare.read_run(tmp_path / "b")])
+    assert list(df["suite_score"].isna()) == [False, True] and df["suite_score"][0] == 0.0123
+    assert "+0.0123" in compare.format_table(df)
+    index, files = build_routes([tmp_path / "a"])
+    url = index["runs"][0]["benchmarks"]
+    assert files[url] == ((tmp_path / "a").resolve(), "eval/benchmarks.json")
+    if shutil.which("node") is None:
+        pytest.skip("needs node to run the page's script")
+    fn = re.search(r"\nfunction suiteCell\(b\) \{.*?\n\}\n", PAGE.read_text(), re.S).group(0)
+    js = tmp_path / "t.js"
+    js.write_text(fn + f"\nconsole.log(JSON.stringify([suiteCell({json.dumps(bench)}), suiteCell({{skipped: 'x'}}), "
+                       "suiteCell(null)]));\n")
+    out = json.loads(subprocess.run(["node", str(js)], capture_output=True, text=True, check=True).stdout)
+    assert out == ["core +0.012 (2 tasks)", "not scored", ""]

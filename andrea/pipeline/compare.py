@@ -7,7 +7,8 @@ For each run folder (its config.yaml and <exp>.loss.json, and eval/metrics.json 
 the table gives: the run, its overrides, the two validation losses, each beside its batch count
 (never one column of both: they average different numbers of the same windows): the evaluation's
 (val_loss, eval.batches, blank until evaluated) and the last one measured during training
-(train_val_loss, train.eval_batches), synthetic-task accuracy, median tokens/s over the logged
+(train_val_loss, train.eval_batches), synthetic-task accuracy, the standard tasks' suite score
+(eval/benchmarks.json's mean centered accuracy, andrea/tasks), median tokens/s over the logged
 steps, the steps done and the training wall time. Rows are sorted by the evaluation's validation
 loss, then training's. The plot overlays each run's validation loss (training loss faint), labelled by its
 overrides; --log-scale puts the loss on a logarithmic axis. --csv writes the table too.
@@ -25,7 +26,7 @@ import pandas as pd
 from ..util.atomic import atomic_savefig, atomic_write
 
 COLUMNS = ["run", "overrides", "val_loss", "val_batches", "train_val_loss", "train_val_batches", "task_accuracy",
-           "tokens_per_s", "steps", "wall_s"]
+           "suite_score", "tokens_per_s", "steps", "wall_s"]
 
 
 class RunError(ValueError):
@@ -80,12 +81,13 @@ def summary(runs: Sequence[dict]) -> pd.DataFrame:
             "train_val_loss": val.iloc[-1] if len(val) else None,
             "train_val_batches": r.get("train_val_batches") if len(val) else None,
             "task_accuracy": (m.get("tasks") or {}).get("accuracy"),
+            "suite_score": ((m.get("benchmarks") or {}).get("suite") or {}).get("score"),
             "tokens_per_s": h["tokens_per_s"].dropna().median() if len(h) else None,
             "steps": int(h["step"].max()) if h["step"].notna().any() else 0,
             "wall_s": h["wall_s"].dropna().max() if len(h) else None,
         })
     df = pd.DataFrame.from_records(rows, columns=COLUMNS)
-    for col in ("val_loss", "train_val_loss", "task_accuracy", "tokens_per_s", "wall_s"):
+    for col in ("val_loss", "train_val_loss", "task_accuracy", "suite_score", "tokens_per_s", "wall_s"):
         df[col] = pd.to_numeric(df[col])
     for col in ("val_batches", "train_val_batches"):
         df[col] = pd.to_numeric(df[col]).astype("Int64")
@@ -136,6 +138,7 @@ def format_table(df: pd.DataFrame) -> str:
     df = df.assign(**{c: df[c].map(_count) for c in counts})
     return df.to_string(index=False, na_rep="-", formatters={
         "val_loss": "{:.4f}".format, "train_val_loss": "{:.4f}".format, "task_accuracy": "{:.3f}".format,
+        "suite_score": "{:+.4f}".format,
         "tokens_per_s": "{:,.0f}".format, "wall_s": "{:.1f}".format})
 
 
