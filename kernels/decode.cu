@@ -1,5 +1,6 @@
-// decode.cu: attention of one new position against a key/value cache. Inference only, so there is
-// no backward twin; the NumPy reference of the same name is andrea/backends/ref/decode.py's.
+// decode.cu: attention of new positions against a key/value cache, and the other kernels of the
+// batched decoder (andrea/use/batch.py). Inference only, so there is no backward twin; the NumPy
+// references of the same names are andrea/backends/ref/decode.py's.
 //
 // k_attn_decode_fwd: grid (NH, B), one block per head of each sequence. The block first writes
 // the position's k and v (its head's slice of qkv) into row pos of the caches, then computes the
@@ -7,6 +8,9 @@
 // shuffle tree), their softmax (block max, then block sum of exp(s - max)), and the weighted sum
 // of the cached values (one thread per output element, keys in order). Arithmetic in float; the
 // caches and the output are in the compute dtype. Shared memory: ctx + hs + 32 floats.
+// k_attn_decode_batch_fwd: the same with each sequence at its own position, read from lengths.
+// k_decode_embed_fwd, k_decode_cache_fill: the step's embedding and the prefill's cache copy.
+// k_sample_fwd: the per-request sampler (greedy, temperature, top_k, top_p; counter-based noise).
 #include "common.cuh"
 
 __device__ __forceinline__ float block_max(float v, float* scratch) {
