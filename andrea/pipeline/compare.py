@@ -1,6 +1,6 @@
 """Compare runs: one table of run folders, one overlay plot of their loss curves.
 
-    python -m andrea.pipeline.compare results/ANDREA-tiny results/ANDREA-tiny+train.lr=1e-3 [--plot compare.png]
+    python -m andrea.pipeline.compare results/ANDREA-tiny results/ANDREA-tiny+train.lr=0.001 [--plot results/compare.png]
     python -m andrea.pipeline.compare results/ANDREA-tiny*          # a sweep, every run of an experiment
 
 For each run folder (its config.yaml and <exp>.loss.json, and eval/metrics.json once evaluated)
@@ -145,7 +145,7 @@ def format_table(df: pd.DataFrame) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m andrea.pipeline.compare", description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path, help="run folders (results/<run>)")
-    ap.add_argument("--plot", type=Path, default=Path("compare.png"), help="overlay plot (default compare.png)")
+    ap.add_argument("--plot", type=Path, help="overlay plot (default: compare.png beside the first run, results/compare.png)")
     ap.add_argument("--log-scale", action="store_true", help="logarithmic loss axis")
     ap.add_argument("--csv", type=Path, help="also write the table as CSV")
     a = ap.parse_args(argv)
@@ -158,8 +158,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(format_table(df))
     if a.csv:
         atomic_write(a.csv, df.to_csv(index=False))
-    plot(a.plot, runs, a.log_scale)
-    print(f"andrea.pipeline.compare: overlay plot {a.plot}", file=sys.stderr)
+    out = a.plot or a.runs[0].resolve().parent / "compare.png"  # under results/, never the checkout's top
+    plot(out, runs, a.log_scale)
+    print(f"andrea.pipeline.compare: overlay plot {out}", file=sys.stderr)
     return 0
 
 
