@@ -293,7 +293,8 @@ def bitwise_line(losses: dict, here: dict, there: dict) -> str:
         line += (" The published reference does not record its " + ", ".join(unknown)
                  + (", so the cause cannot be named from the records." if not differ else "."))
     elif not differ:
-        line += " Commit, numpy, Python, GPU, backend and kernel sources are recorded alike: a difference to investigate."
+        line += (" Commit, numpy, Python, GPU, backend and kernel sources are recorded alike: a difference "
+                 "to investigate.")
     return line
 
 
@@ -496,7 +497,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     m = evaluate(a)
     t = m.get("tasks")
-    print(f"andrea.pipeline.evaluate: {m['exp']}: val_loss {m['val_loss']:.4f} ({m['val_batches']} batches; uniform {m['uniform_loss']:.4f}), "
+    print(f"andrea.pipeline.evaluate: {m['exp']}: val_loss {m['val_loss']:.4f} ({m['val_batches']} batches; "
+          f"uniform {m['uniform_loss']:.4f}), "
           f"bpb {m['bits_per_byte']:.4f}" + (f", tasks {t['accuracy']:.3f} (chance {t['chance']:.3f})" if t else "")
           + (f", {m['published']['verdict']} vs published" if m.get("published") else "")
           + (f", not compared: {m['not_compared']}" if m.get("not_compared") else ""), file=sys.stderr)

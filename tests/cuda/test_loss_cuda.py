@@ -139,7 +139,8 @@ def test_loss_ignore_index(be, rng, dt_name, Vr, vectors, monkeypatch):
         be.k_loss_bwd(b_losses, b_lse, d_inp, d_wte, ws, dev(inp, dt), dev(wte, dt), dev(tg.reshape(B, T), np.int32),
                       dloss, accumulate=False)
         f_losses, f_lse = nan_buf((B, T), np.float32), nan_buf((B, T), np.float32)
-        be.k_loss_fwd(f_losses, f_lse, nan_buf((N, Vr), dt), dev(inp, dt), dev(wte, dt), dev(tg.reshape(B, T), np.int32))
+        be.k_loss_fwd(f_losses, f_lse, nan_buf((N, Vr), dt), dev(inp, dt), dev(wte, dt),
+                      dev(tg.reshape(B, T), np.int32))
         runs[name] = [host(a) for a in (b_losses, b_lse, ws, d_inp, d_wte, f_losses)]
     got = runs["masked"]
     assert np.all(got[0].reshape(N)[~keep] == 0.0) and np.all(got[5].reshape(N)[~keep] == 0.0)
