@@ -156,3 +156,15 @@ def test_loss_on_all_steps_keep_their_bits(tmp_path):
 def test_loss_on_refuses_other_values(tmp_path):
     with pytest.raises(ValueError, match=r"train.phases\[0\].loss_on='answers': expected one of all, assistant"):
         tiny_cfg(tmp_path, [{"name": "polish", "start_step": 2, "loss_on": "answers"}])
+
+
+def test_chat_experiments_polish_on_the_answers():
+    """ANDREA-12M and ANDREA-120M train their last tenth on the assistant's tokens; the synthetic
+    experiments count every target (their published losses stand)."""
+    from andrea.train import compose_config
+    for exp in ("ANDREA-12M", "ANDREA-120M"):
+        t = compose_config(exp).train
+        assert [(p.name, p.loss_on) for p in t.phases] == [("pretrain", "all"), ("polish", "assistant")]
+        assert t.phases[1].start_step == t.steps * 9 // 10
+    for exp in ("ANDREA-12M-synthetic", "ANDREA-120M-synthetic", "ANDREA-tiny"):
+        assert all(p.loss_on == "all" for p in compose_config(exp).train.phases)
