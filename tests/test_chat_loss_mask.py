@@ -168,3 +168,24 @@ def test_chat_experiments_polish_on_the_answers():
         assert t.phases[1].start_step == t.steps * 9 // 10
     for exp in ("ANDREA-12M-synthetic", "ANDREA-120M-synthetic", "ANDREA-tiny"):
         assert all(p.loss_on == "all" for p in compose_config(exp).train.phases)
+
+
+def test_resumed_assistant_phase_keeps_the_bits(tmp_path):
+    """Six loss_on=assistant steps straight, or three, then a new engine and loader from the first's
+    state (as a checkpoint resumes), then three: the same weights and Adam state, bit for bit."""
+    from andrea.data.loader import train_loader
+    cfg = tiny_cfg(tmp_path, [{"name": "pretrain", "start_step": 0}, {"name": "polish", "start_step": 2,
+                                                                        "loss_on": "assistant"}])
+    straight, loader = Engine(cfg), train_loader(cfg)
+    for s in range(1, 7):
+        straight.train_step(s, loader.next_step(2))
+    first, loader = Engine(cfg), train_loader(cfg)
+    for s in range(1, 4):
+        first.train_step(s, loader.next_step(2))
+    resumed, again = Engine(cfg), train_loader(cfg)
+    resumed.load_state(first.state())
+    again.load_state(loader.state())
+    for s in range(4, 7):
+        resumed.train_step(s, again.next_step(2))
+    for a, b in zip(straight.host_state(), resumed.host_state()):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
