@@ -296,3 +296,39 @@ def test_compare_and_dashboard_show_the_suite_score(tmp_path):
                        "suiteCell(null)]));\n")
     out = json.loads(subprocess.run(["node", str(js)], capture_output=True, text=True, check=True).stdout)
     assert out == ["core +0.012 (2 tasks)", "not scored", ""]
+
+
+def test_bfloat16_logits_widen_exactly():
+    """The argmax of bfloat16 logits is read from float32 made of their bits (CuPy has no bf16
+    arithmetic): each bf16 value is the top half of the float32 of the same value."""
+    from andrea.tasks.score import as_float32, widen_bf16
+
+    f = np.random.default_rng(0).normal(0, 30, (9, 13)).astype(np.float32)
+    f = (f.view(np.uint32) & 0xFFFF0000).view(np.float32)  # values bfloat16 holds exactly
+    bits = (f.view(np.uint32) >> 16).astype(np.uint16)
+    assert np.array_equal(widen_bf16(np, bits), f)
+    assert as_float32(np, f) is f
+
+
+def _cuda():
+    from andrea.backends import cuda_available
+    return cuda_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU and CuPy")
+def test_cuda_scores_as_numpy_does(setup, tmp_path):
+    """The same code on the CUDA kernels: in fp32 the same losses (to float32 rounding) and the same
+    choice on every one of a few hundred items of each kind; in bf16 (the argmax read from widened
+    bfloat16 logits) the same choices but for near-ties."""
+    run, data, files, scorer, tok, ref = setup
+    write_tasks(tmp_path, seed=3, n=200)
+    cu32, _, _ = load_model(run, backend="cuda", precision="fp32", batch_tokens=512)
+    cu16, _, _ = load_model(run, backend="cuda", precision="bf16", batch_tokens=512)
+    for name in ("copa", "winograd", "lambada_openai"):
+        res, picked, (reqs, loss, count, greedy) = score_task(scorer, tok, name, 1, tmp_path)
+        res32, picked32, (_, loss32, _, greedy32) = score_task(cu32, tok, name, 1, tmp_path)
+        np.testing.assert_allclose(loss32, loss, rtol=1e-4, atol=1e-4)
+        assert list(picked32) == list(picked) and res32["accuracy"] == res["accuracy"]
+        res16, picked16, _ = score_task(cu16, tok, name, 1, tmp_path)
+        assert np.mean(np.asarray(picked16) == np.asarray(picked)) >= 0.9

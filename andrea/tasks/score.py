@@ -48,6 +48,20 @@ def score_plan(m: ModelConfig, window: int, batch_tokens: int, dtype: str) -> Tu
     return plan, rows
 
 
+GREEDY_ROWS = 256  # logits rows widened to float32 at a time for the argmax (50 MB at V = 50,304)
+
+
+def as_float32(xp, z):
+    """z as float32: bfloat16 is the top half of a float32, so its bits shifted up are the same
+    number (CuPy has no bfloat16 arithmetic); float16 and float32 as they are (compared as is)."""
+    return widen_bf16(xp, z.view(xp.uint16)) if z.dtype.name == "bfloat16" else z
+
+
+def widen_bf16(xp, bits):
+    """float32 values of bfloat16 bit patterns (uint16)."""
+    return (bits.astype(xp.uint32) << 16).view(xp.float32)
+
+
 def view(buf, shape):
     """A (shape) view of the first elements of a planned buffer."""
     n = int(np.prod(shape))
@@ -122,11 +136,15 @@ class Scorer:
         return losses, (np.concatenate(hits).reshape(B, T) if argmax else None)
 
     def _greedy(self, logits, targets):
-        """Per row of the chunk: is the target's logit the row's largest (on the device)."""
+        """Per row of the chunk: is the target's logit the row's largest (on the device, GREEDY_ROWS
+        rows at a time, in float32: bfloat16 rows widened by their bits, which CuPy can do)."""
         xp, n = self.be.xp, targets.size
-        z = logits[:n]
-        zt = z[xp.arange(n), targets.reshape(n)]
-        return zt >= z.max(axis=1)
+        t = targets.reshape(n)
+        out = []
+        for r0 in range(0, n, GREEDY_ROWS):
+            z = as_float32(xp, logits[r0:min(n, r0 + GREEDY_ROWS)])
+            out.append(z[xp.arange(z.shape[0]), t[r0:r0 + z.shape[0]]] >= z.max(axis=1))
+        return xp.concatenate(out)
 
     def score(self, reqs, argmax: bool = False):
         """Per request: the continuation's summed loss (nats), its token count, and whether every
