@@ -380,7 +380,9 @@ class Engine(StateMixin):
     def train_step(self, step: int, batches) -> "StepRecord":
         """One optimizer step (1-based step number) over len(batches) microbatches. Queues the
         work and returns at once (the CUDA backend lets the host run a few steps ahead); the
-        returned record waits for the step's results when first read."""
+        returned record waits for the step's results when first read. In a phase of
+        loss_on=assistant each batch is (x, y, keep) and the loss is the mean over the kept
+        targets of the whole step (_answer_targets); otherwise (x, y), any keep left unused."""
         lr = lr_at(self.cfg, step)
         self._fp8_settle()
         first_amax = self.fp8_delayed and not self.fp8_scales.live

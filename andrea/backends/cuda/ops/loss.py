@@ -4,6 +4,8 @@ k_loss_bwd, and their FP8 forms k_fp8_loss_fwd / k_fp8_loss_bwd (train.precision
 Per chunk of R rows (the logits workspace, core.model.loss_chunk_rows): the logits product, then
 one row pass writes the loss and lse (and, backward, dlogits in place), then dinp and dwte. The
 row pass holds a row in registers (version 2, geometry.loss_row_plan) or walks it (version 1).
+A target of -1 (the ignore index, andrea/data/chat.py IGNORE_INDEX) gives its row loss 0 and a
+zero row of dlogits in every row pass (kernels/loss.cu).
 
 FP8 (the run's fp8_classifier): the tied embedding in the weight cache, lnf's output quantised
 once a call, dlogits written in FP8 by the row pass with the scale of its bound
