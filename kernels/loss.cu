@@ -29,7 +29,8 @@
 // The ignore index: a row whose target is LOSS_IGNORE (-1, andrea/data/chat.py IGNORE_INDEX: the
 // chat loss mask) gets loss 0 and a zero dlogits row (its multiplier is 0), so it adds nothing to
 // any gradient; its lse is written as any row's. Any other target outside [0, V) gives a NaN loss.
-// A row that counts takes exactly the instructions it took before the ignore index existed.
+// A row that counts runs the same arithmetic as before the ignore index existed (its multiplier
+// is the same value), so its results keep their bits.
 #include "common.cuh"
 #include "fp8.cuh"
 
