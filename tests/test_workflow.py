@@ -16,7 +16,7 @@ import yaml
 from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parent.parent
-ALL_RULES = {"data_stage_config", "pull_hermes3", "prep_megachat", "train_tokenizer", "tokenize",
+ALL_RULES = {"data_stage_config", "pull_conversations", "prep_megachat", "train_tokenizer", "tokenize",
              "experiment_stage_config", "train", "archive", "evaluate"}
 COPY = ("andrea", "kernels", "conf", "config", "profiles", "workflow", "scripts", "docs", "pyproject.toml", "data/fixtures")
 
@@ -215,7 +215,7 @@ def test_failed_step_shows_its_log(tmp_path):
     """A step that fails prints the last lines of its log under Snakemake's error (ANDREA-12M's
     pull from the hub, offline here, fails at once with its hint)."""
     work = copy_repo(tmp_path)
-    r = smk(work, "--cores", "1", "results/ANDREA-12M", "--until", "pull_hermes3")
+    r = smk(work, "--cores", "1", "results/ANDREA-12M", "--until", "pull_conversations")
     assert r.returncode != 0
     assert "--- last" in r.stderr and "data/hub/logs/pull.log ---" in r.stderr, r.stderr[-3000:]
     assert "data.source=synthetic" in r.stderr.split("--- last", 1)[1]  # the hint, from the log
@@ -271,6 +271,6 @@ def test_offline_default_end_to_end(tmp_path):
     assert (other / "benchmarks" / "train.tsv").is_file()
 
     # snakemake --report: one page holding the reports, loss plots and samples
-    r = smk(work, "--cores", "1", "--report", "report.html")
+    r = smk(work, "--cores", "1", "--report", "results/report.html")
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert (work / "report.html").stat().st_size > 10_000
+    assert (work / "results" / "report.html").stat().st_size > 10_000

@@ -73,13 +73,21 @@ def compose_config(exp: str, overrides: Iterable[str] = (), conf_dir: Optional[P
 
 
 def _explain(e: BaseException) -> str:
-    """The message of e and of its causes: Hydra puts the key's name in the cause."""
+    """The message of e and of its causes: Hydra puts the key's name in the cause, OmegaConf in
+    the exception it was handling. Only config errors are followed that way: an exception that
+    merely happened to be handled when the config was composed (a caller's KeyError, as in
+    Snakemake's input functions) says nothing about the config."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     parts = []
     while e is not None and len(parts) < 4:
         msg = str(e).strip()
         if msg and msg not in parts:
             parts.append(msg)
-        e = e.__cause__ or e.__context__
+        ctx = e.__context__
+        e = e.__cause__ or (ctx if isinstance(ctx, (HydraException, OmegaConfBaseException, ValueError))
+                            and not isinstance(ctx, ConfigError) else None)
     return "\n".join(parts)
 
 

@@ -67,7 +67,9 @@ TARGETS_ENV = "ANDREA_WORKFLOW_TARGETS"  # this invocation's targets, as first s
 
 def exp_config(name):
     """The resolved AndreaConfig of an experiment or of its run name (cached; its exp is the run
-    name), or a WorkflowError naming the problem."""
+    name); an override it refuses ends the invocation with andrea.train's one line (exit 2)."""
+    if name in OTHER_RUNS:
+        return OTHER_RUNS[name]
     exp = EXP_OF_RUN.get(name, name)
     if exp not in _CONFIGS:
         if exp not in EXPERIMENTS:
@@ -75,8 +77,93 @@ def exp_config(name):
         try:
             _CONFIGS[exp] = compose_config(exp, OVERRIDES)
         except ConfigError as e:
-            raise WorkflowError(f"experiment {exp}: {e}") from e
+            error = e
+        else:
+            error = None
+        if error is not None:  # outside the except: its line must not carry the error being handled
+            refuse_overrides(exp, error, building_dag=True)
     return _CONFIGS[exp]
+
+
+def refuse_overrides(exp, error, building_dag):
+    """Print the one line `python -m andrea.train experiment=<exp> <overrides>` prints for these
+    overrides and exit 2: no traceback, nothing started. While the DAG is built Snakemake wraps any
+    exception (SystemExit too) in a traceback, so the process ends there at once: no job has run
+    and no lock is taken yet."""
+    from andrea.pipeline.compose import one_line
+    from andrea.train import precheck
+
+    line = precheck([f"experiment={exp}", *OVERRIDES]) or one_line(error)
+    print(f"andrea.train: config error: {line}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if building_dag:
+        os._exit(2)
+    sys.exit(2)
+
+
+def compose_all():
+    """Every experiment's config under the overrides, at parse time; overrides that no experiment
+    takes (a wrong type, an unknown key) end here with andrea.train's one line. Those only some
+    experiments refuse end the invocation when one of those is needed (exp_config)."""
+    errors = {}
+    for exp in EXPERIMENTS:
+        try:
+            _CONFIGS[exp] = compose_config(exp, OVERRIDES)
+        except ConfigError as e:
+            errors[exp] = e
+    if errors and not _CONFIGS:
+        refuse_overrides(DEFAULT_EXP, errors[DEFAULT_EXP], building_dag=False)
+
+
+compose_all()
+
+
+def evaluated_runs():
+    """{run name: AndreaConfig} of the runs under results/ evaluated with other overrides than
+    this invocation's: a report.md beside the eval stage file the workflow wrote, whose experiment
+    and overrides still compose to that run name (a run named with exp=NAME, or one its overrides
+    no longer name, is left out, with a line saying why)."""
+    found = {}
+    for report in sorted(Path("results").glob("*/report.md")):
+        run, stage = report.parent.name, report.parent / "resolved" / "eval.yaml"
+        exp = runs.base_experiment(run)
+        if run in EXP_OF_RUN or exp not in EXPERIMENTS or not stage.is_file():
+            continue
+        overrides = [str(o) for o in (OmegaConf.load(stage).get("overrides") or [])]
+        try:
+            cfg = compose_config(exp, overrides)
+        except ConfigError as e:
+            print(f"report: results/{run} left out: its overrides no longer compose ({e})", file=sys.stderr)
+            continue
+        if cfg.exp != run:
+            print(f"report: results/{run} left out: its overrides now name the run {cfg.exp}", file=sys.stderr)
+            continue
+        found[run] = cfg
+    return found
+
+
+# `snakemake --report <file>`: the page holds every run evaluated under results/, not only the
+# targets' (the default: this invocation's run of config exp). Only then do the other runs join
+# the DAG, so a plain `snakemake` never rebuilds them.
+REPORTING = any(a == "--report" or a.startswith("--report=") for a in sys.argv)
+OTHER_RUNS = evaluated_runs() if REPORTING else {}
+EXP_OF_RUN.update({r: runs.base_experiment(r) for r in OTHER_RUNS})
+
+
+def buildable():
+    """The experiments the overrides fit (an override that one refuses, such as train.steps below
+    its phases, leaves it out: it is reported only if a target needs it) and, for a report, the
+    other evaluated runs: those whose data folders the data steps may be asked for."""
+    return [e for e in EXPERIMENTS if e in _CONFIGS] + list(OTHER_RUNS)
+
+
+def all_targets():
+    """Rule all's reports: config exp's run; for `--report`, every evaluated run (the default
+    run's own only where it was evaluated, unless it is the only one)."""
+    own = experiment_targets([DEFAULT_EXP])
+    if not OTHER_RUNS:
+        return own
+    return [t for t in own if Path(t).is_file()] + [f"results/{r}/report.md" for r in OTHER_RUNS]
 
 
 def data_root(cfg):
@@ -135,13 +222,15 @@ def data_stage_text(wildcards):
     """The pull or prep stage file of a data root. Experiments sharing the root must agree on it;
     where they do not, the one this invocation asks for decides (its data is rebuilt for it)."""
     found = {}
-    for exp in EXPERIMENTS:
+    for exp in buildable():
         cfg = exp_config(exp)
         if data_root(cfg) == wildcards.root:
             found[exp] = _yaml(_data_stage(cfg, wildcards.stage))
     if not found:
         raise WorkflowError(f"{wildcards.root}: no experiment reads data from there (experiments: {EXPERIMENTS})")
     texts = set(found.values())
+    if len(texts) > 1 and REPORTING:  # nothing is built for a report: any of them describes the folder
+        return sorted(texts)[0]
     if len(texts) > 1:
         texts = {t for e, t in found.items() if e in requested_experiments()}
     if len(texts) != 1:
@@ -165,7 +254,7 @@ def exp_stage_text(wildcards):
 
 def pull_inputs(wildcards):
     """The local mirror is an input of the pull, so a changed mirror re-pulls."""
-    for exp in EXPERIMENTS:
+    for exp in buildable():
         cfg = exp_config(exp)
         if data_root(cfg) == wildcards.root and cfg.data.source == "local":
             return [cfg.data.local_path]

@@ -5,7 +5,7 @@
 # job would re-parse the workflow in a subprocess without them, and take seconds for a tiny file.
 
 wildcard_constraints:
-    exp="|".join(re.escape(r) for r in sorted(set(RUNS.values()))),
+    exp="|".join(re.escape(r) for r in sorted(set(RUNS.values()) | set(OTHER_RUNS))),
     vocab=r"\d+",
     stage="pull|prep",
     part="train|eval",

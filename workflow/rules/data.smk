@@ -5,7 +5,9 @@
 # than asked), not only kept in the log.
 
 
-rule pull_hermes3:
+# The raw conversations of a data root, whatever its source: synthetic tasks generated from a seed,
+# a local mirror, or Hermes 3 from the hub (scripts/pull-hermes3.py does all three).
+rule pull_conversations:
     input:
         pull_inputs,
         config="{root}/config/pull.yaml",
