@@ -101,7 +101,7 @@ def test_records_resume_bookkeeping(tmp_path):
     rec.flush(force=True)
     on_disk = json.loads((tmp_path / "x.loss.json").read_text())
     assert on_disk["history"] == rec.history and on_disk["exp"] == "x"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.loss.json", "x.samples.json", "x.state.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.loss.json", "x.loss.jsonl", "x.samples.json", "x.state.json"]
 
 
 def test_flush_is_throttled_but_forced_writes_happen(tmp_path):

@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -246,9 +246,10 @@ def check_folder(ckpt_dir) -> None:
                               "Nothing was started or changed")
 
 
-def remove_stale_tmp(ckpt_dir) -> List[Path]:
+def remove_stale_tmp(ckpt_dir, names: Optional[Sequence[str]] = None) -> List[Path]:
     """Remove the temporary files (.<name>.<pid>.tmp) of checkpoint writes whose process is dead
-    (a SIGKILL cannot run cleanup); a live process's are never touched. Returns those removed."""
+    (a SIGKILL cannot run cleanup); a live process's are never touched. With names, only those of
+    files of these names (the proxy's records in a run folder). Returns those removed."""
     d = Path(ckpt_dir)
     removed = []
     if not d.is_dir():
@@ -256,6 +257,8 @@ def remove_stale_tmp(ckpt_dir) -> List[Path]:
     for p in sorted(d.iterdir()):
         m = TMP_RE.match(p.name)
         if not m or not p.is_file() or p.is_symlink():
+            continue
+        if names is not None and p.name[1:m.start(1) - 1] not in names:
             continue
         pid = int(m.group(1))
         if pid == os.getpid() or _pid_alive(pid):

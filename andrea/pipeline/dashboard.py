@@ -16,6 +16,12 @@ record file that is a symlink, a hard link (more than one link: the proxy's atom
 leave exactly one), or resolves outside its run folder, is 404 as well. Record files carry an ETag,
 so a poll of an unchanged file costs a 304 and no transfer. A connection that sends nothing for
 IDLE_TIMEOUT_S seconds is closed, so stalled clients cannot hold the server's threads.
+
+A run whose proxy keeps a history journal (<exp>.loss.jsonl) gets its loss history from there,
+live: whole up to 5,000 records; past that, steps are grouped in at most 1,000 buckets and each
+keeps its first and last records and those of its lowest and highest loss and validation loss
+(so spikes survive), its first skipped step and its phase changes; "downsampled" then says how
+many records there are, how many were kept and the bucket width in steps.
 """
 from __future__ import annotations
 
@@ -25,12 +31,15 @@ import os
 import re
 import signal
 import sys
+import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ..paths import DASHBOARD_PAGE
+from ..run.proxy.journal import HistoryView
+from ..run.proxy.records import LOSS_FORMAT
 
 PAGE = DASHBOARD_PAGE
 KINDS = ("loss", "samples", "state")
@@ -127,6 +136,8 @@ class DashboardHandler(BaseHTTPRequestHandler):
         self._not_found(body)
 
     def _send_record(self, run_dir: Path, name: str, body: bool) -> None:
+        if name.endswith(".loss.json") and os.path.lexists(run_dir / (name + "l")):
+            return self._send_history(run_dir, run_dir / (name + "l"), body)  # <exp>.loss.jsonl
         target = run_dir / name
         try:
             if target.is_symlink() or not target.resolve().is_relative_to(run_dir):
@@ -146,6 +157,30 @@ class DashboardHandler(BaseHTTPRequestHandler):
                 self.end_headers()
                 return
             data = f.read()
+        self._send(data, "application/json", body, {"ETag": etag})
+
+    def _send_history(self, run_dir: Path, journal: Path, body: bool) -> None:
+        """The loss history from the proxy's journal: live, whole up to MAX_POINTS records, past
+        that the records per bucket of steps that keep its spikes (journal.HistoryView)."""
+        try:
+            if journal.is_symlink() or not journal.resolve().is_relative_to(run_dir):
+                return self._not_found(body)
+            st = os.stat(journal, follow_symlinks=False)
+        except OSError:
+            return self._not_found(body)
+        if st.st_nlink != 1:
+            return self._not_found(body)
+        etag = f'"j{st.st_mtime_ns:x}-{st.st_size:x}"'
+        if self.headers.get("If-None-Match") == etag:
+            self.send_response(HTTPStatus.NOT_MODIFIED)
+            self.send_header("ETag", etag)
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()
+            return
+        try:
+            data = self.server.history_of(journal)
+        except (OSError, ValueError):  # vanished, or cut back by a restart while read: the next poll
+            return self._not_found(body)
         self._send(data, "application/json", body, {"ETag": etag})
 
     def _send(self, data: bytes, ctype: str, body: bool, extra: Optional[dict] = None) -> None:
@@ -179,7 +214,19 @@ class DashboardServer(ThreadingHTTPServer):
             raise FileNotFoundError(f"dashboard page {page}: no such file")
         self.page, self.verbose, self.idle_timeout = Path(page), verbose, idle_timeout
         self.index, self.files = build_routes(run_dirs)
+        self.views, self.views_lock = {}, threading.Lock()  # journal -> (HistoryView, its lock)
         super().__init__((host, port), DashboardHandler)
+
+    def history_of(self, journal: Path) -> bytes:
+        """The history of a journal as the page reads loss.json, with "downsampled" added; each
+        journal's view reads only what was appended since the last request."""
+        with self.views_lock:
+            view, lock = self.views.setdefault(journal, (HistoryView(), threading.Lock()))
+        with lock:
+            hist = view.update(journal)
+            exp = journal.name[:-len(".loss.jsonl")]
+            return json.dumps({"format": LOSS_FORMAT, "exp": exp, **hist}, separators=(",", ":"),
+                              allow_nan=False).encode()
 
     def page_bytes(self) -> bytes:
         return self.page.read_bytes()  # read per request, so an edited page shows on reload

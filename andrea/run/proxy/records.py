@@ -63,11 +63,16 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from andrea.util.atomic import atomic_copy, atomic_write_json
+from andrea.util.atomic import atomic_copy, atomic_write, atomic_write_json, sha256_file
 from andrea.config import ProxyConfig
+
+from .journal import Journal, encode as journal_line, scan as journal_scan, write_loss_json
 
 LOSS_FORMAT = "andrea-loss/1"
 SET_ASIDE_DIR = "previous"  # records (and more) of an earlier run, kept whole: set_aside
+JOURNAL_SUFFIX = "loss.jsonl"  # <exp>.loss.jsonl, the history journal (journal.py)
+SMALL_HISTORY = 10_000  # records; a loss.json this long is rewritten in milliseconds
+KEEP_SUMS = 4  # sha256 of the last loss.json files written, kept in the state
 FLUSH_S = ProxyConfig.record_flush_s  # default when a config carries no proxy group
 STEP_FIELDS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "wall_s")
 MIX_FIELDS = ("mix", "group_loss")  # {group: number} maps, present only in runs with data groups
@@ -139,6 +144,9 @@ STATE_FIELDS = {
     "message": (_str_or_null, "a string"),
     "skipped_checkpoints": (lambda x: isinstance(x, list) and all(isinstance(e, dict) for e in x),
                             "a list of {file, reason}"),
+    "log_every": (lambda x: x is None or (isinstance(x, int) and not isinstance(x, bool) and x >= 1),
+                  "an integer >= 1 or null"),
+    "history_sha256": (lambda x: isinstance(x, list) and all(isinstance(e, str) for e in x), "a list of strings"),
 }
 
 
@@ -191,26 +199,74 @@ def _load_record(path: Path, key: str, exp: str) -> Optional[dict]:
     return obj
 
 
+class _Gaps:
+    """The logged-step check of a history read in order: every multiple of log_every up to the
+    last record is logged (holds "loss"), each once."""
+
+    def __init__(self, every: Optional[int]):
+        self.every, self.next, self.last, self.count, self.some = every, every or 0, 0, 0, []
+
+    def add(self, rec: dict) -> None:
+        s = rec["step"]
+        if self.every and "loss" in rec:
+            self._miss_below(s)
+            if self.next == s:
+                self.next += self.every
+        self.last = s
+
+    def _miss_below(self, s: int) -> None:
+        while self.next < s:
+            self.count += 1
+            if len(self.some) < 6:
+                self.some.append(self.next)
+            self.next += self.every
+
+    def error(self, path: Path, hint: str) -> Optional[RecordError]:
+        if self.every:
+            self._miss_below(self.last + 1)
+        if not self.count:
+            return None
+        some = ", ".join(map(str, self.some[:5])) + (", ..." if self.count > 5 else "")
+        return RecordError(f"{path}: {self.count} logged step(s) missing ({some}); every multiple of "
+                           f"log_every={self.every} up to step {self.last} is expected, each once. {hint}")
+
+
+def _collapse_records(recs: list) -> list:
+    """Records in step order where a record may repeat its predecessor's step: the later wins."""
+    out: list = []
+    for r in recs:
+        if out and out[-1]["step"] == r["step"]:
+            out[-1] = r
+        else:
+            out.append(r)
+    return out
+
+
 class RunRecords:
-    """The three JSON files of one run folder, kept in memory and flushed atomically."""
+    """The record files of one run folder: the history journal (appended), loss.json derived
+    from it, samples and state (rewritten atomically). Holds the records of one flush interval,
+    never the whole history."""
 
     def __init__(self, exp: str, run_dir: Path, total_steps: int, flush_s: float = FLUSH_S, log_every: int = 1):
         self.run_dir, self.flush_s = run_dir, flush_s
         self.loss_path = run_dir / f"{exp}.loss.json"
+        self.journal_path = run_dir / f"{exp}.{JOURNAL_SUFFIX}"
         self.samples_path = run_dir / f"{exp}.samples.json"
         self.state_path = run_dir / f"{exp}.state.json"
-        loss = _load_record(self.loss_path, "history", exp)
         samples = _load_record(self.samples_path, "samples", exp)
         state = _load_record(self.state_path, "archives", exp)
-        self.history: list = loss["history"] if loss else []
         self.state_loaded = state is not None
+        self.notes: list = []  # what opening the records found and mended, for the proxy to say
+        self._pending: list = []  # records not in the journal yet (one flush interval)
+        self._migrating = False  # a loss.json without a journal: the first flush writes the journal
+        old_every = self._open_history(exp, state)
         # a history without its state file: whether a checkpoint ever backed it is not known
-        self.orphan = bool(self.history) and state is None
+        self.orphan = bool(self.n_records) and state is None
         self.samples: list = samples["samples"] if samples else []
         # the multiples of log_every are always logged; a resume may change train.log_every, and the
         # multiples of both the old and the new one are logged in both parts of the history
-        every = math.lcm(loss["log_every"], log_every) if loss and loss.get("log_every") else log_every
-        if loss and loss.get("history") and not loss.get("log_every"):
+        every = math.lcm(old_every, log_every) if old_every else log_every
+        if self.n_records and not old_every:
             every = None  # written before the field existed: which steps were logged is not known
         self.loss_meta = {"format": LOSS_FORMAT, "exp": exp, "total_steps": total_steps, "log_every": every}
         self.state = {"exp": exp, "status": "running", "step": self.last_step(), "total_steps": total_steps,
@@ -218,38 +274,132 @@ class RunRecords:
                       "restarts": 0, "pid": os.getpid(), "engine_pid": None, "engine_exit": None,
                       "n_params": None, "plan_bytes": None, "archives": [], "message": ""}
         for k in ("phase", "last_checkpoint", "last_checkpoint_step", "restarts", "n_params", "plan_bytes", "archives",
-                  "skipped_checkpoints"):
+                  "skipped_checkpoints", "history_sha256"):
             if state and k in state:
                 self.state[k] = state[k]
         self.state["started_at"] = self.state["updated_at"] = time.time()
         self._last_flush = 0.0
-        self._write_s = 0.0  # how long the last flush took
+        self._whole_at, self._whole_s = 0.0, 0.0  # when loss.json was last written, and how long it took
         self.write_error: Optional[str] = None  # the last failed rewrite, until one succeeds
 
-    def keep_aside(self, label: str) -> Path:
-        """Move this run's record files, archive/ and trained/ to previous/<label>-<time>/ (set_aside)
-        and go on with an empty history: the state keeps only what describes the process."""
-        dest = set_aside(self.run_dir, record_names(self.loss_meta["exp"]) + ("archive", "trained"), label)
-        self.history, self.samples, self.orphan = [], [], False
-        self.state.update(step=0, phase=None, last_checkpoint=None, last_checkpoint_step=None, archives=[],
-                          skipped_checkpoints=[])
-        self.write_samples()
-        self.flush(force=True)
-        return dest
+    # opening -----------------------------------------------------------------------------------
+    def _open_history(self, exp: str, state: Optional[dict]) -> Optional[int]:
+        """Read the history (the journal, else a loss.json written before it), check it, and return
+        its log_every; sets journal, n_records and the last record."""
+        every = state.get("log_every") if state else None
+        self.journal = Journal(self.journal_path, 0)
+        self.n_records, self._last = 0, None
+        if self.journal_path.exists():
+            self._scan_journal(every)
+            if self.loss_path.exists():
+                every = self._check_loss_json(exp, state, every)
+        elif self.loss_path.exists():
+            loss = _load_record(self.loss_path, "history", exp)
+            self._pending, self._migrating = list(loss["history"]), True
+            self.n_records, self._last = len(self._pending), (self._pending or [None])[-1]
+            every = loss.get("log_every")
+        return every
+
+    def _scan_journal(self, every: Optional[int]) -> None:
+        path, hint = self.journal_path, "It was left untouched: repair it, or move it away to start a new record."
+        fields, gaps = ENTRY_FIELDS["history"], _Gaps(every)
+        held: list = []
+
+        def check(i: int, rec: dict) -> None:
+            step, prev = rec.get("step"), held[0]["step"] if held else 0
+            if not isinstance(step, int) or isinstance(step, bool) or step < max(prev, 1):
+                raise RecordError(f"{path}: line {i}: step is {step!r} but expected an integer >= {max(prev, 1)} "
+                                  f"(steps increasing; a repeated step replaces the line before). {hint}")
+            for name, (ok, expected) in fields.items():
+                if name in rec and not ok(rec[name]):
+                    raise RecordError(f"{path}: line {i}: {name} is {rec[name]!r} (step {step}) but expected "
+                                      f"{expected}. {hint}")
+            if held and held[0]["step"] != step:
+                gaps.add(held[0])
+            held[:] = [rec]
+
+        try:
+            size, self.n_records, self._last, dropped = journal_scan(path, check)
+        except ValueError as e:
+            if isinstance(e, RecordError):
+                raise
+            raise RecordError(f"{path}: {e}. {hint}") from None
+        if held:
+            gaps.add(held[0])
+        err = gaps.error(path, hint)
+        if err is not None:
+            raise err
+        self.journal = Journal(path, size)
+        if dropped:
+            self.notes.append(f"{path}: {dropped}; the {self.n_records} record(s) before it are kept")
+
+    def _check_loss_json(self, exp: str, state: Optional[dict], every: Optional[int]) -> Optional[int]:
+        """loss.json beside a journal is one the proxy derived from it (perhaps older): its sha256
+        is one the state recorded, or its records are the journal's first ones. Anything else was
+        changed by someone: RecordError, nothing touched."""
+        sums = state.get("history_sha256") if state else None
+        if isinstance(sums, list) and sha256_file(self.loss_path) in sums:
+            return every
+        loss = _load_record(self.loss_path, "history", exp)
+        hist, why = loss["history"], "it was changed after the proxy wrote it. Nothing was changed: move"
+        if len(hist) > self.n_records:
+            raise RecordError(f"{self.loss_path}: {len(hist)} records but the history journal {self.journal_path.name} "
+                              f"holds {self.n_records}; {why} one of them away to go on from the other")
+        for k, line in zip(range(len(hist)), self.journal.records()):
+            if json.loads(line) != hist[k]:
+                raise RecordError(f"{self.loss_path}: history[{k}] (step {hist[k]['step']}) differs from the history "
+                                  f"journal {self.journal_path.name}; {why} {self.loss_path.name} away to go on from "
+                                  "the journal, or the journal away to go on from it")
+        return every if every is not None else loss.get("log_every")
+
+    # the history -------------------------------------------------------------------------------
+    @property
+    def history(self) -> list:
+        """The whole history as a list, read from the journal: for tests and small runs; the proxy
+        itself never holds it."""
+        lines = [] if self._migrating else list(self.journal.lines())
+        return _collapse_records([json.loads(ln) for ln in lines] + self._pending)
 
     def last_step(self) -> int:
-        return self.history[-1]["step"] if self.history else 0
+        return self._last["step"] if self._last else 0
 
-    def _steps(self) -> list:
-        return [r["step"] for r in self.history]
+    def _push(self, rec: dict) -> None:
+        self._pending.append(rec)
+        self._last = rec
+        self.n_records += 1
+
+    def _replace_last(self, rec: dict) -> None:
+        """rec replaces the last record (same step): in memory, or by a line that replaces it."""
+        if self._pending and self._pending[-1]["step"] == rec["step"]:
+            self._pending[-1] = rec
+        else:
+            self._pending.append(rec)
+        self._last = rec
 
     def drop_from(self, step: int) -> int:
         """Forget records of steps >= step (a restarted engine replays them); returns how many."""
-        i = bisect.bisect_left(self._steps(), step)
-        dropped = len(self.history) - i
-        del self.history[i:]
+        gone = {r["step"] for r in self._pending if r["step"] >= step}
+        self._pending = [r for r in self._pending if r["step"] < step]
+        dropped = len(gone)
+        if not self._pending and not self._migrating and self.journal.size:
+            tail = self.journal.last()
+            cut = self.journal.truncate_from(step)
+            dropped += cut - (1 if cut and tail["step"] in gone else 0)
+        self._last = self._pending[-1] if self._pending else (None if self._migrating else self.journal.last())
+        self.n_records -= dropped
         self.samples = [s for s in self.samples if s["step"] < step]
         return dropped
+
+    def _pull_from(self, step: int) -> None:
+        """Move the journal's records of steps >= step back into memory (a rare out-of-order
+        validation); the next flush appends them again."""
+        if self._migrating or not self.journal.size or (self._pending and self._pending[0]["step"] <= step):
+            return
+        offset, lines, _ = self.journal.tail(step)
+        if lines:
+            self._pending = _collapse_records([json.loads(ln) for ln in lines] + self._pending)
+            os.truncate(self.journal_path, offset)
+            self.journal.size = offset
 
     def add_step(self, ev: dict) -> dict:
         n = int(ev["step"])
@@ -262,28 +412,34 @@ class RunRecords:
             if isinstance(ev.get(k), dict):
                 rec[k] = _finite_map(ev[k])
         rec["t"] = time.time()
-        if self.history and self.history[-1]["step"] == n and "loss" not in self.history[-1]:
-            rec["val_loss"] = self.history[-1].get("val_loss")  # a validation arrived first
-            if "group_val_loss" in self.history[-1]:
-                rec["group_val_loss"] = self.history[-1]["group_val_loss"]
-            self.history[-1] = rec
+        last = self._last
+        if last is not None and last["step"] == n and "loss" not in last:
+            rec["val_loss"] = last.get("val_loss")  # a validation arrived first
+            if "group_val_loss" in last:
+                rec["group_val_loss"] = last["group_val_loss"]
+            self._replace_last(rec)
         else:
-            if self.history and self.history[-1]["step"] >= n:
+            if last is not None and last["step"] >= n:
                 self.drop_from(n)  # a replay without a resume event: keep each step once
-            self.history.append(rec)
+            self._push(rec)
         self.state.update(step=n, phase=rec["phase"])
         return rec
 
     def add_val(self, ev: dict) -> None:
         n, v = int(ev["step"]), _finite(ev.get("val_loss"))
-        steps = self._steps()
-        i = bisect.bisect_left(steps, n)
-        if i < len(steps) and steps[i] == n:
-            self.history[i]["val_loss"] = v
+        extra = {"group_val_loss": _finite_map(ev["group_val_loss"])} if isinstance(ev.get("group_val_loss"), dict) else {}
+        if self._last is not None and self._last["step"] > n:
+            self._pull_from(n)  # the engine validates the step it just logged; this is the rare other case
+            i = bisect.bisect_left([r["step"] for r in self._pending], n)
+            if i < len(self._pending) and self._pending[i]["step"] == n:
+                self._pending[i] = {**self._pending[i], "val_loss": v, **extra}
+            else:
+                self._pending.insert(i, {"step": n, "phase": self.state["phase"], "val_loss": v, **extra})
+                self.n_records += 1
+        elif self._last is not None and self._last["step"] == n:
+            self._replace_last({**self._last, "val_loss": v, **extra})
         else:
-            self.history.insert(i, {"step": n, "phase": self.state["phase"], "val_loss": v})
-        if isinstance(ev.get("group_val_loss"), dict):
-            self.history[i]["group_val_loss"] = _finite_map(ev["group_val_loss"])
+            self._push({"step": n, "phase": self.state["phase"], "val_loss": v, **extra})
 
     def add_samples(self, ev: dict) -> None:
         n = int(ev["step"])
@@ -300,19 +456,67 @@ class RunRecords:
             pass  # outside the run folder: keep it as the engine gave it
         self.state.update(last_checkpoint=str(p), last_checkpoint_step=int(step))
 
+    def keep_aside(self, label: str) -> Path:
+        """Move this run's record files, archive/ and trained/ to previous/<label>-<time>/ (set_aside)
+        and go on with an empty history: the state keeps only what describes the process."""
+        dest = set_aside(self.run_dir, record_names(self.loss_meta["exp"]) + ("archive", "trained"), label)
+        self.journal, self._pending, self._migrating = Journal(self.journal_path, 0), [], False
+        self.n_records, self._last, self.samples, self.orphan = 0, None, [], False
+        self.state.update(step=0, phase=None, last_checkpoint=None, last_checkpoint_step=None, archives=[],
+                          skipped_checkpoints=[], history_sha256=[])
+        self.write_samples()
+        self.flush(force=True, whole=True)
+        return dest
+
+    # writing -----------------------------------------------------------------------------------
     def write_samples(self) -> None:
         atomic_write_json(self.samples_path, {"exp": self.loss_meta["exp"], "samples": self.samples})
 
-    def flush(self, force: bool = False) -> None:
-        """Rewrite history and state; unforced rewrites at most once per flush_s seconds, and rarer
-        when the history is so long that writing it would take more than 5% of the time."""
+    def _append_pending(self) -> None:
+        lines = [journal_line(r) for r in self._pending]
+        if self._migrating:  # the journal made whole from a loss.json of before it, then renamed
+            atomic_write(self.journal_path, lines)
+            self.journal, self._migrating = Journal(self.journal_path, sum(map(len, lines))), False
+        else:
+            self.journal.append(lines)
+        self._pending = []
+
+    def _whole_due(self) -> bool:
+        """loss.json is rewritten at a forced flush while the history is small (milliseconds);
+        past SMALL_HISTORY records, at most 5% of the time goes to rewriting it."""
+        return self.n_records <= SMALL_HISTORY or time.time() - self._whole_at >= 20 * self._whole_s
+
+    def _write_whole(self) -> None:
+        """loss.json streamed from the journal; its sha256 goes into the state first, so the next
+        start knows it as the proxy's own whatever moment a kill comes."""
+        t0 = time.time()
+        sha, tmp = write_loss_json(self.journal, self.loss_path, self.loss_meta)
+        try:
+            self.state["history_sha256"] = [sha] + [s for s in self.state.get("history_sha256") or []
+                                                    if s != sha][:KEEP_SUMS - 1]
+            atomic_write_json(self.state_path, self.state)
+            os.replace(tmp, self.loss_path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._whole_at = time.time()
+        self._whole_s = self._whole_at - t0
+
+    def flush(self, force: bool = False, whole: bool = False) -> None:
+        """Append the new records to the journal and rewrite the state; unforced flushes at most
+        once per flush_s seconds. A forced one also rewrites loss.json (_whole_due says when);
+        whole=True always does (the proxy's last flush)."""
         now = time.time()
-        if not force and now - self._last_flush < max(self.flush_s, 20 * self._write_s):
+        if not force and now - self._last_flush < self.flush_s:
             return
         self.state["updated_at"] = now
+        self.state["log_every"] = self.loss_meta["log_every"]
         try:
-            atomic_write_json(self.loss_path, {**self.loss_meta, "history": self.history})
-            atomic_write_json(self.state_path, self.state)
+            self._append_pending()
+            if force and (whole or self._whole_due() or not self.loss_path.exists()):
+                self._write_whole()
+            else:
+                atomic_write_json(self.state_path, self.state)
         except OSError as e:  # a full disk: the old files stay whole, the records stay in memory
             first = self.write_error is None
             self.write_error = str(e)
@@ -325,12 +529,11 @@ class RunRecords:
             print("andrea.run.proxy: the run records are written again", file=sys.stderr)
         self.write_error = None
         self._last_flush = time.time()
-        self._write_s = self._last_flush - now
 
 
 def record_names(exp: str) -> tuple:
     """The names of a run's record files, as set_aside moves them."""
-    return tuple(f"{exp}.{kind}.json" for kind in ("loss", "samples", "state"))
+    return tuple(f"{exp}.{kind}.json" for kind in ("loss", "samples", "state")) + (f"{exp}.{JOURNAL_SUFFIX}",)
 
 
 def set_aside(run_dir: Path, names, label: str) -> Path:

@@ -58,7 +58,7 @@ from andrea.util.lock import run_lock
 from andrea.run.protocol import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_NO_SPACE, EXIT_OK, PROXY_PID_ENV,
                              parse)
 
-from .records import FLUSH_S, RecordError, RunRecords, archive_pivot
+from .records import FLUSH_S, RecordError, RunRecords, archive_pivot, record_names
 from .trackers import open_trackers
 
 # defaults when a config carries no proxy group (andrea.config.ProxyConfig documents each)
@@ -90,6 +90,18 @@ class Supervisor:
                         file=sys.stderr, disable=not progress, dynamic_ncols=True,
                         # into a log file (the workflow's train rule), a line every 30 s, not per step
                         mininterval=0.1 if sys.stderr.isatty() else 10.0)
+
+    def _tidy_records(self) -> None:
+        """Say what opening the records mended, and remove the temporary files of record writes
+        whose process is dead (a SIGKILL cannot run cleanup)."""
+        from andrea.core.checkpoint import remove_stale_tmp
+
+        for note in self.rec.notes:
+            self._say(note)
+        gone = remove_stale_tmp(self.run_dir, names=record_names(self.cfg.exp))
+        if gone:
+            self._say(f"removed {len(gone)} temporary file(s) of dead processes' record writes: "
+                      f"{', '.join(p.name for p in gone)}")
 
     def _say(self, msg: str) -> None:
         tqdm.write(f"andrea.run.proxy: {msg}", file=sys.stderr)  # above the bar, on stderr like the bar
@@ -313,7 +325,7 @@ class Supervisor:
         if self.rec.state["status"] == "running":
             self.rec.state.update(status="failed", message=f"proxy error: {error!r}; engine stopped")
         self.rec.state["engine_pid"] = None
-        self.rec.flush(force=True)
+        self.rec.flush(force=True, whole=True)
         self.trackers.close(self.rec.state["status"])  # waits trackers.CLOSE_WAIT_S at most
         self.bar.close()
         if self.rec.write_error is not None:
@@ -368,6 +380,7 @@ def supervise(cfg, run_dir, *, max_restarts: Optional[int] = None, backoff_s: Op
         sup = Supervisor(cfg, run_dir, max_restarts=max_restarts, backoff_s=backoff_s,
                          backoff_max_s=backoff_max_s, flush_s=flush_s, progress=progress,
                          on_event=on_event, engine_argv=engine_argv)
+        sup._tidy_records()
         old = sup._install_signals()
         error = None
         try:
