@@ -241,14 +241,15 @@ def data_stage_text(wildcards):
 
 
 def exp_stage_text(wildcards):
-    """train: everything but eval and proxy (their settings and overrides never change the
-    weights, so changing them never re-trains); eval: everything."""
+    """train: everything but eval, proxy and objective (their settings and overrides never change
+    the weights, so changing them never re-trains); eval: everything."""
     d = to_dict(exp_config(wildcards.exp))
     if wildcards.part == "train":
         d.pop("eval")
         d.pop("proxy")
+        d.pop("objective")  # what a sweep's task returns: no sweep here, and never the weights
         d["overrides"] = [o for o in runs.training_overrides(d["overrides"])
-                          if runs.override_key(o).split(".", 1)[0] != "proxy"]
+                          if runs.override_key(o).split(".", 1)[0] not in ("proxy", "objective")]
     return _yaml(d)
 
 
