@@ -1,6 +1,6 @@
 # Evaluate the archived final checkpoint on the held-out split; compare with the published run
 # (docs/published/<EXP>.json) when there is one and the run has no overrides. The report, the loss
-# plot and the samples go into `snakemake --report report.html` as well. Its few lines (the
+# plot and the samples go into `snakemake --report results/report.html` as well. Its few lines (the
 # result, any warning) go to the terminal too.
 
 
