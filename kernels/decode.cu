@@ -6,12 +6,18 @@
 // the position's k and v (its head's slice of qkv) into row pos of the caches, then computes the
 // pos + 1 scores q . k_j / sqrt(hs) (one warp per key, lanes over the head dimension, the fixed
 // shuffle tree), their softmax (block max, then block sum of exp(s - max)), and the weighted sum
-// of the cached values (one thread per output element, keys in order). Arithmetic in float; the
-// caches and the output are in the compute dtype. Shared memory: ctx + hs + 32 floats.
+// of the cached values (warps over the keys, lanes over the head dimension, the warps' partials
+// added in order). Arithmetic in float; the caches and the output are in the compute dtype.
+// Block DECODE_THREADS, head size at most DECODE_MAX_HS. Shared memory: ctx + hs + 32 + 8 hs floats.
 // k_attn_decode_batch_fwd: the same with each sequence at its own position, read from lengths.
 // k_decode_embed_fwd, k_decode_cache_fill: the step's embedding and the prefill's cache copy.
 // k_sample_fwd: the per-request sampler (greedy, temperature, top_k, top_p; counter-based noise).
+// k_decode_linear_fwd, k_decode_logits_gemv: the step's products for a few rows (N <= 8): a warp an
+// output column, its lanes over the inputs in 16-byte loads, every row's dot product in the same
+// fixed order whatever N is (so a row's result never depends on the others), the bias (and GELU)
+// on the float sum: the weights are read once, at close to the copy bandwidth.
 #include "common.cuh"
+#include "gelu.cuh"
 
 __device__ __forceinline__ float block_max(float v, float* scratch) {
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -23,13 +29,20 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return warp_max(v);
 }
 
-// The block of head h of sequence b at position pos: see the header.
+#define DECODE_THREADS 256  // 8 warps a block (the launchers' block size)
+#define DECODE_MAX_HS 128    // head sizes up to this: each lane holds hs / 32 output partials
+
+// The block of head h of sequence b at position pos: see the header. The weighted sum of the
+// values is split over the warps (warp w takes keys w, w + nw, ...; lane l the dimensions l,
+// l + 32, ...), whose partials are added in warp order: every key's load is independent, where
+// one thread a dimension walking all keys in turn waited on each load.
 __device__ __forceinline__ void attn_decode_block(CT* out, CT* kcache, CT* vcache, const CT* qkv, int NH, int hs,
                                                   int ctx, int pos, float scale, int h, int b) {
   extern __shared__ float sm[];
   float* s = sm;            // scores, then probabilities (unnormalised), pos + 1 of them
   float* q = sm + ctx;      // the query of this head, hs
   float* scratch = q + hs;  // 32, for the block reductions
+  float* part = scratch + 32;  // (warps, hs): each warp's share of the output
   const int C = NH * hs, n = pos + 1;
   const CT* row = qkv + (i64)b * 3 * C;
   CT* kc = kcache + (i64)b * ctx * C + h * hs;
@@ -60,11 +73,25 @@ __device__ __forceinline__ void attn_decode_block(CT* out, CT* kcache, CT* vcach
     z += e;
   }
   z = block_sum(z, scratch);  // its first barrier also publishes every s[j]
+  float acc[DECODE_MAX_HS / 32];
+#pragma unroll
+  for (int i = 0; i < DECODE_MAX_HS / 32; ++i) acc[i] = 0.f;
+  for (int j = warp; j < n; j += nw) {
+    const float pj = s[j];
+    const CT* vj = vc + (i64)j * C;
+#pragma unroll
+    for (int i = 0; i < DECODE_MAX_HS / 32; ++i)
+      if (lane + 32 * i < hs) acc[i] += pj * to_f(vj[lane + 32 * i]);
+  }
+#pragma unroll
+  for (int i = 0; i < DECODE_MAX_HS / 32; ++i)
+    if (lane + 32 * i < hs) part[warp * hs + lane + 32 * i] = acc[i];
+  __syncthreads();
   const float inv = 1.f / z;
   CT* o = out + (i64)b * C + h * hs;
   for (int d = threadIdx.x; d < hs; d += blockDim.x) {
     float a = 0.f;
-    for (int j = 0; j < n; ++j) a += s[j] * to_f(vc[(i64)j * C + d]);
+    for (int w = 0; w < nw; ++w) a += part[w * hs + d];
     o[d] = from_f<CT>(a * inv);
   }
 }
@@ -211,4 +238,71 @@ extern "C" __global__ void k_sample_fwd(int* tokens, int* lengths, const float* 
     tokens[n] = arg;
     lengths[n] = pos < ctx - 1 ? pos : ctx - 1;
   }
+}
+
+// ---------------------------------------------------------------- the step's products, few rows
+#define GEMV_MAX_ROWS 8  // interface.DECODE_GEMV_ROWS
+
+// acc[r] = the dot product of row r of inp (N, IC) with row o of w (OC, IC), r < N, summed by each
+// lane over its 16-byte chunks in order, then the warp's shuffle tree. vec: IC a multiple of the
+// chunk and inp, w 16-byte aligned (the launcher checks); else one element at a time.
+__device__ __forceinline__ void gemv_column(float* acc, const CT* inp, const CT* w, int N, int IC, int o, int vec) {
+  const int lane = threadIdx.x & 31;
+  const CT* wr = w + (i64)o * IC;
+#pragma unroll
+  for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = 0.f;
+  if (vec) {
+    constexpr int VEC = 16 / sizeof(CT);
+#pragma unroll 4  // four weight loads in flight a lane: a 3072-wide row is twelve chunks a lane
+    for (int k = lane * VEC; k < IC; k += 32 * VEC) {
+      union { uint4 u; CT c[VEC]; } wv;
+      wv.u = *reinterpret_cast<const uint4*>(wr + k);
+#pragma unroll
+      for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+        if (r >= N) break;
+        union { uint4 u; CT c[VEC]; } xv;
+        xv.u = *reinterpret_cast<const uint4*>(inp + (i64)r * IC + k);
+        float a = 0.f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) a += to_f(wv.c[i]) * to_f(xv.c[i]);
+        acc[r] += a;
+      }
+    }
+  } else {
+    for (int k = lane; k < IC; k += 32) {
+      float wk = to_f(wr[k]);
+      for (int r = 0; r < N; ++r) acc[r] += wk * to_f(inp[(i64)r * IC + k]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = warp_sum(acc[r]);
+}
+
+// out (N,1,OC) = inp (N,1,IC) @ w (OC,IC).T + b, then GELU (tanh form) where gelu; N <= 8.
+extern "C" __global__ void k_decode_linear_fwd(CT* out, const CT* inp, const CT* w, const CT* b, int N, int IC,
+                                               int OC, int gelu_, int vec) {
+  pdl_wait();
+  const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (o >= OC) return;
+  float acc[GEMV_MAX_ROWS];
+  gemv_column(acc, inp, w, N, IC, o, vec);
+  if ((threadIdx.x & 31) == 0) {
+    const float bias = to_f(b[o]);
+    for (int r = 0; r < N; ++r) {
+      float y = acc[r] + bias;
+      out[(i64)r * OC + o] = from_f<CT>(gelu_ ? gelu(y) : y);
+    }
+  }
+}
+
+// logits (N,V) float32 = inp (N,1,C) @ wte (V,C).T; N <= 8.
+extern "C" __global__ void k_decode_logits_gemv(float* logits, const CT* inp, const CT* wte, int N, int C, int V,
+                                                int vec) {
+  pdl_wait();
+  const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (o >= V) return;
+  float acc[GEMV_MAX_ROWS];
+  gemv_column(acc, inp, wte, N, C, o, vec);
+  if ((threadIdx.x & 31) == 0)
+    for (int r = 0; r < N; ++r) logits[(i64)r * V + o] = acc[r];
 }

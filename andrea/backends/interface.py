@@ -55,6 +55,9 @@ FP8_ROUNDINGS = ("nearest", "stochastic")
 # amax of the step under way, [2, 2 + FP8_HIST) the history, newest first), and the kernel that
 # makes the tensor casts it and reduces its amax into [1].
 FP8_HIST = 16
+# The batched decoder's products for at most this many rows run as k_decode_linear_fwd (a warp an
+# output column, kernels/decode.cu), above it as the training's linear layers on cuBLAS
+DECODE_GEMV_ROWS = 8
 
 
 def fp8_rounding(rounding):
@@ -221,6 +224,10 @@ class Backend(Protocol):
     def k_decode_cache_fill(self, kcache, vcache, qkv, slot, n) -> None:
         """Inference: kcache, vcache (L,N,ctx,C)[:, slot, :n] = the k and v thirds of the
         prefill's qkv (L,1,T,3C)[:, 0, :n]."""
+
+    def k_decode_linear_fwd(self, out, inp, w, b, gelu) -> None:
+        """Inference: out (N,1,OC) = inp (N,1,IC) @ w.T + b (then GELU where gelu), each row on its
+        own; CUDA takes N <= DECODE_GEMV_ROWS."""
 
     def k_decode_logits_fwd(self, logits, inp, wte) -> None:
         """Inference: logits (N,V) float32 = inp (N,1,C) @ wte (V,C).T, each row on its own."""

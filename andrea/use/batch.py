@@ -39,6 +39,7 @@ from typing import FrozenSet, List, Tuple
 
 import numpy as np
 
+from ..backends.interface import DECODE_GEMV_ROWS
 from ..config import ModelConfig
 from ..core import model
 from ..core.plan import Arena, MemoryPlan
@@ -107,6 +108,9 @@ class BatchDecoder:
         # the kernels' scratch, for the larger of the prefill's rows and the step's
         rows = max(self.prefill.rows, self.slots)
         self.workspace = backend.reserve_workspace(1, rows, m.d_model, m.n_head, self.b["params"].dtype)
+        # a few slots: the step's products as k_decode_linear_fwd (weights read once at close to the
+        # copy bandwidth); more: the training's linear layers (cuBLAS)
+        self.gemv = self.slots <= DECODE_GEMV_ROWS
         self.graph = None
         self.active: List[dict] = [None] * self.slots  # per slot: the request and its count, or None
         self.zero_slots()
@@ -202,7 +206,7 @@ class BatchDecoder:
         return ids
 
     # ------------------------------------------------------------ the step
-    def _step_kernels(self) -> None:
+    def _step_kernels(self) -> None:  # noqa: C901 (one flat screen of the model's order)
         """One position of every slot: the model's forward order on (slots, 1) rows, the cache at
         each slot's own length, then the logits and the sampler (which advances the lengths)."""
         be, b, p, NH = self.be, self.b, self.p, self.m.n_head
@@ -211,13 +215,23 @@ class BatchDecoder:
         be.k_layernorm_fwd(b["ln"], b["ln_mean"], b["ln_rstd"], b["x"], p["h0.ln1_w"], p["h0.ln1_b"])
         for l in range(L):
             w = {n: p[f"h{l}.{n}"] for n in model.LAYER_MATRICES + model.LAYER_VECTORS}
-            be.k_attn_qkv_fwd(b["qkv"], b["ln"], w["qkv_w"], w["qkv_b"])
+            if self.gemv:  # a few rows: the products as GEMVs, the first MLP bias and GELU fused
+                be.k_decode_linear_fwd(b["qkv"], b["ln"], w["qkv_w"], w["qkv_b"], False)
+            else:
+                be.k_attn_qkv_fwd(b["qkv"], b["ln"], w["qkv_w"], w["qkv_b"])
             be.k_attn_decode_batch_fwd(b["atty"], b["kcache"][l], b["vcache"][l], b["qkv"], b["lengths"], NH)
-            be.k_attn_out_fwd(b["attproj"], b["atty"], w["attn_out_w"], w["attn_out_b"])
+            if self.gemv:
+                be.k_decode_linear_fwd(b["attproj"], b["atty"], w["attn_out_w"], w["attn_out_b"], False)
+            else:
+                be.k_attn_out_fwd(b["attproj"], b["atty"], w["attn_out_w"], w["attn_out_b"])
             be.k_residual_layernorm_fwd(b["xmid"], b["ln"], b["ln_mean"], b["ln_rstd"], b["x"], b["attproj"],
                                         w["ln2_w"], w["ln2_b"])
-            be.k_mlp_fwd(b["mlpout"], b["pre"], b["act"], b["ln"], w["mlp_w1"], w["mlp_b1"], w["mlp_w2"],
-                         w["mlp_b2"])
+            if self.gemv:
+                be.k_decode_linear_fwd(b["act"], b["ln"], w["mlp_w1"], w["mlp_b1"], True)
+                be.k_decode_linear_fwd(b["mlpout"], b["act"], w["mlp_w2"], w["mlp_b2"], False)
+            else:
+                be.k_mlp_fwd(b["mlpout"], b["pre"], b["act"], b["ln"], w["mlp_w1"], w["mlp_b1"], w["mlp_w2"],
+                             w["mlp_b2"])
             nxt = ("lnf_w", "lnf_b") if l + 1 == L else (f"h{l + 1}.ln1_w", f"h{l + 1}.ln1_b")
             be.k_residual_layernorm_fwd(b["x"], b["ln"], b["ln_mean"], b["ln_rstd"], b["xmid"], b["mlpout"],
                                         p[nxt[0]], p[nxt[1]])

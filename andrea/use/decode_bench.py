@@ -183,9 +183,7 @@ def bench_random_init(a) -> int:
     from ..config import ModelConfig
     from ..core.plan import compute_dtype
     from ..paths import model_config
-    from .generate import _sampler
 
-    _sampler(a)
     path = model_config(a.path)
     if not path.is_file():
         raise ValueError(f"--random-init: {a.path} is not a model of {path.parent} ({path} does not exist)")
@@ -194,13 +192,3 @@ def bench_random_init(a) -> int:
     params = rng.normal(0, 0.02, count_params(m)).astype(np.float32)
     dtype = compute_dtype(a.precision or "fp32", "float32")
     return run_bench(m, lambda: get_backend(a.backend), dtype, params, m.context, a)
-
-
-def bench_checkpoint(a) -> int:
-    """--bench of a run folder, archive or checkpoint: its weights, random prompt ids."""
-    from ..backends import get_backend
-    from .generate import _sampler, prepare
-
-    _sampler(a)
-    cfg, tok, be, dtype, context, params, _ = prepare(a.path, a.backend, a.tokenizer, a.precision)
-    return run_bench(cfg.model, lambda: get_backend(a.backend), dtype, params, context, a)

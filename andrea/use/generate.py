@@ -175,9 +175,11 @@ def _emit(text: str, out) -> None:
 
 
 def cmd_generate(a, out=None) -> int:
+    from ..backends import get_backend
     from ..data.chat import render_prompt
-    from .decode_bench import bench_checkpoint, bench_random_init
+    from .decode_bench import bench_random_init, run_bench
 
+    _sampler(a)  # the sampling flags checked under their own names before anything is loaded
     if a.random_init:
         if not a.bench:
             raise ValueError("--random-init is for --bench only (random weights say nothing)")
@@ -187,8 +189,9 @@ def cmd_generate(a, out=None) -> int:
     out = out or sys.stdout
     if a.max_tokens < 1:
         raise ValueError(f"--max-tokens {a.max_tokens}: expected at least 1")
-    if a.bench:
-        return bench_checkpoint(a)
+    if a.bench:  # the checkpoint's weights, random prompt ids
+        cfg, _, _, dtype, context, params, _ = prepare(a.path, a.backend, a.tokenizer, a.precision)
+        return run_bench(cfg.model, lambda: get_backend(a.backend), dtype, params, context, a)
     cfg, tok, bd, _ = load_batch(a.path, a.backend, a.tokenizer, a.precision)
     text = a.prompt if a.raw else render_prompt(a.prompt, a.system)
     ids = tok.encode(text)

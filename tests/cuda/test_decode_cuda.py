@@ -1,5 +1,7 @@
 """KV-cache decoding on the GPU: k_attn_decode_fwd against the NumPy reference, and the CUDA
-Decoder's logits against the full forward pass at every position (skipped without a GPU).
+Decoder's logits against the full forward pass at every position; the batched decoder's kernels
+and sampler against the reference, its graph against its eager step, its greedy tokens against
+NumPy's (fp32) and the forward's argmax (fp16, within ties) (skipped without a GPU).
 
     python -m pytest -m gpu tests/cuda/test_decode_cuda.py -q
 
@@ -71,3 +73,182 @@ def test_cuda_decoder_matches_full_forward(be, prec, rng):
         assert z.shape == (T, V), "the logits workspace holds a chunk, not every position"
         want = z[len(window) - 1]
         assert err(got, want) < tol, f"position {t}"
+
+
+# ---------------------------------------------------------------- the batched decoder (andrea/use/batch.py)
+def test_batch_kernels(be, prec, rng):
+    """k_decode_embed_fwd, k_attn_decode_batch_fwd (each slot at its own length), k_decode_cache_fill
+    and k_decode_logits_fwd against the reference; the cache rows written are exact copies."""
+    import cupy as cp
+    dt, tol = prec
+    N, NH, hs, ctx, V, L = 3, 3, 40, 77, 1001, 2
+    C = NH * hs
+    wte, wpe = rnd64(rng, (V, C), dt), rnd64(rng, (ctx, C), dt)
+    tokens, lengths = np.array([4, 0, 1000], np.int32), np.array([0, 76, 38], np.int32)
+    want = np.zeros((N, 1, C))
+    ref.k_decode_embed_fwd(want, tokens, lengths, wte, wpe)
+    out = cp.full((N, 1, C), np.nan, dtype=dt)
+    be.k_decode_embed_fwd(out, cp.asarray(tokens), cp.asarray(lengths), cp.asarray(wte.astype(dt)),
+                          cp.asarray(wpe.astype(dt)))
+    assert err(cp.asnumpy(out), want) < tol
+    kc, vc, qkv = rnd64(rng, (N, ctx, C), dt), rnd64(rng, (N, ctx, C), dt), rnd64(rng, (N, 1, 3 * C), dt)
+    kw, vw, att = kc.copy(), vc.copy(), np.zeros((N, 1, C))
+    ref.k_attn_decode_batch_fwd(att, kw, vw, qkv, lengths, NH)
+    dk, dv, out = cp.asarray(kc.astype(dt)), cp.asarray(vc.astype(dt)), cp.full((N, 1, C), np.nan, dtype=dt)
+    be.k_attn_decode_batch_fwd(out, dk, dv, cp.asarray(qkv.astype(dt)), cp.asarray(lengths), NH)
+    assert err(cp.asnumpy(out), att) < tol
+    np.testing.assert_array_equal(cp.asnumpy(dk).astype(np.float64), kw)
+    np.testing.assert_array_equal(cp.asnumpy(dv).astype(np.float64), vw)
+    logits = cp.full((N, V), np.nan, dtype=np.float32)
+    want = np.zeros((N, V))
+    ref.k_decode_logits_fwd(want, att.astype(dt).astype(np.float64), wte)
+    be.k_decode_logits_fwd(logits, cp.asarray(att.astype(dt)), cp.asarray(wte.astype(dt)))
+    assert err(cp.asnumpy(logits), want) < 1e-5  # fp16 products accumulate and land in float32
+    T, n, slot = 70, 33, 1
+    pq = rnd64(rng, (L, 1, T, 3 * C), dt)
+    kcache, vcache = np.full((L, N, ctx, C), np.nan), np.full((L, N, ctx, C), np.nan)
+    ref.k_decode_cache_fill(kcache, vcache, pq, slot, n)
+    dk, dv = cp.full((L, N, ctx, C), np.nan, dtype=dt), cp.full((L, N, ctx, C), np.nan, dtype=dt)
+    be.k_decode_cache_fill(dk, dv, cp.asarray(pq.astype(dt)), slot, n)
+    np.testing.assert_array_equal(cp.asnumpy(dk).astype(np.float64), kcache)
+    np.testing.assert_array_equal(cp.asnumpy(dv).astype(np.float64), vcache)
+
+
+@pytest.mark.parametrize("N,IC,OC", [(1, 768, 2304), (3, 3072, 768), (8, 200, 77), (5, 75, 31)])
+def test_decode_linear_and_logits_gemv(be, prec, rng, N, IC, OC):
+    """k_decode_linear_fwd (with and without GELU) and k_decode_logits_fwd's few-row kernel against
+    the reference, 16-byte loads and (IC = 75) single elements; a row's result does not depend on
+    the other rows (row 0 alone gives the same bits)."""
+    import cupy as cp
+    dt, tol = prec
+    x, w, b = rnd64(rng, (N, 1, IC), dt), rnd64(rng, (OC, IC), dt) / np.sqrt(IC), rnd64(rng, (OC,), dt)
+    dx, dw, db = (cp.asarray(a.astype(dt)) for a in (x, w, b))
+    for gelu in (False, True):
+        want = np.zeros((N, 1, OC))
+        ref.k_decode_linear_fwd(want, x, w, b, gelu)
+        out = cp.full((N, 1, OC), np.nan, dtype=dt)
+        be.k_decode_linear_fwd(out, dx, dw, db, gelu)
+        assert err(cp.asnumpy(out), want) < tol, gelu
+        one = cp.full((1, 1, OC), np.nan, dtype=dt)
+        be.k_decode_linear_fwd(one, dx[:1], dw, db, gelu)
+        np.testing.assert_array_equal(cp.asnumpy(one)[0], cp.asnumpy(out)[0])
+    want = np.zeros((N, OC))
+    ref.k_decode_logits_fwd(want, x, w)
+    logits = cp.full((N, OC), np.nan, dtype=np.float32)
+    be.k_decode_logits_fwd(logits, dx, dw)
+    assert err(cp.asnumpy(logits), want) < 1e-5  # products of dt values summed in float32
+
+
+def rnd64(rng, shape, dt):
+    return rng.standard_normal(shape).astype(dt).astype(np.float64)
+
+
+def test_k_sample_fwd(be, rng):
+    """The device sampler draws the reference's tokens (ref.sample_row: the same keys and
+    thresholds; the Gumbel noise in float against float64, so a near tie could differ: none may)
+    for greedy, temperature, top_k, top_p and both, at 50304 classes, and advances the lengths."""
+    import cupy as cp
+    N, V, ctx = 12, 50304, 1024
+    logits = (rng.standard_normal((N, V)) * 3).astype(np.float32)
+    logits[3, 77] = logits[3].max()  # a tie for greedy: the first index wins
+    temp = np.array([0, 0, 0.7, 0, 1.0, 1.0, 1.5, 0.3, 1.0, 2.0, 1.0, 0.9], np.float32)
+    top_k = np.array([0, 5, 0, 0, 40, 0, 7, 0, 1, 200, 0, 50], np.int32)
+    top_p = np.array([1, 1, 1, 1, 1, 0.9, 0.5, 0.95, 1, 0.3, 1e-6, 0.99], np.float32)
+    seeds = np.arange(N, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    lengths = np.array([0, 5, 17, 1022, 1023, 100, 3, 9, 400, 2, 50, 77], np.int32)
+    want_t, want_l = np.zeros(N, np.int32), lengths.copy()
+    ref.k_sample_fwd(want_t, want_l, logits, temp, top_k, top_p, seeds, ctx)
+    t = cp.full(N, -1, dtype=np.int32)
+    lens = cp.asarray(lengths)
+    be.k_sample_fwd(t, lens, cp.asarray(logits), cp.asarray(temp), cp.asarray(top_k), cp.asarray(top_p),
+                    cp.asarray(seeds), ctx)
+    got = cp.asnumpy(t)
+    print("sampled", got.tolist(), "reference", want_t.tolist())
+    np.testing.assert_array_equal(got, want_t)
+    np.testing.assert_array_equal(cp.asnumpy(lens), want_l)
+
+
+def tiny_batch_model(rng, d_model=128, n_head=2, ctx=200, V=1001):
+    from andrea.config import load_run_config
+    from andrea.core.engine import Engine
+
+    cfg = load_run_config({"model": {"n_layer": 2, "d_model": d_model, "n_head": n_head, "context": ctx,
+                                     "vocab_size": V},
+                           "train": {"batch_size": 1, "seq_len": ctx, "init_std": 0.1},
+                           "backend": {"name": "numpy"}})
+    eng = Engine(cfg, dtype="float64")
+    host = eng.be.to_numpy(eng.params).copy()
+    host[eng.layout.n_decay:] += rng.normal(0, 0.3, host.size - eng.layout.n_decay)
+    return cfg, eng, host
+
+
+def batch_tokens(bd, reqs):
+    out = {}
+    slots = {bd.admit(r): i for i, r in enumerate(reqs)}
+    while slots:
+        for s, t, done in bd.step():
+            out.setdefault(slots[s], []).append(t)
+            if done:
+                del slots[s]
+    return [out[i] for i in range(len(reqs))]
+
+
+@pytest.mark.parametrize("slots", [4, 12])
+def test_graph_step_equals_eager_step(rng, slots):
+    """The replayed graph and the same kernels run eagerly give the same tokens and logits, bit
+    for bit (fp16, sampled and greedy requests with odd prompts; the few-row products at 4 slots,
+    cuBLAS at 12)."""
+    from andrea.backends import get_backend
+    from andrea.backends.numpy_backend import EagerGraph
+    from andrea.use.batch import BatchDecoder, Request
+
+    cfg, _, host = tiny_batch_model(rng)
+    reqs = [Request([int(i) for i in rng.integers(0, 1001, n)], 30, temperature=t, top_p=0.9, seed=n)
+            for n, t in ((1, 0.0), (37, 0.8), (130, 1.2))]
+    runs = []
+    for eager in (False, True):
+        bd = BatchDecoder(cfg.model, get_backend("cuda"), slots, dtype="float16")
+        bd.load(host.astype(np.float32))
+        if eager:
+            bd.graph = EagerGraph(bd._step_kernels)
+        runs.append((batch_tokens(bd, reqs), bd.be.to_numpy(bd.b["logits"])))
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
+def test_greedy_fp32_equals_numpy_and_fp16_the_forward_argmax_within_ties(rng):
+    """fp32 on the GPU: the greedy tokens of the NumPy float64 BatchDecoder. fp16: each token is
+    the float64 full forward's argmax at its position (teacher-forced on the fp16 tokens) or
+    within 2e-2 of it (relative to the largest |logit|: fp16's rounding through two layers); the
+    count of differing positions is printed."""
+    from andrea.backends import get_backend
+    from andrea.backends.numpy_backend import NumpyBackend
+    from andrea.use.batch import BatchDecoder, Request
+
+    cfg, eng, host = tiny_batch_model(rng)
+    reqs = [Request([int(i) for i in rng.integers(0, 1001, n)], 60) for n in (1, 37, 130, 199)]
+    want = batch_tokens(_loaded(BatchDecoder(cfg.model, NumpyBackend(), 4, dtype="float64"), host), reqs)
+    got = batch_tokens(_loaded(BatchDecoder(cfg.model, get_backend("cuda"), 4, dtype="float32"), host), reqs)
+    assert got == want
+    h16 = host.astype(np.float16).astype(np.float64)
+    eng.set_state(h16)
+    f16 = batch_tokens(_loaded(BatchDecoder(cfg.model, get_backend("cuda"), 4, dtype="float16"), h16), reqs)
+    differ = total = 0
+    for r, toks in zip(reqs, f16):
+        seq = np.array(r.prompt_ids + toks[:-1], np.int32)
+        x = np.zeros((1, 200), np.int32)
+        x[0, :len(seq)] = seq
+        eng.forward(x, x)
+        z = eng.g["logits"][len(r.prompt_ids) - 1:len(seq)]
+        for row, t in zip(z, toks):
+            total += 1
+            if t != int(row.argmax()):
+                differ += 1
+                assert row.max() - row[t] < 2e-2 * np.abs(row).max(), (row.max(), row[t])
+    print(f"fp16 greedy: {differ} of {total} tokens differ from the float64 forward's argmax (all within ties)")
+    assert differ <= total // 10
+
+
+def _loaded(bd, host):
+    bd.load(np.asarray(host, dtype=np.float32) if bd.dtype != "float64" else host)
+    return bd

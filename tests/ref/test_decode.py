@@ -121,3 +121,22 @@ def test_k_sample_fwd_advances_each_slot_and_stops_at_the_last_row():
             for n, pos in enumerate((1, 8, 9))]
     assert tokens.tolist() == want and tokens[0] == logits[0].argmax()
     assert lengths.tolist() == [1, 8, 8]  # the last row is ctx - 1
+
+
+def test_decode_linear_is_the_linear_layer_and_the_mlp_first_half():
+    """k_decode_linear_fwd without GELU is the linear layers' product with its bias; with GELU it is
+    k_mlp_fwd's act (checked through the whole MLP: the second product of that act)."""
+    rng = np.random.default_rng(9)
+    N, IC, OC = 3, 10, 7
+    x, w, b = rng.normal(size=(N, 1, IC)), rng.normal(size=(OC, IC)), rng.normal(size=OC)
+    out, want = np.full((N, 1, OC), np.nan), np.zeros((N, 1, OC))
+    K.k_decode_linear_fwd(out, x, w, b, False)
+    K.k_attn_qkv_fwd(want, x, w, b)
+    np.testing.assert_array_equal(out, want)
+    w2, b2 = rng.normal(size=(IC, OC)), rng.normal(size=IC)
+    act, y = np.full((N, 1, OC), np.nan), np.full((N, 1, IC), np.nan)
+    K.k_decode_linear_fwd(act, x, w, b, True)
+    K.k_decode_linear_fwd(y, act, w2, b2, False)
+    mlp, pre, act2 = np.zeros((N, 1, IC)), np.zeros((N, 1, OC)), np.zeros((N, 1, OC))
+    K.k_mlp_fwd(mlp, pre, act2, x, w, b, w2, b2)
+    np.testing.assert_allclose(y, mlp, rtol=1e-13, atol=1e-13)

@@ -5,6 +5,8 @@ import math
 
 import numpy as np
 
+from .gelu import _gelu
+
 
 def k_attn_decode_fwd(out, kcache, vcache, qkv, pos, n_head):
     """Attention of one new position against a KV cache (inference only, no backward twin).
@@ -53,6 +55,15 @@ def k_decode_cache_fill(kcache, vcache, qkv, slot, n):
     C = kcache.shape[-1]
     kcache[:, slot, :n] = qkv[:, 0, :n, C:2 * C]
     vcache[:, slot, :n] = qkv[:, 0, :n, 2 * C:]
+
+
+def k_decode_linear_fwd(out, inp, w, b, gelu):
+    """out (N,1,OC) = inp (N,1,IC) @ w (OC,IC).T + b, then GELU (tanh form) where gelu: a linear
+    layer of the step, each row on its own (the GPU runs it for N <= DECODE_GEMV_ROWS)."""
+    y = np.matmul(inp, w.T).astype(np.float64) + b
+    if gelu:
+        _gelu(y, y)
+    out[...] = y
 
 
 def k_decode_logits_fwd(logits, inp, wte):

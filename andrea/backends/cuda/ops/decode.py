@@ -1,13 +1,35 @@
 """Decoding against a KV cache (kernels/decode.cu), inference only: k_attn_decode_fwd (one
 position), and the batched decoder's kernels (k_decode_embed_fwd, k_attn_decode_batch_fwd,
-k_decode_cache_fill, k_decode_logits_fwd, k_sample_fwd)."""
+k_decode_cache_fill, k_decode_linear_fwd, k_decode_logits_fwd, k_sample_fwd)."""
 from __future__ import annotations
 
 import numpy as np
 
+from ...interface import DECODE_GEMV_ROWS
 from ..geometry import attn_scale
 from ..runtime import THREADS, blocks, check, i32
 from .attention import attn_shapes
+
+DECODE_THREADS = 256  # decode.cu's DECODE_THREADS: 8 warps share a head's keys
+DECODE_MAX_HS = 128  # decode.cu's DECODE_MAX_HS
+
+
+def decode_smem(kernel: str, ctx: int, hs: int) -> int:
+    """Shared memory bytes of the decode attention: scores (ctx), q (hs), 32 reduction slots and
+    the warps' partial outputs (8 hs), floats; the head size checked against DECODE_MAX_HS."""
+    if hs > DECODE_MAX_HS:
+        raise ValueError(f"{kernel}: head size {hs}; the decode kernels take at most {DECODE_MAX_HS}")
+    return 4 * (ctx + hs + 32 + DECODE_THREADS // 32 * hs)
+
+
+GEMV_COLUMNS = 8  # output columns a block of the few-row products (a warp each)
+
+
+def gemv_vec(inp, w, K: int) -> bool:
+    """Whether the few-row products can load 16 bytes at a time: K a multiple of the chunk, both
+    operands 16-byte aligned (else they load one element at a time)."""
+    per = 16 // w.dtype.itemsize
+    return K % per == 0 and inp.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
 
 
 class DecodeOps:
@@ -26,10 +48,10 @@ class DecodeOps:
         check("k_attn_decode_fwd", "out", out, (B, 1, C), ct)
         if not 0 <= pos < ctx:
             raise ValueError(f"k_attn_decode_fwd: pos {pos} outside the cache's {ctx} rows")
-        self.rt.launch("decode.cu", "k_attn_decode_fwd", ct, (NH, B), 128,
+        self.rt.launch("decode.cu", "k_attn_decode_fwd", ct, (NH, B), DECODE_THREADS,
                        (out, kcache, vcache, qkv, i32(NH), i32(hs), i32(ctx), i32(pos),
                         attn_scale(hs)),
-                       shared_mem=4 * (ctx + hs + 32))
+                       shared_mem=decode_smem("k_attn_decode_fwd", ctx, hs))
 
     # ------------------------------------------------------------ batched decoding (andrea/use/batch.py)
     def k_decode_embed_fwd(self, out, tokens, lengths, wte, wpe):
@@ -54,9 +76,9 @@ class DecodeOps:
         check("k_attn_decode_batch_fwd", "vcache", vcache, (N, ctx, C), ct)
         check("k_attn_decode_batch_fwd", "out", out, (N, 1, C), ct)
         check("k_attn_decode_batch_fwd", "lengths", lengths, (N,), np.int32)
-        self.rt.launch("decode.cu", "k_attn_decode_batch_fwd", ct, (NH, N), 128,
+        self.rt.launch("decode.cu", "k_attn_decode_batch_fwd", ct, (NH, N), DECODE_THREADS,
                        (out, kcache, vcache, qkv, lengths, i32(NH), i32(hs), i32(ctx), attn_scale(hs)),
-                       shared_mem=4 * (ctx + hs + 32))
+                       shared_mem=decode_smem("k_attn_decode_batch_fwd", ctx, hs))
 
     def k_decode_cache_fill(self, kcache, vcache, qkv, slot, n):
         """kcache, vcache (L,N,ctx,C)[:, slot, :n] = the k, v thirds of qkv (L,1,T,3C)[:, 0, :n]."""
@@ -70,12 +92,30 @@ class DecodeOps:
         self.rt.launch("decode.cu", "k_decode_cache_fill", ct, blocks(L * n * C), THREADS,
                        (kcache, vcache, qkv, i32(L), i32(N), i32(ctx), i32(T), i32(C), i32(slot), i32(n)))
 
+    def k_decode_linear_fwd(self, out, inp, w, b, gelu):
+        """out (N,1,OC) = inp (N,1,IC) @ w (OC,IC).T + b, GELU where gelu; N <= DECODE_GEMV_ROWS."""
+        OC, IC = w.shape
+        N, ct = inp.shape[0], w.dtype
+        if N > DECODE_GEMV_ROWS:
+            raise ValueError(f"k_decode_linear_fwd: {N} rows; it takes at most {DECODE_GEMV_ROWS}")
+        check("k_decode_linear_fwd", "inp", inp, (N, 1, IC), ct)
+        check("k_decode_linear_fwd", "w", w, (OC, IC), ct)
+        check("k_decode_linear_fwd", "b", b, (OC,), ct)
+        check("k_decode_linear_fwd", "out", out, (N, 1, OC), ct)
+        self.rt.launch("decode.cu", "k_decode_linear_fwd", ct, -(-OC // GEMV_COLUMNS), GEMV_COLUMNS * 32,
+                       (out, inp, w, b, i32(N), i32(IC), i32(OC), i32(bool(gelu)), i32(gemv_vec(inp, w, IC))))
+
     def k_decode_logits_fwd(self, logits, inp, wte):
-        """logits (N,V) float32 = inp (N,1,C) @ wte (V,C).T (cuBLAS, float32 output)."""
+        """logits (N,V) float32 = inp (N,1,C) @ wte (V,C).T: k_decode_logits_gemv for N <=
+        DECODE_GEMV_ROWS, else cuBLAS with a float32 output."""
         V, C = wte.shape
         N = inp.shape[0]
         check("k_decode_logits_fwd", "inp", inp, (N, 1, C), wte.dtype)
         check("k_decode_logits_fwd", "logits", logits, (N, V), np.float32)
+        if N <= DECODE_GEMV_ROWS:
+            self.rt.launch("decode.cu", "k_decode_logits_gemv", wte.dtype, -(-V // GEMV_COLUMNS), GEMV_COLUMNS * 32,
+                           (logits, inp, wte, i32(N), i32(C), i32(V), i32(gemv_vec(inp, wte, C))))
+            return
         self.blas.gemm(logits, inp, wte, False, True, N, V, C, C, C, V)
 
     def k_sample_fwd(self, tokens, lengths, logits, temperature, top_k, top_p, seeds, context):
