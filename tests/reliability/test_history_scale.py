@@ -24,7 +24,11 @@ def written() -> int:
         return int(next(ln for ln in f if ln.startswith("wchar:")).split()[1])
 
 
-def test_flush_cost_and_memory_do_not_grow_with_the_history(tmp_path):
+def test_flush_cost_and_memory_do_not_grow_with_the_history(tmp_path, monkeypatch):
+    from andrea.run.proxy import records
+
+    # a history past the size whose loss.json every flush rewrites (a few hundred kilobytes)
+    monkeypatch.setattr(records, "SMALL_HISTORY", 0, raising=False)
     rec = RunRecords("x", tmp_path, 10 ** 6, flush_s=0)
     n, per_flush = 1000, []  # steps 1000..: every record line has the same length
     tracemalloc.start()

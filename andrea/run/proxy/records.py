@@ -1,8 +1,13 @@
-"""The run's records: three JSON files in the run folder, their formats, and the pivot archive.
+"""The run's records: the files in the run folder, their formats, and the pivot archive.
 
 The proxy (andrea.run.proxy.supervision) feeds the engine's events into RunRecords; readers such as the
-dashboard and the report read the files. Each file is rewritten atomically (temporary file, fsync,
-os.replace), so a reader never sees half a file.
+dashboard and the report read the files. The history goes first to an append-only journal
+(`<exp>.loss.jsonl`, journal.py): a flush appends only the new records, so its cost and the
+proxy's memory do not grow with the history. `<exp>.loss.json` is streamed from the journal; it
+and the other files are rewritten atomically (temporary file, fsync, os.replace), so a reader never
+sees half a file. loss.json is rewritten at every flush while the history is under SMALL_HISTORY
+records; past that at forced flushes (checkpoints, validations, restarts) at most 5% of the time,
+and always when the proxy ends, so while a long run trains it may lag the journal.
 
 `<exp>.loss.json`, the whole training history, never truncated and never archived:
     {"format": "andrea-loss/1", "exp": str, "total_steps": int, "log_every": int or null,
@@ -27,9 +32,14 @@ os.replace), so a reader never sees half a file.
                     training loss} after it (null: never drawn), {group: held-out loss} where
                     measured
     A record holding only step, phase and val_loss marks a validation at a step that was not logged.
-    After an engine restart, records past the resume point are dropped before the engine's replay
-    of those steps is appended, so each step appears exactly once and the losses are the ones of
-    the checkpointed trajectory.
+    After an engine restart, records past the resume point are cut from the journal before the
+    engine's replay of those steps is appended, so each step appears exactly once and the losses
+    are the ones of the checkpointed trajectory. A history a checkpoint once backed is never cut
+    back to nothing: an engine that starts from step 0 (its checkpoints gone) finds the records
+    moved to previous/step<N>-<time>/ (set_aside) and a new history begun.
+
+`<exp>.loss.jsonl`: the same records, one JSON object a line, "step" first; a line with the step
+    of the line before replaces it (journal.py).
 
 `<exp>.samples.json`: {"exp": str, "samples": [{"step", "phase", "t", "samples": [{"prompt",
     "completion"}]}]}, generations from fixed prompts at train.sample_every.
@@ -40,16 +50,22 @@ os.replace), so a reader never sees half a file.
     "engine_pid", "engine_exit" (last exit code), "n_params", "plan_bytes" (the engine's memory plan,
     bytes), "archives" (list of {"phase",
     "step", "dir"}), "skipped_checkpoints" (list of {"file", "reason"}: checkpoints the engine
-    found damaged and did not resume from), "message", "started_at", "updated_at"}.
+    found damaged and did not resume from), "log_every" (the history's), "history_sha256" (the
+    sha256 of the last loss.json files the proxy wrote, newest first), "message", "started_at",
+    "updated_at"}.
 
 Pivot archive: on the engine's `pivot` event (a checkpoint at a train.phases boundary),
 archive_pivot copies `<exp>.samples.json`, `<exp>.state.json` and that checkpoint (.bin and its
 .json sidecar) into `archive/<from-phase>-<step>/`; `<exp>.loss.json` stays whole in the run folder.
 
-A history, samples or state file that does not parse, holds a field of the wrong type or (history)
-misses a logged step raises RecordError at start-up, naming the file, the entry and what was
-expected; it is never silently reset. A rewrite that fails (a full disk) is reported once and
-retried at the next flush; the old files stay whole and the records in memory are kept.
+A history (journal or loss.json), samples or state file that does not parse, holds a field of the
+wrong type or (history) misses a logged step raises RecordError at start-up, naming the file, the
+entry and what was expected; it is never silently reset. So does a loss.json beside a journal that
+the proxy did not write (its sha256 is not in the state and its records are not the journal's
+first ones). A loss.json without a journal (a run from before the journal) is read once and the
+journal made from it. A last journal line cut by a kill is dropped at start, and said so. A write
+that fails (a full disk) is reported once and retried at the next flush; the old files stay whole,
+a failed append is cut back, and the records not yet written are kept in memory.
 """
 from __future__ import annotations
 
@@ -71,7 +87,7 @@ from .journal import Journal, encode as journal_line, scan as journal_scan, writ
 LOSS_FORMAT = "andrea-loss/1"
 SET_ASIDE_DIR = "previous"  # records (and more) of an earlier run, kept whole: set_aside
 JOURNAL_SUFFIX = "loss.jsonl"  # <exp>.loss.jsonl, the history journal (journal.py)
-SMALL_HISTORY = 10_000  # records; a loss.json this long is rewritten in milliseconds
+SMALL_HISTORY = 5_000  # records; a loss.json this long (about 1 MB) is rewritten in milliseconds
 KEEP_SUMS = 4  # sha256 of the last loss.json files written, kept in the state
 FLUSH_S = ProxyConfig.record_flush_s  # default when a config carries no proxy group
 STEP_FIELDS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "wall_s")
@@ -481,10 +497,13 @@ class RunRecords:
             self.journal.append(lines)
         self._pending = []
 
-    def _whole_due(self) -> bool:
-        """loss.json is rewritten at a forced flush while the history is small (milliseconds);
-        past SMALL_HISTORY records, at most 5% of the time goes to rewriting it."""
-        return self.n_records <= SMALL_HISTORY or time.time() - self._whole_at >= 20 * self._whole_s
+    def _whole_due(self, force: bool) -> bool:
+        """loss.json is rewritten at every flush while the history is small (milliseconds); past
+        SMALL_HISTORY records, only at forced flushes (checkpoints, validations, restarts) and at
+        most 5% of the time."""
+        if self.n_records <= SMALL_HISTORY:
+            return True
+        return force and time.time() - self._whole_at >= 20 * self._whole_s
 
     def _write_whole(self) -> None:
         """loss.json streamed from the journal; its sha256 goes into the state first, so the next
@@ -504,8 +523,8 @@ class RunRecords:
 
     def flush(self, force: bool = False, whole: bool = False) -> None:
         """Append the new records to the journal and rewrite the state; unforced flushes at most
-        once per flush_s seconds. A forced one also rewrites loss.json (_whole_due says when);
-        whole=True always does (the proxy's last flush)."""
+        once per flush_s seconds. loss.json is rewritten when _whole_due says so, and always with
+        whole=True (the proxy's last flush)."""
         now = time.time()
         if not force and now - self._last_flush < self.flush_s:
             return
@@ -513,7 +532,7 @@ class RunRecords:
         self.state["log_every"] = self.loss_meta["log_every"]
         try:
             self._append_pending()
-            if force and (whole or self._whole_due() or not self.loss_path.exists()):
+            if whole or self._whole_due(force) or (force and not self.loss_path.exists()):
                 self._write_whole()
             else:
                 atomic_write_json(self.state_path, self.state)

@@ -2,7 +2,7 @@
 
 `supervise(cfg, run_dir)` starts the engine (`python -m andrea.cli engine --config RUN/config.yaml
 --run-dir RUN --resume`) as a child process, reads the events it prints on stdout (the engine
-protocol, andrea/run/protocol.py) and keeps the run's three record files through RunRecords
+protocol, andrea/run/protocol.py) and keeps the run's record files through RunRecords
 (andrea/run/proxy/records.py documents their formats).
 
 Signals: SIGTERM, SIGINT (Ctrl-C) or SIGUSR2 to the proxy forwards SIGTERM to the engine, which checkpoints
