@@ -146,7 +146,8 @@ extern "C" __global__ void k_decode_cache_fill(CT* kcache, CT* vcache, const CT*
 // largest order key K of a float whose count (top_k) or mass (top_p) of z with key >= K reaches
 // the bound, found by bisection over the 32-bit keys with fixed-order block sums. Then the
 // Gumbel-max draw: argmax over kept v of z_v - log(-log(u_v)), u_v from splitmix64 of (seed, pos,
-// v) (the first index on ties). Writes tokens[n] and lengths[n] = min(pos, ctx - 1).
+// v) (the first index on ties). Writes tokens[n] and lengths[n] = min(pos, ctx - 1); a slot that is
+// not live gets token 0 at row 0.
 __device__ __forceinline__ unsigned long long splitmix64(unsigned long long z) {
   z += 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -194,11 +195,16 @@ __device__ unsigned int bisect_key(const float* lg, float t, int V, unsigned int
 }
 extern "C" __global__ void k_sample_fwd(int* tokens, int* lengths, const float* logits, const float* temperature,
                                         const int* top_k, const float* top_p, const unsigned long long* seeds,
-                                        int V, int ctx) {
+                                        const int* live, int V, int ctx) {
   pdl_wait();
   __shared__ float scratch[32];
   __shared__ int iscratch[32];
-  const int n = blockIdx.x, pos = lengths[n] + 1;
+  const int n = blockIdx.x;
+  if (!live[n]) {  // a free slot: token 0 at row 0, so its row costs nothing in the next steps
+    if (threadIdx.x == 0) tokens[n] = lengths[n] = 0;
+    return;
+  }
+  const int pos = lengths[n] + 1;
   const float* lg = logits + (i64)n * V;
   const float t = temperature[n];
   float best = NEG_INF;

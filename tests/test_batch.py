@@ -124,6 +124,7 @@ def test_end_of_a_request_and_release(model):
         bd.admit(Request(prompt(3, 3), 5))
     bd.release(a)
     assert [s for s, _, _ in bd.step()] == [1] and bd.free() == 1
+    assert bd.b["lengths"][a] == 0 and bd.b["lengths"][b] == 4  # a free slot's row stays at 0
     assert bd.admit(Request(prompt(3, 3), 1)) == 0
     assert [(s, done) for s, _, done in bd.step()] == [(0, True), (1, False)]
 

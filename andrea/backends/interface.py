@@ -232,10 +232,11 @@ class Backend(Protocol):
     def k_decode_logits_fwd(self, logits, inp, wte) -> None:
         """Inference: logits (N,V) float32 = inp (N,1,C) @ wte (V,C).T, each row on its own."""
 
-    def k_sample_fwd(self, tokens, lengths, logits, temperature, top_k, top_p, seeds, context) -> None:
-        """Inference: per slot the token at position lengths[n] + 1 drawn from logits[n] (greedy at
-        temperature 0, else top_k / top_p and a Gumbel-max draw keyed by (seeds[n], position):
-        ref.sample_row) into tokens[n]; lengths[n] = min(that position, context - 1)."""
+    def k_sample_fwd(self, tokens, lengths, logits, temperature, top_k, top_p, seeds, live, context) -> None:
+        """Inference: per live slot (live[n] != 0) the token at position lengths[n] + 1 drawn from
+        logits[n] (greedy at temperature 0, else top_k / top_p and a Gumbel-max draw keyed by
+        (seeds[n], position): ref.sample_row) into tokens[n]; lengths[n] = min(that position,
+        context - 1); a free slot gets token 0 at row 0."""
 
     def k_attn_out_fwd(self, out, inp, w, b) -> None:
         """out (B,T,C) = inp (B,T,C) @ w (C,C).T + b."""

@@ -67,6 +67,7 @@ def step_rows(m: ModelConfig, slots: int, dtype: str) -> list:
     f32 = "float64" if dtype == "float64" else "float32"
     return [("tokens", (N,), "int32"), ("lengths", (N,), "int32"), ("temperature", (N,), "float32"),
             ("top_k", (N,), "int32"), ("top_p", (N,), "float32"), ("seeds", (N,), "uint64"),
+            ("live", (N,), "int32"),
             ("x", (N, 1, C), dtype), ("xmid", (N, 1, C), dtype), ("ln", (N, 1, C), dtype),
             ("ln_mean", (N, 1), f32), ("ln_rstd", (N, 1), f32), ("qkv", (N, 1, 3 * C), dtype),
             ("atty", (N, 1, C), dtype), ("attproj", (N, 1, C), dtype), ("pre", (N, 1, 4 * C), dtype),
@@ -134,7 +135,7 @@ class BatchDecoder:
         """Every slot at token 0, position 0, greedy: the rows of free slots stay in range."""
         n = self.slots
         for name, value in (("tokens", 0), ("lengths", 0), ("temperature", 0), ("top_k", 0), ("top_p", 1),
-                            ("seeds", 0)):
+                            ("seeds", 0), ("live", 0)):
             self.be.write(self.b[name], np.full(n, value))
 
     # ------------------------------------------------------------ the contract
@@ -150,7 +151,8 @@ class BatchDecoder:
         slot = next((s for s, a in enumerate(self.active) if a is None), None)
         if slot is None:
             raise RuntimeError(f"BatchDecoder.admit: all {self.slots} slots are busy")
-        settings = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seeds": req.seed}
+        settings = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seeds": req.seed,
+                    "live": 1}
         for name, value in settings.items():
             self.be.upload(self.b[name][slot:slot + 1], np.array([value], dtype=self.b[name].dtype))
         self.prefill.run(ids, slot)
@@ -172,7 +174,7 @@ class BatchDecoder:
             a["made"] += 1
             done = a["made"] >= a["limit"] or t in a["req"].stop_ids
             if done:
-                self.active[s] = None
+                self.release(s)
             out.append((s, t, done))
         return out
 
@@ -181,6 +183,7 @@ class BatchDecoder:
         if not 0 <= slot < self.slots:
             raise ValueError(f"release: slot {slot} outside 0..{self.slots - 1}")
         self.active[slot] = None
+        self.be.upload(self.b["live"][slot:slot + 1], np.zeros(1, np.int32))  # from the next step on
 
     def check(self, req: Request) -> List[int]:
         """The prompt ids of a valid request, or a ValueError of one line naming the field."""
@@ -237,7 +240,7 @@ class BatchDecoder:
                                         p[nxt[0]], p[nxt[1]])
         be.k_decode_logits_fwd(b["logits"], b["ln"], p["wte"])
         be.k_sample_fwd(b["tokens"], b["lengths"], b["logits"], b["temperature"], b["top_k"], b["top_p"],
-                        b["seeds"], self.context)
+                        b["seeds"], b["live"], self.context)
 
     def print_plan(self, file=sys.stderr) -> None:
         print(f"batch decoder memory plan: {self.m.name} slots={self.slots} context={self.context} "

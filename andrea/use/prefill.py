@@ -78,4 +78,4 @@ class Prefill:
         be.k_decode_logits_fwd(b["logits"][s], g["lnf"][:, n - 1:n], p["wte"])
         be.upload(b["lengths"][s], np.array([n - 1], dtype=np.int32))  # the last prompt row
         be.k_sample_fwd(b["tokens"][s], b["lengths"][s], b["logits"][s], b["temperature"][s], b["top_k"][s],
-                        b["top_p"][s], b["seeds"][s], self.context)
+                        b["top_p"][s], b["seeds"][s], b["live"][s], self.context)

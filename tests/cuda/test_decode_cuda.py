@@ -156,12 +156,13 @@ def test_k_sample_fwd(be, rng):
     top_p = np.array([1, 1, 1, 1, 1, 0.9, 0.5, 0.95, 1, 0.3, 1e-6, 0.99], np.float32)
     seeds = np.arange(N, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     lengths = np.array([0, 5, 17, 1022, 1023, 100, 3, 9, 400, 2, 50, 77], np.int32)
+    live = np.array([1] * 11 + [0], np.int32)  # the last slot is free
     want_t, want_l = np.zeros(N, np.int32), lengths.copy()
-    ref.k_sample_fwd(want_t, want_l, logits, temp, top_k, top_p, seeds, ctx)
+    ref.k_sample_fwd(want_t, want_l, logits, temp, top_k, top_p, seeds, live, ctx)
     t = cp.full(N, -1, dtype=np.int32)
     lens = cp.asarray(lengths)
     be.k_sample_fwd(t, lens, cp.asarray(logits), cp.asarray(temp), cp.asarray(top_k), cp.asarray(top_p),
-                    cp.asarray(seeds), ctx)
+                    cp.asarray(seeds), cp.asarray(live), ctx)
     got = cp.asnumpy(t)
     print("sampled", got.tolist(), "reference", want_t.tolist())
     np.testing.assert_array_equal(got, want_t)

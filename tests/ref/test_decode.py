@@ -109,18 +109,20 @@ def test_sample_row_depends_on_seed_and_position_alone():
 
 
 def test_k_sample_fwd_advances_each_slot_and_stops_at_the_last_row():
+    """Live slots draw sample_row's token at lengths + 1 and advance (the last row is ctx - 1); a
+    free slot goes to token 0 at row 0."""
     rng = np.random.default_rng(8)
-    N, V, ctx = 3, 20, 9
+    N, V, ctx = 4, 20, 9
     logits = rng.normal(size=(N, V)).astype(np.float32)
-    tokens, lengths = np.zeros(N, np.int32), np.array([0, 7, 8], np.int32)
-    temp, top_k, top_p = np.array([0, 1.3, 0.9], np.float32), np.array([0, 4, 0], np.int32), \
-        np.array([1, 1, 0.8], np.float32)
-    seeds = np.array([1, 2, 3], np.uint64)
-    K.k_sample_fwd(tokens, lengths, logits, temp, top_k, top_p, seeds, ctx)
+    tokens, lengths = np.full(N, 7, np.int32), np.array([0, 7, 8, 5], np.int32)
+    temp, top_k, top_p = np.array([0, 1.3, 0.9, 1], np.float32), np.array([0, 4, 0, 0], np.int32), \
+        np.array([1, 1, 0.8, 1], np.float32)
+    seeds, live = np.array([1, 2, 3, 4], np.uint64), np.array([1, 1, 1, 0], np.int32)
+    K.k_sample_fwd(tokens, lengths, logits, temp, top_k, top_p, seeds, live, ctx)
     want = [K.sample_row(logits[n], temp[n], top_k[n], top_p[n], int(seeds[n]), pos)
             for n, pos in enumerate((1, 8, 9))]
-    assert tokens.tolist() == want and tokens[0] == logits[0].argmax()
-    assert lengths.tolist() == [1, 8, 8]  # the last row is ctx - 1
+    assert tokens.tolist() == want + [0] and tokens[0] == logits[0].argmax()
+    assert lengths.tolist() == [1, 8, 8, 0]  # the last row is ctx - 1; the free slot at row 0
 
 
 def test_decode_linear_is_the_linear_layer_and_the_mlp_first_half():

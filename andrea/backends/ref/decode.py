@@ -126,12 +126,17 @@ def sample_row(logits, temperature, top_k, top_p, seed, pos) -> int:
     return int(np.argmax(score))
 
 
-def k_sample_fwd(tokens, lengths, logits, temperature, top_k, top_p, seeds, context):
-    """For each slot n: the token at position pos = lengths[n] + 1 drawn from logits[n] (sample_row,
-    with the slot's temperature, top_k, top_p (N,) and seed (N,) uint64) into tokens[n], and
-    lengths[n] = min(pos, context - 1): the sampled token is the next step's input at its row
-    (a slot at the end of its window keeps writing its last row; its request has finished)."""
+def k_sample_fwd(tokens, lengths, logits, temperature, top_k, top_p, seeds, live, context):
+    """For each live slot n (live (N,) int32 nonzero): the token at position pos = lengths[n] + 1
+    drawn from logits[n] (sample_row, with the slot's temperature, top_k, top_p (N,) and seed (N,)
+    uint64) into tokens[n], and lengths[n] = min(pos, context - 1): the sampled token is the next
+    step's input at its row (a slot at the end of its window keeps writing its last row; its
+    request has finished). A free slot (live 0) gets token 0 at row 0, so that its row of the next
+    steps costs nothing and stays in range."""
     for n in range(tokens.shape[0]):
+        if not live[n]:
+            tokens[n], lengths[n] = 0, 0
+            continue
         pos = int(lengths[n]) + 1
         tokens[n] = sample_row(logits[n], float(temperature[n]), int(top_k[n]), float(top_p[n]),
                                int(seeds[n]), pos)

@@ -118,14 +118,14 @@ class DecodeOps:
             return
         self.blas.gemm(logits, inp, wte, False, True, N, V, C, C, C, V)
 
-    def k_sample_fwd(self, tokens, lengths, logits, temperature, top_k, top_p, seeds, context):
-        """Per slot the token at position lengths[n] + 1 drawn from logits[n] (ref.sample_row) into
-        tokens[n]; lengths[n] = min(that position, context - 1)."""
+    def k_sample_fwd(self, tokens, lengths, logits, temperature, top_k, top_p, seeds, live, context):
+        """Per live slot the token at position lengths[n] + 1 drawn from logits[n] (ref.sample_row)
+        into tokens[n]; lengths[n] = min(that position, context - 1); a free slot: token 0, row 0."""
         N, V = logits.shape
         check("k_sample_fwd", "logits", logits, (N, V), np.float32)
         for name, a, dt in (("tokens", tokens, np.int32), ("lengths", lengths, np.int32),
                             ("temperature", temperature, np.float32), ("top_k", top_k, np.int32),
-                            ("top_p", top_p, np.float32), ("seeds", seeds, np.uint64)):
+                            ("top_p", top_p, np.float32), ("seeds", seeds, np.uint64), ("live", live, np.int32)):
             check("k_sample_fwd", name, a, (N,), dt)
         self.rt.launch("decode.cu", "k_sample_fwd", np.float32, N, 1024,
-                       (tokens, lengths, logits, temperature, top_k, top_p, seeds, i32(V), i32(context)))
+                       (tokens, lengths, logits, temperature, top_k, top_p, seeds, live, i32(V), i32(context)))
