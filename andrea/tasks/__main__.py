@@ -22,7 +22,8 @@ def add_arguments(p) -> None:
     p.add_argument("path", help="run folder (results/<exp>), archive folder or step_XXXXXXXX.bin checkpoint")
     p.add_argument("--tasks", required=True, help="comma-separated task names or a suite: core, gauntlet")
     p.add_argument("--task-data", required=True, type=Path,
-                   help="folder of the task files (JSONL layout), or hub: from the Hugging Face hub (andrea/tasks/hub.py)")
+                   help="folder of the task files (JSONL layout), or hub: from the Hugging Face hub "
+                        "(andrea/tasks/hub.py)")
     p.add_argument("--fewshot", type=int, default=None,
                    help="few-shot examples per item for every task (default: the suite's; a task alone: 0)")
     p.add_argument("--limit", type=int, default=0, help="score only the first N items of each task (0: all)")

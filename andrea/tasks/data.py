@@ -78,7 +78,8 @@ def read_items(path, kind: str, limit: int = 0) -> List[dict]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise TaskDataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); expected one object a line") from None
+            raise TaskDataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); "
+                                "expected one object a line") from None
         items.append(_check(obj, kind, where))
         if limit and len(items) == limit:
             break

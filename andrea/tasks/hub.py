@@ -72,8 +72,8 @@ def copa(row: dict) -> dict:
     def lower_first(t: str) -> str:
         return t[:1].lower() + t[1:]
     join = " because" if row["question"] == "cause" else ", therefore"
-    return {"query": row["premise"].rstrip(".") + join, "choices": [lower_first(row["choice1"]), lower_first(row["choice2"])],
-            "gold": int(row["label"])}
+    return {"query": row["premise"].rstrip(".") + join,
+            "choices": [lower_first(row["choice1"]), lower_first(row["choice2"])], "gold": int(row["label"])}
 
 
 def boolq(row: dict) -> dict:
@@ -134,6 +134,6 @@ def hub_items(name: str) -> List[dict]:
     try:
         rows = load_dataset(h.dataset, h.config, split=h.split)
     except Exception as e:  # datasets raises many kinds (offline, missing, gated): one line, the dataset named
-        raise ValueError(f"task {name}: {h.dataset} ({h.config or 'default'}, {h.split}) cannot be loaded from the hub: "
-                         f"{' '.join(str(e).split())[:200]}") from None
+        raise ValueError(f"task {name}: {h.dataset} ({h.config or 'default'}, {h.split}) cannot be loaded from the "
+                         f"hub: {' '.join(str(e).split())[:200]}") from None
     return [_check(h.convert(dict(r)), task.kind, f"{h.dataset}:{h.split}[{i}]") for i, r in enumerate(rows)]

@@ -57,7 +57,8 @@ def section(b: Optional[dict]) -> str:
         return ""
     out = ["", "## Standard tasks", ""]
     if b.get("skipped"):
-        return "\n".join(out + [f"Not scored: {b['skipped']}" + (f" (asked for: `{b['asked']}`)." if b.get("asked") else "."), ""])
+        asked = f" (asked for: `{b['asked']}`)." if b.get("asked") else "."
+        return "\n".join(out + [f"Not scored: {b['skipped']}{asked}", ""])
     out += [table(b), "",
             f"{b['items']:,} items in {b['wall_s']:.1f} s ({b['items_per_s']:,.1f} items/s) on backend "
             f"`{b['backend']}` ({b['dtype']}, window {b['window']})"

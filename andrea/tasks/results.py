@@ -51,7 +51,8 @@ def table(res: dict) -> str:
     df = pd.DataFrame({"task": df.index, "kind": df["kind"], "accuracy": df["accuracy"].map("{:.4f}".format),
                        "n": df["n"].map("{:,}".format), "few-shot": df["fewshot"].astype(str),
                        "random baseline": df["random_baseline"].map("{:.2f}".format),
-                       "centered": df["centered"].map("{:+.4f}".format), "cut to the window": df["truncated"].astype(str)})
+                       "centered": df["centered"].map("{:+.4f}".format),
+                       "cut to the window": df["truncated"].astype(str)})
     lines = ["| " + " | ".join(df.columns) + " |", "|" + " --- |" * len(df.columns)]
     lines += ("| " + df.astype(str).agg(" | ".join, axis=1) + " |").tolist()
     s = res.get("suite") or {}

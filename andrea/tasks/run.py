@@ -84,8 +84,8 @@ def score_task(scorer, tok, name: str, fewshot: int, data_dir, limit: int = 0):
     cut = len({r.item for r in reqs if r.cut})
     dt = time.perf_counter() - t0
     res = {"kind": task.kind, "file": HUB_DATA if from_hub(data_dir) else task.path, "accuracy": acc, "n": n,
-           "fewshot": fewshot, "random_baseline": task.baseline, "centered": centered(acc, task.baseline), "chance": chance,
-           "truncated": cut, "items_per_s": n / dt if dt > 0 else None}
+           "fewshot": fewshot, "random_baseline": task.baseline, "centered": centered(acc, task.baseline),
+           "chance": chance, "truncated": cut, "items_per_s": n / dt if dt > 0 else None}
     return res, picked, (reqs, loss, count, greedy)
 
 
