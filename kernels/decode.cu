@@ -312,3 +312,47 @@ extern "C" __global__ void k_decode_logits_gemv(float* logits, const CT* inp, co
   if ((threadIdx.x & 31) == 0)
     for (int r = 0; r < N; ++r) logits[(i64)r * V + o] = acc[r];
 }
+
+// k_decode_ln_linear_fwd: res = a + b (rounded to CT, as k_residual_add; written by block 0), or
+// res = a where has_b is 0 (not written); each row's layer norm of res (rounded to CT, as
+// k_layernorm_fwd writes it) into shared memory; then out = that @ w.T + bias, GELU where gelu_:
+// k_residual_layernorm_fwd and k_decode_linear_fwd in one launch, every block normalising the N
+// rows (N <= 8, a warp a row) itself. Shared memory: N * C values of CT.
+#define DECODE_LN_EPS 1e-5f  // layernorm.cu's LN_EPS (torch's default, ref.LN_EPS)
+extern "C" __global__ void k_decode_ln_linear_fwd(CT* out, CT* res, const CT* a, const CT* b, int has_b,
+                                                  const CT* ln_w, const CT* ln_b, const CT* w, const CT* bias,
+                                                  int N, int C, int OC, int gelu_, int vec) {
+  pdl_wait();
+  extern __shared__ __align__(16) unsigned char smraw[];
+  CT* xs = reinterpret_cast<CT*>(smraw);  // (N, C): the normalised rows, the product's input
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (warp < N) {
+    const CT* ar = a + (i64)warp * C;
+    const CT* br = b + (i64)warp * C;
+    CT* xr = xs + warp * C;
+    float s = 0.f;
+    for (int c = lane; c < C; c += 32) {
+      CT r = has_b ? from_f<CT>(to_f(ar[c]) + to_f(br[c])) : ar[c];
+      if (has_b && blockIdx.x == 0) res[(i64)warp * C + c] = r;
+      xr[c] = r;
+      s += to_f(r);
+    }
+    const float mu = warp_sum(s) / C;
+    float v = 0.f;
+    for (int c = lane; c < C; c += 32) { float d = to_f(xr[c]) - mu; v += d * d; }
+    const float rs = 1.0f / sqrtf(warp_sum(v) / C + DECODE_LN_EPS);
+    for (int c = lane; c < C; c += 32) xr[c] = from_f<CT>((to_f(xr[c]) - mu) * rs * to_f(ln_w[c]) + to_f(ln_b[c]));
+  }
+  __syncthreads();  // every row normalised before any warp's product reads it
+  const int o = blockIdx.x * (blockDim.x >> 5) + warp;
+  if (o >= OC) return;
+  float acc[GEMV_MAX_ROWS];
+  gemv_column(acc, xs, w, N, C, o, vec);
+  if (lane == 0) {
+    const float bo = to_f(bias[o]);
+    for (int r = 0; r < N; ++r) {
+      float y = acc[r] + bo;
+      out[(i64)r * OC + o] = from_f<CT>(gelu_ ? gelu(y) : y);
+    }
+  }
+}

@@ -60,11 +60,15 @@ def prompt(seed, n):
     return list(map(int, np.random.default_rng(seed).integers(0, V, n)))
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_greedy_tokens_equal_the_decoder_and_the_full_forward_argmax(model, dtype):
+@pytest.mark.parametrize("dtype,slots", [("float64", 3), ("float32", 3), ("float64", 9)])
+def test_greedy_tokens_equal_the_decoder_and_the_full_forward_argmax(model, dtype, slots):
+    """3 slots: the few-row kernels (k_decode_ln_linear_fwd, k_decode_linear_fwd); 9: the
+    training's layers."""
     cfg, eng, host = model
     reqs = [Request(prompt(n, n), 50) for n in (1, 7, 13)]  # odd lengths, each to its window's end
-    got = run_all(batch(model, dtype=dtype), reqs)
+    bd = batch(model, slots=slots, dtype=dtype)
+    assert bd.gemv == (slots <= 8)
+    got = run_all(bd, reqs)
     dec = Decoder(cfg.model, NumpyBackend(), dtype=dtype)
     dec.load(host)
     for r, toks in zip(reqs, got):

@@ -229,6 +229,10 @@ class Backend(Protocol):
         """Inference: out (N,1,OC) = inp (N,1,IC) @ w.T + b (then GELU where gelu), each row on its
         own; CUDA takes N <= DECODE_GEMV_ROWS."""
 
+    def k_decode_ln_linear_fwd(self, out, res, a, b, ln_w, ln_b, w, bias, gelu) -> None:
+        """Inference: res = a + b and its layer norm (b None: of a, res not written), then
+        k_decode_linear_fwd of it into out (N,1,OC), in one launch on CUDA (N <= DECODE_GEMV_ROWS)."""
+
     def k_decode_logits_fwd(self, logits, inp, wte) -> None:
         """Inference: logits (N,V) float32 = inp (N,1,C) @ wte (V,C).T, each row on its own."""
 

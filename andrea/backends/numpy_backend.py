@@ -131,6 +131,7 @@ class NumpyBackend:
     k_attn_decode_batch_fwd = staticmethod(ref.k_attn_decode_batch_fwd)
     k_decode_cache_fill = staticmethod(ref.k_decode_cache_fill)
     k_decode_linear_fwd = staticmethod(ref.k_decode_linear_fwd)
+    k_decode_ln_linear_fwd = staticmethod(ref.k_decode_ln_linear_fwd)
     k_decode_logits_fwd = staticmethod(ref.k_decode_logits_fwd)
     k_sample_fwd = staticmethod(ref.k_sample_fwd)
     k_attn_out_fwd = staticmethod(ref.k_attn_out_fwd)

@@ -109,8 +109,9 @@ class BatchDecoder:
         # the kernels' scratch, for the larger of the prefill's rows and the step's
         rows = max(self.prefill.rows, self.slots)
         self.workspace = backend.reserve_workspace(1, rows, m.d_model, m.n_head, self.b["params"].dtype)
-        # a few slots: the step's products as k_decode_linear_fwd (weights read once at close to the
-        # copy bandwidth); more: the training's linear layers (cuBLAS)
+        # a few slots: the step's products as k_decode_linear_fwd / k_decode_ln_linear_fwd (weights
+        # read once at close to the copy bandwidth, the layer norms fused in); more: the training's
+        # linear layers (cuBLAS)
         self.gemv = self.slots <= DECODE_GEMV_ROWS
         self.graph = None
         self.active: List[dict] = [None] * self.slots  # per slot: the request and its count, or None
@@ -209,38 +210,58 @@ class BatchDecoder:
         return ids
 
     # ------------------------------------------------------------ the step
-    def _step_kernels(self) -> None:  # noqa: C901 (one flat screen of the model's order)
+    def _step_kernels(self) -> None:
         """One position of every slot: the model's forward order on (slots, 1) rows, the cache at
         each slot's own length, then the logits and the sampler (which advances the lengths)."""
-        be, b, p, NH = self.be, self.b, self.p, self.m.n_head
-        L = self.m.n_layer
+        be, b, p = self.be, self.b, self.p
         be.k_decode_embed_fwd(b["x"], b["tokens"], b["lengths"], p["wte"], p["wpe"])
-        be.k_layernorm_fwd(b["ln"], b["ln_mean"], b["ln_rstd"], b["x"], p["h0.ln1_w"], p["h0.ln1_b"])
-        for l in range(L):
-            w = {n: p[f"h{l}.{n}"] for n in model.LAYER_MATRICES + model.LAYER_VECTORS}
-            if self.gemv:  # a few rows: the products as GEMVs, the first MLP bias and GELU fused
-                be.k_decode_linear_fwd(b["qkv"], b["ln"], w["qkv_w"], w["qkv_b"], False)
-            else:
-                be.k_attn_qkv_fwd(b["qkv"], b["ln"], w["qkv_w"], w["qkv_b"])
-            be.k_attn_decode_batch_fwd(b["atty"], b["kcache"][l], b["vcache"][l], b["qkv"], b["lengths"], NH)
-            if self.gemv:
-                be.k_decode_linear_fwd(b["attproj"], b["atty"], w["attn_out_w"], w["attn_out_b"], False)
-            else:
-                be.k_attn_out_fwd(b["attproj"], b["atty"], w["attn_out_w"], w["attn_out_b"])
-            be.k_residual_layernorm_fwd(b["xmid"], b["ln"], b["ln_mean"], b["ln_rstd"], b["x"], b["attproj"],
-                                        w["ln2_w"], w["ln2_b"])
-            if self.gemv:
-                be.k_decode_linear_fwd(b["act"], b["ln"], w["mlp_w1"], w["mlp_b1"], True)
-                be.k_decode_linear_fwd(b["mlpout"], b["act"], w["mlp_w2"], w["mlp_b2"], False)
-            else:
-                be.k_mlp_fwd(b["mlpout"], b["pre"], b["act"], b["ln"], w["mlp_w1"], w["mlp_b1"], w["mlp_w2"],
-                             w["mlp_b2"])
-            nxt = ("lnf_w", "lnf_b") if l + 1 == L else (f"h{l + 1}.ln1_w", f"h{l + 1}.ln1_b")
-            be.k_residual_layernorm_fwd(b["x"], b["ln"], b["ln_mean"], b["ln_rstd"], b["xmid"], b["mlpout"],
-                                        p[nxt[0]], p[nxt[1]])
+        (self._layers_few if self.gemv else self._layers_many)()
         be.k_decode_logits_fwd(b["logits"], b["ln"], p["wte"])
         be.k_sample_fwd(b["tokens"], b["lengths"], b["logits"], b["temperature"], b["top_k"], b["top_p"],
                         b["seeds"], b["live"], self.context)
+
+    def _layer(self, l: int) -> dict:
+        return {n: self.p[f"h{l}.{n}"] for n in model.LAYER_MATRICES + model.LAYER_VECTORS}
+
+    def _layers_many(self) -> None:
+        """The layers on the training's kernels (cuBLAS products), x in, LNf(x) into ln."""
+        be, b, p, L = self.be, self.b, self.p, self.m.n_layer
+        be.k_layernorm_fwd(b["ln"], b["ln_mean"], b["ln_rstd"], b["x"], p["h0.ln1_w"], p["h0.ln1_b"])
+        for l in range(L):
+            w = self._layer(l)
+            be.k_attn_qkv_fwd(b["qkv"], b["ln"], w["qkv_w"], w["qkv_b"])
+            be.k_attn_decode_batch_fwd(b["atty"], b["kcache"][l], b["vcache"][l], b["qkv"], b["lengths"],
+                                       self.m.n_head)
+            be.k_attn_out_fwd(b["attproj"], b["atty"], w["attn_out_w"], w["attn_out_b"])
+            be.k_residual_layernorm_fwd(b["xmid"], b["ln"], b["ln_mean"], b["ln_rstd"], b["x"], b["attproj"],
+                                        w["ln2_w"], w["ln2_b"])
+            be.k_mlp_fwd(b["mlpout"], b["pre"], b["act"], b["ln"], w["mlp_w1"], w["mlp_b1"], w["mlp_w2"],
+                         w["mlp_b2"])
+            nxt = ("lnf_w", "lnf_b") if l + 1 == L else (f"h{l + 1}.ln1_w", f"h{l + 1}.ln1_b")
+            be.k_residual_layernorm_fwd(b["x"], b["ln"], b["ln_mean"], b["ln_rstd"], b["xmid"], b["mlpout"],
+                                        p[nxt[0]], p[nxt[1]])
+
+    def _layers_few(self) -> None:
+        """The same layers for a few rows: each layer norm fused into the product after it
+        (k_decode_ln_linear_fwd, the residual add with it), the others k_decode_linear_fwd."""
+        be, b, p, L = self.be, self.b, self.p, self.m.n_layer
+        w = self._layer(0)
+        be.k_decode_ln_linear_fwd(b["qkv"], None, b["x"], None, w["ln1_w"], w["ln1_b"], w["qkv_w"], w["qkv_b"],
+                                  False)
+        for l in range(L):
+            be.k_attn_decode_batch_fwd(b["atty"], b["kcache"][l], b["vcache"][l], b["qkv"], b["lengths"],
+                                       self.m.n_head)
+            be.k_decode_linear_fwd(b["attproj"], b["atty"], w["attn_out_w"], w["attn_out_b"], False)
+            be.k_decode_ln_linear_fwd(b["act"], b["xmid"], b["x"], b["attproj"], w["ln2_w"], w["ln2_b"],
+                                      w["mlp_w1"], w["mlp_b1"], True)
+            be.k_decode_linear_fwd(b["mlpout"], b["act"], w["mlp_w2"], w["mlp_b2"], False)
+            if l + 1 == L:
+                be.k_residual_layernorm_fwd(b["x"], b["ln"], b["ln_mean"], b["ln_rstd"], b["xmid"], b["mlpout"],
+                                            p["lnf_w"], p["lnf_b"])
+            else:
+                w = self._layer(l + 1)
+                be.k_decode_ln_linear_fwd(b["qkv"], b["x"], b["xmid"], b["mlpout"], w["ln1_w"], w["ln1_b"],
+                                          w["qkv_w"], w["qkv_b"], False)
 
     def print_plan(self, file=sys.stderr) -> None:
         print(f"batch decoder memory plan: {self.m.name} slots={self.slots} context={self.context} "

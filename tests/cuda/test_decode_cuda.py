@@ -139,6 +139,29 @@ def test_decode_linear_and_logits_gemv(be, prec, rng, N, IC, OC):
     assert err(cp.asnumpy(logits), want) < 1e-5  # products of dt values summed in float32
 
 
+@pytest.mark.parametrize("N,C,OC", [(1, 768, 2304), (8, 384, 1536), (3, 200, 77), (2, 75, 31)])
+def test_decode_ln_linear(be, prec, rng, N, C, OC):
+    """k_decode_ln_linear_fwd against the reference, with and without the residual add and GELU;
+    res written exactly (the rounded sum)."""
+    import cupy as cp
+    dt, tol = prec
+    a, b = rnd64(rng, (N, 1, C), dt), rnd64(rng, (N, 1, C), dt)
+    lw, lb = rnd64(rng, (C,), dt), rnd64(rng, (C,), dt)
+    w, bias = rnd64(rng, (OC, C), dt) / np.sqrt(C), rnd64(rng, (OC,), dt)
+    d = {k: cp.asarray(v.astype(dt)) for k, v in dict(a=a, b=b, lw=lw, lb=lb, w=w, bias=bias).items()}
+    for gelu in (False, True):
+        for with_b in (True, False):
+            res_w, want = np.zeros((N, 1, C)), np.zeros((N, 1, OC))
+            ref.k_decode_ln_linear_fwd(want, res_w if with_b else None, a, b if with_b else None, lw, lb, w, bias,
+                                       gelu)
+            res, out = cp.full((N, 1, C), np.nan, dtype=dt), cp.full((N, 1, OC), np.nan, dtype=dt)
+            be.k_decode_ln_linear_fwd(out, res if with_b else None, d["a"], d["b"] if with_b else None, d["lw"],
+                                      d["lb"], d["w"], d["bias"], gelu)
+            assert err(cp.asnumpy(out), want) < tol, (gelu, with_b)
+            if with_b:
+                np.testing.assert_array_equal(cp.asnumpy(res), (a + b).astype(dt))
+
+
 def rnd64(rng, shape, dt):
     return rng.standard_normal(shape).astype(dt).astype(np.float64)
 

@@ -142,3 +142,22 @@ def test_decode_linear_is_the_linear_layer_and_the_mlp_first_half():
     mlp, pre, act2 = np.zeros((N, 1, IC)), np.zeros((N, 1, OC)), np.zeros((N, 1, OC))
     K.k_mlp_fwd(mlp, pre, act2, x, w, b, w2, b2)
     np.testing.assert_allclose(y, mlp, rtol=1e-13, atol=1e-13)
+
+
+def test_decode_ln_linear_is_the_residual_layernorm_then_the_product():
+    rng = np.random.default_rng(10)
+    N, C, OC = 3, 12, 5
+    a, b = rng.normal(size=(N, 1, C)), rng.normal(size=(N, 1, C))
+    lw, lb, w, bias = rng.normal(size=C), rng.normal(size=C), rng.normal(size=(OC, C)), rng.normal(size=OC)
+    for gelu in (False, True):
+        for with_b in (True, False):
+            res, out = np.full((N, 1, C), np.nan), np.full((N, 1, OC), np.nan)
+            K.k_decode_ln_linear_fwd(out, res if with_b else None, a, b if with_b else None, lw, lb, w, bias, gelu)
+            r2, ln, want = np.zeros((N, 1, C)), np.zeros((N, 1, C)), np.zeros((N, 1, OC))
+            if with_b:
+                K.k_residual_layernorm_fwd(r2, ln, np.zeros((N, 1)), np.zeros((N, 1)), a, b, lw, lb)
+                np.testing.assert_array_equal(res, r2)
+            else:
+                K.k_layernorm_fwd(ln, np.zeros((N, 1)), np.zeros((N, 1)), a, lw, lb)
+            K.k_decode_linear_fwd(want, ln, w, bias, gelu)
+            np.testing.assert_array_equal(out, want)

@@ -38,7 +38,7 @@ from .linear import (k_attn_out_bwd, k_attn_out_fwd, k_attn_qkv_bwd, k_attn_qkv_
                      k_fp8_linear_fwd)
 from .attention import k_attn_bwd, k_attn_bwd_fp8, k_attn_fwd, k_attn_fwd_fp8
 from .decode import (k_attn_decode_batch_fwd, k_attn_decode_fwd, k_decode_cache_fill, k_decode_embed_fwd,
-                     k_decode_linear_fwd, k_decode_logits_fwd, k_sample_fwd, sample_row, sample_uniforms)
+                     k_decode_linear_fwd, k_decode_ln_linear_fwd, k_decode_logits_fwd, k_sample_fwd, sample_row, sample_uniforms)
 from .mlp import k_fp8_mlp_bwd, k_fp8_mlp_fwd, k_mlp_bwd, k_mlp_fwd
 from .residual import k_residual_add, k_residual_add_bwd
 from .loss import (fp8_bound_scale, fp8_sr_bits, k_fp8_loss_bwd, k_fp8_loss_fwd, k_loss_bwd, k_loss_fwd,

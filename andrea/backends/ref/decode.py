@@ -6,6 +6,8 @@ import math
 import numpy as np
 
 from .gelu import _gelu
+from .layernorm import k_layernorm_fwd
+from .residual import k_residual_add
 
 
 def k_attn_decode_fwd(out, kcache, vcache, qkv, pos, n_head):
@@ -64,6 +66,20 @@ def k_decode_linear_fwd(out, inp, w, b, gelu):
     if gelu:
         _gelu(y, y)
     out[...] = y
+
+
+def k_decode_ln_linear_fwd(out, res, a, b, ln_w, ln_b, w, bias, gelu):
+    """k_residual_layernorm_fwd (res = a + b, then its layer norm; b None: the layer norm of a,
+    res not written) and k_decode_linear_fwd of that layer norm, in one: out (N,1,OC); a, b, res
+    (N,1,C); ln_w, ln_b (C,); w (OC,C); bias (OC,)."""
+    N, _, C = a.shape
+    x = a
+    if b is not None:
+        k_residual_add(res, a, b)
+        x = res
+    ln = np.empty_like(a)
+    k_layernorm_fwd(ln, np.empty((N, 1)), np.empty((N, 1)), x, ln_w, ln_b)
+    k_decode_linear_fwd(out, ln, w, bias, gelu)
 
 
 def k_decode_logits_fwd(logits, inp, wte):

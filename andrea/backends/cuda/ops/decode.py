@@ -1,6 +1,6 @@
 """Decoding against a KV cache (kernels/decode.cu), inference only: k_attn_decode_fwd (one
 position), and the batched decoder's kernels (k_decode_embed_fwd, k_attn_decode_batch_fwd,
-k_decode_cache_fill, k_decode_linear_fwd, k_decode_logits_fwd, k_sample_fwd)."""
+k_decode_cache_fill, k_decode_linear_fwd, k_decode_ln_linear_fwd, k_decode_logits_fwd, k_sample_fwd)."""
 from __future__ import annotations
 
 import numpy as np
@@ -104,6 +104,27 @@ class DecodeOps:
         check("k_decode_linear_fwd", "out", out, (N, 1, OC), ct)
         self.rt.launch("decode.cu", "k_decode_linear_fwd", ct, -(-OC // GEMV_COLUMNS), GEMV_COLUMNS * 32,
                        (out, inp, w, b, i32(N), i32(IC), i32(OC), i32(bool(gelu)), i32(gemv_vec(inp, w, IC))))
+
+    def k_decode_ln_linear_fwd(self, out, res, a, b, ln_w, ln_b, w, bias, gelu):
+        """res = a + b (b None: a, res unused) and its layer norm, then out (N,1,OC) = that @ w.T +
+        bias, GELU where gelu: one launch, N <= DECODE_GEMV_ROWS."""
+        kernel = "k_decode_ln_linear_fwd"
+        OC, C = w.shape
+        N, ct = a.shape[0], w.dtype
+        if N > DECODE_GEMV_ROWS:
+            raise ValueError(f"{kernel}: {N} rows; it takes at most {DECODE_GEMV_ROWS}")
+        check(kernel, "a", a, (N, 1, C), ct)
+        if b is not None:
+            check(kernel, "b", b, (N, 1, C), ct)
+            check(kernel, "res", res, (N, 1, C), ct)
+        for name, x, shape in (("ln_w", ln_w, (C,)), ("ln_b", ln_b, (C,)), ("bias", bias, (OC,)),
+                               ("out", out, (N, 1, OC))):
+            check(kernel, name, x, shape, ct)
+        has_b = b is not None
+        self.rt.launch("decode.cu", kernel, ct, -(-OC // GEMV_COLUMNS), GEMV_COLUMNS * 32,
+                       (out, res if has_b else a, a, b if has_b else a, i32(has_b), ln_w, ln_b, w, bias, i32(N),
+                        i32(C), i32(OC), i32(bool(gelu)), i32(gemv_vec(w, w, C))),
+                       shared_mem=N * C * ct.itemsize)
 
     def k_decode_logits_fwd(self, logits, inp, wte):
         """logits (N,V) float32 = inp (N,1,C) @ wte (V,C).T: k_decode_logits_gemv for N <=
