@@ -4,7 +4,8 @@ Opt-in, any subset: `proxy.trackers=[tensorboard,mlflow,wandb]`. Each writes off
 `<run>/trackers/`, nothing leaves the machine:
 
     tensorboard   event files in trackers/tensorboard/   (tensorboard --logdir results/<run>/trackers/tensorboard)
-    mlflow        MLflow's file store in trackers/mlruns/ (mlflow ui --backend-store-uri results/<run>/trackers/mlruns);
+    mlflow        MLflow's file store in trackers/mlruns/ (MLflow 3 reads it with MLFLOW_ALLOW_FILE_STORE=true:
+                  mlflow ui --backend-store-uri results/<run>/trackers/mlruns);
                   experiment = the experiment, run = the run name, params = the resolved config
     wandb         W&B offline mode in trackers/wandb/     (wandb sync results/<run>/trackers/wandb/offline-run-*)
 
