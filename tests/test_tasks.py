@@ -114,12 +114,35 @@ def test_items_longer_than_the_window_are_cut_from_the_left_and_counted(setup, t
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     res, picked, (reqs, loss, count, _) = score_task(scorer, tok, "copa", 0, tmp_path)
     assert res["truncated"] == 1
-    assert [r.cut > 0 for r in reqs] == [True, True, False, False]
+    assert [r.cut for r in reqs] == [True, True, False, False]
     assert all(len(r.tokens) == WINDOW + 1 for r in reqs[:2])
     full = tok.encode("<|endoftext|>" + long + " big old moon.")
-    assert reqs[1].tokens == full[-(WINDOW + 1):] and reqs[1].cut == len(full) - WINDOW - 1
+    assert reqs[1].tokens == full[-(WINDOW + 1):] and reqs[1].n_cont == len(tok.encode(" big old moon."))
     for r, L in zip(reqs, loss):
         assert L == pytest.approx(reference(ref, r.tokens, r.n_cont)[0], rel=2e-5, abs=2e-5)
+
+
+def _whole(tok, items, kind, delimiter, fewshot, window, monkeypatch):
+    """requests() with every prompt encoded whole (no text tails)."""
+    from andrea.tasks import prompts
+    with monkeypatch.context() as m:
+        m.setattr(prompts, "TAIL_CHARS", 10 ** 9)
+        return requests(tok, items, kind, delimiter, fewshot, window, range(len(items)))
+
+
+def test_long_prompts_encoded_from_their_tail_give_the_whole_texts_tokens(setup, monkeypatch):
+    """10-shot prompts of long items (words, numbers, punctuation, non-ASCII) encoded from a tail
+    keep exactly the tokens and continuation lengths of the whole text's encoding."""
+    tok = setup[4]
+    rng = np.random.default_rng(5)
+    pieces = ["red", "cat", "3.14159", "1234567", "(x)", "--", "é", "über", "\n", "  ", "the", "dog,", "'s"]
+    items = [{"query": " ".join(rng.choice(pieces, int(rng.integers(200, 900)))), "gold": 0,
+              "choices": [" ".join(rng.choice(pieces, 1 + j)) for j in range(3)]} for _ in range(12)]
+    for window in (24, 64):
+        fast = requests(tok, items, MC, " ", 10, window, range(len(items)))
+        slow = _whole(tok, items, MC, " ", 10, window, monkeypatch)
+        assert [(r.tokens, r.n_cont, r.cut) for r in fast] == [(r.tokens, r.n_cont, r.cut) for r in slow]
+        assert all(r.cut for r in fast)
 
 
 def test_suite_json_names_the_tasks_averaged_and_missing(setup, tmp_path, capsys):
@@ -203,6 +226,20 @@ def test_real_task_files_read_and_score(setup):
     for n in ("arc_easy", "winogrande", "bigbench_operators"):
         res, _, _ = score_task(scorer, tok, n, 3, SHARED, limit=4)
         assert res["n"] == 4 and 0 <= res["accuracy"] <= 1
+
+
+@needs_shared
+def test_real_long_prompts_from_their_tail(setup, monkeypatch):
+    """10-shot BoolQ and language identification (the longest prompts of CORE) from a text tail
+    give the tokens of the whole text, at a small and at a GPT-2-sized window."""
+    tok = setup[4]
+    for name in ("boolq", "bigbench_language_identification"):
+        t = TASKS[name]
+        items = read_items(SHARED / t.path, t.kind)[:40]
+        for window in (64, 1024):
+            fast = requests(tok, items, t.kind, t.delimiter, 10, window, range(len(items)))
+            slow = _whole(tok, items, t.kind, t.delimiter, 10, window, monkeypatch)
+            assert [(r.tokens, r.n_cont) for r in fast] == [(r.tokens, r.n_cont) for r in slow]
 
 
 def test_evaluation_report_and_published_reference(setup, tmp_path):

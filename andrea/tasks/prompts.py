@@ -30,6 +30,8 @@ from .suites import LM, MC, SCHEMA
 
 FEWSHOT_SEED = 1234
 EXAMPLE_DELIMITER = "\n"
+TAIL_CHARS = 8  # characters a window position in a text tail (byte-level BPE: 1.5 to 5 a token)
+TAIL_MARGIN = 32  # tokens at a tail's start that may differ from the whole text's: never kept
 
 
 @dataclass
@@ -40,7 +42,7 @@ class Request:
     option: int
     tokens: List[int]
     n_cont: int
-    cut: int  # tokens dropped from the left to fit the window
+    cut: bool  # tokens dropped from the left to fit the window
 
 
 def fewshot_indices(i: int, n_items: int, k: int) -> List[int]:
@@ -81,20 +83,39 @@ def split_space(context: str, continuation: str) -> tuple:
     return stripped, context[len(stripped):] + continuation
 
 
+def tail(context: str, continuation: str, window: int) -> tuple:
+    """(text, its context part, whether it is a tail) to encode for a pair: the whole text, or, when
+    it is longer than TAIL_CHARS characters a window position, its last that many characters."""
+    limit = TAIL_CHARS * (window + 1 + TAIL_MARGIN)
+    if len(context) + len(continuation) <= limit or len(continuation) >= limit:
+        return context + continuation, context, False
+    return context[-(limit - len(continuation)):] + continuation, context[-(limit - len(continuation)):], True
+
+
 def requests(tok, items: Sequence[dict], kind: str, delimiter: str, fewshot: int, window: int,
              indices: Sequence[int]) -> List[Request]:
-    """The Requests of the items at indices (all options of each), tokenised in one batch."""
+    """The Requests of the items at indices (all options of each), tokenised in one batch. A long
+    prompt (10-shot BoolQ: tens of thousands of characters, of which a 1,024-token window keeps a
+    few thousand) is encoded from its tail: the last TAIL_CHARS characters a window position. A
+    byte-level BPE splits text into words, numbers and runs of punctuation or space before merging,
+    so past the first TAIL_MARGIN tokens (past the word the cut went through) the tail's tokens are
+    the whole text's; a tail that yields too few tokens is encoded whole after all."""
     meta, texts = [], []
     for i in indices:
         for o, (ctx, cont) in enumerate(pairs(items, i, kind, delimiter, fewshot)):
             ctx, cont = split_space(ctx, cont)
-            meta.append((i, o))
-            texts += [ctx + cont, ctx]
-    enc = tok.encode_batch(texts)
+            text, part, is_tail = tail(ctx, cont, window)
+            meta.append((i, o, is_tail, ctx, cont))
+            texts += [text, part]
+    unique = list(dict.fromkeys(texts))  # the options of an item share their context: encoded once
+    enc = dict(zip(unique, tok.encode_batch(unique)))
     out = []
-    for n, (i, o) in enumerate(meta):
-        whole, ctx = enc[2 * n], enc[2 * n + 1]
-        n_cont = max(1, len(whole) - len(ctx))  # a continuation merged into the context: its last token
-        cut = max(0, len(whole) - (window + 1))
-        out.append(Request(i, o, whole[cut:], min(n_cont, len(whole) - cut - 1), cut))
+    for n, (i, o, is_tail, ctx, cont) in enumerate(meta):
+        whole, head = enc[texts[2 * n]], enc[texts[2 * n + 1]]
+        if is_tail and len(whole) - TAIL_MARGIN < window + 1:  # few tokens for so much text: all of it
+            whole, head = tok.encode_batch([ctx + cont, ctx])
+            is_tail = False
+        n_cont = max(1, len(whole) - len(head))  # a continuation merged into the context: its last token
+        keep = whole[-(window + 1):]
+        out.append(Request(i, o, keep, min(n_cont, len(keep) - 1), is_tail or len(keep) < len(whole)))
     return out
