@@ -23,7 +23,9 @@ Kills: the engine is started with ANDREA_PROXY_PID, so it dies with this process
 at any moment may have lost the events of a checkpoint the engine wrote just before; so each
 engine life starts with --resume-at-most <last_checkpoint_step of the state file>: the engine
 resumes from the newest valid checkpoint at or below it and replays the rest (the same bits), and
-the history keeps every step exactly once, with its validation loss and samples.
+the history keeps every step exactly once, with its validation loss and samples. An engine that
+starts from step 0 although a checkpoint once backed the history (its checkpoints deleted) never
+truncates it: the records are moved to previous/step<N>-<time>/ and the proxy says so in one line.
 
 Checkpoints: when the run folder holds checkpoints but none of them is valid, the proxy refuses
 to start (CheckpointError naming each file and why) and writes nothing; a damaged one the engine
