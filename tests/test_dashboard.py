@@ -193,9 +193,10 @@ def test_cli_port_in_use_says_so(server, tmp_path):
 
 
 def test_run_with_overrides_is_labelled_by_them(tmp_path):
-    """results/ANDREA-tiny+train.lr=1e-3: records <run name>.*.json, label 'ANDREA-tiny: train.lr=1e-3'
+    """results/ANDREA-tiny+train.lr=0.001 (the override typed as train.lr=1e-3): records <run
+    name>.*.json, label 'ANDREA-tiny: train.lr=0.001', the value normalised as the run's name is
     (where its data lives, such as data.dir, is left out of the label)."""
-    name = "ANDREA-tiny+train.lr=1e-3"
+    name = "ANDREA-tiny+train.lr=0.001"
     run = tmp_path / name
     make_records(run)
     (run / "config.yaml").write_text(f"exp: {name}\noverrides: [train.lr=1e-3, data.dir=/d]\n")
@@ -206,7 +207,7 @@ def test_run_with_overrides_is_labelled_by_them(tmp_path):
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         a, b = json.loads(get(srv, "/runs.json")[2])["runs"]
-        assert a["name"] == "ANDREA-tiny: train.lr=1e-3" and a["exp"] == name
+        assert a["name"] == "ANDREA-tiny: train.lr=0.001" and a["exp"] == name
         assert b["name"] == "ANDREA-tiny"
         st, _, body = get(srv, a["loss"])
         assert st == 200 and json.loads(body)["exp"] == name
