@@ -130,6 +130,24 @@ def test_a_restart_cuts_the_journal_back_to_the_resume_point(tmp_path):
     assert again.history == hist and again.last_step() == 15
 
 
+def test_a_late_validation_loses_no_record_to_a_kill_before_the_next_flush(tmp_path):
+    """A validation of an earlier step takes the records after it back into memory; the journal
+    keeps them on disk until the next flush rewrites them, so a kill in between loses none."""
+    rec = RunRecords("x", tmp_path, 100, flush_s=0)
+    for s in range(1, 11):
+        rec.add_step(step(s))
+    rec.flush(force=True)
+    on_disk = rec.journal_path.read_bytes()
+    rec.add_val({"step": 4, "val_loss": 3.5})  # out of order: steps 4..10 are back in memory
+    assert rec.journal_path.read_bytes() == on_disk
+    killed = RunRecords("x", tmp_path, 100)  # the proxy killed here: a new one opens the folder
+    assert [h["step"] for h in killed.history] == list(range(1, 11))
+    rec.flush(force=True)
+    hist = RunRecords("x", tmp_path, 100).history
+    assert [h["step"] for h in hist] == list(range(1, 11))
+    assert [(h["step"], h["val_loss"]) for h in hist if "val_loss" in h] == [(4, 3.5)]
+
+
 def test_the_dashboard_serves_a_long_history_downsampled_with_its_spikes(tmp_path):
     import threading
     import urllib.request

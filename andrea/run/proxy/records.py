@@ -408,13 +408,14 @@ class RunRecords:
 
     def _pull_from(self, step: int) -> None:
         """Move the journal's records of steps >= step back into memory (a rare out-of-order
-        validation); the next flush appends them again."""
+        validation); the next flush appends them again. The file itself is not cut here: the next
+        append cuts it to the journal's size first, so a kill before that flush finds those records
+        still in the file (without the validation) instead of losing them."""
         if self._migrating or not self.journal.size or (self._pending and self._pending[0]["step"] <= step):
             return
         offset, lines, _ = self.journal.tail(step)
         if lines:
             self._pending = _collapse_records([json.loads(ln) for ln in lines] + self._pending)
-            os.truncate(self.journal_path, offset)
             self.journal.size = offset
 
     def add_step(self, ev: dict) -> dict:
