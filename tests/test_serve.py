@@ -262,6 +262,28 @@ def test_a_failing_decoder_ends_its_requests_and_refuses_new_ones(tok):
     assert worker.status()["failed"] and worker.held == 0
 
 
+def test_a_decoder_failing_at_admit_ends_that_request(tok):
+    """A prefill that fails (the request in no slot yet) still ends its request with a 500 event:
+    its handler would otherwise wait for an end that never comes."""
+    class FailingAdmit:
+        slots = 2
+
+        def free(self):
+            return 2
+
+        def admit(self, req):
+            raise MemoryError("out of device memory")
+
+    events, ended = [], threading.Event()
+    worker = Worker(FailingAdmit(), 4)
+    worker.start()
+    worker.submit(Job(Request([1, 2], 4), AnswerText(tok), lambda ev: (events.append(ev), ended.set())))
+    assert ended.wait(60)
+    worker.join(60)
+    assert events == [("error", "the decoder failed: MemoryError: out of device memory", 500)]
+    assert not worker.is_alive() and worker.held == 0
+
+
 @pytest.fixture
 def gated(run, tmp_path):
     """A server of one slot and a queue of one whose every decoder step waits for a byte of a FIFO."""

@@ -27,6 +27,10 @@ IDLE_WAKE_S = 0.5  # how often an idle loop looks whether it is asked to stop
 CANCELLED = ("error", "the request was cancelled", 499)  # its handler may still be waiting for an end
 
 
+def failure(e: Exception) -> str:
+    return f"the decoder failed: {type(e).__name__}: {e}"
+
+
 class QueueFull(Exception):
     """Every slot is busy and queue_size requests already wait."""
 
@@ -59,14 +63,14 @@ class Worker(threading.Thread):
         self.cancelled = self.finished = 0  # requests ended by their client, and answered in full
 
     def submit(self, job: Job) -> Job:
-        if self.broken:
-            raise RuntimeError(self.broken)
-        with self.lock:
+        with self.lock:  # broken is set under the lock: a job queued here is drained by _fail_waiting
+            if self.broken:
+                raise RuntimeError(self.broken)
             if self.held >= self.capacity:
                 raise QueueFull(f"all {self.dec.slots} slots are busy and {self.capacity - self.dec.slots} "
                                 "requests wait for one")
             self.held += 1
-        self.pending.put_nowait(job)
+            self.pending.put_nowait(job)
         return job
 
     def status(self) -> dict:
@@ -95,7 +99,8 @@ class Worker(threading.Thread):
                 if self.active:
                     self._step()
         except Exception as e:  # a failing decoder: every request is told, later ones refused
-            self.broken = f"the decoder failed: {type(e).__name__}: {e}"
+            with self.lock:
+                self.broken = failure(e)
             traceback.print_exc(file=sys.stderr)
             for job in list(self.active.values()):
                 self._send(job, ("error", self.broken, 500))
@@ -120,6 +125,9 @@ class Worker(threading.Thread):
         except ValueError as e:  # the decoder's own check of the request
             self._send(job, ("error", str(e), 400))
             return
+        except Exception as e:  # the decoder failed (prefill): this job is in no slot, so told here
+            self._send(job, ("error", failure(e), 500))
+            raise
         self.active[slot] = job
 
     def _drop_cancelled(self) -> None:
