@@ -150,11 +150,7 @@ class DashboardHandler(BaseHTTPRequestHandler):
             if st.st_nlink != 1:  # a hard link to some other file, made after the proxy wrote it
                 return self._not_found(body)
             etag = f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
-            if self.headers.get("If-None-Match") == etag:
-                self.send_response(HTTPStatus.NOT_MODIFIED)
-                self.send_header("ETag", etag)
-                self.send_header("Cache-Control", "no-cache")
-                self.end_headers()
+            if self._not_modified(etag):
                 return
             data = f.read()
         self._send(data, "application/json", body, {"ETag": etag})
@@ -171,17 +167,23 @@ class DashboardHandler(BaseHTTPRequestHandler):
         if st.st_nlink != 1:
             return self._not_found(body)
         etag = f'"j{st.st_mtime_ns:x}-{st.st_size:x}"'
-        if self.headers.get("If-None-Match") == etag:
-            self.send_response(HTTPStatus.NOT_MODIFIED)
-            self.send_header("ETag", etag)
-            self.send_header("Cache-Control", "no-cache")
-            self.end_headers()
+        if self._not_modified(etag):
             return
         try:
             data = self.server.history_of(journal)
         except (OSError, ValueError):  # vanished, or cut back by a restart while read: the next poll
             return self._not_found(body)
         self._send(data, "application/json", body, {"ETag": etag})
+
+    def _not_modified(self, etag: str) -> bool:
+        """Answer 304 when the client holds this version already (its If-None-Match is etag)."""
+        if self.headers.get("If-None-Match") != etag:
+            return False
+        self.send_response(HTTPStatus.NOT_MODIFIED)
+        self.send_header("ETag", etag)
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        return True
 
     def _send(self, data: bytes, ctype: str, body: bool, extra: Optional[dict] = None) -> None:
         self.send_response(HTTPStatus.OK)
