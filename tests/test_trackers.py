@@ -113,6 +113,17 @@ def test_a_slow_tracker_never_holds_up_the_proxy(tmp_path, fake, monkeypatch):
     assert fake.calls == [("open", "E"), *[("log", n, {"loss": 1.0, "lr": 0.1}) for n in (1, 2, 3)], ("close", "stopped")]
 
 
+def test_a_trackers_folder_that_cannot_be_made_is_one_line(tmp_path, fake):
+    (tmp_path / "run").write_text("a file where the run folder should be")
+    said = []
+    tr = trackers.Trackers(["tensorboard"], tmp_path / "run" / "trackers", "E", say=said.append,
+                           kinds={"tensorboard": fake})
+    tr.feed(step(1))
+    tr.close("finished")
+    assert tr.thread is None and fake.calls == []
+    assert len(said) == 1 and said[0].startswith("tracker tensorboard: ") and "goes on" in said[0], said
+
+
 def test_close_gives_up_on_a_tracker_that_hangs(tmp_path, fake):
     said = []
     fake.gate = threading.Event()

@@ -233,8 +233,12 @@ class Trackers:
             del self.sinks[name]
 
     def _work(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._open()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # no folder, no tracker: said once; the loop still takes the records
+            self._report(", ".join(self.names), e)
+        else:
+            self._open()
         while True:
             step, payload, t = self.q.get()
             if step is _DONE:
