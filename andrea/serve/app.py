@@ -45,7 +45,7 @@ class Served:
     window: int            # positions a request may use: prompt and answer together
     worker: Worker
     page: bytes
-    make_request: object   # (ids, max_new, ask) -> andrea.use.batch.Request
+    make_request: object   # (ids, max_new, ask, seed) -> andrea.use.batch.Request
     created: int = 0
 
 

@@ -2,8 +2,8 @@
 
     ask = parse_chat(body, model_id)          # ApiError(400, "... expected ...", param="temperature")
     ask = parse_completion(body, model_id)
-    completion(ask, kind, text, finish, usage)    # the whole answer
-    chunk(ask, kind, delta=..., finish=...)       # one server-sent event of a stream
+    completion(ask, text, finish, usage(prompt_tokens, completion_tokens))   # the whole answer
+    chunk(ask, text=..., finish=..., role=..., use=...)   # one server-sent event of a stream
 
 An error is OpenAI's error object, `{"error": {"message", "type", "param", "code"}}`, where param
 names the field and the message says what was expected there. Fields the API defines and ANDREA
