@@ -201,11 +201,12 @@ class Trackers:
         failed); gives up after wait_s, saying so."""
         if self.thread is None:
             return
+        deadline = time.monotonic() + wait_s  # one wait in all: a full queue's and the writes'
         try:
             self.q.put((_DONE, status, None), timeout=wait_s)
         except queue.Full:
             pass
-        self.thread.join(wait_s)
+        self.thread.join(max(0.0, deadline - time.monotonic()))
         if self.thread.is_alive():
             self.say(f"trackers: still writing after {wait_s:.0f} s; the run ends without waiting for them "
                      f"(their files may miss the last records)")
