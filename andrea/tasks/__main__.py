@@ -31,7 +31,8 @@ def add_arguments(p) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
     p.add_argument("--precision", default="", choices=("", "fp32", "fp16", "bf16"),
                    help="compute dtype (default: fp32 on NumPy, the training precision on CUDA)")
-    p.add_argument("--batch-tokens", type=int, default=8192, help="positions per forward pass (memory planned once)")
+    p.add_argument("--batch-tokens", type=int, default=0,
+                   help="positions per forward pass, memory planned once (default: 65,536 on CUDA, 8,192 on NumPy)")
     p.add_argument("--tokenizer", help="tokenizer.json, or a folder holding one (default: the run's)")
     p.set_defaults(fn=cmd_tasks)
 
@@ -46,8 +47,8 @@ def cmd_tasks(a, out=None) -> int:
         raise ValueError(f"--limit {a.limit}: expected 0 (all) or a positive number of items")
     if a.fewshot is not None and a.fewshot < 0:
         raise ValueError(f"--fewshot {a.fewshot}: expected 0 or more examples")
-    if a.batch_tokens < 1:
-        raise ValueError(f"--batch-tokens {a.batch_tokens}: expected a positive number of positions")
+    if a.batch_tokens < 0:
+        raise ValueError(f"--batch-tokens {a.batch_tokens}: expected a positive number of positions (0: the default)")
     entries, suite = resolve(a.tasks, a.fewshot)
     if str(a.task_data) != "hub" and not a.task_data.is_dir():
         raise ValueError(f"--task-data {a.task_data}: no such folder; expected the folder of the task files")

@@ -24,7 +24,7 @@ def from_hub(data_dir) -> bool:
     return str(data_dir) == HUB_DATA
 
 
-def load_model(path, backend: str = "auto", tokenizer=None, precision: str = "", batch_tokens: int = 8192):
+def load_model(path, backend: str = "auto", tokenizer=None, precision: str = "", batch_tokens: int = 0):
     """(Scorer with the weights loaded, tokenizer, run metadata) for a run folder, an archive or a
     checkpoint (andrea/use/locate.py); precision: the compute dtype (default fp32 on NumPy, the
     training precision on CUDA; an fp8 run's outside its products, bf16)."""

@@ -27,6 +27,9 @@ from ..config import ModelConfig
 from ..core import model
 from ..core.plan import Arena, MemoryPlan
 
+# positions of one forward pass by backend: on the GPU enough rows for the products to fill it
+# (120M: ~30 KB of activations a position, 2 GB at 65,536), on the CPU less memory in flight
+BATCH_TOKENS = {"cuda": 65536, "numpy": 8192}
 T_MULTIPLE = 64  # batch lengths are rounded up to this (at most the window): few shapes, aligned tiles
 FORWARD_GLOBALS = ("tokens", "targets", "x0", "lnf", "lnf_mean", "lnf_rstd", "losses", "loss_lse",
                    "attproj", "mlpout", "act")
@@ -85,11 +88,11 @@ class Scorer:
     """The model's forward pass over batches of token sequences, on one backend."""
 
     def __init__(self, m: ModelConfig, backend, params, window: int, dtype: str = "float32",
-                 batch_tokens: int = 8192):
+                 batch_tokens: int = 0):
         if not 1 <= window <= m.context:
             raise ValueError(f"scoring window {window}: expected 1..model.context={m.context}")
         self.m, self.be, self.window = m, backend, window
-        self.N = max(batch_tokens, window)
+        self.N = max(batch_tokens or BATCH_TOKENS.get(backend.name, 8192), window)
         self.plan, self.rows = score_plan(m, window, self.N, dtype)
         self.arena = Arena(backend, self.plan.total())
         self.b = {r.name: self.arena.take(r.shape, r.dtype) for r in self.plan.rows}
