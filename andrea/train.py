@@ -69,7 +69,6 @@ from .paths import CONF_DIR
 from .run.protocol import EXIT_BAD_INPUT, EXIT_STOPPED
 
 TRAINED_DIR = "trained"  # what a finished run produces (the workflow's train outputs)
-SET_ASIDE_DIR = "previous"  # runs of other settings, moved aside by --new-run-on-change
 NEW_RUN_FLAG = "--new-run-on-change"
 NEW_RUN_ON_CHANGE = False  # set by NEW_RUN_FLAG (the workflow passes it)
 RANKS_FLAG = "--ranks"  # data parallelism on this host: python -m andrea.train --ranks N ... (andrea/run/launch.py)
@@ -122,7 +121,8 @@ def check_run_folder(cfg: AndreaConfig, run_dir: Path, new_run_on_change: bool =
 def set_aside(cfg: AndreaConfig, run_dir: Path, their_hash: str) -> Path:
     """Move a previous run's checkpoints and records to <run>/previous/<hash>-<time>/ (renames in
     the same folder: nothing is copied, nothing deleted)."""
-    from .run.proxy.records import record_names, set_aside as move_aside
+    from .run.proxy.aside import set_aside as move_aside
+    from .run.proxy.records import record_names
 
     return move_aside(run_dir, ("checkpoints", "archive", TRAINED_DIR, "config.yaml", *record_names(cfg.exp)),
                       their_hash[:12])

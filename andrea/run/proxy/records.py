@@ -55,7 +55,7 @@ and always when the proxy ends, so while a long run trains it may lag the journa
     "updated_at"}.
 
 Pivot archive: on the engine's `pivot` event (a checkpoint at a train.phases boundary),
-archive_pivot copies `<exp>.samples.json`, `<exp>.state.json` and that checkpoint (.bin and its
+archive_pivot (aside.py) copies `<exp>.samples.json`, `<exp>.state.json` and that checkpoint (.bin and its
 .json sidecar) into `archive/<from-phase>-<step>/`; `<exp>.loss.json` stays whole in the run folder.
 
 A history (journal or loss.json), samples or state file that does not parse, holds a field of the
@@ -73,19 +73,18 @@ import bisect
 import json
 import math
 import os
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-from andrea.util.atomic import atomic_copy, atomic_write, atomic_write_json, sha256_file
+from andrea.util.atomic import atomic_write, atomic_write_json, sha256_file
 from andrea.config import ProxyConfig
 
 from .journal import Journal, encode as journal_line, scan as journal_scan, write_loss_json
+from .aside import set_aside
 
 LOSS_FORMAT = "andrea-loss/1"
-SET_ASIDE_DIR = "previous"  # records (and more) of an earlier run, kept whole: set_aside
 JOURNAL_SUFFIX = "loss.jsonl"  # <exp>.loss.jsonl, the history journal (journal.py)
 SMALL_HISTORY = 5_000  # records; a loss.json this long (about 1 MB) is rewritten in milliseconds
 KEEP_SUMS = 4  # sha256 of the last loss.json files written, kept in the state
@@ -554,44 +553,3 @@ class RunRecords:
 def record_names(exp: str) -> tuple:
     """The names of a run's record files, as set_aside moves them."""
     return tuple(f"{exp}.{kind}.json" for kind in ("loss", "samples", "state")) + (f"{exp}.{JOURNAL_SUFFIX}",)
-
-
-def set_aside(run_dir: Path, names, label: str) -> Path:
-    """Move the named files and folders of run_dir (those that exist) to run_dir/previous/<label>-<time>/:
-    renames in the same folder, nothing copied, nothing deleted. Returns that folder."""
-    dest = Path(run_dir) / SET_ASIDE_DIR / f"{_safe_name(label)}-{time.strftime('%Y%m%dT%H%M%S')}"
-    while dest.exists():
-        dest = dest.with_name(dest.name + "+")
-    dest.mkdir(parents=True)
-    for name in names:
-        if os.path.lexists(Path(run_dir) / name):
-            os.replace(Path(run_dir) / name, dest / name)
-    return dest
-
-
-def _safe_name(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", str(s)) or "phase"
-
-
-def archive_pivot(rec: RunRecords, ev: dict) -> Path:
-    """Copy samples, state and the pivot checkpoint into archive/<from>-<step>/ (never the history)."""
-    step, src_phase = int(ev["step"]), ev.get("from") or rec.state["phase"] or "phase"
-    ckpt = Path(ev["checkpoint"])
-    if not ckpt.is_absolute() and not ckpt.exists():
-        ckpt = rec.run_dir / ckpt
-    rec.set_checkpoint(str(ckpt), step)
-    rec.state.update(step=max(rec.state["step"] or 0, step), phase=src_phase)
-    dest = rec.run_dir / "archive" / f"{_safe_name(src_phase)}-{step}"
-    rec.state["archives"] = [a for a in rec.state["archives"] if a["dir"] != str(dest.relative_to(rec.run_dir))]
-    rec.state["archives"].append({"phase": src_phase, "step": step, "dir": str(dest.relative_to(rec.run_dir))})
-    rec.write_samples()
-    rec.flush(force=True)
-    dest.mkdir(parents=True, exist_ok=True)
-    for src in (rec.samples_path, rec.state_path, ckpt, ckpt.with_suffix(".json")):
-        if not src.is_file():
-            raise FileNotFoundError(f"pivot at step {step}: {src} does not exist; cannot archive it")
-        atomic_copy(src, dest / src.name)
-    rec.state["phase"] = ev.get("to", rec.state["phase"])
-    rec.flush(force=True)
-    return dest
-

@@ -33,7 +33,7 @@ skips is reported (`bad_checkpoint`) and listed in state.json's skipped_checkpoi
 
 Phases: the engine itself writes a checkpoint just before crossing train.phases[i].start_step and
 prints a `pivot` event; the checkpoint is taken at the exact step boundary, which a signal from the
-proxy could not guarantee. The proxy then archives it (records.archive_pivot). Training goes on.
+proxy could not guarantee. The proxy then archives it (aside.archive_pivot). Training goes on.
 
 `.proxy.lock` in the run folder (an flock, andrea/util/lock.py) keeps a second proxy off a run that is
 being supervised; the engine holds `.engine.lock`.
@@ -60,7 +60,8 @@ from andrea.util.lock import run_lock
 from andrea.run.protocol import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_NO_SPACE, EXIT_OK, PROXY_PID_ENV,
                              parse)
 
-from .records import FLUSH_S, RecordError, RunRecords, archive_pivot, record_names
+from .aside import archive_pivot
+from .records import FLUSH_S, RecordError, RunRecords, record_names
 from .trackers import open_trackers
 
 # defaults when a config carries no proxy group (andrea.config.ProxyConfig documents each)
