@@ -269,6 +269,7 @@ def test_evaluation_report_and_published_reference(setup, tmp_path):
     pub = json.loads(out.read_text())
     assert pub["tasks"]["copa"] == {k: b["tasks"]["copa"][k] for k in report.KEPT}
     assert pub["suite"]["score"] == b["suite"]["score"] and pub["task_settings"]["limit"] == 7
+    assert pub["provenance"]["kernel_settings"] == publish.kernel_settings()  # the tuning defaults, or None
     again = report.for_report(cfg, params, tok, pub)
     assert again["published"]["verdict"] == "PASS" and len(again["published"]["tasks"]) == 2
     assert "**PASS**" in report.section(again)

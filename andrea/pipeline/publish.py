@@ -9,17 +9,31 @@ speed, wall time and memory plan, the machine, the commit, and the logged losses
 how many of them it reproduced bit for bit. Where the evaluation scored standard tasks (eval.tasks,
 eval/benchmarks.json) the reference keeps each task's accuracy, items and few-shot count and the
 suite's score; a later report compares its own with a binomial interval per task
-(andrea/tasks/results.py). Nothing is evaluated again.
+(andrea/tasks/results.py). Its provenance (the evaluation's: commit, numpy, Python, GPU, backend,
+a sha256 of the kernel sources) gets the CUDA backend's tuning defaults (`kernel_settings`, the
+launch geometry of andrea/backends/cuda/tuning.py; None where CuPy is not installed). Nothing is
+evaluated again.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from .evaluate import git_commit, history_of, write_published
 from .runs import compared_overrides
+
+
+def kernel_settings():
+    """The CUDA backend's tuning defaults (they change how kernels are launched, not the bits they
+    are meant to give), or None where the CUDA backend cannot be imported (no CuPy)."""
+    try:
+        from ..backends.cuda.tuning import Tuning
+    except ImportError:
+        return None
+    return dataclasses.asdict(Tuning())
 
 
 def publish(results: Path, out: Path | None, machine: str, commit: str | None) -> Path:
@@ -38,6 +52,7 @@ def publish(results: Path, out: Path | None, machine: str, commit: str | None) -
     if not loss_path.is_file():
         raise FileNotFoundError(f"{loss_path}: the run's training history is missing")
     out = out or Path("docs") / "published" / f"{m['exp']}.json"
+    m["provenance"] = {**(m.get("provenance") or {}), "kernel_settings": kernel_settings()}
     write_published(out, m, history_of(json.loads(loss_path.read_text())), machine, commit or git_commit())
     return out
 
