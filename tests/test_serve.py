@@ -237,51 +237,39 @@ def test_answer_text_is_generates_text(tok):
         assert "".join(t.push(i) for i in ids) == want, ids
 
 
-def test_a_failing_decoder_ends_its_requests_and_refuses_new_ones(tok):
-    class Failing:  # admits, then fails at its first step as a broken device would
-        slots = 2
+class FailingDecoder:
+    """Two slots; fails at its first admit (a prefill out of memory: the request is in no slot yet)
+    or at its first step (a lost device), as a broken device would."""
+    slots = 2
 
-        def free(self):
-            return 2
+    def __init__(self, where):
+        self.where = where
 
-        def admit(self, req):
-            return 0
+    def free(self):
+        return 2
 
-        def step(self):
-            raise RuntimeError("device lost")
+    def admit(self, req):
+        if self.where == "admit":
+            raise MemoryError("out of device memory")
+        return 0
 
+    def step(self):
+        raise RuntimeError("device lost")
+
+
+@pytest.mark.parametrize("where,why", [("step", "RuntimeError: device lost"),
+                                       ("admit", "MemoryError: out of device memory")])
+def test_a_failing_decoder_ends_its_requests_and_refuses_new_ones(tok, where, why):
     events, ended = [], threading.Event()
-    worker = Worker(Failing(), 4)
+    worker = Worker(FailingDecoder(where), 4)
     worker.start()
     worker.submit(Job(Request([1, 2], 4), AnswerText(tok), lambda ev: (events.append(ev), ended.set())))
     assert ended.wait(60)
     worker.join(60)
-    assert events == [("error", "the decoder failed: RuntimeError: device lost", 500)] and not worker.is_alive()
-    with pytest.raises(RuntimeError, match="device lost"):
+    assert events == [("error", f"the decoder failed: {why}", 500)] and not worker.is_alive()
+    with pytest.raises(RuntimeError, match=why):
         worker.submit(Job(Request([1], 4), AnswerText(tok), events.append))
     assert worker.status()["failed"] and worker.held == 0
-
-
-def test_a_decoder_failing_at_admit_ends_that_request(tok):
-    """A prefill that fails (the request in no slot yet) still ends its request with a 500 event:
-    its handler would otherwise wait for an end that never comes."""
-    class FailingAdmit:
-        slots = 2
-
-        def free(self):
-            return 2
-
-        def admit(self, req):
-            raise MemoryError("out of device memory")
-
-    events, ended = [], threading.Event()
-    worker = Worker(FailingAdmit(), 4)
-    worker.start()
-    worker.submit(Job(Request([1, 2], 4), AnswerText(tok), lambda ev: (events.append(ev), ended.set())))
-    assert ended.wait(60)
-    worker.join(60)
-    assert events == [("error", "the decoder failed: MemoryError: out of device memory", 500)]
-    assert not worker.is_alive() and worker.held == 0
 
 
 @pytest.fixture
