@@ -188,10 +188,7 @@ def _load_record(path: Path, key: str, exp: str) -> Optional[dict]:
         if not isinstance(step, int) or isinstance(step, bool) or step <= prev:
             raise RecordError(f"{path}: {key}[{i}].step is {step!r} but expected an integer > {prev} "
                               f"(steps strictly increasing). {hint}")
-        for name, (ok, expected) in fields.items():
-            if name in rec and not ok(rec[name]):
-                raise RecordError(f"{path}: {key}[{i}].{name} is {rec[name]!r} (step {step}) but expected "
-                                  f"{expected}. {hint}")
+        _check_fields(rec, fields, f"{path}: {key}[{i}].", hint)
         if key == "archives" and not _archive(rec):
             raise RecordError(f"{path}: archives[{i}] is {rec!r} but expected {{phase, step, dir}}. {hint}")
         prev = step
@@ -212,6 +209,15 @@ def _load_record(path: Path, key: str, exp: str) -> Optional[dict]:
                 raise RecordError(f"{path}: {len(missing)} logged step(s) missing ({some}); every multiple of "
                                   f"log_every={every} up to step {last} is expected, each once. {hint}")
     return obj
+
+
+def _check_fields(rec: dict, fields: dict, where: str, hint: str) -> None:
+    """RecordError for the first field of rec that is not what fields expects, named after where
+    (the file and the entry: a loss.json index or a journal line)."""
+    for name, (ok, expected) in fields.items():
+        if name in rec and not ok(rec[name]):
+            raise RecordError(f"{where}{name} is {rec[name]!r} (step {rec.get('step')!r}) but expected "
+                              f"{expected}. {hint}")
 
 
 class _Gaps:
@@ -325,10 +331,7 @@ class RunRecords:
             if not isinstance(step, int) or isinstance(step, bool) or step < max(prev, 1):
                 raise RecordError(f"{path}: line {i}: step is {step!r} but expected an integer >= {max(prev, 1)} "
                                   f"(steps increasing; a repeated step replaces the line before). {hint}")
-            for name, (ok, expected) in fields.items():
-                if name in rec and not ok(rec[name]):
-                    raise RecordError(f"{path}: line {i}: {name} is {rec[name]!r} (step {step}) but expected "
-                                      f"{expected}. {hint}")
+            _check_fields(rec, fields, f"{path}: line {i}: ", hint)
             if held and held[0]["step"] != step:
                 gaps.add(held[0])
             held[:] = [rec]
