@@ -21,6 +21,7 @@ def _data_dir(name: str, marker: str) -> Path:
 KERNEL_DIR = _data_dir("kernels", "common.cuh")  # <op>.cu and common.cuh, compiled at run time by NVRTC
 CONF_DIR = _data_dir("conf", "config.yaml")  # Hydra: config.yaml, groups model/data/train/backend/eval/proxy, experiment/
 DASHBOARD_PAGE = PACKAGE_DIR / "web" / "dashboard.html"  # the live loss page andrea.pipeline.dashboard serves
+CHAT_PAGE = PACKAGE_DIR / "web" / "chat.html"  # the chat page andrea serve serves at /
 
 
 def model_config(exp: str) -> Path:

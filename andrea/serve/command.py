@@ -19,9 +19,7 @@ import socket
 import sys
 import time
 
-from ..paths import PACKAGE_DIR
-
-CHAT_PAGE = PACKAGE_DIR / "web" / "chat.html"
+from ..paths import CHAT_PAGE
 
 
 def add_arguments(p) -> None:
