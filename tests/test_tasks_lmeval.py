@@ -3,7 +3,7 @@ lm-evaluation-harness (`pip install lm-eval`, in the dev extra) on the run's Hug
 (`andrea export RUN --format hf`, PyTorch's GPT-2 on the CPU), through a custom task that reads a
 local JSONL file. Skipped where lm-eval is not installed; to run it alone:
 
-    pip install lm-eval && pytest -q tests/test_tasks_lmeval.py
+    pip install 'lm-eval[hf]' && pytest -q tests/test_tasks_lmeval.py
 
 Both sides get the same text: our prompt's context (the document token, the query, the delimiter)
 and each choice, with lm-eval's target_delimiter "" so it adds nothing between them; both split a
@@ -27,7 +27,8 @@ from andrea.tasks.suites import MC
 
 from tasks_model import make_model, write_tasks
 
-lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install lm-eval; it is in the dev extra)")
+lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'lm-eval[hf]'; in the dev extra)")
+pytest.importorskip("accelerate", reason="lm-eval's Hugging Face model needs accelerate (pip install 'lm-eval[hf]')")
 
 N_ITEMS = 300
 TIE = 1e-4  # nats per token: float32 rounding of a ~60-position forward pass, two implementations
