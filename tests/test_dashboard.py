@@ -181,7 +181,7 @@ def test_odd_config_exp_falls_back_to_the_folder_name(tmp_path, text):
     index, files = build_routes([run])
     assert index["runs"][0]["name"] == "ANDREA-x"
     assert sorted(files) == [f"/runs/0/ANDREA-x.{k}.json" for k in ("loss", "samples", "state")] + [
-        "/runs/0/benchmarks.json"]  # eval/benchmarks.json, whatever exp says
+        "/runs/0/tasks.json"]  # eval/tasks.json, whatever exp says
 
 
 def test_cli_port_in_use_says_so(server, tmp_path):

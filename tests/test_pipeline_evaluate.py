@@ -171,7 +171,7 @@ def test_evaluate_writes_report_and_metrics(trained, tmp_path):
     assert 0 < m["bits_per_byte"] < m["val_loss"] / math.log(2)  # more than one byte per token
     tasks = m["tasks"]
     assert tasks["n"] == 12 and 0 <= tasks["accuracy"] <= 1 and 0 < tasks["chance"] < 1
-    rows = json.loads((out / "eval" / "tasks.json").read_text())
+    rows = json.loads((out / "eval" / "synthetic.json").read_text())
     assert len(rows) == 12 and all(r["reference_matches"] for r in rows)
     assert len(m["samples"]) == 4 and (out / "eval" / "loss.png").stat().st_size > 1000
     # this run has overrides (train.steps=20, ...): listed, and never judged against the published run

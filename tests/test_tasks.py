@@ -301,7 +301,7 @@ def test_hub_rows_convert_to_the_jsonl_layout():
 
 
 def test_compare_and_dashboard_show_the_suite_score(tmp_path):
-    """andrea compare's suite_score column and the dashboard's: eval/benchmarks.json served as the
+    """andrea compare's suite_score column and the dashboard's: eval/tasks.json served as the
     run's benchmarks record and the runs table's cell made from it."""
     import re
     import shutil
@@ -319,13 +319,13 @@ def test_compare_and_dashboard_show_the_suite_score(tmp_path):
         (run / "eval" / "metrics.json").write_text(json.dumps({"val_loss": 1.0, "val_batches": 2,
                                                                **({"benchmarks": b} if b else {})}))
         if b:
-            (run / "eval" / "benchmarks.json").write_text(json.dumps(b))
+            (run / "eval" / "tasks.json").write_text(json.dumps(b))
     df = compare.summary([compare.read_run(tmp_path / "a"), compare.read_run(tmp_path / "b")])
     assert list(df["suite_score"].isna()) == [False, True] and df["suite_score"][0] == 0.0123
     assert "+0.0123" in compare.format_table(df)
     index, files = build_routes([tmp_path / "a"])
     url = index["runs"][0]["benchmarks"]
-    assert files[url] == ((tmp_path / "a").resolve(), "eval/benchmarks.json")
+    assert files[url] == ((tmp_path / "a").resolve(), "eval/tasks.json")
     if shutil.which("node") is None:
         pytest.skip("needs node to run the page's script")
     fn = re.search(r"\nfunction suiteCell\(b\) \{.*?\n\}\n", PAGE.read_text(), re.S).group(0)

@@ -8,7 +8,7 @@ the table gives: the run, its overrides, the two validation losses, each beside 
 (never one column of both: they average different numbers of the same windows): the evaluation's
 (val_loss, eval.batches, blank until evaluated) and the last one measured during training
 (train_val_loss, train.eval_batches), synthetic-task accuracy, the standard tasks' suite score
-(eval/benchmarks.json's mean centered accuracy, andrea/tasks), median tokens/s over the logged
+(eval/tasks.json's mean centered accuracy, andrea/tasks), median tokens/s over the logged
 steps, the steps done and the training wall time. Rows are sorted by the evaluation's validation
 loss, then training's. The plot overlays each run's validation loss (training loss faint), labelled by its
 overrides; --log-scale puts the loss on a logarithmic axis. --csv writes the table too.

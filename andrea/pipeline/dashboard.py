@@ -8,7 +8,7 @@ It binds 127.0.0.1 unless told otherwise, prints the address, and serves exactly
                                       the batches of their validation losses (train.eval_batches)
     /runs/<i>/<exp>.loss.json         the proxy's record files of run i (also .samples.json,
     /runs/<i>/<exp>.state.json        .state.json); <exp> is config.yaml's exp, else the folder's name
-    /runs/<i>/benchmarks.json         its eval/benchmarks.json once evaluated (the standard tasks'
+    /runs/<i>/tasks.json              its eval/tasks.json once evaluated (the standard tasks'
                                       scores: the runs table's suite column; andrea/tasks/results.py)
 Requests are matched against this fixed table before any decoding, so no other path (`/../x`,
 `/%2e%2e/x`, absolute paths, other files in a run folder) can be reached: everything else is 404. A
@@ -100,8 +100,8 @@ def build_routes(run_dirs: Sequence[Path]) -> tuple:
             url = f"/runs/{i}/{exp}.{kind}.json"
             files[url] = (d, f"{exp}.{kind}.json")
             entry[kind] = url
-        files[f"/runs/{i}/benchmarks.json"] = (d, "eval/benchmarks.json")
-        entry["benchmarks"] = f"/runs/{i}/benchmarks.json"
+        files[f"/runs/{i}/tasks.json"] = (d, "eval/tasks.json")
+        entry["benchmarks"] = f"/runs/{i}/tasks.json"
         runs.append(entry)
     return {"runs": runs}, files
 

@@ -7,8 +7,9 @@
         --train-conversations data/synthetic/megachat/train.parquet \
         --out-dir results/ANDREA-tiny [--published docs/published/ANDREA-tiny.json]
 
-Writes `<out>/report.md` and `<out>/eval/{metrics.json, loss.png, samples.json, tasks.json,
-benchmarks.json}` (the standard tasks of eval.tasks, scored by andrea/tasks/report.py).
+Writes `<out>/report.md` and `<out>/eval/{metrics.json, loss.png, samples.json, synthetic.json,
+tasks.json}`: synthetic.json the synthetic tasks' rows, tasks.json the standard tasks of eval.tasks
+(scored by andrea/tasks/report.py).
 
 - Validation loss: mean cross-entropy over the first eval.batches batches of the validation windows
   (andrea.data.loader.val_windows, the same windows training validates on); perplexity = exp(loss); bits per
@@ -448,9 +449,9 @@ def evaluate(a) -> dict:
          log_scale=a.log_scale or cfg.eval.log_scale)
     m["wall_s"] = time.time() - t0
     atomic_write(out / "eval" / "samples.json", json.dumps(m["samples"], indent=1) + "\n")
-    atomic_write(out / "eval" / "tasks.json", json.dumps(tasks["rows"] if tasks else [], indent=1) + "\n")
+    atomic_write(out / "eval" / "synthetic.json", json.dumps(tasks["rows"] if tasks else [], indent=1) + "\n")
     atomic_write(out / "eval" / "metrics.json", json.dumps(m, indent=1) + "\n")
-    atomic_write(out / "eval" / "benchmarks.json", json.dumps(m["benchmarks"], indent=1) + "\n")
+    atomic_write(out / "eval" / "tasks.json", json.dumps(m["benchmarks"], indent=1) + "\n")
     atomic_write(out / "report.md", report_md(m) + task_report.section(m["benchmarks"]))
     if a.write_published:
         write_published(Path(a.write_published), m, hist, a.machine, a.commit or git_commit())

@@ -7,7 +7,7 @@ writes `docs/published/<exp>.json` (or --out): the numbers the report of a later
 experiment is judged against (PASS/FAIL on the validation loss within eval.tolerance), its training
 speed, wall time and memory plan, the machine, the commit, and the logged losses, so a rerun can say
 how many of them it reproduced bit for bit. Where the evaluation scored standard tasks (eval.tasks,
-eval/benchmarks.json) the reference keeps each task's accuracy, items and few-shot count and the
+eval/tasks.json) the reference keeps each task's accuracy, items and few-shot count and the
 suite's score; a later report compares its own with a binomial interval per task
 (andrea/tasks/results.py). Its provenance (the evaluation's: commit, numpy, Python, GPU, backend,
 a sha256 of the kernel sources) gets the CUDA backend's tuning defaults (`kernel_settings`, the

@@ -19,8 +19,8 @@ rule evaluate:
         metrics="results/{exp}/eval/metrics.json",
         plot=report("results/{exp}/eval/loss.png", category="{exp}", labels={"run": "{exp}", "file": "loss curve"}),
         samples=report("results/{exp}/eval/samples.json", category="{exp}", labels={"run": "{exp}", "file": "samples"}),
-        tasks="results/{exp}/eval/tasks.json",
-        benchmarks="results/{exp}/eval/benchmarks.json",  # eval.tasks from eval.task_data (docs/EVALUATION.md)
+        synthetic="results/{exp}/eval/synthetic.json",  # the synthetic tasks' rows
+        tasks="results/{exp}/eval/tasks.json",  # the standard tasks of eval.tasks from eval.task_data (docs/EVALUATION.md)
     params:
         published=published_arg,
         out_dir=run_dir,
