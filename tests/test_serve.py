@@ -345,6 +345,67 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(gated):
     assert s.proc.stderr.read().endswith("andrea serve: stopped\n")
 
 
+def test_a_stop_cuts_an_answer_still_going_after_the_grace(run, tmp_path):
+    """--grace 1: SIGTERM while an answer cannot go on (the decoder held, as behind a client that
+    stopped reading): the stream is cut once the grace has passed, without [DONE]; the held step then
+    ends, the cut request's slot is freed and the process exits 0. Without the bound the stop would
+    wait for the answer for ever and the read below would time out."""
+    site = tmp_path / "gate-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(GATE_SITE)
+    fifo = tmp_path / "gate"
+    os.mkfifo(fifo)
+    env = {"PYTHONPATH": os.pathsep.join([str(site)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+           "ANDREA_TEST_STEP_GATE": str(fifo)}
+    with serving(run, "--slots", "1", "--grace", "1", env=env) as s:
+        conn, resp = s.open_stream({"model": "mini", "messages": [{"role": "user", "content": "hi"}],
+                                    "temperature": 0})
+        assert next_event(resp)["choices"][0]["delta"]["role"] == "assistant"
+        with open(fifo, "wb", buffering=0) as gate:
+            gate.write(b"x")  # one token of eleven, then the decoder waits
+            assert next_event(resp)["choices"][0]["delta"]["content"]
+            s.proc.send_signal(signal.SIGTERM)
+            assert s.proc.stderr.readline().startswith("andrea serve: stopping")
+            rest = resp.fp.read()  # returns when the server closes the stream
+            assert b"[DONE]" not in rest
+        conn.close()
+        assert s.proc.wait(timeout=60) == 0
+        assert s.proc.stderr.read().endswith("andrea serve: stopped\n")
+
+
+def test_a_body_over_the_limit_is_413_without_reading_it_all():
+    """app.read_body: a declared Content-Length over MAX_BODY is refused before any byte is read; a
+    body without one (chunked) is refused as soon as it passes MAX_BODY, the rest never read."""
+    import asyncio
+
+    from starlette.requests import Request as HttpRequest
+
+    from andrea.serve import app
+    from andrea.serve.schemas import ApiError
+
+    def request(headers, chunks):
+        pulled = []
+
+        async def receive():
+            pulled.append(1)
+            body = chunks[len(pulled) - 1] if len(pulled) <= len(chunks) else b""
+            return {"type": "http.request", "body": body, "more_body": len(pulled) < len(chunks)}
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": headers}
+        return HttpRequest(scope, receive), pulled
+
+    r, pulled = request([(b"content-length", str(app.MAX_BODY + 1).encode())], [b"{}"])
+    with pytest.raises(ApiError) as e:
+        asyncio.run(app.read_body(r))
+    assert e.value.status == 413 and "request body" in e.value.message and pulled == []
+    half = b" " * (app.MAX_BODY // 2 + 1)
+    r, pulled = request([], [half, half, half, b"{}"])
+    with pytest.raises(ApiError) as e:
+        asyncio.run(app.read_body(r))
+    assert e.value.status == 413 and len(pulled) == 2
+    r, _ = request([], [b'{"a":', b" 1}"])
+    assert asyncio.run(app.read_body(r)) == b'{"a": 1}'
+
+
 def test_bad_input_is_one_line_and_exit_2(run, tmp_path, capsys):
     assert cli.main(["serve", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err

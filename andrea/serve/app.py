@@ -122,10 +122,30 @@ async def answer(s: Served, request: HttpRequest, parse):
     return JSONResponse(schemas.completion(ask, "".join(parts), end[1], schemas.usage(len(job.request.prompt_ids), end[2])))
 
 
+MAX_BODY = 4 << 20  # bytes of a request body: a window of any served model is a few KB of text
+
+
+async def read_body(request: HttpRequest) -> bytes:
+    """The request's body, or a 413 once it passes MAX_BODY (read no further: a client cannot make
+    the server hold an unbounded body)."""
+    too_big = ApiError(413, f"request body: over {MAX_BODY:,} bytes; expected a JSON object of at most that size",
+                       code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def start(s: Served, request: HttpRequest, parse):
     """(ask, job, event queue): the request checked, tokenised and queued."""
     try:
-        body = json.loads(await request.body())
+        body = json.loads(await read_body(request))
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body: not valid JSON ({e}); expected a JSON object") from None
     ask = parse(body, s.model_id)

@@ -9,7 +9,8 @@ serves the app (app.py) on the main thread. Once the port listens, one line is p
     serving RUN on http://127.0.0.1:8000 (8 slots)
 
 (--port 0 takes a free port, named there.) SIGTERM or Ctrl-C: the port is closed, the answers
-in flight are finished, then the process exits 0. Bad input (no model at RUN, a port in use) is
+in flight are finished, then the process exits 0; answers still going after --grace seconds (a
+client that stopped reading) are cut and their slots freed, so a stop always ends. Bad input (no model at RUN, a port in use) is
 one line on stderr and exit 2.
 """
 from __future__ import annotations
@@ -33,6 +34,9 @@ def add_arguments(p) -> None:
     p.add_argument("--precision", default="", choices=("", "fp32", "fp16", "bf16"),
                    help="compute dtype (default: fp32 on NumPy, the training precision on CUDA)")
     p.add_argument("--tokenizer", help="tokenizer.json, or a folder holding one (default: as andrea generate)")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds a stop (SIGTERM, Ctrl-C) waits for the answers in flight before it cuts them "
+                        "(default 30)")
     p.set_defaults(fn=cmd_serve)
 
 
@@ -82,6 +86,8 @@ def cmd_serve(a) -> int:
         raise ValueError(f"--slots {a.slots}: expected at least 1")
     if a.queue < 0:
         raise ValueError(f"--queue {a.queue}: expected 0 or more")
+    if not a.grace > 0:
+        raise ValueError(f"--grace {a.grace}: expected a positive number of seconds")
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port {a.port}: expected 0 (any free port) to 65535")
     cfg, tok, dec = load_model(a)
@@ -92,7 +98,7 @@ def cmd_serve(a) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     server = Server(uvicorn.Config(make_app(served), log_level="warning", access_log=False, lifespan="off",
-                                   timeout_graceful_shutdown=None),
+                                   timeout_graceful_shutdown=a.grace),
                     ready=f"serving {a.path} on {url} ({a.slots} slot{'s' if a.slots != 1 else ''})")
     worker.start()
     # uvicorn takes SIGTERM and SIGINT while it serves and raises them again afterwards against the
