@@ -121,7 +121,7 @@ def test_decode_linear_and_logits_gemv(be, prec, rng, N, IC, OC):
     the other rows (row 0 alone gives the same bits)."""
     import cupy as cp
     dt, tol = prec
-    x, w, b = rnd64(rng, (N, 1, IC), dt), rnd64(rng, (OC, IC), dt) / np.sqrt(IC), rnd64(rng, (OC,), dt)
+    x, w, b = rnd64(rng, (N, 1, IC), dt), rnd64(rng, (OC, IC), dt, 1 / np.sqrt(IC)), rnd64(rng, (OC,), dt)
     dx, dw, db = (cp.asarray(a.astype(dt)) for a in (x, w, b))
     for gelu in (False, True):
         want = np.zeros((N, 1, OC))
@@ -147,7 +147,7 @@ def test_decode_ln_linear(be, prec, rng, N, C, OC):
     dt, tol = prec
     a, b = rnd64(rng, (N, 1, C), dt), rnd64(rng, (N, 1, C), dt)
     lw, lb = rnd64(rng, (C,), dt), rnd64(rng, (C,), dt)
-    w, bias = rnd64(rng, (OC, C), dt) / np.sqrt(C), rnd64(rng, (OC,), dt)
+    w, bias = rnd64(rng, (OC, C), dt, 1 / np.sqrt(C)), rnd64(rng, (OC,), dt)
     d = {k: cp.asarray(v.astype(dt)) for k, v in dict(a=a, b=b, lw=lw, lb=lb, w=w, bias=bias).items()}
     for gelu in (False, True):
         for with_b in (True, False):
@@ -162,8 +162,9 @@ def test_decode_ln_linear(be, prec, rng, N, C, OC):
                 np.testing.assert_array_equal(cp.asnumpy(res), (a + b).astype(dt))
 
 
-def rnd64(rng, shape, dt):
-    return rng.standard_normal(shape).astype(dt).astype(np.float64)
+def rnd64(rng, shape, dt, scale=1.0):
+    """float64 values already rounded to dt (after the scale), so the reference sees the GPU's inputs."""
+    return (rng.standard_normal(shape) * scale).astype(dt).astype(np.float64)
 
 
 def test_k_sample_fwd(be, rng):
