@@ -18,6 +18,7 @@ import pytest
 from andrea.pipeline.dashboard import DashboardServer
 from andrea.util.atomic import atomic_write_json
 from andrea.run.proxy import supervise
+from andrea.run.proxy import journal
 from test_proxy import write_run
 
 CHROMIUM = os.environ.get("ANDREA_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -88,13 +89,12 @@ def test_dashboard_draws_and_follows_a_run(tiny_run):
             assert page.locator('#runs tr[data-run="other"]').get_attribute("data-status") == "running"
             assert page.locator("#loss-chart path.train").count() == 2
 
-            # the file grows (rewritten atomically, as the proxy does): the page follows
-            loss_path = run / "t.loss.json"
-            rec = json.loads(loss_path.read_text())
+            # the history grows as the proxy grows it (whole lines appended to the journal): the page follows
+            rec = json.loads((run / "t.loss.json").read_text())
             last = {k: v for k, v in rec["history"][-1].items() if k != "val_loss"}
-            rec["history"] += [{**last, "step": last["step"] + i, "loss": last["loss"] * (1 - 0.01 * i)}
-                               for i in range(1, 6)]
-            atomic_write_json(loss_path, rec)
+            with open(run / "t.loss.jsonl", "ab") as f:
+                f.write(b"".join(journal.encode({**last, "step": last["step"] + i, "loss": last["loss"] * (1 - 0.01 * i)})
+                                 for i in range(1, 6)))
             wait_js(page, "window.ANDREA.runs.t.points === 25", "25 points after the file grew")
             assert train.get_attribute("data-points") == "25"
             assert vertices(train.get_attribute("d")) == 25 and val.get_attribute("data-points") == "4"
