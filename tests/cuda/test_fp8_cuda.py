@@ -255,7 +255,7 @@ def test_gelu_kernels_match_the_reference(be, dtype, R, K, rows, monkeypatch):
     is gelu.cuh's sigmoid form in float32, the reference's the tanh form in float64: the same
     function, rounded to the dtype, so a few elements land one unit of the dtype apart, and so at
     most one FP8 code apart in under 1% of the bytes (the reference cast with the GPU's amax);
-    the amax within one unit of the dtype. gelu.cuh's folded form (-DGELU_FMA=1), the one fp8.cu is
+    the amax within one unit of the dtype. gelu.cuh's folded form, the one fp8.cu is
     built with."""
     import cupy as cp
     use_tuning(monkeypatch, be, fp8_tile_rows=rows)
@@ -300,7 +300,7 @@ def test_dgelu_colsum_amax_matches_the_reference(be, dtype, N, H):
     within float32's absolute error of it); the column sums (k_colsum_final
     of its partials) the bits of the two-pass column sums (GradPass.add) of the dact it wrote, its
     amax that of k_fp8_amax of that dact (a NaN: NaN); the column sums within rounding of the
-    reference's. gelu.cuh's folded form (-DGELU_FMA=1), the one fp8.cu is built with."""
+    reference's. gelu.cuh's folded form, the one fp8.cu is built with."""
     import cupy as cp
     from andrea.backends.cuda.geometry import colsum_chunks
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
@@ -381,7 +381,7 @@ def test_gelu_amax_same_bits_either_grid(be, dtype, monkeypatch):
     largest value in one place, with zeros, with -3e4 (bfloat16: -1e36) among them (where the
     GPU's capped exponential makes |gelu| large in bfloat16), and with a NaN (NaN) or -inf
     (infinite: gelu8(-inf) is -inf); and, but for the last three, within one unit of the dtype of
-    the reference. gelu.cuh's folded form (-DGELU_FMA=1), the one fp8.cu is built with."""
+    the reference. gelu.cuh's folded form, the one fp8.cu is built with."""
     import cupy as cp
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng(11)
@@ -741,7 +741,7 @@ def test_delayed_kernels_are_the_current_passes(be, R, K, rows, monkeypatch):
     in place, on a copy) followed by k_fp8_cast_transpose with the same meta; its column sums
     ref.fp8_tile_colsum of that dact bit for bit, its amax k_fp8_amax of it; dact not
     written. A scale from a smaller amax (a delayed one) saturates, as the cast does. gelu.cuh's
-    folded form (-DGELU_FMA=1), the one fp8.cu is built with."""
+    folded form, the one fp8.cu is built with."""
     import cupy as cp
     use_tuning(monkeypatch, be, fp8_tile_rows=rows)
     rng = np.random.default_rng(R + K + rows)
