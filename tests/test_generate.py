@@ -167,8 +167,9 @@ def test_bench_prints_tokens_per_second(run, capsys):
     rows = dict(line.strip("|").split("|") for line in err.splitlines() if line.startswith("|"))
     rows = {k.strip(): float(v.strip().replace(",", "")) for k, v in rows.items()}
     assert set(rows) == {"prefill 23 tokens (ms)", "prefill tokens/s", "single stream decode tokens/s",
-                         "single stream end-to-end tokens/s", "1 streams tokens/s (total)",
-                         "3 streams tokens/s (total)"}, rows
+                         "single stream end-to-end tokens/s", "1 streams decode tokens/s (total)",
+                         "1 streams with prefills tokens/s", "3 streams decode tokens/s (total)",
+                         "3 streams with prefills tokens/s"}, rows
     assert min(rows.values()) > 0
     assert "8 new tokens" in err  # the window of 24 less the prompt of 16
     rc, _, err = gen(capsys, run, "--bench", "--bench-streams", "1,x")
