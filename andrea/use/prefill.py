@@ -3,7 +3,9 @@
 model.forward over (B=1, T) positions, T the prompt's length rounded up to PAD (the padding after
 the prompt cannot change it: attention is causal), with loss=False: the layers' activations are
 shared by every layer except each layer's qkv, which the cache is filled from
-(k_decode_cache_fill, one launch for all layers). The first token's logits are the last prompt
+(k_decode_cache_fill, one launch for all layers). On CUDA the forward pass of a padded length is
+replayed as a graph from its second prefill on (be.graph_runner()), so a prompt costs a handful of
+launches from Python rather than one per kernel. The first token's logits are the last prompt
 row's (k_decode_logits_fwd on that row of LNf's output) and the sampler draws it into the slot's
 input token, as a step would (k_sample_fwd with the slot's length at the last prompt row).
 """
@@ -51,6 +53,9 @@ class Prefill:
         self.m, self.be, self.p, self.b, self.context = m, backend, p, b, context
         self.rows = padded(context, m)
         self.views: Dict[int, tuple] = {}
+        # the forward pass of each padded length as a CUDA graph (the backend's GraphRunner: the
+        # first prefill of a length runs eagerly, the second captures it, later ones replay it)
+        self.runner = backend.graph_runner()
 
     def prefill_views(self, T: int) -> tuple:
         """(layers, g, qkv (L,1,T,3C)) for model.forward over T rows: views of the flat buffers."""
@@ -72,7 +77,7 @@ class Prefill:
         T = padded(n, self.m)
         layers, g, qkv = self.prefill_views(T)
         be.upload(g["tokens"], np.pad(np.asarray(ids, dtype=np.int32), (0, T - n)).reshape(1, T))
-        model.forward(be, p, layers, g, self.m.n_head, loss=False)
+        self.runner.run(("prefill", T), lambda: model.forward(be, p, layers, g, self.m.n_head, loss=False))
         be.k_decode_cache_fill(b["kcache"], b["vcache"], qkv, slot, n)
         s = slice(slot, slot + 1)
         be.k_decode_logits_fwd(b["logits"][s], g["lnf"][:, n - 1:n], p["wte"])
