@@ -71,3 +71,30 @@ def test_a_directory_in_place_of_a_checkpoint_is_moved_aside_and_the_save_succee
     assert final.read_bytes() == good  # resumed from step 3 and saved step 6 again, bit-exact
     assert [h["step"] for h in read(run, "loss")["history"]] == list(range(1, STEPS + 1))
     assert read(run, "state")["status"] == "finished" and not (run / "previous").exists()
+
+
+def test_a_start_over_gives_the_trackers_a_new_run_and_keeps_the_old_one_aside(tmp_path):
+    """proxy.trackers=[tensorboard]: the old history's event files move to previous/ with it, and
+    the new history's steps 1..N reach a new tracker run (before, the trackers skipped every step up
+    to the old history's last, so a finished run's start-over sent them nothing)."""
+    import pytest
+    from omegaconf import OmegaConf
+
+    ea_mod = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    make_shards(tmp_path)
+    run = write_run(tmp_path, steps=STEPS, ckpt_every=3)
+    cfg = OmegaConf.load(run / "config.yaml")
+    cfg.proxy = {"trackers": ["tensorboard"]}
+    OmegaConf.save(cfg, run / "config.yaml")
+    assert run_proxy(run).returncode == 0
+    shutil.rmtree(run / "checkpoints")
+    r = run_proxy(run)
+    assert r.returncode == 0 and "starting over from step 0" in r.stderr, r.stderr
+
+    def steps(folder):
+        ea = ea_mod.EventAccumulator(str(folder))
+        ea.Reload()
+        return sorted({e.step for tag in ea.Tags()["scalars"] for e in ea.Scalars(tag)})
+    (old,) = (run / "previous").iterdir()
+    assert steps(old / "trackers" / "tensorboard") == list(range(1, STEPS + 1))
+    assert steps(run / "trackers" / "tensorboard") == list(range(1, STEPS + 1))

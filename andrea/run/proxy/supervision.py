@@ -198,13 +198,27 @@ class Supervisor:
         rec = self.rec
         said = max(rec.last_step(), rec.state.get("step") or 0)
         if rec.last_step() and (rec.state.get("last_checkpoint_step") or rec.orphan):
+            self.trackers.close("stopped")  # the old history's tracker runs end with it
             dest = rec.keep_aside(f"step{said}")
+            self._trackers_aside(dest)
             rec.state["message"] = (f"starting over from step 0: no checkpoint found, state says step {said}; "
                                     f"the old history is kept in {dest.relative_to(self.run_dir)}/")
             self._say(rec.state["message"])
             rec.flush(force=True)
         else:
             rec.drop_from(step)
+
+    def _trackers_aside(self, dest: Path) -> None:
+        """trackers/ (what the closed trackers wrote) beside the history it belongs to in dest, and
+        new tracker runs for the history that starts now, fed from step 1."""
+        mine = self.run_dir / "trackers"
+        if mine.exists():
+            try:
+                mine.rename(dest / "trackers")
+            except OSError as e:
+                self._say(f"trackers: could not move {mine} to {dest}/ ({e.strerror or e}); the new tracker "
+                          "runs write beside the old ones")
+        self.trackers = open_trackers(self.cfg, self.run_dir, self._say)
 
     def _restart_bar(self, at: int) -> None:
         """Move the bar to step `at` and start its clock and rate afresh: a resume goes back to
