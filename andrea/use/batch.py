@@ -27,9 +27,12 @@ Contract (andrea serve and `andrea generate` both drive it):
 Memory is planned at start-up (`plan`): the weights, the KV cache of every slot ((L, slots,
 context, C) keys and values), the one-row activations of the step, the prefill's activations for
 a whole window, and the slots' sampling settings; nothing is allocated while decoding. On CUDA
-a step is one replayed CUDA graph (captured in load()), the positions read from the device.
-The step's input tokens are read back while the next step runs: step() queues the copy of the
-tokens, then the graph that samples the next ones.
+a step is one replayed CUDA graph (captured in load()), the positions read from the device; up to
+DECODE_GEMV_ROWS slots its products are the few-row kernels (k_decode_linear_fwd,
+k_decode_ln_linear_fwd), above it the training's layers. The step's input tokens are read back
+while the graph runs: step() queues the copy of the tokens, then the graph that samples the next
+ones. A free slot's row is still computed (fixed shapes) but parked at token 0, row 0 (the
+device's `live` flags, written at admit and release). docs/INFERENCE.md has the design.
 """
 from __future__ import annotations
 
@@ -156,7 +159,11 @@ class BatchDecoder:
                     "live": 1}
         for name, value in settings.items():
             self.be.upload(self.b[name][slot:slot + 1], np.array([value], dtype=self.b[name].dtype))
-        self.prefill.run(ids, slot)
+        try:
+            self.prefill.run(ids, slot)
+        except BaseException:
+            self.release(slot)  # the device's live flag back to 0: the slot stays free
+            raise
         self.active[slot] = {"req": req, "made": 0, "limit": min(req.max_new, self.context - len(ids) + 1)}
         return slot
 
