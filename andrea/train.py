@@ -210,6 +210,19 @@ def _remove_if_empty(d: Path) -> None:
         pass
 
 
+def said_typed_folder(run_dir: Path, run_cfg) -> None:
+    """One line when this run's folder is new but a folder named by the overrides as typed exists
+    (runs made before run names were normalised: +train.lr=1e-3 is now +train.lr=0.001), so the
+    same config does not train again in silence."""
+    from .pipeline.runs import base_experiment, typed_name
+
+    old = run_dir.parent / typed_name(base_experiment(run_dir.name), run_cfg.overrides)
+    if old != run_dir and old.is_dir() and not run_dir.exists():
+        print(f"andrea.train: note: {old} holds a run of these overrides under their typed values; this run "
+              f"is {run_dir} (run names use normalised values now: rename the folder to {run_dir.name} "
+              "to resume it instead)", file=sys.stderr)
+
+
 def train(cfg: DictConfig) -> int:
     """Lock, check and prepare the run folder, supervise the run; returns the exit status."""
     try:
@@ -237,6 +250,7 @@ def train(cfg: DictConfig) -> int:
     from .util.lock import LockHeld, run_lock
     from .run.proxy import RecordError, refuse_unusable_checkpoints, supervise  # late: composing needs no engine
 
+    said_typed_folder(run_dir, run_cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         # the proxy's lock first: a refused second command must not touch a live run's folder

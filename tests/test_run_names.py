@@ -51,3 +51,26 @@ def test_command_line_sweep_and_workflow_agree():
     one = hydra_run_dir(["train.lr=3e-3"], "run")
     job = hydra_run_dir(["train.lr=0.003"], "sweep")
     assert one == job == compose_config("ANDREA-tiny", ["train.lr=3e-3"]).exp == "ANDREA-tiny+train.lr=0.003"
+
+
+def test_a_folder_named_by_the_typed_values_is_pointed_out(tmp_path, capsys):
+    """A run made before names were normalised lives in +train.lr=1e-3; the same overrides now name
+    +train.lr=0.001: andrea.train says so in one line instead of training again in silence, and
+    says nothing once the new folder exists or when the names agree."""
+    from types import SimpleNamespace
+
+    from andrea.train import said_typed_folder
+
+    cfg = SimpleNamespace(overrides=["train.lr=1e-3", "data.dir=/d"])
+    new = tmp_path / "ANDREA-tiny+train.lr=0.001"
+    said_typed_folder(new, cfg)
+    assert capsys.readouterr().err == ""  # no old folder
+    (tmp_path / "ANDREA-tiny+train.lr=1e-3").mkdir()
+    said_typed_folder(new, cfg)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ANDREA-tiny+train.lr=1e-3 holds a run" in err and str(new) in err
+    new.mkdir()
+    said_typed_folder(new, cfg)
+    assert capsys.readouterr().err == ""
+    said_typed_folder(tmp_path / "ANDREA-tiny+train.lr=0.002", SimpleNamespace(overrides=["train.lr=0.002"]))
+    assert capsys.readouterr().err == ""

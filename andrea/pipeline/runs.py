@@ -124,10 +124,13 @@ def names_itself(overrides: Iterable[str]) -> bool:
     return any(override_key(o) == "exp" for o in overrides)
 
 
-def tag(overrides: Iterable[str]) -> str:
+def tag(overrides: Iterable[str], normalise: bool = True) -> str:
     """The naming overrides made path-safe (`train.lr=0.001,train.seed=2`); "" when there are none;
-    a very long one becomes `run-<hash>`, so names stay unique and short."""
-    joined = ",".join(naming_overrides(overrides))
+    a very long one becomes `run-<hash>`, so names stay unique and short. normalise=False: the
+    values as typed, the names runs had before values were normalised (`train.lr=1e-3`)."""
+    named = naming_overrides(overrides) if normalise else sorted(
+        str(o) for o in overrides if override_key(o) not in PLACE_KEYS and _section(override_key(o)) not in NON_TRAINING)
+    joined = ",".join(named)
     safe = re.sub(r"[^A-Za-z0-9._=,+-]", "_", joined)
     if len(safe) > MAX_NAME - 40:
         safe = "run-" + hashlib.sha256(joined.encode()).hexdigest()[:12]
@@ -145,6 +148,16 @@ def run_name(exp: str, overrides: Iterable[str] = (), sweep: bool = False) -> st
     if names_itself(overrides) and not sweep:
         return str(exp)
     t = tag(overrides)
+    return f"{exp}{SEP}{t}" if t else str(exp)
+
+
+def typed_name(exp: str, overrides: Iterable[str] = ()) -> str:
+    """run_name with the override values as typed: the folder such a run had before run names were
+    normalised. Where it differs and exists, andrea.train says so (the same config, another folder)."""
+    overrides = [str(o) for o in overrides]
+    if names_itself(overrides):
+        return str(exp)
+    t = tag(overrides, normalise=False)
     return f"{exp}{SEP}{t}" if t else str(exp)
 
 
