@@ -112,6 +112,8 @@ def test_a_request_gets_the_same_tokens_alone_and_among_others(model):
     alone = [run_all(batch(model), [r])[0] for r in reqs]
     together = run_all(batch(model), reqs, admit_at=[0, 0, 2, 7])  # the 4th waits for a free slot
     assert together == alone
+    # and on the CPU a decoder of one slot (andrea generate's) gives them too
+    assert [run_all(batch(model, slots=1), [r])[0] for r in reqs] == alone
     assert len(set(map(tuple, alone))) == 4
 
 
