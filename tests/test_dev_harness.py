@@ -25,7 +25,7 @@ def test_every_interface_kernel_has_a_case(harness):
     assert kernels == {n for n in vars(Backend) if n.startswith("k_")}
 
 
-@pytest.mark.parametrize("op", ["embed", "layernorm", "linear", "attention", "mlp", "residual", "loss", "optim"])
+@pytest.mark.parametrize("op", ["embed", "layernorm", "linear", "attention", "decode", "mlp", "residual", "loss", "optim"])
 def test_reference_in_float32_passes(harness, op):
     df = harness.run(op, ["main"], ["fp32"], reps=1, timing=True, backend=lambda *a: NumpyBackend(),
                      time_size=SMALL)

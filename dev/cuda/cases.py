@@ -8,7 +8,7 @@ A case is a kernel name and a function (rng, dt, size) -> list of arguments, eac
   InOut(x, kind)    an input the kernel overwrites (loss_bwd's logits): compared afterwards
   Scratch(shape, kind)  workspace the kernel may use freely: not compared
   a plain number    passed as is (n_head, dloss, lr, ...)
-kind is "ct" (the compute dtype), "f32", "f64" (the optimizer state) or "i32". Saved forward values that a backward kernel
+kind is "ct" (the compute dtype), "f32", "f64" (the optimizer state), "i32" or "u64" (the sampler's seeds). Saved forward values that a backward kernel
 reads (mean/rstd, out/lse, pre, logits/lse) come from the float64 reference forward.
 A case's kwargs go to both the reference and the backend: the backward kernels are checked once
 more with accumulate=False (`written`), their activation gradient then an Out (NaN-filled).
@@ -208,6 +208,68 @@ def attn_decode_fwd(rng, dt, s):
             In(rnd(rng, (B, 1, 3 * C), dt)), T - 1, NH]
 
 
+# ------------------------------------------------------------ decode.cu (inference)
+def _slots(s):
+    return s["B"] + 3  # an odd slot count, within DECODE_GEMV_ROWS at the check size
+
+
+def decode_embed_fwd(rng, dt, s):
+    N, T, C, V = _slots(s), s["T"], s["C"], s["V"]
+    return [Out((N, 1, C)), In(rng.integers(0, V, (N,)).astype(np.int32), "i32"),
+            In(rng.integers(0, T, (N,)).astype(np.int32), "i32"), In(rnd(rng, (V, C), dt)), In(rnd(rng, (T, C), dt))]
+
+
+def attn_decode_batch_fwd(rng, dt, s):
+    """Each slot at its own position; cache rows past it hold garbage the kernel must not read."""
+    N, T, C, NH = _slots(s), s["T"], s["C"], s["NH"]
+    return [Out((N, 1, C)), InOut(rnd(rng, (N, T, C), dt)), InOut(rnd(rng, (N, T, C), dt)),
+            In(rnd(rng, (N, 1, 3 * C), dt)), In(rng.integers(0, T, (N,)).astype(np.int32), "i32"), NH]
+
+
+def decode_cache_fill(rng, dt, s):
+    N, T, C, L = _slots(s), s["T"], s["C"], 2
+    return [InOut(rnd(rng, (L, N, T + 3, C), dt)), InOut(rnd(rng, (L, N, T + 3, C), dt)),
+            In(rnd(rng, (L, 1, T, 3 * C), dt)), 2, T - 5]
+
+
+def decode_linear_fwd(mult, gelu):
+    def make(rng, dt, s):
+        N, C = _slots(s), s["C"]
+        return [Out((N, 1, mult * C)), In(rnd(rng, (N, 1, C), dt)), In(rnd(rng, (mult * C, C), dt, 0.07)),
+                In(rnd(rng, (mult * C,), dt, 0.1)), gelu]
+    return make
+
+
+def decode_ln_linear_fwd(residual, mult, gelu):
+    def make(rng, dt, s):
+        N, C = _slots(s), s["C"]
+        res = Out((N, 1, C)) if residual else Scratch((N, 1, C))
+        b = In(rnd(rng, (N, 1, C), dt)) if residual else None
+        return [Out((N, 1, mult * C)), res, In(rnd(rng, (N, 1, C), dt)), b, In(rnd(rng, (C,), dt, 0.1, 1.0)),
+                In(rnd(rng, (C,), dt, 0.1)), In(rnd(rng, (mult * C, C), dt, 0.07)), In(rnd(rng, (mult * C,), dt, 0.1)),
+                gelu]
+    return make
+
+
+def decode_logits_fwd(extra):
+    def make(rng, dt, s):
+        N, C, V = _slots(s) + extra, s["C"], s["V"]
+        return [Out((N, V), "f32"), In(rnd(rng, (N, 1, C), dt)), In(rnd(rng, (V, C), dt, 0.1))]
+    return make
+
+
+def sample_fwd(rng, dt, s):
+    """Greedy, plain temperature, top_k, top_p, a free slot, and a slot at the end of its window:
+    the tokens and lengths must be the reference's exactly (a tolerance of 1e-9: any other token fails)."""
+    N, T, V = 6, s["T"], s["V"]
+    lengths = np.array([3, 10, 0, T - 1, 7, 20], dtype=np.int32)
+    return [InOut(np.zeros(N, dtype=np.int32), "i32", 1e-9), InOut(lengths, "i32", 1e-9),
+            In(rnd(rng, (N, V), np.float32, 2.0), "f32"), In(np.array([0, 0.8, 1.0, 1.3, 0.5, 2.0]), "f32"),
+            In(np.array([0, 0, 50, 0, 10, 0], dtype=np.int32), "i32"), In(np.array([1, 1, 1, 0.5, 1, 0.9]), "f32"),
+            In(np.array([0, 1, 2, 3, 12345, 2 ** 40 + 7], dtype=np.uint64), "u64"),
+            In(np.array([1, 1, 1, 1, 0, 1], dtype=np.int32), "i32"), T]
+
+
 # ------------------------------------------------------------ mlp.cu
 def mlp_fwd(rng, dt, s):
     B, T, C = s["B"], s["T"], s["C"]
@@ -318,6 +380,14 @@ CASES: Dict[str, List[Case]] = {
     "attention": [Case("k_attn_fwd", attn_fwd), Case("k_attn_bwd", attn_bwd), written("k_attn_bwd", attn_bwd),
                   Case("k_attn_fwd", attn_fwd, FUSED_SIZE), Case("k_attn_bwd", attn_bwd, FUSED_SIZE),
                   written("k_attn_bwd", attn_bwd, FUSED_SIZE), Case("k_attn_decode_fwd", attn_decode_fwd)],
+    "decode": [Case("k_decode_embed_fwd", decode_embed_fwd), Case("k_attn_decode_batch_fwd", attn_decode_batch_fwd),
+               Case("k_decode_cache_fill", decode_cache_fill),
+               Case("k_decode_linear_fwd", decode_linear_fwd(3, False)),
+               Case("k_decode_linear_fwd", decode_linear_fwd(4, True)),
+               Case("k_decode_ln_linear_fwd", decode_ln_linear_fwd(True, 3, False)),
+               Case("k_decode_ln_linear_fwd", decode_ln_linear_fwd(False, 4, True)),
+               Case("k_decode_logits_fwd", decode_logits_fwd(0)), Case("k_decode_logits_fwd", decode_logits_fwd(8)),
+               Case("k_sample_fwd", sample_fwd)],
     "mlp": [Case("k_mlp_fwd", mlp_fwd), Case("k_mlp_bwd", mlp_bwd), written("k_mlp_bwd", mlp_bwd)],
     "residual": [Case("k_residual_add", residual_fwd), Case("k_residual_add_bwd", residual_bwd)],
     "loss": [Case("k_loss_fwd", loss_fwd), Case("k_loss_bwd", loss_bwd), written("k_loss_bwd", loss_bwd),

@@ -51,7 +51,8 @@ def np_dtype(precision: str):
 
 
 def kind_dtype(kind: str, dt):
-    return {"ct": dt, "f32": np.dtype(np.float32), "f64": np.dtype(np.float64), "i32": np.dtype(np.int32)}[kind]
+    return {"ct": dt, "f32": np.dtype(np.float32), "f64": np.dtype(np.float64), "i32": np.dtype(np.int32),
+            "u64": np.dtype(np.uint64)}[kind]
 
 
 def rel_err(got, want) -> float:
