@@ -216,8 +216,9 @@ def test_loss_bits_as_before_the_ignore_index(be, rng, dt_name, Vr, vectors, mon
     got = []
     for b in (be, old):
         use_tuning(monkeypatch, b, loss_vectors=vectors)
-        out = [nan_buf((B, T), np.float32), nan_buf((B, T), np.float32), nan_buf((N, Vr), dt),
-               nan_buf((B, T, Cq), dt), dev(np.zeros((Vr, Cq)), np.float32)]
+        # k_loss_bwd's order: losses, lse, dinp, dwte, logits
+        out = [nan_buf((B, T), np.float32), nan_buf((B, T), np.float32), nan_buf((B, T, Cq), dt),
+               dev(np.zeros((Vr, Cq)), np.float32), nan_buf((N, Vr), dt)]
         b.k_loss_bwd(*out, dev(inp, dt), dev(wte, dt), dev(t, np.int32), 1.0 / 7, accumulate=False)
         fwd = [nan_buf((B, T), np.float32), nan_buf((B, T), np.float32)]
         b.k_loss_fwd(*fwd, nan_buf((N, Vr), dt), dev(inp, dt), dev(wte, dt), dev(t, np.int32))
