@@ -6,6 +6,8 @@ float64 logits of the prefill equal the one-position decoder's to rounding (rela
 T-row product and a one-row product sum in different orders); greedy tokens are compared exactly
 (the random model's logits have no ties at this precision).
 """
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -56,6 +58,16 @@ def run_all(bd, reqs, admit_at=None):
     return out
 
 
+def test_wide_models_take_the_training_layers_at_any_slot_count(model):
+    """The few-row kernels only where they won: DECODE_GEMV_MAX_C (ANDREA-120M's 768 is over it)."""
+    from andrea.backends.interface import DECODE_GEMV_MAX_C
+    cfg, _, _ = model
+    wide = dataclasses.replace(cfg.model, d_model=DECODE_GEMV_MAX_C + 24, n_head=3)
+    assert not BatchDecoder(wide, NumpyBackend(), 1, CTX, "float32").gemv
+    narrow = dataclasses.replace(cfg.model, d_model=DECODE_GEMV_MAX_C, n_head=4)
+    assert BatchDecoder(narrow, NumpyBackend(), 1, CTX, "float32").gemv
+
+
 def prompt(seed, n):
     return list(map(int, np.random.default_rng(seed).integers(0, V, n)))
 
@@ -67,7 +79,7 @@ def test_greedy_tokens_equal_the_decoder_and_the_full_forward_argmax(model, dtyp
     cfg, eng, host = model
     reqs = [Request(prompt(n, n), 50) for n in (1, 7, 13)]  # odd lengths, each to its window's end
     bd = batch(model, slots=slots, dtype=dtype)
-    assert bd.gemv == (slots <= 8)
+    assert bd.gemv == (slots <= 8)  # d_model 24: within DECODE_GEMV_MAX_C
     got = run_all(bd, reqs)
     dec = Decoder(cfg.model, NumpyBackend(), dtype=dtype)
     dec.load(host)

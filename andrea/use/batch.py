@@ -28,8 +28,8 @@ Memory is planned at start-up (`plan`): the weights, the KV cache of every slot 
 context, C) keys and values), the one-row activations of the step, the prefill's activations for
 a whole window, and the slots' sampling settings; nothing is allocated while decoding. On CUDA
 a step is one replayed CUDA graph (captured in load()), the positions read from the device; up to
-DECODE_GEMV_ROWS slots its products are the few-row kernels (k_decode_linear_fwd,
-k_decode_ln_linear_fwd), above it the training's layers. The step's input tokens are read back
+DECODE_GEMV_ROWS slots of a model at most DECODE_GEMV_MAX_C wide its products are the few-row
+kernels (k_decode_linear_fwd, k_decode_ln_linear_fwd), otherwise the training's layers. The step's input tokens are read back
 while the graph runs: step() queues the copy of the tokens, then the graph that samples the next
 ones. A free slot's row is still computed (fixed shapes) but parked at token 0, row 0 (the
 device's `live` flags, written at admit and release). docs/INFERENCE.md has the design.
@@ -42,7 +42,7 @@ from typing import FrozenSet, List, Tuple
 
 import numpy as np
 
-from ..backends.interface import DECODE_GEMV_ROWS
+from ..backends.interface import DECODE_GEMV_MAX_C, DECODE_GEMV_ROWS
 from ..config import ModelConfig
 from ..core import model
 from ..core.plan import Arena, MemoryPlan
@@ -115,7 +115,7 @@ class BatchDecoder:
         # a few slots: the step's products as k_decode_linear_fwd / k_decode_ln_linear_fwd (weights
         # read once at close to the copy bandwidth, the layer norms fused in); more: the training's
         # linear layers (cuBLAS)
-        self.gemv = self.slots <= DECODE_GEMV_ROWS
+        self.gemv = self.slots <= DECODE_GEMV_ROWS and m.d_model <= DECODE_GEMV_MAX_C
         self.graph = None
         self.active: List[dict] = [None] * self.slots  # per slot: the request and its count, or None
         self.zero_slots()
