@@ -1,6 +1,6 @@
 """Score a trained run on standard in-context tasks (multiple choice, schema, language modelling).
 
-    python -m andrea.tasks RUN --tasks core --task-data ../shared/eval-data [--json tasks.json]
+    python -m andrea.tasks RUN --tasks core --task-data DIR [--json tasks.json]
     python -m andrea.tasks RUN --tasks arc_easy,piqa --task-data DIR --fewshot 0 --limit 200
     andrea tasks RUN ...                              # the same
 

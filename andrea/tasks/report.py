@@ -14,7 +14,7 @@ from typing import Optional
 from .results import FORMAT, compare_tasks, comparison_md, table
 
 SKIPPED_EMPTY = ("eval.task_data is empty, so no benchmark file was read (set eval.task_data to the folder "
-                 "of the JSONL task files, e.g. ../shared/eval-data; docs/EVALUATION.md)")
+                 "of the JSONL task files; docs/EVALUATION.md)")
 
 
 def for_report(cfg, params, tok, published: Optional[dict] = None, log=None) -> dict:

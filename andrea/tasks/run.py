@@ -1,7 +1,7 @@
 """Scoring a list of tasks on one model: items -> requests -> batched scores -> choices -> results.
 
     scorer, tok, meta = load_model("results/ANDREA-tiny", backend="numpy")
-    res = run_tasks(scorer, tok, resolve("core")[0], "../shared/eval-data", suite="core")
+    res = run_tasks(scorer, tok, resolve("core")[0], "path/to/eval-data", suite="core")
 """
 from __future__ import annotations
 
