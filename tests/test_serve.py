@@ -406,6 +406,37 @@ def test_a_body_over_the_limit_is_413_without_reading_it_all():
     assert asyncio.run(app.read_body(r)) == b'{"a": 1}'
 
 
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+def test_a_client_gone_before_the_first_byte_frees_its_job(spec):
+    """The streamed answer's response, its client already gone: under ASGI 2.3 the disconnect is
+    received at once, under 2.4 the first send fails. Either way the event generator never starts,
+    and the job must still be cancelled (its slot freed), not decoded to max_tokens."""
+    import asyncio
+
+    from andrea.serve.app import JobStream
+
+    job = Job(Request([1], 4), None, lambda ev: None)
+    started = []
+
+    async def events():
+        started.append(1)
+        yield "data: x\n\n"
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if spec == "2.4":
+            raise OSError("the client is gone")
+        await asyncio.sleep(0)  # 2.3: the disconnect listener wins
+    scope = {"type": "http", "asgi": {"spec_version": spec}}
+    try:
+        asyncio.run(JobStream(job, events(), media_type="text/event-stream")(scope, receive, send))
+    except Exception:  # noqa: BLE001 (2.4: Starlette raises its ClientDisconnect)
+        pass
+    assert job.cancelled.is_set() and not started
+
+
 def test_bad_input_is_one_line_and_exit_2(run, tmp_path, capsys):
     assert cli.main(["serve", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err

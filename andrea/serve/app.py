@@ -103,8 +103,8 @@ async def answer(s: Served, request: HttpRequest, parse):
     except ApiError as e:
         return error(e)
     if ask.stream:
-        return StreamingResponse(stream(request, ask, job, events), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JobStream(job, stream(request, ask, job, events), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watch = asyncio.create_task(cancel_on_disconnect(request, job))
     try:
         parts, end = [], None
@@ -180,6 +180,22 @@ async def cancel_on_disconnect(request: HttpRequest, job: Job) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
     job.cancel()
+
+
+class JobStream(StreamingResponse):
+    """The event stream of one job, which is cancelled however the response ends: a client gone
+    before the first byte is sent never starts the stream's generator (whose own finally would
+    cancel it), and its slot would otherwise decode to max_tokens for nobody."""
+
+    def __init__(self, job: Job, *args, **kw):
+        super().__init__(*args, **kw)
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
 
 
 def sse(obj) -> str:
