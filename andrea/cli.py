@@ -137,15 +137,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cmd in ("engine", "params"):
         return args.fn(args)
-    from .util.atomic import NoSpace
-    try:  # the model-using commands: bad input is one line naming what is wrong, exit 2
-        return args.fn(args)
-    except NoSpace as e:  # names the file it was writing, what it needed and what is free
-        print(f"andrea {args.cmd}: {e}", file=sys.stderr)
-        return EXIT_NO_SPACE
-    except (ValueError, FileNotFoundError) as e:
-        print(f"andrea {args.cmd}: {' '.join(str(e).split())}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    from .run.protocol import run_command
+    return run_command(f"andrea {args.cmd}", args.fn, args)  # bad input: one line naming what is wrong, exit 2
 
 
 if __name__ == "__main__":

@@ -54,6 +54,22 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL of sysexits.h
 PROXY_PID_ENV = "ANDREA_PROXY_PID"
 
 
+def run_command(prog: str, fn, args) -> int:
+    """fn(args), a command that uses a model or its files: its exit code, or a bad input or a full
+    disk said in one line on stderr as `prog: ...` with EXIT_BAD_INPUT or EXIT_NO_SPACE (the
+    commands of andrea/cli.py and `python -m andrea.tasks`)."""
+    from ..util.atomic import NoSpace
+
+    try:
+        return fn(args)
+    except NoSpace as e:  # names the file it was writing, what it needed and what is free
+        print(f"{prog}: {e}", file=sys.stderr)
+        return EXIT_NO_SPACE
+    except (ValueError, FileNotFoundError) as e:
+        print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
 def emit(event: str, **fields) -> None:
     """Write one event line on stdout and flush it (the proxy reads it at once)."""
     if event not in EVENTS:

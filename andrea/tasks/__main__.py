@@ -65,20 +65,12 @@ def cmd_tasks(a, out=None) -> int:
 
 
 def main(argv=None) -> int:
-    from ..run.protocol import EXIT_BAD_INPUT, EXIT_NO_SPACE
-    from ..util.atomic import NoSpace
+    from ..run.protocol import run_command
 
     ap = argparse.ArgumentParser(prog="python -m andrea.tasks", description=__doc__.splitlines()[0])
     add_arguments(ap)
     a = ap.parse_args(argv)
-    try:
-        return a.fn(a)
-    except NoSpace as e:
-        print(f"andrea tasks: {e}", file=sys.stderr)
-        return EXIT_NO_SPACE
-    except (ValueError, FileNotFoundError) as e:
-        print(f"andrea tasks: {' '.join(str(e).split())}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    return run_command("andrea tasks", a.fn, a)
 
 
 if __name__ == "__main__":
