@@ -272,9 +272,9 @@ def test_a_failing_decoder_ends_its_requests_and_refuses_new_ones(tok, where, wh
     assert worker.status()["failed"] and worker.held == 0
 
 
-@pytest.fixture
-def gated(run, tmp_path):
-    """A server of one slot and a queue of one whose every decoder step waits for a byte of a FIFO."""
+@contextlib.contextmanager
+def gated_serving(run, tmp_path, *args):
+    """A server of one slot whose every decoder step waits for a byte of a FIFO: (Serving, FIFO path)."""
     site = tmp_path / "gate-site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(GATE_SITE)
@@ -282,8 +282,15 @@ def gated(run, tmp_path):
     os.mkfifo(fifo)
     env = {"PYTHONPATH": os.pathsep.join([str(site)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
            "ANDREA_TEST_STEP_GATE": str(fifo)}
-    with serving(run, "--slots", "1", "--queue", "1", env=env) as s:
+    with serving(run, "--slots", "1", *args, env=env) as s:
         yield s, fifo
+
+
+@pytest.fixture
+def gated(run, tmp_path):
+    """A gated server of one slot and a queue of one."""
+    with gated_serving(run, tmp_path, "--queue", "1") as sf:
+        yield sf
 
 
 def test_gone_client_frees_its_slot_and_a_full_queue_is_429(gated):
@@ -350,14 +357,7 @@ def test_a_stop_cuts_an_answer_still_going_after_the_grace(run, tmp_path):
     stopped reading): the stream is cut once the grace has passed, without [DONE]; the held step then
     ends, the cut request's slot is freed and the process exits 0. Without the bound the stop would
     wait for the answer for ever and the read below would time out."""
-    site = tmp_path / "gate-site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(GATE_SITE)
-    fifo = tmp_path / "gate"
-    os.mkfifo(fifo)
-    env = {"PYTHONPATH": os.pathsep.join([str(site)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-           "ANDREA_TEST_STEP_GATE": str(fifo)}
-    with serving(run, "--slots", "1", "--grace", "1", env=env) as s:
+    with gated_serving(run, tmp_path, "--grace", "1") as (s, fifo):
         conn, resp = s.open_stream({"model": "mini", "messages": [{"role": "user", "content": "hi"}],
                                     "temperature": 0})
         assert next_event(resp)["choices"][0]["delta"]["role"] == "assistant"
