@@ -55,11 +55,17 @@ def test_flush_cost_and_memory_do_not_grow_with_the_history(tmp_path, monkeypatc
     assert [h["step"] for h in hist] == list(range(1000, n)) and hist == rec.history
 
 
-def test_a_torn_last_journal_line_is_dropped_and_the_records_before_it_kept(tmp_path):
-    rec = RunRecords("x", tmp_path, 100, flush_s=0)
-    for s in range(1, 11):
+def flushed(folder, last: int) -> RunRecords:
+    """The records of steps 1..last of run x in folder, flushed to its journal."""
+    rec = RunRecords("x", folder, 100, flush_s=0)
+    for s in range(1, last + 1):
         rec.add_step(step(s))
     rec.flush(force=True)
+    return rec
+
+
+def test_a_torn_last_journal_line_is_dropped_and_the_records_before_it_kept(tmp_path):
+    rec = flushed(tmp_path, 10)
     whole = rec.journal_path.read_bytes()
     with open(rec.journal_path, "ab") as f:
         f.write(b'{"step":11,"phase":"pretrain","lo')  # a kill in the middle of an append
@@ -74,10 +80,7 @@ def test_a_torn_last_journal_line_is_dropped_and_the_records_before_it_kept(tmp_
 
 
 def test_a_garbled_line_inside_the_journal_is_refused_naming_it(tmp_path):
-    rec = RunRecords("x", tmp_path, 100, flush_s=0)
-    for s in range(1, 6):
-        rec.add_step(step(s))
-    rec.flush(force=True)
+    rec = flushed(tmp_path, 5)
     lines = rec.journal_path.read_bytes().splitlines(keepends=True)
     lines[2] = b'{"step":3,"loss":"high"}\n'
     rec.journal_path.write_bytes(b"".join(lines))
@@ -87,10 +90,7 @@ def test_a_garbled_line_inside_the_journal_is_refused_naming_it(tmp_path):
 
 
 def test_an_older_loss_json_is_the_proxy_s_own_and_a_changed_one_is_refused(tmp_path):
-    rec = RunRecords("x", tmp_path, 100, flush_s=0)
-    for s in range(1, 6):
-        rec.add_step(step(s))
-    rec.flush(force=True)
+    rec = flushed(tmp_path, 5)
     older = rec.loss_path.read_bytes()
     for s in range(6, 11):
         rec.add_step(step(s))
@@ -133,10 +133,7 @@ def test_a_restart_cuts_the_journal_back_to_the_resume_point(tmp_path):
 def test_a_late_validation_loses_no_record_to_a_kill_before_the_next_flush(tmp_path):
     """A validation of an earlier step takes the records after it back into memory; the journal
     keeps them on disk until the next flush rewrites them, so a kill in between loses none."""
-    rec = RunRecords("x", tmp_path, 100, flush_s=0)
-    for s in range(1, 11):
-        rec.add_step(step(s))
-    rec.flush(force=True)
+    rec = flushed(tmp_path, 10)
     on_disk = rec.journal_path.read_bytes()
     rec.add_val({"step": 4, "val_loss": 3.5})  # out of order: steps 4..10 are back in memory
     assert rec.journal_path.read_bytes() == on_disk
