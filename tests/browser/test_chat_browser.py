@@ -9,7 +9,7 @@ tests/browser/artifacts/ (or $ANDREA_TEST_ARTIFACTS) and its path is printed.
 import json
 
 import test_dashboard_browser as dashboard
-from test_dashboard_browser import ARGS, ARTIFACTS, CHROMIUM, sync_playwright, wait_js
+from test_dashboard_browser import ARGS, CHROMIUM, screenshot, sync_playwright, wait_js
 from test_serve import serving
 from trained_model import make_run
 
@@ -65,11 +65,7 @@ def test_chat_page_streams_the_answer_and_keeps_the_conversation(tmp_path):
                                                                          for a in asks)
             assert page.locator(".msg.user").count() == 2 and page.locator(".msg.error").count() == 0
 
-            ARTIFACTS.mkdir(parents=True, exist_ok=True)
-            shot = ARTIFACTS / "chat.png"
-            page.screenshot(path=str(shot), full_page=True)
-            print(f"chat page screenshot: {shot}")
-            assert shot.stat().st_size > 10_000
+            screenshot(page, "chat", "chat page")
             browser.close()
     assert errors == []
     assert requests and all(r.url.startswith(s.url) for r in requests), [r.url for r in requests]

@@ -49,6 +49,15 @@ def sync_playwright():
     return sp()
 
 
+def screenshot(page, name: str, what: str):
+    """The whole page as ARTIFACTS/<name>.png, its path printed; a blank page fails."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"{what} screenshot: {shot}")
+    assert shot.stat().st_size > 10_000
+
+
 def vertices(d: str) -> int:
     return d.count("M") + d.count("L")
 
@@ -103,11 +112,7 @@ def test_dashboard_draws_and_follows_a_run(tiny_run):
             page.check("#logscale")
             assert train.get_attribute("d") != linear and vertices(train.get_attribute("d")) == 25
 
-            ARTIFACTS.mkdir(parents=True, exist_ok=True)
-            shot = ARTIFACTS / "dashboard.png"
-            page.screenshot(path=str(shot), full_page=True)
-            print(f"dashboard screenshot: {shot}")
-            assert shot.stat().st_size > 10_000
+            screenshot(page, "dashboard", "dashboard")
             browser.close()
         assert errors == []
         assert requests and all(u.startswith(srv.url) for u in requests), requests
