@@ -50,6 +50,33 @@ __device__ __forceinline__ void pdl_wait() {
 }
 
 typedef long long i64;  // element indices: B*T*V passes 2^31 at B=32, T=1024, V=50304
+
+// pdl_prefetch_wait: hints memory that no kernel before it in the stream writes (the weights while
+// decoding, the key/value rows of earlier positions) into L2, a 128-byte line a thread at a time,
+// then pdl_wait(). A hint returns no data, so the kernel still reads nothing before the wait: it
+// only finds those lines in L2 when it does. Launched with the programmatic attribute, the hints
+// go out while the kernel before it still runs (cuda/pdl.py accepts it as a first statement).
+// Form 1: bytes from p. Form 2: rows of row_bytes at a stride of stride bytes, from p and from p2.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+__device__ __forceinline__ void pdl_prefetch_wait(const void* p, i64 bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (i64 i = (i64)threadIdx.x * 128; i < bytes; i += (i64)blockDim.x * 128) prefetch_l2(c + i);
+  pdl_wait();
+}
+__device__ __forceinline__ void pdl_prefetch_wait(const void* p, const void* p2, int rows, int row_bytes,
+                                                  i64 stride) {
+  const char* c = static_cast<const char*>(p);
+  const char* c2 = static_cast<const char*>(p2);
+  const int lines = (row_bytes + 127) >> 7;
+  for (int i = threadIdx.x; i < rows * lines; i += blockDim.x) {
+    const i64 off = (i / lines) * stride + (i64)(i % lines) * 128;
+    prefetch_l2(c + off);
+    prefetch_l2(c2 + off);
+  }
+  pdl_wait();
+}
 #define NEG_INF __int_as_float(0xff800000)  // -inf without math.h: NVRTC compiles with no system headers
 
 // ---------------------------------------------------------------- fixed-order reductions

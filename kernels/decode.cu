@@ -4,10 +4,11 @@
 //
 // k_attn_decode_fwd: grid (NH, B), one block per head of each sequence. The block first writes
 // the position's k and v (its head's slice of qkv) into row pos of the caches, then computes the
-// pos + 1 scores q . k_j / sqrt(hs) (one warp per key, lanes over the head dimension, the fixed
-// shuffle tree), their softmax (block max, then block sum of exp(s - max)), and the weighted sum
-// of the cached values (warps over the keys, lanes over the head dimension, the warps' partials
-// added in order). Arithmetic in float; the caches and the output are in the compute dtype.
+// pos + 1 scores q . k_j / sqrt(hs) (a thread a key in 16-byte loads; where the head's row is no
+// power-of-two count of 16-byte chunks up to 32, a warp a key, lanes over the head dimension, the
+// fixed shuffle tree), their softmax (block max, then block sum of exp(s - max)), and the weighted
+// sum of the cached values (warps over the keys, lanes over 16-byte chunks of the head's row or
+// over its elements, the lanes' and then the warps' partials added in a fixed order). Arithmetic in float; the caches and the output are in the compute dtype.
 // Block DECODE_THREADS, head size at most DECODE_MAX_HS. Shared memory: ctx + hs + 32 + 8 hs floats.
 // k_attn_decode_batch_fwd: the same with each sequence at its own position, read from lengths.
 // k_decode_embed_fwd, k_decode_cache_fill: the step's embedding and the prefill's cache copy.
@@ -16,6 +17,14 @@
 // output column, its lanes over the inputs in 16-byte loads, every row's dot product in the same
 // fixed order whatever N is (so a row's result never depends on the others), the bias (and GELU)
 // on the float sum: the weights are read once, at close to the copy bandwidth.
+//
+// Version 2 (against version 1, kept in dev/cuda/decode_v1.cu until this one has won, measured):
+// (1) the step's products and the attention hint their weights (the key/value rows of the earlier
+// positions) into L2 before waiting on the kernel before them (common.cuh's pdl_prefetch_wait), so
+// those reads leave HBM while that kernel runs; (2) the attention's scores are a thread a key in
+// 16-byte loads (all of a key's loads in flight at once), its values a lane a 16-byte chunk of the
+// head's row, where the head size allows it (else version 1's loops); (3) k_decode_ln_linear_fwd
+// normalises its rows with the whole block, where version 1 took a warp a row.
 #include "common.cuh"
 #include "gelu.cuh"
 
@@ -55,15 +64,33 @@ __device__ __forceinline__ void attn_decode_block(CT* out, CT* kcache, CT* vcach
   }
   __syncthreads();  // the new cache row and q are visible to the whole block
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  // unrolled so that a warp's loads of four keys are in flight together (one at a time, each
-  // waited for, made this loop and the values' the kernel's time: 10.7 us at 100 keys, H200)
+  constexpr int VEC = 16 / (int)sizeof(CT);
+  const int G = hs / VEC;  // 16-byte chunks of a head's row
+  // the 16-byte path: whole chunks, a power of two of them dividing a warp, aligned rows
+  const bool fast = hs % VEC == 0 && G <= 32 && (32 % G) == 0 && aligned16(kcache) && aligned16(vcache);
+  if (fast) {
+    // a thread a key: the key's chunks loaded together, q read from shared memory (a broadcast)
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+      const vec16* kj = reinterpret_cast<const vec16*>(kc + (i64)j * C);
+      float a = 0.f;
+#pragma unroll 8
+      for (int g = 0; g < G; ++g) {
+        const vec16 r = kj[g];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) a += q[g * VEC + i] * vget(r, i);
+      }
+      s[j] = a * scale;
+    }
+  } else {
+    // unrolled so that a warp's loads of four keys are in flight together
 #pragma unroll 4
-  for (int j = warp; j < n; j += nw) {
-    const CT* kj = kc + (i64)j * C;
-    float a = 0.f;
-    for (int d = lane; d < hs; d += 32) a += q[d] * to_f(kj[d]);
-    a = warp_sum(a);
-    if (lane == 0) s[j] = a * scale;
+    for (int j = warp; j < n; j += nw) {
+      const CT* kj = kc + (i64)j * C;
+      float a = 0.f;
+      for (int d = lane; d < hs; d += 32) a += q[d] * to_f(kj[d]);
+      a = warp_sum(a);
+      if (lane == 0) s[j] = a * scale;
+    }
   }
   __syncthreads();
   float m = NEG_INF;
@@ -76,20 +103,42 @@ __device__ __forceinline__ void attn_decode_block(CT* out, CT* kcache, CT* vcach
     z += e;
   }
   z = block_sum(z, scratch);  // its first barrier also publishes every s[j]
-  float acc[DECODE_MAX_HS / 32];
+  if (fast) {
+    // lane = kg * G + g: chunk g of keys j = warp * KPW + kg, then + nw * KPW, ...; the lanes of
+    // one chunk added by the xor tree over kg, the warps' partials in warp order below
+    const int g = lane % G, kg = lane / G, KPW = 32 / G;
+    float acc[VEC];
 #pragma unroll
-  for (int i = 0; i < DECODE_MAX_HS / 32; ++i) acc[i] = 0.f;
+    for (int i = 0; i < VEC; ++i) acc[i] = 0.f;
 #pragma unroll 4
-  for (int j = warp; j < n; j += nw) {
-    const float pj = s[j];
-    const CT* vj = vc + (i64)j * C;
+    for (int j = warp * KPW + kg; j < n; j += nw * KPW) {
+      const float pj = s[j];
+      const vec16 r = reinterpret_cast<const vec16*>(vc + (i64)j * C)[g];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += pj * vget(r, i);
+    }
+    for (int o = G; o < 32; o <<= 1)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], o);
+    if (kg == 0)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) part[warp * hs + g * VEC + i] = acc[i];
+  } else {
+    float acc[DECODE_MAX_HS / 32];
+#pragma unroll
+    for (int i = 0; i < DECODE_MAX_HS / 32; ++i) acc[i] = 0.f;
+#pragma unroll 4
+    for (int j = warp; j < n; j += nw) {
+      const float pj = s[j];
+      const CT* vj = vc + (i64)j * C;
+#pragma unroll
+      for (int i = 0; i < DECODE_MAX_HS / 32; ++i)
+        if (lane + 32 * i < hs) acc[i] += pj * to_f(vj[lane + 32 * i]);
+    }
 #pragma unroll
     for (int i = 0; i < DECODE_MAX_HS / 32; ++i)
-      if (lane + 32 * i < hs) acc[i] += pj * to_f(vj[lane + 32 * i]);
+      if (lane + 32 * i < hs) part[warp * hs + lane + 32 * i] = acc[i];
   }
-#pragma unroll
-  for (int i = 0; i < DECODE_MAX_HS / 32; ++i)
-    if (lane + 32 * i < hs) part[warp * hs + lane + 32 * i] = acc[i];
   __syncthreads();
   const float inv = 1.f / z;
   CT* o = out + (i64)b * C + h * hs;
@@ -100,10 +149,17 @@ __device__ __forceinline__ void attn_decode_block(CT* out, CT* kcache, CT* vcach
   }
 }
 
+// The key/value rows 0..pos-1 of head h of sequence b (their bytes, stride, count) for the hints
+// before the wait: rows written by earlier steps, never by the kernel before this one (pos itself is
+// written by this block). pos clamped into the cache.
+#define DECODE_HINT_ROWS(pos) ((pos) < 0 ? 0 : ((pos) > ctx ? ctx : (pos)))
+
 // out (B,1,C); kcache, vcache (B,ctx,C); qkv (B,1,3C); 0 <= pos < ctx; blockDim.x a multiple of 32.
 extern "C" __global__ void k_attn_decode_fwd(CT* out, CT* kcache, CT* vcache, const CT* qkv, int NH, int hs,
                                              int ctx, int pos, float scale) {
-  pdl_wait();
+  pdl_prefetch_wait(kcache + (i64)blockIdx.y * ctx * NH * hs + blockIdx.x * hs,
+                    vcache + (i64)blockIdx.y * ctx * NH * hs + blockIdx.x * hs, DECODE_HINT_ROWS(pos),
+                    hs * (int)sizeof(CT), (i64)NH * hs * sizeof(CT));
   attn_decode_block(out, kcache, vcache, qkv, NH, hs, ctx, pos, scale, blockIdx.x, blockIdx.y);
 }
 
@@ -111,9 +167,13 @@ extern "C" __global__ void k_attn_decode_fwd(CT* out, CT* kcache, CT* vcache, co
 // N slots, each at its own position lengths[n] (device memory: one captured graph serves them all).
 
 // k_attn_decode_batch_fwd: k_attn_decode_fwd with sequence b at position lengths[b]. Grid (NH, N).
+// lengths[b] is read before the wait, only to size the hints (the sampler of the step before wrote
+// it; a stale value would only hint other rows).
 extern "C" __global__ void k_attn_decode_batch_fwd(CT* out, CT* kcache, CT* vcache, const CT* qkv,
                                                    const int* lengths, int NH, int hs, int ctx, float scale) {
-  pdl_wait();
+  pdl_prefetch_wait(kcache + (i64)blockIdx.y * ctx * NH * hs + blockIdx.x * hs,
+                    vcache + (i64)blockIdx.y * ctx * NH * hs + blockIdx.x * hs, DECODE_HINT_ROWS(lengths[blockIdx.y]),
+                    hs * (int)sizeof(CT), (i64)NH * hs * sizeof(CT));
   attn_decode_block(out, kcache, vcache, qkv, NH, hs, ctx, lengths[blockIdx.y], scale, blockIdx.x, blockIdx.y);
 }
 
@@ -290,10 +350,20 @@ __device__ __forceinline__ void gemv_column(float* acc, const CT* inp, const CT*
   for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = warp_sum(acc[r]);
 }
 
+// The rows of w (OC, IC) that this block's warps take (a warp an output column): where they start
+// and their bytes, for the hints before the wait.
+__device__ __forceinline__ const CT* gemv_block_rows(const CT* w, int IC) {
+  return w + (i64)blockIdx.x * (blockDim.x >> 5) * IC;
+}
+__device__ __forceinline__ i64 gemv_block_bytes(int OC, int IC) {
+  const int per = blockDim.x >> 5, left = OC - (int)blockIdx.x * per;
+  return (i64)(left < per ? left : per) * IC * (i64)sizeof(CT);
+}
+
 // out (N,1,OC) = inp (N,1,IC) @ w (OC,IC).T + b, then GELU (tanh form) where gelu; N <= 8.
 extern "C" __global__ void k_decode_linear_fwd(CT* out, const CT* inp, const CT* w, const CT* b, int N, int IC,
                                                int OC, int gelu_, int vec) {
-  pdl_wait();
+  pdl_prefetch_wait(gemv_block_rows(w, IC), gemv_block_bytes(OC, IC));
   const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (o >= OC) return;
   float acc[GEMV_MAX_ROWS];
@@ -310,7 +380,7 @@ extern "C" __global__ void k_decode_linear_fwd(CT* out, const CT* inp, const CT*
 // logits (N,V) float32 = inp (N,1,C) @ wte (V,C).T; N <= 8.
 extern "C" __global__ void k_decode_logits_gemv(float* logits, const CT* inp, const CT* wte, int N, int C, int V,
                                                 int vec) {
-  pdl_wait();
+  pdl_prefetch_wait(gemv_block_rows(wte, C), gemv_block_bytes(V, C));
   const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (o >= V) return;
   float acc[GEMV_MAX_ROWS];
@@ -323,35 +393,73 @@ extern "C" __global__ void k_decode_logits_gemv(float* logits, const CT* inp, co
 // res = a where has_b is 0 (not written); each row's layer norm of res (rounded to CT, as
 // k_layernorm_fwd writes it) into shared memory; then out = that @ w.T + bias, GELU where gelu_:
 // k_residual_layernorm_fwd and k_decode_linear_fwd in one launch, every block normalising the N
-// rows (N <= 8, a warp a row) itself. Shared memory: N * C values of CT.
+// rows (N <= 8) itself, all its threads on each row. Shared memory: N * C values of CT.
 #define DECODE_LN_EPS 1e-5f  // layernorm.cu's LN_EPS (torch's default, ref.LN_EPS)
 extern "C" __global__ void k_decode_ln_linear_fwd(CT* out, CT* res, const CT* a, const CT* b, int has_b,
                                                   const CT* ln_w, const CT* ln_b, const CT* w, const CT* bias,
                                                   int N, int C, int OC, int gelu_, int vec) {
-  pdl_wait();
+  pdl_prefetch_wait(gemv_block_rows(w, C), gemv_block_bytes(OC, C));
   extern __shared__ __align__(16) unsigned char smraw[];
   CT* xs = reinterpret_cast<CT*>(smraw);  // (N, C): the normalised rows, the product's input
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (warp < N) {
-    const CT* ar = a + (i64)warp * C;
-    const CT* br = b + (i64)warp * C;
-    CT* xr = xs + warp * C;
-    float s = 0.f;
-#pragma unroll 8  // the row's loads in flight together (24 a lane at C = 768)
-    for (int c = lane; c < C; c += 32) {
-      CT r = has_b ? from_f<CT>(to_f(ar[c]) + to_f(br[c])) : ar[c];
-      if (has_b && blockIdx.x == 0) res[(i64)warp * C + c] = r;
-      xr[c] = r;
-      s += to_f(r);
+  __shared__ float red[GEMV_MAX_ROWS][32];  // the warps' partial sums of each row
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  // the whole block on every row: thread t takes columns t, t + blockDim.x, ... of each row (the
+  // rows' loads in flight together); a row's sum is the threads' in column order, the warps' xor
+  // tree, then the warps' in order; its mean, then the sum of squared deviations the same way
+  float st[GEMV_MAX_ROWS], mu[GEMV_MAX_ROWS], rs[GEMV_MAX_ROWS];
+#pragma unroll
+  for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+    st[r] = 0.f;
+    if (r >= N) continue;
+    const CT* ar = a + (i64)r * C;
+    const CT* br = b + (i64)r * C;
+    CT* xr = xs + r * C;
+#pragma unroll 4
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+      CT v = has_b ? from_f<CT>(to_f(ar[c]) + to_f(br[c])) : ar[c];
+      if (has_b && blockIdx.x == 0) res[(i64)r * C + c] = v;
+      xr[c] = v;
+      st[r] += to_f(v);
     }
-    const float mu = warp_sum(s) / C;
-    float v = 0.f;
-    for (int c = lane; c < C; c += 32) { float d = to_f(xr[c]) - mu; v += d * d; }
-    const float rs = 1.0f / sqrtf(warp_sum(v) / C + DECODE_LN_EPS);
-    for (int c = lane; c < C; c += 32) xr[c] = from_f<CT>((to_f(xr[c]) - mu) * rs * to_f(ln_w[c]) + to_f(ln_b[c]));
+  }
+#pragma unroll
+  for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+    if (r >= N) continue;
+    st[r] = warp_sum(st[r]);
+    if (lane == 0) red[r][warp] = st[r];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+    if (r >= N) continue;
+    float t = 0.f;
+    for (int k = 0; k < nw; ++k) t += red[r][k];
+    mu[r] = t / C;
+    const CT* xr = xs + r * C;
+    st[r] = 0.f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {  // this thread's own columns: no barrier needed
+      const float d = to_f(xr[c]) - mu[r];
+      st[r] += d * d;
+    }
+    st[r] = warp_sum(st[r]);
+  }
+  __syncthreads();  // every warp has read red[] before it is written again
+#pragma unroll
+  for (int r = 0; r < GEMV_MAX_ROWS; ++r)
+    if (r < N && lane == 0) red[r][warp] = st[r];
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+    if (r >= N) continue;
+    float t = 0.f;
+    for (int k = 0; k < nw; ++k) t += red[r][k];
+    rs[r] = 1.0f / sqrtf(t / C + DECODE_LN_EPS);
+    CT* xr = xs + r * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+      xr[c] = from_f<CT>((to_f(xr[c]) - mu[r]) * rs[r] * to_f(ln_w[c]) + to_f(ln_b[c]));
   }
   __syncthreads();  // every row normalised before any warp's product reads it
-  const int o = blockIdx.x * (blockDim.x >> 5) + warp;
+  const int o = blockIdx.x * nw + warp;
   if (o >= OC) return;
   float acc[GEMV_MAX_ROWS];
   gemv_column(acc, xs, w, N, C, o, vec);

@@ -39,8 +39,16 @@ template <int N> __global__ void k_c(float* x)
     pdl_wait();
 }
 __device__ void helper() { pdl_wait(); }
+extern "C" __global__ void k_d(const float* w, float* y) {
+  pdl_prefetch_wait(w + blockIdx.x * 64, 256);
+  y[0] = w[0];
+}
+extern "C" __global__ void k_e(const float* w, float* y) {
+  prefetch_l2(w);  // a hint of its own before the wait: not the accepted form
+  pdl_wait();
+}
 """
-    assert ready_kernels(text) == {"k_a", "k_c"}
+    assert ready_kernels(text) == {"k_a", "k_c", "k_d"}
     assert ready_kernels("") == frozenset()
 
 

@@ -381,6 +381,7 @@ CASES: Dict[str, List[Case]] = {
                   Case("k_attn_fwd", attn_fwd, FUSED_SIZE), Case("k_attn_bwd", attn_bwd, FUSED_SIZE),
                   written("k_attn_bwd", attn_bwd, FUSED_SIZE), Case("k_attn_decode_fwd", attn_decode_fwd)],
     "decode": [Case("k_decode_embed_fwd", decode_embed_fwd), Case("k_attn_decode_batch_fwd", attn_decode_batch_fwd),
+               Case("k_attn_decode_batch_fwd", attn_decode_batch_fwd, FUSED_SIZE),  # hs 64: the 16-byte path
                Case("k_decode_cache_fill", decode_cache_fill),
                Case("k_decode_linear_fwd", decode_linear_fwd(3, False)),
                Case("k_decode_linear_fwd", decode_linear_fwd(4, True)),

@@ -18,7 +18,8 @@ import re
 import numpy as np
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
-WAIT = "pdl_wait();"  # common.cuh: the first statement of every kernel that may be launched so
+WAIT = "pdl_wait();"  # common.cuh: the first statement of every kernel that may be launched so,
+PREFETCH_WAIT = "pdl_prefetch_wait("  # or this one: L2 hints of memory no kernel before it writes, then the wait
 
 
 class _AttrValue(ctypes.Union):
@@ -46,7 +47,7 @@ _NAME = re.compile(r"(\w+)\s*\(")
 
 def ready_kernels(text: str) -> frozenset:
     """The names of the __global__ functions in kernel source text whose body starts with
-    pdl_wait(): the kernels that may be launched with the programmatic attribute. A kernel whose
+    pdl_wait() or pdl_prefetch_wait(...): the kernels that may be launched with the programmatic attribute. A kernel whose
     body starts with anything else (a dev/cuda variant written before the attribute) is left out
     and launched as before."""
     names = set()
@@ -57,7 +58,7 @@ def ready_kernels(text: str) -> frozenset:
         head = text[m.end():brace]
         name = next((n for n in _NAME.findall(head) if n != "__launch_bounds__"), None)
         body = text[brace + 1:brace + 1 + 4 * len(WAIT)].lstrip()
-        if name is not None and body.startswith(WAIT):
+        if name is not None and body.startswith((WAIT, PREFETCH_WAIT)):
             names.add(name)
     return frozenset(names)
 

@@ -1,0 +1,369 @@
+// decode_v1.cu: version 1 of kernels/decode.cu, the one before version 2 (see its header), kept to
+// be measured against it (dev/cuda/harness.py decode main v1; the decode A/B of dev/decode_ab.py);
+// it goes once version 2 has won.
+//
+// decode.cu: attention of new positions against a key/value cache, and the other kernels of the
+// batched decoder (andrea/use/batch.py). Inference only, so there is no backward twin; the NumPy
+// references of the same names are andrea/backends/ref/decode.py's.
+//
+// k_attn_decode_fwd: grid (NH, B), one block per head of each sequence. The block first writes
+// the position's k and v (its head's slice of qkv) into row pos of the caches, then computes the
+// pos + 1 scores q . k_j / sqrt(hs) (one warp per key, lanes over the head dimension, the fixed
+// shuffle tree), their softmax (block max, then block sum of exp(s - max)), and the weighted sum
+// of the cached values (warps over the keys, lanes over the head dimension, the warps' partials
+// added in order). Arithmetic in float; the caches and the output are in the compute dtype.
+// Block DECODE_THREADS, head size at most DECODE_MAX_HS. Shared memory: ctx + hs + 32 + 8 hs floats.
+// k_attn_decode_batch_fwd: the same with each sequence at its own position, read from lengths.
+// k_decode_embed_fwd, k_decode_cache_fill: the step's embedding and the prefill's cache copy.
+// k_sample_fwd: the per-request sampler (greedy, temperature, top_k, top_p; counter-based noise).
+// k_decode_linear_fwd, k_decode_logits_gemv: the step's products for a few rows (N <= 8): a warp an
+// output column, its lanes over the inputs in 16-byte loads, every row's dot product in the same
+// fixed order whatever N is (so a row's result never depends on the others), the bias (and GELU)
+// on the float sum: the weights are read once, at close to the copy bandwidth.
+#include "common.cuh"
+#include "gelu.cuh"
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();  // scratch may still be read by a previous reduction
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < nw ? scratch[lane] : NEG_INF;
+  return warp_max(v);
+}
+
+#define DECODE_THREADS 256  // 8 warps a block (the launchers' block size)
+#define DECODE_MAX_HS 128    // head sizes up to this: each lane holds hs / 32 output partials
+
+// The block of head h of sequence b at position pos: see the header. The weighted sum of the
+// values is split over the warps (warp w takes keys w, w + nw, ...; lane l the dimensions l,
+// l + 32, ...), whose partials are added in warp order: every key's load is independent, where
+// one thread a dimension walking all keys in turn waited on each load.
+__device__ __forceinline__ void attn_decode_block(CT* out, CT* kcache, CT* vcache, const CT* qkv, int NH, int hs,
+                                                  int ctx, int pos, float scale, int h, int b) {
+  extern __shared__ float sm[];
+  float* s = sm;            // scores, then probabilities (unnormalised), pos + 1 of them
+  float* q = sm + ctx;      // the query of this head, hs
+  float* scratch = q + hs;  // 32, for the block reductions
+  float* part = scratch + 32;  // (warps, hs): each warp's share of the output
+  const int C = NH * hs, n = pos + 1;
+  const CT* row = qkv + (i64)b * 3 * C;
+  CT* kc = kcache + (i64)b * ctx * C + h * hs;
+  CT* vc = vcache + (i64)b * ctx * C + h * hs;
+  for (int d = threadIdx.x; d < hs; d += blockDim.x) {
+    int c = h * hs + d;
+    q[d] = to_f(row[c]);
+    kc[(i64)pos * C + d] = row[C + c];
+    vc[(i64)pos * C + d] = row[2 * C + c];
+  }
+  __syncthreads();  // the new cache row and q are visible to the whole block
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  // unrolled so that a warp's loads of four keys are in flight together (one at a time, each
+  // waited for, made this loop and the values' the kernel's time: 10.7 us at 100 keys, H200)
+#pragma unroll 4
+  for (int j = warp; j < n; j += nw) {
+    const CT* kj = kc + (i64)j * C;
+    float a = 0.f;
+    for (int d = lane; d < hs; d += 32) a += q[d] * to_f(kj[d]);
+    a = warp_sum(a);
+    if (lane == 0) s[j] = a * scale;
+  }
+  __syncthreads();
+  float m = NEG_INF;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, s[j]);
+  m = block_max(m, scratch);
+  float z = 0.f;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    float e = expf(s[j] - m);
+    s[j] = e;
+    z += e;
+  }
+  z = block_sum(z, scratch);  // its first barrier also publishes every s[j]
+  float acc[DECODE_MAX_HS / 32];
+#pragma unroll
+  for (int i = 0; i < DECODE_MAX_HS / 32; ++i) acc[i] = 0.f;
+#pragma unroll 4
+  for (int j = warp; j < n; j += nw) {
+    const float pj = s[j];
+    const CT* vj = vc + (i64)j * C;
+#pragma unroll
+    for (int i = 0; i < DECODE_MAX_HS / 32; ++i)
+      if (lane + 32 * i < hs) acc[i] += pj * to_f(vj[lane + 32 * i]);
+  }
+#pragma unroll
+  for (int i = 0; i < DECODE_MAX_HS / 32; ++i)
+    if (lane + 32 * i < hs) part[warp * hs + lane + 32 * i] = acc[i];
+  __syncthreads();
+  const float inv = 1.f / z;
+  CT* o = out + (i64)b * C + h * hs;
+  for (int d = threadIdx.x; d < hs; d += blockDim.x) {
+    float a = 0.f;
+    for (int w = 0; w < nw; ++w) a += part[w * hs + d];
+    o[d] = from_f<CT>(a * inv);
+  }
+}
+
+// out (B,1,C); kcache, vcache (B,ctx,C); qkv (B,1,3C); 0 <= pos < ctx; blockDim.x a multiple of 32.
+extern "C" __global__ void k_attn_decode_fwd(CT* out, CT* kcache, CT* vcache, const CT* qkv, int NH, int hs,
+                                             int ctx, int pos, float scale) {
+  pdl_wait();
+  attn_decode_block(out, kcache, vcache, qkv, NH, hs, ctx, pos, scale, blockIdx.x, blockIdx.y);
+}
+
+// ---------------------------------------------------------------- batched decoding (andrea/use/batch.py)
+// N slots, each at its own position lengths[n] (device memory: one captured graph serves them all).
+
+// k_attn_decode_batch_fwd: k_attn_decode_fwd with sequence b at position lengths[b]. Grid (NH, N).
+extern "C" __global__ void k_attn_decode_batch_fwd(CT* out, CT* kcache, CT* vcache, const CT* qkv,
+                                                   const int* lengths, int NH, int hs, int ctx, float scale) {
+  pdl_wait();
+  attn_decode_block(out, kcache, vcache, qkv, NH, hs, ctx, lengths[blockIdx.y], scale, blockIdx.x, blockIdx.y);
+}
+
+// k_decode_embed_fwd: out (N,1,C) = wte[tokens[n]] + wpe[lengths[n]]. Grid N, a block a row.
+extern "C" __global__ void k_decode_embed_fwd(CT* out, const int* tokens, const int* lengths, const CT* wte,
+                                              const CT* wpe, int C) {
+  pdl_wait();
+  const int n = blockIdx.x;
+  const CT* e = wte + (i64)tokens[n] * C;
+  const CT* p = wpe + (i64)lengths[n] * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) out[(i64)n * C + c] = from_f<CT>(to_f(e[c]) + to_f(p[c]));
+}
+
+// k_decode_cache_fill: kcache, vcache (L,N,ctx,C)[l, slot, r] = the k, v thirds of qkv (L,1,T,3C)[l, 0, r]
+// for r < n: the prefill's keys and values of every layer, one launch. Grid-stride over L*n*C.
+extern "C" __global__ void k_decode_cache_fill(CT* kcache, CT* vcache, const CT* qkv, int L, int N, int ctx, int T,
+                                               int C, int slot, int n) {
+  pdl_wait();
+  const i64 total = (i64)L * n * C;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+    const int c = (int)(i % C), r = (int)((i / C) % n), l = (int)(i / ((i64)n * C));
+    const CT* row = qkv + ((i64)l * T + r) * 3 * C;
+    const i64 dst = (((i64)l * N + slot) * ctx + r) * C + c;
+    kcache[dst] = row[C + c];
+    vcache[dst] = row[2 * C + c];
+  }
+}
+
+// ---------------------------------------------------------------- sampling
+// k_sample_fwd: one block (1024 threads) a slot; the token at position pos = lengths[n] + 1 from
+// logits[n] (V floats), as ref.sample_row: greedy (the first largest) at temperature <= 0; else
+// z = logits / temperature, kept = the top_k largest z (0: all) and of those the smallest set of
+// the largest whose softmax mass reaches top_p (ties at a threshold kept); each threshold is the
+// largest order key K of a float whose count (top_k) or mass (top_p) of z with key >= K reaches
+// the bound, found by bisection over the 32-bit keys with fixed-order block sums. Then the
+// Gumbel-max draw: argmax over kept v of z_v - log(-log(u_v)), u_v from splitmix64 of (seed, pos,
+// v) (the first index on ties). Writes tokens[n] and lengths[n] = min(pos, ctx - 1); a slot that is
+// not live gets token 0 at row 0.
+__device__ __forceinline__ unsigned long long splitmix64(unsigned long long z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+// floats as unsigned integers in their order (-inf lowest)
+__device__ __forceinline__ unsigned int order_key(float f) {
+  unsigned int u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+// (value, index) of the block's largest value, the smallest index on ties; every thread gets it
+__device__ __forceinline__ void block_argmax(float& v, int& i, float* sv, int* si) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int o = 16; o > 0; o >>= 1) {
+      float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+      int i2 = __shfl_xor_sync(0xffffffffu, i, o);
+      if (v2 > v || (v2 == v && i2 < i)) { v = v2; i = i2; }
+    }
+    if (pass == 1) break;
+    __syncthreads();
+    if (lane == 0) { sv[warp] = v; si[warp] = i; }
+    __syncthreads();
+    v = lane < nw ? sv[lane] : NEG_INF;
+    i = lane < nw ? si[lane] : 0x7fffffff;
+  }
+}
+// the largest key K >= lo whose measure (count, or mass of exp(z - zmax)) over z with key >= K
+// (and >= lo) is at least bound; every thread calls it
+__device__ unsigned int bisect_key(const float* lg, float t, int V, unsigned int lo, float zmax, bool mass,
+                                   float bound, float* scratch) {
+  unsigned int hi = 0xffffffffu;
+  while (lo < hi) {
+    unsigned int mid = lo + (unsigned int)(((unsigned long long)hi - lo + 1) >> 1);
+    float a = 0.f;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) {
+      float z = lg[v] / t;  // divided as the reference divides: the same keys
+      if (order_key(z) >= mid) a += mass ? expf(z - zmax) : 1.f;
+    }
+    a = block_sum(a, scratch);
+    if (a >= bound) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+extern "C" __global__ void k_sample_fwd(int* tokens, int* lengths, const float* logits, const float* temperature,
+                                        const int* top_k, const float* top_p, const unsigned long long* seeds,
+                                        const int* live, int V, int ctx) {
+  pdl_wait();
+  __shared__ float scratch[32];
+  __shared__ int iscratch[32];
+  const int n = blockIdx.x;
+  if (!live[n]) {  // a free slot: token 0 at row 0, so its row costs nothing in the next steps
+    if (threadIdx.x == 0) tokens[n] = lengths[n] = 0;
+    return;
+  }
+  const int pos = lengths[n] + 1;
+  const float* lg = logits + (i64)n * V;
+  const float t = temperature[n];
+  float best = NEG_INF;
+  int arg = 0x7fffffff;
+  if (!(t > 0.f)) {
+#pragma unroll 8  // loads in flight together: the row is 49 values a thread at V = 50304
+    for (int v = threadIdx.x; v < V; v += blockDim.x)
+      if (lg[v] > best) { best = lg[v]; arg = v; }
+  } else {
+    float zmax = NEG_INF;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) zmax = fmaxf(zmax, lg[v] / t);
+    zmax = block_max(zmax, scratch);
+    unsigned int thr = 0;
+    const int k = top_k[n];
+    if (k > 0 && k < V) thr = bisect_key(lg, t, V, 0u, zmax, false, (float)k, scratch);
+    const float p = top_p[n];
+    if (p < 1.f) {
+      float zs = 0.f;
+      for (int v = threadIdx.x; v < V; v += blockDim.x) {
+        float z = lg[v] / t;
+        if (order_key(z) >= thr) zs += expf(z - zmax);
+      }
+      zs = block_sum(zs, scratch);
+      thr = bisect_key(lg, t, V, thr, zmax, true, p * zs, scratch);
+    }
+    const unsigned long long key = splitmix64(seeds[n] ^ splitmix64((unsigned long long)pos));
+#pragma unroll 4
+    for (int v = threadIdx.x; v < V; v += blockDim.x) {
+      float z = lg[v] / t;
+      if (order_key(z) < thr) continue;
+      unsigned long long h = splitmix64(key + (unsigned long long)v);
+      float u = ((float)(unsigned int)(h >> 41) + 0.5f) * 1.1920928955078125e-7f;  // 2^-23
+      float s = z - logf(-logf(u));
+      if (s > best) { best = s; arg = v; }
+    }
+  }
+  block_argmax(best, arg, scratch, iscratch);
+  if (threadIdx.x == 0) {
+    tokens[n] = arg;
+    lengths[n] = pos < ctx - 1 ? pos : ctx - 1;
+  }
+}
+
+// ---------------------------------------------------------------- the step's products, few rows
+#define GEMV_MAX_ROWS 8  // interface.DECODE_GEMV_ROWS
+
+// acc[r] = the dot product of row r of inp (N, IC) with row o of w (OC, IC), r < N, summed by each
+// lane over its 16-byte chunks in order, then the warp's shuffle tree. vec: IC a multiple of the
+// chunk and inp, w 16-byte aligned (the launcher checks); else one element at a time.
+__device__ __forceinline__ void gemv_column(float* acc, const CT* inp, const CT* w, int N, int IC, int o, int vec) {
+  const int lane = threadIdx.x & 31;
+  const CT* wr = w + (i64)o * IC;
+#pragma unroll
+  for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = 0.f;
+  if (vec) {
+    constexpr int VEC = 16 / sizeof(CT);
+#pragma unroll 4  // four weight loads in flight a lane: a 3072-wide row is twelve chunks a lane
+    for (int k = lane * VEC; k < IC; k += 32 * VEC) {
+      union { uint4 u; CT c[VEC]; } wv;
+      wv.u = *reinterpret_cast<const uint4*>(wr + k);
+#pragma unroll
+      for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+        if (r >= N) break;
+        union { uint4 u; CT c[VEC]; } xv;
+        xv.u = *reinterpret_cast<const uint4*>(inp + (i64)r * IC + k);
+        float a = 0.f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) a += to_f(wv.c[i]) * to_f(xv.c[i]);
+        acc[r] += a;
+      }
+    }
+  } else {
+    for (int k = lane; k < IC; k += 32) {
+      float wk = to_f(wr[k]);
+      for (int r = 0; r < N; ++r) acc[r] += wk * to_f(inp[(i64)r * IC + k]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = warp_sum(acc[r]);
+}
+
+// out (N,1,OC) = inp (N,1,IC) @ w (OC,IC).T + b, then GELU (tanh form) where gelu; N <= 8.
+extern "C" __global__ void k_decode_linear_fwd(CT* out, const CT* inp, const CT* w, const CT* b, int N, int IC,
+                                               int OC, int gelu_, int vec) {
+  pdl_wait();
+  const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (o >= OC) return;
+  float acc[GEMV_MAX_ROWS];
+  gemv_column(acc, inp, w, N, IC, o, vec);
+  if ((threadIdx.x & 31) == 0) {
+    const float bias = to_f(b[o]);
+    for (int r = 0; r < N; ++r) {
+      float y = acc[r] + bias;
+      out[(i64)r * OC + o] = from_f<CT>(gelu_ ? gelu(y) : y);
+    }
+  }
+}
+
+// logits (N,V) float32 = inp (N,1,C) @ wte (V,C).T; N <= 8.
+extern "C" __global__ void k_decode_logits_gemv(float* logits, const CT* inp, const CT* wte, int N, int C, int V,
+                                                int vec) {
+  pdl_wait();
+  const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (o >= V) return;
+  float acc[GEMV_MAX_ROWS];
+  gemv_column(acc, inp, wte, N, C, o, vec);
+  if ((threadIdx.x & 31) == 0)
+    for (int r = 0; r < N; ++r) logits[(i64)r * V + o] = acc[r];
+}
+
+// k_decode_ln_linear_fwd: res = a + b (rounded to CT, as k_residual_add; written by block 0), or
+// res = a where has_b is 0 (not written); each row's layer norm of res (rounded to CT, as
+// k_layernorm_fwd writes it) into shared memory; then out = that @ w.T + bias, GELU where gelu_:
+// k_residual_layernorm_fwd and k_decode_linear_fwd in one launch, every block normalising the N
+// rows (N <= 8, a warp a row) itself. Shared memory: N * C values of CT.
+#define DECODE_LN_EPS 1e-5f  // layernorm.cu's LN_EPS (torch's default, ref.LN_EPS)
+extern "C" __global__ void k_decode_ln_linear_fwd(CT* out, CT* res, const CT* a, const CT* b, int has_b,
+                                                  const CT* ln_w, const CT* ln_b, const CT* w, const CT* bias,
+                                                  int N, int C, int OC, int gelu_, int vec) {
+  pdl_wait();
+  extern __shared__ __align__(16) unsigned char smraw[];
+  CT* xs = reinterpret_cast<CT*>(smraw);  // (N, C): the normalised rows, the product's input
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (warp < N) {
+    const CT* ar = a + (i64)warp * C;
+    const CT* br = b + (i64)warp * C;
+    CT* xr = xs + warp * C;
+    float s = 0.f;
+#pragma unroll 8  // the row's loads in flight together (24 a lane at C = 768)
+    for (int c = lane; c < C; c += 32) {
+      CT r = has_b ? from_f<CT>(to_f(ar[c]) + to_f(br[c])) : ar[c];
+      if (has_b && blockIdx.x == 0) res[(i64)warp * C + c] = r;
+      xr[c] = r;
+      s += to_f(r);
+    }
+    const float mu = warp_sum(s) / C;
+    float v = 0.f;
+    for (int c = lane; c < C; c += 32) { float d = to_f(xr[c]) - mu; v += d * d; }
+    const float rs = 1.0f / sqrtf(warp_sum(v) / C + DECODE_LN_EPS);
+    for (int c = lane; c < C; c += 32) xr[c] = from_f<CT>((to_f(xr[c]) - mu) * rs * to_f(ln_w[c]) + to_f(ln_b[c]));
+  }
+  __syncthreads();  // every row normalised before any warp's product reads it
+  const int o = blockIdx.x * (blockDim.x >> 5) + warp;
+  if (o >= OC) return;
+  float acc[GEMV_MAX_ROWS];
+  gemv_column(acc, xs, w, N, C, o, vec);
+  if (lane == 0) {
+    const float bo = to_f(bias[o]);
+    for (int r = 0; r < N; ++r) {
+      float y = acc[r] + bo;
+      out[(i64)r * OC + o] = from_f<CT>(gelu_ ? gelu(y) : y);
+    }
+  }
+}
