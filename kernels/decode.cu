@@ -24,7 +24,8 @@
 // those reads leave HBM while that kernel runs; (2) the attention's scores are a thread a key in
 // 16-byte loads (all of a key's loads in flight at once), its values a lane a 16-byte chunk of the
 // head's row, where the head size allows it (else version 1's loops); (3) k_decode_ln_linear_fwd
-// normalises its rows with the whole block, where version 1 took a warp a row.
+// normalises its rows with the whole block, where version 1 took a warp a row; (4) k_sample_fwd's
+// greedy pass loads the logits 16 bytes at a time.
 #include "common.cuh"
 #include "gelu.cuh"
 
@@ -274,9 +275,23 @@ extern "C" __global__ void k_sample_fwd(int* tokens, int* lengths, const float* 
   float best = NEG_INF;
   int arg = 0x7fffffff;
   if (!(t > 0.f)) {
-#pragma unroll 8  // loads in flight together: the row is 49 values a thread at V = 50304
-    for (int v = threadIdx.x; v < V; v += blockDim.x)
-      if (lg[v] > best) { best = lg[v]; arg = v; }
+    if ((V & 3) == 0 && aligned16(lg)) {
+      // 16-byte loads, a thread's four values in index order: 12 loads a thread at V = 50304
+      const vec16* l4 = reinterpret_cast<const vec16*>(lg);
+#pragma unroll 4
+      for (int q = threadIdx.x; q < (V >> 2); q += blockDim.x) {
+        const vec16 r = l4[q];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float x = __uint_as_float(r.w[i]);
+          if (x > best) { best = x; arg = 4 * q + i; }
+        }
+      }
+    } else {
+#pragma unroll 8  // loads in flight together
+      for (int v = threadIdx.x; v < V; v += blockDim.x)
+        if (lg[v] > best) { best = lg[v]; arg = v; }
+    }
   } else {
     float zmax = NEG_INF;
     for (int v = threadIdx.x; v < V; v += blockDim.x) zmax = fmaxf(zmax, lg[v] / t);

@@ -177,6 +177,7 @@ def test_k_sample_fwd(be, rng):
     N, V, ctx = 12, 50304, 1024
     logits = (rng.standard_normal((N, V)) * 3).astype(np.float32)
     logits[3, 77] = logits[3].max()  # a tie for greedy: the first index wins
+    logits[0, 101] = logits[0, 102] = logits[0].max() + 1  # a tie within one 16-byte load (100..103)
     temp = np.array([0, 0, 0.7, 0, 1.0, 1.0, 1.5, 0.3, 1.0, 2.0, 1.0, 0.9], np.float32)
     top_k = np.array([0, 5, 0, 0, 40, 0, 7, 0, 1, 200, 0, 50], np.int32)
     top_p = np.array([1, 1, 1, 1, 1, 0.9, 0.5, 0.95, 1, 0.3, 1e-6, 0.99], np.float32)
