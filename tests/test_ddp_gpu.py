@@ -1,7 +1,10 @@
 """Data parallelism on the CUDA backend with one rank (skipped without a GPU): the gradient sum is a
 real NCCL all-reduce (cupy.cuda.nccl, a world of one GPU) inside the optimizer's CUDA graph, and
 it changes nothing: the same bits as the engine without a comm. The same for ZeRO-1 in that world
-(NCCL reduce-scatter and all-gather in the graph). Two or more GPUs: dev/ddp_gpu_check.sh.
+(NCCL reduce-scatter and all-gather in the graph), and for the sums in buckets issued during the
+backward pass on a second stream inside the pass's graph (andrea/core/buckets.py). Two GPUs: the
+bucketed sums against the one sum, to the bit (mpirun; skipped with one GPU); more:
+dev/ddp_gpu_check.sh.
 
     python -m pytest -m gpu tests/test_ddp_gpu.py -q
 """
@@ -81,3 +84,72 @@ def test_zero1_of_one_nccl_rank_gives_the_bits_of_no_zero1(tmp_path, precision):
     only other difference, the compute copy cast by k_cast_params after the all-gather instead of
     inside k_adamw_step, rounds each weight the same way."""
     one_rank_against_plain(tmp_path, precision, zero1=True)
+
+
+# ------------------------------------------------------------------ the sums in buckets (buckets.py)
+
+@pytest.mark.parametrize("zero1", [False, True])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bucketed_sums_of_one_nccl_rank_in_the_graph_change_nothing(tmp_path, precision, zero1):
+    """The gradient sums in buckets of a layer each, issued during the last backward pass on the
+    second stream (events after the kernels that finish each bucket, a join before the optimizer),
+    inside the pass's CUDA graph, in an NCCL world of one GPU: all-reduce by range, or ZeRO-1's
+    reduce onto each shard's owner (grouped ncclReduce). Expected: the bits of the engine without a
+    comm, and the pass that issues them captured (a capture whose second stream were not joined
+    would fail to end)."""
+    from andrea.core.buckets import GradBuckets, plan_buckets
+
+    d = small_config(tmp_path, precision=precision, grad_accum=2)
+    d["model"] = {"n_layer": 3, "d_model": 48, "n_head": 3, "context": 40, "vocab_size": 97}
+    d["train"]["seq_len"] = 37
+    d["backend"] = {"name": "cuda"}
+    cfg = load_run_config(d)
+    comm = MpiComm(OneRankWorld())
+    ours, plain = Engine(cfg, comm=comm, zero1=zero1), Engine(cfg)
+    assert ours.buckets is None  # one rank: none of its own; made here to run the CUDA path
+    ours.buckets = GradBuckets(comm, ours.grads, plan_buckets(ours.layout, 3, ours.grads.size, 1), zero1)
+    for step in range(1, 6):
+        batches = global_batches(cfg, step)
+        assert dict(ours.train_step(step, batches)) == dict(plain.train_step(step, batches))
+    ours.be.synchronize()
+    assert ("passes", True, False, None, True) in ours.graphs.graphs, "the pass issuing the buckets not captured"
+    for x, y in zip(ours.host_state(), plain.host_state()):
+        assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bucketed_sums_on_two_gpus_give_the_bits_of_one_sum(tmp_path, precision):
+    """2 GPUs (mpirun, one rank a GPU; skipped with fewer), fp32 and bf16: the model of
+    tests/test_ddp_buckets.py on CUDA, 6 microbatches a step, 3 steps: buckets of a layer each and
+    the default give every rank the weights, moments and records of the one sum after the backward
+    pass, to the bit, with and without ZeRO-1. With 2 ranks each element's sum is one addition,
+    a + b, the same bits in any order, so NCCL's choice of algorithm per call cannot change them
+    (with 3 or more ranks it can: docs/DISTRIBUTED.md)."""
+    import json
+    import os
+    import subprocess
+
+    import cupy as cp
+
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs 2 GPUs")
+    from test_ddp import ENV, mpirun
+
+    d = small_config(tmp_path, grad_accum=6, precision=precision)
+    d["model"]["n_layer"] = 3
+    d["backend"] = {"name": "cuda"}
+    (tmp_path / "cfg.json").write_text(json.dumps(d))
+    env = {k: v for k, v in ENV.items() if k != "ANDREA_DDP_BUCKET_MB"}
+    env["NCCL_NVLS_ENABLE"] = os.environ.get("NCCL_NVLS_ENABLE", "0")
+    r = subprocess.run(mpirun(2, Path(__file__).parent / "ddp_bucket_worker.py", tmp_path / "cfg.json",
+                              tmp_path / "out", "float32", 3, "0,1,26214400"), env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    outs = [np.load(tmp_path / f"out.{k}.npz") for k in range(2)]
+    for z in (0, 1):
+        for o in outs:
+            assert bool(o[f"z{z}_c1.captured"]), "the bucketed pass was not captured as a graph"
+            for cap in (1, 26214400):
+                for k in ("params", "m", "v", "recs"):
+                    assert np.array_equal(o[f"z{z}_c{cap}.{k}"], o[f"z{z}_c0.{k}"]), (z, cap, k)
+        assert np.array_equal(outs[0][f"z{z}_c0.params"], outs[1][f"z{z}_c0.params"])

@@ -5,6 +5,7 @@
     comm.prepare(grads)               # CUDA arrays: one NCCL communicator, its id sent by MPI
     comm.allreduce_sum(grads, loss)   # in place, the same bits on every rank (the engine's step)
     comm.reduce_scatter_sum(grads)    # ZeRO-1: rank r's shard of grads becomes the sum over the ranks
+    comm.reduce_scatter_sum(grads, lo, hi)  # the same for the elements [lo, hi) only (a bucket)
     comm.allgather(params)            # ZeRO-1: every rank's shard of params onto every rank, in place
     whole = comm.gather(part)         # host arrays: the ranks' parts end to end on rank 0 (None elsewhere)
     stop, save = comm.any(stop, save) # a flag set on any rank is set on every rank
@@ -98,7 +99,7 @@ class SingleComm:
     def allreduce_max(self, a) -> None:
         pass
 
-    def reduce_scatter_sum(self, a) -> None:
+    def reduce_scatter_sum(self, a, lo=0, hi=None) -> None:
         pass
 
     def allgather(self, a) -> None:
@@ -205,19 +206,39 @@ class MpiComm:
             buf = self._gathered[dtype] = np.empty(need, dtype=dtype)
         return buf
 
-    def reduce_scatter_sum(self, a) -> None:
+    def reduce_scatter_sum(self, a, lo=0, hi=None) -> None:
         """ZeRO-1: a (flat, size x S elements) is cut into one shard of S per rank; rank r's shard
         becomes the sum over the ranks of that shard, in place, with the bits allreduce_sum would
-        give it. The rest of a is left undefined (the engine's next first pass writes it)."""
+        give it. The rest of a is left undefined (the engine's next first pass writes it).
+        [lo, hi): only the elements of that range (a gradient bucket, buckets.py): each rank's part
+        of it becomes the sum, the same bits as the whole call gives them."""
         S = self._shard_len(a, "reduce_scatter_sum")
+        hi = a.size if hi is None else hi
         if isinstance(a, np.ndarray):
-            self._reduce_scatter_in_rank_order(a.reshape(-1), S)
+            self._reduce_scatter_in_rank_order(a.reshape(-1), S, lo, hi)
             return
         from cupy.cuda import nccl
 
         kind, stream = self._nccl_args(a, "reduce_scatter_sum")
-        mine = a.data.ptr + self.rank * S * a.itemsize  # in place: recvbuff = sendbuff + rank * count
-        self.nccl.reduceScatter(a.data.ptr, mine, S, kind, nccl.NCCL_SUM, stream.ptr)
+        if (lo, hi) == (0, a.size):
+            mine = a.data.ptr + self.rank * S * a.itemsize  # in place: recvbuff = sendbuff + rank * count
+            self.nccl.reduceScatter(a.data.ptr, mine, S, kind, nccl.NCCL_SUM, stream.ptr)
+            return
+        # a range: shards receive unequal parts of it, which one reduceScatter cannot do; one
+        # reduce per rank whose shard it touches, onto that rank, in place, grouped into one launch
+        nccl.groupStart()
+        try:
+            for q, (p_lo, p_hi) in enumerate(self._pieces(S, lo, hi)):
+                if p_hi > p_lo:
+                    ptr = a.data.ptr + p_lo * a.itemsize
+                    self.nccl.reduce(ptr, ptr, p_hi - p_lo, kind, nccl.NCCL_SUM, q, stream.ptr)
+        finally:
+            nccl.groupEnd()
+
+    def _pieces(self, S: int, lo: int, hi: int):
+        """[lo, hi) cut at the shards' bounds: rank q's piece is [lo, hi) & [q*S, (q+1)*S), in
+        rank order (empty where they do not meet: (x, x))."""
+        return [(min(max(lo, q * S), hi), max(min(hi, (q + 1) * S), lo)) for q in range(self.size)]
 
     def allgather(self, a) -> None:
         """ZeRO-1: every rank's shard of a (flat, size x S elements) onto every rank, in place."""
@@ -245,19 +266,24 @@ class MpiComm:
                              "(the engine pads its flat buffers under ZeRO-1)")
         return a.size // self.size
 
-    def _reduce_scatter_in_rank_order(self, flat: np.ndarray, S: int) -> None:
+    def _reduce_scatter_in_rank_order(self, flat: np.ndarray, S: int, lo: int, hi: int) -> None:
+        """Rank q's piece of [lo, hi) (_pieces) from every rank to rank q (Alltoallv; the pieces
+        may differ in length), added there in rank order, CHUNK elements of each piece at a time
+        (every rank takes as many turns: the longest piece's)."""
         from mpi4py.util.dtlib import from_numpy_dtype
 
         kind = from_numpy_dtype(flat.dtype)
-        mine = flat[self.rank * S:(self.rank + 1) * S]
-        buf = self._scratch(flat.dtype, self.size * min(CHUNK, S))
-        for lo in range(0, S, CHUNK):
-            n = min(CHUNK, S - lo)
-            got = buf[:self.size * n].reshape(self.size, n)  # got[r] = rank r's copy of this piece
-            counts = [n] * self.size
-            self.mpi.Alltoallv([flat, (counts, [r * S + lo for r in range(self.size)]), kind],
-                               [got, (counts, [r * n for r in range(self.size)]), kind])
-            part = mine[lo:lo + n]
+        pieces = self._pieces(S, lo, hi)
+        m_lo, m_hi = pieces[self.rank]
+        longest = max(b - a for a, b in pieces)
+        buf = self._scratch(flat.dtype, self.size * min(CHUNK, max(m_hi - m_lo, 1)))
+        for at in range(0, longest, CHUNK):
+            send = [max(0, min(CHUNK, b - a - at)) for a, b in pieces]  # to each rank: its piece's part
+            n = send[self.rank]  # received from every rank: my piece's part
+            got = buf[:self.size * n].reshape(self.size, n)  # got[r] = rank r's copy of this part
+            self.mpi.Alltoallv([flat, (send, [min(a + at, b) for a, b in pieces]), kind],
+                               [got, ([n] * self.size, [r * n for r in range(self.size)]), kind])
+            part = flat[m_lo + at:m_lo + at + n]
             np.copyto(part, got[0])
             for r in range(1, self.size):
                 part += got[r]

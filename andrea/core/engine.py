@@ -36,6 +36,7 @@ import numpy as np
 from . import model
 from ..backends import get_backend
 from ..backends.interface import S_LOSS_SUM, S_LR, S_STEP
+from .buckets import make_buckets, said
 from .comm import SINGLE, shard_bounds
 from ..config import FP8_RUN_SETTINGS, AndreaConfig
 from ..data.chat import IGNORE_INDEX
@@ -85,12 +86,15 @@ def fp8_classifier_runs(cfg: AndreaConfig, level: int) -> bool:
 class Engine(StateMixin):
     """Owns every buffer and the optimizer state of one model; runs steps on one backend."""
 
-    def __init__(self, cfg: AndreaConfig, backend=None, dtype: str = "float32", comm=None, zero1: bool = False):
+    def __init__(self, cfg: AndreaConfig, backend=None, dtype: str = "float32", comm=None, zero1: bool = False,
+                 bucket_bytes: Optional[int] = None):
         self.cfg = cfg
         # data parallelism (andrea/core/comm.py): this engine is one rank of comm.size, each running
         # its own microbatches; the step sums the gradients over the ranks before the optimizer.
         # zero1: each rank keeps the Adam moments of its own shard of the flat buffers only
-        # (ZeRO-1, docs/DISTRIBUTED.md); with one rank the shard is everything (same plan, same bits)
+        # (ZeRO-1, docs/DISTRIBUTED.md); with one rank the shard is everything (same plan, same bits).
+        # bucket_bytes: the sum's bucket cap, issued during the last backward pass (buckets.py;
+        # None: ANDREA_DDP_BUCKET_MB, 0: one sum after it)
         self.comm = comm if comm is not None else SINGLE
         self.zero1 = bool(zero1)
         self.be = backend if backend is not None else get_backend(cfg.backend.name)
@@ -124,6 +128,7 @@ class Engine(StateMixin):
         self.mixed = t.precision != "fp32"
         self._allocate()
         self.comm.prepare(self.grads)
+        self.buckets = make_buckets(self.comm, self.grads, self.layout, cfg.model.n_layer, self.zero1, bucket_bytes)
         self.comm.on_close(self.graphs.clear)  # graphs holding NCCL calls go before NCCL does
         self.loss_scale = float(t.loss_scale) if t.precision == "fp16" else 1.0
         self.init_params(t.seed)
@@ -265,14 +270,14 @@ class Engine(StateMixin):
             unsharded = make_plan(self.cfg, self.dtype, self.be.grad_norm_partials,
                                   fp8_classifier=self.fp8_classifier, fp8_delayed=self.fp8_delayed)
             saved = unsharded.total() - self.plan.total()
-            print(f"data parallel: {self.comm.describe()}, ZeRO-1; the bytes above are per rank (each rank "
-                  f"holds the whole model and its gradients, padded to {self.params.size:,} elements, and the "
-                  f"Adam moments of its shard of {self.hi - self.lo:,}: {saved:,} bytes fewer than without "
-                  f"ZeRO-1), {self.comm.size} ranks hold {self.comm.size * (self.plan.total() + ws):,} bytes "
-                  "in all", file=file, flush=True)
+            print(f"data parallel: {self.comm.describe()}, ZeRO-1{said(self.buckets)}; the bytes above are per "
+                  f"rank (each rank holds the whole model and its gradients, padded to {self.params.size:,} "
+                  f"elements, and the Adam moments of its shard of {self.hi - self.lo:,}: {saved:,} bytes fewer "
+                  f"than without ZeRO-1), {self.comm.size} ranks hold {self.comm.size * (self.plan.total() + ws):,} "
+                  "bytes in all", file=file, flush=True)
         elif self.comm.size > 1:
-            print(f"data parallel: {self.comm.describe()}; the bytes above are per rank (each rank holds "
-                  f"the whole model, its gradients and Adam state), {self.comm.size} ranks hold "
+            print(f"data parallel: {self.comm.describe()}{said(self.buckets)}; the bytes above are per rank "
+                  f"(each rank holds the whole model, its gradients and Adam state), {self.comm.size} ranks hold "
                   f"{self.comm.size * (self.plan.total() + ws):,} bytes in all", file=file, flush=True)
 
     # ------------------------------------------------------------ the step
@@ -297,19 +302,21 @@ class Engine(StateMixin):
         self._passes(x, y, accumulate=False)
         return float(np.mean(self.be.to_numpy(self.g["losses"]), dtype=np.float64))
 
-    def _passes(self, x, y, accumulate=True, first=False):
+    def _passes(self, x, y, accumulate=True, first=False, last=False):
         """Queue forward + backward of one microbatch (and, with accumulate, add its loss sum to
         the optimizer state). The loss gradient is read from the device (self.dloss). first: the
         step's first microbatch, whose backward pass writes the gradients instead of adding into
-        them (param_grad_pass(start=grads)), so nothing zeroes them between steps."""
+        them (param_grad_pass(start=grads)), so nothing zeroes them between steps. last: the step's
+        last microbatch, whose pass issues the sums over the ranks in buckets (self.buckets)."""
         be, nh = self.be, self.cfg.model.n_head
         be.upload(self.g["tokens"], x)
         be.upload(self.g["targets"], y)
+        ready = self.buckets.ready if last and self.buckets else None
 
         def passes():
             model.forward(be, self.p, self.layers, self.g, nh, loss=False)
             model.backward(be, self.p, self.dp, self.layers, self.g, nh, self.dloss,
-                           start=self.grads if first else None)
+                           start=self.grads if first else None, ready=ready)
             if accumulate:
                 be.k_loss_accum(self.optim_state, self.g["losses"])
         live = None
@@ -322,7 +329,7 @@ class Engine(StateMixin):
         # CUDA: both passes replay as one graph (hundreds of launches cost milliseconds of Python
         # otherwise); the key holds what the graph bakes in (this engine's buffers, and whether
         # the delayed scales have a history)
-        self._run(("passes", accumulate, first, live), passes)
+        self._run(("passes", accumulate, first, live, ready is not None), passes)
 
     def _optimizer(self, n_micro):
         """Queue the end of the step: the sum over the ranks, norm, non-finite policy, loss scale,
@@ -338,7 +345,7 @@ class Engine(StateMixin):
                             SCALE_GROWTH_INTERVAL, MAX_LOSS_SCALE)
 
         def optimizer():
-            comm.allreduce_sum(self.grads, loss_sum)  # nothing with one rank
+            comm.allreduce_sum(loss_sum, *(() if self.buckets else (self.grads,)))  # nothing with one rank
             be.k_grad_norm_partial(partials, self.grads)
             check()
             # the grads are left as they are: the next step's first pass writes them
@@ -350,7 +357,8 @@ class Engine(StateMixin):
         def sharded():  # ZeRO-1: this rank updates its shard, then every rank gets every shard
             sh = self.shard
             comm.allreduce_sum(loss_sum)
-            comm.reduce_scatter_sum(self.grads)  # the shard of grads: the sum over the ranks
+            if not self.buckets:  # else summed during the last backward pass
+                comm.reduce_scatter_sum(self.grads)  # the shard of grads: the sum over the ranks
             be.k_grad_norm_partial(sh["partials"], sh["grads"])  # this rank's block of the partials
             comm.allgather(partials)  # every rank's block: the same norm and decisions everywhere
             check()
@@ -393,7 +401,7 @@ class Engine(StateMixin):
             batches, mean = self._answer_targets(batches)
             self.dloss *= np.float32(mean)  # queued before the passes read it; k_step_check rewrites it
         for i, (x, y, *_) in enumerate(batches):
-            self._passes(x, y, first=i == 0)  # the first microbatch's pass starts the gradients
+            self._passes(x, y, first=i == 0, last=i == len(batches) - 1)  # the first starts the gradients
         if mean != 1.0:
             self.optim_state[S_LOSS_SUM:S_LOSS_SUM + 1] *= mean  # the recorded loss: that same mean
         self._optimizer(len(batches))

@@ -145,7 +145,7 @@ def forward(be, p, layers, g, n_head, loss=True):
         be.k_loss_fwd(g["losses"], g["loss_lse"], g["logits"], g["lnf"], p["wte"], g["targets"])
 
 
-def backward(be, p, dp, layers, g, n_head, dloss, start=None):
+def backward(be, p, dp, layers, g, n_head, dloss, start=None, ready=None):
     """Backward pass after forward() (with or without its loss): writes g["losses"] (the fused
     classifier) and ADDS every parameter gradient into dp (views of the grads buffer). dloss is
     d(objective)/d(loss of each position), e.g. loss_scale / (B*T): a float, or a (1,) array on
@@ -158,7 +158,10 @@ def backward(be, p, dp, layers, g, n_head, dloss, start=None):
     The kernels run inside be.param_grad_pass(): the backend may finish part of the parameter
     gradients (CUDA: the bias and layer-norm weight column sums) when it closes, in one launch.
     start: the flat gradient buffer behind dp when this pass starts the step's gradients (its old
-    contents count as zero: the first microbatch's pass writes the gradients, nothing zeroes them)."""
+    contents count as zero: the first microbatch's pass writes the gradients, nothing zeroes them).
+    ready: called as ready(l) once layer l's kernels are queued (its matrices' gradients are then
+    final) and ready(None) once the pass has closed (every gradient final): the data-parallel sum
+    in buckets (buckets.py) issues its collectives there."""
     dres, dln = g["dres"], g["dln"]
     x_last = layers[-1]["res_out"] if layers else g["x0"]
     with be.param_grad_pass(start=start):  # the parameter gradients are complete when it closes
@@ -180,7 +183,11 @@ def backward(be, p, dp, layers, g, n_head, dloss, start=None):
             be.k_attn_bwd(g["dqkv"], g["datty"], a["qkv"], a["atty"], a["att_lse"], n_head, accumulate=False)
             be.k_attn_qkv_bwd(dln, dw["qkv_w"], dw["qkv_b"], g["dqkv"], a["ln1"], w["qkv_w"], accumulate=False)
             be.k_layernorm_bwd(dres, dw["ln1_w"], dw["ln1_b"], dln, x_in, w["ln1_w"], a["ln1_mean"], a["ln1_rstd"])
+            if ready is not None:
+                ready(l)
         be.k_embed_bwd(dp["wte"], dp["wpe"], dres, g["tokens"])
+    if ready is not None:
+        ready(None)
 
 
 def _layer(views, l):

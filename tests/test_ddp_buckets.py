@@ -1,0 +1,198 @@
+"""The gradient sum over the ranks in buckets issued during the backward pass (andrea/core/buckets.py,
+docs/DISTRIBUTED.md): the plan, the moment each bucket is issued, and, over real MPI ranks
+(mpirun, NumPy engine), the same bits as the one sum after the backward pass, with and without
+ZeRO-1, with more microbatches than ranks.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from andrea.config import load_run_config
+from andrea.core import model
+from andrea.core.buckets import (BUCKET_ENV, DEFAULT_BUCKET_MB, Bucket, bucket_bytes_requested, make_buckets,
+                                 plan_buckets)
+from andrea.core.comm import shard_bounds
+from andrea.core.engine import Engine
+from conftest import small_config
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ddp_worker import global_batches  # noqa: E402
+
+
+def layout_of(tmp_path, **m):
+    d = small_config(tmp_path)
+    d["model"].update(m)
+    cfg = load_run_config(d)
+    return cfg, model.ParamLayout.from_config(cfg.model)
+
+
+# ------------------------------------------------------------------ the plan
+
+@pytest.mark.parametrize("n_layer, cap, pad", [(3, 1, 0), (3, 10**9, 2), (5, 30000, 1), (1, 1, 0)])
+def test_plan_covers_the_buffer_once_in_backward_order(tmp_path, n_layer, cap, pad):
+    """The buckets tile [0, total) exactly (ZeRO-1's padding included), are issued from the last
+    layer to the first and then at the end of the pass, and each bucket but the one that reaches
+    layer 0 holds at least the cap's bytes, of whole layers' matrices."""
+    _, lay = layout_of(tmp_path, n_layer=n_layer)
+    total = lay.n_params + pad
+    plan = plan_buckets(lay, n_layer, total, cap)
+    seen = np.zeros(total, np.int32)
+    for b in plan:
+        for lo, hi in b.ranges:
+            seen[lo:hi] += 1
+    assert (seen == 1).all(), "a gradient summed twice or never"
+    afters = [b.after for b in plan]
+    assert afters[-1] is None and afters[:-1] == sorted(afters[:-1], reverse=True)
+    assert afters[-2] == 0
+    off = {name: o for name, o, _ in lay.entries}
+    for b in plan[:-1]:
+        (lo, hi), = b.ranges
+        assert lo == off[f"h{b.after}.qkv_w"], "a bucket starts at its first layer's matrices"
+        if b.after:
+            assert (hi - lo) * 4 >= cap
+    vectors = plan[-1].ranges[-1]
+    assert vectors == (lay.n_decay, total)
+    if cap == 1:  # a layer a bucket
+        assert afters == list(reversed(range(n_layer))) + [None]
+    if cap == 10**9:  # every layer in one bucket, issued after layer 0
+        assert afters == [0, None]
+
+
+def test_no_buckets_with_a_cap_of_zero_or_one_rank(tmp_path):
+    _, lay = layout_of(tmp_path)
+    assert plan_buckets(lay, 2, lay.n_params, 0) == []
+
+    class Two:
+        size, rank = 2, 0
+    grads = np.zeros(lay.n_params, np.float32)
+    assert make_buckets(Two(), grads, lay, 2, False, 0) is None
+    assert make_buckets(Two(), grads, lay, 2, False, 1).plan[0] == Bucket(1, ((lay.entries[2 + 4][1], lay.n_decay),))
+
+    class One:
+        size, rank = 1, 0
+    assert make_buckets(One(), grads, lay, 2, False, 1) is None
+
+
+def test_bucket_size_is_read_from_the_environment():
+    assert bucket_bytes_requested({}) == int(DEFAULT_BUCKET_MB * 2**20) == 25 * 2**20
+    assert bucket_bytes_requested({BUCKET_ENV: "0"}) == 0
+    assert bucket_bytes_requested({BUCKET_ENV: " 0.5 "}) == 2**19
+    for bad in ("-1", "lots", "nan", "inf"):
+        with pytest.raises(ValueError, match=f"{BUCKET_ENV}='{bad}'"):
+            bucket_bytes_requested({BUCKET_ENV: bad})
+
+
+# ------------------------------------------------------------------ when each bucket is issued
+
+class Recorder:
+    """A comm of 2 ranks that sums nothing (every collective leaves its arrays as they are) and
+    records, for each sum over a range of the gradient buffer, the range and its values then."""
+
+    size, rank = 2, 0
+
+    def __init__(self):
+        self.calls, self.grads = [], None
+
+    def prepare(self, grads):
+        self.grads = grads
+
+    def on_close(self, fn):
+        pass
+
+    def _log(self, lo, hi):
+        self.calls.append((lo, hi, self.grads[lo:hi].copy()))
+
+    def allreduce_sum(self, *arrays):
+        for a in arrays:
+            if np.shares_memory(a, self.grads):
+                lo = (a.__array_interface__["data"][0] - self.grads.__array_interface__["data"][0]) // a.itemsize
+                self._log(lo, lo + a.size)
+
+    def reduce_scatter_sum(self, a, lo=0, hi=None):
+        self._log(lo, a.size if hi is None else hi)
+
+    def allgather(self, a):
+        pass
+
+
+@pytest.mark.parametrize("zero1", [False, True])
+def test_each_bucket_is_issued_once_its_gradients_are_final(tmp_path, zero1):
+    """A step of 3 microbatches: the sums are issued in the plan's order during the last one's
+    backward pass only, and the values of every bucket when it is issued are the step's final
+    gradients (nothing adds into a bucket after its sum starts). Unbucketed: one sum of the
+    whole buffer after the last pass."""
+    d = small_config(tmp_path, grad_accum=3)
+    d["model"]["n_layer"] = 3
+    cfg = load_run_config(d)
+    rec = Recorder()
+    eng = Engine(cfg, comm=rec, zero1=zero1, bucket_bytes=1)
+    plan = eng.buckets.plan
+    assert [b.after for b in plan] == [2, 1, 0, None]
+    for step in (1, 2):
+        rec.calls.clear()
+        eng.train_step(step, global_batches(cfg, step))
+        assert [(lo, hi) for lo, hi, _ in rec.calls] == [r for b in plan for r in b.ranges]
+        for lo, hi, then in rec.calls:
+            assert np.array_equal(then, eng.grads[lo:hi]), f"[{lo}, {hi}) changed after its sum was issued"
+    plain = Recorder()
+    eng = Engine(cfg, comm=plain, zero1=zero1, bucket_bytes=0)
+    eng.train_step(1, global_batches(cfg, 1))
+    assert [(lo, hi) for lo, hi, _ in plain.calls] == [(0, eng.grads.size)]
+
+
+# ------------------------------------------------------------------ the same bits over MPI ranks
+
+def ranks_bucketed(tmp_path, n, caps):
+    from test_ddp import ENV, mpirun
+
+    d = small_config(tmp_path, grad_accum=6)
+    d["model"]["n_layer"] = 3
+    (tmp_path / "cfg.json").write_text(json.dumps(d))
+    r = subprocess.run(mpirun(n, Path(__file__).parent / "ddp_bucket_worker.py", tmp_path / "cfg.json",
+                              tmp_path / "out", "float32", 3, ",".join(map(str, caps))),
+                       env={k: v for k, v in ENV.items() if k != BUCKET_ENV}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d, [np.load(tmp_path / f"out.{k}.npz") for k in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bucketed_sums_give_the_bits_of_one_sum(tmp_path, n):
+    """fp32, 6 microbatches a step (3 or 2 per rank), 3 steps, 3 layers: buckets of a layer each
+    (cap 1 byte), of two layers (cap 2 layers' bytes: 2 buckets of layers + the last) and the
+    default (one bucket of every layer + the last) give every rank the weights, moments, losses
+    and norms of the one sum after the backward pass, to the bit, without and with ZeRO-1; 3 ranks
+    pad the buffers to a multiple of 3 and cut the buckets at the shards' bounds unevenly."""
+    layer = 12 * 32 * 32 * 4  # one layer's matrices in bytes (d_model 32)
+    d, outs = ranks_bucketed(tmp_path, n, [0, 1, 2 * layer, 25 * 2**20])
+    for z in (0, 1):
+        base = f"z{z}_c0"
+        assert int(outs[0][f"{base}.buckets"]) == 0
+        assert [int(outs[0][f"z{z}_c{c}.buckets"]) for c in (1, 2 * layer, 25 * 2**20)] == [4, 3, 2]
+        for r, o in enumerate(outs):
+            for cap in (1, 2 * layer, 25 * 2**20):
+                for k in ("params", "m", "v", "recs"):
+                    assert np.array_equal(o[f"z{z}_c{cap}.{k}"], o[f"{base}.{k}"]), (r, z, cap, k)
+            assert np.array_equal(o[f"{base}.params"], outs[0][f"{base}.params"]), "the ranks differ"
+    # ZeRO-1's moments of rank 0 (gathered) are the whole buffer's; the runs trained (loss moved)
+    n_params = model.count_params(load_run_config(d).model)
+    assert outs[0]["z1_c1.m"].size == n_params and shard_bounds(n_params, n, 0)[0] % n == 0
+    recs = outs[0]["z0_c1.recs"]
+    assert recs[-1, 0] != recs[0, 0]
+
+
+def test_without_buckets_the_environment_default_is_used(tmp_path, monkeypatch):
+    """Engine(bucket_bytes=None) reads BUCKET_ENV: 0 gives no buckets, a size gives its plan."""
+    cfg = load_run_config(small_config(tmp_path, grad_accum=2))
+    monkeypatch.setenv(BUCKET_ENV, "0")
+    assert Engine(cfg, comm=Recorder()).buckets is None
+    monkeypatch.setenv(BUCKET_ENV, "0.000001")  # 1 byte: a layer a bucket
+    assert [b.after for b in Engine(cfg, comm=Recorder()).buckets.plan] == [1, 0, None]
+    monkeypatch.delenv(BUCKET_ENV)
+    assert [b.after for b in Engine(cfg, comm=Recorder()).buckets.plan] == [0, None]
+    assert os.environ.get(BUCKET_ENV) is None
