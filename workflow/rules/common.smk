@@ -309,6 +309,10 @@ def train_args(wildcards):
 RANKS = int(config["ranks"])
 LAUNCHER = str(config["launcher"] or "")
 ZERO1 = bool(config["zero1"])
+NODES = int(config["nodes"])
+if NODES > 1 and not (RANKS > 1 and LAUNCHER.split()[:1] == ["srun"] and RANKS % NODES == 0):
+    raise WorkflowError(f"config/config.yaml or --config: nodes={NODES} with ranks={RANKS}, launcher={LAUNCHER!r}; "
+                        "expected 1, or launcher=srun and ranks a multiple of nodes (ranks=8 nodes=2 launcher=srun)")
 
 
 def train_resources(cfg):
@@ -331,6 +335,9 @@ def train_launch(wildcards):
     if RANKS == 1:
         return "python3 -m andrea.train"
     zero1 = " --zero1" if ZERO1 else ""  # config zero1: the Adam state sharded over the ranks (ZeRO-1)
+    if LAUNCHER and NODES > 1:  # srun (checked): the same number of ranks on every node of the job
+        per_node = f"--nodes={NODES} --ntasks-per-node={RANKS // NODES}"
+        return f"{LAUNCHER} -n {RANKS} {per_node} python3 -m andrea.train{zero1}"
     if LAUNCHER:
         return f"{LAUNCHER} -n {RANKS} python3 -m andrea.train{zero1}"
     return f"python3 -m andrea.train --ranks {RANKS}{zero1}"
@@ -345,6 +352,12 @@ def train_slurm_tasks(wildcards):
 def train_slurm_tasks_per_gpu(wildcards):
     """One rank per GPU when a launcher starts several; 0 leaves the plugin's default."""
     return 1 if RANKS > 1 and LAUNCHER and train_gpus(wildcards) else 0
+
+
+def train_slurm_nodes(wildcards):
+    """Slurm nodes of a train job (the plugin's `nodes`, sbatch --nodes): config nodes when a
+    launcher starts several ranks (checked where NODES is read), else 1."""
+    return NODES
 
 
 def train_mpi(wildcards):

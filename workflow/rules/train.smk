@@ -31,6 +31,7 @@ rule train:
         tasks=train_slurm_tasks,
         tasks_per_gpu=train_slurm_tasks_per_gpu,
         mpi=train_mpi,
+        nodes=train_slurm_nodes,
     log:
         "results/{exp}/logs/train.log",
     benchmark:
