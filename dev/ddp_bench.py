@@ -14,7 +14,9 @@ gradients alone (NCCL, the same buffer), which is what the step adds to one GPU'
 all-gather of the weights instead. Memory per rank: the plan's bytes (arena + kernel workspace),
 its Adam moments' bytes, and the device's own figure after the timed steps (cudaMemGetInfo: total
 - free, which also counts the CUDA context, NCCL's buffers and CuPy's pool), the largest over the
-ranks. Efficiency = tokens/s on N GPUs / (N x tokens/s on one), both in the same job.
+ranks. Efficiency = tokens/s on N GPUs / (N x tokens/s on one), both in the same job. buckets: how
+many bucketed sums the step issues during the backward pass (andrea/core/buckets.py; 0: the one sum
+after it, ANDREA_DDP_BUCKET_MB=0).
 """
 import argparse
 import json
@@ -86,7 +88,8 @@ def main():
     if comm.rank == 0:
         adam = sum(r.nbytes for r in eng.plan.rows if r.group in ("adam_m", "adam_v"))
         print(json.dumps({"exp": a.exp, "precision": a.precision, "batch_per_rank": a.batch, "T": T,
-                          "ranks": comm.size, "zero1": a.zero1, "tokens_per_s": a.batch * T * comm.size / dt,
+                          "ranks": comm.size, "zero1": a.zero1,
+                          "buckets": len(eng.buckets.plan) if eng.buckets else 0, "tokens_per_s": a.batch * T * comm.size / dt,
                           "ms_per_step": dt * 1e3, ("zero1_comm_ms" if a.zero1 else "allreduce_ms"): comm_ms,
                           "grad_bytes": int(eng.grads.nbytes), "adam_bytes_per_rank": adam,
                           "plan_bytes_per_rank": eng.plan.total() + eng.workspace.nbytes(),

@@ -40,9 +40,17 @@ fi
 for B in 8 32; do
   python3 dev/ddp_bench.py --exp ANDREA-120M --precision bf16 --batch "$B" | tee -a "$OUT/speed.jsonl" \
     || echo "FAILED: ddp_bench 1 GPU B=$B" | tee -a "$OUT/summary.txt"
-  for Z in "" --zero1; do
-    $ANDREA_MPIRUN -n 2 python3 dev/ddp_bench.py --exp ANDREA-120M --precision bf16 --batch "$B" $Z \
-      | tee -a "$OUT/speed.jsonl" || echo "FAILED: ddp_bench 2 GPUs B=$B $Z" | tee -a "$OUT/summary.txt"
+  # every GPU count up to N (2, 4, 8), ZeRO-1 or not, the sums in buckets during the backward pass
+  # (the default, 25 MiB) and the one sum after it (ANDREA_DDP_BUCKET_MB=0)
+  for G in 2 4 8; do
+    [ "$G" -le "$N" ] || continue
+    for Z in "" --zero1; do
+      for MB in 25 0; do
+        ANDREA_DDP_BUCKET_MB="$MB" $ANDREA_MPIRUN -n "$G" python3 dev/ddp_bench.py --exp ANDREA-120M \
+          --precision bf16 --batch "$B" $Z | tee -a "$OUT/speed.jsonl" \
+          || echo "FAILED: ddp_bench $G GPUs B=$B $Z buckets=$MB MiB" | tee -a "$OUT/summary.txt"
+      done
+    done
   done
   if [ -n "${ANCHOR_DDP:-}" ]; then
     for G in 1 2; do
@@ -64,15 +72,17 @@ df = pd.DataFrame(rows)
 df["system"] = df.get("system", pd.Series(dtype=str)).fillna("andrea")
 if "zero1" in df:
     df.loc[df["zero1"].fillna(False).astype(bool), "system"] = "andrea zero1"
+if "buckets" in df:  # the one sum after the backward pass (no overlap) beside the bucketed default
+    df.loc[df["buckets"].eq(0) & df["ranks"].gt(1), "system"] += " one-sum"
 t = df.pivot_table(index=["system", "batch_per_rank"], columns="ranks", values="tokens_per_s")
-# each system against its own one GPU; ZeRO-1 (2 GPUs only) against ANDREA's one GPU
+# each system against its own one GPU; ANDREA's variants (ZeRO-1, one-sum) against ANDREA's one GPU
 one = df[df.ranks == 1].groupby(["system", "batch_per_rank"])["tokens_per_s"].mean()
-base = pd.MultiIndex.from_arrays([t.index.get_level_values(0).str.replace("andrea zero1", "andrea"),
+base = pd.MultiIndex.from_arrays([t.index.get_level_values(0).str.replace(r"^andrea.*$", "andrea", regex=True),
                                   t.index.get_level_values(1)])
-if 2 in t:
-    t["efficiency_2"] = t[2].to_numpy() / (2 * one.reindex(base).to_numpy())
+for g in [c for c in t.columns if isinstance(c, (int, float)) and c > 1]:
+    t[f"efficiency_{g}"] = t[g].to_numpy() / (g * one.reindex(base).to_numpy())
 print(t.round(3).to_string())
-cols = [c for c in ("system", "ranks", "batch_per_rank", "ms_per_step", "allreduce_ms", "zero1_comm_ms",
+cols = [c for c in ("system", "ranks", "batch_per_rank", "buckets", "ms_per_step", "allreduce_ms", "zero1_comm_ms",
                     "adam_bytes_per_rank", "plan_bytes_per_rank", "device_used_bytes_per_rank") if c in df]
 print(df[df.system.str.startswith("andrea")][cols].to_string(index=False))
 PY
