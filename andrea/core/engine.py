@@ -22,7 +22,8 @@ The memory plan and the arena are in plan.py (make_plan, Arena); EngineState, St
 Engine's accessors of its optimizer state and resumable state (StateMixin) are in state.py.
 
 Data parallelism (comm, docs/DISTRIBUTED.md): the gradients are summed over the ranks before the
-norm; with zero1 (ZeRO-1) each rank keeps the Adam moments of its own shard of the flat buffers,
+norm, in buckets issued during the last microbatch's backward pass (buckets.py), or in one call
+after it (ANDREA_DDP_BUCKET_MB=0); with zero1 (ZeRO-1) each rank keeps the Adam moments of its own shard of the flat buffers,
 updates that shard and all-gathers the weights (Engine._optimizer).
 """
 from __future__ import annotations
