@@ -119,6 +119,9 @@ class Recorder:
     def allgather(self, a):
         pass
 
+    def describe(self):
+        return "rank 0 of 2 (recorded)"
+
 
 @pytest.mark.parametrize("zero1", [False, True])
 def test_each_bucket_is_issued_once_its_gradients_are_final(tmp_path, zero1):
@@ -186,13 +189,27 @@ def test_bucketed_sums_give_the_bits_of_one_sum(tmp_path, n):
     assert recs[-1, 0] != recs[0, 0]
 
 
-def test_without_buckets_the_environment_default_is_used(tmp_path, monkeypatch):
-    """Engine(bucket_bytes=None) reads BUCKET_ENV: 0 gives no buckets, a size gives its plan."""
+def test_without_bucket_bytes_the_engine_reads_the_environment(tmp_path, monkeypatch):
+    """Engine(bucket_bytes=None) reads BUCKET_ENV: 0 gives no buckets, a size gives its plan, unset
+    the default, a bad value a ValueError naming the variable (the engine command: exit 2); the
+    memory plan's data-parallel line says which."""
+    import io
+
     cfg = load_run_config(small_config(tmp_path, grad_accum=2))
     monkeypatch.setenv(BUCKET_ENV, "0")
-    assert Engine(cfg, comm=Recorder()).buckets is None
+    eng = Engine(cfg, comm=Recorder())
+    assert eng.buckets is None
+    out = io.StringIO()
+    eng.print_plan(file=out)
+    assert "rank 0 of 2 (recorded), gradients summed after the backward pass;" in out.getvalue()
     monkeypatch.setenv(BUCKET_ENV, "0.000001")  # 1 byte: a layer a bucket
-    assert [b.after for b in Engine(cfg, comm=Recorder()).buckets.plan] == [1, 0, None]
+    eng = Engine(cfg, comm=Recorder())
+    assert [b.after for b in eng.buckets.plan] == [1, 0, None]
+    eng.print_plan(file=out)
+    assert "gradients summed in 3 buckets during the backward pass;" in out.getvalue()
+    monkeypatch.setenv(BUCKET_ENV, "lots")
+    with pytest.raises(ValueError, match=f"{BUCKET_ENV}='lots'"):
+        Engine(cfg, comm=Recorder())
     monkeypatch.delenv(BUCKET_ENV)
     assert [b.after for b in Engine(cfg, comm=Recorder()).buckets.plan] == [0, None]
     assert os.environ.get(BUCKET_ENV) is None
