@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -213,3 +214,159 @@ def test_without_bucket_bytes_the_engine_reads_the_environment(tmp_path, monkeyp
     monkeypatch.delenv(BUCKET_ENV)
     assert [b.after for b in Engine(cfg, comm=Recorder()).buckets.plan] == [0, None]
     assert os.environ.get(BUCKET_ENV) is None
+
+
+# ------------------------------------------------------------------ the CUDA path's calls, without a GPU
+
+class FakeCuda:
+    """The parts of cupy (cupy.cuda: streams, events; cupy.cuda.nccl: group calls) that
+    GradBuckets and MpiComm's NCCL calls use, recording every call in `log` as a tuple. It checks
+    the order and the arguments of the CUDA path here; the GPU tests run it for real."""
+
+    def __init__(self):
+        log, fake = [], self
+        self.log, self.current = log, "compute"
+
+        class Stream:
+            count = 0
+
+            def __init__(self, non_blocking=False):
+                Stream.count += 1
+                self.name, self.ptr = f"side{Stream.count}", 1000 + Stream.count
+
+            def wait_event(self, ev):
+                log.append(("wait", self.name, ev.name))
+
+            def __enter__(self):
+                self.prev, fake.current = fake.current, self.name
+
+            def __exit__(self, *exc):
+                fake.current = self.prev
+
+        class Event:
+            count = 0
+
+            def __init__(self, disable_timing=False):
+                Event.count += 1
+                self.name = f"ev{Event.count}"
+
+            def record(self, stream):
+                log.append(("record", self.name, stream.name))
+
+        class Current:
+            @property
+            def name(self):
+                return fake.current
+
+            def wait_event(self, ev):
+                log.append(("wait", fake.current, ev.name))
+
+            ptr = 7
+        nccl = types.ModuleType("cupy.cuda.nccl")
+        nccl.NCCL_FLOAT32, nccl.NCCL_FLOAT64, nccl.NCCL_FLOAT16, nccl.NCCL_SUM = 7, 8, 6, 0
+        nccl.groupStart = lambda: log.append(("groupStart",))
+        nccl.groupEnd = lambda: log.append(("groupEnd",))
+        self.cupy = types.ModuleType("cupy")
+        self.cupy.cuda = types.SimpleNamespace(Stream=Stream, Event=Event, get_current_stream=lambda: Current(),
+                                               nccl=nccl)
+        self.nccl = nccl
+
+
+class DeviceArray:
+    """A flat float32 device array as the NCCL calls see it: an address, a size; slices are views."""
+
+    def __init__(self, size, ptr=4096):
+        self.size, self.itemsize, self.dtype = size, 4, np.dtype(np.float32)
+        self.data = types.SimpleNamespace(ptr=ptr)
+
+    def __getitem__(self, s):
+        return DeviceArray(s.stop - s.start, self.data.ptr + 4 * s.start)
+
+
+class Communicator:
+    """cupy's NcclCommunicator: records its calls (addresses as element offsets from base)."""
+
+    def __init__(self, fake, base):
+        self.fake, self.base = fake, base
+
+    def _at(self, ptr):
+        return (ptr - self.base) // 4
+
+    def allReduce(self, send, recv, count, kind, op, stream):
+        self.fake.log.append(("allReduce", self._at(send), self._at(recv), count, self.fake.current))
+
+    def reduce(self, send, recv, count, kind, op, root, stream):
+        self.fake.log.append(("reduce", self._at(send), self._at(recv), count, root, self.fake.current))
+
+    def reduceScatter(self, send, recv, count, kind, op, stream):
+        self.fake.log.append(("reduceScatter", self._at(send), self._at(recv), count, self.fake.current))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    fake = FakeCuda()
+    monkeypatch.setitem(sys.modules, "cupy", fake.cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", fake.cupy.cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", fake.nccl)
+    return fake
+
+
+def nccl_comm(fake, rank, size, base):
+    from andrea.core.comm import MpiComm
+
+    class World:
+        def Get_rank(self):
+            return rank
+
+        def Get_size(self):
+            return size
+    c = MpiComm(World())
+    c.nccl = Communicator(fake, base)
+    return c
+
+
+@pytest.mark.parametrize("zero1", [False, True])
+def test_cuda_buckets_fork_onto_the_second_stream_and_join_before_the_optimizer(tmp_path, fake_cuda, zero1):
+    """Each bucket: an event recorded on the compute stream when it is issued, the second stream
+    waiting for it, then the bucket's NCCL calls on the second stream (all-reduce of each range in
+    place; ZeRO-1: one reduce onto each owner of a part of it, grouped); at the end of the pass an
+    event on the second stream that the compute stream waits for. 3 ranks, rank 1, padded buffer."""
+    from andrea.core.buckets import GradBuckets
+
+    _, lay = layout_of(tmp_path, n_layer=3)
+    total = -(-lay.n_params // 3) * 3
+    grads = DeviceArray(total)
+    comm = nccl_comm(fake_cuda, 1, 3, grads.data.ptr)
+    plan = plan_buckets(lay, 3, total, 1)
+    gb = GradBuckets(comm, grads, plan, zero1)
+    for l in (2, 1, 0, None):
+        gb.ready(l)
+    S = total // 3
+    want = []
+    for i, b in enumerate(plan):
+        ev = f"ev{i + 1}"
+        want += [("record", ev, "compute"), ("wait", "side1", ev)]
+        for lo, hi in b.ranges:
+            if not zero1:
+                want.append(("allReduce", lo, lo, hi - lo, "side1"))
+                continue
+            want.append(("groupStart",))
+            for q in range(3):
+                a, z = max(lo, q * S), min(hi, (q + 1) * S)
+                if z > a:
+                    want.append(("reduce", a, a, z - a, q, "side1"))
+            want.append(("groupEnd",))
+    want += [("record", f"ev{len(plan) + 1}", "side1"), ("wait", "compute", f"ev{len(plan) + 1}")]
+    assert fake_cuda.log == want
+    if zero1:  # a bucket that straddles a shard bound: a reduce onto each of the two owners
+        assert any(a[0] == "reduce" and a[4] != b[4] for a, b in zip(want, want[1:]) if b[0] == "reduce")
+
+
+def test_nccl_reduce_scatter_of_the_whole_buffer_is_one_call(fake_cuda):
+    """Without a range (or the whole one) ZeRO-1's reduce-scatter stays NCCL's in-place
+    reduceScatter: recvbuff = sendbuff + rank * S."""
+    grads = DeviceArray(12)
+    comm = nccl_comm(fake_cuda, 2, 3, grads.data.ptr)
+    comm.reduce_scatter_sum(grads)
+    comm.reduce_scatter_sum(grads, 0, 12)
+    assert fake_cuda.log == [("reduceScatter", 0, 8, 4, "compute")] * 2
