@@ -20,8 +20,10 @@ echo "GPUs: $N; launcher: $ANDREA_MPIRUN" | tee "$OUT/summary.txt"
 [ "$N" -ge 2 ] || { echo "needs 2 or more GPUs" >&2; exit 2; }
 
 # 1. one rank: the NCCL all-reduce of a world of one inside the optimizer's graph changes nothing;
-#    then the CPU tests of the ranks with this machine's mpirun and mpi4py
-python3 -m pytest -q tests/test_ddp_gpu.py tests/test_ddp.py 2>&1 | tee "$OUT/pytest.txt" \
+#    2, 4, 8 GPUs (as many as there are): the sums in buckets against the one sum (-rP prints whether
+#    they are equal to the bit), SIGTERM to one of 2 GPU ranks and a bit-exact resume; then the CPU
+#    tests of the ranks with this machine's mpirun and mpi4py
+python3 -m pytest -q -rP tests/test_ddp_gpu.py tests/test_ddp.py 2>&1 | tee "$OUT/pytest.txt" \
   || echo "FAILED: pytest (see pytest.txt)" | tee -a "$OUT/summary.txt"
 
 # 2. the same update on 2 (and N) GPUs as on one, fp32 and bf16, without and with ZeRO-1
