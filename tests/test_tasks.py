@@ -75,6 +75,20 @@ def test_each_kind_against_the_one_position_reference(setup, name, kind):
         assert res["chance"] == pytest.approx(np.mean([1 / len(by_item[i]) for i in range(len(items))]))
 
 
+def test_the_classifier_in_chunks_of_the_rows_asked_for(setup, monkeypatch):
+    """The continuations' positions gathered and classified a few rows at a time (3: chunks that end
+    inside a continuation and inside a batch) give the losses and greedy flags of one chunk a batch,
+    the losses to float32 rounding (a row of a BLAS product may round differently with the matrix's
+    row count)."""
+    run, data, files, scorer, tok, ref = setup
+    _, _, (reqs, loss, count, greedy) = score_task(scorer, tok, "lambada_openai", 1, data)
+    assert sum(count) > 3 * len(reqs) / 2  # several tokens a continuation
+    monkeypatch.setattr(scorer, "rows", 3)
+    loss3, count3, greedy3 = scorer.score(reqs, argmax=True)
+    np.testing.assert_allclose(loss3, loss, rtol=1e-6, atol=0)
+    assert list(count3) == list(count) and list(greedy3) == list(greedy)
+
+
 def test_exact_match_reads_the_argmax(setup):
     """A continuation made of the model's own greedy tokens is a match; one token changed, it is not."""
     run, data, files, scorer, tok, ref = setup

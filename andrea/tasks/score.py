@@ -12,10 +12,14 @@ longest first, T their longest rounded up to a multiple of T_MULTIPLE (at most t
 many as fit. Sequences are right-padded: attention is causal, so padding after a sequence changes
 none of its positions, and the host reads only the positions it asked for.
 
-Per position the classifier (k_loss_fwd) gives the loss of the next token. It runs a chunk of whole
-sequences at a time, so that after each call the logits workspace holds that chunk's logits; with
-argmax=True the target's logit is compared with the row's maximum there, on the device: a
-continuation is a greedy match when every one of its tokens is the argmax (a tie counts as a match).
+The classifier (k_loss_fwd) runs only on the positions whose loss is asked for: the continuations'.
+Their final layer-norm rows and targets are gathered on the device into planned buffers of the
+logits workspace's rows, and k_loss_fwd runs on a chunk of them at a time, so that after each call
+the workspace holds that chunk's logits; with argmax=True the target's logit is compared with the
+row's maximum there, on the device: a continuation is a greedy match when every one of its tokens
+is the argmax (a tie counts as a match). A few-shot prompt of a thousand tokens before a
+continuation of a few: the vocabulary product of the context's positions was a third of the
+forward pass's work (ANDREA-120M, 50,304 classes), for losses nobody read.
 """
 from __future__ import annotations
 
@@ -48,6 +52,11 @@ def score_plan(m: ModelConfig, window: int, batch_tokens: int, dtype: str) -> Tu
     for name in FORWARD_GLOBALS:
         plan.add(name, g[name][0], kinds[g[name][1]], "activations (other)")
     plan.add("logits", (rows, V), dtype, "workspace")
+    # the classifier's input: the gathered rows of the continuations (a chunk of them at a time)
+    C = m.d_model
+    for name, shape, dt in (("sel_lnf", (1, rows, C), dtype), ("sel_targets", (1, rows), "int32"),
+                            ("sel_losses", (1, rows), "float32"), ("sel_lse", (1, rows), "float32")):
+        plan.add(name, shape, dt, "workspace")
     return plan, rows
 
 
@@ -115,8 +124,9 @@ class Scorer:
         g["logits"] = self.b["logits"]
         return a, g
 
-    def _batch(self, seqs: List[List[int]], T: int, argmax: bool):
-        """(losses (B, T), greedy (B, T) or None) of right-padded sequences, on the host."""
+    def _batch(self, seqs: List[List[int]], T: int, n_cont: List[int], argmax: bool):
+        """(losses, greedy or None) of the last n_cont[r] positions of each right-padded sequence r,
+        on the host, in sequence order: one value a position asked for."""
         B = len(seqs)
         x = np.zeros((B, T), dtype=np.int32)
         y = np.zeros((B, T), dtype=np.int32)
@@ -127,16 +137,24 @@ class Scorer:
         self.be.upload(g["tokens"], x)
         self.be.upload(g["targets"], y)
         model.forward(self.be, self.p, [a] * self.m.n_layer, g, self.m.n_head, loss=False)
-        per = max(1, self.rows // T)  # whole sequences per classifier call
-        hits = []
-        for b0 in range(0, B, per):
-            b1 = min(B, b0 + per)
-            self.be.k_loss_fwd(g["losses"][b0:b1], g["loss_lse"][b0:b1], g["logits"], g["lnf"][b0:b1],
-                               self.p["wte"], g["targets"][b0:b1])
+        # the positions asked for, flat (row * T + t), in sequence order
+        sel = np.concatenate([r * T + np.arange(len(s) - 1 - k, len(s) - 1) for r, (s, k) in enumerate(zip(seqs, n_cont))])
+        xp, C, R = self.be.xp, self.m.d_model, self.rows
+        lnf, tgt = g["lnf"].reshape(B * T, C), y.reshape(B * T)
+        losses, hits = np.empty(sel.size), []
+        for i0 in range(0, sel.size, R):
+            idx = sel[i0:i0 + R]
+            n = idx.size
+            inp, t = self.b["sel_lnf"][:, :n], self.b["sel_targets"][:, :n]
+            bits = np.dtype(f"u{lnf.dtype.itemsize}")  # the rows' bits: CuPy has no bfloat16 arithmetic
+            xp.take(lnf.view(bits), xp.asarray(idx), axis=0, out=inp[0].view(bits))
+            self.be.upload(t, tgt[idx].reshape(1, n))
+            self.be.k_loss_fwd(self.b["sel_losses"][:, :n], self.b["sel_lse"][:, :n], g["logits"], inp,
+                               self.p["wte"], t)
+            losses[i0:i0 + n] = self.be.to_numpy(self.b["sel_losses"][0, :n])
             if argmax:
-                hits.append(self.be.to_numpy(self._greedy(g["logits"], g["targets"][b0:b1])))
-        losses = self.be.to_numpy(g["losses"]).astype(np.float64)
-        return losses, (np.concatenate(hits).reshape(B, T) if argmax else None)
+                hits.append(self.be.to_numpy(self._greedy(g["logits"], t)))
+        return losses, (np.concatenate(hits) if argmax else None)
 
     def _greedy(self, logits, targets):
         """Per row of the chunk: is the target's logit the row's largest (on the device, GREEDY_ROWS
@@ -157,10 +175,10 @@ class Scorer:
         count = np.array([r.n_cont for r in reqs])
         greedy = np.zeros(n, dtype=bool) if argmax else None
         for idx, T in batches([len(r.tokens) - 1 for r in reqs], self.window, self.N):
-            losses, hits = self._batch([reqs[r].tokens for r in idx], T, argmax)
-            for row, r in enumerate(idx):
-                L, k = len(reqs[r].tokens) - 1, reqs[r].n_cont
-                loss[r] = losses[row, L - k:L].sum()
-                if argmax:
-                    greedy[r] = bool(hits[row, L - k:L].all())
+            k = count[idx]
+            losses, hits = self._batch([reqs[r].tokens for r in idx], T, list(k), argmax)
+            starts = np.concatenate([[0], np.cumsum(k)[:-1]])  # each request's first value
+            loss[idx] = np.add.reduceat(losses, starts)
+            if argmax:
+                greedy[idx] = np.logical_and.reduceat(hits, starts)
         return loss, count, greedy
