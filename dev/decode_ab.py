@@ -1,7 +1,7 @@
 """The batched decoder's single stream, one kernel file against another, in one process (GPU).
 
-    python dev/decode_ab.py                       # kernels/decode.cu ("main") and dev/cuda/decode_v1.cu
-    python dev/decode_ab.py --models ANDREA-120M --sources main,v1 --tokens 200
+    python dev/decode_ab.py                       # kernels/decode.cu ("main"), both products paths
+    python dev/decode_ab.py --models ANDREA-120M --sources main,v3 --tokens 200   # against dev/cuda/decode_v3.cu
 
 For each model (random weights, fp16), kernel file and products path (the few-row kernels, "gemv",
 or the training's layers on cuBLAS, "cublas"): a decoder of one slot, a 16-token prompt, --tokens
@@ -77,7 +77,7 @@ def run(m, params, source: str, path: str, tokens: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="ANDREA-12M,ANDREA-120M")
-    ap.add_argument("--sources", default="main,v1")
+    ap.add_argument("--sources", default="main")
     ap.add_argument("--paths", default="gemv,cublas")
     ap.add_argument("--tokens", type=int, default=200)
     a = ap.parse_args(argv)

@@ -59,7 +59,8 @@ def run_all(bd, reqs, admit_at=None):
 
 
 def test_wide_models_take_the_training_layers_at_any_slot_count(model):
-    """The few-row kernels only where they won: DECODE_GEMV_MAX_C (ANDREA-120M's 768 is over it)."""
+    """The few-row kernels only where they were measured to win: up to DECODE_GEMV_MAX_C (ANDREA-120M's
+    768 since decode.cu version 2)."""
     from andrea.backends.interface import DECODE_GEMV_MAX_C
     cfg, _, _ = model
     wide = dataclasses.replace(cfg.model, d_model=DECODE_GEMV_MAX_C + 24, n_head=3)

@@ -58,10 +58,11 @@ FP8_HIST = 16
 # The batched decoder's products for at most this many rows run as k_decode_linear_fwd (a warp an
 # output column, kernels/decode.cu), above it as the training's linear layers on cuBLAS
 DECODE_GEMV_ROWS = 8
-# ... and only for models this wide at most: on an H200 (fp16, one slot, 200 tokens, one job) the
-# few-row kernels decoded ANDREA-12M (d_model 384) at 5,507 tokens/s against cuBLAS's 5,073, but
-# ANDREA-120M (768) at 1,427 against cuBLAS's 1,521 (docs/BENCHMARKS.md, 2026-12-03)
-DECODE_GEMV_MAX_C = 512
+# ... and only for models this wide at most (the widest measured): on an H200 (fp16, one slot, 200
+# tokens, one job, decode.cu version 2) the few-row kernels decoded ANDREA-12M (d_model 384) at
+# 6,897 tokens/s against cuBLAS's 6,445 and ANDREA-120M (768) at 2,678 against 2,208
+# (docs/BENCHMARKS.md, 2026-12-03; version 1 lost at 768, 1,430 against 1,521)
+DECODE_GEMV_MAX_C = 768
 
 
 def fp8_rounding(rounding):

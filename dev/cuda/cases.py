@@ -210,7 +210,10 @@ def attn_decode_fwd(rng, dt, s):
 
 # ------------------------------------------------------------ decode.cu (inference)
 def _slots(s):
-    return s["B"] + 3  # an odd slot count, within DECODE_GEMV_ROWS at the check size
+    """An odd slot count at the check size (5), at most DECODE_GEMV_ROWS (the few-row products'
+    limit) at the timing size."""
+    from andrea.backends.interface import DECODE_GEMV_ROWS
+    return min(s["B"] + 3, DECODE_GEMV_ROWS)
 
 
 def decode_embed_fwd(rng, dt, s):
