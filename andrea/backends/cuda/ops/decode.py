@@ -22,6 +22,20 @@ def decode_smem(kernel: str, ctx: int, hs: int) -> int:
     return 4 * (ctx + hs + 32 + DECODE_THREADS // 32 * hs)
 
 
+def decode_attention_checks(kernel: str, out, kcache, vcache, qkv, n_head):
+    """(B, ctx, NH, hs, dtype) of a decode attention's arguments, each checked: qkv (B,1,3C), the
+    caches (B,ctx,C) and out (B,1,C) in qkv's dtype; a ValueError naming the argument otherwise."""
+    B, T, C, NH, hs = attn_shapes(kernel, qkv, n_head)
+    ct = qkv.dtype
+    if T != 1:
+        raise ValueError(f"{kernel}: qkv has {T} positions, expected 1 (shape (B, 1, 3C))")
+    ctx = kcache.shape[1] if kcache.ndim == 3 else 0
+    check(kernel, "kcache", kcache, (B, ctx, C), ct)
+    check(kernel, "vcache", vcache, (B, ctx, C), ct)
+    check(kernel, "out", out, (B, 1, C), ct)
+    return B, ctx, NH, hs, ct
+
+
 GEMV_COLUMNS = 8  # output columns a block of the few-row products (a warp each)
 
 
@@ -38,19 +52,11 @@ class DecodeOps:
     def k_attn_decode_fwd(self, out, kcache, vcache, qkv, pos, n_head):
         """One new position against the KV cache (inference only): writes its k, v into row pos of
         kcache, vcache (B,ctx,C), then out (B,1,C) = its causal attention over rows 0..pos."""
-        B, T, C, NH, hs = attn_shapes("k_attn_decode_fwd", qkv, n_head)
-        ct = qkv.dtype
-        if T != 1:
-            raise ValueError(f"k_attn_decode_fwd: qkv has {T} positions, expected 1 (shape (B, 1, 3C))")
-        ctx = kcache.shape[1] if kcache.ndim == 3 else 0
-        check("k_attn_decode_fwd", "kcache", kcache, (B, ctx, C), ct)
-        check("k_attn_decode_fwd", "vcache", vcache, (B, ctx, C), ct)
-        check("k_attn_decode_fwd", "out", out, (B, 1, C), ct)
+        B, ctx, NH, hs, ct = decode_attention_checks("k_attn_decode_fwd", out, kcache, vcache, qkv, n_head)
         if not 0 <= pos < ctx:
             raise ValueError(f"k_attn_decode_fwd: pos {pos} outside the cache's {ctx} rows")
         self.rt.launch("decode.cu", "k_attn_decode_fwd", ct, (NH, B), DECODE_THREADS,
-                       (out, kcache, vcache, qkv, i32(NH), i32(hs), i32(ctx), i32(pos),
-                        attn_scale(hs)),
+                       (out, kcache, vcache, qkv, i32(NH), i32(hs), i32(ctx), i32(pos), attn_scale(hs)),
                        shared_mem=decode_smem("k_attn_decode_fwd", ctx, hs))
 
     # ------------------------------------------------------------ batched decoding (andrea/use/batch.py)
@@ -67,14 +73,7 @@ class DecodeOps:
 
     def k_attn_decode_batch_fwd(self, out, kcache, vcache, qkv, lengths, n_head):
         """k_attn_decode_fwd of each slot n at its own position lengths[n] (N,) int32."""
-        N, T, C, NH, hs = attn_shapes("k_attn_decode_batch_fwd", qkv, n_head)
-        ct = qkv.dtype
-        if T != 1:
-            raise ValueError(f"k_attn_decode_batch_fwd: qkv has {T} positions, expected 1 (shape (N, 1, 3C))")
-        ctx = kcache.shape[1] if kcache.ndim == 3 else 0
-        check("k_attn_decode_batch_fwd", "kcache", kcache, (N, ctx, C), ct)
-        check("k_attn_decode_batch_fwd", "vcache", vcache, (N, ctx, C), ct)
-        check("k_attn_decode_batch_fwd", "out", out, (N, 1, C), ct)
+        N, ctx, NH, hs, ct = decode_attention_checks("k_attn_decode_batch_fwd", out, kcache, vcache, qkv, n_head)
         check("k_attn_decode_batch_fwd", "lengths", lengths, (N,), np.int32)
         self.rt.launch("decode.cu", "k_attn_decode_batch_fwd", ct, (NH, N), DECODE_THREADS,
                        (out, kcache, vcache, qkv, lengths, i32(NH), i32(hs), i32(ctx), attn_scale(hs)),
