@@ -20,7 +20,7 @@ from andrea.tasks.suites import CORE, KINDS, LM, MC, SCHEMA, TASKS, resolve
 from andrea.use.inference import Decoder
 from andrea.use.locate import locate
 
-from tasks_model import make_model, write_tasks
+from tasks_model import make_model, sentence, write_tasks
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared" / "eval-data"
@@ -87,6 +87,69 @@ def test_the_classifier_in_chunks_of_the_rows_asked_for(setup, monkeypatch):
     loss3, count3, greedy3 = scorer.score(reqs, argmax=True)
     np.testing.assert_allclose(loss3, loss, rtol=1e-6, atol=0)
     assert list(count3) == list(count) and list(greedy3) == list(greedy)
+
+
+def test_shared_groups_keep_every_scored_position_after_the_prefix():
+    """An item's options share the longest common prefix of their inputs, cut so every scored
+    position and one input position follow it; options cut from the left at other offsets, one
+    option alone and short prefixes go the unshared way."""
+    from andrea.tasks.shared import share
+
+    ctx = list(range(20, 40))
+    reqs = [Request(0, 0, ctx + [1, 2, 3], 1, False), Request(0, 1, ctx + [1, 2, 4, 5], 1, False),
+            Request(0, 2, ctx + [1, 7, 8], 1, False),                 # item 0: prefix ctx + [1]
+            Request(1, 0, ctx + [9], 1, False), Request(1, 1, ctx[1:] + [8, 9], 1, True),  # cut otherwise
+            Request(2, 0, ctx + [5], 1, False),                       # one option
+            Request(3, 0, [1, 2, 3, 4, 5, 6], 1, False), Request(3, 1, [1, 2, 3, 7, 8, 9], 1, False)]
+    groups, rest = share(reqs, 64)
+    assert groups == [([0, 1, 2], 21)] and sorted(rest) == [3, 4, 5, 6, 7]
+    reqs[0].n_cont = 2  # a scored position inside the common prefix: the prefix stops before it
+    assert share(reqs, 64)[0] == [([0, 1, 2], 20)]
+
+
+def _shared_tasks(root, rng):
+    """MC items whose options share a long query (some cut by the window, options of one and of
+    several lengths) and schema items whose options share only their few-shot examples."""
+    mc = [{"query": sentence(rng, 3 + i % 9) + (" " + sentence(rng, 40) if i % 5 == 0 else "") + ", therefore",
+           "gold": 0, "choices": [sentence(rng, 1 + (i + j) % (1 + i % 3)) + "." for j in range(2 + i % 3)]}
+          for i in range(18)]
+    schema = [{"context_options": [sentence(rng, 1) + " " + w for w in ("cat", "dog", "bird")[:2 + i % 2]],
+               "continuation": sentence(rng, 1 + i % 2) + ".", "gold": i % 2} for i in range(18)]
+    for rel, rows in (("commonsense_reasoning/copa.jsonl", mc), ("language_understanding/winograd_wsc.jsonl", schema)):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_shared_context_scores_as_the_whole_sequences(setup, tmp_path, monkeypatch):
+    """Each item's common prefix computed once (its keys and values of every layer kept) and only
+    the options' own tokens after it gives the losses of the whole sequences to float32 rounding,
+    the same choices: multiple choice (1- and 4-shot) and schema (3- and 6-shot: its options share
+    only the examples), odd lengths, options cut by the window, context and option batches of a few
+    sequences (batch_tokens = 2 windows), the classifier 5 rows at a time, some items unshared in
+    the same call. Losses computed without the prefix's keys and values fail it."""
+    from andrea.tasks.shared import context_batches, share
+
+    run, tok = setup[0], setup[4]
+    _shared_tasks(tmp_path, np.random.default_rng(7))
+    on, _, meta = load_model(run, backend="numpy", batch_tokens=2 * WINDOW)
+    off, _, meta_off = load_model(run, backend="numpy", batch_tokens=2 * WINDOW, shared=False)
+    assert meta["shared_context"] and not meta_off["shared_context"]
+    monkeypatch.setattr(on, "rows", 5)
+    cut_shared = unshared = 0
+    for name, shots in (("copa", (1, 4)), ("winograd", (3, 6))):
+        for k in shots:
+            res, picked, (reqs, loss, count, _) = score_task(on, tok, name, k, tmp_path)
+            assert on.last["shared"] >= 10
+            unshared += on.last["unshared"]
+            groups = share(reqs, WINDOW)[0]
+            assert len(context_batches(groups, 64, WINDOW, on.N)) > 2
+            cut_shared += sum(reqs[r].cut for m, _ in groups for r in m)
+            assert len({len(reqs[r].tokens) - p for m, p in groups for r in m}) > 3  # suffixes of odd lengths
+            res0, picked0, (_, loss0, count0, _) = score_task(off, tok, name, k, tmp_path)
+            assert off.last == {"shared": 0, "unshared": len(reqs)}
+            np.testing.assert_allclose(loss, loss0, rtol=1e-5, atol=1e-5)
+            assert list(picked) == list(picked0) and list(count) == list(count0)
+    assert cut_shared > 0 and unshared > 0  # options cut at one offset share what is left of their context
 
 
 def test_exact_match_reads_the_argmax(setup):
@@ -180,6 +243,10 @@ def test_suite_json_names_the_tasks_averaged_and_missing(setup, tmp_path, capsys
     assert missing == set(core) - set(res["tasks"]) and len(missing) == 19
     assert res["items"] == 15 and res["items_per_s"] > 0 and res["window"] == WINDOW
     assert "| copa | multiple_choice |" in printed.out and "items/s" in printed.out
+    assert "shared context on" in printed.out and res["shared_context"] is True
+    assert tasks_main([str(run), "--tasks", "copa", "--task-data", str(data), "--backend", "numpy", "--limit", "3",
+                       "--no-shared-context", "--json", str(out)]) == 0
+    assert "shared context off" in capsys.readouterr().out and json.loads(out.read_text())["shared_context"] is False
     assert "andrea tasks: arc_easy: skipped, no file" in printed.err
     assert resolve("core,copa", 1)[0][:2] == [("hellaswag_zeroshot", 1), ("jeopardy", 1)]
 
@@ -377,10 +444,15 @@ def test_cuda_scores_as_numpy_does(setup, tmp_path):
     write_tasks(tmp_path, seed=3, n=200)
     cu32, _, _ = load_model(run, backend="cuda", precision="fp32", batch_tokens=512)
     cu16, _, _ = load_model(run, backend="cuda", precision="bf16", batch_tokens=512)
+    whole, _, _ = load_model(run, backend="cuda", precision="fp32", batch_tokens=512, shared=False)
     for name in ("copa", "winograd", "lambada_openai"):
         res, picked, (reqs, loss, count, greedy) = score_task(scorer, tok, name, 1, tmp_path)
         res32, picked32, (_, loss32, _, greedy32) = score_task(cu32, tok, name, 1, tmp_path)
+        assert (cu32.last["shared"] > len(reqs) / 4) == (name == "copa")  # the shared context's path
         np.testing.assert_allclose(loss32, loss, rtol=1e-4, atol=1e-4)
         assert list(picked32) == list(picked) and res32["accuracy"] == res["accuracy"]
+        _, picked_whole, (_, loss_whole, _, _) = score_task(whole, tok, name, 1, tmp_path)
+        np.testing.assert_allclose(loss32, loss_whole, rtol=1e-4, atol=1e-4)
+        assert list(picked_whole) == list(picked32)
         res16, picked16, _ = score_task(cu16, tok, name, 1, tmp_path)
         assert np.mean(np.asarray(picked16) == np.asarray(picked)) >= 0.9

@@ -34,6 +34,9 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-tokens", type=int, default=0,
                    help="positions per forward pass, memory planned once (default: 65,536 on CUDA, 8,192 on NumPy)")
     p.add_argument("--tokenizer", help="tokenizer.json, or a folder holding one (default: the run's)")
+    p.add_argument("--no-shared-context", dest="shared_context", action="store_false",
+                   help="compute every option's whole sequence, its context included (default: the "
+                        "context an item's options share once, andrea/tasks/shared.py)")
     p.set_defaults(fn=cmd_tasks)
 
 
@@ -53,12 +56,14 @@ def cmd_tasks(a, out=None) -> int:
     if str(a.task_data) != "hub" and not a.task_data.is_dir():
         raise ValueError(f"--task-data {a.task_data}: no such folder; expected the folder of the task files")
     present(entries, a.task_data)  # none there: say so before loading the model
-    scorer, tok, meta = load_model(a.path, a.backend, a.tokenizer, a.precision, a.batch_tokens)
+    scorer, tok, meta = load_model(a.path, a.backend, a.tokenizer, a.precision, a.batch_tokens,
+                                   a.shared_context)
     res = run_tasks(scorer, tok, entries, a.task_data, a.limit, suite, meta)
     out = out or sys.stdout
     print(table(res), file=out)
     print(f"\n{res['items']:,} items in {res['wall_s']:.1f} s: {res['items_per_s']:,.1f} items/s "
-          f"(backend {res['backend']}, {res['dtype']}, window {res['window']})", file=out, flush=True)
+          f"(backend {res['backend']}, {res['dtype']}, window {res['window']}, shared context "
+          f"{'on' if res['shared_context'] else 'off'})", file=out, flush=True)
     if a.json:
         atomic_write(a.json, json.dumps(res, indent=1) + "\n")
     return 0

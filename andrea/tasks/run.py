@@ -24,10 +24,12 @@ def from_hub(data_dir) -> bool:
     return str(data_dir) == HUB_DATA
 
 
-def load_model(path, backend: str = "auto", tokenizer=None, precision: str = "", batch_tokens: int = 0):
+def load_model(path, backend: str = "auto", tokenizer=None, precision: str = "", batch_tokens: int = 0,
+               shared: bool = True):
     """(Scorer with the weights loaded, tokenizer, run metadata) for a run folder, an archive or a
     checkpoint (andrea/use/locate.py); precision: the compute dtype (default fp32 on NumPy, the
-    training precision on CUDA; an fp8 run's outside its products, bf16)."""
+    training precision on CUDA; an fp8 run's outside its products, bf16); shared: options' common
+    context computed once (andrea/tasks/shared.py)."""
     from ..backends import get_backend
     from ..core.plan import compute_dtype
     from ..use.locate import load_tokenizer_for, locate
@@ -44,9 +46,9 @@ def load_model(path, backend: str = "auto", tokenizer=None, precision: str = "",
                          f"{', '.join(be.precisions)}")
     window = min(cfg.model.context, cfg.train.seq_len)  # positions past seq_len were never trained
     dtype = compute_dtype(precision, "float32")
-    scorer = Scorer(cfg.model, be, params, window, dtype, batch_tokens)
+    scorer = Scorer(cfg.model, be, params, window, dtype, batch_tokens, shared)
     meta = {"run": str(path), "checkpoint": str(located.checkpoint), "exp": cfg.exp, "backend": be.name,
-            "dtype": dtype, "window": window}
+            "dtype": dtype, "window": window, "shared_context": shared}
     return scorer, tok, meta
 
 

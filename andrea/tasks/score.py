@@ -20,6 +20,10 @@ row's maximum there, on the device: a continuation is a greedy match when every 
 is the argmax (a tie counts as a match). A few-shot prompt of a thousand tokens before a
 continuation of a few: the vocabulary product of the context's positions was a third of the
 forward pass's work (ANDREA-120M, 50,304 classes), for losses nobody read.
+
+With shared=True (the default) the options of an item that begin with the same context have that
+prefix computed once and only their own tokens after it (andrea/tasks/shared.py); the others (one
+option, language modelling, short prefixes) take the path above. The same numbers to float rounding.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..core import model
 from ..core.plan import Arena, MemoryPlan
+from .shared import SharedContext, share
 
 # positions of one forward pass by backend: on the GPU enough rows for the products to fill it
 # (120M: ~30 KB of activations a position, 2 GB at 65,536), on the CPU less memory in flight
@@ -39,8 +44,10 @@ FORWARD_GLOBALS = ("tokens", "targets", "x0", "lnf", "lnf_mean", "lnf_rstd", "lo
                    "attproj", "mlpout", "act")
 
 
-def score_plan(m: ModelConfig, window: int, batch_tokens: int, dtype: str) -> Tuple[MemoryPlan, int]:
-    """Every buffer a Scorer uses, and the logits workspace's rows."""
+def score_plan(m: ModelConfig, window: int, batch_tokens: int, dtype: str,
+               shared: bool = False) -> Tuple[MemoryPlan, int]:
+    """Every buffer a Scorer uses, and the logits workspace's rows; shared: with the keys and values
+    of every layer of a batch of shared contexts (andrea/tasks/shared.py)."""
     N, V = batch_tokens, m.vocab_size
     rows = max(window, model.loss_chunk_rows(N, V))
     kinds = {"act": dtype, "f32": "float32", "i32": "int32"}
@@ -57,6 +64,8 @@ def score_plan(m: ModelConfig, window: int, batch_tokens: int, dtype: str) -> Tu
     for name, shape, dt in (("sel_lnf", (1, rows, C), dtype), ("sel_targets", (1, rows), "int32"),
                             ("sel_losses", (1, rows), "float32"), ("sel_lse", (1, rows), "float32")):
         plan.add(name, shape, dt, "workspace")
+    if shared:
+        plan.add("saved_qkv", (m.n_layer, N, 3 * C), dtype, "shared context")
     return plan, rows
 
 
@@ -97,12 +106,13 @@ class Scorer:
     """The model's forward pass over batches of token sequences, on one backend."""
 
     def __init__(self, m: ModelConfig, backend, params, window: int, dtype: str = "float32",
-                 batch_tokens: int = 0):
+                 batch_tokens: int = 0, shared: bool = True):
         if not 1 <= window <= m.context:
             raise ValueError(f"scoring window {window}: expected 1..model.context={m.context}")
-        self.m, self.be, self.window = m, backend, window
+        self.m, self.be, self.window, self.shared = m, backend, window, shared
         self.N = max(batch_tokens or BATCH_TOKENS.get(backend.name, 8192), window)
-        self.plan, self.rows = score_plan(m, window, self.N, dtype)
+        self.plan, self.rows = score_plan(m, window, self.N, dtype, shared)
+        self.last = {"shared": 0, "unshared": 0}  # requests of the last score() by path
         self.arena = Arena(backend, self.plan.total())
         self.b = {r.name: self.arena.take(r.shape, r.dtype) for r in self.plan.rows}
         self.arena.seal()
@@ -139,8 +149,12 @@ class Scorer:
         model.forward(self.be, self.p, [a] * self.m.n_layer, g, self.m.n_head, loss=False)
         # the positions asked for, flat (row * T + t), in sequence order
         sel = np.concatenate([r * T + np.arange(len(s) - 1 - k, len(s) - 1) for r, (s, k) in enumerate(zip(seqs, n_cont))])
-        xp, C, R = self.be.xp, self.m.d_model, self.rows
-        lnf, tgt = g["lnf"].reshape(B * T, C), y.reshape(B * T)
+        return self._classify(g["lnf"].reshape(B * T, self.m.d_model), sel, y.reshape(B * T)[sel], argmax)
+
+    def _classify(self, lnf, sel, tgt, argmax: bool):
+        """(losses, greedy or None) on the host of the rows sel (host indices) of lnf (rows, C) on
+        the device, whose targets are tgt (host, one per row of sel), a logits workspace at a time."""
+        xp, R = self.be.xp, self.rows
         losses, hits = np.empty(sel.size), []
         for i0 in range(0, sel.size, R):
             idx = sel[i0:i0 + R]
@@ -148,12 +162,12 @@ class Scorer:
             inp, t = self.b["sel_lnf"][:, :n], self.b["sel_targets"][:, :n]
             bits = np.dtype(f"u{lnf.dtype.itemsize}")  # the rows' bits: CuPy has no bfloat16 arithmetic
             xp.take(lnf.view(bits), xp.asarray(idx), axis=0, out=inp[0].view(bits))
-            self.be.upload(t, tgt[idx].reshape(1, n))
-            self.be.k_loss_fwd(self.b["sel_losses"][:, :n], self.b["sel_lse"][:, :n], g["logits"], inp,
+            self.be.upload(t, tgt[i0:i0 + n].reshape(1, n))
+            self.be.k_loss_fwd(self.b["sel_losses"][:, :n], self.b["sel_lse"][:, :n], self.b["logits"], inp,
                                self.p["wte"], t)
             losses[i0:i0 + n] = self.be.to_numpy(self.b["sel_losses"][0, :n])
             if argmax:
-                hits.append(self.be.to_numpy(self._greedy(g["logits"], t)))
+                hits.append(self.be.to_numpy(self._greedy(self.b["logits"], t)))
         return losses, (np.concatenate(hits) if argmax else None)
 
     def _greedy(self, logits, targets):
@@ -174,7 +188,13 @@ class Scorer:
         loss = np.zeros(n)
         count = np.array([r.n_cont for r in reqs])
         greedy = np.zeros(n, dtype=bool) if argmax else None
-        for idx, T in batches([len(r.tokens) - 1 for r in reqs], self.window, self.N):
+        groups, rest = share(reqs, self.window) if self.shared else ([], list(range(n)))
+        if groups:
+            SharedContext(self).score(groups, reqs, loss, greedy, T_MULTIPLE)
+        self.last = {"shared": n - len(rest), "unshared": len(rest)}
+        lengths = [len(reqs[r].tokens) - 1 for r in rest]
+        for part, T in batches(lengths, self.window, self.N):
+            idx = [rest[i] for i in part]
             k = count[idx]
             losses, hits = self._batch([reqs[r].tokens for r in idx], T, list(k), argmax)
             starts = np.concatenate([[0], np.cumsum(k)[:-1]])  # each request's first value

@@ -1,0 +1,207 @@
+"""Shared-context scoring: the options of an item that begin with the same tokens (its few-shot
+context) have that prefix computed once, then only their own tokens.
+
+    groups, rest = share(requests, window)       # [(request indices, prefix length)], the others
+    SharedContext(scorer).score(groups, reqs, loss, greedy)   # fills in the groups' requests
+
+An item's options are grouped by their first KEY_TOKENS tokens (options cut from the left to the
+window by different amounts start at different tokens, so they fall into different groups); a
+group's prefix p is the longest common prefix of its inputs (tokens[:-1]), cut so that every option
+keeps all of its scored positions and at least one position after it. A group is shared when it has
+two or more options and p >= SHARE_RATIO times its longest suffix; the rest take the unshared path.
+
+Context pass: the prefixes of a batch of groups go through the training forward (model.forward,
+loss=False) as a (B, T) batch whose every layer writes its qkv into its own planned buffer
+(saved_qkv, (n_layer, batch_tokens, 3C)): the keys and values of every prefix position of every
+layer. Option pass: the suffix tokens of the groups' options as compact rows (N, 1, C), each at its
+own position (k_decode_embed_fwd), through the layer kernels of the batch decoder's
+(andrea/use/batch.py), except the attention: each layer scatters the rows' qkv into a (B_opt, T, 3C)
+buffer whose rows [0, p) are copied from the saved prefix of the option's group, runs the causal
+training attention (k_attn_fwd) on it and gathers the rows' outputs back. The classifier runs on
+the scored rows only (Scorer._classify). The same kernels as the unshared path on the same values:
+the losses differ from its by float rounding only (products of other shapes).
+
+The row buffers are views of the Scorer's planned buffers (the context pass is over when the option
+pass starts); nothing is allocated per batch but host index arrays and their device copies.
+"""
+from __future__ import annotations
+
+from itertools import chain
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from ..core import model
+
+KEY_TOKENS = 8  # options grouped by item and their first tokens
+SHARE_RATIO = 2  # a group is shared when its prefix is at least this many times its longest suffix
+
+
+def first(buf, shape):
+    """A (shape) view of the first elements of a buffer."""
+    return buf.reshape(-1)[:int(np.prod(shape))].reshape(shape)
+
+
+def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    """Length of the longest common prefix of token lists: that of the (lexicographic) least and
+    greatest of them."""
+    lo, hi = min(seqs), max(seqs)
+    n = min(len(lo), len(hi))
+    return next((i for i, (a, b) in enumerate(zip(lo[:n], hi[:n])) if a != b), n)
+
+
+def share(reqs, window: int) -> Tuple[List[Tuple[List[int], int]], List[int]]:
+    """([(request indices of a shared group, prefix length)], indices of the other requests)."""
+    by: Dict[tuple, List[int]] = {}
+    for r, q in enumerate(reqs):
+        by.setdefault((q.item, tuple(q.tokens[:KEY_TOKENS])), []).append(r)
+    groups, rest = [], []
+    for members in by.values():
+        qs = [reqs[r] for r in members]
+        if len(qs) >= 2:
+            p = min(len(q.tokens) - 1 - q.n_cont for q in qs)  # every scored position after the prefix
+            if any(q.tokens[:p] != qs[0].tokens[:p] for q in qs[1:]):
+                p = min(p, common_prefix([q.tokens[:-1] for q in qs]))
+            longest = max(len(q.tokens) - 1 for q in qs) - p
+            if 1 <= p <= window and p >= SHARE_RATIO * longest:
+                groups.append((members, p))
+                continue
+        rest += members
+    return groups, rest
+
+
+def rounded(n: int, multiple: int, window: int) -> int:
+    return min(window, -(-n // multiple) * multiple)
+
+
+def context_batches(groups, multiple: int, window: int, N: int):
+    """[(group indices, T)]: by prefix length, longest first, B * T <= N."""
+    order = sorted(range(len(groups)), key=lambda g: -groups[g][1])
+    out, k = [], 0
+    while k < len(order):
+        T = rounded(groups[order[k]][1], multiple, window)
+        B = max(1, N // T)
+        out.append((order[k:k + B], T))
+        k += B
+    return out
+
+
+def option_batches(opts: List[Tuple[int, int]], reqs, multiple: int, window: int, N: int):
+    """[(options [(request, context row)], T)]: by input length, longest first, B * T <= N."""
+    opts = sorted(opts, key=lambda o: -len(reqs[o[0]].tokens))
+    out, k = [], 0
+    while k < len(opts):
+        T = rounded(len(reqs[opts[k][0]].tokens) - 1, multiple, window)
+        B = max(1, N // T)
+        out.append((opts[k:k + B], T))
+        k += B
+    return out
+
+
+def option_indices(opts, reqs, p_of, T: int, T_ctx: int):
+    """Host arrays of one option batch: the rows' tokens and positions, their flat rows in the
+    (B, T) attention buffer, the prefix rows there and their rows in the (B_ctx, T_ctx) context, the
+    scored rows (in request order, the last n_cont rows of each) and their targets."""
+    qs = [reqs[r] for r, _ in opts]
+    p = np.array([p_of[r] for r, _ in opts])
+    ctx = np.array([c for _, c in opts])
+    s = np.array([len(q.tokens) - 1 for q in qs]) - p  # suffix rows of each option
+    k = np.array([q.n_cont for q in qs])
+    B = len(opts)
+
+    def spans(counts):
+        """(option of each element, its index within the option) for counts elements an option."""
+        of = np.repeat(np.arange(B), counts)
+        return of, np.arange(of.size) - (np.cumsum(counts) - counts)[of]
+
+    of, j = spans(s)
+    t = p[of] + j
+    pre_of, pre_t = spans(p)
+    sel_of, sel_j = spans(k)
+    sel = (np.cumsum(s) - k)[sel_of] + sel_j
+    tok = np.fromiter(chain.from_iterable(q.tokens[pi:-1] for q, pi in zip(qs, p.tolist())), np.int32, t.size)
+    tgt = np.fromiter(chain.from_iterable(q.tokens[-q.n_cont:] for q in qs), np.int32, sel.size)
+    return (tok, t.astype(np.int32), of * T + t, pre_of * T + pre_t, ctx[pre_of] * T_ctx + pre_t, sel, tgt)
+
+
+class SharedContext:
+    """The context and option passes of shared groups on a Scorer's buffers and kernels."""
+
+    def __init__(self, scorer):
+        self.sc, self.be, self.m = scorer, scorer.be, scorer.m
+        self.xp = scorer.be.xp
+        saved = scorer.b["saved_qkv"]
+        self.bits = np.dtype(f"u{saved.dtype.itemsize}")  # rows moved as bits: CuPy has no bfloat16 arithmetic
+        self.saved = [saved[l] for l in range(self.m.n_layer)]
+
+    def score(self, groups, reqs, loss, greedy, multiple: int) -> None:
+        """loss[r] (and greedy[r] when greedy is not None) of every request of the groups."""
+        sc = self.sc
+        p_of = {r: p for members, p in groups for r in members}
+        for gidx, T_ctx in context_batches(groups, multiple, sc.window, sc.N):
+            self._context([reqs[groups[g][0][0]].tokens[:groups[g][1]] for g in gidx], T_ctx)
+            opts = [(r, c) for c, g in enumerate(gidx) for r in groups[g][0]]
+            for batch, T in option_batches(opts, reqs, multiple, sc.window, sc.N):
+                idx = option_indices(batch, reqs, p_of, T, T_ctx)
+                losses, hits = self._options(len(batch), T, idx, greedy is not None)
+                rs = [r for r, _ in batch]
+                k = np.array([reqs[r].n_cont for r in rs])
+                starts = np.concatenate([[0], np.cumsum(k)[:-1]])
+                loss[rs] = np.add.reduceat(losses, starts)
+                if greedy is not None:
+                    greedy[rs] = np.logical_and.reduceat(hits, starts)
+
+    def _context(self, prefixes: List[List[int]], T: int) -> None:
+        """The prefixes through the forward pass, each layer's qkv kept in saved_qkv[l] as (B, T, 3C)."""
+        B, C = len(prefixes), self.m.d_model
+        x = np.zeros((B, T), dtype=np.int32)
+        for b, s in enumerate(prefixes):
+            x[b, :len(s)] = s
+        a, g = self.sc._views(B, T)
+        self.be.upload(g["tokens"], x)
+        layers = [dict(a, qkv=first(self.saved[l], (B, T, 3 * C))) for l in range(self.m.n_layer)]
+        model.forward(self.be, self.sc.p, layers, g, self.m.n_head, loss=False)
+
+    def _rows(self, R: int, B: int, T: int):
+        """The option pass's buffers: compact rows (R, 1, width) and the (B, T) attention's."""
+        b, C, NH = self.sc.b, self.m.d_model, self.m.n_head
+        rows = {"x": ("x0", C), "ln": ("layer.ln1", C), "qkv": ("layer.pre", 3 * C), "atty": ("layer.ln2", C),
+                "attproj": ("attproj", C), "xmid": ("layer.xmid", C), "mlpout": ("mlpout", C),
+                "pre": ("layer.pre", 4 * C), "act": ("act", 4 * C)}
+        v = {k: first(b[name], (R, 1, w)) for k, (name, w) in rows.items()}
+        v["mean"], v["rstd"] = first(b["layer.ln1_mean"], (R, 1)), first(b["layer.ln1_rstd"], (R, 1))
+        v["tokens"], v["positions"] = first(b["tokens"], (R,)), first(b["targets"], (R,))
+        v["full"] = first(b["layer.qkv"], (B, T, 3 * C))  # the rows' qkv after their prefix's
+        v["out"], v["lse"] = first(b["layer.atty"], (B, T, C)), first(b["layer.att_lse"], (B, NH, T))
+        return v
+
+    def _options(self, B: int, T: int, idx, argmax: bool):
+        """(losses, greedy or None) of the scored rows of one option batch, in request order."""
+        be, xp, p, L, C = self.be, self.xp, self.sc.p, self.m.n_layer, self.m.d_model
+        tok, pos, dst, pre_dst, pre_src, sel, tgt = idx
+        R = tok.size
+        v = self._rows(R, B, T)
+        be.upload(v["tokens"], tok)
+        be.upload(v["positions"], pos)
+        dst, pre_dst, pre_src = xp.asarray(dst), xp.asarray(pre_dst), xp.asarray(pre_src)
+        full = v["full"].view(self.bits).reshape(B * T, 3 * C)
+        full.fill(0)  # the padding after each option: finite keys and values nobody attends to
+        be.k_decode_embed_fwd(v["x"], v["tokens"], v["positions"], p["wte"], p["wpe"])
+        be.k_layernorm_fwd(v["ln"], v["mean"], v["rstd"], v["x"], p["h0.ln1_w"], p["h0.ln1_b"])
+        for l in range(L):
+            w = {n: p[f"h{l}.{n}"] for n in model.LAYER_MATRICES + model.LAYER_VECTORS}
+            be.k_attn_qkv_fwd(v["qkv"], v["ln"], w["qkv_w"], w["qkv_b"])
+            full[pre_dst] = self.saved[l].view(self.bits).reshape(-1, 3 * C)[pre_src]
+            full[dst] = v["qkv"].view(self.bits).reshape(R, 3 * C)
+            be.k_attn_fwd(v["out"], v["lse"], v["full"], self.m.n_head)
+            xp.take(v["out"].view(self.bits).reshape(B * T, C), dst, axis=0,
+                    out=v["atty"].view(self.bits).reshape(R, C))
+            be.k_attn_out_fwd(v["attproj"], v["atty"], w["attn_out_w"], w["attn_out_b"])
+            be.k_residual_layernorm_fwd(v["xmid"], v["ln"], v["mean"], v["rstd"], v["x"], v["attproj"],
+                                        w["ln2_w"], w["ln2_b"])
+            be.k_mlp_fwd(v["mlpout"], v["pre"], v["act"], v["ln"], w["mlp_w1"], w["mlp_b1"], w["mlp_w2"],
+                         w["mlp_b2"])
+            nxt = ("lnf_w", "lnf_b") if l + 1 == L else (f"h{l + 1}.ln1_w", f"h{l + 1}.ln1_b")
+            be.k_residual_layernorm_fwd(v["x"], v["ln"], v["mean"], v["rstd"], v["xmid"], v["mlpout"],
+                                        p[nxt[0]], p[nxt[1]])
+        return self.sc._classify(v["ln"].reshape(R, C), sel, tgt, argmax)
