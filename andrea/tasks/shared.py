@@ -172,6 +172,7 @@ class SharedContext:
         v["mean"], v["rstd"] = first(b["layer.ln1_mean"], (R, 1)), first(b["layer.ln1_rstd"], (R, 1))
         v["tokens"], v["positions"] = first(b["tokens"], (R,)), first(b["targets"], (R,))
         v["full"] = first(b["layer.qkv"], (B, T, 3 * C))  # the rows' qkv after their prefix's
+        # act, the MLP's workspace, holds the prefix rows on their way from saved_qkv to full
         v["out"], v["lse"] = first(b["layer.atty"], (B, T, C)), first(b["layer.att_lse"], (B, NH, T))
         return v
 
@@ -186,12 +187,14 @@ class SharedContext:
         dst, pre_dst, pre_src = xp.asarray(dst), xp.asarray(pre_dst), xp.asarray(pre_src)
         full = v["full"].view(self.bits).reshape(B * T, 3 * C)
         full.fill(0)  # the padding after each option: finite keys and values nobody attends to
+        stage = first(self.sc.b["act"], (pre_dst.size, 3 * C)).view(self.bits)  # the prefix rows gathered
         be.k_decode_embed_fwd(v["x"], v["tokens"], v["positions"], p["wte"], p["wpe"])
         be.k_layernorm_fwd(v["ln"], v["mean"], v["rstd"], v["x"], p["h0.ln1_w"], p["h0.ln1_b"])
         for l in range(L):
             w = {n: p[f"h{l}.{n}"] for n in model.LAYER_MATRICES + model.LAYER_VECTORS}
             be.k_attn_qkv_fwd(v["qkv"], v["ln"], w["qkv_w"], w["qkv_b"])
-            full[pre_dst] = self.saved[l].view(self.bits).reshape(-1, 3 * C)[pre_src]
+            xp.take(self.saved[l].view(self.bits).reshape(-1, 3 * C), pre_src, axis=0, out=stage)
+            full[pre_dst] = stage
             full[dst] = v["qkv"].view(self.bits).reshape(R, 3 * C)
             be.k_attn_fwd(v["out"], v["lse"], v["full"], self.m.n_head)
             xp.take(v["out"].view(self.bits).reshape(B * T, C), dst, axis=0,
