@@ -149,6 +149,7 @@ def test_shared_context_scores_as_the_whole_sequences(setup, tmp_path, monkeypat
             assert off.last == {"shared": 0, "unshared": len(reqs)}
             np.testing.assert_allclose(loss, loss0, rtol=1e-5, atol=1e-5)
             assert list(picked) == list(picked0) and list(count) == list(count0)
+    assert list(on.score(reqs, argmax=True)[2]) == list(off.score(reqs, argmax=True)[2])  # greedy flags too
     assert cut_shared > 0 and unshared > 0  # options cut at one offset share what is left of their context
 
 
