@@ -2,7 +2,7 @@
 context) have that prefix computed once, then only their own tokens.
 
     groups, rest = share(requests, window)       # [(request indices, prefix length)], the others
-    SharedContext(scorer).score(groups, reqs, loss, greedy)   # fills in the groups' requests
+    SharedContext(scorer).score(groups, reqs, loss, greedy, T_MULTIPLE)   # the groups' requests
 
 An item's options are grouped by their first KEY_TOKENS tokens (options cut from the left to the
 window by different amounts start at different tokens, so they fall into different groups); a
@@ -19,7 +19,9 @@ own position (k_decode_embed_fwd), through the layer kernels of the batch decode
 buffer whose rows [0, p) are copied from the saved prefix of the option's group, runs the causal
 training attention (k_attn_fwd) on it and gathers the rows' outputs back. The classifier runs on
 the scored rows only (Scorer._classify). The same kernels as the unshared path on the same values:
-the losses differ from its by float rounding only (products of other shapes).
+the losses differ from its by float rounding only (products of other shapes). What it does not save:
+the attention still runs over every row of every option (the prefix's queries too), and each layer
+copies the prefix rows once an option.
 
 The row buffers are views of the Scorer's planned buffers (the context pass is over when the option
 pass starts); nothing is allocated per batch but host index arrays and their device copies.
@@ -34,7 +36,10 @@ import numpy as np
 from ..core import model
 
 KEY_TOKENS = 8  # options grouped by item and their first tokens
-SHARE_RATIO = 2  # a group is shared when its prefix is at least this many times its longest suffix
+# a group is shared when its prefix is at least this many times its longest suffix: k options'
+# products then go from k (p + s) rows to p + k s, at least 1.5x fewer (k = 2), which pays for the
+# option pass's whole-row attention and prefix copies; a shorter prefix saves little
+SHARE_RATIO = 2
 
 
 def first(buf, shape):
