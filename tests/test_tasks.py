@@ -149,8 +149,25 @@ def test_shared_context_scores_as_the_whole_sequences(setup, tmp_path, monkeypat
             assert off.last == {"shared": 0, "unshared": len(reqs)}
             np.testing.assert_allclose(loss, loss0, rtol=1e-5, atol=1e-5)
             assert list(picked) == list(picked0) and list(count) == list(count0)
-    assert list(on.score(reqs, argmax=True)[2]) == list(off.score(reqs, argmax=True)[2])  # greedy flags too
     assert cut_shared > 0 and unshared > 0  # options cut at one offset share what is left of their context
+    assert list(on.score(reqs, argmax=True)[2]) == list(off.score(reqs, argmax=True)[2])  # greedy flags too
+
+
+def test_shared_context_in_a_two_byte_dtype(setup, tmp_path):
+    """The rows moved as their bits (uint16), as on CUDA in bf16 and fp16: float16 on NumPy gives
+    the unshared path's losses to float16 rounding and its choices."""
+    from andrea.tasks.score import Scorer
+
+    run, tok = setup[0], setup[4]
+    _shared_tasks(tmp_path, np.random.default_rng(8))
+    cfg, params = locate(run, prog=None).load()
+    on, off = (Scorer(cfg.model, get_backend("numpy"), params, WINDOW, "float16", 2 * WINDOW, shared=s)
+               for s in (True, False))
+    _, picked, (reqs, loss, _, _) = score_task(on, tok, "copa", 1, tmp_path)
+    assert on.last["shared"] >= 10 and on.b["saved_qkv"].dtype == np.float16
+    _, picked0, (_, loss0, _, _) = score_task(off, tok, "copa", 1, tmp_path)
+    np.testing.assert_allclose(loss, loss0, rtol=2e-3, atol=2e-3)
+    assert list(picked) == list(picked0)
 
 
 def test_exact_match_reads_the_argmax(setup):
