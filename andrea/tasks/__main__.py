@@ -3,6 +3,7 @@
     python -m andrea.tasks RUN --tasks core --task-data DIR [--json tasks.json]
     python -m andrea.tasks RUN --tasks arc_easy,piqa --task-data DIR --fewshot 0 --limit 200
     andrea tasks RUN ...                              # the same
+    python -m andrea.tasks RUN ... --no-shared-context   # every option's whole sequence (to time both)
 
 RUN is a run folder, its archive/final or one checkpoint (as for `andrea generate`). --tasks takes
 task names and the suites core and gauntlet (andrea/tasks/suites.py); --task-data the folder of
