@@ -210,9 +210,12 @@ def test_items_longer_than_the_window_are_cut_from_the_left_and_counted(setup, t
     res, picked, (reqs, loss, count, _) = score_task(scorer, tok, "copa", 0, tmp_path)
     assert res["truncated"] == 1
     assert [r.cut for r in reqs] == [True, True, False, False]
-    assert all(len(r.tokens) == WINDOW + 1 for r in reqs[:2])
     full = tok.encode("<|endoftext|>" + long + " big old moon.")
     assert reqs[1].tokens == full[-(WINDOW + 1):] and reqs[1].n_cont == len(tok.encode(" big old moon."))
+    # the options of a cut item keep the same context tokens: those the longest continuation leaves
+    ctx = reqs[1].tokens[:-reqs[1].n_cont]
+    assert reqs[0].tokens[:-reqs[0].n_cont] == ctx and len(reqs[0].tokens) < WINDOW + 1
+    assert reqs[0].tokens[-reqs[0].n_cont:] == tok.encode(" sun.")
     for r, L in zip(reqs, loss):
         assert L == pytest.approx(reference(ref, r.tokens, r.n_cont)[0], rel=2e-5, abs=2e-5)
 

@@ -16,7 +16,11 @@ Tokens: whitespace that ends the context moves to the start of the continuation 
 the one token it would be in running text), then the context + continuation is encoded whole and
 the continuation is what follows the context's own tokens: how lm-evaluation-harness splits a pair,
 so the two score the same tokens. A sequence longer than the window keeps its last window + 1
-tokens (cut from the left; the continuation is kept whole when it fits).
+tokens (cut from the left; the continuation is kept whole when it fits). The options of a
+multiple-choice item are cut at one place: each keeps the same last context tokens, as many as its
+longest continuation leaves room for (context_room), so that every option is scored after the same
+context; lm-evaluation-harness cuts each pair on its own, which gives a shorter option a few more
+context tokens at the far left of a full window.
 """
 from __future__ import annotations
 
@@ -109,13 +113,32 @@ def requests(tok, items: Sequence[dict], kind: str, delimiter: str, fewshot: int
             texts += [text, part]
     unique = list(dict.fromkeys(texts))  # the options of an item share their context: encoded once
     enc = dict(zip(unique, tok.encode_batch(unique)))
-    out = []
+    enc_all = []
     for n, (i, o, is_tail, ctx, cont) in enumerate(meta):
         whole, head = enc[texts[2 * n]], enc[texts[2 * n + 1]]
         if is_tail and len(whole) - TAIL_MARGIN < window + 1:  # few tokens for so much text: all of it
             whole, head = tok.encode_batch([ctx + cont, ctx])
             is_tail = False
         n_cont = max(1, len(whole) - len(head))  # a continuation merged into the context: its last token
-        keep = whole[-(window + 1):]
+        enc_all.append((i, o, is_tail, whole, n_cont))
+    room = context_room(enc_all, window) if kind == MC else {}
+    out = []
+    for i, o, is_tail, whole, n_cont in enc_all:
+        k = room.get(i)
+        keep = whole[-(window + 1):] if k is None else whole[:len(whole) - n_cont][-k:] + whole[len(whole) - n_cont:]
         out.append(Request(i, o, keep, min(n_cont, len(keep) - 1), is_tail or len(keep) < len(whole)))
     return out
+
+
+def context_room(enc_all, window: int) -> dict:
+    """{item: context tokens every option keeps} for the multiple-choice items that some option of
+    overflows the window: as many as the longest continuation leaves room for, the same for every
+    option, so the options keep the same context (and the shared-context scoring, shared.py, finds
+    it once). Cut one option at a time, the shorter continuations would keep more of the context,
+    from another token on, and the options would share nothing. An item whose continuation alone
+    fills the window is cut one option at a time as before (absent here)."""
+    longest, most = {}, {}
+    for i, _, _, whole, n_cont in enc_all:
+        longest[i] = max(longest.get(i, 0), len(whole))
+        most[i] = max(most.get(i, 0), n_cont)
+    return {i: window + 1 - most[i] for i in longest if longest[i] > window + 1 and window + 1 - most[i] >= 1}
