@@ -221,11 +221,28 @@ def test_items_longer_than_the_window_are_cut_from_the_left_and_counted(setup, t
 
 
 def _whole(tok, items, kind, delimiter, fewshot, window, monkeypatch):
-    """requests() with every prompt encoded whole (no text tails)."""
+    """requests() with every pair's text encoded whole (no text tails, no context split)."""
     from andrea.tasks import prompts
     with monkeypatch.context() as m:
         m.setattr(prompts, "TAIL_CHARS", 10 ** 9)
+        m.setattr(prompts, "shared_split", lambda *a: None)
         return requests(tok, items, kind, delimiter, fewshot, window, range(len(items)))
+
+
+def test_a_context_split_before_its_last_word_gives_the_whole_texts_tokens(setup, monkeypatch):
+    """An item's context encoded once up to its last word, then each option's last word +
+    continuation: the tokens of each pair encoded whole, also where the continuation merges into
+    the context's last word (no space between them), starts with punctuation or a space run."""
+    tok = setup[4]
+    ends = ["the red cat and the", "red cat sat on the mat, and then", "numbers 12 and 3", "the red ca",
+            "a small do", "a b c:"]
+    choices = [" dog.", "t is big", "g was old", "4 five", "!? yes", "  two spaces", "s"]
+    items = [{"query": sentence(np.random.default_rng(k), 30) + " " + e, "choices": choices, "gold": 0}
+             for k, e in enumerate(ends)]
+    for window, delimiter in ((16, ""), (64, ""), (64, " ")):  # "": the choice runs on from the query
+        split = requests(tok, items, MC, delimiter, 2, window, range(len(items)))
+        whole = _whole(tok, items, MC, delimiter, 2, window, monkeypatch)
+        assert [(r.tokens, r.n_cont, r.cut) for r in split] == [(r.tokens, r.n_cont, r.cut) for r in whole]
 
 
 def test_long_prompts_encoded_from_their_tail_give_the_whole_texts_tokens(setup, monkeypatch):

@@ -74,6 +74,13 @@ class AndreaTokenizer:
         """Encodes in parallel on the Rust side (RAYON_NUM_THREADS caps the threads)."""
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
+    def pre_tokenize(self, text: str):
+        """[(piece, (start, end))]: the text split as the tokenizer splits it before merging (a
+        byte-level BPE: words, numbers, runs of punctuation or space), with character offsets;
+        None where the tokenizer has no pre-tokenizer."""
+        pre = self.tok.pre_tokenizer
+        return None if pre is None else pre.pre_tokenize_str(text)
+
     def decode(self, ids) -> str:
         """Text of ids, special tokens included, so decode(encode(t)) == t."""
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -104,18 +104,25 @@ def requests(tok, items: Sequence[dict], kind: str, delimiter: str, fewshot: int
     byte-level BPE splits text into words, numbers and runs of punctuation or space before merging,
     so past the first TAIL_MARGIN tokens (past the word the cut went through) the tail's tokens are
     the whole text's; a tail that yields too few tokens is encoded whole after all."""
-    meta, texts = [], []
+    meta, texts = [], []  # per option: (item, option, is_tail, ctx, cont, pieces of whole, pieces of head)
     for i in indices:
-        for o, (ctx, cont) in enumerate(pairs(items, i, kind, delimiter, fewshot)):
-            ctx, cont = split_space(ctx, cont)
-            text, part, is_tail = tail(ctx, cont, window)
-            meta.append((i, o, is_tail, ctx, cont))
-            texts += [text, part]
+        opts = [split_space(ctx, cont) for ctx, cont in pairs(items, i, kind, delimiter, fewshot)]
+        split = shared_split(tok, opts, window) if kind == MC and len(opts) > 1 else None
+        for o, (ctx, cont) in enumerate(opts):
+            if split is None:
+                text, part, is_tail = tail(ctx, cont, window)
+                whole, head = (text,), (part,)
+            else:  # the context's part before its last word once, then each option's boundary alone
+                before, last, is_tail = split
+                whole, head = (before, last + cont), (before, last)
+            meta.append((i, o, is_tail, ctx, cont, whole, head))
+            texts += [*whole, *head]
     unique = list(dict.fromkeys(texts))  # the options of an item share their context: encoded once
     enc = dict(zip(unique, tok.encode_batch(unique)))
     enc_all = []
-    for n, (i, o, is_tail, ctx, cont) in enumerate(meta):
-        whole, head = enc[texts[2 * n]], enc[texts[2 * n + 1]]
+    for i, o, is_tail, ctx, cont, whole_keys, head_keys in meta:
+        whole = [t for k in whole_keys for t in enc[k]]
+        head = [t for k in head_keys for t in enc[k]]
         if is_tail and len(whole) - TAIL_MARGIN < window + 1:  # few tokens for so much text: all of it
             whole, head = tok.encode_batch([ctx + cont, ctx])
             is_tail = False
@@ -128,6 +135,40 @@ def requests(tok, items: Sequence[dict], kind: str, delimiter: str, fewshot: int
         keep = whole[-(window + 1):] if k is None else whole[:len(whole) - n_cont][-k:] + whole[len(whole) - n_cont:]
         out.append(Request(i, o, keep, min(n_cont, len(keep) - 1), is_tail or len(keep) < len(whole)))
     return out
+
+
+SPLIT_CHARS = 256  # the end of a context pre-tokenised to find where its last word starts
+SPECIAL_CHARS = 32  # no special token may start this close before the split (the longest is 13 characters)
+
+
+def shared_split(tok, opts, window: int):
+    """(the context before its last word, its last word, whether from a tail) for the options
+    [(ctx, cont)] of a multiple-choice item, so that an option's tokens are those of the first part
+    (encoded once for the item) followed by those of last word + continuation: a byte-level BPE
+    merges within pre-tokens only, and the pre-tokens before the context's last one do not depend
+    on what follows it. A long context is cut to its tail as tail() cuts it, once for all options
+    (the tail the longest continuation leaves). None where this cannot be said (the options' contexts
+    differ, or only some of them are long, no pre-tokenizer, a single pre-token in the context's
+    last SPLIT_CHARS characters, a special token at the split): then each option is encoded whole, as
+    tail() says."""
+    ctx = opts[0][0]
+    if any(c != ctx for c, _ in opts):
+        return None
+    limit = TAIL_CHARS * (window + 1 + TAIL_MARGIN)
+    longest = max(len(cont) for _, cont in opts)
+    tails = {len(ctx) + len(cont) > limit and len(cont) < limit for _, cont in opts}
+    if len(tails) > 1:
+        return None
+    is_tail = tails.pop()
+    text = ctx[-(limit - longest):] if is_tail else ctx
+    end = text[-SPLIT_CHARS:]
+    pieces = tok.pre_tokenize(end)
+    if not pieces or len(pieces) < 2:
+        return None
+    s = len(text) - len(end) + pieces[-1][1][0]
+    if any(sp in text[max(0, s - SPECIAL_CHARS):] for sp in tok.special_ids):
+        return None  # a special token (encoded apart, before pre-tokenizing) near the split
+    return text[:s], text[s:], is_tail
 
 
 def context_room(enc_all, window: int) -> dict:
