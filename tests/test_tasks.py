@@ -375,6 +375,7 @@ def test_evaluation_report_and_published_reference(setup, tmp_path):
     cfg.eval.task_data, cfg.eval.task_limit = str(data), 7
     b = report.for_report(cfg, params, tok)
     assert set(b["tasks"]) == {"copa", "winograd"} and b["tasks"]["copa"]["n"] == 7 and b["published"] is None
+    assert b["shared_context"] is True  # the path that ran, as andrea tasks' JSON says it
     text = report.section(b)
     assert "## Standard tasks" in text and "| winograd | schema |" in text and "first 7 items" in text
     res = tmp_path / "results" / "m"

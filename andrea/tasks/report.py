@@ -46,7 +46,7 @@ def for_report(cfg, params, tok, published: Optional[dict] = None, log=None) -> 
     window = min(cfg.model.context, cfg.train.seq_len)
     scorer = Scorer(cfg.model, be, params, window, dtype)
     res = run_tasks(scorer, tok, entries, data, e.task_limit, suite,
-                    {"backend": be.name, "dtype": dtype, "window": window}, log)
+                    {"backend": be.name, "dtype": dtype, "window": window, "shared_context": scorer.shared}, log)
     res["published"] = compare_tasks(res, published)
     return res
 
