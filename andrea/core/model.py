@@ -190,6 +190,22 @@ def backward(be, p, dp, layers, g, n_head, dloss, start=None, ready=None):
         ready(None)
 
 
+def rows_after_attention(be, p, l, n_layer, r):
+    """The rest of layer l on a set of rows after its attention (the batch decoder's step, the
+    shared-context scoring's option pass): r["atty"] through the output projection, x + it and LN2
+    into r["xmid"], r["ln"]; the MLP; xmid + its output and the next layer norm (LN1 of layer l + 1,
+    LNf after the last) into r["x"], r["ln"]. r holds x, xmid, ln, mean, rstd, atty, attproj, pre,
+    act and mlpout, each (N, 1, width): forward()'s order and kernels."""
+    w = _layer(p, l)
+    be.k_attn_out_fwd(r["attproj"], r["atty"], w["attn_out_w"], w["attn_out_b"])
+    be.k_residual_layernorm_fwd(r["xmid"], r["ln"], r["mean"], r["rstd"], r["x"], r["attproj"], w["ln2_w"],
+                                w["ln2_b"])
+    be.k_mlp_fwd(r["mlpout"], r["pre"], r["act"], r["ln"], w["mlp_w1"], w["mlp_b1"], w["mlp_w2"], w["mlp_b2"])
+    nxt = ("lnf_w", "lnf_b") if l + 1 == n_layer else (f"h{l + 1}.ln1_w", f"h{l + 1}.ln1_b")
+    be.k_residual_layernorm_fwd(r["x"], r["ln"], r["mean"], r["rstd"], r["xmid"], r["mlpout"], p[nxt[0]],
+                                p[nxt[1]])
+
+
 def _layer(views, l):
     prefix = f"h{l}."
     return {n: views[prefix + n] for n in LAYER_MATRICES + LAYER_VECTORS}

@@ -196,20 +196,12 @@ class SharedContext:
         be.k_decode_embed_fwd(v["x"], v["tokens"], v["positions"], p["wte"], p["wpe"])
         be.k_layernorm_fwd(v["ln"], v["mean"], v["rstd"], v["x"], p["h0.ln1_w"], p["h0.ln1_b"])
         for l in range(L):
-            w = {n: p[f"h{l}.{n}"] for n in model.LAYER_MATRICES + model.LAYER_VECTORS}
-            be.k_attn_qkv_fwd(v["qkv"], v["ln"], w["qkv_w"], w["qkv_b"])
+            be.k_attn_qkv_fwd(v["qkv"], v["ln"], p[f"h{l}.qkv_w"], p[f"h{l}.qkv_b"])
             xp.take(self.saved[l].view(self.bits).reshape(-1, 3 * C), pre_src, axis=0, out=stage)
             full[pre_dst] = stage
             full[dst] = v["qkv"].view(self.bits).reshape(R, 3 * C)
             be.k_attn_fwd(v["out"], v["lse"], v["full"], self.m.n_head)
             xp.take(v["out"].view(self.bits).reshape(B * T, C), dst, axis=0,
                     out=v["atty"].view(self.bits).reshape(R, C))
-            be.k_attn_out_fwd(v["attproj"], v["atty"], w["attn_out_w"], w["attn_out_b"])
-            be.k_residual_layernorm_fwd(v["xmid"], v["ln"], v["mean"], v["rstd"], v["x"], v["attproj"],
-                                        w["ln2_w"], w["ln2_b"])
-            be.k_mlp_fwd(v["mlpout"], v["pre"], v["act"], v["ln"], w["mlp_w1"], w["mlp_b1"], w["mlp_w2"],
-                         w["mlp_b2"])
-            nxt = ("lnf_w", "lnf_b") if l + 1 == L else (f"h{l + 1}.ln1_w", f"h{l + 1}.ln1_b")
-            be.k_residual_layernorm_fwd(v["x"], v["ln"], v["mean"], v["rstd"], v["xmid"], v["mlpout"],
-                                        p[nxt[0]], p[nxt[1]])
+            model.rows_after_attention(be, p, l, L, v)
         return self.sc._classify(v["ln"].reshape(R, C), sel, tgt, argmax)

@@ -234,19 +234,13 @@ class BatchDecoder:
         """The layers on the training's kernels (cuBLAS products), x in, LNf(x) into ln."""
         be, b, p, L = self.be, self.b, self.p, self.m.n_layer
         be.k_layernorm_fwd(b["ln"], b["ln_mean"], b["ln_rstd"], b["x"], p["h0.ln1_w"], p["h0.ln1_b"])
+        rows = dict(b, mean=b["ln_mean"], rstd=b["ln_rstd"])
         for l in range(L):
             w = self._layer(l)
             be.k_attn_qkv_fwd(b["qkv"], b["ln"], w["qkv_w"], w["qkv_b"])
             be.k_attn_decode_batch_fwd(b["atty"], b["kcache"][l], b["vcache"][l], b["qkv"], b["lengths"],
                                        self.m.n_head)
-            be.k_attn_out_fwd(b["attproj"], b["atty"], w["attn_out_w"], w["attn_out_b"])
-            be.k_residual_layernorm_fwd(b["xmid"], b["ln"], b["ln_mean"], b["ln_rstd"], b["x"], b["attproj"],
-                                        w["ln2_w"], w["ln2_b"])
-            be.k_mlp_fwd(b["mlpout"], b["pre"], b["act"], b["ln"], w["mlp_w1"], w["mlp_b1"], w["mlp_w2"],
-                         w["mlp_b2"])
-            nxt = ("lnf_w", "lnf_b") if l + 1 == L else (f"h{l + 1}.ln1_w", f"h{l + 1}.ln1_b")
-            be.k_residual_layernorm_fwd(b["x"], b["ln"], b["ln_mean"], b["ln_rstd"], b["xmid"], b["mlpout"],
-                                        p[nxt[0]], p[nxt[1]])
+            model.rows_after_attention(be, p, l, L, rows)
 
     def _layers_few(self) -> None:
         """The same layers for a few rows: each layer norm fused into the product after it
