@@ -127,7 +127,8 @@ def test_shared_context_scores_as_the_whole_sequences(setup, tmp_path, monkeypat
     only the examples), odd lengths, options cut by the window, context and option batches of a few
     sequences (batch_tokens = 2 windows), the classifier 5 rows at a time, some items unshared in
     the same call. Losses computed without the prefix's keys and values fail it."""
-    from andrea.tasks.shared import context_batches, share
+    from andrea.tasks.batching import batches
+    from andrea.tasks.shared import share
 
     run, tok = setup[0], setup[4]
     _shared_tasks(tmp_path, np.random.default_rng(7))
@@ -142,7 +143,7 @@ def test_shared_context_scores_as_the_whole_sequences(setup, tmp_path, monkeypat
             assert on.last["shared"] >= 10
             unshared += on.last["unshared"]
             groups = share(reqs, WINDOW)[0]
-            assert len(context_batches(groups, 64, WINDOW, on.N)) > 2
+            assert len(batches([p for _, p in groups], WINDOW, on.N)) > 2  # several context batches
             cut_shared += sum(reqs[r].cut for m, _ in groups for r in m)
             assert len({len(reqs[r].tokens) - p for m, p in groups for r in m}) > 3  # suffixes of odd lengths
             res0, picked0, (_, loss0, count0, _) = score_task(off, tok, name, k, tmp_path)

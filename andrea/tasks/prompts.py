@@ -87,10 +87,15 @@ def split_space(context: str, continuation: str) -> tuple:
     return stripped, context[len(stripped):] + continuation
 
 
+def tail_limit(window: int) -> int:
+    """The characters of text a window's tail keeps: TAIL_CHARS a position, TAIL_MARGIN positions over."""
+    return TAIL_CHARS * (window + 1 + TAIL_MARGIN)
+
+
 def tail(context: str, continuation: str, window: int) -> tuple:
     """(text, its context part, whether it is a tail) to encode for a pair: the whole text, or, when
     it is longer than TAIL_CHARS characters a window position, its last that many characters."""
-    limit = TAIL_CHARS * (window + 1 + TAIL_MARGIN)
+    limit = tail_limit(window)
     if len(context) + len(continuation) <= limit or len(continuation) >= limit:
         return context + continuation, context, False
     return context[-(limit - len(continuation)):] + continuation, context[-(limit - len(continuation)):], True
@@ -154,7 +159,7 @@ def shared_split(tok, opts, window: int):
     ctx = opts[0][0]
     if any(c != ctx for c, _ in opts):
         return None
-    limit = TAIL_CHARS * (window + 1 + TAIL_MARGIN)
+    limit = tail_limit(window)
     longest = max(len(cont) for _, cont in opts)
     tails = {len(ctx) + len(cont) > limit and len(cont) < limit for _, cont in opts}
     if len(tails) > 1:

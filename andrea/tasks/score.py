@@ -27,19 +27,19 @@ option, language modelling, short prefixes) take the path above. The same number
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Tuple
 
 import numpy as np
 
 from ..config import ModelConfig
 from ..core import model
 from ..core.plan import Arena, MemoryPlan
+from .batching import batches, per_request, view
 from .shared import SharedContext, share
 
 # positions of one forward pass by backend: on the GPU enough rows for the products to fill it
 # (120M: ~30 KB of activations a position, 2 GB at 65,536), on the CPU less memory in flight
 BATCH_TOKENS = {"cuda": 65536, "numpy": 8192}
-T_MULTIPLE = 64  # batch lengths are rounded up to this (at most the window): few shapes, aligned tiles
 FORWARD_GLOBALS = ("tokens", "targets", "x0", "lnf", "lnf_mean", "lnf_rstd", "losses", "loss_lse",
                    "attproj", "mlpout", "act")
 
@@ -81,25 +81,6 @@ def as_float32(xp, z):
 def widen_bf16(xp, bits):
     """float32 values of bfloat16 bit patterns (uint16)."""
     return (bits.astype(xp.uint32) << 16).view(xp.float32)
-
-
-def view(buf, shape):
-    """A (shape) view of the first elements of a planned buffer."""
-    n = int(np.prod(shape))
-    return buf.reshape(-1)[:n].reshape(shape)
-
-
-def batches(lengths: Sequence[int], window: int, batch_tokens: int) -> List[Tuple[List[int], int]]:
-    """[(request indices, T)]: longest first, T = the first one's length rounded up to T_MULTIPLE
-    (at most window), as many as fit in batch_tokens."""
-    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
-    out, k = [], 0
-    while k < len(order):
-        T = min(window, -(-lengths[order[k]] // T_MULTIPLE) * T_MULTIPLE)
-        B = max(1, batch_tokens // T)
-        out.append((order[k:k + B], T))
-        k += B
-    return out
 
 
 class Scorer:
@@ -155,12 +136,12 @@ class Scorer:
         """(losses, greedy or None) on the host of the rows sel (host indices) of lnf (rows, C) on
         the device, whose targets are tgt (host, one per row of sel), a logits workspace at a time."""
         xp, R = self.be.xp, self.rows
+        bits = np.dtype(f"u{lnf.dtype.itemsize}")  # the rows moved as bits: CuPy has no bfloat16 arithmetic
         losses, hits = np.empty(sel.size), []
         for i0 in range(0, sel.size, R):
             idx = sel[i0:i0 + R]
             n = idx.size
             inp, t = self.b["sel_lnf"][:, :n], self.b["sel_targets"][:, :n]
-            bits = np.dtype(f"u{lnf.dtype.itemsize}")  # the rows' bits: CuPy has no bfloat16 arithmetic
             xp.take(lnf.view(bits), xp.asarray(idx), axis=0, out=inp[0].view(bits))
             self.be.upload(t, tgt[i0:i0 + n].reshape(1, n))
             self.be.k_loss_fwd(self.b["sel_losses"][:, :n], self.b["sel_lse"][:, :n], self.b["logits"], inp,
@@ -190,15 +171,14 @@ class Scorer:
         greedy = np.zeros(n, dtype=bool) if argmax else None
         groups, rest = share(reqs, self.window) if self.shared else ([], list(range(n)))
         if groups:
-            SharedContext(self).score(groups, reqs, loss, greedy, T_MULTIPLE)
+            SharedContext(self).score(groups, reqs, loss, greedy)
         self.last = {"shared": n - len(rest), "unshared": len(rest)}
         lengths = [len(reqs[r].tokens) - 1 for r in rest]
         for part, T in batches(lengths, self.window, self.N):
             idx = [rest[i] for i in part]
             k = count[idx]
             losses, hits = self._batch([reqs[r].tokens for r in idx], T, list(k), argmax)
-            starts = np.concatenate([[0], np.cumsum(k)[:-1]])  # each request's first value
-            loss[idx] = np.add.reduceat(losses, starts)
+            loss[idx], flags = per_request(losses, hits, k)
             if argmax:
-                greedy[idx] = np.logical_and.reduceat(hits, starts)
+                greedy[idx] = flags
         return loss, count, greedy

@@ -2,7 +2,7 @@
 context) have that prefix computed once, then only their own tokens.
 
     groups, rest = share(requests, window)       # [(request indices, prefix length)], the others
-    SharedContext(scorer).score(groups, reqs, loss, greedy, T_MULTIPLE)   # the groups' requests
+    SharedContext(scorer).score(groups, reqs, loss, greedy)   # the groups' requests
 
 An item's options are grouped by their first KEY_TOKENS tokens (options cut from the left to the
 window by different amounts start at different tokens, so they fall into different groups); a
@@ -34,17 +34,13 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from ..core import model
+from .batching import batches, per_request, view
 
 KEY_TOKENS = 8  # options grouped by item and their first tokens
 # a group is shared when its prefix is at least this many times its longest suffix: k options'
 # products then go from k (p + s) rows to p + k s, at least 1.5x fewer (k = 2), which pays for the
 # option pass's whole-row attention and prefix copies; a shorter prefix saves little
 SHARE_RATIO = 2
-
-
-def first(buf, shape):
-    """A (shape) view of the first elements of a buffer."""
-    return buf.reshape(-1)[:int(np.prod(shape))].reshape(shape)
 
 
 def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
@@ -73,34 +69,6 @@ def share(reqs, window: int) -> Tuple[List[Tuple[List[int], int]], List[int]]:
                 continue
         rest += members
     return groups, rest
-
-
-def rounded(n: int, multiple: int, window: int) -> int:
-    return min(window, -(-n // multiple) * multiple)
-
-
-def context_batches(groups, multiple: int, window: int, N: int):
-    """[(group indices, T)]: by prefix length, longest first, B * T <= N."""
-    order = sorted(range(len(groups)), key=lambda g: -groups[g][1])
-    out, k = [], 0
-    while k < len(order):
-        T = rounded(groups[order[k]][1], multiple, window)
-        B = max(1, N // T)
-        out.append((order[k:k + B], T))
-        k += B
-    return out
-
-
-def option_batches(opts: List[Tuple[int, int]], reqs, multiple: int, window: int, N: int):
-    """[(options [(request, context row)], T)]: by input length, longest first, B * T <= N."""
-    opts = sorted(opts, key=lambda o: -len(reqs[o[0]].tokens))
-    out, k = [], 0
-    while k < len(opts):
-        T = rounded(len(reqs[opts[k][0]].tokens) - 1, multiple, window)
-        B = max(1, N // T)
-        out.append((opts[k:k + B], T))
-        k += B
-    return out
 
 
 def option_indices(opts, reqs, p_of, T: int, T_ctx: int):
@@ -139,22 +107,22 @@ class SharedContext:
         self.bits = np.dtype(f"u{saved.dtype.itemsize}")  # rows moved as bits: CuPy has no bfloat16 arithmetic
         self.saved = [saved[l] for l in range(self.m.n_layer)]
 
-    def score(self, groups, reqs, loss, greedy, multiple: int) -> None:
-        """loss[r] (and greedy[r] when greedy is not None) of every request of the groups."""
+    def score(self, groups, reqs, loss, greedy) -> None:
+        """loss[r] (and greedy[r] when greedy is not None) of every request of the groups: the
+        groups' prefixes in batches (by length), then each batch's options in batches (by length)."""
         sc = self.sc
         p_of = {r: p for members, p in groups for r in members}
-        for gidx, T_ctx in context_batches(groups, multiple, sc.window, sc.N):
+        for gidx, T_ctx in batches([p for _, p in groups], sc.window, sc.N):
             self._context([reqs[groups[g][0][0]].tokens[:groups[g][1]] for g in gidx], T_ctx)
             opts = [(r, c) for c, g in enumerate(gidx) for r in groups[g][0]]
-            for batch, T in option_batches(opts, reqs, multiple, sc.window, sc.N):
+            for part, T in batches([len(reqs[r].tokens) - 1 for r, _ in opts], sc.window, sc.N):
+                batch = [opts[i] for i in part]
                 idx = option_indices(batch, reqs, p_of, T, T_ctx)
                 losses, hits = self._options(len(batch), T, idx, greedy is not None)
                 rs = [r for r, _ in batch]
-                k = np.array([reqs[r].n_cont for r in rs])
-                starts = np.concatenate([[0], np.cumsum(k)[:-1]])
-                loss[rs] = np.add.reduceat(losses, starts)
+                loss[rs], flags = per_request(losses, hits, [reqs[r].n_cont for r in rs])
                 if greedy is not None:
-                    greedy[rs] = np.logical_and.reduceat(hits, starts)
+                    greedy[rs] = flags
 
     def _context(self, prefixes: List[List[int]], T: int) -> None:
         """The prefixes through the forward pass, each layer's qkv kept in saved_qkv[l] as (B, T, 3C)."""
@@ -164,7 +132,7 @@ class SharedContext:
             x[b, :len(s)] = s
         a, g = self.sc._views(B, T)
         self.be.upload(g["tokens"], x)
-        layers = [dict(a, qkv=first(self.saved[l], (B, T, 3 * C))) for l in range(self.m.n_layer)]
+        layers = [dict(a, qkv=view(self.saved[l], (B, T, 3 * C))) for l in range(self.m.n_layer)]
         model.forward(self.be, self.sc.p, layers, g, self.m.n_head, loss=False)
 
     def _rows(self, R: int, B: int, T: int):
@@ -173,12 +141,12 @@ class SharedContext:
         rows = {"x": ("x0", C), "ln": ("layer.ln1", C), "qkv": ("layer.pre", 3 * C), "atty": ("layer.ln2", C),
                 "attproj": ("attproj", C), "xmid": ("layer.xmid", C), "mlpout": ("mlpout", C),
                 "pre": ("layer.pre", 4 * C), "act": ("act", 4 * C)}
-        v = {k: first(b[name], (R, 1, w)) for k, (name, w) in rows.items()}
-        v["mean"], v["rstd"] = first(b["layer.ln1_mean"], (R, 1)), first(b["layer.ln1_rstd"], (R, 1))
-        v["tokens"], v["positions"] = first(b["tokens"], (R,)), first(b["targets"], (R,))
-        v["full"] = first(b["layer.qkv"], (B, T, 3 * C))  # the rows' qkv after their prefix's
+        v = {k: view(b[name], (R, 1, w)) for k, (name, w) in rows.items()}
+        v["mean"], v["rstd"] = view(b["layer.ln1_mean"], (R, 1)), view(b["layer.ln1_rstd"], (R, 1))
+        v["tokens"], v["positions"] = view(b["tokens"], (R,)), view(b["targets"], (R,))
+        v["full"] = view(b["layer.qkv"], (B, T, 3 * C))  # the rows' qkv after their prefix's
         # act, the MLP's workspace, holds the prefix rows on their way from saved_qkv to full
-        v["out"], v["lse"] = first(b["layer.atty"], (B, T, C)), first(b["layer.att_lse"], (B, NH, T))
+        v["out"], v["lse"] = view(b["layer.atty"], (B, T, C)), view(b["layer.att_lse"], (B, NH, T))
         return v
 
     def _options(self, B: int, T: int, idx, argmax: bool):
@@ -192,7 +160,7 @@ class SharedContext:
         dst, pre_dst, pre_src = xp.asarray(dst), xp.asarray(pre_dst), xp.asarray(pre_src)
         full = v["full"].view(self.bits).reshape(B * T, 3 * C)
         full.fill(0)  # the padding after each option: finite keys and values nobody attends to
-        stage = first(self.sc.b["act"], (pre_dst.size, 3 * C)).view(self.bits)  # the prefix rows gathered
+        stage = view(self.sc.b["act"], (pre_dst.size, 3 * C)).view(self.bits)  # the prefix rows gathered
         be.k_decode_embed_fwd(v["x"], v["tokens"], v["positions"], p["wte"], p["wpe"])
         be.k_layernorm_fwd(v["ln"], v["mean"], v["rstd"], v["x"], p["h0.ln1_w"], p["h0.ln1_b"])
         for l in range(L):

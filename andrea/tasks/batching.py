@@ -1,0 +1,41 @@
+"""The host side of the scorer's batches, shared by the whole-sequence path (score.py) and the
+shared-context path (shared.py): views of planned buffers, the batches of a list of lengths, and
+the per-request sums of the values of its scored positions.
+
+    for idx, T in batches(lengths, window, batch_tokens):   # longest first, B * T <= batch_tokens
+        ...
+    loss[idx], flags = per_request(values, hits, n_cont)    # each request's last n_cont values
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+T_MULTIPLE = 64  # batch lengths are rounded up to this (at most the window): few shapes, aligned tiles
+
+
+def view(buf, shape):
+    """A (shape) view of the first elements of a planned buffer."""
+    n = int(np.prod(shape))
+    return buf.reshape(-1)[:n].reshape(shape)
+
+
+def batches(lengths: Sequence[int], window: int, batch_tokens: int) -> List[Tuple[List[int], int]]:
+    """[(indices, T)]: longest first, T = the first one's length rounded up to T_MULTIPLE (at most
+    window), as many as fit in batch_tokens."""
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    out, k = [], 0
+    while k < len(order):
+        T = min(window, -(-lengths[order[k]] // T_MULTIPLE) * T_MULTIPLE)
+        B = max(1, batch_tokens // T)
+        out.append((order[k:k + B], T))
+        k += B
+    return out
+
+
+def per_request(values, hits, counts) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """(sum, and with hits all) of consecutive runs of counts[i] >= 1 values: the requests' summed
+    losses and greedy flags from their scored positions', in request order."""
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return np.add.reduceat(values, starts), (None if hits is None else np.logical_and.reduceat(hits, starts))
