@@ -221,42 +221,101 @@ def test_items_longer_than_the_window_are_cut_from_the_left_and_counted(setup, t
         assert L == pytest.approx(reference(ref, r.tokens, r.n_cont)[0], rel=2e-5, abs=2e-5)
 
 
-def _whole(tok, items, kind, delimiter, fewshot, window, monkeypatch):
-    """requests() with every pair's text encoded whole (no text tails, no context split)."""
-    from andrea.tasks import prompts
-    with monkeypatch.context() as m:
-        m.setattr(prompts, "TAIL_CHARS", 10 ** 9)
-        m.setattr(prompts, "shared_split", lambda *a: None)
-        return requests(tok, items, kind, delimiter, fewshot, window, range(len(items)))
+def _whole(tok, items, kind, delimiter, fewshot, window, indices=None):
+    """The Requests of the items at indices (all by default) with every pair encoded whole, one at a
+    time, and cut as the module says: the last window + 1 tokens, a multiple-choice item's options
+    at one place (the room its longest continuation leaves)."""
+    from andrea.tasks.prompts import split_space
+    rows = []
+    for i in range(len(items)) if indices is None else indices:
+        for o, (ctx, cont) in enumerate(pairs(items, i, kind, delimiter, fewshot)):
+            ctx, cont = split_space(ctx, cont)
+            whole, head = tok.encode(ctx + cont), tok.encode(ctx)
+            rows.append((i, o, whole, max(1, len(whole) - len(head))))
+    room = {}
+    if kind == MC:
+        for i in {r[0] for r in rows}:
+            mine = [r for r in rows if r[0] == i]
+            most = max(k for *_, k in mine)
+            if max(len(w) for _, _, w, _ in mine) > window + 1 and window + 1 - most >= 1:
+                room[i] = window + 1 - most
+    out = []
+    for i, o, whole, k in rows:
+        if i in room:
+            keep = whole[:len(whole) - k][-room[i]:] + whole[len(whole) - k:]
+        else:
+            keep = whole[-(window + 1):]
+        out.append(Request(i, o, keep, min(k, len(keep) - 1), len(keep) < len(whole)))
+    return out
 
 
-def test_a_context_split_before_its_last_word_gives_the_whole_texts_tokens(setup, monkeypatch):
-    """An item's context encoded once up to its last word, then each option's last word +
-    continuation: the tokens of each pair encoded whole, also where the continuation merges into
-    the context's last word (no space between them), starts with punctuation or a space run."""
-    tok = setup[4]
-    ends = ["the red cat and the", "red cat sat on the mat, and then", "numbers 12 and 3", "the red ca",
-            "a small do", "a b c:"]
-    choices = [" dog.", "t is big", "g was old", "4 five", "!? yes", "  two spaces", "s"]
-    items = [{"query": sentence(np.random.default_rng(k), 30) + " " + e, "choices": choices, "gold": 0}
-             for k, e in enumerate(ends)]
-    for window, delimiter in ((16, ""), (64, ""), (64, " ")):  # "": the choice runs on from the query
-        split = requests(tok, items, MC, delimiter, 2, window, range(len(items)))
-        whole = _whole(tok, items, MC, delimiter, 2, window, monkeypatch)
-        assert [(r.tokens, r.n_cont, r.cut) for r in split] == [(r.tokens, r.n_cont, r.cut) for r in whole]
+def test_safe_cuts_split_the_tokens_and_the_others_may_not():
+    """Wherever safe_cut allows, the text's tokens are its two sides' (random texts of letters,
+    digits, punctuation, apostrophes and every kind of whitespace). The check can fail: cutting at
+    every edge of whitespace instead (a space before a word, a run of newlines) gives other tokens."""
+    from andrea.tasks.prompts import safe_cut
+    tok = _wide_tokenizer()
+    rng = np.random.default_rng(7)
+    alphabet = list("aabbcst119..,!?'") + ["'s", "'ll", " ", " ", "\n", "\n", "\t", "\xa0", "\x1c", "\u2003", "é"]
+    naive_differs = 0
+    for _ in range(400):
+        text = "".join(rng.choice(alphabet, int(rng.integers(1, 24))))
+        whole = tok.encode(text)
+        for k in range(1, len(text)):
+            cut = tok.encode(text[:k]) + tok.encode(text[k:])
+            if safe_cut(text, k):
+                assert cut == whole, (text, k)
+            elif text[k - 1].isspace() != text[k].isspace():
+                naive_differs += cut != whole
+    assert naive_differs > 50
 
 
-def test_long_prompts_encoded_from_their_tail_give_the_whole_texts_tokens(setup, monkeypatch):
-    """10-shot prompts of long items (words, numbers, punctuation, non-ASCII) encoded from a tail
-    keep exactly the tokens and continuation lengths of the whole text's encoding."""
+def _wide_tokenizer():
+    """A byte-level BPE of 600 tokens trained here on words, numbers and whitespace runs, so that
+    spaces, newlines and punctuation merge with their neighbours."""
+    from andrea.data.tokenizer import train_tokenizer
+    import tempfile
+    rng = np.random.default_rng(3)
+    words = ["the", "cat", "'s", "don't", "12", "345", "...", "?!", "\n\n", "  ", "\t", "Answer:", "é"]
+    texts = [" ".join(rng.choice(words, 40)) + "\n" + "\n".join(rng.choice(words, 8)) for _ in range(300)]
+    with tempfile.TemporaryDirectory() as d:
+        return train_tokenizer(texts, 600, Path(d) / "tok.json", progress=False)
+
+
+def test_prompts_in_pieces_give_the_whole_texts_tokens(setup):
+    """requests() encodes pieces (shared few-shot examples, the item's text to its last safe cut,
+    each option's rest + continuation); its Requests are those of every pair encoded whole: items
+    whose examples start or end with whitespace, run into the item or the continuation, empty
+    queries, the continuation merging into the context's last word, at windows that cut and do not."""
+    for tok in (setup[4], _wide_tokenizer()):
+        ends = ["the red cat and the", "red cat sat on the mat, and then", "numbers 12 and 3", "the red ca",
+                "a small do", "a b c:", "", " lead space", "trail space ", "two\n\nlines\n", "tab\there\t"]
+        choices = [" dog.", "t is big", "g was old", "4 five", "!? yes", "  two spaces", "s", "\nnext", ""]
+        rng = np.random.default_rng(1)
+        mc = [{"query": (sentence(rng, 30) + " " if k % 3 else "") + e, "choices": choices, "gold": k % 4}
+              for k, e in enumerate(ends)]
+        schema = [{"context_options": [e, e + " x", "\n" + e], "continuation": c, "gold": 1}
+                  for e, c in zip(ends, choices + choices)]
+        lm = [{"context": e, "continuation": c} for e, c in zip(ends, choices + choices)]
+        for kind, items in ((MC, mc), (SCHEMA, schema), (LM, lm)):
+            for window, delimiter, k in ((16, "", 2), (64, "", 3), (64, " ", 2), (400, "\n", 5)):
+                fast = requests(tok, items, kind, delimiter, k, window, range(len(items)))
+                whole = _whole(tok, items, kind, delimiter, k, window)
+                assert [(r.item, r.option, r.tokens, r.n_cont, r.cut) for r in fast] == \
+                    [(r.item, r.option, r.tokens, r.n_cont, r.cut) for r in whole], (kind, window, delimiter)
+
+
+def test_long_prompts_in_pieces_give_the_whole_texts_tokens(setup):
+    """10-shot prompts of long items (words, numbers, punctuation, non-ASCII, newlines and space
+    runs) keep exactly the tokens and continuation lengths of the whole text's encoding."""
     tok = setup[4]
     rng = np.random.default_rng(5)
-    pieces = ["red", "cat", "3.14159", "1234567", "(x)", "--", "é", "über", "\n", "  ", "the", "dog,", "'s"]
-    items = [{"query": " ".join(rng.choice(pieces, int(rng.integers(200, 900)))), "gold": 0,
-              "choices": [" ".join(rng.choice(pieces, 1 + j)) for j in range(3)]} for _ in range(12)]
+    words = ["red", "cat", "3.14159", "1234567", "(x)", "--", "é", "über", "\n", "  ", "the", "dog,", "'s"]
+    items = [{"query": " ".join(rng.choice(words, int(rng.integers(200, 900)))), "gold": 0,
+              "choices": [" ".join(rng.choice(words, 1 + j)) for j in range(3)]} for _ in range(12)]
     for window in (24, 64):
         fast = requests(tok, items, MC, " ", 10, window, range(len(items)))
-        slow = _whole(tok, items, MC, " ", 10, window, monkeypatch)
+        slow = _whole(tok, items, MC, " ", 10, window)
         assert [(r.tokens, r.n_cont, r.cut) for r in fast] == [(r.tokens, r.n_cont, r.cut) for r in slow]
         assert all(r.cut for r in fast)
 
@@ -349,17 +408,19 @@ def test_real_task_files_read_and_score(setup):
 
 
 @needs_shared
-def test_real_long_prompts_from_their_tail(setup, monkeypatch):
-    """10-shot BoolQ and language identification (the longest prompts of CORE) from a text tail
-    give the tokens of the whole text, at a small and at a GPT-2-sized window."""
-    tok = setup[4]
-    for name in ("boolq", "bigbench_language_identification"):
-        t = TASKS[name]
-        items = read_items(SHARED / t.path, t.kind)[:40]
+@pytest.mark.parametrize("name", [n for n, t in TASKS.items() if t.kind in KINDS])
+def test_real_prompts_in_pieces_give_the_whole_texts_tokens(setup, name):
+    """Every real task file present: the first items' Requests, with the task's CORE few-shot count
+    and ten, at a small and a GPT-2-sized window, are those of each pair encoded whole."""
+    tok, t = setup[4], TASKS[name]
+    if not (SHARED / t.path).is_file():
+        pytest.skip(f"no {t.path} in {SHARED}")
+    items = read_items(SHARED / t.path, t.kind)
+    for k in sorted({dict(CORE).get(name, 0), 10}):
         for window in (64, 1024):
-            fast = requests(tok, items, t.kind, t.delimiter, 10, window, range(len(items)))
-            slow = _whole(tok, items, t.kind, t.delimiter, 10, window, monkeypatch)
-            assert [(r.tokens, r.n_cont) for r in fast] == [(r.tokens, r.n_cont) for r in slow]
+            fast = requests(tok, items, t.kind, t.delimiter, k, window, range(12))
+            slow = _whole(tok, items, t.kind, t.delimiter, k, window, range(12))
+            assert [(r.tokens, r.n_cont, r.cut) for r in fast] == [(r.tokens, r.n_cont, r.cut) for r in slow]
 
 
 def test_evaluation_report_and_published_reference(setup, tmp_path):

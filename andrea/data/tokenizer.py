@@ -74,12 +74,19 @@ class AndreaTokenizer:
         """Encodes in parallel on the Rust side (RAYON_NUM_THREADS caps the threads)."""
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
-    def pre_tokenize(self, text: str):
-        """[(piece, (start, end))]: the text split as the tokenizer splits it before merging (a
-        byte-level BPE: words, numbers, runs of punctuation or space), with character offsets;
-        None where the tokenizer has no pre-tokenizer."""
-        pre = self.tok.pre_tokenizer
-        return None if pre is None else pre.pre_tokenize_str(text)
+    @property
+    def cuts_at_whitespace(self) -> bool:
+        """Whether the text may be encoded in pieces cut at whitespace (andrea/tasks/prompts.py,
+        safe_cut): a BPE model after the byte-level pre-tokenizer's regex, no prefix space, no
+        normalizer, and added tokens that hold no whitespace and strip none around them. True for
+        every tokenizer train_tokenizer writes."""
+        from tokenizers import models, pre_tokenizers
+
+        t, pre = self.tok, self.tok.pre_tokenizer
+        added = t.get_added_tokens_decoder().values()
+        return (t.normalizer is None and isinstance(t.model, models.BPE) and isinstance(pre, pre_tokenizers.ByteLevel)
+                and not pre.add_prefix_space and pre.use_regex
+                and all(not (a.lstrip or a.rstrip or any(c.isspace() for c in a.content)) for a in added))
 
     def decode(self, ids) -> str:
         """Text of ids, special tokens included, so decode(encode(t)) == t."""

@@ -13,14 +13,21 @@ The few-shot examples of item i are drawn from the task's other items with a gen
 (FEWSHOT_SEED, i): the same on every run and machine, never item i itself.
 
 Tokens: whitespace that ends the context moves to the start of the continuation (so " Paris" is
-the one token it would be in running text), then the context + continuation is encoded whole and
-the continuation is what follows the context's own tokens: how lm-evaluation-harness splits a pair,
-so the two score the same tokens. A sequence longer than the window keeps its last window + 1
-tokens (cut from the left; the continuation is kept whole when it fits). The options of a
-multiple-choice item are cut at one place: each keeps the same last context tokens, as many as its
-longest continuation leaves room for (context_room), so that every option is scored after the same
-context; lm-evaluation-harness cuts each pair on its own, which gives a shorter option a few more
-context tokens at the far left of a full window.
+the one token it would be in running text); the continuation is what context + continuation
+encoded whole holds after the context's own tokens: how lm-evaluation-harness splits a pair, so the
+two score the same tokens. A sequence longer than the window keeps its last window + 1 tokens (cut
+from the left; the continuation is kept whole when it fits). The options of a multiple-choice item
+are cut at one place: each keeps the same last context tokens, as many as its longest continuation
+leaves room for (context_room), so that every option is scored after the same context;
+lm-evaluation-harness cuts each pair on its own, which gives a shorter option a few more context
+tokens at the far left of a full window.
+
+A prompt is not encoded whole but as pieces: each few-shot example with its newline, the item's
+text up to its last safe cut, and per option the rest + its continuation. The text is cut only
+where the tokenizer splits whatever the text around (safe_cut), so the pieces' tokens are the whole
+text's, and each piece is encoded once however many prompts hold it (a 10-shot task's examples
+recur in ten prompts, an item's context in each of its options). The test compares the tokens with
+those of the whole texts on every real task file present.
 """
 from __future__ import annotations
 
@@ -34,10 +41,6 @@ from .suites import LM, MC, SCHEMA
 
 FEWSHOT_SEED = 1234
 EXAMPLE_DELIMITER = "\n"
-TAIL_CHARS = 8  # characters a window position in a text tail (byte-level BPE: 1.5 to 5 a token)
-TAIL_MARGIN = 32  # tokens at a tail's start that may differ from the whole text's: never kept
-
-
 @dataclass
 class Request:
     """One option of one item: the tokens of context + continuation (cut to the window + 1) and
@@ -87,104 +90,115 @@ def split_space(context: str, continuation: str) -> tuple:
     return stripped, context[len(stripped):] + continuation
 
 
-def tail_limit(window: int) -> int:
-    """The characters of text a window's tail keeps: TAIL_CHARS a position, TAIL_MARGIN positions over."""
-    return TAIL_CHARS * (window + 1 + TAIL_MARGIN)
+# Unicode White_Space: what the byte-level pre-tokenizer's \s matches (Python's isspace() also
+# takes \x1c-\x1f, which the pre-tokenizer reads as punctuation)
+WHITESPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
+                       + "".join(chr(c) for c in range(0x2000, 0x200b)))
 
 
-def tail(context: str, continuation: str, window: int) -> tuple:
-    """(text, its context part, whether it is a tail) to encode for a pair: the whole text, or, when
-    it is longer than TAIL_CHARS characters a window position, its last that many characters."""
-    limit = tail_limit(window)
-    if len(context) + len(continuation) <= limit or len(continuation) >= limit:
-        return context + continuation, context, False
-    return context[-(limit - len(continuation)):] + continuation, context[-(limit - len(continuation)):], True
+def safe_cut(text: str, k: int) -> bool:
+    """Whether a byte-level BPE (GPT-2's pre-tokenizer regex, no prefix space, no normalizer)
+    encodes text as text[:k]'s tokens followed by text[k:]'s, whatever the text holds around the cut.
+    True where a non-space character is followed by whitespace (no pre-token runs from a character
+    into whitespace), or where one whitespace character other than a space, after a non-space one,
+    is followed by a non-space one (a lone newline before a word is a pre-token by itself, in the
+    text and at the end of text[:k]; a space would join the word, and a run of whitespace splits
+    differently at the end of text[:k]). Special tokens hold no whitespace: none spans such a cut."""
+    if not 0 < k < len(text):
+        return False
+    a, b = text[k - 1], text[k]
+    if a not in WHITESPACE:
+        return b in WHITESPACE
+    return a != " " and b not in WHITESPACE and (k < 2 or text[k - 2] not in WHITESPACE)
+
+
+def safe_join(a: str, b: str) -> bool:
+    """safe_cut of a + b between them (reads a's last two characters and b's first)."""
+    return bool(a) and safe_cut(a[-2:] + b[:1], len(a[-2:]))
+
+
+def last_cut(text: str, start: int = 0) -> int:
+    """The last k > start at which text may be cut (safe_cut), start if none."""
+    k = len(text) - 1
+    while k > start and not safe_cut(text, k):
+        k -= 1
+    return max(k, start)
+
+
+def pieces(tok, items: Sequence[dict], i: int, kind: str, delimiter: str, fewshot: int):
+    """([the pieces the options of item i share], [(last, continuation) per option]): each option's
+    context + continuation, after split_space, is DOC + the shared pieces + last + continuation, cut
+    only where safe_cut allows, so its tokens are the document token's, each shared piece's and
+    last + continuation's. A tokenizer that cannot be cut so (tok.cuts_at_whitespace false) gets
+    each option's text as one piece."""
+    opts = [split_space(ctx[len(DOC):], cont) for ctx, cont in pairs(items, i, kind, delimiter, fewshot)]
+    if not tok.cuts_at_whitespace:
+        return [], opts
+    shared: List[str] = []
+    for j in fewshot_indices(i, len(items), fewshot):  # an example joins the piece before it where
+        s = example(items[j], kind, delimiter) + EXAMPLE_DELIMITER  # the text may not be cut between them
+        if shared and not safe_join(shared[-1], s):
+            shared[-1] += s
+        else:
+            shared.append(s)
+    n = sum(map(len, shared))
+    while shared and any(len(ctx) < n for ctx, _ in opts):  # the item's text is empty: split_space took
+        n -= len(shared.pop())  # the examples' last newline into the continuation
+    rests = [ctx[n:] for ctx, _ in opts]
+    while shared and not all(safe_join(shared[-1], r + c) for r, (_, c) in zip(rests, opts)):
+        p = shared.pop()  # the last example runs into the item's text: one piece
+        rests = [p + r for r in rests]
+    if len(set(rests)) > 1:  # the options' contexts differ (schema): they share the examples
+        return shared, [(r, c) for r, (_, c) in zip(rests, opts)]
+    before = shared[-1][-2:] if shared else ""  # what safe_cut reads before the item's text
+    k = last_cut(before + rests[0], len(before)) - len(before)
+    if k:
+        shared.append(rests[0][:k])
+    return shared, [(rests[0][k:], c) for _, c in opts]
 
 
 def requests(tok, items: Sequence[dict], kind: str, delimiter: str, fewshot: int, window: int,
              indices: Sequence[int]) -> List[Request]:
-    """The Requests of the items at indices (all options of each), tokenised in one batch. A long
-    prompt (10-shot BoolQ: tens of thousands of characters, of which a 1,024-token window keeps a
-    few thousand) is encoded from its tail: the last TAIL_CHARS characters a window position. A
-    byte-level BPE splits text into words, numbers and runs of punctuation or space before merging,
-    so past the first TAIL_MARGIN tokens (past the word the cut went through) the tail's tokens are
-    the whole text's; a tail that yields too few tokens is encoded whole after all."""
-    meta, texts = [], []  # per option: (item, option, is_tail, ctx, cont, pieces of whole, pieces of head)
-    for i in indices:
-        opts = [split_space(ctx, cont) for ctx, cont in pairs(items, i, kind, delimiter, fewshot)]
-        split = shared_split(tok, opts, window) if kind == MC and len(opts) > 1 else None
-        for o, (ctx, cont) in enumerate(opts):
-            if split is None:
-                text, part, is_tail = tail(ctx, cont, window)
-                whole, head = (text,), (part,)
-            else:  # the context's part before its last word once, then each option's boundary alone
-                before, last, is_tail = split
-                whole, head = (before, last + cont), (before, last)
-            meta.append((i, o, is_tail, ctx, cont, whole, head))
-            texts += [*whole, *head]
-    unique = list(dict.fromkeys(texts))  # the options of an item share their context: encoded once
+    """The Requests of the items at indices (all options of each): every distinct piece (pieces())
+    encoded once, in one batch; an option's tokens are the document token's and its pieces'."""
+    doc = tok.special_ids[DOC]
+    plan = [(i, *pieces(tok, items, i, kind, delimiter, fewshot)) for i in indices]
+    texts = dict.fromkeys(t for _, shared, opts in plan for t in [*shared, *(x for last, cont in opts for x in (last, last + cont))])
+    unique = [t for t in texts if t]
     enc = dict(zip(unique, tok.encode_batch(unique)))
-    enc_all = []
-    for i, o, is_tail, ctx, cont, whole_keys, head_keys in meta:
-        whole = [t for k in whole_keys for t in enc[k]]
-        head = [t for k in head_keys for t in enc[k]]
-        if is_tail and len(whole) - TAIL_MARGIN < window + 1:  # few tokens for so much text: all of it
-            whole, head = tok.encode_batch([ctx + cont, ctx])
-            is_tail = False
-        n_cont = max(1, len(whole) - len(head))  # a continuation merged into the context: its last token
-        enc_all.append((i, o, is_tail, whole, n_cont))
-    room = context_room(enc_all, window) if kind == MC else {}
+    enc[""] = []
+    enc_all = []  # per option: (item, option, context tokens, last + continuation's tokens, continuation tokens)
+    for i, shared, opts in plan:
+        ctx = [doc] + [t for s in shared for t in enc[s]]
+        for o, (last, cont) in enumerate(opts):
+            head, whole = enc[last], enc[last + cont]
+            n_cont = max(1, len(whole) - len(head))  # a continuation merged into the context: its last token
+            enc_all.append((i, o, ctx, whole, n_cont))
+    room = context_room([(i, len(ctx) + len(whole), n_cont) for i, _, ctx, whole, n_cont in enc_all], window) \
+        if kind == MC else {}
     out = []
-    for i, o, is_tail, whole, n_cont in enc_all:
+    for i, o, ctx, whole, n_cont in enc_all:
         k = room.get(i)
-        keep = whole[-(window + 1):] if k is None else whole[:len(whole) - n_cont][-k:] + whole[len(whole) - n_cont:]
-        out.append(Request(i, o, keep, min(n_cont, len(keep) - 1), is_tail or len(keep) < len(whole)))
+        if k is None:  # the last window + 1 tokens
+            room_left = window + 1 - len(whole)
+            keep = (ctx[max(0, len(ctx) - room_left):] if room_left > 0 else []) + whole[-(window + 1):]
+        else:  # the last k context tokens, then the continuation
+            before = ctx + whole[:len(whole) - n_cont]
+            keep = before[len(before) - k:] + whole[len(whole) - n_cont:]
+        out.append(Request(i, o, keep, min(n_cont, len(keep) - 1), len(keep) < len(ctx) + len(whole)))
     return out
 
 
-SPLIT_CHARS = 256  # the end of a context pre-tokenised to find where its last word starts
-SPECIAL_CHARS = 32  # no special token may start this close before the split (the longest is 13 characters)
-
-
-def shared_split(tok, opts, window: int):
-    """(the context before its last word, its last word, whether from a tail) for the options
-    [(ctx, cont)] of a multiple-choice item, so that an option's tokens are those of the first part
-    (encoded once for the item) followed by those of last word + continuation: a byte-level BPE
-    merges within pre-tokens only, and the pre-tokens before the context's last one do not depend
-    on what follows it. A long context is cut to its tail as tail() cuts it, once for all options
-    (the tail the longest continuation leaves). None where this cannot be said (the options' contexts
-    differ, or only some of them are long, no pre-tokenizer, a single pre-token in the context's
-    last SPLIT_CHARS characters, a special token at the split): then each option is encoded whole, as
-    tail() says."""
-    ctx = opts[0][0]
-    if any(c != ctx for c, _ in opts):
-        return None
-    limit = tail_limit(window)
-    longest = max(len(cont) for _, cont in opts)
-    tails = {len(ctx) + len(cont) > limit and len(cont) < limit for _, cont in opts}
-    if len(tails) > 1:
-        return None
-    is_tail = tails.pop()
-    text = ctx[-(limit - longest):] if is_tail else ctx
-    end = text[-SPLIT_CHARS:]
-    pieces = tok.pre_tokenize(end)
-    if not pieces or len(pieces) < 2:
-        return None
-    s = len(text) - len(end) + pieces[-1][1][0]
-    if any(sp in text[max(0, s - SPECIAL_CHARS):] for sp in tok.special_ids):
-        return None  # a special token (encoded apart, before pre-tokenizing) near the split
-    return text[:s], text[s:], is_tail
-
-
-def context_room(enc_all, window: int) -> dict:
+def context_room(sizes, window: int) -> dict:
     """{item: context tokens every option keeps} for the multiple-choice items that some option of
-    overflows the window: as many as the longest continuation leaves room for, the same for every
-    option, so the options keep the same context (and the shared-context scoring, shared.py, finds
-    it once). Cut one option at a time, the shorter continuations would keep more of the context,
-    from another token on, and the options would share nothing. An item whose continuation alone
-    fills the window is cut one option at a time as before (absent here)."""
+    overflows the window, from sizes [(item, tokens of context + continuation, continuation tokens)]
+    one per option: as many as the longest continuation leaves room for, the same for every option,
+    so the options keep the same context (and the shared-context scoring, shared.py, finds it once).
+    Cut one option at a time, the shorter continuations would keep more of the context, from another
+    token on, and the options would share nothing. An item whose continuation alone fills the window
+    is cut one option at a time (absent here)."""
     longest, most = {}, {}
-    for i, _, _, whole, n_cont in enc_all:
-        longest[i] = max(longest.get(i, 0), len(whole))
+    for i, n, n_cont in sizes:
+        longest[i] = max(longest.get(i, 0), n)
         most[i] = max(most.get(i, 0), n_cont)
     return {i: window + 1 - most[i] for i in longest if longest[i] > window + 1 and window + 1 - most[i] >= 1}
