@@ -34,6 +34,40 @@ def batches(lengths: Sequence[int], window: int, batch_tokens: int) -> List[Tupl
     return out
 
 
+class Scored:
+    """The per-request results of a score(): each batch's scored values arrive as a download (row 0
+    the positions' losses, row 1 their greedy flags) that is read LAG batches later, so that the
+    host prepares and launches the next batches while the device runs this one."""
+
+    LAG = 2  # batches in flight before the oldest is read (the backend's page-locked ring holds 4)
+
+    def __init__(self, n: int, count, argmax: bool):
+        self.loss, self.count = np.zeros(n), np.asarray(count)
+        self.greedy = np.zeros(n, dtype=bool) if argmax else None
+        self.pending: List[tuple] = []
+
+    def add(self, download, n_values: int, requests) -> None:
+        """A batch's download of n_values scored values, those of the requests (in order, the last
+        count[r] values of each)."""
+        self.pending.append((download, n_values, list(requests)))
+        while len(self.pending) > self.LAG:
+            self._read(*self.pending.pop(0))
+
+    def _read(self, download, n_values: int, rs) -> None:
+        values = download.get()
+        hits = values[1, :n_values] > 0.5 if self.greedy is not None else None
+        self.loss[rs], flags = per_request(values[0, :n_values].astype(np.float64), hits, self.count[rs])
+        if self.greedy is not None:
+            self.greedy[rs] = flags
+
+    def result(self):
+        """(loss, count, greedy or None) per request, every batch read."""
+        for p in self.pending:
+            self._read(*p)
+        self.pending = []
+        return self.loss, self.count, self.greedy
+
+
 def per_request(values, hits, counts) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     """(sum, and with hits all) of consecutive runs of counts[i] >= 1 values: the requests' summed
     losses and greedy flags from their scored positions', in request order."""

@@ -27,6 +27,7 @@ option, language modelling, short prefixes) take the path above. The same number
 """
 from __future__ import annotations
 
+from itertools import chain
 from typing import List, Tuple
 
 import numpy as np
@@ -34,7 +35,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..core import model
 from ..core.plan import Arena, MemoryPlan
-from .batching import batches, per_request, view
+from .batching import Scored, batches, view
 from .shared import SharedContext, share
 
 # positions of one forward pass by backend: on the GPU enough rows for the products to fill it
@@ -64,11 +65,16 @@ def score_plan(m: ModelConfig, window: int, batch_tokens: int, dtype: str,
     for name, shape, dt in (("sel_lnf", (1, rows, C), dtype), ("sel_targets", (1, rows), "int32"),
                             ("sel_losses", (1, rows), "float32"), ("sel_lse", (1, rows), "float32")):
         plan.add(name, shape, dt, "workspace")
+    plan.add("uploads", (UPLOAD_SLOTS * N,), "int32", "workspace")  # a batch's host arrays, one copy
+    plan.add("scored", (2, N), "float32", "workspace")  # a batch's scored losses and greedy flags
     if shared:
         plan.add("saved_qkv", (m.n_layer, N, 3 * C), dtype, "shared context")
     return plan, rows
 
 
+UPLOAD_SLOTS = 7  # host arrays of at most batch_tokens elements a batch sends (the option pass's seven)
+UPLOAD_MIN = 4096  # uploads are rounded up to a power of two, at least this: the backend keeps
+# page-locked buffers per shape, so few shapes
 GREEDY_ROWS = 256  # logits rows widened to float32 at a time for the argmax (50 MB at V = 50,304)
 
 
@@ -97,6 +103,7 @@ class Scorer:
         self.arena = Arena(backend, self.plan.total())
         self.b = {r.name: self.arena.take(r.shape, r.dtype) for r in self.plan.rows}
         self.arena.seal()
+        self.stage = np.empty(self.b["uploads"].size, np.int32)  # send()'s host side
         layout = model.ParamLayout.from_config(m)
         params = np.asarray(params)
         if params.shape != (layout.n_params,):
@@ -115,41 +122,51 @@ class Scorer:
         g["logits"] = self.b["logits"]
         return a, g
 
+    def send(self, *arrays):
+        """Device int32 views of host arrays (each at most batch_tokens elements), in one
+        asynchronous copy into the planned uploads buffer: the host does not wait for the device."""
+        sizes = [int(np.size(a)) for a in arrays]
+        n = max(UPLOAD_MIN, 1 << max(0, sum(sizes) - 1).bit_length())
+        stage = self.stage[:min(n, self.stage.size)]
+        dev = self.b["uploads"][:stage.size]
+        ends = np.cumsum(sizes)
+        for a, e, k in zip(arrays, ends, sizes):
+            stage[e - k:e] = np.ravel(a)
+        self.be.upload(dev, stage)
+        return [dev[e - k:e].reshape(np.shape(a)) for a, e, k in zip(arrays, ends, sizes)]
+
     def _batch(self, seqs: List[List[int]], T: int, n_cont: List[int], argmax: bool):
-        """(losses, greedy or None) of the last n_cont[r] positions of each right-padded sequence r,
-        on the host, in sequence order: one value a position asked for."""
+        """(a download of the scored values, their count) of the last n_cont[r] positions of each
+        right-padded sequence r, in sequence order: one value a position asked for (scored())."""
         B = len(seqs)
         x = np.zeros((B, T), dtype=np.int32)
-        y = np.zeros((B, T), dtype=np.int32)
         for r, s in enumerate(seqs):
             x[r, :len(s) - 1] = s[:-1]
-            y[r, :len(s) - 1] = s[1:]
-        a, g = self._views(B, T)
-        self.be.upload(g["tokens"], x)
-        self.be.upload(g["targets"], y)
-        model.forward(self.be, self.p, [a] * self.m.n_layer, g, self.m.n_head, loss=False)
-        # the positions asked for, flat (row * T + t), in sequence order
+        # the positions asked for, flat (row * T + t), in sequence order, and their targets
         sel = np.concatenate([r * T + np.arange(len(s) - 1 - k, len(s) - 1) for r, (s, k) in enumerate(zip(seqs, n_cont))])
-        return self._classify(g["lnf"].reshape(B * T, self.m.d_model), sel, y.reshape(B * T)[sel], argmax)
+        tgt = np.fromiter(chain.from_iterable(s[len(s) - k:] for s, k in zip(seqs, n_cont)), np.int32, sel.size)
+        a, g = self._views(B, T)
+        g["tokens"], sel_d, tgt_d = self.send(x, sel.astype(np.int32), tgt)
+        model.forward(self.be, self.p, [a] * self.m.n_layer, g, self.m.n_head, loss=False)
+        return self._classify(g["lnf"].reshape(B * T, self.m.d_model), sel_d, tgt_d, argmax), sel.size
 
     def _classify(self, lnf, sel, tgt, argmax: bool):
-        """(losses, greedy or None) on the host of the rows sel (host indices) of lnf (rows, C) on
-        the device, whose targets are tgt (host, one per row of sel), a logits workspace at a time."""
+        """A download of the scored values (scored()) of the rows sel (device int32) of lnf (rows, C)
+        on the device, whose targets are tgt (device int32, one per row of sel), a logits workspace
+        at a time: row 0 their losses, row 1 whether each target is the argmax (argmax=True)."""
         xp, R = self.be.xp, self.rows
         bits = np.dtype(f"u{lnf.dtype.itemsize}")  # the rows moved as bits: CuPy has no bfloat16 arithmetic
-        losses, hits = np.empty(sel.size), []
+        out = self.b["scored"]
         for i0 in range(0, sel.size, R):
-            idx = sel[i0:i0 + R]
-            n = idx.size
-            inp, t = self.b["sel_lnf"][:, :n], self.b["sel_targets"][:, :n]
-            xp.take(lnf.view(bits), xp.asarray(idx), axis=0, out=inp[0].view(bits))
-            self.be.upload(t, tgt[i0:i0 + n].reshape(1, n))
+            n = min(R, sel.size - i0)
+            inp, t = self.b["sel_lnf"][:, :n], tgt[i0:i0 + n].reshape(1, n)
+            xp.take(lnf.view(bits), sel[i0:i0 + n], axis=0, out=inp[0].view(bits))
             self.be.k_loss_fwd(self.b["sel_losses"][:, :n], self.b["sel_lse"][:, :n], self.b["logits"], inp,
                                self.p["wte"], t)
-            losses[i0:i0 + n] = self.be.to_numpy(self.b["sel_losses"][0, :n])
+            out[0, i0:i0 + n] = self.b["sel_losses"][0, :n]
             if argmax:
-                hits.append(self.be.to_numpy(self._greedy(self.b["logits"], t)))
-        return losses, (np.concatenate(hits) if argmax else None)
+                out[1, i0:i0 + n] = self._greedy(self.b["logits"], t)
+        return self.be.download_async(out)
 
     def _greedy(self, logits, targets):
         """Per row of the chunk: is the target's logit the row's largest (on the device, GREEDY_ROWS
@@ -166,19 +183,14 @@ class Scorer:
         """Per request: the continuation's summed loss (nats), its token count, and whether every
         one of its tokens is the argmax (argmax=True; else None)."""
         n = len(reqs)
-        loss = np.zeros(n)
         count = np.array([r.n_cont for r in reqs])
-        greedy = np.zeros(n, dtype=bool) if argmax else None
+        out = Scored(n, count, argmax)
         groups, rest = share(reqs, self.window) if self.shared else ([], list(range(n)))
         if groups:
-            SharedContext(self).score(groups, reqs, loss, greedy)
+            SharedContext(self).score(groups, reqs, out)
         self.last = {"shared": n - len(rest), "unshared": len(rest)}
         lengths = [len(reqs[r].tokens) - 1 for r in rest]
         for part, T in batches(lengths, self.window, self.N):
             idx = [rest[i] for i in part]
-            k = count[idx]
-            losses, hits = self._batch([reqs[r].tokens for r in idx], T, list(k), argmax)
-            loss[idx], flags = per_request(losses, hits, k)
-            if argmax:
-                greedy[idx] = flags
-        return loss, count, greedy
+            out.add(*self._batch([reqs[r].tokens for r in idx], T, list(count[idx]), argmax), idx)
+        return out.result()

@@ -34,7 +34,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from ..core import model
-from .batching import batches, per_request, view
+from .batching import batches, view
 
 KEY_TOKENS = 8  # options grouped by item and their first tokens
 # a group is shared when its prefix is at least this many times its longest suffix: k options'
@@ -107,9 +107,9 @@ class SharedContext:
         self.bits = np.dtype(f"u{saved.dtype.itemsize}")  # rows moved as bits: CuPy has no bfloat16 arithmetic
         self.saved = [saved[l] for l in range(self.m.n_layer)]
 
-    def score(self, groups, reqs, loss, greedy) -> None:
-        """loss[r] (and greedy[r] when greedy is not None) of every request of the groups: the
-        groups' prefixes in batches (by length), then each batch's options in batches (by length)."""
+    def score(self, groups, reqs, out) -> None:
+        """Every request of the groups into out (batching.Scored): the groups' prefixes in batches
+        (by length), then each batch's options in batches (by length)."""
         sc = self.sc
         p_of = {r: p for members, p in groups for r in members}
         for gidx, T_ctx in batches([p for _, p in groups], sc.window, sc.N):
@@ -118,11 +118,7 @@ class SharedContext:
             for part, T in batches([len(reqs[r].tokens) - 1 for r, _ in opts], sc.window, sc.N):
                 batch = [opts[i] for i in part]
                 idx = option_indices(batch, reqs, p_of, T, T_ctx)
-                losses, hits = self._options(len(batch), T, idx, greedy is not None)
-                rs = [r for r, _ in batch]
-                loss[rs], flags = per_request(losses, hits, [reqs[r].n_cont for r in rs])
-                if greedy is not None:
-                    greedy[rs] = flags
+                out.add(self._options(len(batch), T, idx, out.greedy is not None), idx[-1].size, [r for r, _ in batch])
 
     def _context(self, prefixes: List[List[int]], T: int) -> None:
         """The prefixes through the forward pass, each layer's qkv kept in saved_qkv[l] as (B, T, 3C)."""
@@ -131,7 +127,7 @@ class SharedContext:
         for b, s in enumerate(prefixes):
             x[b, :len(s)] = s
         a, g = self.sc._views(B, T)
-        self.be.upload(g["tokens"], x)
+        g["tokens"], = self.sc.send(x)
         layers = [dict(a, qkv=view(self.saved[l], (B, T, 3 * C))) for l in range(self.m.n_layer)]
         model.forward(self.be, self.sc.p, layers, g, self.m.n_head, loss=False)
 
@@ -143,21 +139,18 @@ class SharedContext:
                 "pre": ("layer.pre", 4 * C), "act": ("act", 4 * C)}
         v = {k: view(b[name], (R, 1, w)) for k, (name, w) in rows.items()}
         v["mean"], v["rstd"] = view(b["layer.ln1_mean"], (R, 1)), view(b["layer.ln1_rstd"], (R, 1))
-        v["tokens"], v["positions"] = view(b["tokens"], (R,)), view(b["targets"], (R,))
         v["full"] = view(b["layer.qkv"], (B, T, 3 * C))  # the rows' qkv after their prefix's
         # act, the MLP's workspace, holds the prefix rows on their way from saved_qkv to full
         v["out"], v["lse"] = view(b["layer.atty"], (B, T, C)), view(b["layer.att_lse"], (B, NH, T))
         return v
 
     def _options(self, B: int, T: int, idx, argmax: bool):
-        """(losses, greedy or None) of the scored rows of one option batch, in request order."""
+        """A download of the scored values of one option batch's scored rows, in request order
+        (Scorer._classify)."""
         be, xp, p, L, C = self.be, self.xp, self.sc.p, self.m.n_layer, self.m.d_model
-        tok, pos, dst, pre_dst, pre_src, sel, tgt = idx
-        R = tok.size
+        R = idx[0].size
         v = self._rows(R, B, T)
-        be.upload(v["tokens"], tok)
-        be.upload(v["positions"], pos)
-        dst, pre_dst, pre_src = xp.asarray(dst), xp.asarray(pre_dst), xp.asarray(pre_src)
+        v["tokens"], v["positions"], dst, pre_dst, pre_src, sel, tgt = self.sc.send(*idx)
         full = v["full"].view(self.bits).reshape(B * T, 3 * C)
         full.fill(0)  # the padding after each option: finite keys and values nobody attends to
         stage = view(self.sc.b["act"], (pre_dst.size, 3 * C)).view(self.bits)  # the prefix rows gathered
