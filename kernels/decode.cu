@@ -11,6 +11,9 @@
 // over its elements, the lanes' and then the warps' partials added in a fixed order). Arithmetic in float; the caches and the output are in the compute dtype.
 // Block DECODE_THREADS, head size at most DECODE_MAX_HS. Shared memory: ctx + hs + 32 + 8 hs floats.
 // k_attn_decode_batch_fwd: the same with each sequence at its own position, read from lengths.
+// k_attn_shared_fwd: the same block for a row of an option scored after a shared context
+// (andrea/tasks/shared.py): its keys and values are the context's rows, where the context's own
+// forward pass left them, then the option's rows up to itself; nothing is written to a cache.
 // k_decode_embed_fwd, k_decode_cache_fill: the step's embedding and the prefill's cache copy.
 // k_sample_fwd: the per-request sampler (greedy, temperature, top_k, top_p; counter-based noise).
 // k_decode_linear_fwd, k_decode_logits_gemv: the step's products for a few rows (N <= 8): a warp an
@@ -44,37 +47,32 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 #define DECODE_THREADS 256  // 8 warps a block (the launchers' block size)
 #define DECODE_MAX_HS 128    // head sizes up to this: each lane holds hs / 32 output partials
 
-// The block of head h of sequence b at position pos: see the header. The weighted sum of the
-// values is split over the warps (warp w takes keys w, w + nw, ...; lane l the dimensions l,
-// l + 32, ...), whose partials are added in warp order: every key's load is independent, where
-// one thread a dimension walking all keys in turn waited on each load.
-__device__ __forceinline__ void attn_decode_block(CT* out, CT* kcache, CT* vcache, const CT* qkv, int NH, int hs,
-                                                  int ctx, int pos, float scale, int h, int b) {
-  extern __shared__ float sm[];
-  float* s = sm;            // scores, then probabilities (unnormalised), pos + 1 of them
-  float* q = sm + ctx;      // the query of this head, hs
-  float* scratch = q + hs;  // 32, for the block reductions
-  float* part = scratch + 32;  // (warps, hs): each warp's share of the output
-  const int C = NH * hs, n = pos + 1;
-  const CT* row = qkv + (i64)b * 3 * C;
-  CT* kc = kcache + (i64)b * ctx * C + h * hs;
-  CT* vc = vcache + (i64)b * ctx * C + h * hs;
-  for (int d = threadIdx.x; d < hs; d += blockDim.x) {
-    int c = h * hs + d;
-    q[d] = to_f(row[c]);
-    kc[(i64)pos * C + d] = row[C + c];
-    vc[(i64)pos * C + d] = row[2 * C + c];
-  }
-  __syncthreads();  // the new cache row and q are visible to the whole block
+// The attention of one query (q, hs floats in shared memory, scaled by scale) over nA keys and
+// values at kA, vA (row stride sA elements), then, where TWO, nB more at kB, vB (stride sB): the
+// scores a thread a key (16-byte loads where the head's row is a power-of-two count of 16-byte
+// chunks up to 32 and every row is 16-byte aligned, else a warp a key), their softmax (block max,
+// block sum of exp(s - max)), and the weighted sum of the values (warps over the keys, lanes over
+// 16-byte chunks of the head's row or over its elements, the lanes' and then the warps' partials
+// added in a fixed order) into o (hs). s: nA + nB floats, scratch: 32, part: (warps, hs).
+// The values are split over the warps (warp w takes keys w, w + nw, ...), whose partials are added
+// in warp order: every key's load is independent, where one thread a dimension walking all keys in
+// turn waited on each load.
+template <bool TWO>
+__device__ __forceinline__ void attn_rows_block(CT* o, const float* q, const CT* kA, const CT* vA, i64 sA, int nA,
+                                                const CT* kB, const CT* vB, i64 sB, int nB, int hs, float scale,
+                                                float* s, float* scratch, float* part) {
+  const int n = TWO ? nA + nB : nA;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   constexpr int VEC = 16 / (int)sizeof(CT);
   const int G = hs / VEC;  // 16-byte chunks of a head's row
   // the 16-byte path: whole chunks, a power of two of them dividing a warp, aligned rows
-  const bool fast = hs % VEC == 0 && G <= 32 && (32 % G) == 0 && aligned16(kcache) && aligned16(vcache);
+  const bool fast = hs % VEC == 0 && G <= 32 && (32 % G) == 0 && aligned16(kA) && aligned16(vA) && sA % VEC == 0 &&
+                    (!TWO || (aligned16(kB) && aligned16(vB) && sB % VEC == 0));
+#define ROW(base, j) (TWO && (j) >= nA ? base##B + (i64)((j) - nA) * sB : base##A + (i64)(j) * sA)
   if (fast) {
     // a thread a key: the key's chunks loaded together, q read from shared memory (a broadcast)
     for (int j = threadIdx.x; j < n; j += blockDim.x) {
-      const vec16* kj = reinterpret_cast<const vec16*>(kc + (i64)j * C);
+      const vec16* kj = reinterpret_cast<const vec16*>(ROW(k, j));
       float a = 0.f;
 #pragma unroll 8
       for (int g = 0; g < G; ++g) {
@@ -88,7 +86,7 @@ __device__ __forceinline__ void attn_decode_block(CT* out, CT* kcache, CT* vcach
     // unrolled so that a warp's loads of four keys are in flight together
 #pragma unroll 4
     for (int j = warp; j < n; j += nw) {
-      const CT* kj = kc + (i64)j * C;
+      const CT* kj = ROW(k, j);
       float a = 0.f;
       for (int d = lane; d < hs; d += 32) a += q[d] * to_f(kj[d]);
       a = warp_sum(a);
@@ -116,7 +114,7 @@ __device__ __forceinline__ void attn_decode_block(CT* out, CT* kcache, CT* vcach
 #pragma unroll 4
     for (int j = warp * KPW + kg; j < n; j += nw * KPW) {
       const float pj = s[j];
-      const vec16 r = reinterpret_cast<const vec16*>(vc + (i64)j * C)[g];
+      const vec16 r = reinterpret_cast<const vec16*>(ROW(v, j))[g];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] += pj * vget(r, i);
     }
@@ -133,7 +131,7 @@ __device__ __forceinline__ void attn_decode_block(CT* out, CT* kcache, CT* vcach
 #pragma unroll 4
     for (int j = warp; j < n; j += nw) {
       const float pj = s[j];
-      const CT* vj = vc + (i64)j * C;
+      const CT* vj = ROW(v, j);
 #pragma unroll
       for (int i = 0; i < DECODE_MAX_HS / 32; ++i)
         if (lane + 32 * i < hs) acc[i] += pj * to_f(vj[lane + 32 * i]);
@@ -142,14 +140,35 @@ __device__ __forceinline__ void attn_decode_block(CT* out, CT* kcache, CT* vcach
     for (int i = 0; i < DECODE_MAX_HS / 32; ++i)
       if (lane + 32 * i < hs) part[warp * hs + lane + 32 * i] = acc[i];
   }
+#undef ROW
   __syncthreads();
   const float inv = 1.f / z;
-  CT* o = out + (i64)b * C + h * hs;
   for (int d = threadIdx.x; d < hs; d += blockDim.x) {
     float a = 0.f;
     for (int w = 0; w < nw; ++w) a += part[w * hs + d];
     o[d] = from_f<CT>(a * inv);
   }
+}
+
+// The block of head h of sequence b at position pos: see the header. Shared memory: the scores
+// (ctx), q (hs), 32 reduction slots, the warps' partial outputs (8 hs).
+__device__ __forceinline__ void attn_decode_block(CT* out, CT* kcache, CT* vcache, const CT* qkv, int NH, int hs,
+                                                  int ctx, int pos, float scale, int h, int b) {
+  extern __shared__ float sm[];
+  float* q = sm + ctx;
+  const int C = NH * hs;
+  const CT* row = qkv + (i64)b * 3 * C;
+  CT* kc = kcache + (i64)b * ctx * C + h * hs;
+  CT* vc = vcache + (i64)b * ctx * C + h * hs;
+  for (int d = threadIdx.x; d < hs; d += blockDim.x) {
+    int c = h * hs + d;
+    q[d] = to_f(row[c]);
+    kc[(i64)pos * C + d] = row[C + c];
+    vc[(i64)pos * C + d] = row[2 * C + c];
+  }
+  __syncthreads();  // the new cache row and q are visible to the whole block
+  attn_rows_block<false>(out + (i64)b * C + h * hs, q, kc, vc, C, pos + 1, nullptr, nullptr, 0, 0, hs, scale, sm,
+                         q + hs, q + hs + 32);
 }
 
 // The key/value rows 0..pos-1 of head h of sequence b (their bytes, stride, count) for the hints
@@ -178,6 +197,29 @@ extern "C" __global__ void k_attn_decode_batch_fwd(CT* out, CT* kcache, CT* vcac
                     vcache + (i64)blockIdx.y * ctx * NH * hs + blockIdx.x * hs, DECODE_HINT_ROWS(lengths[blockIdx.y]),
                     hs * (int)sizeof(CT), (i64)NH * hs * sizeof(CT));
   attn_decode_block(out, kcache, vcache, qkv, NH, hs, ctx, lengths[blockIdx.y], scale, blockIdx.x, blockIdx.y);
+}
+
+// ---------------------------------------------------------------- shared-context scoring (andrea/tasks/shared.py)
+
+// k_attn_shared_fwd: the attention of an option's rows after its item's shared context, the context
+// read where its own forward pass left it. Row r of qkv (R,1,3C) attends to plen[r] keys and values
+// of saved (M,3C) from row pre[r] on (the context), then to the rows first[r]..r of qkv (its
+// option's rows up to itself): out (R,1,C) = the row of k_attn_fwd on the whole sequence. Grid
+// (NH, R), a block a head of a row; shared memory as the decode attention's, ctx >= plen + rows.
+extern "C" __global__ void k_attn_shared_fwd(CT* out, const CT* qkv, const CT* saved, const int* pre,
+                                             const int* plen, const int* first, int NH, int hs, int ctx,
+                                             float scale) {
+  pdl_wait();
+  extern __shared__ float sm_rows[];  // (another name than attn_decode_block's: another linkage)
+  float* q = sm_rows + ctx;
+  const int C = NH * hs, h = blockIdx.x, r = blockIdx.y;
+  const CT* row = qkv + (i64)r * 3 * C;
+  for (int d = threadIdx.x; d < hs; d += blockDim.x) q[d] = to_f(row[h * hs + d]);
+  __syncthreads();
+  const CT* ctxk = saved + (i64)pre[r] * 3 * C + C + h * hs;
+  const CT* own = qkv + (i64)first[r] * 3 * C + C + h * hs;
+  attn_rows_block<true>(out + (i64)r * C + h * hs, q, ctxk, ctxk + C, 3 * C, plen[r], own, own + C, 3 * C,
+                        r - first[r] + 1, hs, scale, sm_rows, q + hs, q + hs + 32);
 }
 
 // k_decode_embed_fwd: out (N,1,C) = wte[tokens[n]] + wpe[lengths[n]]. Grid N, a block a row.

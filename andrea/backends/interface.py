@@ -226,6 +226,12 @@ class Backend(Protocol):
     def k_attn_decode_batch_fwd(self, out, kcache, vcache, qkv, lengths, n_head) -> None:
         """Inference: k_attn_decode_fwd of each slot n at its own position lengths[n]."""
 
+    def k_attn_shared_fwd(self, out, qkv, saved, pre, plen, first, n_head, max_keys) -> None:
+        """Inference (andrea/tasks/shared.py): row r of qkv (R,1,3C) attends to the plen[r] keys and
+        values of saved (M,3C) from row pre[r] on (its item's shared context), then to its own
+        option's rows first[r]..r of qkv; out (R,1,C). pre, plen, first (R,) int32 on the device;
+        max_keys >= every row's plen[r] + r - first[r] + 1."""
+
     def k_decode_cache_fill(self, kcache, vcache, qkv, slot, n) -> None:
         """Inference: kcache, vcache (L,N,ctx,C)[:, slot, :n] = the k and v thirds of the
         prefill's qkv (L,1,T,3C)[:, 0, :n]."""

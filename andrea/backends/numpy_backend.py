@@ -129,6 +129,7 @@ class NumpyBackend:
     k_attn_decode_fwd = staticmethod(ref.k_attn_decode_fwd)
     k_decode_embed_fwd = staticmethod(ref.k_decode_embed_fwd)
     k_attn_decode_batch_fwd = staticmethod(ref.k_attn_decode_batch_fwd)
+    k_attn_shared_fwd = staticmethod(ref.k_attn_shared_fwd)
     k_decode_cache_fill = staticmethod(ref.k_decode_cache_fill)
     k_decode_linear_fwd = staticmethod(ref.k_decode_linear_fwd)
     k_decode_ln_linear_fwd = staticmethod(ref.k_decode_ln_linear_fwd)

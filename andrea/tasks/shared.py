@@ -2,7 +2,7 @@
 context) have that prefix computed once, then only their own tokens.
 
     groups, rest = share(requests, window)       # [(request indices, prefix length)], the others
-    SharedContext(scorer).score(groups, reqs, loss, greedy)   # the groups' requests
+    SharedContext(scorer).score(groups, reqs, out)   # the groups' requests into a batching.Scored
 
 An item's options are grouped by their first KEY_TOKENS tokens (options cut from the left to the
 window by different amounts start at different tokens, so they fall into different groups); a
@@ -13,18 +13,16 @@ two or more options and p >= SHARE_RATIO times its longest suffix; the rest take
 Context pass: the prefixes of a batch of groups go through the training forward (model.forward,
 loss=False) as a (B, T) batch whose every layer writes its qkv into its own planned buffer
 (saved_qkv, (n_layer, batch_tokens, 3C)): the keys and values of every prefix position of every
-layer. Option pass: the suffix tokens of the groups' options as compact rows (N, 1, C), each at its
+layer. Option pass: the suffix tokens of the groups' options as compact rows (R, 1, C), each at its
 own position (k_decode_embed_fwd), through the layer kernels of the batch decoder's
-(andrea/use/batch.py), except the attention: each layer scatters the rows' qkv into a (B_opt, T, 3C)
-buffer whose rows [0, p) are copied from the saved prefix of the option's group, runs the causal
-training attention (k_attn_fwd) on it and gathers the rows' outputs back. The classifier runs on
-the scored rows only (Scorer._classify). The same kernels as the unshared path on the same values:
-the losses differ from its by float rounding only (products of other shapes). What it does not save:
-the attention still runs over every row of every option (the prefix's queries too), and each layer
-copies the prefix rows once an option.
+(andrea/use/batch.py) but the attention, k_attn_shared_fwd: each row attends to its group's prefix
+keys and values where the context pass left them (saved_qkv), then to its own option's rows up to
+itself. So the option pass costs its rows' products and their attention, nothing per prefix row.
+The classifier runs on the scored rows only (Scorer._classify). The same kernels as the unshared
+path on the same values but the attention's: the losses differ from its by float rounding only.
 
 The row buffers are views of the Scorer's planned buffers (the context pass is over when the option
-pass starts); nothing is allocated per batch but host index arrays and their device copies.
+pass starts); nothing is allocated per batch.
 """
 from __future__ import annotations
 
@@ -38,8 +36,8 @@ from .batching import batches, view
 
 KEY_TOKENS = 8  # options grouped by item and their first tokens
 # a group is shared when its prefix is at least this many times its longest suffix: k options'
-# products then go from k (p + s) rows to p + k s, at least 1.5x fewer (k = 2), which pays for the
-# option pass's whole-row attention and prefix copies; a shorter prefix saves little
+# products then go from k (p + s) rows to p + k s, at least 1.5x fewer (k = 2); a shorter prefix
+# saves little
 SHARE_RATIO = 2
 
 
@@ -71,30 +69,24 @@ def share(reqs, window: int) -> Tuple[List[Tuple[List[int], int]], List[int]]:
     return groups, rest
 
 
-def option_indices(opts, reqs, p_of, T: int, T_ctx: int):
-    """Host arrays of one option batch: the rows' tokens and positions, their flat rows in the
-    (B, T) attention buffer, the prefix rows there and their rows in the (B_ctx, T_ctx) context, the
-    scored rows (in request order, the last n_cont rows of each) and their targets."""
+def option_indices(opts, reqs, p_of, T_ctx: int):
+    """Host arrays of one option batch: the rows' tokens and positions, for each row the first row
+    of its group's prefix in the (B_ctx, T_ctx) context batch, that prefix's length and the row of
+    its option's first row, then the scored rows (in request order, the last n_cont rows of each)
+    and their targets."""
     qs = [reqs[r] for r, _ in opts]
     p = np.array([p_of[r] for r, _ in opts])
     ctx = np.array([c for _, c in opts])
     s = np.array([len(q.tokens) - 1 for q in qs]) - p  # suffix rows of each option
     k = np.array([q.n_cont for q in qs])
-    B = len(opts)
-
-    def spans(counts):
-        """(option of each element, its index within the option) for counts elements an option."""
-        of = np.repeat(np.arange(B), counts)
-        return of, np.arange(of.size) - (np.cumsum(counts) - counts)[of]
-
-    of, j = spans(s)
-    t = p[of] + j
-    pre_of, pre_t = spans(p)
-    sel_of, sel_j = spans(k)
-    sel = (np.cumsum(s) - k)[sel_of] + sel_j
+    starts = np.cumsum(s) - s
+    of = np.repeat(np.arange(len(opts)), s)
+    t = p[of] + np.arange(of.size) - starts[of]
+    sel_of = np.repeat(np.arange(len(opts)), k)
+    sel = (starts + s - k)[sel_of] + np.arange(sel_of.size) - (np.cumsum(k) - k)[sel_of]
     tok = np.fromiter(chain.from_iterable(q.tokens[pi:-1] for q, pi in zip(qs, p.tolist())), np.int32, t.size)
     tgt = np.fromiter(chain.from_iterable(q.tokens[-q.n_cont:] for q in qs), np.int32, sel.size)
-    return (tok, t.astype(np.int32), of * T + t, pre_of * T + pre_t, ctx[pre_of] * T_ctx + pre_t, sel, tgt)
+    return tok, t, ctx[of] * T_ctx, p[of], starts[of], sel, tgt
 
 
 class SharedContext:
@@ -104,21 +96,25 @@ class SharedContext:
         self.sc, self.be, self.m = scorer, scorer.be, scorer.m
         self.xp = scorer.be.xp
         saved = scorer.b["saved_qkv"]
-        self.bits = np.dtype(f"u{saved.dtype.itemsize}")  # rows moved as bits: CuPy has no bfloat16 arithmetic
         self.saved = [saved[l] for l in range(self.m.n_layer)]
 
     def score(self, groups, reqs, out) -> None:
         """Every request of the groups into out (batching.Scored): the groups' prefixes in batches
-        (by length), then each batch's options in batches (by length)."""
+        (by length), then their options, as many rows at a time as the buffers hold."""
         sc = self.sc
         p_of = {r: p for members, p in groups for r in members}
         for gidx, T_ctx in batches([p for _, p in groups], sc.window, sc.N):
             self._context([reqs[groups[g][0][0]].tokens[:groups[g][1]] for g in gidx], T_ctx)
             opts = [(r, c) for c, g in enumerate(gidx) for r in groups[g][0]]
-            for part, T in batches([len(reqs[r].tokens) - 1 for r, _ in opts], sc.window, sc.N):
-                batch = [opts[i] for i in part]
-                idx = option_indices(batch, reqs, p_of, T, T_ctx)
-                out.add(self._options(len(batch), T, idx, out.greedy is not None), idx[-1].size, [r for r, _ in batch])
+            rows = np.cumsum([len(reqs[r].tokens) - 1 - p_of[r] for r, _ in opts])
+            i = 0
+            while i < len(opts):  # options whose rows fit in the buffers (one at least)
+                j = max(i + 1, int(np.searchsorted(rows, (rows[i - 1] if i else 0) + sc.N, side="right")))
+                batch = opts[i:j]
+                idx = option_indices(batch, reqs, p_of, T_ctx)
+                keys = max(len(reqs[r].tokens) - 1 for r, _ in batch)
+                out.add(self._options(idx, keys, out.greedy is not None), idx[-1].size, [r for r, _ in batch])
+                i = j
 
     def _context(self, prefixes: List[List[int]], T: int) -> None:
         """The prefixes through the forward pass, each layer's qkv kept in saved_qkv[l] as (B, T, 3C)."""
@@ -131,38 +127,28 @@ class SharedContext:
         layers = [dict(a, qkv=view(self.saved[l], (B, T, 3 * C))) for l in range(self.m.n_layer)]
         model.forward(self.be, self.sc.p, layers, g, self.m.n_head, loss=False)
 
-    def _rows(self, R: int, B: int, T: int):
-        """The option pass's buffers: compact rows (R, 1, width) and the (B, T) attention's."""
-        b, C, NH = self.sc.b, self.m.d_model, self.m.n_head
-        rows = {"x": ("x0", C), "ln": ("layer.ln1", C), "qkv": ("layer.pre", 3 * C), "atty": ("layer.ln2", C),
+    def _rows(self, R: int):
+        """The option pass's buffers: compact rows (R, 1, width)."""
+        b, C = self.sc.b, self.m.d_model
+        rows = {"x": ("x0", C), "ln": ("layer.ln1", C), "qkv": ("layer.qkv", 3 * C), "atty": ("layer.atty", C),
                 "attproj": ("attproj", C), "xmid": ("layer.xmid", C), "mlpout": ("mlpout", C),
                 "pre": ("layer.pre", 4 * C), "act": ("act", 4 * C)}
         v = {k: view(b[name], (R, 1, w)) for k, (name, w) in rows.items()}
         v["mean"], v["rstd"] = view(b["layer.ln1_mean"], (R, 1)), view(b["layer.ln1_rstd"], (R, 1))
-        v["full"] = view(b["layer.qkv"], (B, T, 3 * C))  # the rows' qkv after their prefix's
-        # act, the MLP's workspace, holds the prefix rows on their way from saved_qkv to full
-        v["out"], v["lse"] = view(b["layer.atty"], (B, T, C)), view(b["layer.att_lse"], (B, NH, T))
         return v
 
-    def _options(self, B: int, T: int, idx, argmax: bool):
+    def _options(self, idx, max_keys: int, argmax: bool):
         """A download of the scored values of one option batch's scored rows, in request order
         (Scorer._classify)."""
-        be, xp, p, L, C = self.be, self.xp, self.sc.p, self.m.n_layer, self.m.d_model
+        be, p, L, C, NH = self.be, self.sc.p, self.m.n_layer, self.m.d_model, self.m.n_head
         R = idx[0].size
-        v = self._rows(R, B, T)
-        v["tokens"], v["positions"], dst, pre_dst, pre_src, sel, tgt = self.sc.send(*idx)
-        full = v["full"].view(self.bits).reshape(B * T, 3 * C)
-        full.fill(0)  # the padding after each option: finite keys and values nobody attends to
-        stage = view(self.sc.b["act"], (pre_dst.size, 3 * C)).view(self.bits)  # the prefix rows gathered
-        be.k_decode_embed_fwd(v["x"], v["tokens"], v["positions"], p["wte"], p["wpe"])
+        v = self._rows(R)
+        tokens, positions, pre, plen, first, sel, tgt = self.sc.send(*idx)
+        be.k_decode_embed_fwd(v["x"], tokens, positions, p["wte"], p["wpe"])
         be.k_layernorm_fwd(v["ln"], v["mean"], v["rstd"], v["x"], p["h0.ln1_w"], p["h0.ln1_b"])
         for l in range(L):
             be.k_attn_qkv_fwd(v["qkv"], v["ln"], p[f"h{l}.qkv_w"], p[f"h{l}.qkv_b"])
-            xp.take(self.saved[l].view(self.bits).reshape(-1, 3 * C), pre_src, axis=0, out=stage)
-            full[pre_dst] = stage
-            full[dst] = v["qkv"].view(self.bits).reshape(R, 3 * C)
-            be.k_attn_fwd(v["out"], v["lse"], v["full"], self.m.n_head)
-            xp.take(v["out"].view(self.bits).reshape(B * T, C), dst, axis=0,
-                    out=v["atty"].view(self.bits).reshape(R, C))
+            be.k_attn_shared_fwd(v["atty"], v["qkv"], self.saved[l].reshape(-1, 3 * C), pre, plen, first, NH,
+                                 max_keys)
             model.rows_after_attention(be, p, l, L, v)
         return self.sc._classify(v["ln"].reshape(R, C), sel, tgt, argmax)

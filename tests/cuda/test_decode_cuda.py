@@ -48,6 +48,24 @@ def test_k_attn_decode_fwd(be, prec, rng, NH, hs):
         assert np.isnan(cp.asnumpy(dk)[:, pos + 1:]).all()  # nothing past pos is written
 
 
+@pytest.mark.parametrize("NH,hs", [(3, 40), (5, 25), (2, 64), (1, 128), (4, 16)])
+def test_k_attn_shared_fwd(be, prec, rng, NH, hs):
+    """The shared-context attention against the NumPy reference: groups of 1 to 300 prefix rows
+    (many keys a thread), options of 1 to 4 rows, both the 16-byte and the warp-a-key paths."""
+    import cupy as cp
+    from shared_attention_case import shared_case
+    dt, tol = prec
+    C = NH * hs
+    _, saved, qkv, pre, plen, first, _ = shared_case(rng, NH, hs, ((300, (3, 1, 4)), (5, (2, 2)), (1, (1,))))
+    saved, qkv = saved.astype(dt).astype(np.float64), qkv.astype(dt).astype(np.float64)
+    want = np.zeros((qkv.shape[0], 1, C))
+    ref.k_attn_shared_fwd(want, qkv, saved, pre, plen, first, NH, 305)
+    out = cp.full(want.shape, np.nan, dtype=dt)
+    be.k_attn_shared_fwd(out, cp.asarray(qkv.astype(dt)), cp.asarray(saved.astype(dt)), cp.asarray(pre),
+                         cp.asarray(plen), cp.asarray(first), NH, 305)
+    assert err(cp.asnumpy(out), want) < tol
+
+
 def test_cuda_decoder_matches_full_forward(be, prec, rng):
     from andrea.config import load_run_config
     from andrea.core.engine import Engine

@@ -3,6 +3,8 @@ import numpy as np
 
 from andrea.backends import ref as K
 
+from shared_attention_case import shared_case
+
 
 def test_decode_kernel_is_row_pos_of_causal_attention():
     """k_attn_decode_fwd at odd sizes equals k_attn_fwd's row for that position, and writes
@@ -21,6 +23,28 @@ def test_decode_kernel_is_row_pos_of_causal_attention():
         assert np.isnan(kc[:, t + 1:]).all() and np.isnan(vc[:, t + 1:]).all()
     np.testing.assert_array_equal(kc[:, :T], qkv[:, :, C:2 * C])
     np.testing.assert_array_equal(vc[:, :T], qkv[:, :, 2 * C:])
+
+
+def test_shared_context_attention_is_the_whole_sequences_rows():
+    """k_attn_shared_fwd (each option's rows over its group's prefix where it lies, then its own
+    rows) gives k_attn_fwd's rows of each whole sequence (prefix + option) at odd sizes; a row whose
+    keys exceed max_keys or whose prefix runs out of saved is refused."""
+    import pytest
+    rng = np.random.default_rng(8)
+    NH, hs = 3, 5
+    C = NH * hs
+    seqs, saved, qkv, pre, plen, first, where = shared_case(rng, NH, hs)
+    out = np.full((qkv.shape[0], 1, C), np.nan)
+    K.k_attn_shared_fwd(out, qkv, saved, pre, plen, first, NH, 13)
+    for r, (b, t) in enumerate(where):
+        seq = seqs[b][None]
+        full, lse = np.zeros((1, seq.shape[1], C)), np.zeros((1, NH, seq.shape[1]))
+        K.k_attn_fwd(full, lse, seq, NH)
+        np.testing.assert_allclose(out[r, 0], full[0, t], rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="max_keys 12"):
+        K.k_attn_shared_fwd(out, qkv, saved, pre, plen, first, NH, 12)
+    with pytest.raises(ValueError, match="outside saved"):
+        K.k_attn_shared_fwd(out, qkv, saved[:int(pre[-1])], pre, plen, first, NH, 13)
 
 
 # ---------------------------------------------------------------- the batched decoder's kernels

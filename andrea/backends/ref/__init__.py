@@ -37,7 +37,7 @@ from .layernorm import LN_EPS, k_layernorm_bwd, k_layernorm_fwd, k_layernorm_fwd
 from .linear import (k_attn_out_bwd, k_attn_out_fwd, k_attn_qkv_bwd, k_attn_qkv_fwd, k_fp8_linear_bwd,
                      k_fp8_linear_fwd)
 from .attention import k_attn_bwd, k_attn_bwd_fp8, k_attn_fwd, k_attn_fwd_fp8
-from .decode import (k_attn_decode_batch_fwd, k_attn_decode_fwd, k_decode_cache_fill, k_decode_embed_fwd,
+from .decode import (k_attn_decode_batch_fwd, k_attn_decode_fwd, k_attn_shared_fwd, k_decode_cache_fill, k_decode_embed_fwd,
                      k_decode_linear_fwd, k_decode_ln_linear_fwd, k_decode_logits_fwd, k_sample_fwd, sample_row, sample_uniforms)
 from .mlp import k_fp8_mlp_bwd, k_fp8_mlp_fwd, k_mlp_bwd, k_mlp_fwd
 from .residual import k_residual_add, k_residual_add_bwd

@@ -31,6 +31,30 @@ def k_attn_decode_fwd(out, kcache, vcache, qkv, pos, n_head):
     out[...] = y.transpose(0, 2, 1, 3).reshape(B, 1, C)
 
 
+def k_attn_shared_fwd(out, qkv, saved, pre, plen, first, n_head, max_keys):
+    """The attention of an option's rows after its item's shared context (andrea/tasks/shared.py),
+    inference only: row r of qkv (R,1,3C) attends to the plen[r] keys and values of saved (M,3C)
+    from row pre[r] on, then to rows first[r]..r of qkv; out (R,1,C) = the row of k_attn_fwd on the
+    whole sequence (context, then the option's rows). pre, plen, first (R,) int32; max_keys >= every
+    row's key count (the CUDA kernel's shared memory), checked here with the indices."""
+    R, _, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // n_head
+    rows = qkv[:, 0]
+    for r, (p0, n, f) in enumerate(zip(np.asarray(pre), np.asarray(plen), np.asarray(first))):
+        if not (0 <= p0 and 0 <= n and p0 + n <= saved.shape[0] and 0 <= f <= r and n + r - f + 1 <= max_keys):
+            raise ValueError(f"k_attn_shared_fwd: row {r}: pre {p0}, plen {n}, first {f} outside saved's "
+                             f"{saved.shape[0]} rows, the rows 0..{r} or max_keys {max_keys}")
+        kv = np.concatenate([saved[p0:p0 + n], rows[f:r + 1]])  # (keys, 3C)
+        q = rows[r, :C].reshape(n_head, 1, hs)
+        k = kv[:, C:2 * C].reshape(-1, n_head, hs).transpose(1, 2, 0)  # (NH, hs, keys)
+        v = kv[:, 2 * C:].reshape(-1, n_head, hs).transpose(1, 0, 2)  # (NH, keys, hs)
+        s = (q @ k) * (1.0 / math.sqrt(hs))  # (NH,1,keys)
+        smax = s.max(axis=-1, keepdims=True)
+        lse = smax + np.log(np.exp(s - smax).sum(axis=-1, keepdims=True))
+        out[r, 0] = (np.exp(s - lse) @ v).reshape(C)
+
+
 # ---------------------------------------------------------------- batched decoding (andrea/use/batch.py)
 # N slots, each a sequence with its own length: lengths (N,) int32 is the row of the cache the
 # slot's input token goes to (= the tokens its cache already holds), read from the device by the

@@ -79,6 +79,22 @@ class DecodeOps:
                        (out, kcache, vcache, qkv, lengths, i32(NH), i32(hs), i32(ctx), attn_scale(hs)),
                        shared_mem=decode_smem("k_attn_decode_batch_fwd", ctx, hs))
 
+    def k_attn_shared_fwd(self, out, qkv, saved, pre, plen, first, n_head, max_keys):
+        """Row r of qkv (R,1,3C) over the plen[r] rows of saved (M,3C) from pre[r] on, then its
+        option's rows first[r]..r; out (R,1,C). max_keys: at least every row's plen[r] + r -
+        first[r] + 1 (the shared memory of its scores); the indices live on the device and are not
+        checked here (shared.py's option_indices makes them, the NumPy reference checks them)."""
+        R, _, C, NH, hs = attn_shapes("k_attn_shared_fwd", qkv, n_head)
+        ct = qkv.dtype
+        M = saved.shape[0]
+        check("k_attn_shared_fwd", "saved", saved, (M, 3 * C), ct)
+        check("k_attn_shared_fwd", "out", out, (R, 1, C), ct)
+        for name, a in (("pre", pre), ("plen", plen), ("first", first)):
+            check("k_attn_shared_fwd", name, a, (R,), np.int32)
+        self.rt.launch("decode.cu", "k_attn_shared_fwd", ct, (NH, R), DECODE_THREADS,
+                       (out, qkv, saved, pre, plen, first, i32(NH), i32(hs), i32(max_keys), attn_scale(hs)),
+                       shared_mem=decode_smem("k_attn_shared_fwd", max_keys, hs))
+
     def k_decode_cache_fill(self, kcache, vcache, qkv, slot, n):
         """kcache, vcache (L,N,ctx,C)[:, slot, :n] = the k, v thirds of qkv (L,1,T,3C)[:, 0, :n]."""
         L, N, ctx, C = kcache.shape
