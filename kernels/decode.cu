@@ -205,14 +205,15 @@ extern "C" __global__ void k_attn_decode_batch_fwd(CT* out, CT* kcache, CT* vcac
 // read where its own forward pass left it. Row r of qkv (R,1,3C) attends to plen[r] keys and values
 // of saved (M,3C) from row pre[r] on (the context), then to the rows first[r]..r of qkv (its
 // option's rows up to itself): out (R,1,C) = the row of k_attn_fwd on the whole sequence. Grid
-// (NH, R), a block a head of a row; shared memory as the decode attention's, ctx >= plen + rows.
+// (R, NH) (rows may be more than a grid's 65,535 y-blocks), a block a head of a row; shared memory
+// as the decode attention's, ctx >= plen + rows.
 extern "C" __global__ void k_attn_shared_fwd(CT* out, const CT* qkv, const CT* saved, const int* pre,
                                              const int* plen, const int* first, int NH, int hs, int ctx,
                                              float scale) {
   pdl_wait();
   extern __shared__ float sm_rows[];  // (another name than attn_decode_block's: another linkage)
   float* q = sm_rows + ctx;
-  const int C = NH * hs, h = blockIdx.x, r = blockIdx.y;
+  const int C = NH * hs, r = blockIdx.x, h = blockIdx.y;
   const CT* row = qkv + (i64)r * 3 * C;
   for (int d = threadIdx.x; d < hs; d += blockDim.x) q[d] = to_f(row[h * hs + d]);
   __syncthreads();

@@ -320,6 +320,22 @@ def test_long_prompts_in_pieces_give_the_whole_texts_tokens(setup):
         assert all(r.cut for r in fast)
 
 
+def test_requests_built_in_worker_processes_are_the_same(setup):
+    """Prepared's spawned workers send back the Requests build() makes in this process (packed as
+    arrays, unpacked), with the items, for each task; with one task nothing is spawned."""
+    from andrea.tasks.prepare import Prepared, build, pack, unpack
+    run, data, files, scorer, tok, ref = setup
+    entries = [("copa", 0), ("winograd", 2), ("lambada_openai", 1)]
+    with Prepared(tok, entries, data, WINDOW, limit=7, workers=2) as prep:
+        assert prep.pool is not None
+        for name, k in entries:
+            items, reqs = build(tok, name, k, data, WINDOW, limit=7)
+            assert prep.get(name) == (items, reqs) and len(reqs) >= 7
+    with Prepared(tok, entries[:1], data, WINDOW) as prep:
+        assert prep.pool is None and prep.get("copa") == build(tok, "copa", 0, data, WINDOW)
+    assert unpack(pack([])) == []
+
+
 def test_suite_json_names_the_tasks_averaged_and_missing(setup, tmp_path, capsys):
     run, data, files, scorer, tok, ref = setup
     out = tmp_path / "tasks.json"

@@ -70,18 +70,22 @@ def example(item: dict, kind: str, delimiter: str) -> str:
     return item["context"] + delimiter + item["continuation"]
 
 
+def item_pairs(it: dict, kind: str, delimiter: str) -> List[tuple]:
+    """[(the item's own context, continuation)], one per option: what follows the few-shot examples."""
+    if kind == MC:
+        return [(it["query"] + delimiter, c) for c in it["choices"]]
+    if kind == SCHEMA:
+        return [(o + delimiter, it["continuation"]) for o in it["context_options"]]
+    if kind == LM:
+        return [(it["context"] + delimiter, it["continuation"])]
+    raise ValueError(f"task kind {kind!r}: expected one of {MC}, {SCHEMA}, {LM}")
+
+
 def pairs(items: Sequence[dict], i: int, kind: str, delimiter: str, fewshot: int) -> List[tuple]:
     """[(context, continuation)] of item i, one per option, with its few-shot examples."""
     shots = "".join(example(items[j], kind, delimiter) + EXAMPLE_DELIMITER
                     for j in fewshot_indices(i, len(items), fewshot))
-    it = items[i]
-    if kind == MC:
-        return [(DOC + shots + it["query"] + delimiter, c) for c in it["choices"]]
-    if kind == SCHEMA:
-        return [(DOC + shots + o + delimiter, it["continuation"]) for o in it["context_options"]]
-    if kind == LM:
-        return [(DOC + shots + it["context"] + delimiter, it["continuation"])]
-    raise ValueError(f"task kind {kind!r}: expected one of {MC}, {SCHEMA}, {LM}")
+    return [(DOC + shots + ctx, cont) for ctx, cont in item_pairs(items[i], kind, delimiter)]
 
 
 def split_space(context: str, continuation: str) -> tuple:
@@ -125,15 +129,15 @@ def last_cut(text: str, start: int = 0) -> int:
     return max(k, start)
 
 
-def pieces(tok, items: Sequence[dict], i: int, kind: str, delimiter: str, fewshot: int):
+def pieces(items: Sequence[dict], i: int, kind: str, delimiter: str, fewshot: int, cuts: bool = True):
     """([the pieces the options of item i share], [(last, continuation) per option]): each option's
     context + continuation, after split_space, is DOC + the shared pieces + last + continuation, cut
     only where safe_cut allows, so its tokens are the document token's, each shared piece's and
-    last + continuation's. A tokenizer that cannot be cut so (tok.cuts_at_whitespace false) gets
-    each option's text as one piece."""
-    opts = [split_space(ctx[len(DOC):], cont) for ctx, cont in pairs(items, i, kind, delimiter, fewshot)]
-    if not tok.cuts_at_whitespace:
-        return [], opts
+    last + continuation's. cuts=False (a tokenizer that cannot be cut so: its cuts_at_whitespace)
+    gives each option's text as one piece."""
+    own = item_pairs(items[i], kind, delimiter)
+    if not cuts:
+        return [], [split_space(ctx[len(DOC):], cont) for ctx, cont in pairs(items, i, kind, delimiter, fewshot)]
     shared: List[str] = []
     for j in fewshot_indices(i, len(items), fewshot):  # an example joins the piece before it where
         s = example(items[j], kind, delimiter) + EXAMPLE_DELIMITER  # the text may not be cut between them
@@ -141,10 +145,15 @@ def pieces(tok, items: Sequence[dict], i: int, kind: str, delimiter: str, fewsho
             shared[-1] += s
         else:
             shared.append(s)
-    n = sum(map(len, shared))
-    while shared and any(len(ctx) < n for ctx, _ in opts):  # the item's text is empty: split_space took
-        n -= len(shared.pop())  # the examples' last newline into the continuation
-    rests = [ctx[n:] for ctx, _ in opts]
+    if all(ctx.rstrip() for ctx, _ in own):  # split_space moves whitespace within the item's own text
+        opts = [split_space(ctx, cont) for ctx, cont in own]
+        rests = [ctx for ctx, _ in opts]
+    else:  # an item's text that is empty or whitespace: split_space takes the examples' last newline
+        opts = [split_space("".join(shared) + ctx, cont) for ctx, cont in own]
+        n = sum(map(len, shared))
+        while shared and any(len(ctx) < n for ctx, _ in opts):
+            n -= len(shared.pop())
+        rests = [ctx[n:] for ctx, _ in opts]
     while shared and not all(safe_join(shared[-1], r + c) for r, (_, c) in zip(rests, opts)):
         p = shared.pop()  # the last example runs into the item's text: one piece
         rests = [p + r for r in rests]
@@ -161,15 +170,17 @@ def requests(tok, items: Sequence[dict], kind: str, delimiter: str, fewshot: int
              indices: Sequence[int]) -> List[Request]:
     """The Requests of the items at indices (all options of each): every distinct piece (pieces())
     encoded once, in one batch; an option's tokens are the document token's and its pieces'."""
-    doc = tok.special_ids[DOC]
-    plan = [(i, *pieces(tok, items, i, kind, delimiter, fewshot)) for i in indices]
+    doc, cuts = tok.special_ids[DOC], tok.cuts_at_whitespace
+    plan = [(i, *pieces(items, i, kind, delimiter, fewshot, cuts)) for i in indices]
     texts = dict.fromkeys(t for _, shared, opts in plan for t in [*shared, *(x for last, cont in opts for x in (last, last + cont))])
     unique = [t for t in texts if t]
     enc = dict(zip(unique, tok.encode_batch(unique)))
     enc[""] = []
     enc_all = []  # per option: (item, option, context tokens, last + continuation's tokens, continuation tokens)
     for i, shared, opts in plan:
-        ctx = [doc] + [t for s in shared for t in enc[s]]
+        ctx = [doc]
+        for s in shared:
+            ctx += enc[s]
         for o, (last, cont) in enumerate(opts):
             head, whole = enc[last], enc[last + cont]
             n_cont = max(1, len(whole) - len(head))  # a continuation merged into the context: its last token
@@ -182,9 +193,9 @@ def requests(tok, items: Sequence[dict], kind: str, delimiter: str, fewshot: int
         if k is None:  # the last window + 1 tokens
             room_left = window + 1 - len(whole)
             keep = (ctx[max(0, len(ctx) - room_left):] if room_left > 0 else []) + whole[-(window + 1):]
-        else:  # the last k context tokens, then the continuation
-            before = ctx + whole[:len(whole) - n_cont]
-            keep = before[len(before) - k:] + whole[len(whole) - n_cont:]
+        else:  # the last k context tokens (ctx + the head of whole), then the continuation
+            m = len(whole) - n_cont
+            keep = (ctx[len(ctx) - (k - m):] + whole if k > m else whole[m - k:])
         out.append(Request(i, o, keep, min(n_cont, len(keep) - 1), len(keep) < len(ctx) + len(whole)))
     return out
 

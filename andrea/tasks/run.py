@@ -12,8 +12,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .data import read_items
-from .prompts import requests
+from .prepare import Prepared, build
 from .results import FORMAT, centered, suite_summary
 from .suites import KINDS, LM, task_of
 
@@ -65,18 +64,13 @@ def choices(reqs, loss, count, greedy, kind: str):
     return best["item"].to_numpy(), best["option"].to_numpy()
 
 
-def score_task(scorer, tok, name: str, fewshot: int, data_dir, limit: int = 0):
-    """(result dict, per-item picks, requests with their losses) of one task."""
+def score_task(scorer, tok, name: str, fewshot: int, data_dir, limit: int = 0, prepared=None):
+    """(result dict, per-item picks, requests with their losses) of one task; prepared: its (items,
+    Requests) built already (prepare.py), else built here."""
     task = task_of(name)
-    path = Path(data_dir) / task.path
     t0 = time.perf_counter()
-    if from_hub(data_dir):
-        from .hub import hub_items
-        items = hub_items(name)
-    else:
-        items = read_items(path, task.kind)  # all of them: the few-shot pool
+    items, reqs = prepared or build(tok, name, fewshot, data_dir, scorer.window, limit)
     n = min(limit, len(items)) if limit else len(items)
-    reqs = requests(tok, items, task.kind, task.delimiter, fewshot, scorer.window, range(n))
     loss, count, greedy = scorer.score(reqs, argmax=task.kind == LM)
     item, picked = choices(reqs, loss, count, greedy, task.kind)
     gold = np.array([items[i].get("gold", 0) for i in item])
@@ -130,12 +124,13 @@ def run_tasks(scorer, tok, entries: List[Tuple[str, int]], data_dir, limit: int 
     for m in missing:
         print(f"andrea tasks: {m['task']}: skipped, {m['why']}", file=log, flush=True)
     tasks = {}
-    for name, k in here:
-        res, _, _ = score_task(scorer, tok, name, k, data_dir, limit)
-        tasks[name] = res
-        print(f"andrea tasks: {name:<34} acc {res['accuracy']:.4f}  n {res['n']:>6,}  {k:>2}-shot  "
-              f"centered {res['centered']:+.4f}  cut {res['truncated']}  {res['items_per_s']:,.1f} items/s",
-              file=log, flush=True)
+    with Prepared(tok, here, data_dir, scorer.window, limit) as prep:  # the next tasks' built meanwhile
+        for name, k in here:
+            res, _, _ = score_task(scorer, tok, name, k, data_dir, limit, prep.get(name))
+            tasks[name] = res
+            print(f"andrea tasks: {name:<34} acc {res['accuracy']:.4f}  n {res['n']:>6,}  {k:>2}-shot  "
+                  f"centered {res['centered']:+.4f}  cut {res['truncated']}  {res['items_per_s']:,.1f} items/s",
+                  file=log, flush=True)
     wall = time.perf_counter() - t0
     n = sum(t["n"] for t in tasks.values())
     return {"format": FORMAT, **(meta or {}), "limit": limit, "tasks": tasks,

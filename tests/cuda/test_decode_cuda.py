@@ -66,6 +66,26 @@ def test_k_attn_shared_fwd(be, prec, rng, NH, hs):
     assert err(cp.asnumpy(out), want) < tol
 
 
+def test_k_attn_shared_fwd_more_rows_than_a_grid_column(be, rng):
+    """66,000 one-row options after one 5-row context: more rows than a grid's 65,535 y-blocks; the
+    last rows (the reference on them alone) as the first."""
+    import cupy as cp
+    NH, hs, R, p = 2, 16, 66000, 5
+    C = NH * hs
+    saved = rng.standard_normal((p, 3 * C)).astype(np.float32)
+    qkv = rng.standard_normal((R, 1, 3 * C)).astype(np.float32)
+    pre, plen, first = np.zeros(R, np.int32), np.full(R, p, np.int32), np.arange(R, dtype=np.int32)
+    out = cp.full((R, 1, C), np.nan, dtype=np.float32)
+    be.k_attn_shared_fwd(out, cp.asarray(qkv), cp.asarray(saved), cp.asarray(pre), cp.asarray(plen),
+                         cp.asarray(first), NH, p + 1)
+    got = cp.asnumpy(out)
+    for rows in (slice(0, 40), slice(R - 40, R)):
+        want = np.zeros((40, 1, C))
+        ref.k_attn_shared_fwd(want, qkv[rows].astype(np.float64), saved.astype(np.float64), pre[rows], plen[rows],
+                              first[rows] - first[rows][0], NH, p + 1)
+        assert err(got[rows], want) < 1e-5
+
+
 def test_cuda_decoder_matches_full_forward(be, prec, rng):
     from andrea.config import load_run_config
     from andrea.core.engine import Engine

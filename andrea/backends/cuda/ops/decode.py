@@ -91,7 +91,7 @@ class DecodeOps:
         check("k_attn_shared_fwd", "out", out, (R, 1, C), ct)
         for name, a in (("pre", pre), ("plen", plen), ("first", first)):
             check("k_attn_shared_fwd", name, a, (R,), np.int32)
-        self.rt.launch("decode.cu", "k_attn_shared_fwd", ct, (NH, R), DECODE_THREADS,
+        self.rt.launch("decode.cu", "k_attn_shared_fwd", ct, (R, NH), DECODE_THREADS,
                        (out, qkv, saved, pre, plen, first, i32(NH), i32(hs), i32(max_keys), attn_scale(hs)),
                        shared_mem=decode_smem("k_attn_shared_fwd", max_keys, hs))
 
