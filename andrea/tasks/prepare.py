@@ -21,6 +21,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from ..util.gcpause import gc_paused
 from .data import read_items
 from .prompts import Request, requests
 from .suites import task_of
@@ -37,7 +38,8 @@ def build(tok, name: str, fewshot: int, data_dir, window: int, limit: int = 0) -
     else:
         items = read_items(Path(data_dir) / task.path, task.kind)  # all of them: the few-shot pool
     n = min(limit, len(items)) if limit else len(items)
-    return items, requests(tok, items, task.kind, task.delimiter, fewshot, window, range(n))
+    with gc_paused():
+        return items, requests(tok, items, task.kind, task.delimiter, fewshot, window, range(n))
 
 
 def pack(reqs: Sequence[Request]) -> dict:
@@ -51,11 +53,12 @@ def pack(reqs: Sequence[Request]) -> dict:
 
 def unpack(a: dict) -> List[Request]:
     """The Requests pack() made arrays of."""
-    ends = np.cumsum(a["lengths"]).tolist()
-    tokens = a["tokens"].tolist()
-    starts = [0] + ends[:-1]
-    return [Request(i, o, tokens[s:e], k, c) for i, o, k, c, s, e in
-            zip(a["item"].tolist(), a["option"].tolist(), a["n_cont"].tolist(), a["cut"].tolist(), starts, ends)]
+    with gc_paused():
+        ends = np.cumsum(a["lengths"]).tolist()
+        tokens = a["tokens"].tolist()
+        starts = [0] + ends[:-1]
+        return [Request(i, o, tokens[s:e], k, c) for i, o, k, c, s, e in
+                zip(a["item"].tolist(), a["option"].tolist(), a["n_cont"].tolist(), a["cut"].tolist(), starts, ends)]
 
 
 def _init(threads: int) -> None:
