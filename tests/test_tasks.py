@@ -321,8 +321,8 @@ def test_long_prompts_in_pieces_give_the_whole_texts_tokens(setup):
 
 
 def test_requests_built_in_worker_processes_are_the_same(setup):
-    """Prepared's spawned workers send back the Requests build() makes in this process (packed as
-    arrays, unpacked), with the items, for each task; with one task nothing is spawned."""
+    """Prepared's worker processes send back the Requests build() makes in this process (packed as
+    arrays, unpacked), with the items, for each task; with one task no process is started."""
     from andrea.tasks.prepare import Prepared, build, pack, unpack
     run, data, files, scorer, tok, ref = setup
     entries = [("copa", 0), ("winograd", 2), ("lambada_openai", 1)]
@@ -331,8 +331,10 @@ def test_requests_built_in_worker_processes_are_the_same(setup):
         for name, k in entries:
             items, reqs = build(tok, name, k, data, WINDOW, limit=7)
             assert prep.get(name) == (items, reqs) and len(reqs) >= 7
+        assert prep.built_here == []
     with Prepared(tok, entries[:1], data, WINDOW) as prep:
         assert prep.pool is None and prep.get("copa") == build(tok, "copa", 0, data, WINDOW)
+        assert prep.built_here == ["copa"]
     assert unpack(pack([])) == []
 
 

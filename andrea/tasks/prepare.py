@@ -6,8 +6,10 @@ scoring, as long as the forward passes on a GPU.
     with Prepared(tok, [("arc_easy", 10), ("piqa", 10)], data_dir, window) as prep:
         items, reqs = prep.get("arc_easy")      # waits for that task's, built in a worker
 
-Workers are spawned (never forked: the parent holds a CUDA context and the tokenizer's threads), at
-most one a task and one fewer than the CPUs, each tokenising with its share of them. A worker sends
+Workers are forked from a fresh server process that imported this module alone (multiprocessing's
+forkserver: never from this process, which holds a CUDA context and the tokenizer's threads; the
+caller's script is not re-run in them), at most one a task and one fewer than the CPUs, each
+tokenising with its share of them. A worker sends
 a task's Requests back as NumPy arrays (the tokens of all of them in one), which the parent turns
 back into Requests. With one task, one CPU, or items that do not come from files (the hub), nothing
 is spawned: get() builds them in this process when asked.
@@ -15,7 +17,10 @@ is spawned: get() builds them in this process when asked.
 from __future__ import annotations
 
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
@@ -74,6 +79,23 @@ def _work(tok_path: str, name: str, fewshot: int, data_dir: str, window: int, li
     return items, pack(reqs)
 
 
+@contextmanager
+def _main_script_hidden():
+    """__main__'s file hidden from multiprocessing while workers start: a worker re-runs the
+    parent's script (as __mp_main__) when the parent was started from a file, and a script that
+    calls run_tasks without an `if __name__ == "__main__"` guard would run again in every worker.
+    The workers need nothing of it (they run this module's _work)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None) if getattr(main, "__spec__", None) is None else None
+    if path is not None:
+        del main.__file__
+    try:
+        yield
+    finally:
+        if path is not None:
+            main.__file__ = path
+
+
 class Prepared:
     """The tasks' Requests, built ahead in worker processes (see the module's docstring)."""
 
@@ -85,20 +107,28 @@ class Prepared:
             workers = min(len(entries), cpus - 1)
         path = getattr(tok, "path", None)
         self.pool, self.futures = None, {}
+        self.built_here: List[str] = []  # tasks get() built in this process
         if workers >= 1 and len(entries) > 1 and path is not None and str(data_dir) != "hub":
             import multiprocessing as mp
-            self.pool = ProcessPoolExecutor(workers, mp.get_context("spawn"), initializer=_init,
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload([__name__])
+            self.pool = ProcessPoolExecutor(workers, ctx, initializer=_init,
                                             initargs=(max(1, cpus // workers),))
-            self.futures = {name: self.pool.submit(_work, str(path), name, k, str(data_dir), window, limit)
-                            for name, k in entries}
+            with _main_script_hidden():  # the workers start at the first submit
+                self.futures = {name: self.pool.submit(_work, str(path), name, k, str(data_dir), window, limit)
+                                for name, k in entries}
 
     def get(self, name: str) -> Tuple[List[dict], List[Request]]:
         """(items, Requests) of a task: its worker's, or built here."""
         f = self.futures.pop(name, None)
-        if f is None:
-            return build(self.tok, name, self.entries[name], self.data_dir, self.window, self.limit)
-        items, packed = f.result()
-        return items, unpack(packed)
+        if f is not None:
+            try:
+                items, packed = f.result()
+                return items, unpack(packed)
+            except BrokenProcessPool:  # a worker could not start or died: built here instead
+                pass
+        self.built_here.append(name)
+        return build(self.tok, name, self.entries[name], self.data_dir, self.window, self.limit)
 
     def close(self) -> None:
         if self.pool is not None:
