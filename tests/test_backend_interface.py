@@ -93,7 +93,7 @@ def test_both_backends_have_the_same_kernels():
     """Same kernel names and parameters in both (the Protocol check implies it; this says so
     directly, and lists the kernels so an empty interface cannot pass)."""
     kernels = sorted(n for n in protocol_members(Backend)[0] if n.startswith("k_"))
-    assert len(kernels) == 32  # 25 of training and k_attn_decode_fwd, 7 of the batched decoder
+    assert len(kernels) == 33  # 25 of training, k_attn_decode_fwd, 7 of the batched decoder, k_attn_shared_fwd
     for n in kernels:
         assert params(getattr(NumpyBackend, n)) == params(getattr(CudaBackend, n)), n
 

@@ -229,6 +229,24 @@ def attn_decode_batch_fwd(rng, dt, s):
             In(rnd(rng, (N, 1, 3 * C), dt)), In(rng.integers(0, T, (N,)).astype(np.int32), "i32"), NH]
 
 
+def attn_shared_fwd(rng, dt, s):
+    """Options of one to three rows after contexts of T - 3, T // 2 + 1 and 1 rows, the contexts one
+    after another in saved (the scorer's shared-context option pass)."""
+    T, C, NH = s["T"], s["C"], s["NH"]
+    groups = [(T - 3, (3, 1)), (T // 2 + 1, (2,)), (1, (1, 2))]
+    pre, plen, first, at = [], [], [], 0
+    for p, opts in groups:
+        for rows in opts:
+            f = len(pre)
+            pre += [at] * rows
+            plen += [p] * rows
+            first += [f] * rows
+        at += p
+    R = len(pre)
+    ints = [In(np.array(a, np.int32), "i32") for a in (pre, plen, first)]
+    return [Out((R, 1, C)), In(rnd(rng, (R, 1, 3 * C), dt)), In(rnd(rng, (at, 3 * C), dt)), *ints, NH, T + 3]
+
+
 def decode_cache_fill(rng, dt, s):
     N, T, C, L = _slots(s), s["T"], s["C"], 2
     return [InOut(rnd(rng, (L, N, T + 3, C), dt)), InOut(rnd(rng, (L, N, T + 3, C), dt)),
@@ -385,6 +403,7 @@ CASES: Dict[str, List[Case]] = {
                   written("k_attn_bwd", attn_bwd, FUSED_SIZE), Case("k_attn_decode_fwd", attn_decode_fwd)],
     "decode": [Case("k_decode_embed_fwd", decode_embed_fwd), Case("k_attn_decode_batch_fwd", attn_decode_batch_fwd),
                Case("k_attn_decode_batch_fwd", attn_decode_batch_fwd, FUSED_SIZE),  # hs 64: the 16-byte path
+               Case("k_attn_shared_fwd", attn_shared_fwd), Case("k_attn_shared_fwd", attn_shared_fwd, FUSED_SIZE),
                Case("k_decode_cache_fill", decode_cache_fill),
                Case("k_decode_linear_fwd", decode_linear_fwd(3, False)),
                Case("k_decode_linear_fwd", decode_linear_fwd(4, True)),
