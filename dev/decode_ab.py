@@ -1,11 +1,13 @@
-"""The batched decoder's single stream, one kernel file against another, in one process (GPU).
+"""The batched decoder's streams, one kernel file or products path against another, in one process (GPU).
 
     python dev/decode_ab.py                       # kernels/decode.cu ("main"), both products paths
     python dev/decode_ab.py --models ANDREA-120M --sources main,v3 --tokens 200   # against dev/cuda/decode_v3.cu
+    python dev/decode_ab.py --models ANDREA-120M --slots 1,2,4,8   # where the few-row products stop paying
 
 For each model (random weights, fp16), kernel file and products path (the few-row kernels, "gemv",
 or the training's layers on cuBLAS, "cublas"): a decoder of one slot, a 16-token prompt, --tokens
-new tokens, greedy; tokens/s of the steps (median of 3 runs after one untimed), the step's graph
+new tokens, greedy (--slots: decoders of that many slots, all of them busy, each with its own
+prompt); tokens/s of the steps, all slots' (median of 3 runs after one untimed), the step's graph
 replayed alone at 100 cached positions (us, CUDA events), and how many of the greedy tokens differ
 from the first configuration's (16-bit sums in another order may change a near tie). One table.
 """
@@ -35,19 +37,20 @@ def source_map(name: str) -> dict:
     return {} if name == "main" else {"decode.cu": str(ROOT / "dev" / "cuda" / f"decode_{name}.cu")}
 
 
-def run(m, params, source: str, path: str, tokens: int) -> dict:
+def run(m, params, source: str, path: str, tokens: int, slots: int = 1) -> dict:
     import cupy as cp
     be = get_backend("cuda", sources=source_map(source))
-    bd = BatchDecoder(m, be, 1, m.context, "float16")
+    bd = BatchDecoder(m, be, slots, m.context, "float16")
     bd.gemv = path == "gemv"
     bd.load(params)
     rng = np.random.default_rng(1)
-    prompt = list(map(int, rng.integers(0, m.vocab_size, 16)))
+    prompts = [list(map(int, rng.integers(0, m.vocab_size, 16))) for _ in range(slots)]
     out = []
 
     def once():
         out.clear()
-        bd.admit(Request(prompt, tokens))
+        for p in prompts:
+            bd.admit(Request(p, tokens))
         while bd.free() < bd.slots:
             out.extend(t for _, t, _ in bd.step())
     once()
@@ -71,7 +74,7 @@ def run(m, params, source: str, path: str, tokens: int) -> dict:
     graph_us = cp.cuda.get_elapsed_time(a, b) * 1e3 / 50
     while bd.free() < bd.slots:
         bd.step()
-    return {"tok_s": tokens / statistics.median(times), "graph_us": graph_us, "tokens": made}
+    return {"tok_s": slots * tokens / statistics.median(times), "graph_us": graph_us, "tokens": made}
 
 
 def main(argv=None) -> int:
@@ -80,18 +83,21 @@ def main(argv=None) -> int:
     ap.add_argument("--sources", default="main")
     ap.add_argument("--paths", default="gemv,cublas")
     ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--slots", default="1", help="comma list: decoders of this many slots, all busy")
     a = ap.parse_args(argv)
-    print(f"{'model':<13}{'kernels':<8}{'path':<8}{'tokens/s':>10}{'graph us':>10}{'differ':>8}")
+    print(f"{'model':<13}{'kernels':<8}{'slots':>6} {'path':<8}{'tokens/s':>10}{'graph us':>10}{'differ':>8}")
     for name in a.models.split(","):
         m = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(model_config(name))))
         params = np.random.default_rng(0).normal(0, 0.02, count_params(m)).astype(np.float32)
-        first = None
-        for source in a.sources.split(","):
-            for path in a.paths.split(","):
-                r = run(m, params, source, path, a.tokens)
-                first = first or r["tokens"]
-                differ = sum(x != y for x, y in zip(first, r["tokens"]))
-                print(f"{name:<13}{source:<8}{path:<8}{r['tok_s']:>10,.0f}{r['graph_us']:>10.1f}{differ:>8}", flush=True)
+        for slots in map(int, a.slots.split(",")):
+            first = None
+            for source in a.sources.split(","):
+                for path in a.paths.split(","):
+                    r = run(m, params, source, path, a.tokens, slots)
+                    first = first or r["tokens"]
+                    differ = sum(x != y for x, y in zip(first, r["tokens"]))
+                    print(f"{name:<13}{source:<8}{slots:>6} {path:<8}{r['tok_s']:>10,.0f}{r['graph_us']:>10.1f}"
+                          f"{differ:>8}", flush=True)
     return 0
 
 
