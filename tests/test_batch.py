@@ -33,9 +33,9 @@ def model():
     return cfg, eng, host
 
 
-def batch(model, slots=3, dtype="float64"):
+def batch(model, slots=3, dtype="float64", gemv=None):
     cfg, _, host = model
-    bd = BatchDecoder(cfg.model, NumpyBackend(), slots, dtype=dtype)
+    bd = BatchDecoder(cfg.model, NumpyBackend(), slots, dtype=dtype, gemv=gemv)
     bd.load(host)
     return bd
 
@@ -69,18 +69,33 @@ def test_wide_models_take_the_training_layers_at_any_slot_count(model):
     assert BatchDecoder(narrow, NumpyBackend(), 1, CTX, "float32").gemv
 
 
+def test_the_few_row_products_at_one_slot_unless_asked(model):
+    """One slot takes the few-row kernels, two the training's layers (DECODE_GEMV_SLOTS: measured);
+    gemv=True asks for them up to their DECODE_GEMV_ROWS rows and no further, gemv=False not at all."""
+    from andrea.backends.interface import DECODE_GEMV_ROWS, DECODE_GEMV_SLOTS
+    cfg, _, _ = model
+    assert DECODE_GEMV_SLOTS == 1
+    assert BatchDecoder(cfg.model, NumpyBackend(), 1, CTX).gemv
+    assert not BatchDecoder(cfg.model, NumpyBackend(), 2, CTX).gemv
+    assert not BatchDecoder(cfg.model, NumpyBackend(), 1, CTX, gemv=False).gemv
+    assert BatchDecoder(cfg.model, NumpyBackend(), DECODE_GEMV_ROWS, CTX, gemv=True).gemv
+    with pytest.raises(ValueError, match=f"at most {DECODE_GEMV_ROWS}"):
+        BatchDecoder(cfg.model, NumpyBackend(), DECODE_GEMV_ROWS + 1, CTX, gemv=True)
+
+
 def prompt(seed, n):
     return list(map(int, np.random.default_rng(seed).integers(0, V, n)))
 
 
-@pytest.mark.parametrize("dtype,slots", [("float64", 3), ("float32", 3), ("float64", 9)])
-def test_greedy_tokens_equal_the_decoder_and_the_full_forward_argmax(model, dtype, slots):
-    """3 slots: the few-row kernels (k_decode_ln_linear_fwd, k_decode_linear_fwd); 9: the
-    training's layers."""
+@pytest.mark.parametrize("dtype,slots,gemv", [("float64", 3, True), ("float32", 3, True), ("float64", 3, None),
+                                              ("float64", 9, None)])
+def test_greedy_tokens_equal_the_decoder_and_the_full_forward_argmax(model, dtype, slots, gemv):
+    """3 slots asked for the few-row kernels (k_decode_ln_linear_fwd, k_decode_linear_fwd); 3 and 9
+    by default: the training's layers."""
     cfg, eng, host = model
     reqs = [Request(prompt(n, n), 50) for n in (1, 7, 13)]  # odd lengths, each to its window's end
-    bd = batch(model, slots=slots, dtype=dtype)
-    assert bd.gemv == (slots <= 8)  # d_model 24: within DECODE_GEMV_MAX_C
+    bd = batch(model, slots=slots, dtype=dtype, gemv=gemv)
+    assert bd.gemv == bool(gemv)
     got = run_all(bd, reqs)
     dec = Decoder(cfg.model, NumpyBackend(), dtype=dtype)
     dec.load(host)

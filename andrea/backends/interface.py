@@ -55,9 +55,15 @@ FP8_ROUNDINGS = ("nearest", "stochastic")
 # amax of the step under way, [2, 2 + FP8_HIST) the history, newest first), and the kernel that
 # makes the tensor casts it and reduces its amax into [1].
 FP8_HIST = 16
-# The batched decoder's products for at most this many rows run as k_decode_linear_fwd (a warp an
-# output column, kernels/decode.cu), above it as the training's linear layers on cuBLAS
+# The few-row products (k_decode_linear_fwd, k_decode_ln_linear_fwd: a warp an output column,
+# kernels/decode.cu) take at most this many rows
 DECODE_GEMV_ROWS = 8
+# ... and the batched decoder runs them for at most this many slots, above it the training's linear
+# layers on cuBLAS: each row's dot products run in turn, so their time grows with the rows, where
+# cuBLAS's hardly does. H200, fp16, every slot busy, 100 tokens each (dev/decode_ab.py --slots,
+# docs/BENCHMARKS.md 2026-12-03): ANDREA-120M 2,709 against 2,225 tokens/s at 1 slot, 4,246 against
+# 4,317 at 2, 6,983 against 15,542 at 8; ANDREA-12M 7,234 against 6,204 at 1, 11,928 against 12,440 at 2
+DECODE_GEMV_SLOTS = 1
 # ... and only for models this wide at most (the widest measured): on an H200 (fp16, one slot, 200
 # tokens, one job, decode.cu version 2) the few-row kernels decoded ANDREA-12M (d_model 384) at
 # 6,897 tokens/s against cuBLAS's 6,445 and ANDREA-120M (768) at 2,678 against 2,208

@@ -28,8 +28,9 @@ Memory is planned at start-up (`plan`): the weights, the KV cache of every slot 
 context, C) keys and values), the one-row activations of the step, the prefill's activations for
 a whole window, and the slots' sampling settings; nothing is allocated while decoding. On CUDA
 a step is one replayed CUDA graph (captured in load()), the positions read from the device; up to
-DECODE_GEMV_ROWS slots of a model at most DECODE_GEMV_MAX_C wide its products are the few-row
-kernels (k_decode_linear_fwd, k_decode_ln_linear_fwd), otherwise the training's layers. The step's input tokens are read back
+DECODE_GEMV_SLOTS slots of a model at most DECODE_GEMV_MAX_C wide its products are the few-row
+kernels (k_decode_linear_fwd, k_decode_ln_linear_fwd), otherwise the training's layers (gemv=
+True/False says which, for up to DECODE_GEMV_ROWS slots). The step's input tokens are read back
 while the graph runs: step() queues the copy of the tokens, then the graph that samples the next
 ones. A free slot's row is still computed (fixed shapes) but parked at token 0, row 0 (the
 device's `live` flags, written at admit and release). docs/INFERENCE.md has the design.
@@ -38,11 +39,11 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import FrozenSet, List, Tuple
+from typing import FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
-from ..backends.interface import DECODE_GEMV_MAX_C, DECODE_GEMV_ROWS
+from ..backends.interface import DECODE_GEMV_MAX_C, DECODE_GEMV_ROWS, DECODE_GEMV_SLOTS
 from ..config import ModelConfig
 from ..core import model
 from ..core.plan import Arena, MemoryPlan
@@ -95,7 +96,8 @@ class BatchDecoder:
     """Decoding of up to `slots` requests at once on one backend (NumPy or CUDA); see the module
     docstring for the contract."""
 
-    def __init__(self, m: ModelConfig, backend, slots: int, context: int = 0, dtype: str = "float32"):
+    def __init__(self, m: ModelConfig, backend, slots: int, context: int = 0, dtype: str = "float32",
+                 gemv: Optional[bool] = None):
         self.m, self.be, self.dtype, self.slots = m, backend, dtype, int(slots)
         self.context = context or m.context
         if not 1 < self.context <= m.context:
@@ -112,10 +114,12 @@ class BatchDecoder:
         # the kernels' scratch, for the larger of the prefill's rows and the step's
         rows = max(self.prefill.rows, self.slots)
         self.workspace = backend.reserve_workspace(1, rows, m.d_model, m.n_head, self.b["params"].dtype)
-        # a few slots: the step's products as k_decode_linear_fwd / k_decode_ln_linear_fwd (weights
+        # one slot: the step's products as k_decode_linear_fwd / k_decode_ln_linear_fwd (weights
         # read once at close to the copy bandwidth, the layer norms fused in); more: the training's
-        # linear layers (cuBLAS)
-        self.gemv = self.slots <= DECODE_GEMV_ROWS and m.d_model <= DECODE_GEMV_MAX_C
+        # linear layers (cuBLAS); gemv given: that way (the few-row kernels for at most their rows)
+        if gemv and self.slots > DECODE_GEMV_ROWS:
+            raise ValueError(f"gemv=True with {self.slots} slots: the few-row products take at most {DECODE_GEMV_ROWS}")
+        self.gemv = (self.slots <= DECODE_GEMV_SLOTS and m.d_model <= DECODE_GEMV_MAX_C) if gemv is None else gemv
         self.graph = None
         self.active: List[dict] = [None] * self.slots  # per slot: the request and its count, or None
         self.zero_slots()

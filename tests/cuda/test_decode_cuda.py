@@ -259,11 +259,11 @@ def batch_tokens(bd, reqs):
     return [out[i] for i in range(len(reqs))]
 
 
-@pytest.mark.parametrize("slots", [4, 12])
-def test_graph_step_equals_eager_step(rng, slots):
+@pytest.mark.parametrize("slots,gemv", [(4, True), (12, None)])
+def test_graph_step_equals_eager_step(rng, slots, gemv):
     """The replayed graph and the same kernels run eagerly give the same tokens and logits, bit
-    for bit (fp16, sampled and greedy requests with odd prompts; the few-row products at 4 slots,
-    cuBLAS at 12)."""
+    for bit (fp16, sampled and greedy requests with odd prompts; the few-row products asked for at 4
+    slots, cuBLAS at 12)."""
     from andrea.backends import get_backend
     from andrea.backends.numpy_backend import EagerGraph
     from andrea.use.batch import BatchDecoder, Request
@@ -273,7 +273,7 @@ def test_graph_step_equals_eager_step(rng, slots):
             for n, t in ((1, 0.0), (37, 0.8), (130, 1.2))]
     runs = []
     for eager in (False, True):
-        bd = BatchDecoder(cfg.model, get_backend("cuda"), slots, dtype="float16")
+        bd = BatchDecoder(cfg.model, get_backend("cuda"), slots, dtype="float16", gemv=gemv)
         bd.load(host.astype(np.float32))
         if eager:
             bd.graph = EagerGraph(bd._step_kernels)
@@ -282,7 +282,8 @@ def test_graph_step_equals_eager_step(rng, slots):
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
 
 
-def test_greedy_fp32_equals_numpy_and_fp16_the_forward_argmax_within_ties(rng):
+@pytest.mark.parametrize("gemv", [True, False])
+def test_greedy_fp32_equals_numpy_and_fp16_the_forward_argmax_within_ties(rng, gemv):
     """fp32 on the GPU: the greedy tokens of the NumPy float64 BatchDecoder. fp16: each token is
     the float64 full forward's argmax at its position (teacher-forced on the fp16 tokens) or
     within 2e-2 of it (relative to the largest |logit|: fp16's rounding through two layers); the
@@ -293,12 +294,12 @@ def test_greedy_fp32_equals_numpy_and_fp16_the_forward_argmax_within_ties(rng):
 
     cfg, eng, host = tiny_batch_model(rng)
     reqs = [Request([int(i) for i in rng.integers(0, 1001, n)], 60) for n in (1, 37, 130, 199)]
-    want = batch_tokens(_loaded(BatchDecoder(cfg.model, NumpyBackend(), 4, dtype="float64"), host), reqs)
-    got = batch_tokens(_loaded(BatchDecoder(cfg.model, get_backend("cuda"), 4, dtype="float32"), host), reqs)
+    want = batch_tokens(_loaded(BatchDecoder(cfg.model, NumpyBackend(), 4, dtype="float64", gemv=gemv), host), reqs)
+    got = batch_tokens(_loaded(BatchDecoder(cfg.model, get_backend("cuda"), 4, dtype="float32", gemv=gemv), host), reqs)
     assert got == want
     h16 = host.astype(np.float16).astype(np.float64)
     eng.set_state(h16)
-    f16 = batch_tokens(_loaded(BatchDecoder(cfg.model, get_backend("cuda"), 4, dtype="float16"), h16), reqs)
+    f16 = batch_tokens(_loaded(BatchDecoder(cfg.model, get_backend("cuda"), 4, dtype="float16", gemv=gemv), h16), reqs)
     differ = total = 0
     for r, toks in zip(reqs, f16):
         seq = np.array(r.prompt_ids + toks[:-1], np.int32)
