@@ -44,6 +44,7 @@ def add_arguments(p) -> None:
 def cmd_tasks(a, out=None) -> int:
     from ..util.atomic import atomic_write
     from .results import table
+    from .hub import from_hub
     from .run import load_model, present, run_tasks
     from .suites import resolve
 
@@ -54,7 +55,7 @@ def cmd_tasks(a, out=None) -> int:
     if a.batch_tokens < 0:
         raise ValueError(f"--batch-tokens {a.batch_tokens}: expected a positive number of positions (0: the default)")
     entries, suite = resolve(a.tasks, a.fewshot)
-    if str(a.task_data) != "hub" and not a.task_data.is_dir():
+    if not from_hub(a.task_data) and not a.task_data.is_dir():
         raise ValueError(f"--task-data {a.task_data}: no such folder; expected the folder of the task files")
     present(entries, a.task_data)  # none there: say so before loading the model
     scorer, tok, meta = load_model(a.path, a.backend, a.tokenizer, a.precision, a.batch_tokens,

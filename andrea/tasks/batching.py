@@ -5,6 +5,7 @@ the per-request sums of the values of its scored positions.
     for idx, T in batches(lengths, window, batch_tokens):   # longest first, B * T <= batch_tokens
         ...
     loss[idx], flags = per_request(values, hits, n_cont)    # each request's last n_cont values
+    sel = tails(ends, n_cont)                               # their flat positions
 """
 from __future__ import annotations
 
@@ -66,6 +67,14 @@ class Scored:
             self._read(*p)
         self.pending = []
         return self.loss, self.count, self.greedy
+
+
+def tails(ends, counts) -> np.ndarray:
+    """The last counts[i] indices before ends[i], run after run: the scored positions of each
+    request, given where its positions end (flat) and how many of the last it asks for."""
+    ends, counts = np.asarray(ends), np.asarray(counts)
+    run = np.repeat(np.arange(counts.size), counts)
+    return (ends - counts)[run] + np.arange(run.size) - (np.cumsum(counts) - counts)[run]
 
 
 def per_request(values, hits, counts) -> Tuple[np.ndarray, Optional[np.ndarray]]:

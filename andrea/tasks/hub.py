@@ -26,6 +26,14 @@ from .data import TaskDataError, _check
 from .suites import task_of
 
 
+HUB_DATA = "hub"  # --task-data hub: the items from the Hugging Face hub
+
+
+def from_hub(data_dir) -> bool:
+    """Whether --task-data names the hub rather than a folder."""
+    return str(data_dir) == HUB_DATA
+
+
 class HubTask(NamedTuple):
     dataset: str
     config: Optional[str]

@@ -21,6 +21,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
+from itertools import chain
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
@@ -28,6 +29,7 @@ import numpy as np
 
 from ..util.gcpause import gc_paused
 from .data import read_items
+from .hub import from_hub, hub_items
 from .prompts import Request, requests
 from .suites import task_of
 
@@ -37,8 +39,7 @@ _TOKENIZERS: Dict[str, object] = {}  # a worker's tokenizer, loaded once per pat
 def build(tok, name: str, fewshot: int, data_dir, window: int, limit: int = 0) -> Tuple[List[dict], List[Request]]:
     """(every item of the task's file, the Requests of its first limit, all by default)."""
     task = task_of(name)
-    if str(data_dir) == "hub":
-        from .hub import hub_items
+    if from_hub(data_dir):
         items = hub_items(name)
     else:
         items = read_items(Path(data_dir) / task.path, task.kind)  # all of them: the few-shot pool
@@ -50,7 +51,7 @@ def build(tok, name: str, fewshot: int, data_dir, window: int, limit: int = 0) -
 def pack(reqs: Sequence[Request]) -> dict:
     """Requests as arrays: their fields, and all their tokens in one int32 array."""
     lengths = np.fromiter((len(r.tokens) for r in reqs), np.int64, len(reqs))
-    tokens = np.fromiter((t for r in reqs for t in r.tokens), np.int32, int(lengths.sum()))
+    tokens = np.fromiter(chain.from_iterable(r.tokens for r in reqs), np.int32, int(lengths.sum()))
     return {"item": np.array([r.item for r in reqs], np.int64), "option": np.array([r.option for r in reqs], np.int64),
             "n_cont": np.array([r.n_cont for r in reqs], np.int64), "cut": np.array([r.cut for r in reqs], bool),
             "lengths": lengths, "tokens": tokens}
@@ -108,7 +109,7 @@ class Prepared:
         path = getattr(tok, "path", None)
         self.pool, self.futures = None, {}
         self.built_here: List[str] = []  # tasks get() built in this process
-        if workers >= 1 and len(entries) > 1 and path is not None and str(data_dir) != "hub":
+        if workers >= 1 and len(entries) > 1 and path is not None and not from_hub(data_dir):
             import multiprocessing as mp
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload([__name__])

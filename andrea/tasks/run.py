@@ -12,16 +12,10 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from .hub import HUB_DATA, from_hub
 from .prepare import Prepared, build
 from .results import FORMAT, centered, suite_summary
 from .suites import KINDS, LM, task_of
-
-HUB_DATA = "hub"  # --task-data hub: the items from the Hugging Face hub (andrea/tasks/hub.py)
-
-
-def from_hub(data_dir) -> bool:
-    return str(data_dir) == HUB_DATA
-
 
 def load_model(path, backend: str = "auto", tokenizer=None, precision: str = "", batch_tokens: int = 0,
                shared: bool = True):

@@ -35,14 +35,15 @@ import numpy as np
 from ..config import ModelConfig
 from ..core import model
 from ..core.plan import Arena, MemoryPlan
-from .batching import Scored, batches, view
+from .batching import Scored, batches, tails, view
 from .shared import SharedContext, share
 
 # positions of one forward pass by backend: on the GPU enough rows for the products to fill it
 # (120M: ~30 KB of activations a position, 2 GB at 65,536), on the CPU less memory in flight
 BATCH_TOKENS = {"cuda": 65536, "numpy": 8192}
-FORWARD_GLOBALS = ("tokens", "targets", "x0", "lnf", "lnf_mean", "lnf_rstd", "losses", "loss_lse",
-                   "attproj", "mlpout", "act")
+# the forward pass's buffers outside its layers, but the tokens (a view of the uploads, send()) and
+# the training classifier's (the classifier runs on the gathered rows, _classify)
+FORWARD_GLOBALS = ("x0", "lnf", "lnf_mean", "lnf_rstd", "attproj", "mlpout", "act")
 
 
 def score_plan(m: ModelConfig, window: int, batch_tokens: int, dtype: str,
@@ -62,8 +63,8 @@ def score_plan(m: ModelConfig, window: int, batch_tokens: int, dtype: str,
     plan.add("logits", (rows, V), dtype, "workspace")
     # the classifier's input: the gathered rows of the continuations (a chunk of them at a time)
     C = m.d_model
-    for name, shape, dt in (("sel_lnf", (1, rows, C), dtype), ("sel_targets", (1, rows), "int32"),
-                            ("sel_losses", (1, rows), "float32"), ("sel_lse", (1, rows), "float32")):
+    for name, shape, dt in (("sel_lnf", (1, rows, C), dtype), ("sel_losses", (1, rows), "float32"),
+                            ("sel_lse", (1, rows), "float32")):
         plan.add(name, shape, dt, "workspace")
     plan.add("uploads", (UPLOAD_SLOTS * N,), "int32", "workspace")  # a batch's host arrays, one copy
     plan.add("scored", (2, N), "float32", "workspace")  # a batch's scored losses and greedy flags
@@ -143,7 +144,7 @@ class Scorer:
         for r, s in enumerate(seqs):
             x[r, :len(s) - 1] = s[:-1]
         # the positions asked for, flat (row * T + t), in sequence order, and their targets
-        sel = np.concatenate([r * T + np.arange(len(s) - 1 - k, len(s) - 1) for r, (s, k) in enumerate(zip(seqs, n_cont))])
+        sel = tails(np.arange(B) * T + [len(s) - 1 for s in seqs], n_cont)
         tgt = np.fromiter(chain.from_iterable(s[len(s) - k:] for s, k in zip(seqs, n_cont)), np.int32, sel.size)
         a, g = self._views(B, T)
         g["tokens"], sel_d, tgt_d = self.send(x, sel.astype(np.int32), tgt)

@@ -32,7 +32,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from ..core import model
-from .batching import batches, view
+from .batching import batches, tails, view
 
 KEY_TOKENS = 8  # options grouped by item and their first tokens
 # a group is shared when its prefix is at least this many times its longest suffix: k options'
@@ -82,8 +82,7 @@ def option_indices(opts, reqs, p_of, T_ctx: int):
     starts = np.cumsum(s) - s
     of = np.repeat(np.arange(len(opts)), s)
     t = p[of] + np.arange(of.size) - starts[of]
-    sel_of = np.repeat(np.arange(len(opts)), k)
-    sel = (starts + s - k)[sel_of] + np.arange(sel_of.size) - (np.cumsum(k) - k)[sel_of]
+    sel = tails(starts + s, k)
     tok = np.fromiter(chain.from_iterable(q.tokens[pi:-1] for q, pi in zip(qs, p.tolist())), np.int32, t.size)
     tgt = np.fromiter(chain.from_iterable(q.tokens[-q.n_cont:] for q in qs), np.int32, sel.size)
     return tok, t, ctx[of] * T_ctx, p[of], starts[of], sel, tgt
@@ -94,7 +93,6 @@ class SharedContext:
 
     def __init__(self, scorer):
         self.sc, self.be, self.m = scorer, scorer.be, scorer.m
-        self.xp = scorer.be.xp
         saved = scorer.b["saved_qkv"]
         self.saved = [saved[l] for l in range(self.m.n_layer)]
 
