@@ -1,0 +1,203 @@
+"""Where a training step's time goes between its kernels: the step's own CUDA graphs replayed under
+CUPTI, every kernel's start and end on the device, and the idle time between each kernel and the next.
+
+    python dev/step_timeline.py --exp ANDREA-120M --precision fp16 --batch 8 [--replays 5] [--csv out.csv]
+        [--set ATTR=VALUE]
+
+`python -m andrea.bench --floor` puts each backend call's device time (each call captured and
+replayed alone) against its floor, and calls what is left of the step "outside its kernels". This
+says where that is: the Engine's last step's two graphs (the passes, then the optimizer) are
+replayed --replays times back to back, as the benchmark's steps run, inside torch.profiler (CUPTI
+records every kernel of the process, CuPy's and those inside graphs included). Per step it prints
+the period (one replay of both graphs), the kernels' summed durations, and the gaps (the device
+idle between one kernel's end and the next one's start), summed by the kind of boundary: our
+kernels (the `__global__` names of kernels/*.cu) against library kernels (cuBLAS/cuBLASLt) and
+memsets/copies, then the largest gaps by (kernel before, kernel after), and the kernels' in-graph
+durations by name. A negative gap is an overlap (the next kernel started while the one before ran:
+programmatic dependent launch, or a second stream); it is summed apart. Needs a CUDA GPU, CuPy and
+torch (for the profiler).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "dev"))
+
+
+def our_kernel_names(kernel_dir: Path = ROOT / "kernels") -> set:
+    """The names of every `__global__` function in kernel_dir's .cu files."""
+    pat = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(")
+    names = set()
+    for f in sorted(kernel_dir.glob("*.cu")):
+        names.update(pat.findall(f.read_text()))
+    return names
+
+
+def kind_of(name: str, cat: str, ours: set) -> str:
+    """"ours", "memset", "memcpy" or "library" for one device event."""
+    if cat == "gpu_memset":
+        return "memset"
+    if cat == "gpu_memcpy":
+        return "memcpy"
+    base = re.sub(r"^void\s+", "", name.strip()).split("<")[0].split("(")[0].strip()
+    return "ours" if base in ours else "library"
+
+
+def timeline(dev: pd.DataFrame, ours: set, replays: int) -> pd.DataFrame:
+    """dev (name, cat, ts, dur in us; the device events of `replays` steps) in start order, with
+    each event's kind, its successor's name and kind, and the gap from its end to the next start
+    (NaN for the last event)."""
+    t = dev.sort_values("ts").reset_index(drop=True).copy()
+    if len(t) == 0:
+        raise SystemExit("step_timeline: the profiler recorded no device events (is CUPTI available?)")
+    t["kind"] = [kind_of(n, c, ours) for n, c in zip(t.name, t.cat)]
+    t["next_name"] = t.name.shift(-1)
+    t["next_kind"] = t.kind.shift(-1)
+    t["gap"] = t.ts.shift(-1) - (t.ts + t.dur)
+    return t
+
+
+def summary(t: pd.DataFrame, replays: int) -> dict:
+    """Per-step figures of a timeline (us): the span from the first start to the last end, the
+    kernels' summed durations, idle gaps and overlaps."""
+    gaps = t.gap.dropna()
+    return {"events_per_step": len(t) / replays,
+            "span_us": float((t.ts + t.dur).max() - t.ts.min()) / replays,
+            "busy_us": float(t.dur.sum()) / replays,
+            "idle_us": float(gaps[gaps > 0].sum()) / replays,
+            "overlap_us": float(-gaps[gaps < 0].sum()) / replays}
+
+
+def gaps_by_boundary(t: pd.DataFrame, replays: int) -> pd.DataFrame:
+    """Idle time per step by (kind before -> kind after): count a step, summed us, mean us."""
+    g = t.dropna(subset=["gap"]).assign(boundary=lambda d: d.kind + " -> " + d.next_kind,
+                                         idle=lambda d: d.gap.clip(lower=0))
+    out = g.groupby("boundary").idle.agg(["count", "sum", "mean"])
+    out = out.assign(per_step=out["count"] / replays, us_per_step=out["sum"] / replays,
+                     us_each=out["mean"])[["per_step", "us_per_step", "us_each"]]
+    return out.sort_values("us_per_step", ascending=False)
+
+
+def short(name, n: int = 48) -> str:
+    name = str(name)
+    return name if len(name) <= n else name[:n - 3] + "..."
+
+
+def largest_gaps(t: pd.DataFrame, replays: int, n: int = 25) -> pd.DataFrame:
+    """The (kernel before, kernel after) pairs with the most idle time per step."""
+    g = t.dropna(subset=["gap"]).assign(before=lambda d: d.name.map(short), after=lambda d: d.next_name.map(short),
+                                         idle=lambda d: d.gap.clip(lower=0))
+    out = g.groupby(["before", "after"]).idle.agg(["count", "sum", "mean"])
+    out = out.assign(per_step=out["count"] / replays, us_per_step=out["sum"] / replays,
+                     us_each=out["mean"])[["per_step", "us_per_step", "us_each"]]
+    return out.sort_values("us_per_step", ascending=False).head(n)
+
+
+def kernels_by_name(t: pd.DataFrame, replays: int, n: int = 30) -> pd.DataFrame:
+    out = t.assign(kernel=t.name.map(short)).groupby(["kind", "kernel"]).dur.agg(["count", "sum", "mean"])
+    out = out.assign(per_step=out["count"] / replays, us_per_step=out["sum"] / replays,
+                     us_each=out["mean"])[["per_step", "us_per_step", "us_each"]]
+    return out.sort_values("us_per_step", ascending=False).head(n)
+
+
+def record(exp, precision, B, replays, settings=None, warmup=4):
+    """(device events of `replays` replays of the last step's two graphs, events of the same
+    number of Engine.train_step calls, ms a step of the replays between CUDA events)."""
+    import cupy as cp
+    from torch.profiler import ProfilerActivity, profile
+
+    from andrea.bench.step import bench_config, cuda_backend, random_batches, spy_graphs
+    from andrea.core.engine import Engine
+    from profile_kernels import trace_events
+
+    cfg = bench_config(exp, precision, B, warmup + 2 * replays + 4)
+    m = cfg.model
+    eng = Engine(cfg, backend=cuda_backend(settings))
+    used = spy_graphs(eng)
+    batches = random_batches(m.vocab_size, B, m.context)
+    step = 0
+    for _ in range(warmup):
+        step += 1
+        eng.train_step(step, [batches[step % 4]])
+    eng.be.synchronize()
+    graphs = [eng.graphs.graphs[used[k]][0] for k in ("passes", "optimizer")]
+    stream = cp.cuda.get_current_stream()
+
+    def replay(k):
+        for _ in range(k):
+            for g in graphs:
+                g.launch(stream=stream)
+
+    replay(2)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    replay(replays)
+    end.record()
+    end.synchronize()
+    ms = cp.cuda.get_elapsed_time(start, end) / replays
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay(replays)
+        cp.cuda.Device().synchronize()
+    _, dev_replay = trace_events(prof)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            step += 1
+            eng.train_step(step, [batches[step % 4]])
+        cp.cuda.Device().synchronize()
+    _, dev_steps = trace_events(prof)
+    return dev_replay, dev_steps, ms
+
+
+def report(t: pd.DataFrame, replays: int, title: str) -> None:
+    s = summary(t, replays)
+    print(f"\n== {title}: {s['events_per_step']:.0f} device events a step; span {s['span_us'] / 1e3:.3f} ms, "
+          f"kernels {s['busy_us'] / 1e3:.3f} ms, idle between them {s['idle_us'] / 1e3:.3f} ms, "
+          f"overlapped {s['overlap_us'] / 1e3:.3f} ms")
+    fmt = {"per_step": "{:.1f}".format, "us_per_step": "{:.1f}".format, "us_each": "{:.2f}".format}
+    print("-- idle by boundary (kind before -> kind after)")
+    print(gaps_by_boundary(t, replays).to_string(formatters=fmt))
+    print("-- the largest idle boundaries")
+    print(largest_gaps(t, replays).to_string(formatters=fmt))
+    print("-- kernels by in-graph time")
+    print(kernels_by_name(t, replays).to_string(formatters=fmt))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--exp", default="ANDREA-120M")
+    ap.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32", "fp8"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--replays", type=int, default=5)
+    ap.add_argument("--csv", help="write every device event of the replays (with kind and gap) here")
+    ap.add_argument("--set", action="append", default=[], metavar="ATTR=VALUE",
+                    help="a setting of the backend, as python -m andrea.bench --set takes it (repeatable)")
+    a = ap.parse_args(argv)
+    try:
+        import cupy  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError as e:
+        print(f"step_timeline: needs CuPy and torch on a CUDA GPU ({e})", file=sys.stderr)
+        return 2
+    from andrea.bench.step import parse_settings
+    ours = our_kernel_names()
+    dev_replay, dev_steps, ms = record(a.exp, a.precision, a.batch, a.replays, parse_settings(a.set))
+    title = f"{a.exp} {a.precision} B={a.batch}" + "".join(f" {s}" for s in a.set)
+    print(f"{title}: the step's two graphs replayed, {ms:.3f} ms a step between CUDA events")
+    t = timeline(dev_replay, ours, a.replays)
+    report(t, a.replays, title + ", graphs replayed")
+    report(timeline(dev_steps, ours, a.replays), a.replays, title + ", Engine.train_step")
+    if a.csv:
+        t.to_csv(a.csv, index=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
