@@ -1,14 +1,17 @@
 """Where a training step's time goes between its kernels: the step's own CUDA graphs replayed under
 CUPTI, every kernel's start and end on the device, and the idle time between each kernel and the next.
 
-    python dev/step_timeline.py --exp ANDREA-120M --precision fp16 --batch 8 [--replays 5] [--csv out.csv]
+    python dev/step_timeline.py --exp ANDREA-120M --precision fp16 --batch 8 [--replays 5] [--hoist] [--csv out.csv]
         [--set ATTR=VALUE]
 
 `python -m andrea.bench --floor` puts each backend call's device time (each call captured and
 replayed alone) against its floor, and calls what is left of the step "outside its kernels". This
 says where that is: the Engine's last step's two graphs (the passes, then the optimizer) are
 replayed --replays times back to back, as the benchmark's steps run, inside torch.profiler (CUPTI
-records every kernel of the process, CuPy's and those inside graphs included). Per step it prints
+records every kernel of the process, CuPy's and those inside graphs included); then the same for
+--replays calls of Engine.train_step, and with --hoist for the passes' graph with cuBLASLt's 4-byte
+memsets moved beside the kernel before them (dev/graph_probe.py's edit). Each run is also timed
+between CUDA events without the profiler, before and after the profiled runs. Per step it prints
 the period (one replay of both graphs), the kernels' summed durations, and the gaps (the device
 idle between one kernel's end and the next one's start), summed by the kind of boundary: our
 kernels (the `__global__` names of kernels/*.cu) against library kernels (cuBLAS/cuBLASLt) and
@@ -24,7 +27,6 @@ import re
 import sys
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,9 +110,11 @@ def kernels_by_name(t: pd.DataFrame, replays: int, n: int = 30) -> pd.DataFrame:
     return out.sort_values("us_per_step", ascending=False).head(n)
 
 
-def record(exp, precision, B, replays, settings=None, warmup=4):
-    """(device events of `replays` replays of the last step's two graphs, events of the same
-    number of Engine.train_step calls, ms a step of the replays between CUDA events)."""
+def record(exp, precision, B, replays, settings=None, warmup=4, hoist=False):
+    """{label: device events of `replays` steps}, {label: ms a step between CUDA events, timed
+    before and after the profiled runs}: the last step's two graphs replayed (with hoist, also
+    the passes' graph with cuBLASLt's memsets moved beside the kernel before them, as
+    dev/graph_probe.py --hoist makes it), and Engine.train_step."""
     import cupy as cp
     from torch.profiler import ProfilerActivity, profile
 
@@ -118,42 +122,57 @@ def record(exp, precision, B, replays, settings=None, warmup=4):
     from andrea.core.engine import Engine
     from profile_kernels import trace_events
 
-    cfg = bench_config(exp, precision, B, warmup + 2 * replays + 4)
+    cfg = bench_config(exp, precision, B, warmup + 4 * replays + 4)
     m = cfg.model
     eng = Engine(cfg, backend=cuda_backend(settings))
     used = spy_graphs(eng)
     batches = random_batches(m.vocab_size, B, m.context)
-    step = 0
+    step = [0]
     for _ in range(warmup):
-        step += 1
-        eng.train_step(step, [batches[step % 4]])
+        step[0] += 1
+        eng.train_step(step[0], [batches[step[0] % 4]])
     eng.be.synchronize()
-    graphs = [eng.graphs.graphs[used[k]][0] for k in ("passes", "optimizer")]
+    P, O = (eng.graphs.graphs[used[k]][0] for k in ("passes", "optimizer"))
     stream = cp.cuda.get_current_stream()
+    runs = {"graphs replayed": lambda: (P.launch(stream=stream), O.launch(stream=stream))}
+    if hoist:
+        from graph_probe import Driver, dot_nodes, hoist_memsets
+        drv = Driver()
+        dot = P.debug_dot_str()
+        dot = dot.decode() if isinstance(dot, bytes) else dot
+        edited = drv.clone(P.graph)
+        moved = hoist_memsets(drv, edited, dot_nodes(dot))
+        ex = drv.instantiate(edited)
+        print(f"--hoist: {moved} memsets moved beside the kernel before them")
+        runs["memsets hoisted"] = lambda: (drv.launch(ex, stream.ptr), O.launch(stream=stream))
 
-    def replay(k):
-        for _ in range(k):
-            for g in graphs:
-                g.launch(stream=stream)
+    def train_step():
+        step[0] += 1
+        eng.train_step(step[0], [batches[step[0] % 4]])
+    runs["Engine.train_step"] = train_step
 
-    replay(2)
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    replay(replays)
-    end.record()
-    end.synchronize()
-    ms = cp.cuda.get_elapsed_time(start, end) / replays
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        replay(replays)
-        cp.cuda.Device().synchronize()
-    _, dev_replay = trace_events(prof)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    def timed(fn):
+        for _ in range(2):
+            fn()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
         for _ in range(replays):
-            step += 1
-            eng.train_step(step, [batches[step % 4]])
-        cp.cuda.Device().synchronize()
-    _, dev_steps = trace_events(prof)
-    return dev_replay, dev_steps, ms
+            fn()
+        end.record()
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) / replays
+
+    ms = {k: [timed(fn)] for k, fn in runs.items()}
+    events = {}
+    for k, fn in runs.items():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                fn()
+            cp.cuda.Device().synchronize()
+        events[k] = trace_events(prof)[1]
+    for k, fn in runs.items():
+        ms[k].append(timed(fn))
+    return events, ms
 
 
 def report(t: pd.DataFrame, replays: int, title: str) -> None:
@@ -176,7 +195,9 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32", "fp8"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--replays", type=int, default=5)
-    ap.add_argument("--csv", help="write every device event of the replays (with kind and gap) here")
+    ap.add_argument("--csv", help="write every device event (with kind, gap and run) here")
+    ap.add_argument("--hoist", action="store_true",
+                    help="also the passes' graph with cuBLASLt's 4-byte memsets moved beside the kernel before them")
     ap.add_argument("--set", action="append", default=[], metavar="ATTR=VALUE",
                     help="a setting of the backend, as python -m andrea.bench --set takes it (repeatable)")
     a = ap.parse_args(argv)
@@ -188,14 +209,18 @@ def main(argv=None) -> int:
         return 2
     from andrea.bench.step import parse_settings
     ours = our_kernel_names()
-    dev_replay, dev_steps, ms = record(a.exp, a.precision, a.batch, a.replays, parse_settings(a.set))
+    events, ms = record(a.exp, a.precision, a.batch, a.replays, parse_settings(a.set), hoist=a.hoist)
     title = f"{a.exp} {a.precision} B={a.batch}" + "".join(f" {s}" for s in a.set)
-    print(f"{title}: the step's two graphs replayed, {ms:.3f} ms a step between CUDA events")
-    t = timeline(dev_replay, ours, a.replays)
-    report(t, a.replays, title + ", graphs replayed")
-    report(timeline(dev_steps, ours, a.replays), a.replays, title + ", Engine.train_step")
+    for label, (before, after) in ms.items():
+        print(f"{title}, {label}: {before:.3f} ms a step between CUDA events before the profiled run, "
+              f"{after:.3f} after it")
+    tables = []
+    for label, dev in events.items():
+        t = timeline(dev, ours, a.replays)
+        report(t, a.replays, f"{title}, {label}")
+        tables.append(t.assign(run=label))
     if a.csv:
-        t.to_csv(a.csv, index=False)
+        pd.concat(tables).to_csv(a.csv, index=False)
     return 0
 
 

@@ -337,3 +337,11 @@ def test_spy_graphs_keeps_the_last_key_of_each_kind():
         eng._run(key, lambda: ran.append(1))
     assert used == {"passes": ("passes", True, True, True), "optimizer": ("optimizer", 1)}
     assert len(eng.calls) == 3 and len(ran) == 3
+
+
+def test_default_anchor_is_the_checkouts():
+    """`--anchor` without a path takes benchmarks/torch_gpt.py of this checkout (it pointed into
+    the package folder once the benchmark moved to andrea/bench/, and every bare --anchor failed)."""
+    from andrea.bench.step import DEFAULT_ANCHOR
+    assert DEFAULT_ANCHOR == ANCHOR.resolve()
+    assert DEFAULT_ANCHOR.is_file()

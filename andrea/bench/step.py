@@ -33,7 +33,7 @@ from .common import model_dict
 
 ANCHOR_SHAPES = {"ANDREA-120M": "120m", "ANDREA-12M": "12m", "ANDREA-tiny": "tiny"}  # torch_gpt.py's --shape names
 # the repository's PyTorch anchor (a clone or an editable install has it; a wheel does not)
-DEFAULT_ANCHOR = Path(__file__).resolve().parent.parent / "benchmarks" / "torch_gpt.py"
+DEFAULT_ANCHOR = Path(__file__).resolve().parents[2] / "benchmarks" / "torch_gpt.py"
 # the anchor's precision -> torch_gpt.py's arguments; fp8: bf16 with torchao's float8 linear layers
 ANCHOR_ARGS = {"fp32": ["--dtype", "float32"], "fp16": ["--dtype", "float16"], "bf16": ["--dtype", "bfloat16"],
                "fp8": ["--dtype", "bfloat16", "--fp8", "torchao"]}
