@@ -74,10 +74,13 @@ class Driver:
         return t.value  # 0 kernel, 1 memcpy, 2 memset, ...
 
     def _list(self, fn, node):
+        # the edge data must be asked for too: a graph with programmatic edges (kernels launched
+        # with programmatic dependent launch) answers CUDA_ERROR_LOSSY_QUERY (402) without it
         n = ctypes.c_size_t(0)
         self._ok(fn, getattr(self.lib, fn)(ctypes.c_void_p(node), None, None, ctypes.byref(n)))
         arr = (ctypes.c_void_p * max(n.value, 1))()
-        self._ok(fn, getattr(self.lib, fn)(ctypes.c_void_p(node), arr, None, ctypes.byref(n)))
+        data = (ctypes.c_uint64 * max(n.value, 1))()  # CUgraphEdgeData: 8 bytes each
+        self._ok(fn, getattr(self.lib, fn)(ctypes.c_void_p(node), arr, data, ctypes.byref(n)))
         return [int(x or 0) for x in arr[:n.value]]
 
     def preds(self, node):

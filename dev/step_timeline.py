@@ -55,15 +55,16 @@ def kind_of(name: str, cat: str, ours: set) -> str:
 
 def timeline(dev: pd.DataFrame, ours: set, replays: int) -> pd.DataFrame:
     """dev (name, cat, ts, dur in us; the device events of `replays` steps) in start order, with
-    each event's kind, its successor's name and kind, and the gap from its end to the next start
-    (NaN for the last event)."""
-    t = dev.sort_values("ts").reset_index(drop=True).copy()
+    each event's kind, its successor's name and kind, and the gap from the end of everything
+    started so far (this event's end, or a longer one's that began before it) to the next start:
+    idle where positive, an overlap where negative (NaN for the last event)."""
+    t = dev.sort_values("ts", kind="stable").reset_index(drop=True).copy()
     if len(t) == 0:
         raise SystemExit("step_timeline: the profiler recorded no device events (is CUPTI available?)")
     t["kind"] = [kind_of(n, c, ours) for n, c in zip(t.name, t.cat)]
     t["next_name"] = t.name.shift(-1)
     t["next_kind"] = t.kind.shift(-1)
-    t["gap"] = t.ts.shift(-1) - (t.ts + t.dur)
+    t["gap"] = t.ts.shift(-1) - (t.ts + t.dur).cummax()
     return t
 
 

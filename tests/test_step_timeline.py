@@ -70,6 +70,17 @@ def test_gaps_and_sums(st):
     assert k.loc[("library", "nvjet_sm90_tst_128x256"), "us_per_step"] == pytest.approx(18.0)
 
 
+def test_a_gap_counts_from_the_latest_end_so_far(st):
+    # a memset started beside a long kernel: the product after both waits on the kernel's end,
+    # not the memset's, so only 1 us of idle lies before it (not the 8 from the memset's end)
+    rows = [("kernel", "k_attn_flash_fwd", 0.0, 10.0), ("gpu_memset", "Memset (Device)", 1.0, 1.0),
+            ("kernel", "nvjet_sm90_tst", 11.0, 5.0)]
+    t = st.timeline(events(rows), {"k_attn_flash_fwd"}, 1)
+    assert list(t.gap[:2]) == [-9.0, 1.0]
+    s = st.summary(t, 1)
+    assert s["idle_us"] == 1.0 and s["overlap_us"] == 9.0
+
+
 def test_no_events_is_an_error(st):
     with pytest.raises(SystemExit, match="no device events"):
         st.timeline(events([]), set(), 1)
