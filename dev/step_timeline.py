@@ -10,7 +10,9 @@ says where that is: the Engine's last step's two graphs (the passes, then the op
 replayed --replays times back to back, as the benchmark's steps run, inside torch.profiler (CUPTI
 records every kernel of the process, CuPy's and those inside graphs included); then the same for
 --replays calls of Engine.train_step, and with --hoist for the passes' graph with cuBLASLt's 4-byte
-memsets moved beside the kernel before them (dev/graph_probe.py's edit). Each run is also timed
+memsets moved beside the kernel before them by dev/graph_probe.py's edit (full edges; the backend's
+own edit, andrea/backends/cuda/graph_edit.py, on by default, also makes the kernel's edge to the
+product programmatic: compare it with --set graph_edits=0). Each run is also timed
 between CUDA events without the profiler, before and after the profiled runs. Per step it prints
 the period (one replay of both graphs), the kernels' summed durations, and the gaps (the device
 idle between one kernel's end and the next one's start), summed by the kind of boundary: our
@@ -140,11 +142,16 @@ def record(exp, precision, B, replays, settings=None, warmup=4, hoist=False):
         from graph_probe import Driver, dot_nodes, hoist_memsets
         drv = Driver()
         dot = P.debug_dot_str()
-        dot = dot.decode() if isinstance(dot, bytes) else dot
         edited = drv.clone(P.graph)
-        moved = hoist_memsets(drv, edited, dot_nodes(dot))
+        moved = hoist_memsets(drv, edited, dot_nodes(dot.decode() if isinstance(dot, bytes) else dot))
         ex = drv.instantiate(edited)
-        print(f"--hoist: {moved} memsets moved beside the kernel before them")
+        bits = []
+        for launch in (lambda: P.launch(stream=stream), lambda: drv.launch(ex, stream.ptr)):
+            launch()
+            stream.synchronize()
+            bits.append((eng.grads.get().tobytes(), eng.be.to_numpy(eng.g["losses"]).tobytes()))
+        print(f"--hoist: {moved} memsets moved beside the kernel before them; gradients and losses of one "
+              f"replay: {'the same bits as the graph replayed' if bits[0] == bits[1] else 'DIFFER'}")
         runs["memsets hoisted"] = lambda: (drv.launch(ex, stream.ptr), O.launch(stream=stream))
 
     def train_step():

@@ -162,8 +162,9 @@ def bench_config(exp, precision, B, steps):
 def backend_settings(settings) -> tuple:
     """--set's settings as (options of the CUDA backend's constructor, the run's FP8 settings): a
     field of its Tuning (the launch geometry, e.g. ln_blocks=528) goes into its tuning, pdl (0 or 1:
-    programmatic dependent launch) is its own option, and fp8_classifier, fp8_dlogits,
-    fp8_dlogits_rounding or fp8_scaling are the run's FP8 settings (be.set_fp8_run). An unknown
+    programmatic dependent launch) and graph_edits (0 or 1: cuda/graph_edit.py) are its own
+    options, and fp8_classifier, fp8_dlogits, fp8_dlogits_rounding or fp8_scaling are the run's FP8
+    settings (be.set_fp8_run). An unknown
     name, or a value its field does not take, is an error naming it."""
     import dataclasses
 
@@ -175,14 +176,15 @@ def backend_settings(settings) -> tuple:
     tuning = {k: str(settings.pop(k)) for k in list(settings) if k in fields}
     run = {k: settings.pop(k) for k in list(settings) if k in FP8_RUN_DEFAULTS}
     options = {}
-    if "pdl" in settings:
-        pdl = str(settings.pop("pdl"))
-        if pdl not in ("0", "1"):
-            raise SystemExit(f"--set pdl={pdl}: expected 0 or 1")
-        options["pdl"] = pdl == "1"
+    for name in ("pdl", "graph_edits"):  # the backend's own on/off options
+        if name in settings:
+            value = str(settings.pop(name))
+            if value not in ("0", "1"):
+                raise SystemExit(f"--set {name}={value}: expected 0 or 1")
+            options[name] = value == "1"
     if settings:
         raise SystemExit(f"--set {', '.join(settings)}: not a setting of the CUDA backend; expected one of "
-                         f"{', '.join(fields + list(FP8_RUN_DEFAULTS) + ['pdl'])}")
+                         f"{', '.join(fields + list(FP8_RUN_DEFAULTS) + ['pdl', 'graph_edits'])}")
     try:
         options["tuning"] = Tuning().with_settings(tuning)
     except ValueError as e:

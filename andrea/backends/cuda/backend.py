@@ -50,7 +50,10 @@ class CudaBackend(EmbedOps, LayerNormOps, LinearOps, AttentionOps, MlpOps, Resid
     kernels/<file name>, e.g. a dev/cuda variant under test. fp8_grad: the format of the output
     gradients in train.precision=fp8 ("e4m3" or "e5m2"). tuning: the launch geometry (Tuning;
     the measured defaults). pdl: programmatic dependent launch where the device has it (runtime.py;
-    False launches every kernel the ordinary way: the same bits).
+    False launches every kernel the ordinary way: the same bits). graph_edits: the passes' graphs
+    with cuBLAS(Lt)'s counter memsets moved beside the kernel before them and that kernel's edge to
+    the product made programmatic (graph_edit.py; needs pdl; False keeps the graphs as captured:
+    the same bits).
 
     The run's FP8 settings (fp8_classifier: 2 all the classifier's products in FP8, 1 the
     backward's, 0 none; fp8_dlogits: dlogits' format; fp8_dlogits_rounding: "stochastic" or
@@ -69,7 +72,7 @@ class CudaBackend(EmbedOps, LayerNormOps, LinearOps, AttentionOps, MlpOps, Resid
     fp8_scaling = FP8_RUN_DEFAULTS["fp8_scaling"]
 
     def __init__(self, attention: str = "fused", cublaslt: bool = True, sources=None, fp8_grad: str = FP8_GRAD,
-                 tuning: Tuning = DEFAULT, pdl: bool = True):
+                 tuning: Tuning = DEFAULT, pdl: bool = True, graph_edits: bool = True):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r}: expected one of {', '.join(ATTENTION_PATHS)}")
         if not isinstance(tuning, Tuning):
@@ -81,6 +84,8 @@ class CudaBackend(EmbedOps, LayerNormOps, LinearOps, AttentionOps, MlpOps, Resid
         self.tuning = tuning
         self.rt = Runtime(sources)
         self.rt.pdl = bool(pdl)
+        self.graph_edits = bool(graph_edits)
+        self.graph_memsets_moved = 0  # by graph_edit.py, over every graph edited_graph made
         self.workspace = Workspace()
         self.colsums = DeferredColsums(self.rt)  # the column sums a param_grad_pass defers
         self.grads = GradPass(self.rt, self.workspace, self.colsums)
@@ -290,6 +295,22 @@ class CudaBackend(EmbedOps, LayerNormOps, LinearOps, AttentionOps, MlpOps, Resid
     def graph_runner(self) -> graphs.GraphRunner:
         """A new runner replaying whole passes as CUDA graphs (see graphs.GraphRunner)."""
         return graphs.GraphRunner(self)
+
+    def edited_graph(self, graph):
+        """A pass's captured graph with graph_edit.py's edit, or graph itself where graph_edits or
+        pdl is off, or the edit moves nothing (its premise not shown in the capture)."""
+        if not (self.graph_edits and self.rt.pdl and self.rt.pdl_functions):
+            return graph
+        from .graph_edit import EditedGraph
+        spaces = [(self.blas.workspace.data.ptr, self.blas.workspace.data.ptr + self.blas.workspace.nbytes)]
+        if self.lt is not None:
+            w = self.lt.workspace
+            spaces.append((w.data.ptr, w.data.ptr + w.nbytes))
+        edited = EditedGraph(graph, self.rt.pdl_functions, spaces)
+        if not edited.moved:
+            return graph
+        self.graph_memsets_moved += edited.moved
+        return edited
 
     def capture(self, fn, stream=None):
         """fn() recorded as a CUDA graph on stream (default: a new non-blocking one), not run.

@@ -77,6 +77,9 @@ class GraphRunner:
             self.stream = cp.cuda.Stream(non_blocking=True)
         cp.cuda.get_current_stream().synchronize()
         g = capture(fn, self.stream, self.be.blas)
+        edit = getattr(self.be, "edited_graph", None)
+        if edit is not None:
+            g = edit(g)  # the backend's edits of a pass's graph (graph_edit.py)
         if len(self.graphs) >= self.MAX_GRAPHS:
             self.graphs.pop(next(iter(self.graphs)))
         self.graphs[key] = (g, gen)
