@@ -36,6 +36,7 @@ RANKS = {
     "andrea.backends.cuda.cublas": (2, 3, 0),
     "andrea.backends.cuda.cublaslt": (2, 3, 0),
     "andrea.backends.cuda.graphs": (2, 3, 0),
+    "andrea.backends.cuda.graph_edit": (2, 3, 0),  # graphs.py's edit of a captured graph (libcuda only)
     "andrea.backends.cuda.workspace": (2, 3, 0),
     "andrea.backends.cuda.geometry": (2, 3, 1),
     "andrea.backends.cuda.tuning": (2, 3, 1),

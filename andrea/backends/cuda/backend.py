@@ -85,7 +85,7 @@ class CudaBackend(EmbedOps, LayerNormOps, LinearOps, AttentionOps, MlpOps, Resid
         self.rt = Runtime(sources)
         self.rt.pdl = bool(pdl)
         self.graph_edits = bool(graph_edits)
-        self.graph_memsets_moved = 0  # by graph_edit.py, over every graph edited_graph made
+        self.graph_memsets_moved = 0  # by graph_edit.py, over every graph graphs.edited made
         self.workspace = Workspace()
         self.colsums = DeferredColsums(self.rt)  # the column sums a param_grad_pass defers
         self.grads = GradPass(self.rt, self.workspace, self.colsums)
@@ -295,22 +295,6 @@ class CudaBackend(EmbedOps, LayerNormOps, LinearOps, AttentionOps, MlpOps, Resid
     def graph_runner(self) -> graphs.GraphRunner:
         """A new runner replaying whole passes as CUDA graphs (see graphs.GraphRunner)."""
         return graphs.GraphRunner(self)
-
-    def edited_graph(self, graph):
-        """A pass's captured graph with graph_edit.py's edit, or graph itself where graph_edits or
-        pdl is off, or the edit moves nothing (its premise not shown in the capture)."""
-        if not (self.graph_edits and self.rt.pdl and self.rt.pdl_functions):
-            return graph
-        from .graph_edit import EditedGraph
-        spaces = [(self.blas.workspace.data.ptr, self.blas.workspace.data.ptr + self.blas.workspace.nbytes)]
-        if self.lt is not None:
-            w = self.lt.workspace
-            spaces.append((w.data.ptr, w.data.ptr + w.nbytes))
-        edited = EditedGraph(graph, self.rt.pdl_functions, spaces)
-        if not edited.moved:
-            return graph
-        self.graph_memsets_moved += edited.moved
-        return edited
 
     def capture(self, fn, stream=None):
         """fn() recorded as a CUDA graph on stream (default: a new non-blocking one), not run.

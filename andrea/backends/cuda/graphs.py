@@ -46,6 +46,24 @@ def replay_ms(graph, stream, reps: int) -> float:
     return event_ms(lambda: graph.launch(stream=stream), reps, stream=stream)
 
 
+def edited(be, graph):
+    """A pass's captured graph with graph_edit.py's edit, or graph itself where the backend's
+    graph_edits or pdl is off, or the edit moves nothing (its premise not shown in the capture)."""
+    rt = be.rt
+    if not (getattr(be, "graph_edits", False) and rt.pdl and rt.pdl_functions):
+        return graph
+    from .graph_edit import EditedGraph
+    spaces = [(be.blas.workspace.data.ptr, be.blas.workspace.data.ptr + be.blas.workspace.nbytes)]
+    if be.lt is not None:
+        w = be.lt.workspace
+        spaces.append((w.data.ptr, w.data.ptr + w.nbytes))
+    e = EditedGraph(graph, rt.pdl_functions, spaces)
+    if not e.moved:
+        return graph
+    be.graph_memsets_moved += e.moved
+    return e
+
+
 class GraphRunner:
     """Runs a function of backend kernels as a CUDA graph: the first call with a key runs it
     eagerly (compiles modules, allocates the workspace, creates the cuBLAS handle), the second
@@ -77,9 +95,7 @@ class GraphRunner:
             self.stream = cp.cuda.Stream(non_blocking=True)
         cp.cuda.get_current_stream().synchronize()
         g = capture(fn, self.stream, self.be.blas)
-        edit = getattr(self.be, "edited_graph", None)
-        if edit is not None:
-            g = edit(g)  # the backend's edits of a pass's graph (graph_edit.py)
+        g = edited(self.be, g)
         if len(self.graphs) >= self.MAX_GRAPHS:
             self.graphs.pop(next(iter(self.graphs)))
         self.graphs[key] = (g, gen)
