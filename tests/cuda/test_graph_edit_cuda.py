@@ -1,9 +1,8 @@
-"""The passes' graphs with cuBLAS(Lt)'s counter memsets moved beside the kernel before them
+"""The passes' graphs with cuBLAS(Lt)'s counter memsets replaced by a kernel node
 (andrea/backends/cuda/graph_edit.py, CudaBackend(graph_edits=...)): the same records, weights and
 Adam state bits as the graphs as captured, over steps replayed from the graphs and an evaluation;
-on Hopper at ANDREA-12M's shape (where cuBLASLt's algorithms zero their counter) the edit moved
-memsets, and the capture showed the premise (every edge from our kernels to a library's is
-programmatic).
+on Hopper at ANDREA-12M's shape (where cuBLASLt's algorithms zero their counter) the edit replaced
+memsets; on a real capture, what the edit finds and leaves.
 
     python -m pytest -q -m gpu tests/cuda/test_graph_edit_cuda.py
 """
@@ -44,13 +43,13 @@ def test_graph_edits_same_bits(precision):
         assert be_on.graph_memsets_moved > 0, "no memset moved: the premise or the shapes changed"
 
 
-def test_library_edges_and_moves_on_a_captured_pass():
-    """graph_edit's queries on a real capture: the edges from our kernels to cuBLAS(Lt)'s are all
-    programmatic (the premise), the movable memsets are 4-byte ones in a workspace, and after the
-    edit none is movable any more and each product has a programmatic edge from the kernel before."""
+def test_counter_memsets_replaced_on_a_captured_pass():
+    """graph_edit on a real capture: the counter memsets are 4-byte ones in a workspace before
+    kernels; after the edit there are none, as many kernel nodes more as memsets less, and each
+    memset's dependents now follow a node that had its dependencies."""
     import cupy as cp
     if int(cp.cuda.Device().compute_capability) < 90:
-        pytest.skip("programmatic dependent launch needs sm_90")
+        pytest.skip("the shapes' cuBLASLt algorithms with counters were seen on sm_90")
     from andrea.backends.cuda import graph_edit as ge
     from andrea.bench.step import cuda_backend, spy_graphs, bench_config, random_batches
     from andrea.core.engine import Engine
@@ -62,23 +61,31 @@ def test_library_edges_and_moves_on_a_captured_pass():
     for s in (1, 2, 3):
         eng.train_step(s, [batches[s]])
     g = eng.graphs.graphs[used["passes"]][0]
-    drv, ours = ge.Driver(), be.rt.pdl_functions
+    drv = ge.Driver()
     spaces = [(be.blas.workspace.data.ptr, be.blas.workspace.data.ptr + be.blas.workspace.nbytes),
               (be.lt.workspace.data.ptr, be.lt.workspace.data.ptr + be.lt.workspace.nbytes)]
-    edges = ge.library_edges(drv, g.graph, ours)
-    assert edges["programmatic"] > 0 and edges["full"] == 0, edges
     clone = drv.clone(g.graph)
-    moves = ge.movable_memsets(drv, clone, ours, spaces)
-    assert moves
-    for m, k in moves:
+    found = ge.counter_memsets(drv, clone, spaces)
+    assert found
+    before = {m: ([q for q, _ in drv.preds(m)], [x for x, _ in drv.succs(m)]) for m, _ in found}
+    for m, word in found:
         p = drv.memset(m)
         assert p.elementSize * p.width * p.height == 4 and any(a <= p.dst < b for a, b in spaces)
-    products = {m: [s for s, _ in drv.succs(m)] for m, _ in moves}
-    assert ge.hoist_counter_memsets(drv, clone, ours, spaces) == len(moves)
-    assert ge.movable_memsets(drv, clone, ours, spaces) == []
-    for m, k in moves:
-        assert all(ge.is_programmatic(d) for q, d in drv.preds(products[m][0]) if q == k)
-        assert any(q == k for q, _ in drv.preds(products[m][0]))
-        assert k not in [q for q, _ in drv.preds(m)]
-    drv.destroy(g=clone)
+        assert word == 0  # cuBLAS(Lt) zero their counters
+    kinds = [drv.kind(n) for n in drv.nodes(clone)]
+    store = cp.RawKernel(ge.COUNTER_STORE, "k_graph_counter_store")
+    assert ge.replace_counter_memsets(drv, clone, store.kernel.ptr, spaces) == len(found)
+    assert ge.counter_memsets(drv, clone, spaces) == []
+    after = [drv.kind(n) for n in drv.nodes(clone)]
+    assert after.count(ge.CU_GRAPH_NODE_TYPE_MEMSET) == kinds.count(ge.CU_GRAPH_NODE_TYPE_MEMSET) - len(found)
+    assert after.count(ge.CU_GRAPH_NODE_TYPE_KERNEL) == kinds.count(ge.CU_GRAPH_NODE_TYPE_KERNEL) + len(found)
+    for preds, succs in before.values():
+        for x in succs:
+            zs = [q for q, _ in drv.preds(x) if drv.kind(q) == ge.CU_GRAPH_NODE_TYPE_KERNEL
+                  and sorted(p for p, _ in drv.preds(q)) == sorted(preds)]
+            assert zs, "a dependent lost the memset's place"
+    ex = drv.instantiate(clone)
+    drv.launch(ex, cp.cuda.get_current_stream().ptr)
+    cp.cuda.get_current_stream().synchronize()
+    drv.destroy(g=clone, ex=ex)
     assert np.isfinite(eng.val_loss([batches[0]]))

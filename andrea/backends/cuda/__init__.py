@@ -8,7 +8,7 @@ Layers, each importing only those below it:
                   pdl.py programmatic dependent launch through cuLaunchKernelEx
     cublas.py     the cuBLAS binding (Cublas); cublaslt.py the cuBLASLt one (epilogues, FP8)
     graphs.py     capturing passes as CUDA graphs, and the per-engine GraphRunner
-    graph_edit.py cuBLAS(Lt)'s counter memsets moved off the products' critical path in a captured graph
+    graph_edit.py cuBLAS(Lt)'s counter memsets replaced by a kernel node in a captured graph
     workspace.py  the kernels' scratch buffers (Workspace), an object the engine holds
     geometry.py   the launch geometry, written once; tuning.py the frozen Tuning of its knobs
     colsum.py     the deferred final column sums; gradpass.py the parameter-gradient pass

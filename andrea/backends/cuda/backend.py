@@ -51,9 +51,8 @@ class CudaBackend(EmbedOps, LayerNormOps, LinearOps, AttentionOps, MlpOps, Resid
     gradients in train.precision=fp8 ("e4m3" or "e5m2"). tuning: the launch geometry (Tuning;
     the measured defaults). pdl: programmatic dependent launch where the device has it (runtime.py;
     False launches every kernel the ordinary way: the same bits). graph_edits: the passes' graphs
-    with cuBLAS(Lt)'s counter memsets moved beside the kernel before them and that kernel's edge to
-    the product made programmatic (graph_edit.py; needs pdl; False keeps the graphs as captured:
-    the same bits).
+    with cuBLAS(Lt)'s 4-byte counter memsets replaced by a kernel node that stores the same word
+    (graph_edit.py; False keeps the graphs as captured: the same bits).
 
     The run's FP8 settings (fp8_classifier: 2 all the classifier's products in FP8, 1 the
     backward's, 0 none; fp8_dlogits: dlogits' format; fp8_dlogits_rounding: "stochastic" or

@@ -1,25 +1,20 @@
-"""A captured pass's CUDA graph edited before it is instantiated: cuBLAS(Lt)'s counter memsets moved
-off the products' critical path (GraphRunner applies it where the backend's graph_edits is on).
+"""A captured pass's CUDA graph edited before it is instantiated: cuBLAS(Lt)'s counter memsets replaced
+by a kernel node (GraphRunner applies it where the backend's graph_edits is on).
 
 Some cuBLAS and cuBLASLt algorithms zero 4 bytes at the start of their workspace (a counter their
 kernel uses) with a memset right before the kernel. Captured after a kernel K of ours, such a
-product is the chain K -> memset -> product. A memset node cannot start a programmatic edge, so the
-product is launched only once the memset has completed; on an H200 that left about 1.5 us idle
-before the memset and 2.9 us after it (dev/step_timeline.py), where a product right after one of
-our kernels, with no memset between, starts within 0.1 us of that kernel's end (the capture made
-a programmatic edge to it: cuBLASLt launches its kernels with programmatic dependent launch).
+product is the chain K -> memset -> product. On an H200 (dev/step_timeline.py) the device sat idle
+about 1.5 us before each such memset and 2.9 us after it, where a product right after one of our
+kernels starts within 0.1 us of that kernel's end over the same kind of (full) edge. Moving the
+memset beside K (dev/graph_probe.py --hoist) left the product still 3.5 us behind K: the memset
+node on its path, not its place, is what costs.
 
-The edit applies where the capture shows the libraries launching with the programmatic attribute
-(every edge from one of our kernels to a library's kernel is programmatic: library_edges), to
-every such memset M with one predecessor K that is one of our kernels launched with the attribute,
-M's target inside the cuBLAS or cuBLASLt workspace and M's successors library kernels:
-- M takes K's predecessors as its own, so it runs beside K. The product before K, the last user of
-  the counter, precedes K's predecessors (the passes are one chain), so it has completed;
-- K -> each successor of M becomes an edge like the programmatic one into K (PROGRAMMATIC_EDGE
-  where K has none), as the capture makes when no memset stands between;
-- M -> successor stays a full edge: the product still starts after the zero is written.
-The product reads what it read before (K's outputs through its own wait for K, the zeroed counter),
-so the bits are the same (GPU test tests/cuda/test_graph_edit_cuda.py).
+The edit: each such memset node (4 bytes into the cuBLAS or cuBLASLt workspace, whose successors
+are kernels) is replaced by a kernel node of one thread that stores the same 4 bytes
+(k_graph_counter_store, below), with the memset's dependencies and dependents. The product reads the
+same counter and everything else as before, so the bits are the same
+(tests/cuda/test_graph_edit_cuda.py). The kernel is a graph utility, not an operation of the model:
+it lives here, not in kernels/.
 
 Everything goes through the driver (ctypes on libcuda): the graph CuPy captured is cloned, edited
 and instantiated here; EditedGraph launches that instance and keeps the original alive.
@@ -28,22 +23,40 @@ from __future__ import annotations
 
 import ctypes
 
+# the replacement: one thread stores the 32-bit pattern the memset wrote (a full edge in and out)
+COUNTER_STORE = r'''
+extern "C" __global__ void k_graph_counter_store(unsigned int* dst, unsigned int pattern) { *dst = pattern; }
+'''
+
 CU_GRAPH_NODE_TYPE_KERNEL = 0
 CU_GRAPH_NODE_TYPE_MEMSET = 2
-# CUgraphEdgeData as a little-endian int: from_port | to_port << 8 | type << 16; from
-# CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC (1), type CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC (1)
-PROGRAMMATIC_EDGE = 1 | 1 << 16
 COUNTER_BYTES = 4
-
-
-def is_programmatic(data: int) -> bool:
-    return (data >> 16) & 0xFF != 0
 
 
 class MemsetParams(ctypes.Structure):
     """CUDA_MEMSET_NODE_PARAMS."""
     _fields_ = [("dst", ctypes.c_uint64), ("pitch", ctypes.c_size_t), ("value", ctypes.c_uint),
                 ("elementSize", ctypes.c_uint), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
+
+
+class KernelNodeParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS_v2."""
+    _fields_ = [("func", ctypes.c_void_p), ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint),
+                ("blockDimZ", ctypes.c_uint), ("sharedMemBytes", ctypes.c_uint),
+                ("kernelParams", ctypes.POINTER(ctypes.c_void_p)), ("extra", ctypes.POINTER(ctypes.c_void_p)),
+                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+
+def pattern32(p: MemsetParams) -> int | None:
+    """The 32-bit word a 4-byte memset writes, or None where it is not one aligned word."""
+    if p.elementSize * p.width * p.height != COUNTER_BYTES or p.dst % 4:
+        return None
+    if p.elementSize == 1:
+        return (p.value & 0xFF) * 0x01010101
+    if p.elementSize == 2:
+        return (p.value & 0xFFFF) * 0x00010001
+    return p.value & 0xFFFFFFFF
 
 
 class Driver:
@@ -75,8 +88,10 @@ class Driver:
         # CUDA_ERROR_LOSSY_QUERY without it
         n = ctypes.c_size_t(0)
         self._ok(fn, getattr(self.lib, fn)(ctypes.c_void_p(node), None, None, ctypes.byref(n)))
-        arr = (ctypes.c_void_p * max(n.value, 1))()
-        data = (ctypes.c_uint64 * max(n.value, 1))()
+        if n.value == 0:  # (arrays with a count of 0 are an invalid value)
+            return []
+        arr = (ctypes.c_void_p * n.value)()
+        data = (ctypes.c_uint64 * n.value)()
         self._ok(fn, getattr(self.lib, fn)(ctypes.c_void_p(node), arr, data, ctypes.byref(n)))
         return [(int(arr[i] or 0), int(data[i])) for i in range(n.value)]
 
@@ -89,7 +104,8 @@ class Driver:
         return self._edges("cuGraphNodeGetDependentNodes_v2", node)
 
     def edge(self, g: int, a: int, b: int, add: bool = True, data: int | None = None) -> None:
-        """Add (or remove) a -> b; data: its edge data (None: a full edge)."""
+        """Add (or remove) a -> b; data: its CUgraphEdgeData as an int, from_port | to_port << 8 |
+        type << 16 (None: a full edge)."""
         fn = "cuGraphAddDependencies_v2" if add else "cuGraphRemoveDependencies_v2"
         x, y = (ctypes.c_void_p * 1)(a), (ctypes.c_void_p * 1)(b)
         d = None if data is None else (ctypes.c_uint64 * 1)(data)
@@ -101,12 +117,21 @@ class Driver:
                                                                                    ctypes.byref(p)))
         return p
 
-    def function(self, node: int) -> int:
-        """The CUfunction of a kernel node, or its CUkernel where it was given one (fields 0 and 7
-        of CUDA_KERNEL_NODE_PARAMS_v2): the kernel's identity within the process."""
-        buf = (ctypes.c_uint64 * 16)()  # the struct is 72 bytes on 64-bit; room to spare
-        self._ok("cuGraphKernelNodeGetParams_v2", self.lib.cuGraphKernelNodeGetParams_v2(ctypes.c_void_p(node), buf))
-        return int(buf[0] or buf[7])
+    def add_store_node(self, g: int, func: int, deps: list, dst: int, pattern: int) -> int:
+        """A kernel node of func(dst, pattern), one thread, after deps (full edges); returns it."""
+        a_dst, a_pat = ctypes.c_uint64(dst), ctypes.c_uint32(pattern)
+        args = (ctypes.c_void_p * 2)(ctypes.cast(ctypes.byref(a_dst), ctypes.c_void_p),
+                                     ctypes.cast(ctypes.byref(a_pat), ctypes.c_void_p))
+        p = KernelNodeParams(func=func, gridDimX=1, gridDimY=1, gridDimZ=1, blockDimX=1, blockDimY=1, blockDimZ=1,
+                             kernelParams=args)
+        node = ctypes.c_void_p()
+        d = (ctypes.c_void_p * max(len(deps), 1))(*deps)
+        self._ok("cuGraphAddKernelNode_v2", self.lib.cuGraphAddKernelNode_v2(
+            ctypes.byref(node), ctypes.c_void_p(g), d if deps else None, ctypes.c_size_t(len(deps)), ctypes.byref(p)))
+        return node.value
+
+    def destroy_node(self, node: int) -> None:
+        self._ok("cuGraphDestroyNode", self.lib.cuGraphDestroyNode(ctypes.c_void_p(node)))
 
     def clone(self, g: int) -> int:
         out = ctypes.c_void_p()
@@ -129,73 +154,50 @@ class Driver:
             self.lib.cuGraphDestroy(ctypes.c_void_p(g))
 
 
-def library_edges(drv: Driver, g: int, ours: set) -> dict:
-    """{"programmatic": n, "full": m}: the edges in g from a kernel of ours to a kernel that is not
-    ours (a library's). All programmatic means the library launched its kernels with the
-    programmatic attribute (and so waits in them for the kernel before): the premise of the edit."""
-    out = {"programmatic": 0, "full": 0}
-    for n in drv.nodes(g):
-        if drv.kind(n) != CU_GRAPH_NODE_TYPE_KERNEL or drv.function(n) in ours:
-            continue
-        for p, d in drv.preds(n):
-            if drv.kind(p) == CU_GRAPH_NODE_TYPE_KERNEL and drv.function(p) in ours:
-                out["programmatic" if is_programmatic(d) else "full"] += 1
-    return out
-
-
-def movable_memsets(drv: Driver, g: int, ours: set, workspaces) -> list:
-    """[(memset, K)] of graph g the edit applies to: a 4-byte memset into one of workspaces
-    ([(start, end)] device address ranges) whose one predecessor K is a kernel node of a function
-    in ours (the CUfunctions launched with the programmatic attribute) and whose successors are
-    all kernel nodes of a library (not ours)."""
+def counter_memsets(drv: Driver, g: int, workspaces) -> list:
+    """[(memset node, its 32-bit pattern)] of graph g: the 4-byte memsets into one of workspaces
+    ([(start, end)] device address ranges) whose successors are all kernel nodes."""
     out = []
     for m in drv.nodes(g):
         if drv.kind(m) != CU_GRAPH_NODE_TYPE_MEMSET:
             continue
         p = drv.memset(m)
-        if p.elementSize * p.width * p.height != COUNTER_BYTES or not any(a <= p.dst < b for a, b in workspaces):
+        word = pattern32(p)
+        if word is None or not any(a <= p.dst < b for a, b in workspaces):
             continue
-        pre, succ = drv.preds(m), drv.succs(m)
-        if len(pre) != 1 or not succ:
+        succ = drv.succs(m)
+        if not succ or any(drv.kind(x) != CU_GRAPH_NODE_TYPE_KERNEL for x, _ in succ):
             continue
-        k = pre[0][0]
-        if drv.kind(k) != CU_GRAPH_NODE_TYPE_KERNEL or drv.function(k) not in ours:
-            continue
-        if any(drv.kind(s) != CU_GRAPH_NODE_TYPE_KERNEL or drv.function(s) in ours for s, _ in succ):
-            continue
-        out.append((m, k))
+        out.append((m, word))
     return out
 
 
-def hoist_counter_memsets(drv: Driver, g: int, ours: set, workspaces) -> int:
-    """The edit of this module's header on graph g, in place; returns how many memsets moved. Only
-    where every edge from a kernel of ours to a library's kernel in g is programmatic (else 0)."""
-    edges = library_edges(drv, g, ours)
-    if edges["full"] or not edges["programmatic"]:
-        return 0
-    moves = movable_memsets(drv, g, ours, workspaces)
-    for m, k in moves:
-        into_k = drv.preds(k)
-        data = next((d for _, d in into_k if is_programmatic(d)), PROGRAMMATIC_EDGE)
-        succ = [s for s, _ in drv.succs(m)]
-        drv.edge(g, k, m, add=False)
-        for q, _ in into_k:
-            drv.edge(g, q, m)
-        for s in succ:
-            drv.edge(g, k, s, data=data)
-    return len(moves)
+def replace_counter_memsets(drv: Driver, g: int, store_func: int, workspaces) -> int:
+    """The edit of this module's header on graph g, in place: each counter memset becomes a kernel
+    node of store_func (k_graph_counter_store's CUfunction) with its dependencies and dependents.
+    Returns how many."""
+    found = counter_memsets(drv, g, workspaces)
+    for m, word in found:
+        dst = drv.memset(m).dst
+        preds = [q for q, _ in drv.preds(m)]
+        succ = [x for x, _ in drv.succs(m)]
+        z = drv.add_store_node(g, store_func, preds, dst, word)
+        for x in succ:
+            drv.edge(g, z, x)
+        drv.destroy_node(m)
+    return len(found)
 
 
 class EditedGraph:
-    """A captured CuPy graph, cloned, edited by hoist_counter_memsets and instantiated through the
+    """A captured CuPy graph, cloned, edited by replace_counter_memsets and instantiated through the
     driver: launch(stream=) as CuPy's Graph; .graph is the edited CUgraph, .original the capture."""
 
-    def __init__(self, original, ours: set, workspaces, drv: Driver | None = None):
+    def __init__(self, original, store_func: int, workspaces, drv: Driver | None = None):
         self.drv = drv or Driver()
         self.original = original
         self.graph = self.drv.clone(original.graph)
         try:
-            self.moved = hoist_counter_memsets(self.drv, self.graph, ours, workspaces)
+            self.moved = replace_counter_memsets(self.drv, self.graph, store_func, workspaces)
             self.exec = self.drv.instantiate(self.graph)
         except Exception:
             self.drv.destroy(g=self.graph)

@@ -47,17 +47,19 @@ def replay_ms(graph, stream, reps: int) -> float:
 
 
 def edited(be, graph):
-    """A pass's captured graph with graph_edit.py's edit, or graph itself where the backend's
-    graph_edits or pdl is off, or the edit moves nothing (its premise not shown in the capture)."""
-    rt = be.rt
-    if not (getattr(be, "graph_edits", False) and rt.pdl and rt.pdl_functions):
+    """A pass's captured graph with graph_edit.py's edit (cuBLAS(Lt)'s counter memsets replaced by a
+    kernel node), or graph itself where the backend's graph_edits is off or there is nothing to edit."""
+    if not getattr(be, "graph_edits", False):
         return graph
-    from .graph_edit import EditedGraph
+    from .graph_edit import COUNTER_STORE, EditedGraph
     spaces = [(be.blas.workspace.data.ptr, be.blas.workspace.data.ptr + be.blas.workspace.nbytes)]
     if be.lt is not None:
         w = be.lt.workspace
         spaces.append((w.data.ptr, w.data.ptr + w.nbytes))
-    e = EditedGraph(graph, rt.pdl_functions, spaces)
+    store = getattr(be, "_counter_store", None)
+    if store is None:
+        store = be._counter_store = cp.RawKernel(COUNTER_STORE, "k_graph_counter_store")
+    e = EditedGraph(graph, store.kernel.ptr, spaces)
     if not e.moved:
         return graph
     be.graph_memsets_moved += e.moved

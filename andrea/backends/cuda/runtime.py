@@ -132,7 +132,6 @@ class Runtime:
         self._pdl_driver = None
         self._pdl_arch_ok = None
         self.pdl_launches = 0  # launches made with the attribute (the tests' check that it was used)
-        self.pdl_functions: set = set()  # the CUfunction handles launched with it (graph_edit.py's "ours")
 
     def source(self, fname: str) -> str:
         path = self.sources.get(fname, self.dir / fname)
@@ -169,7 +168,6 @@ class Runtime:
             self._pdl_driver.launch(kernel, ptr, grid, block, shared_mem, cp.cuda.get_current_stream().ptr, args,
                                     cp.ndarray)
             self.pdl_launches += 1
-            self.pdl_functions.add(int(ptr))
             return
         f(grid if isinstance(grid, tuple) else (grid,), block if isinstance(block, tuple) else (block,), args,
           shared_mem=shared_mem)
