@@ -159,16 +159,10 @@ def record(exp, precision, B, replays, settings=None, warmup=4, hoist=False):
         eng.train_step(step[0], [batches[step[0] % 4]])
     runs["Engine.train_step"] = train_step
 
+    from andrea.backends.cuda.graphs import event_ms
+
     def timed(fn):
-        for _ in range(2):
-            fn()
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        for _ in range(replays):
-            fn()
-        end.record()
-        end.synchronize()
-        return cp.cuda.get_elapsed_time(start, end) / replays
+        return event_ms(fn, replays, warmup=2)
 
     ms = {k: [timed(fn)] for k, fn in runs.items()}
     events = {}

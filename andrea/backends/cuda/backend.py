@@ -84,7 +84,7 @@ class CudaBackend(EmbedOps, LayerNormOps, LinearOps, AttentionOps, MlpOps, Resid
         self.rt = Runtime(sources)
         self.rt.pdl = bool(pdl)
         self.graph_edits = bool(graph_edits)
-        self.graph_memsets_moved = 0  # by graph_edit.py, over every graph graphs.edited made
+        self.graph_memsets_replaced = 0  # by graph_edit.py, over every graph graphs.edited made
         self.workspace = Workspace()
         self.colsums = DeferredColsums(self.rt)  # the column sums a param_grad_pass defers
         self.grads = GradPass(self.rt, self.workspace, self.colsums)

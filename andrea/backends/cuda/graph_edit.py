@@ -197,7 +197,7 @@ class EditedGraph:
         self.original = original
         self.graph = self.drv.clone(original.graph)
         try:
-            self.moved = replace_counter_memsets(self.drv, self.graph, store_func, workspaces)
+            self.replaced = replace_counter_memsets(self.drv, self.graph, store_func, workspaces)
             self.exec = self.drv.instantiate(self.graph)
         except Exception:
             self.drv.destroy(g=self.graph)

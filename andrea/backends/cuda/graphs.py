@@ -6,6 +6,7 @@ of the passes it was asked to run, by key.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 from .runtime import cp
 
@@ -59,10 +60,14 @@ def edited(be, graph):
     store = getattr(be, "_counter_store", None)
     if store is None:
         store = be._counter_store = cp.RawKernel(COUNTER_STORE, "k_graph_counter_store")
-    e = EditedGraph(graph, store.kernel.ptr, spaces)
-    if not e.moved:
+    try:
+        e = EditedGraph(graph, store.kernel.ptr, spaces)
+    except RuntimeError as err:  # a graph the driver will not clone or edit: run it as captured
+        warnings.warn(f"graph_edits: the captured graph is run unedited ({err})", RuntimeWarning, stacklevel=2)
         return graph
-    be.graph_memsets_moved += e.moved
+    if not e.replaced:
+        return graph
+    be.graph_memsets_replaced += e.replaced
     return e
 
 
