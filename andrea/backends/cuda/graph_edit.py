@@ -147,6 +147,20 @@ class Driver:
     def launch(self, ex: int, stream_ptr: int) -> None:
         self._ok("cuGraphLaunch", self.lib.cuGraphLaunch(ctypes.c_void_p(ex), ctypes.c_void_p(stream_ptr)))
 
+    def dot(self, g: int) -> str:
+        """Graph g as DOT (cuGraphDebugDotPrint, flags 0), as CuPy's Graph.debug_dot_str gives it."""
+        import os
+        import tempfile
+        fd, path = tempfile.mkstemp(suffix=".dot")
+        os.close(fd)
+        try:
+            self._ok("cuGraphDebugDotPrint", self.lib.cuGraphDebugDotPrint(ctypes.c_void_p(g), path.encode(),
+                                                                          ctypes.c_uint(0)))
+            with open(path) as f:
+                return f.read()
+        finally:
+            os.unlink(path)
+
     def destroy(self, g: int = 0, ex: int = 0) -> None:
         if ex:
             self.lib.cuGraphExecDestroy(ctypes.c_void_p(ex))
@@ -209,7 +223,8 @@ class EditedGraph:
         self.drv.launch(self.exec, s.ptr)
 
     def debug_dot_str(self):
-        return self.original.debug_dot_str()
+        """The edited graph as DOT (what runs; .original.debug_dot_str() is the capture's)."""
+        return self.drv.dot(self.graph)
 
     def __del__(self):
         drv, ex, g = getattr(self, "drv", None), getattr(self, "exec", 0), getattr(self, "graph", 0)
