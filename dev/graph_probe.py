@@ -27,7 +27,6 @@ Needs a CUDA GPU and CuPy; elsewhere it says so and exits 2.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import re
 import sys
 from collections import Counter
@@ -50,65 +49,6 @@ def census(dot: str):
     after = Counter(labels[int(b)][0] for a, b in EDGE.findall(dot) if kind[int(a)] == "MEMSET")
     return types, kernels, after
 
-class Driver:
-    """The few CUDA driver calls that edit a captured graph (libcuda, the CUDA 12.3+ _v2 forms
-    that take edge data; NULL for default edges)."""
-
-    def __init__(self):
-        self.lib = ctypes.CDLL("libcuda.so.1")
-
-    def _ok(self, what, rc):
-        if rc != 0:
-            raise RuntimeError(f"{what}: CUresult {rc}")
-
-    def nodes(self, g):
-        n = ctypes.c_size_t(0)
-        self._ok("cuGraphGetNodes", self.lib.cuGraphGetNodes(ctypes.c_void_p(g), None, ctypes.byref(n)))
-        arr = (ctypes.c_void_p * n.value)()
-        self._ok("cuGraphGetNodes", self.lib.cuGraphGetNodes(ctypes.c_void_p(g), arr, ctypes.byref(n)))
-        return [int(x or 0) for x in arr]
-
-    def kind(self, node):
-        t = ctypes.c_int(-1)
-        self._ok("cuGraphNodeGetType", self.lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(t)))
-        return t.value  # 0 kernel, 1 memcpy, 2 memset, ...
-
-    def _list(self, fn, node):
-        # the edge data must be asked for too: a graph with programmatic edges (kernels launched
-        # with programmatic dependent launch) answers CUDA_ERROR_LOSSY_QUERY (402) without it
-        n = ctypes.c_size_t(0)
-        self._ok(fn, getattr(self.lib, fn)(ctypes.c_void_p(node), None, None, ctypes.byref(n)))
-        arr = (ctypes.c_void_p * max(n.value, 1))()
-        data = (ctypes.c_uint64 * max(n.value, 1))()  # CUgraphEdgeData: 8 bytes each
-        self._ok(fn, getattr(self.lib, fn)(ctypes.c_void_p(node), arr, data, ctypes.byref(n)))
-        return [int(x or 0) for x in arr[:n.value]]
-
-    def preds(self, node):
-        return self._list("cuGraphNodeGetDependencies_v2", node)
-
-    def succs(self, node):
-        return self._list("cuGraphNodeGetDependentNodes_v2", node)
-
-    def edge(self, g, a, b, add=True):
-        fn = "cuGraphAddDependencies_v2" if add else "cuGraphRemoveDependencies_v2"
-        x, y = (ctypes.c_void_p * 1)(a), (ctypes.c_void_p * 1)(b)
-        self._ok(fn, getattr(self.lib, fn)(ctypes.c_void_p(g), x, y, None, ctypes.c_size_t(1)))
-
-    def clone(self, g):
-        out = ctypes.c_void_p()
-        self._ok("cuGraphClone", self.lib.cuGraphClone(ctypes.byref(out), ctypes.c_void_p(g)))
-        return out.value
-
-    def instantiate(self, g):
-        ex = ctypes.c_void_p()
-        self._ok("cuGraphInstantiateWithFlags",
-                 self.lib.cuGraphInstantiateWithFlags(ctypes.byref(ex), ctypes.c_void_p(g), ctypes.c_ulonglong(0)))
-        return ex.value
-
-    def launch(self, ex, stream_ptr):
-        self._ok("cuGraphLaunch", self.lib.cuGraphLaunch(ctypes.c_void_p(ex), ctypes.c_void_p(stream_ptr)))
-
-
 def dot_nodes(dot: str):
     """[(label's first line, second line)] of the DOT's nodes in their order (node_0, node_1, ...)."""
     found = re.findall(r'"[^"]*node_(\d+)"\[[^\]]*label="\d+\n(.*?)\n(.*?)"\]', dot, re.S)
@@ -127,14 +67,14 @@ def hoist_memsets(drv, g, labels):
     for i, n in enumerate(nodes):
         if kinds[i] != 2 or labels[i][1] != "(0,4)":
             continue
-        pre = drv.preds(n)
+        pre = [q for q, _ in drv.preds(n)]
         if len(pre) != 1 or labels[index[pre[0]]][0].startswith("nvjet"):
             continue
         k = pre[0]
         drv.edge(g, k, n, add=False)
-        for q in drv.preds(k):
+        for q, _ in drv.preds(k):
             drv.edge(g, q, n)
-        for s in drv.succs(n):
+        for s, _ in drv.succs(n):
             drv.edge(g, k, s)
         moved += 1
     return moved
@@ -195,6 +135,7 @@ def main(argv=None) -> int:
         rows.append(("passes then optimizer (a step)", event_ms(lambda: (P.launch(stream=hi), O.launch(stream=hi)),
                                                              a.reps)))
     if a.hoist:
+        from andrea.backends.cuda.graph_edit import Driver
         drv = Driver()
         dot = (out / "passes.dot").read_text()
         plain = drv.clone(P.graph)

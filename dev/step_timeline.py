@@ -139,7 +139,8 @@ def record(exp, precision, B, replays, settings=None, warmup=4, hoist=False):
     stream = cp.cuda.get_current_stream()
     runs = {"graphs replayed": lambda: (P.launch(stream=stream), O.launch(stream=stream))}
     if hoist:
-        from graph_probe import Driver, dot_nodes, hoist_memsets
+        from andrea.backends.cuda.graph_edit import Driver
+        from graph_probe import dot_nodes, hoist_memsets
         drv = Driver()
         dot = P.debug_dot_str()
         edited = drv.clone(P.graph)

@@ -81,8 +81,7 @@ def test_counter_memsets_replaced_on_a_captured_pass():
         assert p.elementSize * p.width * p.height == 4 and any(a <= p.dst < b for a, b in spaces)
         assert word == 0  # cuBLAS(Lt) zero their counters
     kinds = [drv.kind(n) for n in drv.nodes(clone)]
-    store = cp.RawKernel(ge.COUNTER_STORE, "k_graph_counter_store")
-    assert ge.replace_counter_memsets(drv, clone, store.kernel.ptr, spaces) == len(found)
+    assert ge.replace_counter_memsets(drv, clone, ge.store_function(), spaces) == len(found)
     assert ge.counter_memsets(drv, clone, spaces) == []
     after = [drv.kind(n) for n in drv.nodes(clone)]
     assert after.count(ge.CU_GRAPH_NODE_TYPE_MEMSET) == kinds.count(ge.CU_GRAPH_NODE_TYPE_MEMSET) - len(found)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import ctypes
 
+from .runtime import cp
+
 # the replacement: one thread stores the 32-bit pattern the memset wrote (a full edge in and out)
 COUNTER_STORE = r'''
 extern "C" __global__ void k_graph_counter_store(unsigned int* dst, unsigned int pattern) { *dst = pattern; }
@@ -46,6 +48,17 @@ class KernelNodeParams(ctypes.Structure):
                 ("blockDimZ", ctypes.c_uint), ("sharedMemBytes", ctypes.c_uint),
                 ("kernelParams", ctypes.POINTER(ctypes.c_void_p)), ("extra", ctypes.POINTER(ctypes.c_void_p)),
                 ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+
+_STORE: dict = {}  # device id -> k_graph_counter_store compiled for it
+
+
+def store_function() -> int:
+    """k_graph_counter_store's CUfunction on the current device, compiled once."""
+    dev = cp.cuda.Device().id
+    if dev not in _STORE:
+        _STORE[dev] = cp.RawKernel(COUNTER_STORE, "k_graph_counter_store")
+    return _STORE[dev].kernel.ptr
 
 
 def pattern32(p: MemsetParams) -> int | None:
@@ -218,7 +231,6 @@ class EditedGraph:
             raise
 
     def launch(self, stream=None):
-        from .runtime import cp
         s = stream if stream is not None else cp.cuda.get_current_stream()
         self.drv.launch(self.exec, s.ptr)
 

@@ -52,16 +52,11 @@ def edited(be, graph):
     kernel node), or graph itself where the backend's graph_edits is off or there is nothing to edit."""
     if not getattr(be, "graph_edits", False):
         return graph
-    from .graph_edit import COUNTER_STORE, EditedGraph
-    spaces = [(be.blas.workspace.data.ptr, be.blas.workspace.data.ptr + be.blas.workspace.nbytes)]
-    if be.lt is not None:
-        w = be.lt.workspace
-        spaces.append((w.data.ptr, w.data.ptr + w.nbytes))
-    store = getattr(be, "_counter_store", None)
-    if store is None:
-        store = be._counter_store = cp.RawKernel(COUNTER_STORE, "k_graph_counter_store")
+    from .graph_edit import EditedGraph, store_function
+    spaces = [(w.data.ptr, w.data.ptr + w.nbytes) for w in
+              [be.blas.workspace] + ([be.lt.workspace] if be.lt is not None else [])]
     try:
-        e = EditedGraph(graph, store.kernel.ptr, spaces)
+        e = EditedGraph(graph, store_function(), spaces)
     except RuntimeError as err:  # a graph the driver will not clone or edit: run it as captured
         warnings.warn(f"graph_edits: the captured graph is run unedited ({err})", RuntimeWarning, stacklevel=2)
         return graph
