@@ -76,7 +76,11 @@ class NumpyBackend:
     def zeros(self, shape, dtype):
         return np.zeros(shape, dtype=np.dtype(dtype))
 
-    def upload(self, dst, src):
+    def mark(self):
+        """Nothing is queued on the CPU: no point to mark."""
+        return None
+
+    def upload(self, dst, src, free=None):
         dst[...] = np.asarray(src, dtype=dst.dtype).reshape(dst.shape)
 
     def write(self, dst, src):
