@@ -91,7 +91,7 @@ def test_bench_table_ratio_is_ours_over_theirs():
 
 def test_bench_settings_parse_and_refuse():
     """--set NAME=VALUE: parsed to a dict (ints where they parse); split into the CUDA backend's
-    constructor options (a Tuning with the geometry fields, pdl, graph_edits, side_uploads) and the run's FP8 settings;
+    constructor options (a Tuning with the geometry fields, pdl, graph_edits) and the run's FP8 settings;
     anything else, or a value its field does not take, is an error naming it."""
     import pytest
 
@@ -103,9 +103,8 @@ def test_bench_settings_parse_and_refuse():
         with pytest.raises(SystemExit, match="expected ATTR=VALUE"):
             parse_settings([bad])
     options, run = backend_settings({"ln_blocks": 528, "loss_prefetch": 0, "fp8_dlogits_rounding": "nearest",
-                                     "pdl": 0, "graph_edits": "1", "side_uploads": 0})
-    assert options == {"tuning": Tuning(ln_blocks=528, loss_prefetch=False), "pdl": False, "graph_edits": True,
-                       "side_uploads": False}
+                                     "pdl": 0, "graph_edits": "1"})
+    assert options == {"tuning": Tuning(ln_blocks=528, loss_prefetch=False), "pdl": False, "graph_edits": True}
     assert run == {"fp8_dlogits_rounding": "nearest"}
     assert backend_settings({}) == ({"tuning": Tuning()}, {})
     with pytest.raises(SystemExit, match="nope: not a setting of the CUDA backend"):

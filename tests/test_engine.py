@@ -196,36 +196,3 @@ def test_backward_needs_no_zeroed_workspace(dtype):
         grads.append(eng.grads.copy())
     assert np.isfinite(grads[1]).all() and grads[1].any()
     np.testing.assert_array_equal(grads[1], grads[0])
-
-
-def test_uploads_wait_for_their_last_reader():
-    """train_step's uploads name the point after which nothing reads the buffer's old contents
-    (upload's free, which the CUDA backend's side stream waits for instead of all queued work):
-    the tokens and targets the last training pass, lr and step the last record's download; a first
-    step, or inputs written for an evaluation since, have none (the copy then waits for everything)."""
-    from andrea.backends.numpy_backend import NumpyBackend
-
-    class Spy(NumpyBackend):
-        log = []
-
-        def mark(self):
-            self.log.append(("mark", len(self.log)))
-            return self.log[-1]
-
-        def upload(self, dst, src, free=None):
-            what = "state" if np.shares_memory(dst, eng.optim_state) else "inputs"
-            self.log.append((what, free))
-            super().upload(dst, src, free)
-
-    eng = Engine(make_cfg(), backend=Spy())
-    rng = np.random.default_rng(7)
-    eng.train_step(1, [batch(rng, 2)])
-    eng.train_step(2, [batch(rng, 2), batch(rng, 2)])
-    eng.val_loss([batch(rng, 2)])
-    eng.train_step(3, [batch(rng, 2)])
-    log = Spy.log
-    m = [e for e in log if e[0] == "mark"]
-    assert log == [("inputs", None), ("inputs", None), m[0], ("state", None), m[1],  # step 1
-                   ("inputs", m[0]), ("inputs", m[0]), m[2], ("inputs", m[2]), ("inputs", m[2]), m[3],
-                   ("state", m[1]), m[4],  # step 2: its second microbatch after its first
-                   ("inputs", None), ("inputs", None), m[5], ("state", m[4]), m[6]]  # step 3, after an evaluation

@@ -129,16 +129,10 @@ class Backend(Protocol):
     def zeros(self, shape, dtype) -> Any:
         """A new zero-filled array of the backend."""
 
-    def mark(self) -> Any:
-        """A point in the work queued so far (CUDA: an event recorded on the current stream; None
-        on the CPU), for upload's free."""
-
-    def upload(self, dst, src, free=None) -> None:
+    def upload(self, dst, src) -> None:
         """Copy host array src into the existing array dst (same size; converted to dst's
         dtype; no new buffer). CUDA queues the copy on the current stream without waiting for
-        the device; src may be reused at once. free: a mark() after which nothing queued reads or
-        writes dst's old contents: CUDA then starts the copy as soon as that point is reached,
-        beside the work queued after it, and the current stream waits for the copy."""
+        the device; src may be reused at once."""
 
     def write(self, dst, src) -> None:
         """dst = src now: the host waits for the copy (large one-off copies: weights, optimizer

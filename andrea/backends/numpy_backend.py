@@ -76,11 +76,7 @@ class NumpyBackend:
     def zeros(self, shape, dtype):
         return np.zeros(shape, dtype=np.dtype(dtype))
 
-    def mark(self):
-        """Nothing is queued on the CPU: no point to mark."""
-        return None
-
-    def upload(self, dst, src, free=None):
+    def upload(self, dst, src):
         dst[...] = np.asarray(src, dtype=dst.dtype).reshape(dst.shape)
 
     def write(self, dst, src):

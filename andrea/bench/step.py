@@ -106,7 +106,8 @@ def graph_step_ms(eng, x, y, reps=5):
     import cupy as cp
 
     from ..core import model
-    eng.write_inputs(x, y)
+    eng.be.write(eng.g["tokens"], x)
+    eng.be.write(eng.g["targets"], y)
     cp.cuda.Stream.null.synchronize()
     s = cp.cuda.Stream(non_blocking=True)
     n_head = eng.cfg.model.n_head
@@ -126,7 +127,8 @@ def profile_step(eng, x, y):
 
 def _profile_calls(eng, be, x, y, model):
     gt = GraphTimed(be)
-    eng.write_inputs(x, y)
+    be.write(eng.g["tokens"], x)
+    be.write(eng.g["targets"], y)
     n_head = eng.cfg.model.n_head
     model.forward(gt, eng.p, eng.layers, eng.g, n_head, loss=False)
     model.backward(gt, eng.p, eng.dp, eng.layers, eng.g, n_head, eng.dloss, start=eng.grads)  # a first pass
@@ -157,16 +159,13 @@ def bench_config(exp, precision, B, steps):
                                       "steps": steps, "warmup_steps": 0}})
 
 
-BACKEND_SWITCHES = ("pdl", "graph_edits", "side_uploads")  # the CUDA backend's on/off options of --set
-
-
 def backend_settings(settings) -> tuple:
     """--set's settings as (options of the CUDA backend's constructor, the run's FP8 settings): a
-    field of its Tuning (the launch geometry, e.g. ln_blocks=528) goes into its tuning; pdl
-    (programmatic dependent launch), graph_edits (cuda/graph_edit.py) and side_uploads (the
-    per-step uploads on a side stream), each 0 or 1, are its own options; fp8_classifier,
-    fp8_dlogits, fp8_dlogits_rounding and fp8_scaling are the run's FP8 settings
-    (be.set_fp8_run). An unknown name, or a value its field does not take, is an error naming it."""
+    field of its Tuning (the launch geometry, e.g. ln_blocks=528) goes into its tuning, pdl (0 or 1:
+    programmatic dependent launch) and graph_edits (0 or 1: cuda/graph_edit.py) are its own
+    options, and fp8_classifier, fp8_dlogits, fp8_dlogits_rounding or fp8_scaling are the run's FP8
+    settings (be.set_fp8_run). An unknown
+    name, or a value its field does not take, is an error naming it."""
     import dataclasses
 
     from ..backends.cuda.backend import FP8_RUN_DEFAULTS
@@ -177,7 +176,7 @@ def backend_settings(settings) -> tuple:
     tuning = {k: str(settings.pop(k)) for k in list(settings) if k in fields}
     run = {k: settings.pop(k) for k in list(settings) if k in FP8_RUN_DEFAULTS}
     options = {}
-    for name in BACKEND_SWITCHES:  # the backend's own on/off options
+    for name in ("pdl", "graph_edits"):  # the backend's own on/off options
         if name in settings:
             value = str(settings.pop(name))
             if value not in ("0", "1"):
@@ -185,7 +184,7 @@ def backend_settings(settings) -> tuple:
             options[name] = value == "1"
     if settings:
         raise SystemExit(f"--set {', '.join(settings)}: not a setting of the CUDA backend; expected one of "
-                         f"{', '.join(fields + list(FP8_RUN_DEFAULTS) + list(BACKEND_SWITCHES))}")
+                         f"{', '.join(fields + list(FP8_RUN_DEFAULTS) + ['pdl', 'graph_edits'])}")
     try:
         options["tuning"] = Tuning().with_settings(tuning)
     except ValueError as e:

@@ -84,24 +84,6 @@ def fp8_classifier_runs(cfg: AndreaConfig, level: int) -> bool:
     return fp8_backend().fp8_classifier_fits(N, m.vocab_size, model.loss_chunk_rows(N, m.vocab_size))
 
 
-def answer_targets(cfg: AndreaConfig, comm, batches):
-    """A loss_on=assistant step: each microbatch's targets outside the answers (the loader's
-    keep) set to IGNORE_INDEX, and the factor that turns the step's mean over all its positions
-    into the mean over the counted ones, on every rank (n_micro * B*T / counted): the gradient
-    is then torch's cross_entropy(ignore_index=-1) over the whole step's batch, whatever its
-    microbatches and ranks. A step with no counted target keeps the factor 1 (zero gradient)."""
-    if any(len(b) < 3 for b in batches):
-        raise ValueError("train.phases[].loss_on=assistant: the batches carry no answer mask; "
-                         "expected the loader of data.loader.train_loader for this config")
-    out = [(x, np.where(keep, y, IGNORE_INDEX).astype(np.int32)) for x, y, keep in batches]
-    counted = sum(int(keep.sum()) for _, _, keep in batches)
-    if comm.size > 1:  # every rank's count: rank 0 adds them up and tells the others
-        every = comm.gather(np.array([counted], dtype=np.int64))
-        counted = comm.bcast(None if every is None else int(every.sum()))
-    n_pos = len(batches) * comm.size * cfg.train.batch_size * cfg.train.seq_len
-    return out, (n_pos / counted if counted else 1.0)
-
-
 class Engine(StateMixin):
     """Owns every buffer and the optimizer state of one model; runs steps on one backend."""
 
@@ -195,9 +177,6 @@ class Engine(StateMixin):
             tensors = [(role, self.p[w]) for role, w in fp8_delayed_tensors(m)]
             self.fp8_scales = self.be.use_fp8_delayed_scales(tensors, bufs["fp8_delayed"])
         self.graphs = self.be.graph_runner()
-        # be.mark()s after the last reader of a per-step input, which its next upload waits for (not
-        # all work since): "inputs" the last training pass, "state" the last step record's download
-        self._free = {}
 
     def slot_input(self, layer: int, name: str):
         """The array an FP8 input slot names (fp8_input_slots): layer's saved activation, or the
@@ -312,16 +291,10 @@ class Engine(StateMixin):
         first recorded one is known not skipped: _fp8_settle, so that an evaluation right after
         that step does not take its own amax into the scales' rows)."""
         self._fp8_settle()
-        self.write_inputs(x, y)
-        model.forward(self.be, self.p, self.layers, self.g, self.cfg.model.n_head)
-        return float(np.mean(self.be.to_numpy(self.g["losses"]), dtype=np.float64))
-
-    def write_inputs(self, x, y):
-        """g's tokens and targets = x, y now (the host waits), for passes outside train_step: the
-        next step's upload then waits for all the work queued before it."""
-        self._free.pop("inputs", None)
         self.be.write(self.g["tokens"], x)
         self.be.write(self.g["targets"], y)
+        model.forward(self.be, self.p, self.layers, self.g, self.cfg.model.n_head)
+        return float(np.mean(self.be.to_numpy(self.g["losses"]), dtype=np.float64))
 
     def forward_backward(self, x, y) -> float:
         """Forward + backward of one microbatch; ADDS its gradient (times the loss scale, of the
@@ -337,9 +310,8 @@ class Engine(StateMixin):
         them (param_grad_pass(start=grads)), so nothing zeroes them between steps. last: the step's
         last microbatch, whose pass issues the sums over the ranks in buckets (self.buckets)."""
         be, nh = self.be, self.cfg.model.n_head
-        free = self._free.pop("inputs", None)  # the last pass that read them: the copies start then
-        be.upload(self.g["tokens"], x, free=free)
-        be.upload(self.g["targets"], y, free=free)
+        be.upload(self.g["tokens"], x)
+        be.upload(self.g["targets"], y)
         ready = self.buckets.ready if last and self.buckets else None
 
         def passes():
@@ -359,7 +331,6 @@ class Engine(StateMixin):
         # otherwise); the key holds what the graph bakes in (this engine's buffers, and whether
         # the delayed scales have a history)
         self._run(("passes", accumulate, first, live, ready is not None), passes)
-        self._free["inputs"] = be.mark()
 
     def _optimizer(self, n_micro):
         """Queue the end of the step: the sum over the ranks, norm, non-finite policy, loss scale,
@@ -420,27 +391,42 @@ class Engine(StateMixin):
         work and returns at once (the CUDA backend lets the host run a few steps ahead); the
         returned record waits for the step's results when first read. In a phase of
         loss_on=assistant each batch is (x, y, keep) and the loss is the mean over the kept
-        targets of the whole step (answer_targets); otherwise (x, y), any keep left unused."""
+        targets of the whole step (_answer_targets); otherwise (x, y), any keep left unused."""
         lr = lr_at(self.cfg, step)
         self._fp8_settle()
         first_amax = self.fp8_delayed and not self.fp8_scales.live
+        self.be.upload(self.optim_state[S_LR:S_STEP + 1], [lr, step])
         ph = phase_of(self.cfg, step)
         mean = 1.0  # the loss gradient's correction to the mean over the counted targets
         if ph is not None and ph.loss_on == "assistant":
-            batches, mean = answer_targets(self.cfg, self.comm, batches)
+            batches, mean = self._answer_targets(batches)
             self.dloss *= np.float32(mean)  # queued before the passes read it; k_step_check rewrites it
         for i, (x, y, *_) in enumerate(batches):
             self._passes(x, y, first=i == 0, last=i == len(batches) - 1)  # the first starts the gradients
-        # lr, step: copied beside the passes once the last record is read (only the optimizer reads them)
-        self.be.upload(self.optim_state[S_LR:S_STEP + 1], [lr, step], free=self._free.pop("state", None))
         if mean != 1.0:
             self.optim_state[S_LOSS_SUM:S_LOSS_SUM + 1] *= mean  # the recorded loss: that same mean
         self._optimizer(len(batches))
         rec = StepRecord(step, lr, self.be.download_async(self.optim_state))
-        self._free["state"] = self.be.mark()
         if first_amax:  # the step took its amax first; read its record before the next
             self._fp8_first = rec
         return rec
+
+    def _answer_targets(self, batches):
+        """A loss_on=assistant step: each microbatch's targets outside the answers (the loader's
+        keep) set to IGNORE_INDEX, and the factor that turns the step's mean over all its positions
+        into the mean over the counted ones, on every rank (n_micro * B*T / counted): the gradient
+        is then torch's cross_entropy(ignore_index=-1) over the whole step's batch, whatever its
+        microbatches and ranks. A step with no counted target keeps the factor 1 (zero gradient)."""
+        if any(len(b) < 3 for b in batches):
+            raise ValueError("train.phases[].loss_on=assistant: the batches carry no answer mask; "
+                             "expected the loader of data.loader.train_loader for this config")
+        out = [(x, np.where(keep, y, IGNORE_INDEX).astype(np.int32)) for x, y, keep in batches]
+        counted = sum(int(keep.sum()) for _, _, keep in batches)
+        if self.comm.size > 1:  # every rank's count: rank 0 adds them up and tells the others
+            every = self.comm.gather(np.array([counted], dtype=np.int64))
+            counted = self.comm.bcast(None if every is None else int(every.sum()))
+        n_pos = len(batches) * self.comm.size * self.cfg.train.batch_size * self.cfg.train.seq_len
+        return out, (n_pos / counted if counted else 1.0)
 
     # ------------------------------------------------------------ inference
     def val_loss(self, batches) -> float:

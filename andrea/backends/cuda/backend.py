@@ -52,10 +52,7 @@ class CudaBackend(EmbedOps, LayerNormOps, LinearOps, AttentionOps, MlpOps, Resid
     the measured defaults). pdl: programmatic dependent launch where the device has it (runtime.py;
     False launches every kernel the ordinary way: the same bits). graph_edits: the passes' graphs
     with cuBLAS(Lt)'s 4-byte counter memsets replaced by a kernel node that stores the same word
-    (graph_edit.py; False keeps the graphs as captured: the same bits). side_uploads: an upload
-    given a mark (upload's free) runs on a side stream as soon as that mark is reached, and the
-    current stream waits for it, so the engine's per-step inputs are copied while the work before
-    them runs (False: every upload on the current stream, behind all queued work: the same bits).
+    (graph_edit.py; False keeps the graphs as captured: the same bits).
 
     The run's FP8 settings (fp8_classifier: 2 all the classifier's products in FP8, 1 the
     backward's, 0 none; fp8_dlogits: dlogits' format; fp8_dlogits_rounding: "stochastic" or
@@ -74,7 +71,7 @@ class CudaBackend(EmbedOps, LayerNormOps, LinearOps, AttentionOps, MlpOps, Resid
     fp8_scaling = FP8_RUN_DEFAULTS["fp8_scaling"]
 
     def __init__(self, attention: str = "fused", cublaslt: bool = True, sources=None, fp8_grad: str = FP8_GRAD,
-                 tuning: Tuning = DEFAULT, pdl: bool = True, graph_edits: bool = True, side_uploads: bool = True):
+                 tuning: Tuning = DEFAULT, pdl: bool = True, graph_edits: bool = True):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r}: expected one of {', '.join(ATTENTION_PATHS)}")
         if not isinstance(tuning, Tuning):
@@ -88,8 +85,6 @@ class CudaBackend(EmbedOps, LayerNormOps, LinearOps, AttentionOps, MlpOps, Resid
         self.rt.pdl = bool(pdl)
         self.graph_edits = bool(graph_edits)
         self.graph_memsets_replaced = 0  # by graph_edit.py, over every graph graphs.edited made
-        self.side_uploads = bool(side_uploads)
-        self._side = None  # the stream of upload(free=...)'s copies, made on first use
         self.workspace = Workspace()
         self.colsums = DeferredColsums(self.rt)  # the column sums a param_grad_pass defers
         self.grads = GradPass(self.rt, self.workspace, self.colsums)
@@ -211,33 +206,14 @@ class CudaBackend(EmbedOps, LayerNormOps, LinearOps, AttentionOps, MlpOps, Resid
     def zeros(self, shape, dtype):
         return self.cp.zeros(shape, dtype=np.dtype(dtype))
 
-    def mark(self):
-        """A point in the work queued so far on the current stream (an event recorded there now),
-        for upload's free."""
-        ev = self.cp.cuda.Event(block=False, disable_timing=True)
-        ev.record(self.cp.cuda.get_current_stream())
-        return ev
-
-    def upload(self, dst, src, free=None):
-        """dst (a device array) = src (host), queued: the host does not wait for the device (src is
-        copied to a pinned buffer first, so the caller may reuse it at once). Without free the copy
-        is queued on the current stream, behind all the work there. free: a mark (mark()) after
-        which nothing queued reads or writes dst's old contents; the copy then runs on the side
-        stream once that mark is reached, and the current stream waits for it (side_uploads off:
-        as without free)."""
+    def upload(self, dst, src):
+        """dst (a device array) = src (host), queued on the current stream: the host does not wait
+        for the device (src is copied to a pinned buffer first, so the caller may reuse it at once)."""
         buf, ev = self._ring("up", dst).take()
         buf[...] = np.asarray(src, dtype=dst.dtype).reshape(dst.shape)
         stream = self.cp.cuda.get_current_stream()
-        copy = stream
-        if free is not None and self.side_uploads:
-            if self._side is None:
-                self._side = self.cp.cuda.Stream(non_blocking=True)
-            copy = self._side
-            copy.wait_event(free)
-        dst.data.copy_from_host_async(ctypes.c_void_p(buf.ctypes.data), dst.nbytes, copy)
-        ev.record(copy)
-        if copy is not stream:
-            stream.wait_event(ev)
+        dst.data.copy_from_host_async(ctypes.c_void_p(buf.ctypes.data), dst.nbytes, stream)
+        ev.record(stream)
 
     def write(self, dst, src):
         """dst = src now (a synchronous copy; the host waits for it)."""
