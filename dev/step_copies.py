@@ -5,8 +5,8 @@
 An engine is warmed up with Engine.train_step; then its step's two graphs (passes P, optimizer O)
 are replayed back to back with the step's copies between them in one form or another, each form
 for --steps steps between CUDA events, the forms taking turns round by round (as in
-dev/ab_settings.py). Every copy writes the bytes already there (the last step's tokens, targets,
-lr and step), so the graphs compute what they computed.
+dev/ab_settings.py). The copies write the warm-up's last tokens, targets, lr and step again, each
+of the size the step's own copies have.
 
     graphs      P, O: the device's time alone
     memcpy      what Engine.train_step queues: lr and step (16 bytes), tokens and targets copied
@@ -83,9 +83,11 @@ def main(argv=None) -> int:
     def h2d(dst, k, stream):
         dst.data.copy_from_host_async(host[k].ctypes.data, dst.nbytes, stream)
 
-    def kcopy(dst_ptr, src_ptr, nbytes):
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+
+    def kcopy(dst_ptr, src_ptr, nbytes):  # host pointers work in kernels under unified addressing
         words = nbytes // 4
-        copy((min(132, -(-words // 256)),), (256,), (np.uint64(dst_ptr), np.uint64(src_ptr), np.int64(words)))
+        copy((min(sms, -(-words // 256)),), (256,), (np.uint64(dst_ptr), np.uint64(src_ptr), np.int64(words)))
 
     def graphs():
         P.launch(stream=main_s)
