@@ -347,3 +347,36 @@ def test_default_anchor_is_the_checkouts():
     from andrea.bench.step import DEFAULT_ANCHOR
     assert DEFAULT_ANCHOR == ANCHOR.resolve()
     assert DEFAULT_ANCHOR.is_file()
+
+
+def test_bench_anchor_runs_take_the_fastest(monkeypatch, capsys, tmp_path):
+    """--anchor-runs 4: the anchor four times, each its own process; the row is the fastest run that
+    finished ("best of 3": one failed), with every finished run's tokens/s in the JSON."""
+    import andrea.backends
+    import andrea.bench.step as bench
+    calls, speeds = [], iter([200_000, None, 260_000, 230_000])
+
+    def run(cmd, capture_output, text):
+        calls.append(cmd)
+        tok_s = next(speeds)
+        if tok_s is None:
+            return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="compile failed")
+        rec = dict(dtype="bfloat16", fp8=None, tok_s=tok_s, ms_step=10.0, tflops=100.0)
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(rec) + "\n", stderr="")
+    monkeypatch.setattr(andrea.backends, "cuda_available", lambda: True)
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    ours = dict(precision="fp16", attention="fused", tok_s=390_000, ms_step=20.0, tflops=100.0, planned_gb=1.0,
+                plan_arena_gb=0.9, pool_used_gb=1.0, device_used_gb=1.1, per_kernel_ms={"k_matmul": 1.0})
+    monkeypatch.setattr(bench, "run_engine", lambda *args: dict(ours))
+    out = tmp_path / "bench.json"
+    assert bench.main(["--exp", "ANDREA-12M", "--anchor", str(ANCHOR), "--anchor-modes", "reduce-overhead",
+                       "--anchor-precision", "bf16", "--anchor-runs", "4", "--json", str(out)]) == 0
+    assert len(calls) == 4 and all(c == calls[0] for c in calls)
+    captured = capsys.readouterr()
+    assert "anchor bf16 reduce-overhead failed" in captured.err
+    row = captured.out.splitlines()[-2]
+    assert row.startswith("pytorch bfloat16 reduce-overhead best of 3") and row.split()[-1] == "1.50"
+    anchor, = json.loads(out.read_text())["anchors"]
+    assert anchor["tok_s"] == 260_000 and anchor["runs_tok_s"] == [200_000, 260_000, 230_000]
+    assert bench.main(["--anchor-runs", "0"]) == 2
+    assert "--anchor-runs 0: expected 1 or more" in capsys.readouterr().err
