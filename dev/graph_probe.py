@@ -96,17 +96,10 @@ def main(argv=None) -> int:
     import cupy as cp
     import pandas as pd
 
-    from andrea.backends import get_backend
     from andrea.backends.cuda.graphs import event_ms
-    from andrea.bench.step import bench_config, random_batches, spy_graphs
-    from andrea.core.engine import Engine
-    cfg = bench_config(a.exp, a.precision, a.batch, 16)
-    eng = Engine(cfg, backend=get_backend("cuda"))
-    batches = random_batches(cfg.model.vocab_size, a.batch, cfg.model.context)
-    used = spy_graphs(eng)
-    for s in range(1, 5):
-        eng.train_step(s, [batches[s % 4]])["loss"]
-    graphs = {kind: eng.graphs.graphs[key][0] for kind, key in used.items()}
+    from andrea.bench.step import warmed_engine
+    eng, train_step, last_graphs = warmed_engine(a.exp, a.precision, a.batch, 16, warmup=4)
+    graphs = last_graphs()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for kind, g in graphs.items():
@@ -114,7 +107,7 @@ def main(argv=None) -> int:
         dot = dot.decode() if isinstance(dot, bytes) else dot
         (out / f"{kind}.dot").write_text(dot)
         types, kernels, after = census(dot)
-        print(f"\n== graph {kind}: {sum(types.values())} nodes, key {used[kind]!r}")
+        print(f"\n== graph {kind}: {sum(types.values())} nodes")
         print(pd.Series(types, name="nodes").sort_values(ascending=False).to_string())
         print(f"-- kernels by name ({sum(kernels.values())}):")
         print(pd.Series(kernels, name="launches").sort_values(ascending=False).to_string())
@@ -156,12 +149,9 @@ def main(argv=None) -> int:
                 rows.append(("passes, memsets hoisted", event_ms(lambda: drv.launch(ex_edited, hi.ptr), a.reps)))
     # the same graphs as training queues them: Engine.train_step (uploads, both graphs, the
     # record's download; the host runs ahead), alternated with the bare replays of the two graphs
-    step = [4]
-
     def steps():
         for _ in range(a.reps):
-            step[0] += 1
-            rec = eng.train_step(step[0], [batches[step[0] % 4]])
+            rec = train_step()
         return rec
     for _ in range(3):
         rows.append(("passes then optimizer (a step)", event_ms(lambda: (P.launch(), O.launch()), a.reps)))

@@ -55,21 +55,9 @@ def main(argv=None) -> int:
     import pandas as pd
 
     from andrea.backends.interface import S_LR, S_STEP
-    from andrea.bench.step import bench_config, cuda_backend, random_batches, spy_graphs
-    from andrea.core.engine import Engine
-    cfg = bench_config(a.exp, a.precision, a.batch, 8 + a.rounds * a.steps)
-    eng = Engine(cfg, backend=cuda_backend(None))
-    used = spy_graphs(eng)
-    batches = random_batches(cfg.model.vocab_size, a.batch, cfg.model.context)
-    n = [0]
-
-    def train_step():
-        n[0] += 1
-        return eng.train_step(n[0], [batches[n[0] % 4]])
-    for _ in range(6):
-        train_step()
-    eng.be.synchronize()
-    P, O = (eng.graphs.graphs[used[k]][0] for k in ("passes", "optimizer"))
+    from andrea.bench.step import warmed_engine
+    eng, train_step, last_graphs = warmed_engine(a.exp, a.precision, a.batch, 8 + a.rounds * a.steps, warmup=6)
+    P, O = (last_graphs()[k] for k in ("passes", "optimizer"))
     main_s = cp.cuda.get_current_stream()
     side = cp.cuda.Stream(non_blocking=True)
     tokens, targets, state = eng.g["tokens"], eng.g["targets"], eng.optim_state

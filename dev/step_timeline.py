@@ -11,8 +11,8 @@ replayed --replays times back to back, as the benchmark's steps run, inside torc
 records every kernel of the process, CuPy's and those inside graphs included); then the same for
 --replays calls of Engine.train_step, and with --hoist for the passes' graph with cuBLASLt's 4-byte
 memsets moved beside the kernel before them by dev/graph_probe.py's edit (full edges; the backend's
-own edit, andrea/backends/cuda/graph_edit.py, on by default, also makes the kernel's edge to the
-product programmatic: compare it with --set graph_edits=0). Each run is also timed
+own edit, andrea/backends/cuda/graph_edit.py, on by default, has already replaced those memsets by
+kernel nodes, so --hoist finds them with --set graph_edits=0). Each run is also timed
 between CUDA events without the profiler, before and after the profiled runs. Per step it prints
 the period (one replay of both graphs), the kernels' summed durations, and the gaps (the device
 idle between one kernel's end and the next one's start), summed by the kind of boundary: our
@@ -121,21 +121,11 @@ def record(exp, precision, B, replays, settings=None, warmup=4, hoist=False):
     import cupy as cp
     from torch.profiler import ProfilerActivity, profile
 
-    from andrea.bench.step import bench_config, cuda_backend, random_batches, spy_graphs
-    from andrea.core.engine import Engine
+    from andrea.bench.step import warmed_engine
     from profile_kernels import trace_events
 
-    cfg = bench_config(exp, precision, B, warmup + 4 * replays + 4)
-    m = cfg.model
-    eng = Engine(cfg, backend=cuda_backend(settings))
-    used = spy_graphs(eng)
-    batches = random_batches(m.vocab_size, B, m.context)
-    step = [0]
-    for _ in range(warmup):
-        step[0] += 1
-        eng.train_step(step[0], [batches[step[0] % 4]])
-    eng.be.synchronize()
-    P, O = (eng.graphs.graphs[used[k]][0] for k in ("passes", "optimizer"))
+    eng, train_step, graphs = warmed_engine(exp, precision, B, warmup + 4 * replays + 4, warmup, settings)
+    P, O = (graphs()[k] for k in ("passes", "optimizer"))
     stream = cp.cuda.get_current_stream()
     runs = {"graphs replayed": lambda: (P.launch(stream=stream), O.launch(stream=stream))}
     if hoist:
@@ -155,9 +145,6 @@ def record(exp, precision, B, replays, settings=None, warmup=4, hoist=False):
               f"replay: {'the same bits as the graph replayed' if bits[0] == bits[1] else 'DIFFER'}")
         runs["memsets hoisted"] = lambda: (drv.launch(ex, stream.ptr), O.launch(stream=stream))
 
-    def train_step():
-        step[0] += 1
-        eng.train_step(step[0], [batches[step[0] % 4]])
     runs["Engine.train_step"] = train_step
 
     from andrea.backends.cuda.graphs import event_ms

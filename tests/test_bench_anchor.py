@@ -341,6 +341,35 @@ def test_spy_graphs_keeps_the_last_key_of_each_kind():
     assert len(eng.calls) == 3 and len(ran) == 3
 
 
+def test_warmed_engine_steps_on_and_finds_the_last_graphs(monkeypatch):
+    """warmed_engine, the dev tools' common start: warmup train steps taken (step numbers 1..), step()
+    the next one on the next batch, graphs() the graphs the last step ran by kind (here on the CPU,
+    a runner that keeps a label per key stands in for CUDA graphs)."""
+    import andrea.bench.step as bench
+    from andrea.backends.numpy_backend import NumpyBackend
+
+    class Runner:
+        def __init__(self):
+            self.graphs = {}
+
+        def run(self, key, fn):
+            fn()
+            self.graphs[key] = (f"{key[0]} {len(self.graphs)}", 0)
+
+        def clear(self):
+            self.graphs.clear()
+
+    class Backend(NumpyBackend):
+        def graph_runner(self):
+            return Runner()
+
+    monkeypatch.setattr(bench, "cuda_backend", lambda settings: Backend())
+    _, step, graphs = bench.warmed_engine("ANDREA-tiny", "fp32", 2, 10, warmup=3)
+    assert step()["step"] == 4 and step()["step"] == 5
+    g = graphs()
+    assert sorted(g) == ["optimizer", "passes"] and all(v.startswith(k) for k, v in g.items())
+
+
 def test_default_anchor_is_the_checkouts():
     """`--anchor` without a path takes benchmarks/torch_gpt.py of this checkout (it pointed into
     the package folder once the benchmark moved to andrea/bench/, and every bare --anchor failed)."""

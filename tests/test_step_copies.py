@@ -1,19 +1,17 @@
 """dev/step_copies.py on the CPU: every form it times is described in its help, and without a GPU it
 says so and exits 2 (the timing itself runs on a GPU: docs/BENCHMARKS.md)."""
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[1] / "dev" / "step_copies.py"
+from conftest import load_script
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def sc():
-    spec = importlib.util.spec_from_file_location("step_copies", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "dev" / "step_copies.py", "step_copies")
 
 
 def test_every_form_is_described(sc):

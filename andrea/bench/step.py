@@ -161,13 +161,16 @@ def bench_config(exp, precision, B, steps):
                                       "steps": steps, "warmup_steps": 0}})
 
 
+BACKEND_SWITCHES = ("pdl", "graph_edits")  # the CUDA backend's own on/off options --set takes (0 or 1)
+
+
 def backend_settings(settings) -> tuple:
     """--set's settings as (options of the CUDA backend's constructor, the run's FP8 settings): a
-    field of its Tuning (the launch geometry, e.g. ln_blocks=528) goes into its tuning, pdl (0 or 1:
-    programmatic dependent launch) and graph_edits (0 or 1: cuda/graph_edit.py) are its own
-    options, and fp8_classifier, fp8_dlogits, fp8_dlogits_rounding or fp8_scaling are the run's FP8
-    settings (be.set_fp8_run). An unknown
-    name, or a value its field does not take, is an error naming it."""
+    field of its Tuning (the launch geometry, e.g. ln_blocks=528) goes into its tuning; pdl
+    (programmatic dependent launch) and graph_edits (cuda/graph_edit.py), each 0 or 1, are its own
+    options (BACKEND_SWITCHES); fp8_classifier, fp8_dlogits, fp8_dlogits_rounding and fp8_scaling
+    are the run's FP8 settings (be.set_fp8_run). An unknown name, or a value its field does not
+    take, is an error naming it."""
     import dataclasses
 
     from ..backends.cuda.backend import FP8_RUN_DEFAULTS
@@ -178,7 +181,7 @@ def backend_settings(settings) -> tuple:
     tuning = {k: str(settings.pop(k)) for k in list(settings) if k in fields}
     run = {k: settings.pop(k) for k in list(settings) if k in FP8_RUN_DEFAULTS}
     options = {}
-    for name in ("pdl", "graph_edits"):  # the backend's own on/off options
+    for name in BACKEND_SWITCHES:
         if name in settings:
             value = str(settings.pop(name))
             if value not in ("0", "1"):
@@ -186,7 +189,7 @@ def backend_settings(settings) -> tuple:
             options[name] = value == "1"
     if settings:
         raise SystemExit(f"--set {', '.join(settings)}: not a setting of the CUDA backend; expected one of "
-                         f"{', '.join(fields + list(FP8_RUN_DEFAULTS) + ['pdl', 'graph_edits'])}")
+                         f"{', '.join(fields + list(FP8_RUN_DEFAULTS) + list(BACKEND_SWITCHES))}")
     try:
         options["tuning"] = Tuning().with_settings(tuning)
     except ValueError as e:
@@ -233,6 +236,28 @@ def random_batches(vocab: int, B: int, T: int, n: int = 4):
         xy = rng.integers(0, vocab, (B, T + 1)).astype(np.int32)
         out.append((xy[:, :-1], xy[:, 1:]))
     return out
+
+
+def warmed_engine(exp, precision, B, steps, warmup=4, settings=None):
+    """(eng, step, graphs): the start the dev tools share. eng is an Engine of bench_config(exp,
+    precision, B, steps) on a CUDA backend with --set's settings, after warmup Engine.train_step
+    calls on random_batches (the device synchronised); step() queues one more (the next step
+    number, the next batch) and returns its record; graphs() gives {kind: the CUDA graph of that
+    kind eng's last step ran} ("passes", "optimizer"; spy_graphs)."""
+    from ..core.engine import Engine
+    cfg = bench_config(exp, precision, B, steps)
+    eng = Engine(cfg, backend=cuda_backend(settings))
+    used = spy_graphs(eng)
+    batches = random_batches(cfg.model.vocab_size, B, cfg.model.context)
+    done = [0]
+
+    def step():
+        done[0] += 1
+        return eng.train_step(done[0], [batches[done[0] % len(batches)]])
+    for _ in range(warmup):
+        step()
+    eng.be.synchronize()
+    return eng, step, lambda: {kind: eng.graphs.graphs[key][0] for kind, key in used.items()}
 
 
 def run_engine(exp, precision, B, steps, warmup, attention="fused", cublaslt=True, settings=None):
@@ -315,7 +340,7 @@ def run_anchor(path, exp, precisions, B, steps, modes, runs: int = 1):
                 recs.append(json.loads(r.stdout.strip().splitlines()[-1]))
             if not recs:
                 continue
-            rec = dict(max(recs, key=lambda x: x["tok_s"]))
+            rec = max(recs, key=lambda x: x["tok_s"])
             rec["anchor_precision"], rec["anchor_mode"] = precision, mode
             rec["runs_tok_s"] = [x["tok_s"] for x in recs]
             out.append(rec)
@@ -373,7 +398,7 @@ def main(argv=None) -> int:
                     help="run each anchor N times (each its own process and compilation) and take the fastest")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="a setting of the CUDA backend first: a Tuning field (e.g. --set ln_blocks=528), an FP8 "
-                         "run setting (e.g. --set fp8_dlogits_rounding=nearest) or pdl=0 (repeatable)")
+                         "run setting (e.g. --set fp8_dlogits_rounding=nearest), pdl=0 or graph_edits=0 (repeatable)")
     ap.add_argument("--floor", action="store_true",
                     help="also print each kernel's floor (products at cuBLAS's rate for their shapes, attention at "
                          "the dense peak, other bytes at copy bandwidth) beside ours, largest gap first "

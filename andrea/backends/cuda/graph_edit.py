@@ -216,8 +216,9 @@ def replace_counter_memsets(drv: Driver, g: int, store_func: int, workspaces) ->
 
 
 class EditedGraph:
-    """A captured CuPy graph, cloned, edited by replace_counter_memsets and instantiated through the
-    driver: launch(stream=) as CuPy's Graph; .graph is the edited CUgraph, .original the capture."""
+    """A captured CuPy graph, cloned, edited by replace_counter_memsets and, where it replaced any,
+    instantiated through the driver: launch(stream=) as CuPy's Graph; .graph is the edited CUgraph,
+    .original the capture."""
 
     def __init__(self, original, store_func: int, workspaces, drv: Driver | None = None):
         self.drv = drv or Driver()
@@ -225,7 +226,8 @@ class EditedGraph:
         self.graph = self.drv.clone(original.graph)
         try:
             self.replaced = replace_counter_memsets(self.drv, self.graph, store_func, workspaces)
-            self.exec = self.drv.instantiate(self.graph)
+            # nothing replaced: the capture runs as it is (graphs.edited), so no instance of the clone
+            self.exec = self.drv.instantiate(self.graph) if self.replaced else 0
         except Exception:
             self.drv.destroy(g=self.graph)
             raise
