@@ -140,6 +140,8 @@ def main(argv=None) -> int:
         print(tab)
     print(f"({a.rounds} rounds of {a.steps} steps, {a.exp} {a.precision} B={a.batch}; 'over graphs' is the "
           f"median (min, max) of the paired per-round differences from the graphs alone)")
+    rec = train_step()  # the state the timed steps left: a skipped or non-finite step runs other work
+    print("the next step's record:", {k: rec[k] for k in rec.KEYS})
     return 0
 
 
