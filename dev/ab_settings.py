@@ -82,8 +82,8 @@ def main(argv=None) -> int:
     import cupy as cp
     import pandas as pd
 
-    from andrea.bench.step import bench_config, random_batches, spy_graphs
-    cfg = bench_config(a.exp, a.precision, a.batch, a.warmup + a.rounds * a.steps)
+    from andrea.bench.step import TOOL_LR, bench_config, random_batches, spy_graphs
+    cfg = bench_config(a.exp, a.precision, a.batch, a.warmup + a.rounds * a.steps, TOOL_LR)  # stationary weights
     engines, used = {}, {}
     for name, settings in a.variant:
         t0 = time.perf_counter()

@@ -46,13 +46,20 @@ def census(dot: str):
     kind = [a if a in NODE_TYPES else "KERNEL" for a, _ in labels]
     types = Counter(kind)
     kernels = Counter(a for (a, _), k in zip(labels, kind) if k == "KERNEL")
-    after = Counter(labels[int(b)][0] for a, b in EDGE.findall(dot) if kind[int(a)] == "MEMSET")
+    after = Counter(labels[int(b)][0] for a, b in EDGE.findall(dot)
+                    if int(a) < len(kind) and int(b) < len(kind) and kind[int(a)] == "MEMSET")
     return types, kernels, after
 
 def dot_nodes(dot: str):
     """[(label's first line, second line)] of the DOT's nodes in their order (node_0, node_1, ...)."""
-    found = re.findall(r'"[^"]*node_(\d+)"\[[^\]]*label="\d+\n(.*?)\n(.*?)"\]', dot, re.S)
-    return [(a, b.strip()) for _, a, b in sorted(found, key=lambda t: int(t[0]))]
+    found = {int(i): re.split(r"\n|\\n", label) for i, label in
+             re.findall(r'"[^"]*node_(\d+)"\[[^\]]*?label="([^"]*)"', dot, re.S)}
+    # a label is "index / name / arguments"; a node whose label has another form is named "?"
+    out = []
+    for i in range(max(found, default=-1) + 1):
+        lines = found.get(i, ["", "?"])
+        out.append((lines[1].strip() if len(lines) > 1 else "?", lines[2].strip() if len(lines) > 2 else ""))
+    return out
 
 
 def hoist_memsets(drv, g, labels):

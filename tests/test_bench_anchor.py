@@ -364,8 +364,11 @@ def test_warmed_engine_steps_on_and_finds_the_last_graphs(monkeypatch):
             return Runner()
 
     monkeypatch.setattr(bench, "cuda_backend", lambda settings: Backend())
-    _, step, graphs = bench.warmed_engine("ANDREA-tiny", "fp32", 2, 10, warmup=3)
-    assert step()["step"] == 4 and step()["step"] == 5
+    eng, step, graphs = bench.warmed_engine("ANDREA-tiny", "fp32", 2, 10, warmup=3)
+    rec = step()
+    assert rec["step"] == 4 and step()["step"] == 5
+    # the tools' lr: stationary weights (the experiment's lr diverged over a tool's hundreds of steps)
+    assert eng.cfg.train.lr == bench.TOOL_LR and rec["lr"] == pytest.approx(bench.TOOL_LR)
     g = graphs()
     assert sorted(g) == ["optimizer", "passes"] and all(v.startswith(k) for k, v in g.items())
 

@@ -71,3 +71,13 @@ def test_without_a_gpu_it_says_so(gp, capsys):
         pytest.skip("a GPU is here")
     assert gp.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_node_of_another_label_form_is_named_not_lost(gp):
+    """A node whose label is not "index / name / arguments" (or has none) keeps its index, named
+    "?", so that the edges after it still name the right nodes (a list short of it raised)."""
+    odd = DOT.replace('label="3\nk_attn_flash_fwd_fp8\n"', 'shape="box"')
+    nodes = gp.dot_nodes(odd)
+    assert len(nodes) == 5 and nodes[3] == ("?", "") and nodes[4] == ("MEMSET", "(0,3145728)")
+    types, kernels, after = gp.census(odd)
+    assert types == {"KERNEL": 3, "MEMSET": 2} and kernels["?"] == 1

@@ -151,14 +151,16 @@ def _profile_calls(eng, be, x, y, model):
     return dict(gt.ms)
 
 
-def bench_config(exp, precision, B, steps):
-    """The run config of a benchmark: exp's model at T = its context, B sequences, constant lr."""
+def bench_config(exp, precision, B, steps, lr=None):
+    """The run config of a benchmark: exp's model at T = its context, B sequences, no warm-up of
+    the lr (lr: its peak, default the experiment's)."""
     from ..config import load_run_config
 
     m = model_dict(exp)
-    return load_run_config({"exp": exp, "model": m, "backend": {"name": "cuda"},
-                            "train": {"batch_size": B, "seq_len": m["context"], "precision": precision,
-                                      "steps": steps, "warmup_steps": 0}})
+    train = {"batch_size": B, "seq_len": m["context"], "precision": precision, "steps": steps, "warmup_steps": 0}
+    if lr is not None:
+        train.update(lr=lr, min_lr=lr)
+    return load_run_config({"exp": exp, "model": m, "backend": {"name": "cuda"}, "train": train})
 
 
 BACKEND_SWITCHES = ("pdl", "graph_edits")  # the CUDA backend's own on/off options --set takes (0 or 1)
@@ -238,14 +240,21 @@ def random_batches(vocab: int, B: int, T: int, n: int = 4):
     return out
 
 
-def warmed_engine(exp, precision, B, steps, warmup=4, settings=None):
+# The dev tools' learning rate: the weights stay about where they start, so that every round of a
+# tool times the same work. At the experiment's own lr, hundreds of steps on four random batches
+# diverged at 120M (loss NaN, loss scale 1, every step skipped), and those steps ran 13.1 ms
+# against 15.3: less power drawn, higher clocks (the H200 sits at its 700 W cap at 120M).
+TOOL_LR = 1e-9
+
+
+def warmed_engine(exp, precision, B, steps, warmup=4, settings=None, lr=TOOL_LR):
     """(eng, step, graphs): the start the dev tools share. eng is an Engine of bench_config(exp,
-    precision, B, steps) on a CUDA backend with --set's settings, after warmup Engine.train_step
-    calls on random_batches (the device synchronised); step() queues one more (the next step
-    number, the next batch) and returns its record; graphs() gives {kind: the CUDA graph of that
-    kind eng's last step ran} ("passes", "optimizer"; spy_graphs)."""
+    precision, B, steps, lr) on a CUDA backend with --set's settings, after warmup
+    Engine.train_step calls on random_batches (the device synchronised); step() queues one more
+    (the next step number, the next batch) and returns its record; graphs() gives {kind: the CUDA
+    graph of that kind eng's last step ran} ("passes", "optimizer"; spy_graphs)."""
     from ..core.engine import Engine
-    cfg = bench_config(exp, precision, B, steps)
+    cfg = bench_config(exp, precision, B, steps, lr)
     eng = Engine(cfg, backend=cuda_backend(settings))
     used = spy_graphs(eng)
     batches = random_batches(cfg.model.vocab_size, B, cfg.model.context)

@@ -403,6 +403,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="folder for checks.csv and times.csv")
     a = ap.parse_args(argv)
     names = a.variants.split(",")
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; known {list(VARIANTS)}")
