@@ -44,6 +44,10 @@ static_assert(V7_BQ == V11_BQ && V7_KWG == 1, "version 11 runs version 7's dK/dV
 #ifndef V11_BLOCKS
 #define V11_BLOCKS 3  // blocks a multiprocessor the registers are fitted to (__launch_bounds__)
 #endif
+#ifndef V11_DIAG
+#define V11_DIAG 0  // timing diagnostics only (dQ then wrong): 1 no waits, plain stores for the adds;
+                    // 2 no dQ accumulation at all; 3 also no dS^T tile and no dQ product
+#endif
 #define V11_PART (V11_BQ * HS)  // floats of one query tile's dQ
 // K, V [64 x HS]; Q, dO two deep [V11_BQ x HS]; dS^T [64 x V11_BQ] (16-bit, every tile 1024-byte
 // aligned); lse, D two deep [V11_BQ] float
@@ -91,6 +95,12 @@ __device__ __forceinline__ void dkv11_tile(float* dk, float* dv, float* dq, u64 
   int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, warp = (threadIdx.x >> 5) & 3;
   unsigned sf[V11_BQ / 16][4];
   dkv7_issue<MASK>(dk, dv, sf, dkey, dval, Q, dO, L, Dt, key0, q0, T, sl2);
+  if (V11_DIAG >= 3) {
+    wgmma_wait_all();
+    fence_regs<HS / 2>(dv);
+    fence_regs<HS / 2>(dk);
+    return;
+  }
   // dS^T into ds: row r = this warp's key (16 warp + g, + 8), 16-byte chunk c (queries 8c..8c+7)
   // at chunk c ^ (r % 8); sf[kc] = rows g / g + 8, chunks 2kc / 2kc + 1, queries 2 t4, 2 t4 + 1
   {
@@ -123,6 +133,13 @@ __device__ __forceinline__ void dkv11_tile(float* dk, float* dv, float* dq, u64 
 __device__ __forceinline__ void dq11_add(float* dq, float4* acc, int* cnt, int turn, bool last, HT* qcols, int ld,
                                          int row0, int T, float scale, int accumulate) {
   int tid = threadIdx.x;
+  if (V11_DIAG >= 2) return;
+  if (V11_DIAG == 1) {
+#pragma unroll
+    for (int jj = 0; jj < HS / 8; ++jj)
+      __stcg(acc + jj * 128 + tid, make_float4(dq[4 * jj], dq[4 * jj + 1], dq[4 * jj + 2], dq[4 * jj + 3]));
+    return;
+  }
   if (turn > 0) {  // wait for the contributions before this one
     if (tid == 0) {
       while (ld_acquire11(cnt) != turn) __nanosleep(20);

@@ -4,7 +4,8 @@ blocks of a tile in the order that never waits), built for sm_90a with attention
 pieces, launched after k_attn_flash_D; dev/cuda/attention_bench.py checks and times it
 (--variants v8,v11). Head size 64 only; other head sizes launch version 7 (the same module holds it).
 
-    PYTHONPATH=. python dev/cuda/attention_v11.py     # bit-identical reruns, and the distance from version 7
+    PYTHONPATH=. python dev/cuda/attention_v11.py          # bit-identical reruns, and the distance from version 7
+    PYTHONPATH=. python dev/cuda/attention_v11.py --time   # the one pass alone under the diagnostics settings
 """
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ V11_BQ = 64  # queries a tile = keys a block (attention_v11.cu)
 is_hopper = v6.is_hopper
 
 # -D settings a launch may change (tune={name: value}): blocks a multiprocessor the registers are
-# fitted to (3: 168 registers, wgmma serialised by ptxas; 2: 188, not serialised)
-TUNABLE = {"blocks": "V11_BLOCKS"}
+# fitted to three blocks a multiprocessor, wgmma serialised by ptxas; 2: 188, not serialised); diag
+# (timing only, dQ wrong: 1 no waits and plain stores for the adds, 2 no dQ accumulation, 3 also no
+# dQ product)
+TUNABLE = {"blocks": "V11_BLOCKS", "diag": "V11_DIAG"}
 
 
 def geometry(hs: int, tune=None) -> dict:
@@ -84,6 +87,35 @@ def launch_bwd(cache: dict, ct: str, dqkv, dout, qkv, out, lse, D, B: int, T: in
         launch()
 
 
+def time_diag(reps: int = 20) -> None:
+    """k_attn_flash_bwd11 alone at the 120M and 12M shapes (fp16, times the layers) with the
+    diagnostics settings, next to version 7's two kernels: where the one pass's time goes (dQ then
+    wrong for diag > 0)."""
+    import cupy as cp
+    import pandas as pd
+
+    from attention_bench import cuda_ms
+    rows, cache = [], {}
+    for shape, (B, NH, T, L) in {"120M": (8, 12, 1024, 12), "12M": (32, 6, 256, 6)}.items():
+        hs = 64
+        C = NH * hs
+        rng = np.random.default_rng(3)
+        qkv = cp.asarray(rng.standard_normal((B, T, 3 * C)).astype(np.float16).view(np.uint16))
+        dout = cp.asarray(rng.standard_normal((B, T, C)).astype(np.float16).view(np.uint16))
+        out, lse = cp.empty((B, T, C), dtype=cp.uint16), cp.empty((B, NH, T), dtype=cp.float32)
+        attention_v8.launch_fwd(cache, "f16", out, lse, qkv, B, T, NH, hs)
+        D, g = cp.empty((B * NH * T,), dtype=cp.float32), cp.zeros_like(qkv)
+        p7 = v7.launch_bwd_parts(cache, "f16", g, dout, qkv, out, lse, D, B, T, NH, hs)
+        rows.append(dict(shape=shape, kernel="v7 dq + dkv",
+                         ms=cuda_ms(lambda: (p7["k_attn_flash_bwd_dq"](), p7["k_attn_flash_bwd_dkv"]()), reps) * L))
+        rows.append(dict(shape=shape, kernel="v7 dkv", ms=cuda_ms(p7["k_attn_flash_bwd_dkv"], reps) * L))
+        for tune in ({}, {"diag": 1}, {"diag": 2}, {"diag": 3}, {"blocks": 2}, {"blocks": 2, "diag": 2}):
+            p11 = launch_bwd_parts(cache, "f16", g, dout, qkv, out, lse, D, B, T, NH, hs, tune)
+            rows.append(dict(shape=shape, kernel=f"v11 {tune}", ms=cuda_ms(p11["k_attn_flash_bwd11"], reps) * L))
+        print(rows[-1], flush=True)
+    print(pd.DataFrame(rows).round(3).to_string(index=False))
+
+
 def main() -> int:
     """Three reruns of version 11 at the 12M, 120M and an odd attention shape (fp16, bf16): bit for
     bit the same, finite, and their distance from version 7 (relative, each of dQ, dK, dV); one table."""
@@ -129,4 +161,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parent.parent))
+    if "--time" in sys.argv:
+        time_diag()
+        sys.exit(0)
     sys.exit(main())
