@@ -48,10 +48,15 @@ static_assert(V7_BQ == V11_BQ && V7_KWG == 1, "version 11 runs version 7's dK/dV
 #define V11_DIAG 0  // timing diagnostics only (dQ then wrong): 1 no waits, plain stores for the adds;
                     // 2 no dQ accumulation at all; 3 also no dS^T tile and no dQ product
 #endif
+#ifndef V11_BULK
+#define V11_BULK 0  // 1: the additions as one bulk copy / bulk reduction a tile (cp.reduce.async.bulk,
+                    // done by the copy engine of the multiprocessor from a shared-memory stage), the
+                    // release of a tile's counter deferred to the next tile
+#endif
 #define V11_PART (V11_BQ * HS)  // floats of one query tile's dQ
 // K, V [64 x HS]; Q, dO two deep [V11_BQ x HS]; dS^T [64 x V11_BQ] (16-bit, every tile 1024-byte
-// aligned); lse, D two deep [V11_BQ] float
-#define V11_SMEM (2 * 64 * HS * 2 + 4 * V11_BQ * HS * 2 + 64 * V11_BQ * 2 + 4 * V11_BQ * 4)
+// aligned); with V11_BULK the dQ stage [V11_PART] float; lse, D two deep [V11_BQ] float
+#define V11_SMEM (2 * 64 * HS * 2 + 4 * V11_BQ * HS * 2 + 64 * V11_BQ * 2 + V11_BULK * V11_PART * 4 + 4 * V11_BQ * 4)
 
 __device__ __forceinline__ int ld_acquire11(const int* p) {
   int v;
@@ -65,6 +70,26 @@ __device__ __forceinline__ void st_release11(int* p, int v) {
 __device__ __forceinline__ void red_add4(float4* p, float4 v) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
                : "memory");
+}
+
+// Bulk copies of the shared-memory stage to global memory (16-byte aligned, size a multiple of 16),
+// one bulk group each, issued by one thread
+__device__ __forceinline__ void bulk_store11(float* g, const float* st, int bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(g), "r"(smem_u32(st)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_add11(float* g, const float* st, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(g),
+               "r"(smem_u32(st)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// Every bulk group of this thread complete (its writes performed), ordered before what follows
+__device__ __forceinline__ void bulk_done11() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  __threadfence();
 }
 
 // acc (64 x 64) = A B over 16 rows of K a step, A and B both MN-major from shared memory (A read
@@ -131,8 +156,34 @@ __device__ __forceinline__ void dkv11_tile(float* dk, float* dv, float* dq, u64 
 // Query tile qt's dQ: this block's dq added in its turn (above). acc: the tile's V11_PART floats,
 // cnt: its counter; turn = qt - j; last: j == 0.
 __device__ __forceinline__ void dq11_add(float* dq, float4* acc, int* cnt, int turn, bool last, HT* qcols, int ld,
-                                         int row0, int T, float scale, int accumulate) {
+                                         int row0, int T, float scale, int accumulate, float4* stage,
+                                         int*& pend_cnt, int& pend_turn) {
   int tid = threadIdx.x;
+  if (V11_BULK && !last && V11_DIAG == 0) {
+    // the previous tile's bulk operation done (it read the stage; its counter released), then this one's
+    if (tid == 0 && pend_cnt) {
+      bulk_done11();
+      st_release11(pend_cnt, pend_turn + 1);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int jj = 0; jj < HS / 8; ++jj)
+      stage[jj * 128 + tid] = make_float4(dq[4 * jj], dq[4 * jj + 1], dq[4 * jj + 2], dq[4 * jj + 3]);
+    fence_proxy_async();  // the stage's writes visible to the bulk copy
+    __syncthreads();
+    if (tid == 0) {
+      if (turn > 0) {
+        while (ld_acquire11(cnt) != turn) __nanosleep(20);
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        bulk_add11((float*)acc, (const float*)stage, V11_PART * 4);
+      } else {
+        bulk_store11((float*)acc, (const float*)stage, V11_PART * 4);
+      }
+      pend_cnt = cnt;
+      pend_turn = turn;
+    }
+    return;
+  }
   if (V11_DIAG >= 2) return;
   if (V11_DIAG == 1) {
 #pragma unroll
@@ -196,7 +247,8 @@ extern "C" __global__ void __launch_bounds__(128, V11_BLOCKS) k_attn_flash_bwd11
   u16* q_tiles = v_tile + 64 * HS;              // [2][V11_BQ x HS]
   u16* do_tiles = q_tiles + 2 * V11_BQ * HS;    // [2][V11_BQ x HS]
   u16* ds = do_tiles + 2 * V11_BQ * HS;         // [64 x V11_BQ]
-  float* lse_tiles = (float*)(ds + 64 * V11_BQ);  // [2][V11_BQ]
+  float4* stage = (float4*)(ds + 64 * V11_BQ);    // [V11_PART / 4] with V11_BULK
+  float* lse_tiles = (float*)(ds + 64 * V11_BQ) + V11_BULK * V11_PART;  // [2][V11_BQ]
   float* d_tiles = lse_tiles + 2 * V11_BQ;        // [2][V11_BQ]
   int C = NH * HS, ld = 3 * C, bh = blockIdx.x, b = bh / NH, h = bh % NH;
   int nq = (T - 1) / V11_BQ + 1;
@@ -220,6 +272,8 @@ extern "C" __global__ void __launch_bounds__(128, V11_BLOCKS) k_attn_flash_bwd11
   u64 dkey = desc7_k(k_tile), dval = desc7_k(v_tile), dkw = desc7_mn(k_tile);
   HT* qcols = dqkv + (i64)b * T * ld + h * HS;
   float dk[HS / 2], dv[HS / 2], dq[HS / 2];
+  int* pend_cnt = nullptr;  // V11_BULK: thread 0's tile whose counter is still to be released
+  int pend_turn = 0;
 #pragma unroll
   for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
   for (int qt = j; qt < nq; ++qt) {  // from the diagonal up
@@ -238,8 +292,12 @@ extern "C" __global__ void __launch_bounds__(128, V11_BLOCKS) k_attn_flash_bwd11
     else dkv11_tile<false>(dk, dv, dq, dkey, dval, dkw, ds, Q, dO, L, Dt, key0, q0, T, sl2);
     i64 tile = (i64)bh * nq + qt;
     dq11_add(dq, (float4*)(dq_acc + tile * V11_PART), counters + tile, qt - j, j == 0, qcols, ld, q0 + 16 * warp, T,
-             scale, accumulate);
+             scale, accumulate, stage, pend_cnt, pend_turn);
     __syncthreads();  // every thread is done with this tile's Q, dO, dS^T buffers
+  }
+  if (V11_BULK && threadIdx.x == 0 && pend_cnt) {
+    bulk_done11();
+    st_release11(pend_cnt, pend_turn + 1);
   }
   store_rows(qcols + C, ld, (const float(*)[4])dk, key0, T, scale, accumulate);
   store_rows(qcols + 2 * C, ld, (const float(*)[4])dv, key0, T, 1.f, accumulate);

@@ -32,13 +32,14 @@ is_hopper = v6.is_hopper
 # -D settings a launch may change (tune={name: value}): blocks a multiprocessor the registers are
 # fitted to three blocks a multiprocessor, wgmma serialised by ptxas; 2: 188, not serialised); diag
 # (timing only, dQ wrong: 1 no waits and plain stores for the adds, 2 no dQ accumulation, 3 also no
-# dQ product)
-TUNABLE = {"blocks": "V11_BLOCKS", "diag": "V11_DIAG"}
+# dQ product); bulk (1: each tile's addition one bulk reduction from a shared-memory stage)
+TUNABLE = {"blocks": "V11_BLOCKS", "diag": "V11_DIAG", "bulk": "V11_BULK"}
 
 
 def geometry(hs: int, tune=None) -> dict:
     """k_attn_flash_bwd11's launch (128 threads, V11_SMEM of attention_v11.cu)."""
-    smem = 2 * 64 * hs * 2 + 4 * V11_BQ * hs * 2 + 64 * V11_BQ * 2 + 4 * V11_BQ * 4
+    bulk = (tune or {}).get("bulk", 0)
+    smem = 2 * 64 * hs * 2 + 4 * V11_BQ * hs * 2 + 64 * V11_BQ * 2 + bulk * V11_BQ * hs * 4 + 4 * V11_BQ * 4
     return {"threads": 128, "keys": 64, "rows": V11_BQ, "smem": smem}
 
 
@@ -109,7 +110,7 @@ def time_diag(reps: int = 20) -> None:
         rows.append(dict(shape=shape, kernel="v7 dq + dkv",
                          ms=cuda_ms(lambda: (p7["k_attn_flash_bwd_dq"](), p7["k_attn_flash_bwd_dkv"]()), reps) * L))
         rows.append(dict(shape=shape, kernel="v7 dkv", ms=cuda_ms(p7["k_attn_flash_bwd_dkv"], reps) * L))
-        for tune in ({}, {"diag": 1}, {"diag": 2}, {"diag": 3}, {"blocks": 2}, {"blocks": 2, "diag": 2}):
+        for tune in ({}, {"bulk": 1}, {"diag": 1}, {"diag": 2}, {"diag": 3}, {"blocks": 2}):
             p11 = launch_bwd_parts(cache, "f16", g, dout, qkv, out, lse, D, B, T, NH, hs, tune)
             rows.append(dict(shape=shape, kernel=f"v11 {tune}", ms=cuda_ms(p11["k_attn_flash_bwd11"], reps) * L))
         print(rows[-1], flush=True)
@@ -134,30 +135,37 @@ def main() -> int:
             lse = cp.empty((B, NH, T), dtype=cp.float32)
             attention_v8.launch_fwd(cache, ct, out, lse, qkv, B, T, NH, hs)
             D = cp.empty((B * NH * T,), dtype=cp.float32)
-            runs = []
-            for _ in range(3):
-                g = cp.zeros_like(qkv)
-                launch_bwd(cache, ct, g, dout, qkv, out, lse, D, B, T, NH, hs, accumulate=False)
-                runs.append(g)
             g7 = cp.zeros_like(qkv)
             v7.launch_bwd(cache, ct, g7, dout, qkv, out, lse, D, B, T, NH, hs, accumulate=False)
-            cp.cuda.runtime.deviceSynchronize()
-
-            def f64(a):  # 16-bit patterns -> float64 values
-                if ct == "f16":
-                    return a.view(cp.float16).astype(cp.float64)
-                return (a.astype(cp.uint32) << 16).view(cp.float32).astype(cp.float64)
-            x11, x7 = f64(runs[0]), f64(g7)
-            dist = {p: float(cp.linalg.norm(x11[..., i * C:(i + 1) * C] - x7[..., i * C:(i + 1) * C]) /
-                             cp.linalg.norm(x7[..., i * C:(i + 1) * C])) for i, p in enumerate(("dq", "dk", "dv"))}
-            rows.append(dict(ct=ct, shape=shape, bitwise=all(bool((r == runs[0]).all()) for r in runs[1:]),
-                             finite=bool(cp.isfinite(x11).all()), **{f"v11_vs_v7_{k}": f"{v:.2e}" for k, v in dist.items()}))
-            print(rows[-1], flush=True)
+            for tune in ({}, {"bulk": 1}):
+                runs = []
+                for _ in range(3):
+                    g = cp.zeros_like(qkv)
+                    launch_bwd(cache, ct, g, dout, qkv, out, lse, D, B, T, NH, hs, tune, accumulate=False)
+                    runs.append(g)
+                cp.cuda.runtime.deviceSynchronize()
+                rows.append(compare(ct, shape, tune, runs, g7, C))
+                print(rows[-1], flush=True)
     table = pd.DataFrame(rows)
     print(table.to_string(index=False))
     ok = table["bitwise"].all() and table["finite"].all()
     return 0 if ok else 1
 
+
+def compare(ct, shape, tune, runs, g7, C) -> dict:
+    """One row of main's table: the reruns bit for bit the same, finite, and their distance from
+    version 7's gradient g7 (relative, each of dQ, dK, dV)."""
+    import cupy as cp
+
+    def f64(a):  # 16-bit patterns -> float64 values
+        if ct == "f16":
+            return a.view(cp.float16).astype(cp.float64)
+        return (a.astype(cp.uint32) << 16).view(cp.float32).astype(cp.float64)
+    x11, x7 = f64(runs[0]), f64(g7)
+    dist = {p: float(cp.linalg.norm(x11[..., i * C:(i + 1) * C] - x7[..., i * C:(i + 1) * C]) /
+                     cp.linalg.norm(x7[..., i * C:(i + 1) * C])) for i, p in enumerate(("dq", "dk", "dv"))}
+    return dict(ct=ct, shape=shape, tune=str(tune), bitwise=all(bool((r == runs[0]).all()) for r in runs[1:]),
+                finite=bool(cp.isfinite(x11).all()), **{f"v11_vs_v7_{k}": f"{v:.2e}" for k, v in dist.items()})
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parent.parent))
