@@ -47,7 +47,9 @@ static_assert(V7_BQ == V11_BQ && V7_KWG == 1, "version 11 runs version 7's dK/dV
 #ifndef V11_DIAG
 #define V11_DIAG 0  // timing diagnostics only (dQ then wrong): 1 no waits, plain stores for the adds;
                     // 2 no dQ accumulation at all; 3 also no dS^T tile and no dQ product; with V11_BULK,
-                    // 4 (5) the ordered bulk additions of half (a quarter) of each tile's bytes
+                    // 4 (5) the ordered bulk additions of half (a quarter) of each tile's bytes; 6 the
+                    // bulk additions without the waits (unordered); 7 the waits and releases without
+                    // the bulk operations
 #endif
 #ifndef V11_BULK
 #define V11_BULK 0  // 1: the additions as one bulk copy / bulk reduction a tile (cp.reduce.async.bulk,
@@ -160,7 +162,7 @@ __device__ __forceinline__ void dq11_add(float* dq, float4* acc, int* cnt, int t
                                          int row0, int T, float scale, int accumulate, float4* stage,
                                          int*& pend_cnt, int& pend_turn) {
   int tid = threadIdx.x;
-  constexpr int bytes = V11_PART * 4 >> (V11_DIAG >= 4 ? V11_DIAG - 3 : 0);
+  constexpr int bytes = V11_PART * 4 >> (V11_DIAG == 4 || V11_DIAG == 5 ? V11_DIAG - 3 : 0);
   if (V11_BULK && !last && (V11_DIAG == 0 || V11_DIAG >= 4)) {
     // the previous tile's bulk operation done (it read the stage; its counter released), then this one's
     if (tid == 0 && pend_cnt) {
@@ -175,10 +177,11 @@ __device__ __forceinline__ void dq11_add(float* dq, float4* acc, int* cnt, int t
     __syncthreads();
     if (tid == 0) {
       if (turn > 0) {
-        while (ld_acquire11(cnt) != turn) __nanosleep(20);
+        if (V11_DIAG != 6)
+          while (ld_acquire11(cnt) != turn) __nanosleep(20);
         asm volatile("fence.proxy.async.global;" ::: "memory");
-        bulk_add11((float*)acc, (const float*)stage, bytes);
-      } else {
+        if (V11_DIAG != 7) bulk_add11((float*)acc, (const float*)stage, bytes);
+      } else if (V11_DIAG != 7) {
         bulk_store11((float*)acc, (const float*)stage, bytes);
       }
       pend_cnt = cnt;

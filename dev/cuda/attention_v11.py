@@ -33,7 +33,8 @@ is_hopper = v6.is_hopper
 # fitted to three blocks a multiprocessor, wgmma serialised by ptxas; 2: 188, not serialised); diag
 # (timing only, dQ wrong: 1 no waits and plain stores for the adds, 2 no dQ accumulation, 3 also no
 # dQ product; with bulk, 4 and 5 the ordered bulk additions of half and a quarter of each tile's
-# bytes); bulk (1: each tile's addition one bulk reduction from a shared-memory stage)
+# bytes, 6 the bulk additions without the waits, 7 the waits without the additions); bulk (1: each
+# tile's addition one bulk reduction from a shared-memory stage)
 TUNABLE = {"blocks": "V11_BLOCKS", "diag": "V11_DIAG", "bulk": "V11_BULK"}
 
 
@@ -111,8 +112,8 @@ def time_diag(reps: int = 20) -> None:
         rows.append(dict(shape=shape, kernel="v7 dq + dkv",
                          ms=cuda_ms(lambda: (p7["k_attn_flash_bwd_dq"](), p7["k_attn_flash_bwd_dkv"]()), reps) * L))
         rows.append(dict(shape=shape, kernel="v7 dkv", ms=cuda_ms(p7["k_attn_flash_bwd_dkv"], reps) * L))
-        for tune in ({}, {"bulk": 1}, {"bulk": 1, "diag": 4}, {"bulk": 1, "diag": 5}, {"diag": 1}, {"diag": 2},
-                     {"diag": 3}):
+        for tune in ({}, {"bulk": 1}, {"bulk": 1, "diag": 4}, {"bulk": 1, "diag": 5}, {"bulk": 1, "diag": 6},
+                     {"bulk": 1, "diag": 7}, {"diag": 1}, {"diag": 2}, {"diag": 3}):
             p11 = launch_bwd_parts(cache, "f16", g, dout, qkv, out, lse, D, B, T, NH, hs, tune)
             rows.append(dict(shape=shape, kernel=f"v11 {tune}", ms=cuda_ms(p11["k_attn_flash_bwd11"], reps) * L))
         print(rows[-1], flush=True)
