@@ -196,7 +196,7 @@ __device__ __forceinline__ void dq11_add(float* dq, float4* acc, int* cnt, int t
       __stcg(acc + jj * 128 + tid, make_float4(dq[4 * jj], dq[4 * jj + 1], dq[4 * jj + 2], dq[4 * jj + 3]));
     return;
   }
-  if (turn > 0) {  // wait for the contributions before this one
+  if (turn > 0 && V11_DIAG != 6) {  // wait for the contributions before this one
     if (tid == 0) {
       while (ld_acquire11(cnt) != turn) __nanosleep(20);
       __threadfence();
