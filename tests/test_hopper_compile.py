@@ -213,7 +213,8 @@ def test_hopper_geometry_tune_names_are_checked():
 
 
 @pytest.mark.parametrize("ct, blocks, regs, spill, bulk", [("f16", 3, 168, 32, 0), ("bf16", 3, 168, 32, 0),
-                                                           ("f16", 2, 255, 0, 0), ("f16", 3, 168, 32, 1)])
+                                                           ("f16", 2, 255, 0, 0), ("f16", 3, 168, 32, 1),
+                                                           ("f16", 3, 168, 32, 2)])
 def test_v11_one_pass_backward_assembles_for_sm90a(ct, blocks, regs, spill, bulk, tmp_path):
     # dev/cuda/attention_v11.cu's k_attn_flash_bwd11: fitted to three blocks a multiprocessor it spills
     # as version 7's dK/dV kernel does (whose products it runs, plus dQ's) and ptxas serialises its
@@ -226,7 +227,7 @@ def test_v11_one_pass_backward_assembles_for_sm90a(ct, blocks, regs, spill, bulk
     assert ("k_attn_flash_bwd11" in serialised) == (spill > 0), log
 
 
-@pytest.mark.parametrize("tune", [{}, {"blocks": 2}, {"bulk": 1}])
+@pytest.mark.parametrize("tune", [{}, {"blocks": 2}, {"bulk": 1}, {"bulk": 2}])
 def test_v11_sidecar_geometry_is_the_kernels(tune, tmp_path):
     v11 = load_dev("attention_v11")
     geo = v11.geometry(64, tune)

@@ -269,10 +269,11 @@ VARIANTS = {
                               ("v7w1", None, {"dqwg": 1, "dq_blocks": 4}))},
 }
 # version 11, the one-pass backward (fitted to three blocks a multiprocessor, and to two; the additions
-# as bulk reductions)
+# as bulk reductions a tile, and a warp)
 VARIANTS.update({name: OnePassBackward(name, lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128,
                                        v4_smem, True, tune=tune)
-                 for name, tune in (("v11", None), ("v11b2", {"blocks": 2}), ("v11bulk", {"bulk": 1}))})
+                 for name, tune in (("v11", None), ("v11b2", {"blocks": 2}), ("v11bulk", {"bulk": 1}),
+                                    ("v11bulk2", {"bulk": 2}))})
 DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
 
 

@@ -54,12 +54,20 @@ static_assert(V7_BQ == V11_BQ && V7_KWG == 1, "version 11 runs version 7's dK/dV
 #ifndef V11_BULK
 #define V11_BULK 0  // 1: the additions as one bulk copy / bulk reduction a tile (cp.reduce.async.bulk,
                     // done by the copy engine of the multiprocessor from a shared-memory stage), the
-                    // release of a tile's counter deferred to the next tile
+                    // release of a tile's counter deferred to the next tile; 2: the same a warp (each
+                    // warp's quarter of the tile its own bulk operation and counter: no block barrier)
 #endif
 #define V11_PART (V11_BQ * HS)  // floats of one query tile's dQ
+// Counters a query tile: one, or with V11_BULK = 2 one a warp (each warp orders its own quarter)
+#define V11_CNT (V11_BULK == 2 ? 4 : 1)
+// The accumulator tile's float4 jj of thread tid: [jj][thread], or with V11_BULK = 2 [warp][jj][lane]
+// (each warp's quarter 4 KB of contiguous bytes, one bulk operation)
+__device__ __forceinline__ int f4_at(int jj, int tid) {
+  return V11_BULK == 2 ? ((tid >> 5) * (HS / 8) + jj) * 32 + (tid & 31) : jj * 128 + tid;
+}
 // K, V [64 x HS]; Q, dO two deep [V11_BQ x HS]; dS^T [64 x V11_BQ] (16-bit, every tile 1024-byte
 // aligned); with V11_BULK the dQ stage [V11_PART] float; lse, D two deep [V11_BQ] float
-#define V11_SMEM (2 * 64 * HS * 2 + 4 * V11_BQ * HS * 2 + 64 * V11_BQ * 2 + V11_BULK * V11_PART * 4 + 4 * V11_BQ * 4)
+#define V11_SMEM (2 * 64 * HS * 2 + 4 * V11_BQ * HS * 2 + 64 * V11_BQ * 2 + (V11_BULK ? 1 : 0) * V11_PART * 4 + 4 * V11_BQ * 4)
 
 __device__ __forceinline__ int ld_acquire11(const int* p) {
   int v;
@@ -163,7 +171,36 @@ __device__ __forceinline__ void dq11_add(float* dq, float4* acc, int* cnt, int t
                                          int*& pend_cnt, int& pend_turn) {
   int tid = threadIdx.x;
   constexpr int bytes = V11_PART * 4 >> (V11_DIAG == 4 || V11_DIAG == 5 ? V11_DIAG - 3 : 0);
-  if (V11_BULK && !last && (V11_DIAG == 0 || V11_DIAG >= 4)) {
+  if (V11_BULK == 2 && !last) {
+    // this warp's quarter: the previous tile's bulk operation done (it read the stage; its counter
+    // released), then this one's, ordered by the warp's own counter
+    int lane = tid & 31, w = tid >> 5;
+    if (lane == 0 && pend_cnt) {
+      bulk_done11();
+      st_release11(pend_cnt, pend_turn + 1);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int jj = 0; jj < HS / 8; ++jj)
+      stage[f4_at(jj, tid)] = make_float4(dq[4 * jj], dq[4 * jj + 1], dq[4 * jj + 2], dq[4 * jj + 3]);
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) {
+      const float* src = (const float*)(stage + f4_at(0, tid));
+      float* dst = (float*)(acc + f4_at(0, tid));
+      if (turn > 0) {
+        while (ld_acquire11(cnt + w) != turn) __nanosleep(20);
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        bulk_add11(dst, src, V11_PART);  // a quarter of the tile's V11_PART * 4 bytes
+      } else {
+        bulk_store11(dst, src, V11_PART);
+      }
+      pend_cnt = cnt + w;
+      pend_turn = turn;
+    }
+    return;
+  }
+  if (V11_BULK == 1 && !last && (V11_DIAG == 0 || V11_DIAG >= 4)) {
     // the previous tile's bulk operation done (it read the stage; its counter released), then this one's
     if (tid == 0 && pend_cnt) {
       bulk_done11();
@@ -197,23 +234,32 @@ __device__ __forceinline__ void dq11_add(float* dq, float4* acc, int* cnt, int t
     return;
   }
   if (turn > 0 && V11_DIAG != 6) {  // wait for the contributions before this one
-    if (tid == 0) {
-      while (ld_acquire11(cnt) != turn) __nanosleep(20);
-      __threadfence();
+    if (V11_BULK == 2) {  // (the last contributor) each warp its quarter
+      if ((tid & 31) == 0) {
+        while (ld_acquire11(cnt + (tid >> 5)) != turn) __nanosleep(20);
+        __threadfence();
+      }
+      __syncwarp();
+    } else {
+      if (tid == 0) {
+        while (ld_acquire11(cnt) != turn) __nanosleep(20);
+        __threadfence();
+      }
+      __syncthreads();
     }
-    __syncthreads();
   }
   if (last) {
     if (turn > 0) {
 #pragma unroll
       for (int jj = 0; jj < HS / 8; ++jj) {
-        float4 a = __ldcg(acc + jj * 128 + tid);
+        float4 a = __ldcg(acc + f4_at(jj, tid));
         dq[4 * jj] = a.x + dq[4 * jj];
         dq[4 * jj + 1] = a.y + dq[4 * jj + 1];
         dq[4 * jj + 2] = a.z + dq[4 * jj + 2];
         dq[4 * jj + 3] = a.w + dq[4 * jj + 3];
       }
-      if (tid == 0) *cnt = 0;  // for the next launch (every contributor is done with it)
+      if (V11_BULK == 2 && (tid & 31) == 0) cnt[tid >> 5] = 0;  // for the next launch
+      if (V11_BULK != 2 && tid == 0) *cnt = 0;  // (every contributor is done with it)
     }
     store_rows(qcols, ld, (const float(*)[4])dq, row0, T, scale, accumulate);
     return;
@@ -277,7 +323,7 @@ extern "C" __global__ void __launch_bounds__(128, V11_BLOCKS) k_attn_flash_bwd11
   u64 dkey = desc7_k(k_tile), dval = desc7_k(v_tile), dkw = desc7_mn(k_tile);
   HT* qcols = dqkv + (i64)b * T * ld + h * HS;
   float dk[HS / 2], dv[HS / 2], dq[HS / 2];
-  int* pend_cnt = nullptr;  // V11_BULK: thread 0's tile whose counter is still to be released
+  int* pend_cnt = nullptr;  // V11_BULK: the counter thread 0 (2: each lane 0) has still to release
   int pend_turn = 0;
 #pragma unroll
   for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
@@ -296,11 +342,11 @@ extern "C" __global__ void __launch_bounds__(128, V11_BLOCKS) k_attn_flash_bwd11
     if (qt == j || q0 + V11_BQ > T) dkv11_tile<true>(dk, dv, dq, dkey, dval, dkw, ds, Q, dO, L, Dt, key0, q0, T, sl2);
     else dkv11_tile<false>(dk, dv, dq, dkey, dval, dkw, ds, Q, dO, L, Dt, key0, q0, T, sl2);
     i64 tile = (i64)bh * nq + qt;
-    dq11_add(dq, (float4*)(dq_acc + tile * V11_PART), counters + tile, qt - j, j == 0, qcols, ld, q0 + 16 * warp, T,
+    dq11_add(dq, (float4*)(dq_acc + tile * V11_PART), counters + tile * V11_CNT, qt - j, j == 0, qcols, ld, q0 + 16 * warp, T,
              scale, accumulate, stage, pend_cnt, pend_turn);
     __syncthreads();  // every thread is done with this tile's Q, dO, dS^T buffers
   }
-  if (V11_BULK && threadIdx.x == 0 && pend_cnt) {
+  if (V11_BULK && pend_cnt) {  // thread 0, or with V11_BULK = 2 each warp's lane 0
     bulk_done11();
     st_release11(pend_cnt, pend_turn + 1);
   }

@@ -34,14 +34,15 @@ is_hopper = v6.is_hopper
 # (timing only, dQ wrong: 1 no waits and plain stores for the adds, 2 no dQ accumulation, 3 also no
 # dQ product; with bulk, 4 and 5 the ordered bulk additions of half and a quarter of each tile's
 # bytes, 6 the bulk additions without the waits, 7 the waits without the additions); bulk (1: each
-# tile's addition one bulk reduction from a shared-memory stage)
+# tile's addition one bulk reduction from a shared-memory stage; 2: one a warp, each warp's quarter
+# ordered by its own counter)
 TUNABLE = {"blocks": "V11_BLOCKS", "diag": "V11_DIAG", "bulk": "V11_BULK"}
 
 
 def geometry(hs: int, tune=None) -> dict:
     """k_attn_flash_bwd11's launch (128 threads, V11_SMEM of attention_v11.cu)."""
-    bulk = (tune or {}).get("bulk", 0)
-    smem = 2 * 64 * hs * 2 + 4 * V11_BQ * hs * 2 + 64 * V11_BQ * 2 + bulk * V11_BQ * hs * 4 + 4 * V11_BQ * 4
+    stage = 1 if (tune or {}).get("bulk", 0) else 0
+    smem = 2 * 64 * hs * 2 + 4 * V11_BQ * hs * 2 + 64 * V11_BQ * 2 + stage * V11_BQ * hs * 4 + 4 * V11_BQ * 4
     return {"threads": 128, "keys": 64, "rows": V11_BQ, "smem": smem}
 
 
@@ -56,13 +57,13 @@ def module(cache: dict, ct: str, hs: int, tune=None):
 
 
 def workspace(cache: dict, BH: int, T: int, hs: int):
-    """(dq_acc float32 (BH * nq * 64 * hs,), counters int32 (BH * nq,), zeroed once) for this shape;
-    the kernel leaves the counters at 0."""
+    """(dq_acc float32 (BH * nq * 64 * hs,), counters int32 (BH * nq * 4: one a tile, or with bulk 2
+    one a warp), zeroed once) for this shape; the kernel leaves the counters at 0."""
     import cupy as cp
     nq = -(-T // V11_BQ)
     key = ("v11 workspace", BH, nq, hs)
     if key not in cache:
-        cache[key] = (cp.empty((BH * nq * V11_BQ * hs,), dtype=cp.float32), cp.zeros((BH * nq,), dtype=cp.int32))
+        cache[key] = (cp.empty((BH * nq * V11_BQ * hs,), dtype=cp.float32), cp.zeros((BH * nq * 4,), dtype=cp.int32))
     return cache[key]
 
 
@@ -111,7 +112,7 @@ def time_diag(reps: int = 20) -> None:
         p7 = v7.launch_bwd_parts(cache, "f16", g, dout, qkv, out, lse, D, B, T, NH, hs)
         rows.append(dict(shape=shape, kernel="v7 dq + dkv",
                          ms=cuda_ms(lambda: (p7["k_attn_flash_bwd_dq"](), p7["k_attn_flash_bwd_dkv"]()), reps) * L))
-        for tune in ({"bulk": 1}, {"bulk": 1, "diag": 5}, {"bulk": 1, "diag": 7}, {"bulk": 1, "diag": 6}):
+        for tune in ({}, {"bulk": 1}, {"bulk": 2}, {"diag": 2}):
             p11 = launch_bwd_parts(cache, "f16", g, dout, qkv, out, lse, D, B, T, NH, hs, tune)
             rows.append(dict(shape=shape, kernel=f"v11 {tune}", ms=cuda_ms(p11["k_attn_flash_bwd11"], reps) * L))
             workspace(cache, B * NH, T, hs)[1].fill(0)  # diag 6 leaves its counters anywhere
@@ -139,7 +140,7 @@ def main() -> int:
             D = cp.empty((B * NH * T,), dtype=cp.float32)
             g7 = cp.zeros_like(qkv)
             v7.launch_bwd(cache, ct, g7, dout, qkv, out, lse, D, B, T, NH, hs, accumulate=False)
-            for tune in ({}, {"bulk": 1}):
+            for tune in ({}, {"bulk": 1}, {"bulk": 2}):
                 runs = []
                 for _ in range(3):
                     g = cp.zeros_like(qkv)
