@@ -227,10 +227,22 @@ def test_v11_one_pass_backward_assembles_for_sm90a(ct, blocks, regs, spill, bulk
     assert ("k_attn_flash_bwd11" in serialised) == (spill > 0), log
 
 
-@pytest.mark.parametrize("tune", [{}, {"blocks": 2}, {"bulk": 1}, {"bulk": 2}])
+@pytest.mark.parametrize("tune", [{}, {"blocks": 2}, {"bulk": 1}, {"bulk": 2}, {"bulk": 1, "membar": 0}])
 def test_v11_sidecar_geometry_is_the_kernels(tune, tmp_path):
     v11 = load_dev("attention_v11")
     geo = v11.geometry(64, tune)
     assert (geo["threads"], geo["keys"], geo["rows"]) == (128, 64, 64)
     check_geometry(tmp_path, DEV / "attention_v11.cu", 64, {"V11_SMEM": geo["smem"], "V11_BQ": geo["rows"]},
                    {v11.TUNABLE[k]: v for k, v in tune.items()}, device_only=True)
+
+
+@pytest.mark.parametrize("bulk, membar, want", [(1, 1, 3), (1, 0, 0), (2, 0, 0)])
+def test_v11_membar_setting_takes_the_fences_off(bulk, membar, want, tmp_path):
+    # V11_MEMBAR=0 leaves the bulk forms' releases (st.release) and waits (ld.acquire) as their only
+    # fences at gpu scope: no membar.gl in k_attn_flash_bwd11 (the per-tile fence docs/BENCHMARKS.md suspects)
+    nvcc(DEV / "attention_v11.cu", "sm_90a", "f16", 64, tmp_path / "v11.ptx", "--ptx", "-DV6_SM90A",
+         f"-DV11_BULK={bulk}", f"-DV11_MEMBAR={membar}")
+    ptx = (tmp_path / "v11.ptx").read_text()
+    body = ptx[ptx.index(".entry k_attn_flash_bwd11("):]
+    body = body[:body.index("\n}\n")]
+    assert body.count("membar.gl") == want and "st.release.gpu" in body

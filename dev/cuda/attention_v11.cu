@@ -104,11 +104,16 @@ __device__ __forceinline__ void bulk_add11(float* g, const float* st, int bytes)
                : "memory");
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
-// Every bulk group of this thread complete (its writes performed), ordered before what follows
+// Every bulk group of this thread complete (its writes performed), ordered before what follows;
+// with V11_MEMBAR a membar.gl too (0: the st.release that follows is the only fence at gpu scope,
+// and the ld.acquire of a wait the only one after it; the reductions of the default form keep theirs)
+#ifndef V11_MEMBAR
+#define V11_MEMBAR 1
+#endif
 __device__ __forceinline__ void bulk_done11() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   asm volatile("fence.proxy.async.global;" ::: "memory");
-  __threadfence();
+  if (V11_MEMBAR) __threadfence();
 }
 
 // acc (64 x 64) = A B over 16 rows of K a step, A and B both MN-major from shared memory (A read
@@ -245,13 +250,13 @@ __device__ __forceinline__ void dq11_add(float* dq, float4* acc, int* cnt, int t
     if (V11_BULK == 2) {  // (the last contributor) each warp its quarter
       if ((tid & 31) == 0) {
         while (ld_acquire11(cnt + (tid >> 5)) != turn) __nanosleep(20);
-        __threadfence();
+        if (V11_MEMBAR) __threadfence();
       }
       __syncwarp();
     } else {
       if (tid == 0) {
         while (ld_acquire11(cnt) != turn) __nanosleep(20);
-        __threadfence();
+        if (V11_MEMBAR) __threadfence();  // (the acquire is the fence that is needed)
       }
       __syncthreads();
     }
