@@ -177,6 +177,11 @@ __device__ __forceinline__ void dkv11_tile(float* dk, float* dv, float* dq, u64 
   fence_regs<HS / 2>(dq);
 }
 
+// Accumulator entries 4 jj .. 4 jj + 3 of this thread as one float4
+__device__ __forceinline__ float4 dq4(const float* dq, int jj) {
+  return make_float4(dq[4 * jj], dq[4 * jj + 1], dq[4 * jj + 2], dq[4 * jj + 3]);
+}
+
 // Query tile qt's dQ: this block's dq added in its turn (above). acc: the tile's V11_PART floats,
 // cnt: its counter; turn = qt - j; last: j == 0.
 __device__ __forceinline__ void dq11_add(float* dq, float4* acc, int* cnt, int turn, bool last, HT* qcols, int ld,
@@ -195,7 +200,7 @@ __device__ __forceinline__ void dq11_add(float* dq, float4* acc, int* cnt, int t
     __syncwarp();
 #pragma unroll
     for (int jj = 0; jj < HS / 8; ++jj)
-      stage[f4_at(jj, tid)] = make_float4(dq[4 * jj], dq[4 * jj + 1], dq[4 * jj + 2], dq[4 * jj + 3]);
+      stage[f4_at(jj, tid)] = dq4(dq, jj);
     fence_proxy_async();
     __syncwarp();
     if (lane == 0) {
@@ -222,7 +227,7 @@ __device__ __forceinline__ void dq11_add(float* dq, float4* acc, int* cnt, int t
     __syncthreads();
 #pragma unroll
     for (int jj = 0; jj < HS / 8; ++jj)
-      stage[jj * 128 + tid] = make_float4(dq[4 * jj], dq[4 * jj + 1], dq[4 * jj + 2], dq[4 * jj + 3]);
+      stage[jj * 128 + tid] = dq4(dq, jj);
     fence_proxy_async();  // the stage's writes visible to the bulk copy
     __syncthreads();
     if (tid == 0) {
@@ -243,7 +248,7 @@ __device__ __forceinline__ void dq11_add(float* dq, float4* acc, int* cnt, int t
   if (V11_DIAG == 1) {
 #pragma unroll
     for (int jj = 0; jj < HS / 8; ++jj)
-      __stcg(acc + jj * 128 + tid, make_float4(dq[4 * jj], dq[4 * jj + 1], dq[4 * jj + 2], dq[4 * jj + 3]));
+      __stcg(acc + jj * 128 + tid, dq4(dq, jj));
     return;
   }
   if (turn > 0 && V11_DIAG != 6) {  // wait for the contributions before this one
@@ -280,11 +285,11 @@ __device__ __forceinline__ void dq11_add(float* dq, float4* acc, int* cnt, int t
   if (turn == 0) {
 #pragma unroll
     for (int jj = 0; jj < HS / 8; ++jj)
-      __stcg(acc + jj * 128 + tid, make_float4(dq[4 * jj], dq[4 * jj + 1], dq[4 * jj + 2], dq[4 * jj + 3]));
+      __stcg(acc + jj * 128 + tid, dq4(dq, jj));
   } else {
 #pragma unroll
     for (int jj = 0; jj < HS / 8; ++jj)
-      red_add4(acc + jj * 128 + tid, make_float4(dq[4 * jj], dq[4 * jj + 1], dq[4 * jj + 2], dq[4 * jj + 3]));
+      red_add4(acc + jj * 128 + tid, dq4(dq, jj));
   }
   __threadfence();  // this thread's part of the tile performed before the release
   __syncthreads();
