@@ -212,22 +212,24 @@ def test_hopper_geometry_tune_names_are_checked():
         hopper_geometry(64, {"wg": 3})
 
 
-@pytest.mark.parametrize("ct, blocks, regs, spill, bulk", [("f16", 3, 168, 32, 0), ("bf16", 3, 168, 32, 0),
-                                                           ("f16", 2, 255, 0, 0), ("f16", 3, 168, 32, 1),
-                                                           ("f16", 3, 168, 32, 2)])
-def test_v11_one_pass_backward_assembles_for_sm90a(ct, blocks, regs, spill, bulk, tmp_path):
+@pytest.mark.parametrize("ct, blocks, regs, spill, defs", [("f16", 3, 168, 32, ()), ("bf16", 3, 168, 32, ()),
+                                                           ("f16", 2, 255, 0, ()), ("f16", 3, 168, 32, ("-DV11_BULK=1",)),
+                                                           ("f16", 3, 168, 32, ("-DV11_BULK=2",)),
+                                                           ("f16", 3, 168, 32, ("-DV11_BULK=1", "-DV11_DEFER=1"))])
+def test_v11_one_pass_backward_assembles_for_sm90a(ct, blocks, regs, spill, defs, tmp_path):
     # dev/cuda/attention_v11.cu's k_attn_flash_bwd11: fitted to three blocks a multiprocessor it spills
     # as version 7's dK/dV kernel does (whose products it runs, plus dQ's) and ptxas serialises its
     # wgmma; fitted to two, neither (both are timed by attention_bench.py: v11, v11b2)
     log = nvcc(DEV / "attention_v11.cu", "sm_90a", ct, 64, tmp_path / "v11.cubin", "--cubin", "-Xptxas", "-v",
-               "-DV6_SM90A", f"-DV11_BLOCKS={blocks}", f"-DV11_BULK={bulk}")
+               "-DV6_SM90A", f"-DV11_BLOCKS={blocks}", *defs)
     got_regs, st, ld = ptxas_figures(log, "k_attn_flash_bwd11")
     assert got_regs <= regs and st <= spill and ld <= spill, log
     serialised = set(re.findall(r"Potential Performance Loss: .*? for the function '(\w+)'", log))
     assert ("k_attn_flash_bwd11" in serialised) == (spill > 0), log
 
 
-@pytest.mark.parametrize("tune", [{}, {"blocks": 2}, {"bulk": 1}, {"bulk": 2}, {"bulk": 1, "membar": 0}])
+@pytest.mark.parametrize("tune", [{}, {"blocks": 2}, {"bulk": 1}, {"bulk": 2}, {"bulk": 1, "membar": 0},
+                                  {"bulk": 1, "defer": 1}])
 def test_v11_sidecar_geometry_is_the_kernels(tune, tmp_path):
     v11 = load_dev("attention_v11")
     geo = v11.geometry(64, tune)

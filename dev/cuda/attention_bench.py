@@ -273,7 +273,8 @@ VARIANTS = {
 VARIANTS.update({name: OnePassBackward(name, lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128,
                                        v4_smem, True, tune=tune)
                  for name, tune in (("v11", None), ("v11b2", {"blocks": 2}), ("v11bulk", {"bulk": 1}),
-                                    ("v11bulk2", {"bulk": 2}), ("v11nomb", {"bulk": 1, "membar": 0}))})
+                                    ("v11bulk2", {"bulk": 2}), ("v11nomb", {"bulk": 1, "membar": 0}),
+                                    ("v11defer", {"bulk": 1, "defer": 1, "membar": 0}))})
 DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
 
 

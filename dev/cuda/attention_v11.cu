@@ -40,6 +40,7 @@
 // cost is neither the bytes nor the waiting but the per-tile fence on the block's path (suspected,
 // not measured apart). Correct and bit-reproducible (attention_v11.py; attention_bench.py checks) in
 // every form but V11_BULK 2, whose checks did not run after its shared-memory fix. Not promoted.
+// V11_MEMBAR 0 and V11_DEFER 1 were built after the last device run: not run.
 //
 // Built for sm_90a (attention_v11.py: NVRTC, -DV6_SM90A), head size 64 only (the 128-byte swizzled
 // tiles); elsewhere the file is attention_hopper.cu.
@@ -64,6 +65,13 @@ static_assert(V7_BQ == V11_BQ && V7_KWG == 1, "version 11 runs version 7's dK/dV
                     // done by the copy engine of the multiprocessor from a shared-memory stage), the
                     // release of a tile's counter deferred to the next tile; 2: the same a warp (each
                     // warp's quarter of the tile its own bulk operation and counter: no block barrier)
+#endif
+#ifndef V11_DEFER
+#define V11_DEFER 0  // 1 (with V11_BULK 1): a tile's wait and bulk operation issued under the next tile's
+                     // first products (S^T, dP^T in flight), its completion and release at that tile's end
+#endif
+#if V11_DEFER && V11_BULK != 1
+#error "V11_DEFER needs V11_BULK=1"
 #endif
 #define V11_PART (V11_BQ * HS)  // floats of one query tile's dQ
 // Counters a query tile: one, or with V11_BULK = 2 one a warp (each warp orders its own quarter)
@@ -135,15 +143,73 @@ __device__ __forceinline__ void ss11_tt(float* d, u64 da, u64 db, int scale_d) {
 #undef V11_OUTS32
 }
 
+// version 7's dkv7_issue with hook() called while S^T and dP^T are in flight (between their issue
+// and the wait for S^T): where V11_DEFER puts the previous tile's wait and bulk operation
+template <bool MASK, class Hook>
+__device__ __forceinline__ void dkv11_issue(float* dk, float* dv, unsigned (*sf)[4], u64 dkey, u64 dval, const u16* Q,
+                                            const u16* dO, const float* L, const float* Dt, int key0, int q0, int T,
+                                            float sl2, Hook hook) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float s[V7_BQ / 2], dp[V7_BQ / 2];
+  fence_regs<V7_BQ / 2>(s);
+  fence_regs<V7_BQ / 2>(dp);
+  wgmma_fence();
+  ss7_issue<V7_BQ>(s, dkey, desc7_k(Q));
+  wgmma_commit();
+  ss7_issue<V7_BQ>(dp, dval, desc7_k(dO));
+  wgmma_commit();
+  hook();
+  __syncwarp();  // converged again before the aligned wait (the hook is thread 0's)
+  wgmma_wait<V7_OVERLAP ? 1 : 0>();
+  fence_regs<V7_BQ / 2>(s);
+#pragma unroll
+  for (int j = 0; j < V7_BQ / 8; ++j) {
+    float l2[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) l2[c] = L[8 * j + 2 * t4 + c] * LOG2E;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float p = fast_exp2(fmaf(s[4 * j + e], sl2, -l2[e & 1]));
+      if (MASK) {
+        int q = q0 + 8 * j + 2 * t4 + (e & 1);
+        if (q < key0 + g + 8 * (e >> 1) || q >= T) p = 0.f;
+      }
+      s[4 * j + e] = p;
+    }
+  }
+  unsigned pf[V7_BQ / 16][4];
+  frags7<V7_BQ>(pf, s);
+  fence_regs<HS / 2>(dv);
+  wgmma_fence();
+  rs7_issue<V7_BQ>(dv, pf, desc7_mn(dO));
+  wgmma_commit();
+  wgmma_wait<V7_OVERLAP ? 1 : 0>();
+  fence_regs<V7_BQ / 2>(dp);
+#pragma unroll
+  for (int j = 0; j < V7_BQ / 8; ++j) {
+    float d[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) d[c] = Dt[8 * j + 2 * t4 + c];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - d[e & 1]);
+  }
+  frags7<V7_BQ>(sf, dp);
+  fence_regs<HS / 2>(dk);
+  wgmma_fence();
+  rs7_issue<V7_BQ>(dk, sf, desc7_mn(Q));
+  wgmma_commit();
+}
+
 // One query tile: dk, dv += as version 7's dkv7_tile (its dkv7_issue), and dq (64 x HS, written) =
 // dS K through the dS^T tile ds (dkw: the block's K rows read MN-major). Every product waited for.
-template <bool MASK>
+template <bool MASK, class Hook>
 __device__ __forceinline__ void dkv11_tile(float* dk, float* dv, float* dq, u64 dkey, u64 dval, u64 dkw, u16* ds,
                                            const u16* Q, const u16* dO, const float* L, const float* Dt, int key0,
-                                           int q0, int T, float sl2) {
+                                           int q0, int T, float sl2, Hook hook) {
   int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, warp = (threadIdx.x >> 5) & 3;
   unsigned sf[V11_BQ / 16][4];
-  dkv7_issue<MASK>(dk, dv, sf, dkey, dval, Q, dO, L, Dt, key0, q0, T, sl2);
+  if (V11_DEFER) dkv11_issue<MASK>(dk, dv, sf, dkey, dval, Q, dO, L, Dt, key0, q0, T, sl2, hook);
+  else dkv7_issue<MASK>(dk, dv, sf, dkey, dval, Q, dO, L, Dt, key0, q0, T, sl2);
   if (V11_DIAG >= 3) {
     wgmma_wait_all();
     fence_regs<HS / 2>(dv);
@@ -343,6 +409,25 @@ extern "C" __global__ void __launch_bounds__(128, V11_BLOCKS) k_attn_flash_bwd11
   float dk[HS / 2], dv[HS / 2], dq[HS / 2];
   int* pend_cnt = nullptr;  // V11_BULK: the counter thread 0 (2: each lane 0) has still to release
   int pend_turn = 0;
+  // V11_DEFER: the stage holds the previous tile's dq (its turn, its tile index), not yet issued
+  bool have_prev = false;
+  int prev_turn = 0;
+  i64 prev_tile = 0;
+  auto issue_prev = [&] {  // thread 0: the previous tile's wait and bulk operation
+    if (V11_DEFER && have_prev && threadIdx.x == 0) {
+      int* cnt = counters + prev_tile;
+      float* acc = dq_acc + prev_tile * V11_PART;
+      if (prev_turn > 0) {
+        while (ld_acquire11(cnt) != prev_turn) __nanosleep(20);
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        bulk_add11(acc, (const float*)stage, V11_PART * 4);
+      } else {
+        bulk_store11(acc, (const float*)stage, V11_PART * 4);
+      }
+      pend_cnt = cnt;
+      pend_turn = prev_turn;
+    }
+  };
 #pragma unroll
   for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
   for (int qt = j; qt < nq; ++qt) {  // from the diagonal up
@@ -357,13 +442,32 @@ extern "C" __global__ void __launch_bounds__(128, V11_BLOCKS) k_attn_flash_bwd11
     const u16* dO = do_tiles + cur * V11_BQ * HS;
     const float* L = lse_tiles + cur * V11_BQ;
     const float* Dt = d_tiles + cur * V11_BQ;
-    if (qt == j || q0 + V11_BQ > T) dkv11_tile<true>(dk, dv, dq, dkey, dval, dkw, ds, Q, dO, L, Dt, key0, q0, T, sl2);
-    else dkv11_tile<false>(dk, dv, dq, dkey, dval, dkw, ds, Q, dO, L, Dt, key0, q0, T, sl2);
+    if (qt == j || q0 + V11_BQ > T)
+      dkv11_tile<true>(dk, dv, dq, dkey, dval, dkw, ds, Q, dO, L, Dt, key0, q0, T, sl2, issue_prev);
+    else dkv11_tile<false>(dk, dv, dq, dkey, dval, dkw, ds, Q, dO, L, Dt, key0, q0, T, sl2, issue_prev);
     i64 tile = (i64)bh * nq + qt;
-    dq11_add(dq, (float4*)(dq_acc + tile * V11_PART), counters + tile * V11_CNT, qt - j, j == 0, qcols, ld, q0 + 16 * warp, T,
-             scale, accumulate, stage, pend_cnt, pend_turn);
+    if (V11_DEFER && j > 0) {
+      // the bulk operation issued under this tile's products complete: its counter released; then
+      // the stage takes this tile's dq, issued under the next tile's products (or after the loop)
+      if (threadIdx.x == 0 && pend_cnt) {
+        bulk_done11();
+        st_release11(pend_cnt, pend_turn + 1);
+        pend_cnt = nullptr;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int jj = 0; jj < HS / 8; ++jj) stage[jj * 128 + threadIdx.x] = dq4(dq, jj);
+      fence_proxy_async();  // visible to the bulk operation (after the barrier below)
+      have_prev = true;
+      prev_turn = qt - j;
+      prev_tile = tile;
+    } else {
+      dq11_add(dq, (float4*)(dq_acc + tile * V11_PART), counters + tile * V11_CNT, qt - j, j == 0, qcols, ld,
+               q0 + 16 * warp, T, scale, accumulate, stage, pend_cnt, pend_turn);
+    }
     __syncthreads();  // every thread is done with this tile's Q, dO, dS^T buffers
   }
+  issue_prev();  // V11_DEFER: the last tile's
   if (V11_BULK && pend_cnt) {  // thread 0, or with V11_BULK = 2 each warp's lane 0
     bulk_done11();
     st_release11(pend_cnt, pend_turn + 1);

@@ -35,8 +35,10 @@ is_hopper = v6.is_hopper
 # dQ product; with bulk, 4 and 5 the ordered bulk additions of half and a quarter of each tile's
 # bytes, 6 the bulk additions without the waits, 7 the waits without the additions); bulk (1: each
 # tile's addition one bulk reduction from a shared-memory stage; 2: one a warp, each warp's quarter
-# ordered by its own counter); membar (0: with bulk, no membar.gl before a release, st.release only)
-TUNABLE = {"blocks": "V11_BLOCKS", "diag": "V11_DIAG", "bulk": "V11_BULK", "membar": "V11_MEMBAR"}
+# ordered by its own counter); membar (0: with bulk, no membar.gl before a release, st.release only);
+# defer (1, with bulk 1: a tile's wait and bulk operation issued under the next tile's first products)
+TUNABLE = {"blocks": "V11_BLOCKS", "diag": "V11_DIAG", "bulk": "V11_BULK", "membar": "V11_MEMBAR",
+           "defer": "V11_DEFER"}
 
 
 def geometry(hs: int, tune=None) -> dict:
@@ -112,7 +114,8 @@ def time_diag(reps: int = 20) -> None:
         p7 = v7.launch_bwd_parts(cache, "f16", g, dout, qkv, out, lse, D, B, T, NH, hs)
         rows.append(dict(shape=shape, kernel="v7 dq + dkv",
                          ms=cuda_ms(lambda: (p7["k_attn_flash_bwd_dq"](), p7["k_attn_flash_bwd_dkv"]()), reps) * L))
-        for tune in ({}, {"bulk": 1}, {"bulk": 1, "membar": 0}, {"bulk": 2, "membar": 0}, {"diag": 2}):
+        for tune in ({}, {"bulk": 1}, {"bulk": 1, "membar": 0}, {"bulk": 2, "membar": 0}, {"bulk": 1, "defer": 1},
+                     {"bulk": 1, "defer": 1, "membar": 0}, {"diag": 2}):
             p11 = launch_bwd_parts(cache, "f16", g, dout, qkv, out, lse, D, B, T, NH, hs, tune)
             rows.append(dict(shape=shape, kernel=f"v11 {tune}", ms=cuda_ms(p11["k_attn_flash_bwd11"], reps) * L))
             workspace(cache, B * NH, T, hs)[1].fill(0)  # diag 6 leaves its counters anywhere
@@ -140,7 +143,7 @@ def main() -> int:
             D = cp.empty((B * NH * T,), dtype=cp.float32)
             g7 = cp.zeros_like(qkv)
             v7.launch_bwd(cache, ct, g7, dout, qkv, out, lse, D, B, T, NH, hs, accumulate=False)
-            for tune in ({}, {"bulk": 1}, {"bulk": 2}, {"bulk": 1, "membar": 0}):
+            for tune in ({}, {"bulk": 1}, {"bulk": 2}, {"bulk": 1, "membar": 0}, {"bulk": 1, "defer": 1, "membar": 0}):
                 runs = []
                 for _ in range(3):
                     g = cp.zeros_like(qkv)
