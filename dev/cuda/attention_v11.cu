@@ -58,7 +58,8 @@ static_assert(V7_BQ == V11_BQ && V7_KWG == 1, "version 11 runs version 7's dK/dV
                     // 2 no dQ accumulation at all; 3 also no dS^T tile and no dQ product; with V11_BULK,
                     // 4 (5) the ordered bulk additions of half (a quarter) of each tile's bytes; 6 the
                     // bulk additions without the waits (unordered); 7 the waits and releases without
-                    // the bulk operations
+                    // the bulk operations. Builds 4-7 spill more than the default (ptxas -v), and
+                    // their times carry that
 #endif
 #ifndef V11_BULK
 #define V11_BULK 0  // 1: the additions as one bulk copy / bulk reduction a tile (cp.reduce.async.bulk,
@@ -143,73 +144,16 @@ __device__ __forceinline__ void ss11_tt(float* d, u64 da, u64 db, int scale_d) {
 #undef V11_OUTS32
 }
 
-// version 7's dkv7_issue with hook() called while S^T and dP^T are in flight (between their issue
-// and the wait for S^T): where V11_DEFER puts the previous tile's wait and bulk operation
-template <bool MASK, class Hook>
-__device__ __forceinline__ void dkv11_issue(float* dk, float* dv, unsigned (*sf)[4], u64 dkey, u64 dval, const u16* Q,
-                                            const u16* dO, const float* L, const float* Dt, int key0, int q0, int T,
-                                            float sl2, Hook hook) {
-  int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  float s[V7_BQ / 2], dp[V7_BQ / 2];
-  fence_regs<V7_BQ / 2>(s);
-  fence_regs<V7_BQ / 2>(dp);
-  wgmma_fence();
-  ss7_issue<V7_BQ>(s, dkey, desc7_k(Q));
-  wgmma_commit();
-  ss7_issue<V7_BQ>(dp, dval, desc7_k(dO));
-  wgmma_commit();
-  hook();
-  __syncwarp();  // converged again before the aligned wait (the hook is thread 0's)
-  wgmma_wait<V7_OVERLAP ? 1 : 0>();
-  fence_regs<V7_BQ / 2>(s);
-#pragma unroll
-  for (int j = 0; j < V7_BQ / 8; ++j) {
-    float l2[2];
-#pragma unroll
-    for (int c = 0; c < 2; ++c) l2[c] = L[8 * j + 2 * t4 + c] * LOG2E;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float p = fast_exp2(fmaf(s[4 * j + e], sl2, -l2[e & 1]));
-      if (MASK) {
-        int q = q0 + 8 * j + 2 * t4 + (e & 1);
-        if (q < key0 + g + 8 * (e >> 1) || q >= T) p = 0.f;
-      }
-      s[4 * j + e] = p;
-    }
-  }
-  unsigned pf[V7_BQ / 16][4];
-  frags7<V7_BQ>(pf, s);
-  fence_regs<HS / 2>(dv);
-  wgmma_fence();
-  rs7_issue<V7_BQ>(dv, pf, desc7_mn(dO));
-  wgmma_commit();
-  wgmma_wait<V7_OVERLAP ? 1 : 0>();
-  fence_regs<V7_BQ / 2>(dp);
-#pragma unroll
-  for (int j = 0; j < V7_BQ / 8; ++j) {
-    float d[2];
-#pragma unroll
-    for (int c = 0; c < 2; ++c) d[c] = Dt[8 * j + 2 * t4 + c];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - d[e & 1]);
-  }
-  frags7<V7_BQ>(sf, dp);
-  fence_regs<HS / 2>(dk);
-  wgmma_fence();
-  rs7_issue<V7_BQ>(dk, sf, desc7_mn(Q));
-  wgmma_commit();
-}
-
 // One query tile: dk, dv += as version 7's dkv7_tile (its dkv7_issue), and dq (64 x HS, written) =
-// dS K through the dS^T tile ds (dkw: the block's K rows read MN-major). Every product waited for.
+// dS K through the dS^T tile ds (dkw: the block's K rows read MN-major); hook: dkv7_issue's. Every
+// product waited for.
 template <bool MASK, class Hook>
 __device__ __forceinline__ void dkv11_tile(float* dk, float* dv, float* dq, u64 dkey, u64 dval, u64 dkw, u16* ds,
                                            const u16* Q, const u16* dO, const float* L, const float* Dt, int key0,
                                            int q0, int T, float sl2, Hook hook) {
   int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, warp = (threadIdx.x >> 5) & 3;
   unsigned sf[V11_BQ / 16][4];
-  if (V11_DEFER) dkv11_issue<MASK>(dk, dv, sf, dkey, dval, Q, dO, L, Dt, key0, q0, T, sl2, hook);
-  else dkv7_issue<MASK>(dk, dv, sf, dkey, dval, Q, dO, L, Dt, key0, q0, T, sl2);
+  dkv7_issue<MASK>(dk, dv, sf, dkey, dval, Q, dO, L, Dt, key0, q0, T, sl2, hook);
   if (V11_DIAG >= 3) {
     wgmma_wait_all();
     fence_regs<HS / 2>(dv);
@@ -243,6 +187,32 @@ __device__ __forceinline__ void dkv11_tile(float* dk, float* dv, float* dq, u64 
   fence_regs<HS / 2>(dq);
 }
 
+// The issuing thread's turn on cnt: it waits until the counter reads turn (turn 0: the first, no
+// wait), then adds nbytes of the stage at src into dst by one bulk reduction (turn 0: copies them);
+// the counter is released later, once the operation is complete (release11)
+__device__ __forceinline__ void bulk_turn11(float* dst, const float* src, int nbytes, int* cnt, int turn,
+                                            int*& pend_cnt, int& pend_turn) {
+  if (turn > 0) {
+    if (V11_DIAG != 6)
+      while (ld_acquire11(cnt) != turn) __nanosleep(20);
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    if (V11_DIAG != 7) bulk_add11(dst, src, nbytes);
+  } else if (V11_DIAG != 7) {
+    bulk_store11(dst, src, nbytes);
+  }
+  pend_cnt = cnt;
+  pend_turn = turn;
+}
+
+// The issuing thread's pending bulk operation (if any) complete, and its counter released
+__device__ __forceinline__ void release11(int*& pend_cnt, int pend_turn) {
+  if (pend_cnt) {
+    bulk_done11();
+    st_release11(pend_cnt, pend_turn + 1);
+    pend_cnt = nullptr;
+  }
+}
+
 // Accumulator entries 4 jj .. 4 jj + 3 of this thread as one float4
 __device__ __forceinline__ float4 dq4(const float* dq, int jj) {
   return make_float4(dq[4 * jj], dq[4 * jj + 1], dq[4 * jj + 2], dq[4 * jj + 3]);
@@ -255,59 +225,23 @@ __device__ __forceinline__ void dq11_add(float* dq, float4* acc, int* cnt, int t
                                          int*& pend_cnt, int& pend_turn) {
   int tid = threadIdx.x;
   constexpr int bytes = V11_PART * 4 >> (V11_DIAG == 4 || V11_DIAG == 5 ? V11_DIAG - 3 : 0);
-  if (V11_BULK == 2 && !last) {
-    // this warp's quarter: the previous tile's bulk operation done (it read the stage; its counter
-    // released), then this one's, ordered by the warp's own counter
-    int lane = tid & 31, w = tid >> 5;
-    if (lane == 0 && pend_cnt) {
-      bulk_done11();
-      st_release11(pend_cnt, pend_turn + 1);
-    }
-    __syncwarp();
+  if (V11_BULK && !last && (V11_DIAG == 0 || V11_DIAG >= 4)) {
+    // the previous tile's bulk operation done (it read the stage; its counter released), then this
+    // one's: the block's tile by thread 0 (V11_BULK 1), or each warp's quarter by its lane 0, ordered
+    // by the warp's own counter (2)
+    constexpr bool WARP = V11_BULK == 2;
+    bool issuer = WARP ? (tid & 31) == 0 : tid == 0;
+    if (issuer) release11(pend_cnt, pend_turn);
+    if (WARP) __syncwarp();
+    else __syncthreads();
 #pragma unroll
-    for (int jj = 0; jj < HS / 8; ++jj)
-      stage[f4_at(jj, tid)] = dq4(dq, jj);
-    fence_proxy_async();
-    __syncwarp();
-    if (lane == 0) {
-      const float* src = (const float*)(stage + f4_at(0, tid));
-      float* dst = (float*)(acc + f4_at(0, tid));
-      if (turn > 0) {
-        while (ld_acquire11(cnt + w) != turn) __nanosleep(20);
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-        bulk_add11(dst, src, V11_PART);  // a quarter of the tile's V11_PART * 4 bytes
-      } else {
-        bulk_store11(dst, src, V11_PART);
-      }
-      pend_cnt = cnt + w;
-      pend_turn = turn;
-    }
-    return;
-  }
-  if (V11_BULK == 1 && !last && (V11_DIAG == 0 || V11_DIAG >= 4)) {
-    // the previous tile's bulk operation done (it read the stage; its counter released), then this one's
-    if (tid == 0 && pend_cnt) {
-      bulk_done11();
-      st_release11(pend_cnt, pend_turn + 1);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int jj = 0; jj < HS / 8; ++jj)
-      stage[jj * 128 + tid] = dq4(dq, jj);
-    fence_proxy_async();  // the stage's writes visible to the bulk copy
-    __syncthreads();
-    if (tid == 0) {
-      if (turn > 0) {
-        if (V11_DIAG != 6)
-          while (ld_acquire11(cnt) != turn) __nanosleep(20);
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-        if (V11_DIAG != 7) bulk_add11((float*)acc, (const float*)stage, bytes);
-      } else if (V11_DIAG != 7) {
-        bulk_store11((float*)acc, (const float*)stage, bytes);
-      }
-      pend_cnt = cnt;
-      pend_turn = turn;
-    }
+    for (int jj = 0; jj < HS / 8; ++jj) stage[f4_at(jj, tid)] = dq4(dq, jj);
+    fence_proxy_async();  // the stage's writes visible to the bulk operation
+    if (WARP) __syncwarp();
+    else __syncthreads();
+    if (issuer)
+      bulk_turn11((float*)(acc + f4_at(0, tid)), (const float*)(stage + f4_at(0, tid)), WARP ? bytes / 4 : bytes,
+                  cnt + (WARP ? tid >> 5 : 0), turn, pend_cnt, pend_turn);
     return;
   }
   if (V11_DIAG == 2 || V11_DIAG == 3) return;
@@ -413,20 +347,14 @@ extern "C" __global__ void __launch_bounds__(128, V11_BLOCKS) k_attn_flash_bwd11
   bool have_prev = false;
   int prev_turn = 0;
   i64 prev_tile = 0;
-  auto issue_prev = [&] {  // thread 0: the previous tile's wait and bulk operation
-    if (V11_DEFER && have_prev && threadIdx.x == 0) {
-      int* cnt = counters + prev_tile;
-      float* acc = dq_acc + prev_tile * V11_PART;
-      if (prev_turn > 0) {
-        while (ld_acquire11(cnt) != prev_turn) __nanosleep(20);
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-        bulk_add11(acc, (const float*)stage, V11_PART * 4);
-      } else {
-        bulk_store11(acc, (const float*)stage, V11_PART * 4);
-      }
-      pend_cnt = cnt;
-      pend_turn = prev_turn;
-    }
+  // thread 0: the previous tile's wait and bulk operation; the hook of dkv7_issue (the warp leaves
+  // it converged: the wgmma wait after it is warp-aligned)
+  auto issue_prev = [&] {
+    if (!V11_DEFER) return;
+    if (have_prev && threadIdx.x == 0)
+      bulk_turn11(dq_acc + prev_tile * V11_PART, (const float*)stage, V11_PART * 4, counters + prev_tile, prev_turn,
+                  pend_cnt, pend_turn);
+    __syncwarp();
   };
 #pragma unroll
   for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
@@ -449,11 +377,7 @@ extern "C" __global__ void __launch_bounds__(128, V11_BLOCKS) k_attn_flash_bwd11
     if (V11_DEFER && j > 0) {
       // the bulk operation issued under this tile's products complete: its counter released; then
       // the stage takes this tile's dq, issued under the next tile's products (or after the loop)
-      if (threadIdx.x == 0 && pend_cnt) {
-        bulk_done11();
-        st_release11(pend_cnt, pend_turn + 1);
-        pend_cnt = nullptr;
-      }
+      if (threadIdx.x == 0) release11(pend_cnt, pend_turn);
       __syncthreads();
 #pragma unroll
       for (int jj = 0; jj < HS / 8; ++jj) stage[jj * 128 + threadIdx.x] = dq4(dq, jj);
@@ -468,10 +392,7 @@ extern "C" __global__ void __launch_bounds__(128, V11_BLOCKS) k_attn_flash_bwd11
     __syncthreads();  // every thread is done with this tile's Q, dO, dS^T buffers
   }
   issue_prev();  // V11_DEFER: the last tile's
-  if (V11_BULK && pend_cnt) {  // thread 0, or with V11_BULK = 2 each warp's lane 0
-    bulk_done11();
-    st_release11(pend_cnt, pend_turn + 1);
-  }
+  if (V11_BULK) release11(pend_cnt, pend_turn);  // thread 0's, or with V11_BULK = 2 each lane 0's
   store_rows(qcols + C, ld, (const float(*)[4])dk, key0, T, scale, accumulate);
   store_rows(qcols + 2 * C, ld, (const float(*)[4])dv, key0, T, 1.f, accumulate);
 }
