@@ -315,17 +315,11 @@ __device__ __forceinline__ void frags7(unsigned (*f)[4], const float* s) {
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 
-// Nothing: the default of the hooks below (a dev/cuda variant passes its own; the package none)
-struct NoHook {
-  __device__ __forceinline__ void operator()() const {}
-};
-
 // Two score-shaped products, s = A1 B1^T then t = A2 B2^T (64 x N each), one commit group each.
 // Returns once s is done; t is done on return only without V7_OVERLAP: else the caller waits
-// (wgmma_wait) and fences t before reading it. hook() runs while both are in flight (all threads
-// call it, and must leave it converged: the wait is warp-aligned).
-template <int N, class Hook = NoHook>
-__device__ __forceinline__ void two_scores(float* s, float* t, u64 a1, u64 b1, u64 a2, u64 b2, Hook hook = Hook()) {
+// (wgmma_wait) and fences t before reading it.
+template <int N>
+__device__ __forceinline__ void two_scores(float* s, float* t, u64 a1, u64 b1, u64 a2, u64 b2) {
   fence_regs<N / 2>(s);
   fence_regs<N / 2>(t);
   wgmma_fence();
@@ -333,7 +327,6 @@ __device__ __forceinline__ void two_scores(float* s, float* t, u64 a1, u64 b1, u
   wgmma_commit();
   ss7_issue<N>(t, a2, b2);
   wgmma_commit();
-  hook();
   wgmma_wait<V7_OVERLAP ? 1 : 0>();
   fence_regs<N / 2>(s);
 }
@@ -483,15 +476,15 @@ __device__ __forceinline__ float f8_scale(float* meta, int inv_at) {
 // One query tile of one warpgroup: its 64 keys (this thread: keys key0 + g and key0 + g + 8, key0
 // the warp's first) against queries [q0, q0 + V7_BQ). dk, dv: 64 x HS accumulators. Issues dV's and
 // dK's products and returns with them still running (the caller waits); sf: dS^T's A fragments,
-// which the one-pass backwards (dev/cuda/attention_v11.cu; version 9 in git history) also multiply
-// by K for dQ; hook() runs while S^T and dP^T are in flight (two_scores).
-template <bool MASK, class Hook = NoHook>
+// which the one-pass backwards (versions 9 and 11, measured losers, in git history) also multiplied
+// by K for dQ.
+template <bool MASK>
 __device__ __forceinline__ void dkv7_issue(float* dk, float* dv, unsigned (*sf)[4], u64 dkey, u64 dval, const u16* Q,
                                            const u16* dO, const float* L, const float* Dt, int key0, int q0, int T,
-                                           float sl2, Hook hook = Hook()) {
+                                           float sl2) {
   int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   float s[V7_BQ / 2], dp[V7_BQ / 2];
-  two_scores<V7_BQ>(s, dp, dkey, desc7_k(Q), dval, desc7_k(dO), hook);
+  two_scores<V7_BQ>(s, dp, dkey, desc7_k(Q), dval, desc7_k(dO));
   // P^T while dP^T may still be running
 #pragma unroll
   for (int j = 0; j < V7_BQ / 8; ++j) {

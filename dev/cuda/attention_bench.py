@@ -180,13 +180,6 @@ class HopperForward8(HopperBackward):
         return out
 
 
-class OnePassBackward(HopperForward8):
-    """Version 11: version 8's forward and, on compute capability 9.0 at head size 64, the one-pass
-    backward k_attn_flash_bwd11 of dev/cuda/attention_v11.cu (built and launched by attention_v11.py,
-    tune: its -D settings, e.g. {"blocks": 2}); version 7's backward at other head sizes."""
-    sidecar_path = ROOT / "dev" / "cuda" / "attention_v11.py"
-
-
 def _compile_job(job):
     """One sm_90a build in a worker process (attention_v6.compile_sm90a): (key, cubin bytes)."""
     key, path, ct, defs = job
@@ -268,13 +261,6 @@ VARIANTS = {
        for name, fwd, bwd in (("v8old", {"loads": 0}, {"kwg": 2, "dkv_blocks": 1, "loads": 0}),
                               ("v7w1", None, {"dqwg": 1, "dq_blocks": 4}))},
 }
-# version 11, the one-pass backward (fitted to three blocks a multiprocessor, and to two; the additions
-# as bulk reductions a tile, and a warp)
-VARIANTS.update({name: OnePassBackward(name, lambda: kernel_dir() / "attention_hopper.cu", (64,), lambda hs: 128,
-                                       v4_smem, True, tune=tune)
-                 for name, tune in (("v11", None), ("v11b2", {"blocks": 2}), ("v11bulk", {"bulk": 1}),
-                                    ("v11bulk2", {"bulk": 2}), ("v11nomb", {"bulk": 1, "membar": 0}),
-                                    ("v11defer", {"bulk": 1, "defer": 1, "membar": 0}))})
 DTYPES = {"fp16": ("f16", np.float16), "bf16": ("bf16", None)}
 
 
@@ -350,8 +336,7 @@ def cuda_ms(fn, reps):
 
 
 SHAPES = {"120M": (8, 12, 1024, 64, 12), "12M": (32, 6, 256, 64, 6)}
-PART_COLUMNS = {"k_attn_flash_D": "D_ms", "k_attn_flash_bwd_dq": "dq_ms", "k_attn_flash_bwd_dkv": "dkv_ms",
-                "k_attn_flash_bwd11": "onepass_ms"}
+PART_COLUMNS = {"k_attn_flash_D": "D_ms", "k_attn_flash_bwd_dq": "dq_ms", "k_attn_flash_bwd_dkv": "dkv_ms"}
 
 
 def time_ours(v: Variant, name, shape, reps):
