@@ -79,15 +79,12 @@ def load_dev(name):
     return importlib.import_module(name)
 
 
-def check_geometry(tmp_path, kernel_file, hs, want, defines=None, device_only=False):
+def check_geometry(tmp_path, kernel_file, hs, want, defines=None):
     """The compiler checks a launcher's figures against a kernel file's macros: kernel_file built
     for sm_90a at head size hs, after #defines {macro: value} and with a static_assert that each
-    macro of want {macro: value} has its value (device_only: in the device pass, where the kernel's
-    macros exist). Returns the PTX."""
+    macro of want {macro: value} has its value. Returns the PTX."""
     src, ptx = tmp_path / "geometry.cu", tmp_path / "geometry.ptx"
     checks = "".join(f'static_assert({m} == {v}, "{m}");\n' for m, v in want.items())
-    if device_only:
-        checks = f"#ifdef __CUDA_ARCH__\n{checks}#endif\n"
     src.write_text("".join(f"#define {m} {v}\n" for m, v in (defines or {}).items()) +
                    f'#include "{kernel_file}"\n' + checks)
     nvcc(src, "sm_90a", "f16", hs, ptx, "--ptx", "-DV6_SM90A")
